@@ -1,0 +1,300 @@
+"""Data sets and deterministic batching shared by every execution path.
+
+Two jobs live here:
+
+* Reading training data.  ``load_mnist(data_dir, split)`` reads the real MNIST
+  IDX files when a directory is given, and otherwise falls back to a small set
+  of real handwritten digits embedded in the package (the UCI "Optical
+  Recognition of Handwritten Digits" data, as shipped by scikit-learn), reshaped
+  to MNIST geometry so a fresh install can train without any download.
+
+* Deciding which samples form which batch.  The CPU oracle and every input
+  worker of a distributed run use the same ``BatchPlan``, ``shard_rows`` and
+  ``worker_steps``, so the samples a step sees -- and therefore the numbers a
+  run produces -- never depend on how many workers or WSEs take part.
+
+Returned arrays are read-only (``flags.writeable`` is False): the embedded
+digits are cached in-process and shared between callers, and MNIST arrays are
+marked the same way for consistency.  Call ``.copy()`` before mutating.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
+
+__all__ = [
+    "DataError",
+    "read_idx",
+    "load_mnist",
+    "load_embedded_digits",
+    "BatchPlan",
+    "shard_rows",
+    "worker_steps",
+    "IMAGE_SIZE",
+    "NUM_CLASSES",
+    "EMBEDDED_TRAIN_SIZE",
+]
+
+IMAGE_SIZE = 28 * 28
+NUM_CLASSES = 10
+# First 1500 embedded rows train, the remaining 297 test: a fixed split so the
+# oracle and the distributed run always agree on what "train" means.
+EMBEDDED_TRAIN_SIZE = 1500
+
+SPLITS = ("train", "test")
+
+
+class DataError(ValueError):
+    """A data set is missing, malformed, or inconsistent with the request."""
+
+
+# --------------------------------------------------------------------------
+# IDX files
+# --------------------------------------------------------------------------
+
+# IDX type codes (third byte of the magic number); all multi-byte types are
+# big-endian on disk.
+_IDX_DTYPES: dict[int, np.dtype] = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+_MNIST_FILES: dict[str, tuple[str, str]] = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def _read_bytes(path: str) -> bytes:
+    """Whole file contents, transparently gunzipped when the name ends in .gz."""
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        with open(path, "rb") as f:
+            return f.read()
+    except (EOFError, OSError, zlib.error) as exc:
+        # A cut-off .gz raises EOFError, a non-gzip file BadGzipFile (an
+        # OSError), a corrupt deflate stream zlib.error.
+        raise DataError(f"{path}: cannot read: {exc}") from exc
+
+
+def _parse_idx(raw: bytes, path: str) -> np.ndarray:
+    """Validate an IDX header and return the payload with its shape."""
+    if len(raw) < 4:
+        raise DataError(f"{path}: truncated: {len(raw)} bytes, no IDX header")
+    zero0, zero1, code, ndim = raw[0], raw[1], raw[2], raw[3]
+    if zero0 != 0 or zero1 != 0 or code not in _IDX_DTYPES or ndim == 0:
+        raise DataError(f"{path}: bad IDX magic number 0x{raw[:4].hex()}")
+    header_len = 4 + 4 * ndim
+    if len(raw) < header_len:
+        raise DataError(f"{path}: truncated: header needs {header_len} bytes, file has {len(raw)}")
+    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    dtype = _IDX_DTYPES[code]
+    expected = header_len + math.prod(dims) * dtype.itemsize
+    if len(raw) < expected:
+        raise DataError(f"{path}: truncated: dims {dims} need {expected} bytes, file has {len(raw)}")
+    if len(raw) > expected:
+        # Trailing garbage usually means the header is wrong, so refuse it too.
+        raise DataError(f"{path}: {len(raw) - expected} unexpected trailing bytes after dims {dims}")
+    data = np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(dims)
+    return data.astype(dtype.newbyteorder("="))
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Read one IDX file (plain or .gz) into a native-endian numpy array."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: file not found")
+    return _parse_idx(_read_bytes(path), path)
+
+
+def _find_idx(data_dir: str, name: str) -> str:
+    """Locate an MNIST file under its dash or dot spelling, plain or gzipped."""
+    dotted = name.replace("-idx", ".idx")  # train-images.idx3-ubyte circulates too
+    for base in (name, dotted):
+        for candidate in (base, base + ".gz"):
+            path = os.path.join(data_dir, candidate)
+            if os.path.isfile(path):
+                return path
+    raise DataError(f"{os.path.join(data_dir, name)}: file not found (also tried .gz and {dotted})")
+
+
+def _read_mnist_split(data_dir: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+    image_name, label_name = _MNIST_FILES[split]
+    image_path = _find_idx(data_dir, image_name)
+    label_path = _find_idx(data_dir, label_name)
+    images = read_idx(image_path)
+    labels = read_idx(label_path)
+    if images.ndim != 3 or images.shape[1:] != (28, 28) or images.dtype != np.uint8:
+        raise DataError(f"{image_path}: expected uint8 images of shape [n, 28, 28], got {images.dtype} {images.shape}")
+    if labels.ndim != 1 or labels.dtype != np.uint8:
+        raise DataError(f"{label_path}: expected uint8 labels of shape [n], got {labels.dtype} {labels.shape}")
+    if images.shape[0] != labels.shape[0]:
+        raise DataError(f"{label_path}: {labels.shape[0]} labels but {image_path} has {images.shape[0]} images")
+    if labels.size and labels.max() >= NUM_CLASSES:
+        raise DataError(f"{label_path}: label {int(labels.max())} out of range 0..{NUM_CLASSES - 1}")
+    x = images.reshape(-1, IMAGE_SIZE).astype(np.float32) / np.float32(255.0)
+    y = labels.astype(np.int64)
+    return x, y
+
+
+# --------------------------------------------------------------------------
+# Embedded digits
+# --------------------------------------------------------------------------
+
+def _embedded_path() -> Traversable:
+    return resources.files("cs_runtime").joinpath("data", "digits.csv.gz")
+
+
+def _to_mnist_geometry(pixels: np.ndarray) -> np.ndarray:
+    """[n, 64] counts 0..16 -> [n, 784] float32 in [0, 1], 28x28 like MNIST.
+
+    Upscaling 3x to 24x24 and padding 2 each side mirrors MNIST's own layout
+    (a ~20-24 px digit centred in a 28x28 frame), so models built for MNIST
+    take the embedded digits unchanged.
+    """
+    img = pixels.reshape(-1, 8, 8)
+    img = np.repeat(np.repeat(img, 3, axis=1), 3, axis=2)
+    img = np.pad(img, ((0, 0), (2, 2), (2, 2)))
+    return (img.reshape(-1, IMAGE_SIZE) / np.float32(16.0)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def load_embedded_digits() -> tuple[np.ndarray, np.ndarray]:
+    """All 1797 embedded digits as ([n, 784] float32, [n] int64), read-only."""
+    path = _embedded_path()
+    try:
+        with path.open("rb") as raw, gzip.open(raw, "rt") as text:
+            table = np.loadtxt(text, delimiter=",", dtype=np.int64, ndmin=2)
+    except (OSError, EOFError, zlib.error, ValueError) as exc:
+        raise DataError(f"{path}: cannot read embedded digits: {exc}") from exc
+    if table.shape[1] != 65 or table[:, :64].min() < 0 or table[:, :64].max() > 16:
+        raise DataError(f"{path}: expected 65 columns of 0..16 pixels + label, got shape {table.shape}")
+    x = _to_mnist_geometry(table[:, :64])
+    y = table[:, 64].astype(np.int64)
+    return _readonly(x), _readonly(y)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def load_mnist(data_dir: str | None, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Images [n, 784] float32 in [0, 1] and labels [n] int64 for ``split``.
+
+    ``data_dir`` holds the MNIST IDX files; ``None`` uses the embedded digits
+    (train = first 1500, test = last 297).  Arrays are read-only.
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if data_dir is None:
+        x, y = load_embedded_digits()
+        rows = slice(0, EMBEDDED_TRAIN_SIZE) if split == "train" else slice(EMBEDDED_TRAIN_SIZE, None)
+        return x[rows], y[rows]
+    if not os.path.isdir(data_dir):
+        raise DataError(f"{data_dir}: data directory not found")
+    x, y = _read_mnist_split(data_dir, split)
+    return _readonly(x), _readonly(y)
+
+
+# --------------------------------------------------------------------------
+# Batching and sharding
+# --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def _epoch_order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """Sample order of one epoch; cached so consecutive steps reuse it."""
+    if shuffle:
+        # Seeding on [seed, epoch] makes each epoch's order a pure function of
+        # (seed, epoch): any process can jump straight to any step.
+        order = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    else:
+        order = np.arange(num_samples)
+    return _readonly(order.astype(np.int64))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Which samples make up global batch ``step``, for any step, anywhere.
+
+    Steps run across epochs forever: epoch = step // steps_per_epoch.
+    """
+
+    num_samples: int
+    batch_size: int
+    shuffle: bool
+    drop_last_batch: bool
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.num_samples <= 0:
+            raise DataError(f"data set is empty (num_samples={self.num_samples})")
+        if self.batch_size <= 0:
+            raise DataError(f"batch_size must be positive, got {self.batch_size}")
+        if self.seed < 0:
+            raise DataError(f"seed must be non-negative, got {self.seed}")
+        if self.drop_last_batch and self.batch_size > self.num_samples:
+            raise DataError(
+                f"batch_size {self.batch_size} exceeds data set size {self.num_samples} "
+                "with drop_last_batch=True: no batch would ever be produced"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        if self.drop_last_batch:
+            return self.num_samples // self.batch_size
+        return -(-self.num_samples // self.batch_size)
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Sample indices (int64) of global batch ``step``; short at epoch end
+        only when drop_last_batch is False."""
+        if step < 0:
+            raise DataError(f"step must be non-negative, got {step}")
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = _epoch_order(self.num_samples, self.shuffle, self.seed, epoch)
+        start = within * self.batch_size
+        return order[start:start + self.batch_size].copy()
+
+
+def shard_rows(batch_len: int, rank: int, num_ranks: int) -> slice:
+    """Rows of a global batch owned by data-parallel ``rank`` of ``num_ranks``.
+
+    Contiguous, sizes differ by at most one, earlier ranks take the extra rows,
+    and the slices over ranks 0..num_ranks-1 tile the batch in order.
+    """
+    if num_ranks <= 0 or not 0 <= rank < num_ranks:
+        raise DataError(f"rank {rank} out of range for num_ranks={num_ranks}")
+    if batch_len < 0:
+        raise DataError(f"batch_len must be non-negative, got {batch_len}")
+    base, extra = divmod(batch_len, num_ranks)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def worker_steps(start: int, stop: int, worker: int, num_workers: int) -> range:
+    """Steps in [start, stop) produced by input ``worker`` of ``num_workers``:
+    those with step % num_workers == worker (round-robin, so workers
+    interleave and the WSE can consume them in step order)."""
+    if num_workers <= 0 or not 0 <= worker < num_workers:
+        raise DataError(f"worker {worker} out of range for num_workers={num_workers}")
+    if start < 0:
+        raise DataError(f"start must be non-negative, got {start}")
+    first = start + (worker - start) % num_workers
+    return range(first, max(first, stop), num_workers)
