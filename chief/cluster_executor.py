@@ -1,0 +1,155 @@
+"""The chief's side of the CS system: drive MemoryX, SwarmX and the WSEs.
+
+Per training step the chief sends one TRAIN_STEP to MemoryX and waits for
+two answers: the loss reduced over the WSEs (via SwarmX) and STEP_DONE from
+MemoryX once every layer is updated. Input workers ask the chief for their
+plan (which batches to stream) and are answered whenever they connect.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from cs_runtime.cluster import DirectoryClient
+from cs_runtime.inputs import InputStream, eval_steps
+from cs_runtime.memoryx import pack_state, unpack_state
+from cs_runtime.optim import Optimizer
+from cs_runtime.protocol import Message, Msg
+from cs_runtime.service import ProcessEnv
+from cs_runtime.transport import Endpoint
+
+log = logging.getLogger("chief")
+
+POLL_MS = 1000
+JOB_END_TIMEOUT_MS = 2000
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+class ClusterExecutor:
+    device = "WSE"
+
+    def __init__(self, args, fns, spec, compiled=None):
+        from chief.trainer import optimizer_spec
+        self.args, self.fns, self.spec, self.params = args, fns, spec, args.params
+        self.penv = ProcessEnv.from_environ("chief")
+        self.opt_spec = optimizer_spec(self.params)
+        self.ctx = zmq.Context()
+        self.workers = Endpoint(self.ctx, zmq.ROUTER, "chief", self.penv.job)
+        job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "chief", 0, self.penv.job)
+        job_dir.register({"router": self.workers.bind()})
+        self.heartbeat = job_dir.start_heartbeats()
+        services = DirectoryClient(self.ctx, self.penv.cs_ip, "chief", 0, self.penv.job)
+        found = services.lookup(["memoryx", "swarmx"])
+        self.memoryx = self.dealer("memoryx", found["memoryx"][0])
+        self.swarmx = self.dealer("swarmx", found["swarmx"][0])
+        self.plan_phases: list | None = None
+        self.waiting_workers: list[bytes] = []
+        self._eval_steps: int | None = None
+
+    def dealer(self, role: str, peer: dict) -> Endpoint:
+        ep = Endpoint(self.ctx, zmq.DEALER, f"chief->{role}", self.penv.job)
+        ep.connect(peer["endpoints"]["router"])
+        ep.send(Message(Msg.HELLO, meta={"role": "chief", "rank": 0}))
+        return ep
+
+    # ------------------------------------------------------------ waiting
+    def wait(self, endpoint: Endpoint, mtype: Msg, step: int = -1) -> Message:
+        """Next `mtype` message on `endpoint`, serving workers meanwhile."""
+        poller = zmq.Poller()
+        for ep in (endpoint, self.workers, self.swarmx):
+            poller.register(ep.sock, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(POLL_MS))
+            if self.workers.sock in ready:
+                self.serve_worker()
+            if self.swarmx is not endpoint and self.swarmx.sock in ready:
+                self.unexpected(self.swarmx.recv(0))
+            if endpoint.sock in ready:
+                got = endpoint.recv(0)
+                if got is None:
+                    continue
+                msg = got[1]
+                if msg.type == mtype and (step < 0 or msg.step == step):
+                    return msg
+                self.unexpected(got)
+
+    def unexpected(self, got) -> None:
+        if got is None:
+            return
+        msg = got[1]
+        if msg.type == Msg.ERROR:
+            raise ServiceError(f"{msg.meta['role']} {msg.meta['rank']} failed: {msg.meta['reason']}")
+        log.warning("ignored unexpected %s (step %d)", msg.type.value, msg.step)
+
+    def serve_worker(self) -> None:
+        got = self.workers.recv(0)
+        if got is None:
+            return
+        identity, msg = got
+        if msg.type != Msg.HELLO:
+            self.workers.warn_once(identity, f"unexpected {msg.type.value} from a worker")
+            return
+        self.waiting_workers.append(identity)
+        self.answer_workers()
+
+    def answer_workers(self) -> None:
+        if self.plan_phases is None:
+            return
+        for identity in self.waiting_workers:
+            self.workers.send(Message(Msg.PLAN, meta={"phases": self.plan_phases}), identity)
+        self.waiting_workers = []
+
+    # ------------------------------------------------------------ executor API
+    def num_eval_steps(self) -> int:
+        if self._eval_steps is None:
+            if self.fns.eval_input_fn is None:
+                raise ValueError("eval needs an eval_input_fn in run.py")
+            # Only the length matters here: the workers stream the data itself.
+            stream = InputStream.build("eval", self.fns.eval_input_fn(self.params), self.params.eval_input,
+                                       self.params.runconfig.seed)
+            self._eval_steps = eval_steps(stream, self.params.runconfig.eval_steps)
+        return self._eval_steps
+
+    def load(self, weights, opt_state, phases) -> None:
+        spec = {"model": self.spec.to_dict(), "optimizer": self.opt_spec,
+                "max_gradient_norm": self.params.optimizer.max_gradient_norm}
+        self.memoryx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec},
+                                  arrays=pack_state(self.spec, weights, opt_state)))
+        self.wait(self.memoryx, Msg.ACK)
+        wse_spec = {"model": self.spec.to_dict(), "seed": self.params.runconfig.seed}
+        self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": wse_spec}))
+        self.wait(self.swarmx, Msg.ACK)
+        self.plan_phases = phases
+        self.answer_workers()
+        log.info("model loaded on MemoryX and %d WSE(s)", self.penv.num_csx)
+
+    def train_step(self, step: int, lr: float) -> tuple[float, float]:
+        self.memoryx.send(Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr}))
+        loss = self.wait(self.swarmx, Msg.LOSS, step)
+        done = self.wait(self.memoryx, Msg.STEP_DONE, step)
+        return float(loss.meta["loss"]), float(done.meta["grad_norm"])
+
+    def eval_step(self, step: int) -> tuple[float, int, int]:
+        self.memoryx.send(Message(Msg.EVAL_STEP, step=step))
+        result = self.wait(self.swarmx, Msg.EVAL_RESULT, step)
+        m = result.meta
+        return float(m["loss_sum"]), int(m["correct"]), int(m["count"])
+
+    def state(self):
+        self.memoryx.send(Message(Msg.GET_STATE))
+        msg = self.wait(self.memoryx, Msg.STATE)
+        return unpack_state(self.spec, Optimizer(**self.opt_spec), msg.arrays)
+
+    def close(self) -> None:
+        # A long-lived CS system must forget this job before the next one comes.
+        for ep in (self.memoryx, self.swarmx):
+            ep.send(Message(Msg.JOB_END))
+            if ep.recv(JOB_END_TIMEOUT_MS) is None:
+                log.warning("%s did not acknowledge the end of the job", ep.name)
+        self.heartbeat.stop()
+        self.ctx.destroy(linger=0)

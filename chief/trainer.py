@@ -1,0 +1,178 @@
+"""The chief's training loop, shared by the CPU path and the CS system.
+
+The loop talks to an executor (`CpuExecutor` in this process, or
+`ClusterExecutor` driving MemoryX, SwarmX and the WSEs over ZeroMQ) through
+four calls: load, train_step, eval_step, state. Everything a user sees
+(progress lines, TensorBoard, checkpoints, resume) is written here once, so
+both paths report alike and the CPU path is a true oracle of the other.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cs_runtime import checkpoint as ckpt
+from cs_runtime.config import Params
+from cs_runtime.inputs import InputStream, eval_steps
+from cs_runtime.model import ModelSpec, init_weights
+from cs_runtime.optim import Optimizer
+from cs_runtime.runner import RunArgs, UserFunctions
+
+log = logging.getLogger("chief")
+
+
+class RunError(Exception):
+    """A user-facing failure: printed as one line, exit code 1."""
+
+
+def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
+    try:
+        spec = build_spec(args, fns)
+        from chief.compile import compile_model
+        compiled = compile_model(spec, args)
+        if args.validate_only or args.compile_only:
+            return 0
+        executor = make_executor(args, fns, spec, compiled, on_cluster)
+        try:
+            Trainer(args, spec, executor).run()
+        finally:
+            executor.close()
+        return 0
+    except (RunError, ckpt.CheckpointError, ValueError) as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", flush=True)
+        return 1
+
+
+def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
+    spec = fns.model_fn(args.params)
+    if not isinstance(spec, ModelSpec):
+        raise RunError(f"model_fn returned {type(spec).__name__}, expected a cs_runtime.model.ModelSpec")
+    return spec
+
+
+def make_executor(args, fns, spec, compiled, on_cluster: bool):
+    if on_cluster:
+        from chief.cluster_executor import ClusterExecutor
+        return ClusterExecutor(args, fns, spec, compiled)
+    from chief.cpu_executor import CpuExecutor
+    return CpuExecutor(args, fns, spec)
+
+
+def optimizer_spec(params: Params) -> dict:
+    o = params.optimizer
+    return {"kind": o.optimizer_type, "momentum": o.momentum, "weight_decay": o.weight_decay,
+            "betas": list(o.betas), "eps": o.eps}
+
+
+class Trainer:
+    def __init__(self, args: RunArgs, spec: ModelSpec, executor):
+        self.args, self.spec, self.executor = args, spec, executor
+        self.params = args.params
+        self.rc = self.params.runconfig
+        self.model_dir = Path(args.model_dir)
+        self.writers: dict = {}
+
+    # ------------------------------------------------------------ start state
+    def initial_state(self) -> ckpt.Checkpoint:
+        path = self.args.checkpoint_path
+        if path is None:
+            found = ckpt.latest(self.model_dir)
+            if found is not None:
+                log.info("Found checkpoint %s in model_dir: resuming from it", found)
+                path = found
+        optimizer = Optimizer(**optimizer_spec(self.params))
+        if path is None:
+            weights = init_weights(self.spec, self.rc.seed)
+            opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
+            return ckpt.Checkpoint(0, 0, weights, opt_state, {})
+        state = ckpt.load(path)
+        expected = {l.name: l.param_shapes() for l in self.spec.layers}
+        ckpt.check_compatible(state, expected, path)
+        for layer, params in state.weights.items():
+            saved = state.opt_state.setdefault(layer, {})
+            for pname, w in params.items():
+                slots = saved.setdefault(pname, {})
+                for slot in optimizer.slot_names():
+                    slots.setdefault(slot, np.zeros_like(w))
+        log.info("Restored checkpoint %s at global step %d", path, state.global_step)
+        return state
+
+    # ------------------------------------------------------------ the run
+    def run(self) -> None:
+        start = self.initial_state()
+        self.global_step = start.global_step
+        mode = self.args.mode
+        phases = []
+        if mode in ("train", "train_and_eval") and self.global_step < self.rc.max_steps:
+            phases.append({"stream": "train", "start": self.global_step, "stop": self.rc.max_steps})
+        if mode in ("eval", "train_and_eval"):
+            phases.append({"stream": "eval", "start": 0, "stop": self.executor.num_eval_steps()})
+        self.executor.load(start.weights, start.opt_state, phases)
+        if mode in ("train", "train_and_eval"):
+            self.train()
+        if mode in ("eval", "train_and_eval"):
+            self.evaluate()
+        for writer in self.writers.values():
+            writer.close()
+
+    def train(self) -> None:
+        if self.global_step >= self.rc.max_steps:
+            log.info("Already at step %d of max_steps %d: nothing to train", self.global_step, self.rc.max_steps)
+            return
+        batch = self.params.train_input.batch_size
+        t_start = t_last = time.monotonic()
+        first_step, steps_since = self.global_step, 0
+        while self.global_step < self.rc.max_steps:
+            step = self.global_step
+            lr = self.params.optimizer.lr_at(step)
+            loss, grad_norm = self.executor.train_step(step, lr)
+            if not math.isfinite(loss):
+                raise RunError(f"loss is {loss} at step {step + 1}; stopping (lower the learning rate?)")
+            self.global_step += 1
+            steps_since += 1
+            self.scalar("train", "loss", loss)
+            if self.global_step % self.rc.log_steps == 0 or self.global_step == self.rc.max_steps:
+                now = time.monotonic()
+                rate = steps_since * batch / max(now - t_last, 1e-9)
+                global_rate = (self.global_step - first_step) * batch / max(now - t_start, 1e-9)
+                t_last, steps_since = now, 0
+                print(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
+                      f"Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec", flush=True)
+                self.scalar("train", "samples_per_sec", rate)
+                self.scalar("train", "lr", lr)
+                self.scalar("train", "grad_norm", grad_norm)
+            if self.rc.checkpoint_steps and self.global_step % self.rc.checkpoint_steps == 0:
+                self.save_checkpoint()
+        if not (self.rc.checkpoint_steps and self.global_step % self.rc.checkpoint_steps == 0):
+            self.save_checkpoint()
+
+    def evaluate(self) -> None:
+        total_loss, correct, count = 0.0, 0, 0
+        for step in range(self.executor.num_eval_steps()):
+            loss_sum, c, n = self.executor.eval_step(step)
+            total_loss, correct, count = total_loss + loss_sum, correct + c, count + n
+        loss, accuracy = total_loss / max(count, 1), correct / max(count, 1)
+        print(f"| Eval Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
+              f"Accuracy={accuracy:.4f} ({correct}/{count})", flush=True)
+        self.scalar("eval", "loss", loss)
+        self.scalar("eval", "accuracy", accuracy)
+
+    # ------------------------------------------------------------ outputs
+    def save_checkpoint(self) -> None:
+        weights, opt_state = self.executor.state()
+        meta = {"model": self.spec.to_dict(), "params": self.params.to_dict(),
+                "device": self.executor.device}
+        state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)
+        path = ckpt.save(self.model_dir, state, self.rc.max_checkpoints)
+        log.info("Saved checkpoint %s", path)
+
+    def scalar(self, split: str, tag: str, value: float) -> None:
+        if split not in self.writers:
+            from tensorboardX import SummaryWriter
+            self.writers[split] = SummaryWriter(str(self.model_dir / split))
+        self.writers[split].add_scalar(tag, value, self.global_step)

@@ -1,0 +1,142 @@
+"""Checkpoints: `model_dir/checkpoint_<step>.npz`, a plain NumPy archive.
+
+Readable without this package:
+
+    import numpy as np, json
+    ck = np.load("model_dir/checkpoint_200.npz")          # allow_pickle stays False
+    ck["model/fc0/weight"], ck["optimizer/fc0/weight/momentum"]
+    int(ck["global_step"]), json.loads(str(ck["meta"]))  # meta: model spec, params, input position
+
+Keys: `model/<layer>/<param>` (float32 weights), `optimizer/<layer>/<param>/<slot>`
+(optimizer state), `global_step` (int64: steps completed), `input_step` (int64:
+the next global batch the input pipeline produces; batches are a pure function
+of the step, so this is the whole input position), `meta` (JSON text).
+
+Writes are atomic: the archive is written to a temporary file in the same
+folder, fsynced, then renamed; a crash leaves at most a `.tmp` file, never a
+broken `checkpoint_<step>.npz`. Only after the new checkpoint is complete are
+the oldest beyond `max_checkpoints` deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)\.npz$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass
+class Checkpoint:
+    global_step: int
+    input_step: int
+    weights: dict[str, dict[str, np.ndarray]]          # layer -> param -> array
+    opt_state: dict[str, dict[str, dict[str, np.ndarray]]]  # layer -> param -> slot -> array
+    meta: dict
+
+
+def save(model_dir: str | Path, ck: Checkpoint, max_checkpoints: int | None = None) -> Path:
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    arrays = {"global_step": np.int64(ck.global_step), "input_step": np.int64(ck.input_step),
+              "meta": np.array(json.dumps(ck.meta))}
+    for layer, params in ck.weights.items():
+        for pname, w in params.items():
+            arrays[f"model/{layer}/{pname}"] = w
+            for slot, value in ck.opt_state.get(layer, {}).get(pname, {}).items():
+                arrays[f"optimizer/{layer}/{pname}/{slot}"] = value
+    final = model_dir / f"checkpoint_{ck.global_step}.npz"
+    fd, tmp = tempfile.mkstemp(prefix=f".checkpoint_{ck.global_step}.", suffix=".tmp", dir=model_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(model_dir)
+    if max_checkpoints:
+        prune(model_dir, max_checkpoints)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in model_dir, oldest first."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return []
+    found = []
+    for entry in model_dir.iterdir():
+        m = CHECKPOINT_RE.match(entry.name)
+        if m:
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest(model_dir: str | Path) -> Path | None:
+    found = list_checkpoints(model_dir)
+    return found[-1][1] if found else None
+
+
+def prune(model_dir: str | Path, keep: int) -> None:
+    for _, path in list_checkpoints(model_dir)[:-keep]:
+        path.unlink(missing_ok=True)
+
+
+def load(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            data = {k: archive[k] for k in archive.files}
+        meta = json.loads(str(data.pop("meta")))
+        global_step = int(data.pop("global_step"))
+        input_step = int(data.pop("input_step"))
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {path} is not readable: {exc}") from None
+    weights: dict = {}
+    opt_state: dict = {}
+    for key, value in data.items():
+        parts = key.split("/")
+        if parts[0] == "model" and len(parts) == 3:
+            weights.setdefault(parts[1], {})[parts[2]] = value
+        elif parts[0] == "optimizer" and len(parts) == 4:
+            opt_state.setdefault(parts[1], {}).setdefault(parts[2], {})[parts[3]] = value
+    return Checkpoint(global_step, input_step, weights, opt_state, meta)
+
+
+def check_compatible(ck: Checkpoint, expected: dict[str, dict[str, tuple]], path) -> None:
+    """Every expected weight present with its shape; list every mismatch in one line."""
+    problems = []
+    for layer, params in expected.items():
+        for pname, shape in params.items():
+            got = ck.weights.get(layer, {}).get(pname)
+            if got is None:
+                problems.append(f"{layer}/{pname} missing")
+            elif tuple(got.shape) != tuple(shape):
+                problems.append(f"{layer}/{pname} has shape {tuple(got.shape)}, model needs {tuple(shape)}")
+    extra = [f"{l}/{p}" for l, ps in ck.weights.items() for p in ps if p not in expected.get(l, {})]
+    if extra:
+        problems.append(f"unexpected {', '.join(sorted(extra))}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(problems)}")

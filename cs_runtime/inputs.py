@@ -1,0 +1,66 @@
+"""The input pipeline shared by the CPU path and the input workers.
+
+A user's input function returns a data set: either a tuple `(features,
+labels)` of arrays, or an object with `__len__` and `get(indices) -> (x, y)`
+(where augmentation or decoding can happen). The pipeline decides which
+samples make global batch `step` (`BatchPlan`, a pure function of the step)
+and which rows of it each WSE gets (`shard_rows`), so every execution path
+feeds the model the same numbers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .data import BatchPlan, shard_rows
+
+
+def dataset_len(dataset) -> int:
+    return len(dataset) if hasattr(dataset, "get") else len(dataset[0])
+
+
+def fetch(dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if hasattr(dataset, "get"):
+        x, y = dataset.get(indices)
+    else:
+        x, y = dataset[0][indices], dataset[1][indices]
+    return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+
+
+@dataclass
+class Shard:
+    x: np.ndarray
+    y: np.ndarray
+    global_batch: int
+    rows: slice
+
+
+@dataclass
+class InputStream:
+    """One split (train or eval) of one run: data set + batch plan."""
+    name: str
+    dataset: object
+    plan: BatchPlan
+
+    @classmethod
+    def build(cls, name: str, dataset, section, run_seed: int) -> "InputStream":
+        plan = BatchPlan(num_samples=dataset_len(dataset), batch_size=section.batch_size,
+                         shuffle=section.shuffle, drop_last_batch=section.drop_last_batch,
+                         seed=section.seed(run_seed))
+        return cls(name, dataset, plan)
+
+    def shard(self, step: int, rank: int = 0, num_ranks: int = 1) -> Shard:
+        indices = self.plan.global_indices(step)
+        rows = shard_rows(len(indices), rank, num_ranks)
+        x, y = fetch(self.dataset, indices[rows])
+        return Shard(x, y, len(indices), rows)
+
+
+def eval_steps(stream: InputStream, requested: int | None) -> int:
+    """eval_steps from runconfig, else one pass over the eval set."""
+    if requested:
+        return requested
+    plan = stream.plan
+    return plan.steps_per_epoch if plan.drop_last_batch else math.ceil(plan.num_samples / plan.batch_size)

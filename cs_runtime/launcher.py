@@ -1,0 +1,156 @@
+"""Starting, watching and stopping the processes of a job.
+
+`ProcessGroup` starts each process in its own session (so a Ctrl-C reaches
+only the launcher, which then stops everything in order) and with a
+parent-death signal (so even a `kill -9` of the launcher takes its children
+with it). `Supervisor` runs the launcher's loop: it serves the directory,
+watches exit codes and heartbeats, and on the first failure marks the job
+failed (every heartbeat answer then tells the processes to stop), stops the
+group and reports one line naming the role and host that failed.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from .cluster import HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
+from .transport import host_name
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the launcher dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: heartbeats still stop orphans within seconds
+
+
+@dataclass
+class Task:
+    role: str
+    rank: int
+    host: str
+    proc: subprocess.Popen
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.rank} on {self.host} (pid {self.proc.pid})"
+
+
+class ProcessGroup:
+    def __init__(self):
+        self.tasks: list[Task] = []
+
+    def start(self, role: str, rank: int, argv: list[str], env: dict[str, str],
+              host: str | None = None) -> Task:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        task = Task(role, rank, host or host_name(), proc)
+        self.tasks.append(task)
+        log.debug("started %s: %s", task.label, " ".join(argv))
+        return task
+
+    def exited(self) -> list[tuple[Task, int]]:
+        return [(t, t.proc.returncode) for t in self.tasks if t.proc.poll() is not None]
+
+    def stop_all(self, grace: float = 3.0) -> None:
+        """SIGTERM every live process, SIGKILL what is left after `grace` seconds."""
+        live = [t for t in self.tasks if t.proc.poll() is None]
+        for task in live:
+            _signal_group(task.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for task in live:
+            try:
+                task.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(task.proc, signal.SIGKILL)
+                task.proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the child and anything it started
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class JobFailed(Exception):
+    pass
+
+
+class Supervisor:
+    """The launcher's main loop over one directory and one process group."""
+
+    def __init__(self, directory: DirectoryServer, group: ProcessGroup, finisher_role: str | None):
+        self.directory, self.group = directory, group
+        self.finisher_role = finisher_role  # the role whose exit 0 ends the job (the chief)
+        self.started = time.monotonic()
+        self.interrupted = ""
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.interrupted = f"interrupted by {signal.Signals(signum).name}"
+
+    def run(self, extra_check=None) -> int:
+        """Serve until the finisher exits 0 (returns 0) or anything fails (returns 1)."""
+        try:
+            while True:
+                self.directory.serve_once(100)
+                if self._finished():
+                    return 0
+                self._check()
+                if extra_check is not None:
+                    extra_check()
+        except JobFailed as failure:
+            self.directory.failure = str(failure)
+            self._drain_status(1.0)
+            print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self.group.stop_all()
+            self.directory.close()
+
+    def _finished(self) -> bool:
+        return any(t.role == self.finisher_role and rc == 0 for t, rc in self.group.exited())
+
+    def _check(self) -> None:
+        if self.interrupted:
+            raise JobFailed(self.interrupted)
+        for task, rc in self.group.exited():
+            if rc != 0:
+                raise JobFailed(f"{task.label} exited with {_describe(rc)}")
+        for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
+            if (peer.role, peer.rank) in {(t.role, t.rank) for t, _ in self.group.exited()}:
+                continue  # exited cleanly (a worker that finished its plan)
+            raise JobFailed(f"{peer.role} {peer.rank} on {peer.host} (pid {peer.pid}) stopped "
+                            f"answering (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)")
+        if time.monotonic() - self.started > REGISTER_TIMEOUT:
+            registered = set(self.directory.peers)
+            for task in self.group.tasks:
+                if (task.role, task.rank) not in registered and task.proc.poll() is None:
+                    raise JobFailed(f"{task.label} did not register within {REGISTER_TIMEOUT:.0f} s")
+
+    def _drain_status(self, seconds: float) -> None:
+        """Answer heartbeats for a moment so remote processes learn the job failed."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.directory.serve_once(50)
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit code {rc}"

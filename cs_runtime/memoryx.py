@@ -1,0 +1,143 @@
+"""MemoryX: the master copy of every weight and its optimizer state.
+
+Per training step (TRAIN_STEP from the chief) it streams each layer's weights
+to SwarmX for the forward pass (layer 0..L-1), then again for the backward
+pass (L-1..0); SwarmX hands back each layer's gradients summed over the WSEs,
+and MemoryX updates that layer at once (or, with max_gradient_norm, after the
+last layer, since clipping needs the global norm). Then STEP_DONE to the chief.
+
+    python -m cs_runtime.memoryx      (started by csrun_wse or the appliance)
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import zmq
+
+from .cluster import DirectoryClient
+from .model import ModelSpec
+from .optim import Optimizer, clip_factor, global_norm
+from .protocol import Message, Msg
+from .service import ProcessEnv, service_main
+from .transport import Endpoint
+
+log = logging.getLogger("memoryx")
+
+
+def pack_state(spec: ModelSpec, weights: dict, opt_state: dict) -> dict[str, np.ndarray]:
+    """Flat {name: array} of weights ('fc0/weight') and slots ('opt/fc0/weight/exp_avg')."""
+    arrays = {}
+    for layer in spec.layers:
+        for pname, w in weights[layer.name].items():
+            arrays[f"{layer.name}/{pname}"] = w
+            for slot, value in opt_state[layer.name][pname].items():
+                arrays[f"opt/{layer.name}/{pname}/{slot}"] = value
+    return arrays
+
+
+def unpack_state(spec: ModelSpec, optimizer: Optimizer, arrays: dict) -> tuple[dict, dict]:
+    """Inverse of pack_state; copies so the result is writable and owns its memory."""
+    weights, opt_state = {}, {}
+    for layer in spec.layers:
+        weights[layer.name], opt_state[layer.name] = {}, {}
+        for pname, shape in layer.param_shapes().items():
+            key = f"{layer.name}/{pname}"
+            if key not in arrays or tuple(arrays[key].shape) != shape:
+                raise ValueError(f"weights for {key} missing or not of shape {shape}")
+            weights[layer.name][pname] = np.array(arrays[key], dtype=np.float32)
+            opt_state[layer.name][pname] = {
+                slot: np.array(arrays.get(f"opt/{key}/{slot}", np.zeros(shape)), dtype=np.float32)
+                for slot in optimizer.slot_names()}
+    return weights, opt_state
+
+
+class MemoryX:
+    def __init__(self, penv: ProcessEnv, ctx: zmq.Context):
+        self.penv = penv
+        self.router = Endpoint(ctx, zmq.ROUTER, "memoryx", penv.job)
+        self.address = self.router.bind()
+        self.peers: dict[str, bytes] = {}      # role -> identity
+        self.spec: ModelSpec | None = None
+
+    def serve(self) -> None:
+        while True:
+            identity, msg = self.router.recv()
+            self.handle(identity, msg)
+
+    def handle(self, identity: bytes, msg: Message) -> None:
+        if msg.type == Msg.HELLO:
+            self.peers[msg.meta["role"]] = identity
+        elif msg.type == Msg.LOAD_MODEL:
+            self.load_model(msg)
+            self.router.send(Message(Msg.ACK, meta={"what": "load_model"}), identity)
+        elif msg.type == Msg.TRAIN_STEP:
+            self.train_step(msg.step, float(msg.meta["lr"]))
+        elif msg.type == Msg.EVAL_STEP:
+            self.stream_weights(msg.step, "eval", range(len(self.spec.layers)))
+        elif msg.type == Msg.GET_STATE:
+            state = Message(Msg.STATE, step=msg.step,
+                            arrays=pack_state(self.spec, self.weights, self.opt_state))
+            self.router.send(state, identity)
+        elif msg.type == Msg.JOB_END:
+            self.spec = None
+            self.router.send(Message(Msg.ACK, meta={"what": "job_end"}), identity)
+        else:
+            self.router.warn_once(identity, f"unexpected {msg.type.value}")
+
+    def load_model(self, msg: Message) -> None:
+        cfg = msg.meta["spec"]
+        self.spec = ModelSpec.from_dict(cfg["model"])
+        self.optimizer = Optimizer(**cfg["optimizer"])
+        self.max_norm = cfg.get("max_gradient_norm")
+        self.weights, self.opt_state = unpack_state(self.spec, self.optimizer, msg.arrays)
+        log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
+                 self.spec.num_params())
+
+    def stream_weights(self, step: int, phase: str, order) -> None:
+        swarmx = self.peers["swarmx"]
+        for index in order:
+            layer = self.spec.layers[index]
+            self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta={"phase": phase},
+                                     arrays=self.weights[layer.name]), swarmx)
+
+    def train_step(self, step: int, lr: float) -> None:
+        n = len(self.spec.layers)
+        self.stream_weights(step, "fwd", range(n))
+        # Weights sent zero-copy must not change until they have left: a layer's
+        # gradients only arrive after every WSE received its backward weights.
+        self.stream_weights(step, "bwd", reversed(range(n)))
+        grads = {}
+        while len(grads) < n:
+            identity, msg = self.router.recv()
+            if msg.type != Msg.GRADS or msg.step != step:
+                self.handle(identity, msg)
+                continue
+            grads[msg.layer] = msg.arrays
+            if not self.max_norm:
+                self.update(msg.layer, msg.arrays, lr, step)
+        norm = global_norm(grads[i] for i in range(n))
+        factor = clip_factor(norm, self.max_norm)
+        if self.max_norm:
+            for index in range(n):
+                scaled = {k: g * np.float32(factor) for k, g in grads[index].items()}
+                self.update(index, scaled, lr, step)
+        self.router.send(Message(Msg.STEP_DONE, step=step, meta={"grad_norm": norm}),
+                         self.peers["chief"])
+
+    def update(self, index: int, grads: dict, lr: float, step: int) -> None:
+        name = self.spec.layers[index].name
+        self.optimizer.update(self.weights[name], grads, self.opt_state[name], lr, step)
+
+
+def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
+    server = MemoryX(penv, ctx)
+    directory = DirectoryClient(ctx, penv.cs_ip, "memoryx", penv.rank, penv.job)
+    directory.register({"router": server.address})
+    directory.start_heartbeats()
+    log.info("MemoryX serving at %s", server.address)
+    server.serve()
+
+
+if __name__ == "__main__":
+    service_main("memoryx", main)

@@ -1,0 +1,89 @@
+"""Learning rules applied where the master weights live (MemoryX, the CPU path,
+or the WSE in pipelined mode). PyTorch semantics, so results are familiar:
+
+- sgd:   g += wd * w;  buf = momentum * buf + g;  w -= lr * buf
+- adam:  g += wd * w;  bias-corrected first/second moments
+- adamw: w *= 1 - lr * wd (decoupled), then adam without the wd term
+- max_gradient_norm: clip by the global norm over every layer (clip_grad_norm_)
+
+Updates are in place (out=) so a step allocates no weight-sized temporaries.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class Optimizer:
+    def __init__(self, kind: str, momentum: float = 0.0, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        if kind not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"unknown optimizer_type {kind!r}")
+        self.kind, self.momentum, self.weight_decay = kind, momentum, weight_decay
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+
+    @classmethod
+    def from_config(cls, cfg) -> "Optimizer":
+        return cls(cfg.optimizer_type, cfg.momentum, cfg.weight_decay, tuple(cfg.betas), cfg.eps)
+
+    def slot_names(self) -> tuple[str, ...]:
+        if self.kind == "sgd":
+            return ("momentum",) if self.momentum else ()
+        return ("exp_avg", "exp_avg_sq")
+
+    def init_state(self, params: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+        """Per parameter, its slots (zeros). State for one layer."""
+        return {name: {slot: np.zeros_like(p) for slot in self.slot_names()} for name, p in params.items()}
+
+    def update(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
+               state: dict[str, dict[str, np.ndarray]], lr: float, step: int) -> None:
+        """Apply one update to one layer in place. `step` is the 0-based global step."""
+        for name, w in params.items():
+            g = np.array(grads[name], dtype=np.float32)  # own, writable copy
+            self._update_one(w, g, state[name], np.float32(lr), step + 1)
+
+    def _update_one(self, w, g, slots, lr, t: int) -> None:
+        wd = np.float32(self.weight_decay)
+        if self.kind == "sgd":
+            if wd:
+                g += wd * w
+            if self.momentum:
+                buf = slots["momentum"]
+                buf *= np.float32(self.momentum)
+                buf += g  # buf starts at zero, so step 1 gives buf = g as in PyTorch
+                g = buf
+            w -= lr * g
+            return
+        if self.kind == "adamw" and wd:
+            w *= np.float32(1.0) - lr * wd
+        elif wd:
+            g += wd * w
+        m, v = slots["exp_avg"], slots["exp_avg_sq"]
+        b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * g * g
+        bias1 = 1 - self.beta1 ** t
+        bias2 = 1 - self.beta2 ** t
+        denom = np.sqrt(v) / np.float32(math.sqrt(bias2))
+        denom += np.float32(self.eps)
+        w -= np.float32(lr / bias1) * (m / denom)
+
+
+def global_norm(grads_per_layer) -> float:
+    """L2 norm over every gradient array of every layer (float64 accumulation)."""
+    total = 0.0
+    for grads in grads_per_layer:
+        for g in grads.values():
+            total += float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64)))
+    return math.sqrt(total)
+
+
+def clip_factor(norm: float, max_norm: float | None) -> float:
+    """The factor clip_grad_norm_ multiplies every gradient by (1.0 when no clipping)."""
+    if not max_norm or norm <= max_norm:
+        return 1.0
+    return max_norm / (norm + 1e-6)

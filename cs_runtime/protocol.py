@@ -1,0 +1,209 @@
+"""The wire protocol: every message type, and how a message crosses a socket.
+
+A message is a multipart ZeroMQ message:
+
+    frame 0      msgpack header {"t": type, "v": version, "job": id, "step": int,
+                 "layer": int, "meta": {...}, "arrays": [[name, dtype, shape], ...]}
+    frame 1..n   one raw buffer per array, in header order (C order, little endian)
+
+No pickle anywhere: a header is plain msgpack data and an array is bytes whose
+dtype and shape the header states. `decode` checks everything (type, version,
+meta keys and their types, dtypes, shapes, frame count, byte sizes, caps) before
+it builds a single array, so a peer that sends garbage gets a ProtocolError and
+the receiver keeps its state.
+
+This is the only module that defines message types; nothing else invents one.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Caps checked before any allocation (a stranger must not make us allocate GBs).
+MAX_HEADER_BYTES = 64 * 1024
+MAX_ARRAYS = 4096
+MAX_ARRAY_BYTES = 2 * 1024**3
+MAX_DIMS = 8
+
+# Arrays on the wire are one of these; float16 covers the 16-bit formats
+# (bfloat16 / cbfloat16 travel as their raw uint16 bit patterns).
+ALLOWED_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"}
+
+# Frames smaller than this are copied by ZeroMQ anyway; larger ones go zero-copy.
+ZERO_COPY_THRESHOLD = 64 * 1024
+
+
+class ProtocolError(ValueError):
+    """A received message is malformed; it is dropped, never acted on."""
+
+
+class Msg(str, enum.Enum):
+    # cluster directory, liveness
+    REGISTER = "register"        # process -> directory: role, rank, host, pid, endpoints
+    LOOKUP = "lookup"            # process -> directory: wants the directory
+    DIRECTORY = "directory"      # directory -> process: every registered process
+    HEARTBEAT = "heartbeat"      # process -> directory
+    STATUS = "status"            # directory -> process: ok or the failure it saw
+    # job set-up
+    HELLO = "hello"              # peer introduces itself on a ROUTER socket
+    PLAN = "plan"                # chief -> input worker: which batches to stream
+    LOAD_MODEL = "load_model"    # chief -> MemoryX (weights + optimizer) / -> WSEs (layer specs)
+    ACK = "ack"                  # generic acknowledgement
+    ERROR = "error"              # a service reports a fatal error to the chief
+    # one step
+    TRAIN_STEP = "train_step"    # chief -> MemoryX: run training step `step`
+    EVAL_STEP = "eval_step"      # chief -> MemoryX: run eval step `step`
+    WEIGHTS = "weights"          # MemoryX -> SwarmX -> every WSE: one layer's weights
+    BATCH = "batch"              # input worker -> WSE: one shard of one global batch
+    GRADS = "grads"              # WSE -> SwarmX (summed) -> MemoryX: one layer's gradients
+    LOSS = "loss"                # WSE -> SwarmX (summed) -> chief
+    EVAL_RESULT = "eval_result"  # WSE -> SwarmX (summed) -> chief: loss sum, correct, count
+    STEP_DONE = "step_done"      # MemoryX -> chief: every layer updated
+    GET_STATE = "get_state"      # chief -> MemoryX: weights + optimizer state for a checkpoint
+    STATE = "state"              # MemoryX -> chief
+    JOB_END = "job_end"          # chief -> services: forget the job
+
+
+# Required meta keys per type, with the Python types they must have.
+_NUM = (int, float)
+META_SCHEMA: dict[Msg, dict[str, Any]] = {
+    Msg.REGISTER: {"role": str, "rank": int, "host": str, "pid": int, "endpoints": dict},
+    Msg.LOOKUP: {"roles": list},
+    Msg.DIRECTORY: {"peers": list},
+    Msg.HEARTBEAT: {"role": str, "rank": int},
+    Msg.STATUS: {"ok": bool, "reason": str},
+    Msg.HELLO: {"role": str, "rank": int},
+    Msg.PLAN: {"phases": list},
+    Msg.LOAD_MODEL: {"spec": dict},
+    Msg.ACK: {"what": str},
+    Msg.ERROR: {"role": str, "rank": int, "reason": str},
+    Msg.TRAIN_STEP: {"lr": _NUM},
+    Msg.EVAL_STEP: {},
+    Msg.WEIGHTS: {"phase": str},
+    Msg.BATCH: {"stream": str, "global_batch": int, "row_start": int, "row_stop": int},
+    Msg.GRADS: {},
+    Msg.LOSS: {"loss": _NUM, "count": int},
+    Msg.EVAL_RESULT: {"loss_sum": _NUM, "correct": int, "count": int},
+    Msg.STEP_DONE: {"grad_norm": _NUM},
+    Msg.GET_STATE: {},
+    Msg.STATE: {},
+    Msg.JOB_END: {},
+}
+
+
+@dataclass
+class Message:
+    type: Msg
+    job: str = ""
+    step: int = -1
+    layer: int = -1
+    meta: dict = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def encode(msg: Message) -> list:
+    """Message -> list of frames (header bytes, then one buffer per array)."""
+    specs, frames = [], []
+    for name, arr in msg.arrays.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.name not in ALLOWED_DTYPES:
+            raise ProtocolError(f"array {name!r}: dtype {arr.dtype.name} is not allowed on the wire")
+        specs.append([name, arr.dtype.name, list(arr.shape)])
+        frames.append(arr if arr.nbytes >= ZERO_COPY_THRESHOLD else arr.tobytes())
+    header = {"t": msg.type.value, "v": PROTOCOL_VERSION, "job": msg.job, "step": msg.step,
+              "layer": msg.layer, "meta": msg.meta, "arrays": specs}
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def decode(frames: list) -> Message:
+    """Frames -> Message, after validating everything. Raises ProtocolError."""
+    if not frames:
+        raise ProtocolError("empty message")
+    header = _unpack_header(_as_bytes(frames[0]))
+    mtype = _check_header(header)
+    specs = _check_array_specs(header["arrays"], frames[1:])
+    arrays = {}
+    for (name, dtype, shape), frame in zip(specs, frames[1:]):
+        # Read-only view on the received buffer; kernels copy when they must write.
+        arrays[name] = np.frombuffer(_as_buffer(frame), dtype=dtype).reshape(shape)
+    return Message(mtype, header["job"], header["step"], header["layer"], header["meta"], arrays)
+
+
+def _as_bytes(frame) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def _as_buffer(frame):
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _frame_len(frame) -> int:
+    return len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+
+
+def _unpack_header(raw: bytes) -> dict:
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES} byte cap")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                                 max_bin_len=MAX_HEADER_BYTES, max_str_len=MAX_HEADER_BYTES)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    return header
+
+
+def _check_header(header: dict) -> Msg:
+    expected = {"t": str, "v": int, "job": str, "step": int, "layer": int, "meta": dict, "arrays": list}
+    for key, typ in expected.items():
+        if not isinstance(header.get(key), typ) or isinstance(header.get(key), bool) and typ is int:
+            raise ProtocolError(f"header field {key!r} missing or not {typ.__name__}")
+    if header["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header['v']} (expected {PROTOCOL_VERSION})")
+    try:
+        mtype = Msg(header["t"])
+    except ValueError:
+        raise ProtocolError(f"unknown message type {header['t'][:40]!r}") from None
+    for key, typ in META_SCHEMA[mtype].items():
+        value = header["meta"].get(key)
+        if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, _NUM)):
+            raise ProtocolError(f"{mtype.value}: meta field {key!r} missing or of the wrong type")
+    return mtype
+
+
+def _check_array_specs(specs: list, frames: list) -> list:
+    if len(specs) > MAX_ARRAYS:
+        raise ProtocolError(f"{len(specs)} arrays exceed the cap of {MAX_ARRAYS}")
+    if len(specs) != len(frames):
+        raise ProtocolError(f"header lists {len(specs)} arrays but {len(frames)} frames follow")
+    checked = []
+    for spec, frame in zip(specs, frames):
+        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
+                and isinstance(spec[1], str) and isinstance(spec[2], list)):
+            raise ProtocolError("array spec is not [name, dtype, shape]")
+        name, dtype, shape = spec
+        if dtype not in ALLOWED_DTYPES:
+            raise ProtocolError(f"array {name[:40]!r}: dtype {dtype[:20]!r} is not allowed")
+        if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool)
+                                            and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
+            raise ProtocolError(f"array {name[:40]!r}: bad shape")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes > MAX_ARRAY_BYTES:
+            raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
+        if nbytes != _frame_len(frame):
+            raise ProtocolError(f"array {name[:40]!r}: frame has {_frame_len(frame)} bytes, "
+                                f"header says {nbytes}")
+        checked.append((name, dtype, tuple(shape)))
+    return checked
+
+
+def array_bytes(msg: Message) -> int:
+    """Payload bytes of a message (what the benchmarks count as 'streamed')."""
+    return sum(a.nbytes for a in msg.arrays.values())

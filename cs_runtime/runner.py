@@ -1,0 +1,75 @@
+"""`run()`: the entry point a model's run.py calls, model-zoo style.
+
+    def main():
+        run(model_fn, train_input_fn, eval_input_fn)
+
+The same script is every task of a job. What this process does depends on
+the role the launcher gave it (environment CS_ROLE):
+- no role (plain `python run.py` or `csrun_cpu`): the CPU path, in-process;
+- chief (`csrun_wse` task 0): compile, then drive the CS system;
+- worker (`csrun_wse` other tasks): stream its shard of the input.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import Params, ParamsError, load_params
+from .model import ModelSpec
+
+MODES = ("train", "eval", "train_and_eval", "validate_only", "compile_only")
+
+
+@dataclass
+class RunArgs:
+    mode: str
+    params_path: str
+    params: Params
+    model_dir: str
+    checkpoint_path: str | None
+    validate_only: bool
+    compile_only: bool
+
+
+@dataclass
+class UserFunctions:
+    model_fn: Callable[[Params], ModelSpec]
+    train_input_fn: Callable[[Params], object]
+    eval_input_fn: Callable[[Params], object] | None
+
+
+def parse_args(argv: list[str] | None = None) -> RunArgs:
+    parser = argparse.ArgumentParser(description="Train or evaluate a model on the emulated CS system.")
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--params", required=True, help="params.yaml")
+    parser.add_argument("--model_dir", default="model_dir", help="checkpoints, logs, compile output")
+    parser.add_argument("--checkpoint_path", default=None, help="resume from this checkpoint")
+    parser.add_argument("--validate_only", action="store_true", help="check the model compiles; run nothing")
+    parser.add_argument("--compile_only", action="store_true", help="compile and write the report; run nothing")
+    ns = parser.parse_args(argv)
+    try:
+        params = load_params(ns.params)
+    except ParamsError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    validate_only = ns.validate_only or ns.mode == "validate_only"
+    compile_only = ns.compile_only or ns.mode == "compile_only"
+    mode = "train" if ns.mode in ("validate_only", "compile_only") else ns.mode
+    return RunArgs(mode, ns.params, params, ns.model_dir, ns.checkpoint_path, validate_only, compile_only)
+
+
+def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    fns = UserFunctions(model_fn, train_input_fn, eval_input_fn)
+    role = os.environ.get("CS_ROLE", "")
+    logging.basicConfig(level=os.environ.get("CS_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {role or 'cpu'} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if role == "worker":
+        from worker.input_worker import serve_inputs
+        serve_inputs(args, fns)
+    else:
+        from chief.trainer import run_chief
+        sys.exit(run_chief(args, fns, on_cluster=role == "chief"))

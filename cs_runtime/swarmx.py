@@ -1,0 +1,138 @@
+"""SwarmX: broadcast down, reduce up.
+
+Weights (and job set-up) from MemoryX or the chief are sent on to every WSE
+by explicit fan-out, forwarding the received frames without decoding the
+arrays again (zero-copy). Gradients, losses, eval results and acks from the
+WSEs are summed once all N have arrived, in rank order so the sum does not
+depend on which WSE was faster, and handed up: gradients to MemoryX,
+everything else to the chief.
+
+    python -m cs_runtime.swarmx      (started by csrun_wse or the appliance)
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import zmq
+
+from .cluster import DirectoryClient
+from .protocol import Message, Msg
+from .service import ProcessEnv, service_main
+from .transport import Endpoint
+
+log = logging.getLogger("swarmx")
+
+BROADCAST = {Msg.WEIGHTS, Msg.LOAD_MODEL, Msg.JOB_END}
+REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK}
+
+
+def reduce_messages(parts: list[Message]) -> Message:
+    """Sum the arrays and the numeric meta of one message from each WSE (in rank order)."""
+    first = parts[0]
+    arrays = {}
+    for name, arr in first.arrays.items():
+        total = np.array(arr, copy=True)
+        for other in parts[1:]:
+            total += other.arrays[name]
+        arrays[name] = total
+    meta = dict(first.meta)
+    for key, value in first.meta.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            meta[key] = sum(p.meta[key] for p in parts)
+    return Message(first.type, first.job, first.step, first.layer, meta, arrays)
+
+
+class SwarmX:
+    def __init__(self, penv: ProcessEnv, ctx: zmq.Context):
+        self.penv = penv
+        self.num_wse = penv.num_csx
+        self.router = Endpoint(ctx, zmq.ROUTER, "swarmx", penv.job)
+        self.address = self.router.bind()
+        self.memoryx: Endpoint | None = None
+        self.wse: dict[int, bytes] = {}       # rank -> identity
+        self.chief: bytes | None = None
+        self.pending: dict[tuple, dict[int, Message]] = {}
+
+    def connect_memoryx(self, ctx: zmq.Context, address: str) -> None:
+        self.memoryx = Endpoint(ctx, zmq.DEALER, "swarmx->memoryx", self.penv.job).connect(address)
+        self.memoryx.send(Message(Msg.HELLO, meta={"role": "swarmx", "rank": self.penv.rank}))
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router.sock, zmq.POLLIN)
+        poller.register(self.memoryx.sock, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self.memoryx.sock in ready:
+                self.from_above(*self.memoryx.recv_raw())
+            if self.router.sock in ready:
+                self.from_router(*self.router.recv_raw())
+
+    def from_above(self, identity, frames) -> None:
+        msg = self.memoryx.decode_or_drop(identity, frames)
+        if msg is None:
+            return
+        if msg.type in BROADCAST:
+            self.broadcast(frames)
+        else:
+            self.router.warn_once(b"memoryx", f"unexpected {msg.type.value} from MemoryX")
+
+    def from_router(self, identity, frames) -> None:
+        msg = self.router.decode_or_drop(identity, frames)
+        if msg is None:
+            return
+        if msg.type == Msg.HELLO:
+            self.hello(identity, msg)
+        elif identity == self.chief and msg.type in BROADCAST:
+            self.broadcast(frames)
+        elif identity in self.wse.values() and msg.type in REDUCE:
+            self.collect(identity, msg)
+        elif identity in self.wse.values() and msg.type == Msg.ERROR:
+            self.router.send(msg, self.chief)
+        else:
+            self.router.warn_once(identity, f"unexpected {msg.type.value}")
+
+    def hello(self, identity: bytes, msg: Message) -> None:
+        role, rank = msg.meta["role"], msg.meta["rank"]
+        if role == "wse" and 0 <= rank < self.num_wse:
+            self.wse[rank] = identity
+        elif role == "chief":
+            self.chief = identity
+        else:
+            self.router.warn_once(identity, f"hello from unexpected {role} {rank}")
+
+    def broadcast(self, frames: list) -> None:
+        if len(self.wse) < self.num_wse:
+            raise RuntimeError(f"only {len(self.wse)} of {self.num_wse} WSEs have connected")
+        for rank in range(self.num_wse):
+            self.router.forward(frames, self.wse[rank])
+
+    def collect(self, identity: bytes, msg: Message) -> None:
+        rank = next(r for r, i in self.wse.items() if i == identity)
+        key = (msg.type, msg.step, msg.layer, msg.meta.get("what"))
+        parts = self.pending.setdefault(key, {})
+        parts[rank] = msg
+        if len(parts) < self.num_wse:
+            return
+        del self.pending[key]
+        reduced = reduce_messages([parts[r] for r in range(self.num_wse)])
+        if reduced.type == Msg.GRADS:
+            self.memoryx.send(reduced)
+        else:
+            self.router.send(reduced, self.chief)
+
+
+def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
+    server = SwarmX(penv, ctx)
+    directory = DirectoryClient(ctx, penv.cs_ip, "swarmx", penv.rank, penv.job)
+    directory.register({"router": server.address})
+    directory.start_heartbeats()
+    memoryx = directory.lookup(["memoryx"])["memoryx"][0]
+    server.connect_memoryx(ctx, memoryx["endpoints"]["router"])
+    log.info("SwarmX serving at %s for %d WSE(s)", server.address, server.num_wse)
+    server.serve()
+
+
+if __name__ == "__main__":
+    service_main("swarmx", main)

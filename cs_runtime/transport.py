@@ -1,0 +1,122 @@
+"""ZeroMQ plumbing shared by every process: sockets, send/receive, byte counts.
+
+Everything between processes goes through `Endpoint.send` / `Endpoint.recv`,
+which use the wire protocol in `protocol.py`. Sockets are made with LINGER 0
+(so shutdown never hangs on unsent data) and unlimited high-water marks
+(our messages are few and MB-sized; dropping one would corrupt a step).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket as pysocket
+from collections import Counter
+
+import zmq
+
+from .protocol import Message, ProtocolError, array_bytes, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def bind_host() -> str:
+    """Interface services bind to: loopback unless the launcher says otherwise."""
+    return os.environ.get("CS_BIND_HOST", "127.0.0.1")
+
+
+def host_name() -> str:
+    return os.environ.get("CS_HOST_NAME") or pysocket.gethostname()
+
+
+class Endpoint:
+    """One ZeroMQ socket plus the protocol, byte counters and bad-sender log.
+
+    For ROUTER sockets `recv` returns (identity, Message) and `send` takes the
+    identity of the peer to route to; otherwise identity is None.
+    """
+
+    def __init__(self, ctx: zmq.Context, kind: int, name: str, job: str = ""):
+        self.sock = ctx.socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        if kind == zmq.ROUTER:
+            # Fail loudly instead of silently dropping a message to an unknown peer.
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.is_router = kind == zmq.ROUTER
+        self.name = name
+        self.job = job
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.sent_by_type: Counter = Counter()
+        self._warned_senders: set = set()
+
+    def bind(self, host: str | None = None) -> str:
+        host = host or bind_host()
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
+
+    def connect(self, address: str) -> "Endpoint":
+        self.sock.connect(address)
+        return self
+
+    def send(self, msg: Message, identity: bytes | None = None) -> None:
+        if not msg.job:
+            msg.job = self.job
+        frames = encode(msg)
+        if self.is_router:
+            frames = [identity, *frames]
+        self.sock.send_multipart(frames, copy=False)
+        payload = array_bytes(msg)
+        self.bytes_sent += payload
+        self.sent_by_type[msg.type.value] += payload
+
+    def forward(self, frames: list, identity: bytes | None = None) -> None:
+        """Send already-encoded frames on (SwarmX's zero-copy broadcast)."""
+        self.sock.send_multipart([identity, *frames] if self.is_router else frames, copy=False)
+        self.bytes_sent += sum(len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames[1:])
+
+    def recv_raw(self, timeout_ms: int | None = None):
+        """Next (identity, frames) or None on timeout; frames are not decoded."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        identity = None
+        if self.is_router:
+            identity, frames = frames[0].bytes, frames[1:]
+        return identity, frames
+
+    def recv(self, timeout_ms: int | None = None):
+        """Next valid message as (identity, Message), or None on timeout.
+
+        Malformed messages and messages of another job are logged once per
+        sender and dropped; the caller's state is untouched.
+        """
+        while True:
+            got = self.recv_raw(timeout_ms)
+            if got is None:
+                return None
+            identity, frames = got
+            msg = self.decode_or_drop(identity, frames)
+            if msg is not None:
+                return identity, msg
+
+    def decode_or_drop(self, identity, frames) -> Message | None:
+        try:
+            msg = decode(frames)
+            if self.job and msg.job and msg.job != self.job:
+                raise ProtocolError(f"message for job {msg.job[:40]!r}, this is job {self.job!r}")
+        except ProtocolError as exc:
+            self.warn_once(identity, str(exc))
+            return None
+        self.bytes_received += array_bytes(msg)
+        return msg
+
+    def warn_once(self, identity, reason: str) -> None:
+        sender = identity.hex() if identity else "peer"
+        if sender not in self._warned_senders:
+            self._warned_senders.add(sender)
+            log.warning("%s: dropped bad message from %s: %s", self.name, sender, reason)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

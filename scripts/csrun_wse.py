@@ -1,0 +1,117 @@
+"""csrun_wse: run a model script on the emulated CS system.
+
+    csrun_wse [--num_csx N] [--num_workers_per_csx W] [--cs_ip HOST:PORT] \\
+        python examples/fc_mnist/run.py --mode train --params examples/fc_mnist/configs/params.yaml
+
+Without --cs_ip it starts a local CS system for the job (one MemoryX, one
+SwarmX, N WSE emulators). It then starts the user's command as the job's
+tasks: task 0 as the chief (`python -m chief run.py ...`), N*W more as input
+workers (`python -m worker run.py ...`), and supervises all of them: the job
+ends when the chief exits 0; if any process fails or stops answering,
+everything is stopped within seconds and one line names what failed.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+
+import zmq
+
+from cs_runtime.cluster import DirectoryServer
+from cs_runtime.launcher import ProcessGroup, Supervisor
+from cs_runtime.service import setup_logging
+
+# Variables that describe a process's place in a job; never inherited from outside.
+JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET",
+            "CS_NUM_CSX", "CS_NUM_WORKERS_PER_CSX")
+SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx", "wse": "wse"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="csrun_wse", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--num_csx", type=int, default=1, help="WSE emulators (default 1)")
+    parser.add_argument("--num_workers_per_csx", type=int, default=1, help="input workers per WSE (default 1)")
+    parser.add_argument("--cs_ip", default=None, help="HOST:PORT of a running CS system (default: start one)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="python run.py ARGS...")
+    ns = parser.parse_args(argv)
+    if not ns.command:
+        parser.error("no command given (e.g. python examples/fc_mnist/run.py --mode train --params ...)")
+    if ns.command[0].startswith("-"):
+        parser.error(f"unrecognized argument: {ns.command[0]}")
+    if ns.num_csx < 1 or ns.num_workers_per_csx < 1:
+        parser.error("--num_csx and --num_workers_per_csx must be at least 1")
+    return ns
+
+
+def role_argv(command: list[str], role: str) -> list[str]:
+    """`python [opts] run.py args` -> `python [opts] -m <role> run.py args`."""
+    if os.path.basename(command[0]).startswith("python"):
+        script_at = next((i for i, a in enumerate(command[1:], 1) if not a.startswith("-")), None)
+        if script_at is None:
+            raise SystemExit(f"csrun_wse: no script in {' '.join(command)}")
+        return [*command[:script_at], "-m", role, *command[script_at:]]
+    return [sys.executable, "-m", role, *command]  # an executable script with a shebang
+
+
+def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+    env.update(CS_JOB_ID=job, CS_RENDEZVOUS=rendezvous, CS_IP=cs_ip, CS_TARGET="wse",
+               CS_NUM_CSX=str(ns.num_csx), CS_NUM_WORKERS_PER_CSX=str(ns.num_workers_per_csx),
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_services(group: ProcessGroup, env: dict, num_csx: int) -> None:
+    for role, count in (("memoryx", 1), ("swarmx", 1), ("wse", num_csx)):
+        for rank in range(count):
+            group.start(role, rank, [sys.executable, "-m", SERVICE_MODULES[role]],
+                        {**env, "CS_ROLE": role, "CS_RANK": str(rank)})
+
+
+def start_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers: int) -> None:
+    group.start("chief", 0, role_argv(command, "chief"), {**env, "CS_ROLE": "chief", "CS_RANK": "0"})
+    for rank in range(num_workers):
+        group.start("worker", rank, role_argv(command, "worker"),
+                    {**env, "CS_ROLE": "worker", "CS_RANK": str(rank)})
+
+
+def cs_address(cs_ip: str) -> str:
+    host, sep, port = cs_ip.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"csrun_wse: --cs_ip {cs_ip!r} is not HOST:PORT")
+    return f"tcp://{host}:{port}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging("csrun_wse")
+    job = f"wsjob-{uuid.uuid4().hex[:12]}"
+    num_workers = ns.num_csx * ns.num_workers_per_csx
+    ctx = zmq.Context()
+    expected = {"chief": 1, "worker": num_workers}
+    if ns.cs_ip is None:
+        expected.update(memoryx=1, swarmx=1, wse=ns.num_csx)
+    directory = DirectoryServer(ctx, job, expected)
+    cs_ip = directory.address if ns.cs_ip is None else cs_address(ns.cs_ip)
+    env = base_env(ns, job, directory.address, cs_ip)
+    group = ProcessGroup()
+    logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s)", job, ns.num_csx, num_workers)
+    supervisor = Supervisor(directory, group, finisher_role="chief")
+    try:
+        if ns.cs_ip is None:
+            start_services(group, env, ns.num_csx)
+        start_tasks(group, env, ns.command, num_workers)
+        code = supervisor.run()
+    finally:
+        group.stop_all()
+        ctx.destroy(linger=0)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

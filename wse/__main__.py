@@ -1,0 +1,25 @@
+"""The WSE emulator process: `python -m wse` (started by csrun_wse or the appliance)."""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from cs_runtime.cluster import DirectoryClient
+from cs_runtime.service import ProcessEnv, service_main
+from wse.emulator import WSE
+
+
+def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
+    wse = WSE(penv, ctx)
+    directory = DirectoryClient(ctx, penv.cs_ip, "wse", penv.rank, penv.job)
+    directory.register({"input": wse.input_address})
+    directory.start_heartbeats()
+    swarmx = directory.lookup(["swarmx"])["swarmx"][0]
+    wse.connect_swarmx(ctx, swarmx["endpoints"]["router"])
+    logging.getLogger("wse").info("WSE %d ready, input at %s", penv.rank, wse.input_address)
+    wse.serve()
+
+
+if __name__ == "__main__":
+    service_main("wse", main)

@@ -1,0 +1,150 @@
+"""The WSE emulator: executes layers as their weights stream in.
+
+Weight-streaming executor. For one training step the WSE receives, in order:
+WEIGHTS(fwd, 0..L-1) then WEIGHTS(bwd, L-1..0). On fwd 0 it takes its shard
+of the step's batch from the input workers; each forward layer keeps its
+activations resident; after the last layer it computes the loss (sent up to
+SwarmX) and the output delta; each backward layer turns the delta into the
+layer's weight gradients (sent to SwarmX for the sum over WSEs) and the delta
+for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
+EVAL_RESULT instead.
+
+Input batches arrive on a PULL socket from one or more input workers in any
+order; `InputMerger` hands them out in (stream, step) order, so results never
+depend on how many workers there are or which is faster.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import zmq
+
+from cs_runtime.model import ModelSpec, ShardContext, dense_backward, layer_forward, softmax_cross_entropy
+from cs_runtime.protocol import Message, Msg
+from cs_runtime.service import ProcessEnv
+from cs_runtime.transport import Endpoint
+
+log = logging.getLogger("wse")
+
+INPUT_PREFETCH = 4  # batches each worker may have in flight to this WSE
+
+
+class InputMerger:
+    """Buffers BATCH messages and returns them in the order the WSE asks for them."""
+
+    def __init__(self, pull: Endpoint):
+        self.pull = pull
+        self.buffer: dict[tuple[str, int], Message] = {}
+
+    def take(self, stream: str, step: int, poll_ms: int = 1000) -> Message:
+        key = (stream, step)
+        while key not in self.buffer:
+            got = self.pull.recv(poll_ms)
+            if got is None:
+                log.debug("waiting for input %s step %d", stream, step)
+                continue
+            msg = got[1]
+            if msg.type != Msg.BATCH:
+                self.pull.warn_once(None, f"unexpected {msg.type.value} on the input socket")
+                continue
+            self.buffer[(msg.meta["stream"], msg.step)] = msg
+        return self.buffer.pop(key)
+
+
+class WeightStreamingExecutor:
+    def __init__(self, spec: ModelSpec, seed: int, up: Endpoint, inputs: InputMerger):
+        self.spec, self.seed, self.up, self.inputs = spec, seed, up, inputs
+        self.reset()
+
+    def reset(self) -> None:
+        self.step = -1
+        self.x = None
+        self.labels = None
+        self.ctx: ShardContext | None = None
+        self.caches: list = []
+        self.delta = None
+
+    def on_weights(self, msg: Message) -> None:
+        phase, index = msg.meta["phase"], msg.layer
+        if phase in ("fwd", "eval"):
+            self.forward(msg.step, index, msg.arrays, train=phase == "fwd")
+        elif phase == "bwd":
+            self.backward(msg.step, index, msg.arrays)
+        else:
+            raise ValueError(f"unknown weights phase {phase!r} for layer {index}")
+
+    def forward(self, step: int, index: int, weights: dict, train: bool) -> None:
+        if index == 0:
+            self.start_step(step, "train" if train else "eval", train)
+        elif step != self.step or len(self.caches) != index:
+            raise RuntimeError(f"forward weights for layer {index} of step {step} out of order")
+        out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx)
+        self.caches.append(cache)
+        self.x = out
+        if index == len(self.spec.layers) - 1:
+            self.finish_forward(step, train)
+
+    def start_step(self, step: int, stream: str, train: bool) -> None:
+        batch = self.inputs.take(stream, step)
+        meta = batch.meta
+        self.step, self.caches = step, []
+        self.x = batch.arrays["x"]
+        self.labels = batch.arrays["y"]
+        self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
+                                slice(int(meta["row_start"]), int(meta["row_stop"])), train)
+
+    def finish_forward(self, step: int, train: bool) -> None:
+        loss, dlogits, correct = softmax_cross_entropy(self.x, self.labels, self.ctx.global_batch)
+        count = len(self.labels)
+        if train:
+            self.delta = dlogits
+            self.up.send(Message(Msg.LOSS, step=step, meta={"loss": loss, "count": count}))
+        else:
+            loss_sum = loss * self.ctx.global_batch
+            self.up.send(Message(Msg.EVAL_RESULT, step=step,
+                                 meta={"loss_sum": loss_sum, "correct": correct, "count": count}))
+            self.caches = []
+
+    def backward(self, step: int, index: int, weights: dict) -> None:
+        if step != self.step or index != len(self.caches) - 1 or self.delta is None:
+            raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
+        layer = self.spec.layers[index]
+        cache = self.caches.pop()
+        self.delta, grads = dense_backward(layer, self.delta, cache, weights["weight"], need_dx=index > 0)
+        self.up.send(Message(Msg.GRADS, step=step, layer=index, arrays=grads))
+
+
+class WSE:
+    def __init__(self, penv: ProcessEnv, ctx: zmq.Context):
+        self.penv = penv
+        self.pull = Endpoint(ctx, zmq.PULL, f"wse{penv.rank}-input", penv.job)
+        self.pull.sock.setsockopt(zmq.RCVHWM, INPUT_PREFETCH)
+        self.input_address = self.pull.bind()
+        self.inputs = InputMerger(self.pull)
+        self.up: Endpoint | None = None
+        self.executor: WeightStreamingExecutor | None = None
+
+    def connect_swarmx(self, ctx: zmq.Context, address: str) -> None:
+        self.up = Endpoint(ctx, zmq.DEALER, f"wse{self.penv.rank}->swarmx", self.penv.job).connect(address)
+        self.up.send(Message(Msg.HELLO, meta={"role": "wse", "rank": self.penv.rank}))
+
+    def serve(self) -> None:
+        while True:
+            _, msg = self.up.recv()
+            self.handle(msg)
+
+    def handle(self, msg: Message) -> None:
+        if msg.type == Msg.LOAD_MODEL:
+            spec = msg.meta["spec"]
+            self.executor = WeightStreamingExecutor(ModelSpec.from_dict(spec["model"]), int(spec["seed"]),
+                                                    self.up, self.inputs)
+            self.up.send(Message(Msg.ACK, meta={"what": "load_model"}))
+        elif msg.type == Msg.WEIGHTS and self.executor is not None:
+            self.executor.on_weights(msg)
+        elif msg.type == Msg.JOB_END:
+            self.executor = None
+            self.inputs.buffer.clear()
+            self.up.send(Message(Msg.ACK, meta={"what": "job_end"}))
+        else:
+            self.up.warn_once(None, f"unexpected {msg.type.value} (model loaded: {self.executor is not None})")
