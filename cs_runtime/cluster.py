@@ -149,7 +149,8 @@ class DirectoryClient:
 
 
 def _exit_now(reason: str) -> None:
-    log.info("stopping: %s", reason)
+    # Quietly: the launcher prints the one line that says what failed.
+    log.debug("stopping: %s", reason)
     logging.shutdown()
     os._exit(1)
 

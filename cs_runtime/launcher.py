@@ -126,9 +126,12 @@ class Supervisor:
     def _check(self) -> None:
         if self.interrupted:
             raise JobFailed(self.interrupted)
-        for task, rc in self.group.exited():
-            if rc != 0:
-                raise JobFailed(f"{task.label} exited with {_describe(rc)}")
+        # A process killed by a signal is the cause; exits with an error code
+        # seen at the same time are usually its peers reacting to it.
+        failed = sorted((rc for rc in self.group.exited() if rc[1] != 0), key=lambda t: t[1] >= 0)
+        if failed:
+            task, rc = failed[0]
+            raise JobFailed(f"{task.label} exited with {_describe(rc)}")
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
             if (peer.role, peer.rank) in {(t.role, t.rank) for t, _ in self.group.exited()}:
                 continue  # exited cleanly (a worker that finished its plan)

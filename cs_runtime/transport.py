@@ -63,18 +63,29 @@ class Endpoint:
     def send(self, msg: Message, identity: bytes | None = None) -> None:
         if not msg.job:
             msg.job = self.job
-        frames = encode(msg)
-        if self.is_router:
-            frames = [identity, *frames]
-        self.sock.send_multipart(frames, copy=False)
+        if not self._send_frames(encode(msg), identity, msg.type.value):
+            return
         payload = array_bytes(msg)
         self.bytes_sent += payload
         self.sent_by_type[msg.type.value] += payload
 
     def forward(self, frames: list, identity: bytes | None = None) -> None:
         """Send already-encoded frames on (SwarmX's zero-copy broadcast)."""
-        self.sock.send_multipart([identity, *frames] if self.is_router else frames, copy=False)
+        if not self._send_frames(frames, identity, "forwarded message"):
+            return
         self.bytes_sent += sum(len(f.buffer) if hasattr(f, "buffer") else len(f) for f in frames[1:])
+
+    def _send_frames(self, frames: list, identity: bytes | None, what: str) -> bool:
+        try:
+            self.sock.send_multipart([identity, *frames] if self.is_router else frames, copy=False)
+            return True
+        except zmq.error.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+        # The peer is gone. The launcher notices and stops the job; dying here
+        # too would only hide which process failed first.
+        self.warn_once(identity, f"{what} not delivered: peer has disconnected")
+        return False
 
     def recv_raw(self, timeout_ms: int | None = None):
         """Next (identity, frames) or None on timeout; frames are not decoded."""

@@ -1,0 +1,120 @@
+"""Helpers for tests that run whole jobs: params files, runs, and reading results back."""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+FC_MNIST = str(REPO / "examples" / "fc_mnist" / "run.py")
+BIN = Path(sys.executable).parent
+
+# Small and in the stable regime of SGD, so float32 summation-order
+# differences between data-parallel and single-process runs stay tiny.
+SMALL_PARAMS = {
+    "train_input": {"batch_size": 64, "shuffle": True, "drop_last_batch": True},
+    "eval_input": {"batch_size": 100, "shuffle": False, "drop_last_batch": False},
+    "model": {"hidden_sizes": [64, 32], "activation": "relu", "dropout": 0.1},
+    "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.01, "momentum": 0.9},
+    "runconfig": {"max_steps": 100, "log_steps": 25, "checkpoint_steps": 50, "seed": 3},
+}
+
+
+def write_params(tmp_path: Path, name: str = "params.yaml", **sections) -> Path:
+    params = {k: dict(v) for k, v in SMALL_PARAMS.items()}
+    for section, values in sections.items():
+        params.setdefault(section, {}).update(values)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def tool(name: str) -> str:
+    found = BIN / name
+    return str(found) if found.exists() else name
+
+
+def run_cpu(params: Path, model_dir: Path, mode: str = "train", *extra: str, timeout: int = 120):
+    cmd = [tool("csrun_cpu"), sys.executable, FC_MNIST, "--mode", mode, "--params", str(params),
+           "--model_dir", str(model_dir), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def wse_command(params: Path, model_dir: Path, mode: str = "train", num_csx: int = 1, workers: int = 1,
+                extra: tuple = ()) -> list[str]:
+    return [tool("csrun_wse"), "--num_csx", str(num_csx), "--num_workers_per_csx", str(workers),
+            sys.executable, FC_MNIST, "--mode", mode, "--params", str(params), "--model_dir", str(model_dir),
+            *extra]
+
+
+def run_wse(params: Path, model_dir: Path, mode: str = "train", num_csx: int = 1, workers: int = 1,
+            extra: tuple = (), timeout: int = 180):
+    cmd = wse_command(params, model_dir, mode, num_csx, workers, extra)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def train_losses(model_dir: Path) -> np.ndarray:
+    """Per-step training loss, read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(model_dir / "train"), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = acc.Scalars("loss")
+    by_step = {e.step: e.value for e in events}  # a resumed run appends; last write wins
+    return np.array([by_step[s] for s in sorted(by_step)])
+
+
+def final_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    path = sorted(glob.glob(str(model_dir / "checkpoint_*.npz")),
+                  key=lambda p: int(Path(p).stem.split("_")[1]))[-1]
+    with np.load(path) as ck:
+        return {k: ck[k] for k in ck.files if k.startswith("model/")}
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-30))
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, args) of every live process below `pid`."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    children: dict[int, list[tuple[int, str]]] = {}
+    for line in out.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3:
+            children.setdefault(int(parts[1]), []).append((int(parts[0]), parts[2]))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Last-resort cleanup for a test that failed half-way."""
+    for pid, _ in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
