@@ -132,7 +132,17 @@ class ClusterExecutor:
         self.memoryx.send(Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr}))
         loss = self.wait(self.swarmx, Msg.LOSS, step)
         done = self.wait(self.memoryx, Msg.STEP_DONE, step)
+        self.traffic = {k: int(done.meta.get(k, 0)) for k in ("weight_bytes", "grad_bytes")}
         return float(loss.meta["loss"]), float(done.meta["grad_norm"])
+
+    def traffic_summary(self) -> str:
+        """Bytes through MemoryX in the last step; SwarmX fans weights out to every WSE."""
+        t = getattr(self, "traffic", None)
+        if not t:
+            return ""
+        n = self.penv.num_csx
+        return (f"| Streaming Device=WSE, WeightBytes/step={t['weight_bytes']} (MemoryX->SwarmX) "
+                f"x {1 + n} hops incl. fan-out to {n} WSE(s), GradBytes/step={t['grad_bytes']} (SwarmX->MemoryX)")
 
     def eval_step(self, step: int) -> tuple[float, int, int]:
         self.memoryx.send(Message(Msg.EVAL_STEP, step=step))

@@ -150,6 +150,9 @@ class Trainer:
                 self.save_checkpoint()
         if not (self.rc.checkpoint_steps and self.global_step % self.rc.checkpoint_steps == 0):
             self.save_checkpoint()
+        summary = getattr(self.executor, "traffic_summary", lambda: "")()
+        if summary:
+            print(summary, flush=True)
 
     def evaluate(self) -> None:
         total_loss, correct, count = 0.0, 0, 0

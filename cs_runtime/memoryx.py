@@ -103,6 +103,7 @@ class MemoryX:
 
     def train_step(self, step: int, lr: float) -> None:
         n = len(self.spec.layers)
+        sent, received = self.router.bytes_sent, self.router.bytes_received
         self.stream_weights(step, "fwd", range(n))
         # Weights sent zero-copy must not change until they have left: a layer's
         # gradients only arrive after every WSE received its backward weights.
@@ -122,7 +123,9 @@ class MemoryX:
             for index in range(n):
                 scaled = {k: g * np.float32(factor) for k, g in grads[index].items()}
                 self.update(index, scaled, lr, step)
-        self.router.send(Message(Msg.STEP_DONE, step=step, meta={"grad_norm": norm}),
+        traffic = {"weight_bytes": self.router.bytes_sent - sent,
+                   "grad_bytes": self.router.bytes_received - received}
+        self.router.send(Message(Msg.STEP_DONE, step=step, meta={"grad_norm": norm, **traffic}),
                          self.peers["chief"])
 
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:

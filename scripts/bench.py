@@ -1,0 +1,90 @@
+"""Benchmark: the same model trained by each execution path, in one run.
+
+    python scripts/bench.py                 # FC-MNIST (preset small)
+    python scripts/bench.py --steps 300 --preset medium
+
+Rows: the CPU path (single process, the baseline) and csrun_wse in weight
+streaming with 1 and 2 WSEs. For each: samples/sec (the chief's GlobalRate
+over the whole training loop, after start-up), the ratio to the CPU path,
+and for the cluster rows the bytes streamed per step. Timings drift on
+shared machines: compare ratios within one run, never absolute numbers
+across runs. Results also go to --json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
+BIN = Path(sys.executable).parent
+
+PRESETS = {
+    "small": {"hidden_sizes": [256, 128], "batch_size": 128},
+    "medium": {"hidden_sizes": [1024, 1024, 1024], "batch_size": 256},
+}
+RATE_RE = re.compile(r"GlobalRate=([\d.]+) samples/sec")
+TRAFFIC_RE = re.compile(r"WeightBytes/step=(\d+) .* x (\d+) hops.*GradBytes/step=(\d+)")
+
+
+def write_params(folder: Path, preset: dict, steps: int) -> Path:
+    params = {
+        "train_input": {"batch_size": preset["batch_size"], "shuffle": True, "drop_last_batch": True},
+        "model": {"hidden_sizes": preset["hidden_sizes"], "activation": "relu", "dropout": 0.1},
+        "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.01, "momentum": 0.9},
+        "runconfig": {"max_steps": steps, "log_steps": steps, "checkpoint_steps": 0, "seed": 1},
+    }
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def run_row(name: str, launcher: list[str], params: Path, model_dir: Path) -> dict:
+    cmd = [*launcher, sys.executable, str(FC_MNIST), "--mode", "train", "--params", str(params),
+           "--model_dir", str(model_dir)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"bench: {name} failed:\n{result.stderr[-2000:]}")
+    rates = RATE_RE.findall(result.stdout)
+    row = {"name": name, "samples_per_sec": float(rates[-1])}
+    traffic = TRAFFIC_RE.search(result.stdout)
+    if traffic:
+        weight, hops, grads = (int(g) for g in traffic.groups())
+        row.update(weight_bytes_per_step=weight * hops, grad_bytes_per_step=grads * (hops - 1) + grads)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
+        tmp = Path(tmp)
+        params = write_params(tmp, preset, args.steps)
+        rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
+        for n in (1, 2):
+            rows.append(run_row(f"weight_streaming_{n}wse", [str(BIN / "csrun_wse"), "--num_csx", str(n)],
+                                params, tmp / f"ws{n}"))
+    base = rows[0]["samples_per_sec"]
+    print(f"preset={args.preset} model={preset['hidden_sizes']} batch={preset['batch_size']} steps={args.steps}")
+    print(f"{'row':<24}{'samples/sec':>14}{'vs cpu':>9}{'weight B/step':>16}{'grad B/step':>14}")
+    for row in rows:
+        row["ratio_vs_cpu"] = row["samples_per_sec"] / base
+        print(f"{row['name']:<24}{row['samples_per_sec']:>14.1f}{row['ratio_vs_cpu']:>9.2f}"
+              f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"preset": args.preset, "steps": args.steps, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
