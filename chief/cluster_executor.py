@@ -30,8 +30,22 @@ class ServiceError(RuntimeError):
     pass
 
 
+def choose_strategy(plan: dict, args, num_csx: int) -> tuple[str, int]:
+    """The compiler's execution strategy and replica count, within what the system can run."""
+    strategy = plan.get("execution_strategy", "weight_streaming")
+    if strategy == "pipelined" and num_csx > 1:
+        # As on a real cluster: several CS systems train together only in weight streaming.
+        log.info("layer pipelined runs on one CS system; %d requested: using weight streaming", num_csx)
+        strategy = "weight_streaming"
+    replicas = int(plan.get("num_replicas", 1))
+    if getattr(args, "multireplica", False):
+        replicas = max(replicas, 2)
+    if strategy != "pipelined":
+        replicas = 1
+    return strategy, replicas
+
+
 class ClusterExecutor:
-    device = "WSE"
 
     def __init__(self, args, fns, spec, compiled=None):
         from chief.trainer import optimizer_spec
@@ -47,6 +61,8 @@ class ClusterExecutor:
         found = services.lookup(["memoryx", "swarmx"])
         self.memoryx = self.dealer("memoryx", found["memoryx"][0])
         self.swarmx = self.dealer("swarmx", found["swarmx"][0])
+        self.strategy, self.replicas = choose_strategy(compiled or {}, args, self.penv.num_csx)
+        self.device = f"WSE, Mode={self.strategy}" + (f" x{self.replicas}" if self.replicas > 1 else "")
         self.plan_phases: list | None = None
         self.waiting_workers: list[bytes] = []
         self._eval_steps: int | None = None
@@ -117,22 +133,37 @@ class ClusterExecutor:
 
     def load(self, weights, opt_state, phases) -> None:
         spec = {"model": self.spec.to_dict(), "optimizer": self.opt_spec,
-                "max_gradient_norm": self.params.optimizer.max_gradient_norm}
-        self.memoryx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec},
-                                  arrays=pack_state(self.spec, weights, opt_state)))
-        self.wait(self.memoryx, Msg.ACK)
-        wse_spec = {"model": self.spec.to_dict(), "seed": self.params.runconfig.seed}
-        self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": wse_spec}))
+                "max_gradient_norm": self.params.optimizer.max_gradient_norm,
+                "seed": self.params.runconfig.seed, "execution_strategy": self.strategy,
+                "replicas": self.replicas}
+        state = pack_state(self.spec, weights, opt_state)
+        if self.pipelined:
+            # Every weight goes to the wafer once, here, and stays there.
+            self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec}, arrays=state))
+        else:
+            self.memoryx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec}, arrays=state))
+            self.wait(self.memoryx, Msg.ACK)
+            self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec}))
         self.wait(self.swarmx, Msg.ACK)
         self.plan_phases = phases
         self.answer_workers()
         log.info("model loaded on MemoryX and %d WSE(s)", self.penv.num_csx)
 
+    @property
+    def pipelined(self) -> bool:
+        return self.strategy == "pipelined"
+
     def train_step(self, step: int, lr: float) -> tuple[float, float]:
+        if self.pipelined:
+            self.swarmx.send(Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr}))
+            loss = self.wait(self.swarmx, Msg.LOSS, step)
+            self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
+            return float(loss.meta["loss"]), float(loss.meta["grad_norm"])
         self.memoryx.send(Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr}))
         loss = self.wait(self.swarmx, Msg.LOSS, step)
         done = self.wait(self.memoryx, Msg.STEP_DONE, step)
         self.traffic = {k: int(done.meta.get(k, 0)) for k in ("weight_bytes", "grad_bytes")}
+        self.traffic["wse_bytes_in"] = int(loss.meta.get("bytes_in", -1))
         return float(loss.meta["loss"]), float(done.meta["grad_norm"])
 
     def traffic_summary(self) -> str:
@@ -141,18 +172,22 @@ class ClusterExecutor:
         if not t:
             return ""
         n = self.penv.num_csx
+        if self.pipelined:
+            return f"| Streaming Device=WSE, WeightBytes/step={t['wse_bytes_in']} (received by the WSE sockets)"
         return (f"| Streaming Device=WSE, WeightBytes/step={t['weight_bytes']} (MemoryX->SwarmX) "
-                f"x {1 + n} hops incl. fan-out to {n} WSE(s), GradBytes/step={t['grad_bytes']} (SwarmX->MemoryX)")
+                f"x {1 + n} hops incl. fan-out to {n} WSE(s), GradBytes/step={t['grad_bytes']} (SwarmX->MemoryX), "
+                f"WSEBytesIn/step={t['wse_bytes_in']}")
 
     def eval_step(self, step: int) -> tuple[float, int, int]:
-        self.memoryx.send(Message(Msg.EVAL_STEP, step=step))
+        (self.swarmx if self.pipelined else self.memoryx).send(Message(Msg.EVAL_STEP, step=step))
         result = self.wait(self.swarmx, Msg.EVAL_RESULT, step)
         m = result.meta
         return float(m["loss_sum"]), int(m["correct"]), int(m["count"])
 
     def state(self):
-        self.memoryx.send(Message(Msg.GET_STATE))
-        msg = self.wait(self.memoryx, Msg.STATE)
+        holder = self.swarmx if self.pipelined else self.memoryx  # who has the weights
+        holder.send(Message(Msg.GET_STATE))
+        msg = self.wait(holder, Msg.STATE)
         return unpack_state(self.spec, Optimizer(**self.opt_spec), msg.arrays)
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from cs_runtime.inputs import InputStream, eval_steps
 from cs_runtime.model import ShardContext, dense_backward, layer_forward, softmax_cross_entropy
-from cs_runtime.optim import Optimizer, clip_factor, global_norm
+from cs_runtime.optim import Optimizer, clip_factor, global_norm, scale_grads
 from cs_runtime.runner import RunArgs, UserFunctions
 
 
@@ -57,8 +57,8 @@ class CpuExecutor:
         norm = global_norm(grads[i] for i in range(len(grads)))
         factor = clip_factor(norm, self.max_norm)
         for index, layer in enumerate(self.spec.layers):
-            g = grads[index] if factor == 1.0 else {k: v * factor for k, v in grads[index].items()}
-            self.optimizer.update(self.weights[layer.name], g, self.opt_state[layer.name], lr, step)
+            self.optimizer.update(self.weights[layer.name], scale_grads(grads[index], factor),
+                                  self.opt_state[layer.name], lr, step)
         return loss, norm
 
     def eval_step(self, step: int) -> tuple[float, int, int]:

@@ -17,7 +17,7 @@ import zmq
 
 from .cluster import DirectoryClient
 from .model import ModelSpec
-from .optim import Optimizer, clip_factor, global_norm
+from .optim import Optimizer, clip_factor, global_norm, scale_grads
 from .protocol import Message, Msg
 from .service import ProcessEnv, service_main
 from .transport import Endpoint
@@ -121,8 +121,7 @@ class MemoryX:
         factor = clip_factor(norm, self.max_norm)
         if self.max_norm:
             for index in range(n):
-                scaled = {k: g * np.float32(factor) for k, g in grads[index].items()}
-                self.update(index, scaled, lr, step)
+                self.update(index, scale_grads(grads[index], factor), lr, step)
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
         self.router.send(Message(Msg.STEP_DONE, step=step, meta={"grad_norm": norm, **traffic}),

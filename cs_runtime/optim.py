@@ -62,10 +62,11 @@ class Optimizer:
             g += wd * w
         m, v = slots["exp_avg"], slots["exp_avg_sq"]
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
+        # 1 - beta in float64 first: 1 - float32(0.999) is off by 5e-5 relative.
         m *= b1
-        m += (1 - b1) * g
+        m += np.float32(1 - self.beta1) * g
         v *= b2
-        v += (1 - b2) * g * g
+        v += np.float32(1 - self.beta2) * g * g
         bias1 = 1 - self.beta1 ** t
         bias2 = 1 - self.beta2 ** t
         denom = np.sqrt(v) / np.float32(math.sqrt(bias2))
@@ -80,6 +81,13 @@ def global_norm(grads_per_layer) -> float:
         for g in grads.values():
             total += float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64)))
     return math.sqrt(total)
+
+
+def scale_grads(grads: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
+    """Gradients times the clip factor (the same arrays when there is nothing to scale)."""
+    if factor == 1.0:
+        return grads
+    return {name: g * np.float32(factor) for name, g in grads.items()}
 
 
 def clip_factor(norm: float, max_norm: float | None) -> float:

@@ -33,6 +33,7 @@ class RunArgs:
     checkpoint_path: str | None
     validate_only: bool
     compile_only: bool
+    multireplica: bool = False
 
 
 @dataclass
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> RunArgs:
     parser.add_argument("--checkpoint_path", default=None, help="resume from this checkpoint")
     parser.add_argument("--validate_only", action="store_true", help="check the model compiles; run nothing")
     parser.add_argument("--compile_only", action="store_true", help="compile and write the report; run nothing")
+    parser.add_argument("--multireplica", action="store_true",
+                        help="layer pipelined: several copies of a small model on one WSE")
     ns = parser.parse_args(argv)
     try:
         params = load_params(ns.params)
@@ -58,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> RunArgs:
     validate_only = ns.validate_only or ns.mode == "validate_only"
     compile_only = ns.compile_only or ns.mode == "compile_only"
     mode = "train" if ns.mode in ("validate_only", "compile_only") else ns.mode
-    return RunArgs(mode, ns.params, params, ns.model_dir, ns.checkpoint_path, validate_only, compile_only)
+    return RunArgs(mode, ns.params, params, ns.model_dir, ns.checkpoint_path, validate_only, compile_only,
+                   ns.multireplica)
 
 
 def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None) -> None:

@@ -23,8 +23,10 @@ from .transport import Endpoint
 
 log = logging.getLogger("swarmx")
 
-BROADCAST = {Msg.WEIGHTS, Msg.LOAD_MODEL, Msg.JOB_END}
-REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK}
+# TRAIN_STEP, EVAL_STEP and GET_STATE come from the chief in layer-pipelined
+# mode, where the WSE holds the weights and MemoryX is not involved.
+BROADCAST = {Msg.WEIGHTS, Msg.LOAD_MODEL, Msg.JOB_END, Msg.TRAIN_STEP, Msg.EVAL_STEP, Msg.GET_STATE}
+REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE}
 
 
 def reduce_messages(parts: list[Message]) -> Message:

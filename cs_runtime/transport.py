@@ -129,5 +129,11 @@ class Endpoint:
             self._warned_senders.add(sender)
             log.warning("%s: dropped bad message from %s: %s", self.name, sender, reason)
 
+    def take_received(self) -> int:
+        """Array bytes received since the previous call (per-step traffic counts)."""
+        mark = getattr(self, "_received_mark", 0)
+        self._received_mark = self.bytes_received
+        return self.bytes_received - mark
+
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -22,8 +22,10 @@ SMALL_PARAMS = {
     "eval_input": {"batch_size": 100, "shuffle": False, "drop_last_batch": False},
     "model": {"hidden_sizes": [64, 32], "activation": "relu", "dropout": 0.1},
     "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.01, "momentum": 0.9},
-    "runconfig": {"max_steps": 100, "log_steps": 25, "checkpoint_steps": 50, "seed": 3},
+    "runconfig": {"max_steps": 100, "log_steps": 25, "checkpoint_steps": 50, "seed": 3,
+                  "execution_strategy": "weight_streaming"},
 }
+TOL = 1e-5
 
 
 def write_params(tmp_path: Path, name: str = "params.yaml", **sections) -> Path:
@@ -78,6 +80,19 @@ def final_weights(model_dir: Path) -> dict[str, np.ndarray]:
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_matches_oracle(model_dir: Path, oracle) -> None:
+    """Every step's loss and the final weights within TOL relative of the CPU run."""
+    _, losses, weights = oracle
+    got = train_losses(model_dir)
+    assert len(got) == len(losses) == 100
+    per_step = np.abs(got - losses) / np.abs(losses)
+    assert per_step.max() < TOL, f"worst step {per_step.argmax()}: {per_step.max():.2e}"
+    got_w = final_weights(model_dir)
+    assert got_w.keys() == weights.keys()
+    for name in weights:
+        assert relative_error(got_w[name], weights[name]) < TOL, name
 
 
 def descendants(pid: int) -> list[tuple[int, str]]:

@@ -24,6 +24,7 @@ from cs_runtime.model import ModelSpec, ShardContext, dense_backward, layer_forw
 from cs_runtime.protocol import Message, Msg
 from cs_runtime.service import ProcessEnv
 from cs_runtime.transport import Endpoint
+from wse.pipelined import PipelinedExecutor
 
 log = logging.getLogger("wse")
 
@@ -99,7 +100,8 @@ class WeightStreamingExecutor:
         count = len(self.labels)
         if train:
             self.delta = dlogits
-            self.up.send(Message(Msg.LOSS, step=step, meta={"loss": loss, "count": count}))
+            meta = {"loss": loss, "count": count, "bytes_in": self.up.take_received()}
+            self.up.send(Message(Msg.LOSS, step=step, meta=meta))
         else:
             loss_sum = loss * self.ctx.global_batch
             self.up.send(Message(Msg.EVAL_RESULT, step=step,
@@ -129,6 +131,13 @@ class WSE:
         self.up = Endpoint(ctx, zmq.DEALER, f"wse{self.penv.rank}->swarmx", self.penv.job).connect(address)
         self.up.send(Message(Msg.HELLO, meta={"role": "wse", "rank": self.penv.rank}))
 
+    def make_executor(self, msg: Message):
+        config = msg.meta["spec"]
+        spec = ModelSpec.from_dict(config["model"])
+        if config.get("execution_strategy") == "pipelined":
+            return PipelinedExecutor(spec, config, msg.arrays, self.up, self.inputs)
+        return WeightStreamingExecutor(spec, int(config["seed"]), self.up, self.inputs)
+
     def serve(self) -> None:
         while True:
             _, msg = self.up.recv()
@@ -136,12 +145,12 @@ class WSE:
 
     def handle(self, msg: Message) -> None:
         if msg.type == Msg.LOAD_MODEL:
-            spec = msg.meta["spec"]
-            self.executor = WeightStreamingExecutor(ModelSpec.from_dict(spec["model"]), int(spec["seed"]),
-                                                    self.up, self.inputs)
+            self.executor = self.make_executor(msg)
             self.up.send(Message(Msg.ACK, meta={"what": "load_model"}))
-        elif msg.type == Msg.WEIGHTS and self.executor is not None:
+        elif msg.type == Msg.WEIGHTS and isinstance(self.executor, WeightStreamingExecutor):
             self.executor.on_weights(msg)
+        elif isinstance(self.executor, PipelinedExecutor) and self.executor.handle(msg):
+            pass
         elif msg.type == Msg.JOB_END:
             self.executor = None
             self.inputs.buffer.clear()

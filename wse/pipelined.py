@@ -1,0 +1,108 @@
+"""Layer-pipelined executor: the whole model lives on the wafer.
+
+At LOAD_MODEL every weight and its optimizer state are loaded once; from then
+on a training step is TRAIN_STEP in, LOSS out: the WSE takes its batch,
+runs every layer forward and backward, and applies the learning rule to its
+own weights in place. No weight crosses a socket until a checkpoint asks for
+them (GET_STATE).
+
+Several minibatches are in flight: the input workers stream ahead of the
+compute (the PULL socket's queue is filled by ZeroMQ's I/O thread while numpy
+computes), so input transfer overlaps compute. The maths stays that of
+sequential minibatch SGD: step s+1 sees the weights step s updated, as on the
+real wafer where each layer's update lands before the next sample reaches it.
+
+Multi-replica: with k replicas the WSE's shard is split in k parts, each
+"copy" of the model computes its own gradients, and the copies' gradients are
+summed on the wafer (in replica order) before the one update.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cs_runtime.data import shard_rows
+from cs_runtime.memoryx import pack_state, unpack_state
+from cs_runtime.model import ModelSpec, ShardContext, dense_backward, layer_forward, softmax_cross_entropy
+from cs_runtime.optim import Optimizer, clip_factor, global_norm, scale_grads
+from cs_runtime.protocol import Message, Msg
+
+
+class PipelinedExecutor:
+    def __init__(self, spec: ModelSpec, config: dict, arrays: dict, up, inputs):
+        self.spec, self.up, self.inputs = spec, up, inputs
+        self.seed = int(config["seed"])
+        self.replicas = max(1, int(config.get("replicas", 1)))
+        self.max_norm = config.get("max_gradient_norm")
+        self.optimizer = Optimizer(**config["optimizer"])
+        self.weights, self.opt_state = unpack_state(spec, self.optimizer, arrays)
+
+    def handle(self, msg: Message) -> bool:
+        """Handle a step-level message; False if it is not one of ours."""
+        if msg.type == Msg.TRAIN_STEP:
+            self.train_step(msg.step, float(msg.meta["lr"]))
+        elif msg.type == Msg.EVAL_STEP:
+            self.eval_step(msg.step)
+        elif msg.type == Msg.GET_STATE:
+            self.up.send(Message(Msg.STATE, step=msg.step,
+                                 arrays=pack_state(self.spec, self.weights, self.opt_state)))
+        else:
+            return False
+        return True
+
+    def replica_contexts(self, batch: Message, train: bool):
+        """(x rows, labels, ShardContext) for each replica's part of this WSE's shard."""
+        meta = batch.meta
+        start, stop = int(meta["row_start"]), int(meta["row_stop"])
+        for r in range(self.replicas):
+            part = shard_rows(stop - start, r, self.replicas)
+            rows = slice(start + part.start, start + part.stop)
+            ctx = ShardContext(self.seed, batch.step, int(meta["global_batch"]), rows, train)
+            yield batch.arrays["x"][part], batch.arrays["y"][part], ctx
+
+    def forward(self, x, ctx):
+        caches = []
+        for index, layer in enumerate(self.spec.layers):
+            x, cache = layer_forward(self.spec, index, x, self.weights[layer.name], ctx)
+            caches.append(cache)
+        return x, caches
+
+    def train_step(self, step: int, lr: float) -> None:
+        batch = self.inputs.take("train", step)
+        loss, count, total = 0.0, 0, None
+        for x, y, ctx in self.replica_contexts(batch, train=True):
+            logits, caches = self.forward(x, ctx)
+            part_loss, delta, _ = softmax_cross_entropy(logits, y, ctx.global_batch)
+            grads = self.backward(delta, caches)
+            loss, count = loss + part_loss, count + len(y)
+            total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
+        norm = global_norm(total)
+        total = [scale_grads(g, clip_factor(norm, self.max_norm)) for g in total]
+        for layer, grads in zip(self.spec.layers, total):
+            self.optimizer.update(self.weights[layer.name], grads, self.opt_state[layer.name], lr, step)
+        # bytes_in: every array byte this WSE received from above during the step (0: no weights)
+        meta = {"loss": loss, "count": count, "grad_norm": norm, "bytes_in": self.up.take_received()}
+        self.up.send(Message(Msg.LOSS, step=step, meta=meta))
+
+    def backward(self, delta, caches) -> list[dict]:
+        grads = [None] * len(self.spec.layers)
+        for index in reversed(range(len(self.spec.layers))):
+            layer = self.spec.layers[index]
+            delta, grads[index] = dense_backward(layer, delta, caches[index],
+                                                 self.weights[layer.name]["weight"], need_dx=index > 0)
+        return grads
+
+    def eval_step(self, step: int) -> None:
+        batch = self.inputs.take("eval", step)
+        loss_sum, correct, count = 0.0, 0, 0
+        for x, y, ctx in self.replica_contexts(batch, train=False):
+            logits, _ = self.forward(x, ctx)
+            loss, _, c = softmax_cross_entropy(logits, y, ctx.global_batch)
+            loss_sum, correct, count = loss_sum + loss * ctx.global_batch, correct + c, count + len(y)
+        self.up.send(Message(Msg.EVAL_RESULT, step=step,
+                             meta={"loss_sum": loss_sum, "correct": correct, "count": count}))
+
+
+def add_into(total: dict, grads: dict) -> dict:
+    for name, g in grads.items():
+        total[name] += g
+    return total
