@@ -23,6 +23,7 @@ import json
 import os
 import re
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +113,8 @@ def load(path: str | Path) -> Checkpoint:
         meta = json.loads(str(data.pop("meta")))
         global_step = int(data.pop("global_step"))
         input_step = int(data.pop("input_step"))
-    except (OSError, ValueError, KeyError) as exc:
+    # A truncated or bit-flipped archive raises BadZipFile or EOFError, not OSError.
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"checkpoint {path} is not readable: {exc}") from None
     weights: dict = {}
     opt_state: dict = {}

@@ -17,6 +17,7 @@ This is the only module that defines message types; nothing else invents one.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,9 +112,11 @@ def encode(msg: Message) -> list:
     """Message -> list of frames (header bytes, then one buffer per array)."""
     specs, frames = [], []
     for name, arr in msg.arrays.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr, order="C")  # not ascontiguousarray: it turns 0-d into shape (1,)
         if arr.dtype.name not in ALLOWED_DTYPES:
             raise ProtocolError(f"array {name!r}: dtype {arr.dtype.name} is not allowed on the wire")
+        # The wire is little endian; '>f4' is also named "float32" and would arrive scrambled.
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
         specs.append([name, arr.dtype.name, list(arr.shape)])
         frames.append(arr if arr.nbytes >= ZERO_COPY_THRESHOLD else arr.tobytes())
     header = {"t": msg.type.value, "v": PROTOCOL_VERSION, "job": msg.job, "step": msg.step,
@@ -131,7 +134,11 @@ def decode(frames: list) -> Message:
     arrays = {}
     for (name, dtype, shape), frame in zip(specs, frames[1:]):
         # Read-only view on the received buffer; kernels copy when they must write.
-        arrays[name] = np.frombuffer(_as_buffer(frame), dtype=dtype).reshape(shape)
+        # ZeroMQ frames (and inproc zero-copy buffers) are writable, so say it explicitly:
+        # a receiver must never scribble on memory the sender may still own.
+        arr = np.frombuffer(_as_buffer(frame), dtype=dtype).reshape(shape)
+        arr.flags.writeable = False
+        arrays[name] = arr
     return Message(mtype, header["job"], header["step"], header["layer"], header["meta"], arrays)
 
 
@@ -144,7 +151,8 @@ def _as_buffer(frame):
 
 
 def _frame_len(frame) -> int:
-    return len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+    # Bytes, not len(): a frame may be a numpy array (encode's zero-copy frames).
+    return memoryview(_as_buffer(frame)).nbytes
 
 
 def _unpack_header(raw: bytes) -> dict:
@@ -191,10 +199,14 @@ def _check_array_specs(specs: list, frames: list) -> list:
         name, dtype, shape = spec
         if dtype not in ALLOWED_DTYPES:
             raise ProtocolError(f"array {name[:40]!r}: dtype {dtype[:20]!r} is not allowed")
-        if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool)
-                                            and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
-            raise ProtocolError(f"array {name[:40]!r}: bad shape")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if len(shape) > MAX_DIMS:
+            raise ProtocolError(f"array {name[:40]!r}: {len(shape)} dims exceed the cap of {MAX_DIMS}")
+        if not all(isinstance(d, int) and not isinstance(d, bool)
+                   and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
+            raise ProtocolError(f"array {name[:40]!r}: bad shape {str(shape)[:80]} "
+                                f"(dims must be ints in [0, {MAX_ARRAY_BYTES}])")
+        # Python ints: np.prod in int64 wraps (3 dims of 2**31 give 0) and would pass the cap.
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         if nbytes > MAX_ARRAY_BYTES:
             raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
         if nbytes != _frame_len(frame):

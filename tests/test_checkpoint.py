@@ -1,0 +1,241 @@
+"""Tests for cs_runtime.checkpoint: round trip, plain-npz format, atomic writes,
+discovery, pruning, compatibility checks and clear errors.
+
+    python -m pytest tests/test_checkpoint.py -q
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cs_runtime import checkpoint
+from cs_runtime.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    check_compatible,
+    latest,
+    list_checkpoints,
+    load,
+    prune,
+    save,
+)
+
+META = {"model": {"name": "fc", "layers": [{"name": "fc0", "in_features": 4}]},
+        "params": {"lr": 0.01, "betas": [0.9, 0.999], "note": "δ unicode"}, "input": {"step": 12}}
+
+
+def make_checkpoint(step: int = 10, seed: int = 0) -> Checkpoint:
+    rng = np.random.default_rng(seed)
+    shapes = {"fc0": {"weight": (4, 3), "bias": (3,)}, "fc1": {"weight": (3, 2), "bias": (2,)}}
+    weights = {l: {p: rng.standard_normal(s).astype(np.float32) for p, s in ps.items()}
+               for l, ps in shapes.items()}
+    opt = {l: {p: {"exp_avg": rng.standard_normal(s).astype(np.float32),
+                   "exp_avg_sq": rng.random(s).astype(np.float32)} for p, s in ps.items()}
+           for l, ps in shapes.items()}
+    return Checkpoint(global_step=step, input_step=step + 2, weights=weights, opt_state=opt, meta=META)
+
+
+def assert_same(a: Checkpoint, b: Checkpoint) -> None:
+    assert (a.global_step, a.input_step, a.meta) == (b.global_step, b.input_step, b.meta)
+    assert a.weights.keys() == b.weights.keys()
+    for layer, params in a.weights.items():
+        assert params.keys() == b.weights[layer].keys()
+        for p, w in params.items():
+            np.testing.assert_array_equal(w, b.weights[layer][p])
+            assert w.dtype == b.weights[layer][p].dtype
+            assert a.opt_state[layer][p].keys() == b.opt_state[layer][p].keys()
+            for slot, v in a.opt_state[layer][p].items():
+                np.testing.assert_array_equal(v, b.opt_state[layer][p][slot])
+
+
+def files_in(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+# --------------------------------------------------------------------------
+# round trip and format
+# --------------------------------------------------------------------------
+
+def test_save_load_round_trip(tmp_path):
+    ck = make_checkpoint(step=200)
+    path = save(tmp_path / "model_dir", ck)  # the folder is created
+    assert path == tmp_path / "model_dir" / "checkpoint_200.npz"
+    back = load(path)
+    assert isinstance(back.global_step, int) and isinstance(back.input_step, int)
+    assert_same(back, ck)
+
+
+def test_round_trip_without_optimizer_slots(tmp_path):
+    ck = make_checkpoint(step=1)
+    ck.opt_state = {}
+    back = load(save(tmp_path, ck))
+    assert back.opt_state == {}
+    assert back.weights.keys() == ck.weights.keys()
+
+
+def test_file_is_a_plain_npz(tmp_path):
+    ck = make_checkpoint(step=7)
+    path = save(tmp_path, ck)
+    with np.load(path, allow_pickle=False) as archive:
+        keys = set(archive.files)
+        assert keys == {"global_step", "input_step", "meta",
+                        *(f"model/{l}/{p}" for l in ck.weights for p in ck.weights[l]),
+                        *(f"optimizer/{l}/{p}/{s}" for l in ck.opt_state for p in ck.opt_state[l]
+                          for s in ck.opt_state[l][p])}
+        assert int(archive["global_step"]) == 7 and int(archive["input_step"]) == 9
+        assert archive["global_step"].dtype == np.int64
+        assert json.loads(str(archive["meta"])) == META
+        np.testing.assert_array_equal(archive["model/fc0/weight"], ck.weights["fc0"]["weight"])
+        np.testing.assert_array_equal(archive["optimizer/fc1/bias/exp_avg_sq"],
+                                      ck.opt_state["fc1"]["bias"]["exp_avg_sq"])
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    save(tmp_path, make_checkpoint(step=5, seed=1))
+    second = make_checkpoint(step=5, seed=2)
+    save(tmp_path, second)
+    assert files_in(tmp_path) == ["checkpoint_5.npz"]
+    assert_same(load(tmp_path / "checkpoint_5.npz"), second)
+
+
+# --------------------------------------------------------------------------
+# atomicity
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("exc", [OSError("disk full"), KeyboardInterrupt()])
+def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch, exc):
+    good = make_checkpoint(step=10)
+    save(tmp_path, good)
+    before = (tmp_path / "checkpoint_10.npz").read_bytes()
+
+    def broken_savez(file, *args, **kwargs):
+        file.write(b"PK\x03\x04 half an archive")
+        raise exc
+
+    monkeypatch.setattr(checkpoint.np, "savez", broken_savez)
+    with pytest.raises(type(exc)):
+        save(tmp_path, make_checkpoint(step=20), max_checkpoints=1)
+    monkeypatch.undo()
+
+    assert files_in(tmp_path) == ["checkpoint_10.npz"]  # no checkpoint_20, no temp file
+    assert (tmp_path / "checkpoint_10.npz").read_bytes() == before
+    assert latest(tmp_path) == tmp_path / "checkpoint_10.npz"
+    assert_same(load(tmp_path / "checkpoint_10.npz"), good)
+
+
+def test_failed_overwrite_of_the_same_step_keeps_the_old_file(tmp_path, monkeypatch):
+    good = make_checkpoint(step=3)
+    save(tmp_path, good)
+
+    def broken_savez(file, *args, **kwargs):
+        file.write(b"garbage")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(checkpoint.np, "savez", broken_savez)
+    with pytest.raises(RuntimeError):
+        save(tmp_path, make_checkpoint(step=3, seed=9))
+    monkeypatch.undo()
+    assert files_in(tmp_path) == ["checkpoint_3.npz"]
+    assert_same(load(tmp_path / "checkpoint_3.npz"), good)
+
+
+# --------------------------------------------------------------------------
+# discovery and pruning
+# --------------------------------------------------------------------------
+
+def test_latest_is_numeric_and_ignores_everything_else(tmp_path):
+    assert latest(tmp_path) is None
+    assert latest(tmp_path / "does_not_exist") is None
+    for step in (20, 100, 3):
+        save(tmp_path, make_checkpoint(step=step))
+    for junk in (".checkpoint_500.abc123.tmp", "checkpoint_900.npz.tmp", "checkpoint_x.npz",
+                 "checkpoint_1000.npy", "checkpoint_-5.npz", "other_2000.npz"):
+        (tmp_path / junk).write_bytes(b"junk")
+    (tmp_path / "subdir").mkdir()
+    assert latest(tmp_path) == tmp_path / "checkpoint_100.npz"  # 100 > 20, though "20" > "100"
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 20, 100]
+
+
+def test_save_prunes_to_the_newest_n(tmp_path):
+    for step in (1, 2, 10, 30, 200):
+        save(tmp_path, make_checkpoint(step=step), max_checkpoints=2)
+    assert files_in(tmp_path) == ["checkpoint_200.npz", "checkpoint_30.npz"]
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 10])
+def test_prune_keeps_newest(tmp_path, keep):
+    steps = [5, 50, 9, 100]
+    for step in steps:
+        save(tmp_path, make_checkpoint(step=step))
+    (tmp_path / ".checkpoint_7.x.tmp").write_bytes(b"")
+    prune(tmp_path, keep)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == sorted(steps)[-keep:]
+    assert (tmp_path / ".checkpoint_7.x.tmp").exists()  # prune touches checkpoints only
+
+
+# --------------------------------------------------------------------------
+# compatibility and errors
+# --------------------------------------------------------------------------
+
+def test_check_compatible_accepts_a_match():
+    ck = make_checkpoint()
+    expected = {l: {p: w.shape for p, w in ps.items()} for l, ps in ck.weights.items()}
+    check_compatible(ck, expected, "ck.npz")
+
+
+def test_check_compatible_lists_every_problem_in_one_line():
+    ck = make_checkpoint()
+    expected = {"fc0": {"weight": (4, 5), "bias": (3,)},        # fc0/weight mis-shaped
+                "fc1": {"weight": (3, 2), "bias": (2,), "scale": (2,)},  # fc1/scale missing
+                "fc2": {"weight": (2, 2)}}                       # fc2/weight missing
+    ck.weights["fc1"]["extra"] = np.zeros(1, np.float32)         # unexpected param
+    ck.weights["fc9"] = {"weight": np.zeros((1, 1), np.float32)}  # unexpected layer
+    with pytest.raises(CheckpointError) as info:
+        check_compatible(ck, expected, "model_dir/checkpoint_9.npz")
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "model_dir/checkpoint_9.npz" in msg
+    for part in ("fc0/weight has shape (4, 3), model needs (4, 5)", "fc1/scale missing",
+                 "fc2/weight missing", "fc1/extra", "fc9/weight", "unexpected"):
+        assert part in msg, (part, msg)
+    assert "fc0/bias" not in msg and "fc1/weight" not in msg
+
+
+def test_load_missing_file_names_it(tmp_path):
+    path = tmp_path / "checkpoint_42.npz"
+    with pytest.raises(CheckpointError, match="checkpoint_42.npz"):
+        load(path)
+
+
+def _corruptions(raw: bytes) -> dict[str, bytes]:
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 0xFF  # inside an array: the zip CRC catches it
+    return {"empty": b"", "garbage": b"not a zip at all" * 8, "truncated": raw[: len(raw) // 2],
+            "tail_cut": raw[:-10], "bit_flip": bytes(flipped)}
+
+
+@pytest.mark.parametrize("kind", ["empty", "garbage", "truncated", "tail_cut", "bit_flip"])
+def test_load_corrupt_file_raises_checkpoint_error_naming_it(tmp_path, kind):
+    good = save(tmp_path, make_checkpoint(step=8))
+    bad = tmp_path / "checkpoint_9.npz"
+    bad.write_bytes(_corruptions(good.read_bytes())[kind])
+    with pytest.raises(CheckpointError) as info:
+        load(bad)
+    assert "checkpoint_9.npz" in str(info.value)
+
+
+def test_load_npz_missing_required_keys(tmp_path):
+    path = tmp_path / "checkpoint_1.npz"
+    np.savez(path, **{"model/fc0/weight": np.zeros(2, np.float32)})
+    with pytest.raises(CheckpointError, match="checkpoint_1.npz"):
+        load(path)
+
+
+def test_load_refuses_pickled_content(tmp_path):
+    path = tmp_path / "checkpoint_1.npz"
+    np.savez(path, global_step=np.int64(1), input_step=np.int64(1), meta=np.array("{}"),
+             evil=np.array([object()], dtype=object))
+    with pytest.raises(CheckpointError, match="checkpoint_1.npz"):
+        load(path)

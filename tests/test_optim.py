@@ -1,0 +1,227 @@
+"""Tests for cs_runtime.optim against plain float64 references written from
+PyTorch's documented update rules (torch.optim.SGD / Adam / AdamW,
+torch.nn.utils.clip_grad_norm_).
+
+    python -m pytest tests/test_optim.py -q
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cs_runtime.optim import Optimizer, clip_factor, global_norm
+
+STEPS = 6
+LRS = [0.1, 0.05, 0.05, 0.02, 0.01, 0.01]  # the lr changes between steps, as schedules do
+
+
+# --------------------------------------------------------------------------
+# references (float64, one parameter, straight from the PyTorch docs)
+# --------------------------------------------------------------------------
+
+def ref_sgd(w, grads, lrs, momentum=0.0, weight_decay=0.0):
+    w, buf = w.astype(np.float64), None
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        g = g.astype(np.float64)
+        if weight_decay:
+            g = g + weight_decay * w
+        if momentum:
+            buf = g.copy() if t == 1 else momentum * buf + g   # dampening 0
+            g = buf
+        w = w - lr * g
+    return w, {"momentum": buf} if momentum else {}
+
+
+def ref_adam(w, grads, lrs, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False):
+    b1, b2 = betas
+    w = w.astype(np.float64)
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        g = g.astype(np.float64)
+        if decoupled:
+            w = w - lr * weight_decay * w                       # AdamW
+        elif weight_decay:
+            g = g + weight_decay * w                            # Adam (L2)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        m_hat = m / (1 - b1 ** t)
+        v_hat = v / (1 - b2 ** t)
+        w = w - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return w, {"exp_avg": m, "exp_avg_sq": v}
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+def problem(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"weight": rng.standard_normal((5, 4)).astype(np.float32),
+              "bias": rng.standard_normal(4).astype(np.float32)}
+    grads = [{k: (rng.standard_normal(v.shape) * 0.5).astype(np.float32) for k, v in params.items()}
+             for _ in range(STEPS)]
+    return params, grads
+
+
+def run(opt: Optimizer, params, grads, first_step=0):
+    params = {k: v.copy() for k, v in params.items()}
+    state = opt.init_state(params)
+    for i, (g, lr) in enumerate(zip(grads, LRS)):
+        opt.update(params, g, state, lr, first_step + i)
+    return params, state
+
+
+def assert_rel(actual, expected, rtol=1e-5, what=""):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    err = np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+def check_against(opt, ref, params, grads, **ref_kwargs):
+    got, state = run(opt, params, grads)
+    for name in params:
+        want_w, want_slots = ref(params[name], [g[name] for g in grads], LRS, **ref_kwargs)
+        assert got[name].dtype == np.float32
+        assert_rel(got[name], want_w, what=f"{name} weight")
+        assert set(state[name]) == set(want_slots)
+        for slot, want in want_slots.items():
+            assert_rel(state[name][slot], want, what=f"{name} {slot}")
+
+
+# --------------------------------------------------------------------------
+# update rules
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_sgd_matches_pytorch_rule(momentum, weight_decay):
+    params, grads = problem(1)
+    opt = Optimizer("sgd", momentum=momentum, weight_decay=weight_decay)
+    check_against(opt, ref_sgd, params, grads, momentum=momentum, weight_decay=weight_decay)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+@pytest.mark.parametrize("betas,eps", [((0.9, 0.999), 1e-8), ((0.8, 0.99), 1e-6)])
+def test_adam_matches_pytorch_rule(weight_decay, betas, eps):
+    params, grads = problem(2)
+    opt = Optimizer("adam", weight_decay=weight_decay, betas=betas, eps=eps)
+    check_against(opt, ref_adam, params, grads, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+@pytest.mark.parametrize("betas,eps", [((0.9, 0.999), 1e-8), ((0.8, 0.99), 1e-6)])
+def test_adamw_matches_pytorch_rule(weight_decay, betas, eps):
+    params, grads = problem(3)
+    opt = Optimizer("adamw", weight_decay=weight_decay, betas=betas, eps=eps)
+    check_against(opt, ref_adam, params, grads, betas=betas, eps=eps, weight_decay=weight_decay,
+                  decoupled=True)
+
+
+def test_adam_and_adamw_differ_only_with_weight_decay():
+    params, grads = problem(4)
+    a, _ = run(Optimizer("adam", weight_decay=0.1), params, grads)
+    w, _ = run(Optimizer("adamw", weight_decay=0.1), params, grads)
+    assert not np.allclose(a["weight"], w["weight"])
+    a0, _ = run(Optimizer("adam"), params, grads)
+    w0, _ = run(Optimizer("adamw"), params, grads)
+    np.testing.assert_array_equal(a0["weight"], w0["weight"])
+
+
+def test_bias_correction_uses_the_global_step():
+    """Resuming at step k must continue the bias correction from k, not from 0."""
+    params, grads = problem(5)
+    opt = Optimizer("adam")
+    full, full_state = run(opt, params, grads)
+    first, state = run(opt, params, grads[:3])
+    for i, (g, lr) in enumerate(zip(grads[3:], LRS[3:]), start=3):
+        opt.update(first, g, state, lr, i)
+    for name in params:
+        np.testing.assert_array_equal(first[name], full[name])
+        np.testing.assert_array_equal(state[name]["exp_avg_sq"], full_state[name]["exp_avg_sq"])
+
+
+def test_update_is_in_place_and_leaves_grads_alone():
+    params, grads = problem(6)
+    weight = params["weight"]
+    g = {k: v.copy() for k, v in grads[0].items()}
+    for v in g.values():
+        v.flags.writeable = False  # as decoded from the wire
+    before = {k: v.copy() for k, v in g.items()}
+    opt = Optimizer("sgd", momentum=0.9, weight_decay=0.1)
+    state = opt.init_state(params)
+    opt.update(params, g, state, 0.1, 0)
+    assert params["weight"] is weight and not np.array_equal(weight, problem(6)[0]["weight"])
+    for k in g:
+        np.testing.assert_array_equal(g[k], before[k])
+
+
+# --------------------------------------------------------------------------
+# state, norms, clipping
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,momentum,slots", [
+    ("sgd", 0.0, ()),
+    ("sgd", 0.9, ("momentum",)),
+    ("adam", 0.0, ("exp_avg", "exp_avg_sq")),
+    ("adamw", 0.0, ("exp_avg", "exp_avg_sq")),
+])
+def test_state_initialisation_slot_names(kind, momentum, slots):
+    opt = Optimizer(kind, momentum=momentum)
+    assert opt.slot_names() == slots
+    params, _ = problem()
+    state = opt.init_state(params)
+    assert set(state) == set(params)
+    for name, p in params.items():
+        assert tuple(state[name]) == slots
+        for value in state[name].values():
+            assert value.shape == p.shape and value.dtype == p.dtype and not value.any()
+            assert not np.shares_memory(value, p)
+
+
+def test_unknown_optimizer_is_refused():
+    with pytest.raises(ValueError, match="rmsprop"):
+        Optimizer("rmsprop")
+
+
+def test_from_config():
+    cfg = SimpleNamespace(optimizer_type="adamw", momentum=0.0, weight_decay=0.01,
+                          betas=[0.8, 0.95], eps=1e-7)
+    opt = Optimizer.from_config(cfg)
+    assert (opt.kind, opt.weight_decay, opt.beta1, opt.beta2, opt.eps) == ("adamw", 0.01, 0.8, 0.95, 1e-7)
+
+
+def test_global_norm_against_numpy():
+    rng = np.random.default_rng(7)
+    layers = [{"weight": rng.standard_normal((30, 20)).astype(np.float32),
+               "bias": rng.standard_normal(20).astype(np.float32)},
+              {"weight": rng.standard_normal((20, 3)).astype(np.float32) * 1e3,
+               "bias": np.zeros(3, np.float32)}]
+    flat = np.concatenate([g.ravel().astype(np.float64) for layer in layers for g in layer.values()])
+    assert global_norm(layers) == pytest.approx(np.linalg.norm(flat), rel=1e-12)
+    assert global_norm(iter(layers)) == pytest.approx(np.linalg.norm(flat), rel=1e-12)  # a generator
+    assert global_norm([]) == 0.0
+    # float64 accumulation: no float32 overflow for large values
+    huge = [{"g": np.full(4, 3e20, np.float32)}]
+    assert global_norm(huge) == pytest.approx(6e20, rel=1e-6)
+
+
+@pytest.mark.parametrize("norm,max_norm", [(5.0, 1.0), (0.5, 1.0), (1.0, 1.0), (3.0, None), (3.0, 0.0),
+                                           (1e6, 2.5)])
+def test_clip_factor_against_clip_grad_norm_formula(norm, max_norm):
+    if not max_norm:
+        expected = 1.0
+    else:
+        expected = min(1.0, max_norm / (norm + 1e-6))  # torch: clamp(max_norm / (norm + 1e-6), max=1)
+    # exactly 1.0 where torch gives max_norm / (max_norm + 1e-6): within 1e-6, and no clipping
+    assert clip_factor(norm, max_norm) == pytest.approx(expected, rel=1e-6)
+
+
+def test_clipped_gradients_have_the_max_norm():
+    rng = np.random.default_rng(8)
+    layers = [{"w": rng.standard_normal((10, 10)).astype(np.float32)} for _ in range(3)]
+    norm = global_norm(layers)
+    factor = clip_factor(norm, 1.0)
+    clipped = [{k: v * factor for k, v in layer.items()} for layer in layers]
+    assert global_norm(clipped) == pytest.approx(1.0, rel=1e-5)

@@ -1,0 +1,538 @@
+"""Tests for cs_runtime.protocol (encode/decode, validation) and transport.Endpoint.
+
+    python -m pytest tests/test_protocol.py -q
+
+Every malformed message must end in a ProtocolError that says what is wrong,
+never in another exception, an allocation the header asked for, or a state
+change in the receiver.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import tokenize
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cs_runtime import protocol
+from cs_runtime.protocol import (
+    ALLOWED_DTYPES,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    META_SCHEMA,
+    PROTOCOL_VERSION,
+    ZERO_COPY_THRESHOLD,
+    Message,
+    Msg,
+    ProtocolError,
+    array_bytes,
+    decode,
+    encode,
+)
+from cs_runtime.transport import Endpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+def _sample_value(typ):
+    """A value of the type META_SCHEMA asks for (a tuple means any of them)."""
+    if isinstance(typ, tuple):
+        typ = typ[-1]  # (int, float): take float, ints are covered elsewhere
+    return {str: "x", int: 3, float: 0.5, bool: True, dict: {"k": 1}, list: [1, "a"]}[typ]
+
+
+def minimal_meta(mtype: Msg) -> dict:
+    return {key: _sample_value(typ) for key, typ in META_SCHEMA[mtype].items()}
+
+
+def header(mtype: Msg = Msg.GRADS, **overrides) -> dict:
+    h = {"t": mtype.value, "v": PROTOCOL_VERSION, "job": "job1", "step": 2, "layer": 0,
+         "meta": minimal_meta(mtype), "arrays": []}
+    h.update(overrides)
+    return h
+
+
+def pack(h) -> bytes:
+    return msgpack.packb(h, use_bin_type=True)
+
+
+def sample_array(dtype: str, shape: tuple) -> np.ndarray:
+    n = int(np.prod(shape))
+    if dtype == "bool":
+        return (np.arange(n) % 3 == 0).reshape(shape)
+    return (np.arange(n) % 251).astype(dtype).reshape(shape)
+
+
+def reject(frames, *words):
+    """decode(frames) raises ProtocolError whose message contains every word."""
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    text = str(info.value)
+    for word in words:
+        assert word in text, f"{word!r} not in {text!r}"
+    return text
+
+
+# --------------------------------------------------------------------------
+# round trips
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mtype", list(Msg))
+def test_every_type_round_trips_with_minimal_meta(mtype):
+    msg = Message(mtype, job="j", step=7, layer=3, meta=minimal_meta(mtype),
+                  arrays={"a": np.arange(4, dtype=np.float32)})
+    out = decode(encode(msg))
+    assert out.type is mtype
+    assert (out.job, out.step, out.layer, out.meta) == ("j", 7, 3, msg.meta)
+    np.testing.assert_array_equal(out.arrays["a"], msg.arrays["a"])
+
+
+def test_meta_schema_covers_every_type():
+    assert set(META_SCHEMA) == set(Msg)
+
+
+@pytest.mark.parametrize("dtype", sorted(ALLOWED_DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3), (0, 4), (2, 1, 3)])
+def test_every_dtype_and_shape_round_trips(dtype, shape):
+    arr = sample_array(dtype, shape)
+    out = decode(encode(Message(Msg.GRADS, arrays={"g": arr}))).arrays["g"]
+    assert out.dtype == np.dtype(dtype)
+    assert out.shape == shape
+    np.testing.assert_array_equal(out, arr)
+
+
+def test_several_arrays_keep_order_names_and_values():
+    arrays = {"w": np.ones((2, 2), np.float32), "b": np.zeros(2, np.float64),
+              "y": np.array([1, 2], np.int64), "scalar": np.array(4.5, np.float16)}
+    out = decode(encode(Message(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays=arrays)))
+    assert list(out.arrays) == list(arrays)
+    for name in arrays:
+        np.testing.assert_array_equal(out.arrays[name], arrays[name])
+    assert array_bytes(out) == sum(a.nbytes for a in arrays.values())
+
+
+def test_non_contiguous_and_big_endian_arrays_arrive_with_their_values():
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    big_endian = np.arange(5, dtype=">i4")
+    out = decode(encode(Message(Msg.GRADS, arrays={"t": base.T, "s": base[:, ::2],
+                                                   "be": big_endian})))
+    np.testing.assert_array_equal(out.arrays["t"], base.T)
+    np.testing.assert_array_equal(out.arrays["s"], base[:, ::2])
+    np.testing.assert_array_equal(out.arrays["be"], big_endian)
+
+
+def test_large_array_is_sent_zero_copy_and_small_one_as_bytes():
+    big = np.random.default_rng(0).standard_normal((300, 100)).astype(np.float32)
+    assert big.nbytes > ZERO_COPY_THRESHOLD
+    small = np.arange(10, dtype=np.float32)
+    frames = encode(Message(Msg.GRADS, arrays={"big": big, "small": small}))
+    assert frames[1] is big or np.shares_memory(frames[1], big)  # the array's own buffer
+    assert isinstance(frames[2], bytes)
+    out = decode(frames)
+    np.testing.assert_array_equal(out.arrays["big"], big)
+    np.testing.assert_array_equal(out.arrays["small"], small)
+
+
+def test_decoded_arrays_are_read_only():
+    big = np.ones(ZERO_COPY_THRESHOLD, np.float32)
+    out = decode(encode(Message(Msg.GRADS, arrays={"big": big, "small": np.ones(3)})))
+    for arr in out.arrays.values():
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError):
+            arr[...] = 0
+    assert big.flags.writeable and (big == 1).all()  # the sender's array is untouched
+
+
+def test_encode_refuses_disallowed_dtypes():
+    for bad in (np.array([object()], dtype=object), np.array(["hello"]), np.array([1 + 2j])):
+        with pytest.raises(ProtocolError, match="not allowed"):
+            encode(Message(Msg.GRADS, arrays={"bad": bad}))
+
+
+# --------------------------------------------------------------------------
+# rejections: each a ProtocolError that says what is wrong
+# --------------------------------------------------------------------------
+
+def test_reject_empty_message():
+    reject([], "empty")
+
+
+def test_reject_not_msgpack():
+    reject([b"\xc1\xc1\xc1"], "msgpack")
+    reject([pack(header()) + b"trailing"], "msgpack")
+
+
+def test_reject_header_not_a_map():
+    reject([pack([1, 2, 3])], "not a map")
+    reject([pack("grads")], "not a map")
+
+
+def test_reject_oversized_header():
+    h = header(meta={"filler": "x" * (MAX_HEADER_BYTES + 10)})
+    reject([pack(h)], "header", "cap")
+
+
+def test_reject_wrong_version():
+    reject([pack(header(v=PROTOCOL_VERSION + 1))], "version", str(PROTOCOL_VERSION + 1))
+
+
+def test_reject_unknown_type():
+    reject([pack(header(t="format_disk"))], "unknown message type", "format_disk")
+
+
+@pytest.mark.parametrize("key,value", [("t", 5), ("v", "1"), ("v", True), ("job", None),
+                                       ("step", True), ("step", 1.0), ("layer", "0"),
+                                       ("meta", []), ("arrays", {})])
+def test_reject_bad_header_field(key, value):
+    reject([pack(header(**{key: value}))], repr(key))
+
+
+@pytest.mark.parametrize("key", ["t", "v", "job", "step", "layer", "meta", "arrays"])
+def test_reject_missing_header_field(key):
+    h = header()
+    del h[key]
+    reject([pack(h)], repr(key), "missing")
+
+
+@pytest.mark.parametrize("mtype", [m for m in Msg if META_SCHEMA[m]])
+def test_reject_missing_meta_field(mtype):
+    for key in META_SCHEMA[mtype]:
+        meta = minimal_meta(mtype)
+        del meta[key]
+        reject([pack(header(mtype, meta=meta))], mtype.value, repr(key))
+
+
+@pytest.mark.parametrize("mtype,key,value", [
+    (Msg.HEARTBEAT, "rank", "1"),
+    (Msg.HEARTBEAT, "rank", 1.0),
+    (Msg.HEARTBEAT, "rank", True),          # bool is an int subclass: still refused
+    (Msg.BATCH, "global_batch", False),
+    (Msg.LOSS, "count", True),
+    (Msg.LOSS, "loss", True),               # numeric field: bool refused too
+    (Msg.TRAIN_STEP, "lr", "0.1"),
+    (Msg.STATUS, "ok", 1),                  # bool field: an int is not a bool
+    (Msg.REGISTER, "endpoints", []),
+    (Msg.PLAN, "phases", {}),
+    (Msg.ACK, "what", None),
+])
+def test_reject_wrong_typed_meta_field(mtype, key, value):
+    meta = minimal_meta(mtype)
+    meta[key] = value
+    reject([pack(header(mtype, meta=meta))], mtype.value, repr(key), "wrong type")
+
+
+def test_numeric_meta_accepts_int_and_float():
+    for lr in (1, 0.25):
+        frames = [pack(header(Msg.TRAIN_STEP, meta={"lr": lr}))]
+        assert decode(frames).meta["lr"] == lr
+
+
+@pytest.mark.parametrize("dtype", ["object", "<U5", "O", "complex128", "float32 ", "V8", ""])
+def test_reject_disallowed_dtype(dtype):
+    reject([pack(header(arrays=[["a", dtype, [2]]])), b"\0" * 16], "'a'", "dtype", "not allowed")
+
+
+def test_reject_byte_size_mismatch():
+    reject([pack(header(arrays=[["w", "float32", [3]]])), b"\0" * 8],
+           "'w'", "8 bytes", "12")
+    reject([pack(header(arrays=[["w", "float64", [2, 2]]])), b"\0" * 40], "40", "32")
+
+
+def test_reject_negative_dims():
+    reject([pack(header(arrays=[["w", "float32", [2, -1]]])), b""], "'w'", "shape", "-1")
+
+
+def test_reject_non_int_dims():
+    for shape in ([2.0], [True], ["2"], [None]):
+        reject([pack(header(arrays=[["w", "uint8", shape]])), b"\0\0"], "'w'", "shape")
+
+
+def test_reject_too_many_dims():
+    shape = [1] * (MAX_DIMS + 1)
+    reject([pack(header(arrays=[["w", "uint8", shape]])), b"\0"], "'w'", "dims", str(MAX_DIMS))
+    ok = decode([pack(header(arrays=[["w", "uint8", [1] * MAX_DIMS]])), b"\0"])
+    assert ok.arrays["w"].shape == (1,) * MAX_DIMS
+
+
+def test_reject_malformed_array_spec():
+    for spec in (["w", "float32"], "w", ["w", "float32", 3], [1, "float32", [1]]):
+        reject([pack(header(arrays=[spec])), b"\0" * 4], "array spec")
+
+
+def test_reject_frame_count_mismatch():
+    h = pack(header(arrays=[["a", "uint8", [1]], ["b", "uint8", [1]]]))
+    reject([h, b"\0"], "2 arrays", "1 frames")
+    reject([h, b"\0", b"\0", b"\0"], "2 arrays", "3 frames")
+    reject([pack(header()), b"stray"], "0 arrays", "1 frames")
+
+
+def test_reject_too_many_arrays(monkeypatch):
+    monkeypatch.setattr(protocol, "MAX_ARRAYS", 2)
+    specs = [[f"a{i}", "uint8", [1]] for i in range(3)]
+    reject([pack(header(arrays=specs)), b"\0", b"\0", b"\0"], "3 arrays", "cap")
+
+
+def test_reject_array_over_cap_without_allocating(monkeypatch):
+    cap = 1024
+    monkeypatch.setattr(protocol, "MAX_ARRAY_BYTES", cap)
+
+    def no_array(*args, **kwargs):
+        raise AssertionError("an array was built for a message over the cap")
+
+    monkeypatch.setattr(np, "frombuffer", no_array)
+    # 129 float64 = 1032 bytes > cap; every dim is within the cap on its own.
+    reject([pack(header(arrays=[["w", "float64", [129]]])), b""], "'w'", "1032 bytes", "cap")
+    reject([pack(header(arrays=[["w", "float32", [32, 32]]])), b""], "'w'", "cap")
+    # A single dim beyond the cap is refused as a shape.
+    reject([pack(header(arrays=[["w", "uint8", [cap + 1]]])), b""], "'w'", "shape")
+
+
+def test_reject_huge_declared_shape_whose_product_overflows_int64():
+    # 3 dims of 2**31: 2**93 bytes. An int64 product wraps to 0 and would match an
+    # empty frame; the check must be exact.
+    big = protocol.MAX_ARRAY_BYTES
+    reject([pack(header(arrays=[["w", "uint8", [big, big, big]]])), b""], "'w'", "cap")
+    reject([pack(header(arrays=[["w", "uint8", [big] * MAX_DIMS]])), b""], "'w'", "cap")
+
+
+def test_empty_and_zero_dim_arrays_are_accepted_at_the_limits():
+    h = pack(header(arrays=[["e", "float32", [0, protocol.MAX_ARRAY_BYTES]],
+                            ["s", "int64", []]]))
+    out = decode([h, b"", np.int64(9).tobytes()])
+    assert out.arrays["e"].shape == (0, protocol.MAX_ARRAY_BYTES)
+    assert out.arrays["s"].shape == () and int(out.arrays["s"]) == 9
+
+
+# --------------------------------------------------------------------------
+# property-based: nothing but ProtocolError, ever
+# --------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=75, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def decode_or_protocol_error(frames) -> None:
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+msgpack_leaves = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+                  | st.floats(allow_nan=True) | st.text(max_size=12) | st.binary(max_size=12))
+msgpack_values = st.recursive(
+    msgpack_leaves,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=10)
+frames_after = st.lists(st.binary(max_size=64), max_size=4)
+
+
+@FUZZ
+@given(st.binary(max_size=256), frames_after)
+def test_fuzz_arbitrary_bytes(raw, rest):
+    decode_or_protocol_error([raw, *rest])
+
+
+@FUZZ
+@given(msgpack_values, frames_after)
+def test_fuzz_arbitrary_msgpack_headers(value, rest):
+    decode_or_protocol_error([pack(value), *rest])
+
+
+dims = st.integers(-3, 2**40) | st.sampled_from([0, 1, 2, 2**31, 2**31 - 1, 2**63, 2**64 - 1])
+array_specs = st.lists(
+    st.one_of(
+        st.tuples(st.text(max_size=4), st.sampled_from(sorted(ALLOWED_DTYPES) + ["object", "<U5", "xx"]),
+                  st.lists(dims, max_size=MAX_DIMS + 2)).map(list),
+        msgpack_values),
+    max_size=4)
+
+
+@FUZZ
+@given(st.sampled_from([m.value for m in Msg] + ["nope"]),
+       st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, True]),
+       st.one_of(st.builds(dict), st.dictionaries(st.text(max_size=12), msgpack_values, max_size=6),
+                 msgpack_values),
+       array_specs, frames_after, st.data())
+def test_fuzz_structured_headers(mtype, version, meta, specs, rest, data):
+    h = {"t": mtype, "v": version, "job": "j", "step": 1, "layer": 0, "meta": meta, "arrays": specs}
+    if isinstance(meta, dict) and mtype in {m.value for m in Msg} and data.draw(st.booleans()):
+        meta.update(minimal_meta(Msg(mtype)))  # often make the meta valid to get deeper
+    decode_or_protocol_error([pack(h), *rest])
+
+
+def _valid_frames(seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    arrays = {"x": rng.standard_normal((3, 4)).astype(np.float32),
+              "y": rng.integers(0, 10, 3), "s": np.array(True)}
+    frames = encode(Message(Msg.BATCH, job="j", step=1, meta=minimal_meta(Msg.BATCH), arrays=arrays))
+    return [bytes(f) if not isinstance(f, bytes) else f for f in frames]
+
+
+@FUZZ
+@given(st.integers(0, 3), st.data())
+def test_fuzz_truncated_valid_messages(seed, data):
+    frames = _valid_frames(seed)
+    decode(frames)  # the untouched message is valid
+    which = data.draw(st.integers(0, len(frames) - 1))
+    cut = data.draw(st.integers(0, max(0, len(frames[which]) - 1)))
+    truncated = list(frames)
+    truncated[which] = frames[which][:cut]
+    with pytest.raises(ProtocolError):
+        decode(truncated)
+    keep = data.draw(st.integers(0, len(frames) - 1))
+    with pytest.raises(ProtocolError):
+        decode(frames[:keep])
+
+
+# --------------------------------------------------------------------------
+# Endpoint over real ZeroMQ sockets
+# --------------------------------------------------------------------------
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def test_endpoint_round_trip_over_tcp_zero_copy(ctx):
+    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1")
+    client = Endpoint(ctx, zmq.DEALER, "client", job="job1")
+    try:
+        client.sock.setsockopt(zmq.IDENTITY, b"wse0")
+        client.connect(server.bind("127.0.0.1"))
+        big = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
+        client.send(Message(Msg.GRADS, step=4, layer=1, arrays={"weight": big, "bias": big[0]}))
+        got = server.recv(timeout_ms=5000)
+        assert got is not None
+        identity, msg = got
+        assert identity == b"wse0" and msg.job == "job1" and (msg.step, msg.layer) == (4, 1)
+        np.testing.assert_array_equal(msg.arrays["weight"], big)
+        np.testing.assert_array_equal(msg.arrays["bias"], big[0])
+        assert not msg.arrays["weight"].flags.writeable
+        assert not msg.arrays["bias"].flags.writeable
+        assert client.bytes_sent == server.bytes_received == big.nbytes + big[0].nbytes
+        # and back, routed by identity
+        server.send(Message(Msg.ACK, meta={"what": "grads"}), identity)
+        _, ack = client.recv(timeout_ms=5000)
+        assert ack.type is Msg.ACK and ack.meta == {"what": "grads"}
+    finally:
+        client.close()
+        server.close()
+
+
+def test_endpoint_recv_times_out(ctx):
+    ep = Endpoint(ctx, zmq.PULL, "idle")
+    try:
+        ep.bind("127.0.0.1")
+        assert ep.recv(timeout_ms=10) is None
+    finally:
+        ep.close()
+
+
+def test_endpoint_drops_bad_messages_logs_once_per_sender(ctx, caplog):
+    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1")
+    server.sock.bind("inproc://bad-senders")
+    senders = {}
+    for name in (b"alice", b"bob"):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, name)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect("inproc://bad-senders")
+        senders[name] = s
+    try:
+        good = encode(Message(Msg.HEARTBEAT, job="job1", meta={"role": "wse", "rank": 0}))
+        senders[b"alice"].send_multipart([b"\xc1 not msgpack"])
+        senders[b"alice"].send_multipart([pack(header(t="nope", job="job1"))])
+        senders[b"bob"].send_multipart([pack([1, 2])])
+        senders[b"alice"].send_multipart(good)
+        with caplog.at_level(logging.WARNING, logger="cs_runtime.transport"):
+            got = server.recv(timeout_ms=5000)
+            assert got is not None
+            identity, msg = got
+            assert identity == b"alice" and msg.type is Msg.HEARTBEAT  # bob's bad one came first
+            senders[b"bob"].send_multipart(good)
+            identity, msg = server.recv(timeout_ms=5000)
+            assert identity == b"bob" and msg.meta == {"role": "wse", "rank": 0}
+        warnings = [r.getMessage() for r in caplog.records if "dropped bad message" in r.getMessage()]
+        assert len(warnings) == 2, warnings  # alice twice, bob once: one line each
+        assert any(b"alice".hex() in w and "msgpack" in w for w in warnings)
+        assert any(b"bob".hex() in w and "not a map" in w for w in warnings)
+        assert server.bytes_received == 0
+    finally:
+        for s in senders.values():
+            s.close(linger=0)
+        server.close()
+
+
+def test_endpoint_drops_messages_of_another_job(ctx, caplog):
+    pull = Endpoint(ctx, zmq.PULL, "pull", job="job1")
+    push = Endpoint(ctx, zmq.PUSH, "push", job="job2")
+    try:
+        push.connect(pull.bind("127.0.0.1"))
+        push.send(Message(Msg.LOSS, meta={"loss": 1.5, "count": 4}))         # job2: dropped
+        push.send(Message(Msg.LOSS, job="job1", meta={"loss": 2.5, "count": 4}))
+        with caplog.at_level(logging.WARNING, logger="cs_runtime.transport"):
+            _, msg = pull.recv(timeout_ms=5000)
+        assert msg.job == "job1" and msg.meta["loss"] == 2.5
+        assert any("job2" in r.getMessage() for r in caplog.records)
+        assert pull.recv(timeout_ms=10) is None
+    finally:
+        push.close()
+        pull.close()
+
+
+# --------------------------------------------------------------------------
+# no pickle anywhere in the product
+# --------------------------------------------------------------------------
+
+FORBIDDEN_NAMES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "recv_pyobj", "send_pyobj"}
+
+
+def _code_tokens(path: Path):
+    """NAME and OP tokens of a Python file (comments and docstrings excluded)."""
+    with path.open("rb") as f:
+        return [t for t in tokenize.tokenize(f.readline) if t.type in (tokenize.NAME, tokenize.OP)]
+
+
+def test_no_pickle_in_product_code():
+    """Like `grep -rn pickle`, minus prose that says pickle is not used and
+    `allow_pickle=False`: no pickle module, no pyobj send/recv, no allow_pickle=True."""
+    files = [p for d in ("cs_runtime", "chief", "worker", "wse", "scripts")
+             for p in sorted((REPO / d).rglob("*.py"))]
+    assert len(files) > 10
+    offences = []
+    for path in files:
+        toks = _code_tokens(path)
+        for i, tok in enumerate(toks):
+            if tok.string in FORBIDDEN_NAMES:
+                offences.append(f"{path.relative_to(REPO)}:{tok.start[0]}: {tok.string}")
+            if (tok.string == "allow_pickle" and i + 2 < len(toks)
+                    and toks[i + 1].string == "=" and toks[i + 2].string != "False"):
+                offences.append(f"{path.relative_to(REPO)}:{tok.start[0]}: allow_pickle={toks[i + 2].string}")
+        text = path.read_text()
+        for word in ("recv_pyobj", "send_pyobj", "import pickle", "from pickle"):
+            if word in text:
+                offences.append(f"{path.relative_to(REPO)}: {word}")
+    assert not offences, offences
+
+
+def test_no_pickle_check_catches_a_pickle_user(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""pickle in a docstring is fine"""\nimport pickle\nx = sock.recv_pyobj()\n')
+    names = {t.string for t in _code_tokens(bad)}
+    assert {"pickle", "recv_pyobj"} <= names
+    ok = tmp_path / "ok.py"
+    ok.write_text('"""no pickle here"""\n# nor pickle here\nnp.load(p, allow_pickle=False)\n')
+    assert not {t.string for t in _code_tokens(ok)} & FORBIDDEN_NAMES
