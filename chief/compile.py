@@ -1,42 +1,104 @@
-"""The chief's compile stage (validate the model before anything runs).
+"""The chief's compile stage: runs before anything else, on csrun_cpu and csrun_wse alike.
 
-For now: every layer's op must be a supported kernel, its activation known,
-its dropout in [0, 1), and each layer's input width must equal the previous
-layer's output width. Errors name the layer and the op.
+    csrun_cpu python examples/fc_mnist/run.py --mode train --params ... --model_dir /tmp/fc --validate_only
+    csrun_cpu python examples/fc_mnist/run.py --mode train --params ... --model_dir /tmp/fc --compile_only
+    csrun_wse python examples/fc_mnist/run.py --mode train --params ... --model_dir /tmp/fc   # reuses it
+
+1. validate: the model becomes a kernel graph; every op, shape and dtype is
+   checked. With --validate_only that is all: nothing is compiled or written.
+2. reuse: if model_dir/compile/artifact.json has this run's key (model,
+   compile-relevant params, mode, target), its plan is used as it is.
+3. compile otherwise, saying why (no artifact, which input changed, or why
+   the old one was rejected): rewrite the graph, plan it, save the artifact.
+4. report: compile_report.txt, compile/plan.json, compile/wafer.svg, compile/graph.txt.
+
+Errors (CompileError, a ValueError) name the layer and the op; the trainer
+prints them and exits 1.
 """
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
+from typing import Any
 
-from cs_runtime.model import ACTIVATIONS, ModelSpec
+from cs_runtime.compiler import artifact
+from cs_runtime.compiler.ir import CompileError, Graph
+from cs_runtime.compiler.lower import lower
+from cs_runtime.compiler.planner import make_plan, strategy_for, target_from_env
+from cs_runtime.compiler.report import write_outputs
+from cs_runtime.compiler.rewrites import optimize
+from cs_runtime.model import ModelSpec
+from cs_runtime.runner import RunArgs
+
+__all__ = ["CompileError", "compile_model"]
 
 log = logging.getLogger("chief")
-
-SUPPORTED_OPS = ("dense",)
-
-
-class CompileError(ValueError):
-    pass
+MAX_CHANGES_SHOWN = 5
 
 
-def validate(spec: ModelSpec) -> None:
-    if not spec.layers:
-        raise CompileError(f"model {spec.name} has no layers")
-    width = spec.layers[0].in_features
-    for layer in spec.layers:
-        where = f"layer {layer.name} (op {layer.op})"
-        if layer.op not in SUPPORTED_OPS:
-            raise CompileError(f"{where}: unsupported op; supported: {', '.join(SUPPORTED_OPS)}")
-        if layer.activation not in ACTIVATIONS:
-            raise CompileError(f"{where}: unsupported activation {layer.activation!r}")
-        if not 0.0 <= layer.dropout < 1.0:
-            raise CompileError(f"{where}: dropout {layer.dropout} outside [0, 1)")
-        if layer.in_features != width:
-            raise CompileError(f"{where}: takes {layer.in_features} features but receives {width}")
-        width = layer.out_features
+def say(message: str) -> None:
+    """A line for the user: the compile stage is visible in every run's output."""
+    print(f"compile: {message}", flush=True)
 
 
-def compile_model(spec: ModelSpec, args) -> dict:
-    validate(spec)
-    log.info("validated %s: %d layers, %d parameters", spec.name, len(spec.layers), spec.num_params())
-    return {"execution_strategy": "weight_streaming"}
+def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
+    """Validate, then compile or reuse; returns the plan (with "execution_strategy")."""
+    start = time.perf_counter()
+    graph = lower(spec)
+    if args.validate_only:
+        return validate_only(spec, graph, args, time.perf_counter() - start)
+    target = target_from_env()
+    inputs = artifact.compile_inputs(spec, args.params, args.mode, target)
+    key = artifact.key_of(inputs)
+    compile_dir = Path(args.model_dir) / "compile"
+    found, why = reusable(compile_dir, inputs, key)
+    if found is not None:
+        plan, final = found.plan, found.graph
+        say(f"reused compiled artifact {key[:12]} from {compile_dir}: skipped compilation")
+    else:
+        say(f"compiling {spec.name} ({why})")
+        final, notes = optimize(graph)
+        plan = make_plan(final, args.params, args.mode, target, notes).to_dict()
+        saved = artifact.save(compile_dir, inputs, final, plan)
+        say(f"compiled in {time.perf_counter() - start:.2f} s; artifact {key[:12]} saved to {saved}")
+    written = write_outputs(args.model_dir, plan, f"# as extracted\n{graph}\n\n# as compiled\n{final}\n")
+    summarize(plan, written[0])
+    if args.compile_only:
+        say("compile_only: done; nothing was run")
+    return {**plan, "artifact_key": key, "reused": found is not None}
+
+
+def validate_only(spec: ModelSpec, graph: Graph, args: RunArgs, seconds: float) -> dict[str, Any]:
+    strategy, why = strategy_for(graph, args.params, args.mode)
+    ops = sorted({n.op for n in graph.kernels()})
+    say(f"validate_only: {spec.name} is valid: {len(spec.layers)} layers, {spec.num_params():,} parameters, "
+        f"{len(graph.kernels())} kernels ({', '.join(ops)}), checked in {seconds * 1000:.1f} ms")
+    say(f"validate_only: would run {strategy} ({why}); nothing was compiled or run")
+    log.debug("kernel graph:\n%s", graph)
+    return {"execution_strategy": strategy, "strategy_reason": why, "validated_only": True}
+
+
+def reusable(compile_dir: Path, inputs: dict[str, Any], key: str) -> tuple[artifact.Artifact | None, str]:
+    """(the artifact to reuse, or None and why it cannot be)."""
+    try:
+        found = artifact.load(compile_dir)
+    except artifact.ArtifactError as exc:
+        say(f"warning: rejected {exc}; recompiling")
+        return None, "the previous artifact was rejected"
+    if found is None:
+        return None, "no compiled artifact yet"
+    if found.key == key:
+        return found, ""
+    changes = artifact.changed_inputs(found.inputs, inputs)
+    shown = "; ".join(changes[:MAX_CHANGES_SHOWN])
+    more = f" (+{len(changes) - MAX_CHANGES_SHOWN} more)" if len(changes) > MAX_CHANGES_SHOWN else ""
+    return None, f"inputs changed since the last compile: {shown}{more}"
+
+
+def summarize(plan: dict[str, Any], report: Path) -> None:
+    est = plan["estimate"]
+    say(f"{plan['model']}: {len(plan['kernels'])} kernels, {plan['execution_strategy']} "
+        f"({plan['strategy_reason']})")
+    say(f"estimated {est['samples_per_s']:,.0f} samples/s, {est['active_pes_pct']:.1f}% of PEs active, "
+        f"{est['compute_utilization_pct']:.2f}% compute utilization; report: {report}")

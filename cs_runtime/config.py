@@ -49,6 +49,7 @@ __all__ = [
     "LinearSchedule",
     "OptimizerConfig",
     "RunConfig",
+    "CSConfig",
     "Params",
     "load_params",
     "params_from_dict",
@@ -264,6 +265,18 @@ class RunConfig(_Section):
 
 
 # ---------------------------------------------------------------------------
+# csconfig
+
+
+class CSConfig(_Section):
+    """Settings of the CS system the compiler plans for."""
+
+    # Bytes of on-wafer memory the model may use; None: the WSE-2's 40 GB
+    # (cs_runtime/hardware.py). A small value forces weight streaming.
+    wafer_memory_bytes: Optional[PosInt] = None
+
+
+# ---------------------------------------------------------------------------
 # the whole file
 
 
@@ -275,6 +288,7 @@ class Params(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     runconfig: RunConfig = Field(default_factory=RunConfig)
+    csconfig: CSConfig = Field(default_factory=CSConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -50,7 +50,7 @@ def test_example_file_loads() -> None:
     assert p.model.layer_sizes() == [784, 256, 128, 10]
     assert p.model.activation == "relu" and p.model.dropout == 0.1
     assert p.optimizer.optimizer_type == "sgd"
-    assert p.optimizer.lr_at(0) == 0.05 and p.optimizer.momentum == 0.9
+    assert p.optimizer.lr_at(0) == 0.02 and p.optimizer.momentum == 0.9
     assert p.optimizer.max_gradient_norm is None
     rc = p.runconfig
     assert (rc.max_steps, rc.log_steps, rc.checkpoint_steps) == (200, 20, 100)
@@ -76,6 +76,7 @@ def test_defaults() -> None:
     assert (rc.max_steps, rc.log_steps, rc.checkpoint_steps, rc.seed) == (100, 10, 0, 1)
     assert rc.max_checkpoints == 5 and rc.eval_steps is None
     assert rc.execution_strategy is None
+    assert p.csconfig.wafer_memory_bytes is None
 
 
 def test_shuffle_seed_falls_back_to_run_seed() -> None:
@@ -309,6 +310,7 @@ def test_lr_negative_step() -> None:
         {"optimizer": {"learning_rate": {"scheduler": "Linear", "initial_learning_rate": 0.1,
                                          "end_learning_rate": 0.0, "decay_steps": 5}},
          "runconfig": {"execution_strategy": "pipelined", "eval_steps": 3}},
+        {"csconfig": {"wafer_memory_bytes": 1000000}},
     ],
 )
 def test_to_dict_round_trips(d: dict[str, Any]) -> None:
@@ -322,3 +324,13 @@ def test_to_dict_round_trips(d: dict[str, Any]) -> None:
 def test_example_round_trips() -> None:
     p = load_params(EXAMPLE)
     assert params_from_dict(p.to_dict()) == p
+
+
+# --- csconfig -----------------------------------------------------------------
+
+
+def test_csconfig_wafer_memory() -> None:
+    assert params_from_dict({"csconfig": {"wafer_memory_bytes": 4096}}).csconfig.wafer_memory_bytes == 4096
+    assert _error({"csconfig": {"wafer_memory_bytes": 0}}).startswith(
+        "params.yaml: csconfig.wafer_memory_bytes: ")
+    assert "unknown key" in _error({"csconfig": {"wafer_memory": 1}})

@@ -1,0 +1,18 @@
+"""The compiler: model -> kernel graph -> rewrites -> plan -> report and artifact.
+
+    lower.py     ModelSpec -> Graph of primitive ops (ir.py), validated
+    rewrites.py  constant folding, no-op and dead-node removal, dense fusion
+    interp.py    a numpy interpreter of the graph (the rewrites' oracle)
+    planner.py   execution mode, PEs per kernel, estimate (cs_runtime/hardware.py)
+    report.py    compile_report.txt, plan.json, wafer.svg
+    artifact.py  the compiled artifact on disk, its key, reuse and rejection
+
+chief/compile.py runs these stages in order for every run.
+"""
+from .ir import CompileError, Graph, Node
+from .lower import lower
+from .planner import Plan, Target, make_plan, target_from_env
+from .rewrites import optimize
+
+__all__ = ["CompileError", "Graph", "Node", "Plan", "Target", "lower", "make_plan", "optimize",
+           "target_from_env"]

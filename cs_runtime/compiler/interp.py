@@ -1,0 +1,88 @@
+"""A tiny numpy interpreter for the kernel graph.
+
+It gives every op its meaning, reusing the kernels of cs_runtime/model.py so
+the IR means exactly what the executors compute. Constant folding calls it at
+compile time, and the tests use it as the oracle of every rewrite: a rewritten
+graph must compute the same numbers as the original.
+
+    values = run(graph, {"x": x, "labels": y}, weights, train=True, seed=0)
+    values[graph.output]
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import numpy as np
+
+from cs_runtime.model import activate, softmax_cross_entropy
+
+from .ir import Graph, Node
+
+Array = np.ndarray
+
+
+class Context:
+    """What an op may need beyond its inputs: train or eval, and the dropout seed."""
+
+    def __init__(self, train: bool = False, seed: int = 0):
+        self.train, self.seed = train, seed
+
+    def keep_mask(self, node: Node, shape: tuple[int, ...], p: float) -> Array:
+        # Keyed by layer, not node name, so a fused kernel draws the same mask
+        # as the dropout node it replaced.
+        rng = np.random.default_rng([self.seed, zlib.crc32(node.layer.encode())])
+        return rng.random(shape, dtype=np.float32) >= p
+
+
+def _dropout(x: Array, scale: Array, p: float, node: Node, ctx: Context) -> Array:
+    if not ctx.train or p == 0:
+        return x
+    return x * ctx.keep_mask(node, x.shape, p) * scale
+
+
+def _fused_dense(node: Node, args: list[Array], ctx: Context) -> Array:
+    a = activate(node.attrs["activation"], args[0] @ args[1] + args[2])
+    return _dropout(a, args[3], node.attrs["dropout"], node, ctx) if len(args) == 4 else a
+
+
+def _loss(node: Node, args: list[Array], ctx: Context) -> Array:
+    logits, labels = args
+    loss, _, _ = softmax_cross_entropy(logits, labels, len(labels))
+    return np.float32(loss)
+
+
+RULES: dict[str, Callable[[Node, list[Array], Context], Array]] = {
+    "const": lambda n, a, c: np.asarray(n.attrs["value"], dtype=n.dtype),
+    "matmul": lambda n, a, c: a[0] @ a[1],
+    "bias_add": lambda n, a, c: a[0] + a[1],
+    "activation": lambda n, a, c: activate(n.attrs["kind"], a[0]),
+    "dropout": lambda n, a, c: _dropout(a[0], a[1], n.attrs["p"], n, c),
+    "add": lambda n, a, c: a[0] + a[1],
+    "sub": lambda n, a, c: a[0] - a[1],
+    "mul": lambda n, a, c: a[0] * a[1],
+    "div": lambda n, a, c: a[0] / a[1],
+    "softmax_cross_entropy": _loss,
+    "fused_dense": _fused_dense,
+}
+
+
+def eval_node(node: Node, args: list[Array], ctx: Context | None = None) -> Array:
+    """The value of one node given its inputs' values."""
+    out = RULES[node.op](node, args, ctx or Context())
+    return np.asarray(out, dtype=node.dtype)
+
+
+def run(graph: Graph, feeds: dict[str, Array], weights: dict[str, Array],
+        train: bool = False, seed: int = 0) -> dict[str, Array]:
+    """Every node's value. `feeds` holds the inputs, `weights` the params, by node name."""
+    ctx = Context(train, seed)
+    values: dict[str, Array] = {}
+    for node in graph.nodes:
+        if node.op == "input":
+            values[node.name] = np.asarray(feeds[node.name], dtype=node.dtype)
+        elif node.op == "param":
+            values[node.name] = np.asarray(weights[node.name], dtype=node.dtype)
+        else:
+            values[node.name] = eval_node(node, [values[i] for i in node.inputs], ctx)
+    return values

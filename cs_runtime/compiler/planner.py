@@ -1,0 +1,305 @@
+"""The plan: execution mode, PEs per kernel, and the performance estimate.
+
+    plan = make_plan(graph, params, mode="train", target=target_from_env())
+    plan.execution_strategy     # "pipelined" or "weight_streaming"
+
+Mode: layer pipelined when the weights, gradients and optimizer state of the
+whole model fit in wafer memory (`csconfig.wafer_memory_bytes`, default the
+WSE-2's 40 GB), else weight streaming; `runconfig.execution_strategy` forces
+either.
+
+Pipelined: every kernel gets its own rectangle of the PE grid, strips laid
+left to right in graph order (activations flow east), each sized so that all
+stages take the same time per sample: a pipeline runs at the pace of its
+slowest stage, so PEs beyond that pace are wasted.
+
+Weight streaming: each kernel in turn has the whole wafer, its weights
+streamed in over the system I/O while the activations stay resident.
+
+All times come from cs_runtime/hardware.py.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+from cs_runtime.config import Params
+from cs_runtime.hardware import WSE2, Wafer
+
+from .ir import CompileError, Graph, Node, elements
+
+STRATEGIES = ("weight_streaming", "pipelined")
+DTYPE_BYTES = {"float32": 4, "int32": 4}
+
+
+# ---------------------------------------------------------------- the target
+
+@dataclass(frozen=True)
+class Target:
+    """What the plan is for. `compiled_on` is informational: a compile made
+    with csrun_cpu is valid for the wafer, so it is not part of the key."""
+
+    device: str = "wse2"
+    num_csx: int = 1
+    compiled_on: str = "cpu"
+
+    def key_fields(self) -> dict[str, Any]:
+        return {"device": self.device, "num_csx": self.num_csx}
+
+
+def target_from_env(env: Mapping[str, str] = os.environ) -> Target:
+    """CS_TARGET (cpu | wse, set by csrun_cpu / csrun_wse) and, for wse, CS_NUM_CSX."""
+    on = env.get("CS_TARGET", "cpu") or "cpu"
+    if on not in ("cpu", "wse"):
+        raise CompileError(f"CS_TARGET={on!r}: expected cpu or wse")
+    raw = env.get("CS_NUM_CSX", "1") if on == "wse" else "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise CompileError(f"CS_NUM_CSX={raw!r}: expected a positive int")
+    return Target(num_csx=int(raw), compiled_on=on)
+
+
+# ---------------------------------------------------------------- kernel costs
+
+def _kn(ins: list[Node]) -> int:
+    """k * n of a matmul's weight: multiply-accumulates per sample."""
+    return elements(ins[1].shape)
+
+
+# Forward FLOPs per sample of each op; elementwise ops cost one per element.
+FORWARD_FLOPS: dict[str, Callable[[Node, list[Node]], float]] = {
+    "matmul": lambda n, ins: 2 * _kn(ins),
+    "fused_dense": lambda n, ins: 2 * _kn(ins) + 3 * elements(n.shape),
+    "softmax_cross_entropy": lambda n, ins: 5 * elements(ins[0].shape),
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one kernel needs, per sample unless said otherwise."""
+
+    flops: float            # forward, plus backward when training
+    weight_bytes: int       # its params (per model, not per sample)
+    resident_bytes: int     # params + gradients + optimizer state on the wafer
+    act_bytes: int          # activations in + out (and their gradients back)
+    host_bytes: int         # graph inputs read from outside the wafer
+    max_pes: int            # parallelism per sample: more cores do not help
+
+
+def state_copies(params: Params, train: bool) -> int:
+    """Copies of each weight kept while running: the weight, its gradient, optimizer slots."""
+    if not train:
+        return 1
+    opt = params.optimizer
+    slots = 2 if opt.optimizer_type in ("adam", "adamw") else int(opt.momentum > 0)
+    return 2 + slots
+
+
+def nbytes(nodes: list[Node]) -> int:
+    """Bytes per sample of the nodes' values (the whole value for params)."""
+    return sum(elements(n.shape) * DTYPE_BYTES[n.dtype] for n in nodes)
+
+
+def kernel_cost(graph: Graph, node: Node, train: bool, copies: int) -> Cost:
+    ins = [graph.node(i) for i in node.inputs]
+    params = [i for i in ins if i.op == "param"]
+    acts = [i for i in ins if i.op not in ("param", "const")]
+    fwd = FORWARD_FLOPS.get(node.op, lambda n, i: elements(n.shape))(node, ins)
+    # Backward costs as much again per input gradient: 2x, or 3x with a weight gradient.
+    flops = fwd * ((3 if params else 2) if train else 1)
+    weight_bytes = nbytes(params)
+    act_bytes = (nbytes(acts) + nbytes([node])) * (2 if train else 1)
+    # A weight is the smallest unit of work a core takes; without weights, an
+    # activation element is.
+    max_pes = max(sum(elements(p.shape) for p in params) or max(elements(i.shape) for i in [node, *acts]), 1)
+    return Cost(flops, weight_bytes, weight_bytes * copies, act_bytes,
+                nbytes([i for i in ins if i.op == "input"]), max_pes)
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass
+class KernelPlan:
+    name: str
+    op: str
+    layer: str
+    flops_per_sample: float
+    weight_bytes: int
+    resident_bytes: int
+    pes: int                 # cores given to it
+    active_pes: int          # of those, cores with work to do
+    rect: dict[str, int]     # x, y, w, h on the grid (the whole grid in weight streaming)
+    compute_samples_per_s: float | None       # None: no bound
+    transmission_samples_per_s: float | None
+
+
+@dataclass
+class Estimate:
+    samples_per_s: float
+    compute_samples_per_s: float
+    transmission_samples_per_s: float | None
+    active_pes_pct: float
+    compute_utilization_pct: float
+
+
+@dataclass
+class Plan:
+    model: str
+    execution_strategy: str
+    strategy_reason: str
+    mode: str
+    target: dict[str, Any]
+    batch_size: int
+    per_system_batch: int
+    grid: dict[str, int]
+    wafer_memory_bytes: int
+    resident_bytes: int
+    kernels: list[KernelPlan]
+    estimate: Estimate
+    rewrites: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rate(samples: float, seconds: float) -> float | None:
+    return samples / seconds if seconds > 0 else None
+
+
+def _min_rate(rates: list[float | None]) -> float | None:
+    bounded = [r for r in rates if r is not None]
+    return min(bounded) if bounded else None
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def choose_strategy(resident: int, wafer: Wafer, forced: str | None) -> tuple[str, str]:
+    """(strategy, why) — the why is shown to the user."""
+    need, have = fmt_bytes(resident), fmt_bytes(wafer.memory_bytes)
+    fits = resident <= wafer.memory_bytes
+    if forced == "pipelined" and not fits:
+        raise CompileError(f"runconfig.execution_strategy is pipelined but the model needs {need} "
+                           f"on the wafer and {have} are available; use weight_streaming")
+    if forced:
+        return forced, "forced by runconfig.execution_strategy"
+    if fits:
+        return "pipelined", f"the whole model ({need} with optimizer state) fits in {have} of wafer memory"
+    return "weight_streaming", f"the model ({need} with optimizer state) does not fit in {have} of wafer memory"
+
+
+def balance(costs: list[Cost], wafer: Wafer) -> list[int]:
+    """PEs per pipeline stage, so that every stage takes the same time per sample."""
+    f = wafer.core_flops_s
+    # Keep a column per stage spare: strips are rounded up to whole columns.
+    usable = max(wafer.cores - wafer.rows * len(costs), 1)
+    # The pace: the slowest stage at its most parallel, or all the work spread
+    # over the wafer. A stage without weights is not capped: it can take
+    # several samples at once on separate cores.
+    capped = [c.flops / (c.max_pes * f) for c in costs if c.weight_bytes]
+    pace = max([*capped, sum(c.flops for c in costs) / (usable * f)])
+    return [max(math.ceil(c.flops / (pace * f)), wafer.pes_for_memory(c.resident_bytes)) for c in costs]
+
+
+def place(pes: list[int], wafer: Wafer) -> list[dict[str, int]]:
+    """Strips left to right: full height when a stage needs a column or more."""
+    rects, x = [], 0
+    for n in pes:
+        w, h = math.ceil(n / wafer.rows), min(n, wafer.rows)
+        rects.append({"x": x, "y": 0, "w": w, "h": h})
+        x += w
+    if x > wafer.cols:
+        raise CompileError(f"a pipelined plan needs {x} columns of PEs; the wafer has {wafer.cols}")
+    return rects
+
+
+def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer) -> tuple[list[KernelPlan], Estimate]:
+    rects = place(balance(costs, wafer), wafer)
+    kernels = []
+    for node, c, r in zip(nodes, costs, rects):
+        area = r["w"] * r["h"]
+        active = min(area, c.max_pes) if c.weight_bytes else area
+        compute_s = wafer.compute_time(c.flops, active)
+        # Activations enter a strip through its west edge, r["h"] cores tall.
+        trans_s = wafer.fabric_time(c.act_bytes, r["h"]) + wafer.io_time(c.host_bytes)
+        kernels.append(KernelPlan(node.name, node.op, node.layer, c.flops, c.weight_bytes, c.resident_bytes,
+                                  area, active, r, _rate(1, compute_s), _rate(1, trans_s)))
+    # A pipeline runs at the pace of its slowest stage.
+    compute = _min_rate([k.compute_samples_per_s for k in kernels]) or math.inf
+    trans = _min_rate([k.transmission_samples_per_s for k in kernels])
+    used = sum(k.pes for k in kernels)
+    return kernels, _estimate(compute, trans, used / wafer.cores, costs, wafer)
+
+
+def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, train: bool,
+                          batch: int) -> tuple[list[KernelPlan], Estimate]:
+    whole = {"x": 0, "y": 0, "w": wafer.cols, "h": wafer.rows}
+    kernels, compute_s, trans_s = [], [], []
+    for node, c in zip(nodes, costs):
+        active = min(wafer.cores, batch * c.max_pes)
+        compute_s.append(wafer.compute_time(batch * c.flops, active))
+        # Weights come in for the forward and backward pass, gradients go out.
+        streamed = c.weight_bytes * (3 if train else 1) + batch * c.host_bytes
+        trans_s.append(wafer.io_time(streamed))
+        kernels.append(KernelPlan(node.name, node.op, node.layer, c.flops, c.weight_bytes, c.resident_bytes,
+                                  wafer.cores, active, whole, _rate(batch, compute_s[-1]),
+                                  _rate(batch, trans_s[-1])))
+    # Layers run one after another; streaming overlaps with compute.
+    busy = sum(k.active_pes * s for k, s in zip(kernels, compute_s)) / max(sum(compute_s), 1e-30)
+    compute = _rate(batch, sum(compute_s)) or math.inf
+    return kernels, _estimate(compute, _rate(batch, sum(trans_s)), busy / wafer.cores, costs, wafer)
+
+
+def _estimate(compute: float, trans: float | None, active: float, costs: list[Cost], wafer: Wafer) -> Estimate:
+    """Per-system rates; scaled to the whole target by make_plan."""
+    samples = min(compute, trans) if trans is not None else compute
+    flops = sum(c.flops for c in costs)
+    return Estimate(samples, compute, trans, 100 * active, 100 * samples * flops / wafer.peak_flops_s)
+
+
+def _scale(e: Estimate, n: int) -> Estimate:
+    """N systems each take 1/N of the batch: rates add up, percentages stay."""
+    trans = e.transmission_samples_per_s
+    return Estimate(e.samples_per_s * n, e.compute_samples_per_s * n, trans * n if trans else trans,
+                    e.active_pes_pct, e.compute_utilization_pct)
+
+
+def _costs(graph: Graph, params: Params, train: bool) -> list[Cost]:
+    return [kernel_cost(graph, n, train, state_copies(params, train)) for n in graph.kernels()]
+
+
+def strategy_for(graph: Graph, params: Params, mode: str) -> tuple[str, str]:
+    """The execution mode and why, without planning (what validate_only reports)."""
+    resident = sum(c.resident_bytes for c in _costs(graph, params, mode != "eval"))
+    wafer = WSE2.with_memory(params.csconfig.wafer_memory_bytes)
+    return choose_strategy(resident, wafer, params.runconfig.execution_strategy)
+
+
+def make_plan(graph: Graph, params: Params, mode: str, target: Target,
+              rewrites: list[str] | None = None) -> Plan:
+    train = mode != "eval"
+    wafer = WSE2.with_memory(params.csconfig.wafer_memory_bytes)
+    nodes, costs = graph.kernels(), _costs(graph, params, train)
+    resident = sum(c.resident_bytes for c in costs)
+    forced = params.runconfig.execution_strategy
+    strategy, why = choose_strategy(resident, wafer, forced)
+    batch = params.train_input.batch_size if train else params.eval_input.batch_size
+    per_system = math.ceil(batch / target.num_csx)
+    if strategy == "pipelined":
+        try:
+            kernels, est = plan_pipelined(nodes, costs, wafer)
+        except CompileError as exc:
+            if forced:
+                raise
+            strategy, why = "weight_streaming", f"{exc}"
+    if strategy == "weight_streaming":
+        kernels, est = plan_weight_streaming(nodes, costs, wafer, train, per_system)
+    return Plan(graph.name, strategy, why, mode, {**target.key_fields(), "compiled_on": target.compiled_on},
+                batch, per_system, {"rows": wafer.rows, "cols": wafer.cols, "cores": wafer.cores},
+                wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), list(rewrites or []))
