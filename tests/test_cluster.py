@@ -131,7 +131,7 @@ def test_train_and_eval_reports_accuracy(tmp_path, oracle):
     result = run_wse(oracle[0], tmp_path / "m", mode="train_and_eval", num_csx=2)
     assert result.returncode == 0, result.stderr[-2000:]
     cpu = run_cpu(oracle[0], tmp_path / "c", "train_and_eval")
-    pattern = r"\| Eval Device=(\w+), Step=100, Loss=([\d.]+), Accuracy=([\d.]+)"
+    pattern = r"\| Eval Device=(\w+)(?:, Mode=\w+)?, Step=100, Loss=([\d.]+), Accuracy=([\d.]+)"
     wse_eval, cpu_eval = re.search(pattern, result.stdout), re.search(pattern, cpu.stdout)
     assert wse_eval and cpu_eval, result.stdout + cpu.stdout
     assert abs(float(wse_eval.group(2)) - float(cpu_eval.group(2))) < 1e-4
