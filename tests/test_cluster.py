@@ -26,7 +26,7 @@ def test_weight_streaming_equals_cpu_oracle(tmp_path, oracle, num_csx, workers):
 
 
 def test_five_kinds_of_process_and_none_left(tmp_path):
-    params = write_params(tmp_path, runconfig={"max_steps": 400, "log_steps": 10})
+    params = write_params(tmp_path, runconfig={"max_steps": 100, "log_steps": 10})
     proc = subprocess.Popen(wse_command(params, tmp_path / "m", num_csx=2), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
