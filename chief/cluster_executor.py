@@ -8,7 +8,6 @@ plan (which batches to stream) and are answered whenever they connect.
 from __future__ import annotations
 
 import logging
-import os
 
 import zmq
 

@@ -17,7 +17,6 @@ import numpy as np
 
 from cs_runtime import checkpoint as ckpt
 from cs_runtime.config import Params
-from cs_runtime.inputs import InputStream, eval_steps
 from cs_runtime.model import ModelSpec, init_weights
 from cs_runtime.optim import Optimizer
 from cs_runtime.runner import RunArgs, UserFunctions

@@ -15,11 +15,10 @@ import logging
 import numpy as np
 import zmq
 
-from .cluster import DirectoryClient
 from .model import ModelSpec
 from .optim import Optimizer, clip_factor, global_norm, scale_grads
 from .protocol import Message, Msg
-from .service import ProcessEnv, service_main
+from .service import ProcessEnv, join_cs_system, service_main
 from .transport import Endpoint
 
 log = logging.getLogger("memoryx")
@@ -134,9 +133,7 @@ class MemoryX:
 
 def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
     server = MemoryX(penv, ctx)
-    directory = DirectoryClient(ctx, penv.cs_ip, "memoryx", penv.rank, penv.job)
-    directory.register({"router": server.address})
-    directory.start_heartbeats()
+    directory = join_cs_system(penv, ctx, {"router": server.address})  # keep: its socket sends REGISTER
     log.info("MemoryX serving at %s", server.address)
     server.serve()
 

@@ -51,6 +51,19 @@ def setup_logging(role: str, rank: int | None = None) -> None:
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
 
+def join_cs_system(penv: ProcessEnv, ctx: zmq.Context, endpoints: dict):
+    """Register a service's addresses with the CS system's directory and start heartbeats.
+
+    Keep the returned client alive: its socket closes with LINGER 0 when it is
+    garbage collected, which would drop a REGISTER not yet sent.
+    """
+    from .cluster import DirectoryClient
+    directory = DirectoryClient(ctx, penv.cs_ip, penv.role, penv.rank, penv.job)
+    directory.register(endpoints)
+    directory.start_heartbeats()
+    return directory
+
+
 def service_main(role: str, body) -> None:
     """Run `body(penv, ctx)` as the process `role`; exit non-zero on any error."""
     penv = ProcessEnv.from_environ(role)

@@ -16,9 +16,8 @@ import logging
 import numpy as np
 import zmq
 
-from .cluster import DirectoryClient
 from .protocol import Message, Msg
-from .service import ProcessEnv, service_main
+from .service import ProcessEnv, join_cs_system, service_main
 from .transport import Endpoint
 
 log = logging.getLogger("swarmx")
@@ -127,9 +126,7 @@ class SwarmX:
 
 def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
     server = SwarmX(penv, ctx)
-    directory = DirectoryClient(ctx, penv.cs_ip, "swarmx", penv.rank, penv.job)
-    directory.register({"router": server.address})
-    directory.start_heartbeats()
+    directory = join_cs_system(penv, ctx, {"router": server.address})
     memoryx = directory.lookup(["memoryx"])["memoryx"][0]
     server.connect_memoryx(ctx, memoryx["endpoints"]["router"])
     log.info("SwarmX serving at %s for %d WSE(s)", server.address, server.num_wse)

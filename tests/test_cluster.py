@@ -31,7 +31,9 @@ def test_five_kinds_of_process_and_none_left(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     try:
         seen: dict[str, set] = {role: set() for role in ROLE_PATTERNS}
+        head = []
         for line in proc.stdout:  # once training runs, every process is up
+            head.append(line)
             if "| Train" in line:
                 break
         for pid, args in descendants(proc.pid):
@@ -39,7 +41,7 @@ def test_five_kinds_of_process_and_none_left(tmp_path):
                 if pattern in args + " ":
                     seen[role].add(pid)
         counts = {role: len(pids) for role, pids in seen.items()}
-        assert counts == {"chief": 1, "worker": 2, "memoryx": 1, "swarmx": 1, "wse": 2}, counts
+        assert counts == {"chief": 1, "worker": 2, "memoryx": 1, "swarmx": 1, "wse": 2}, "".join(head)
         proc.stdout.read()
         assert proc.wait(timeout=120) == 0
         left = [pid for pids in seen.values() for pid in pids if alive(pid)]

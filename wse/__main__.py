@@ -5,16 +5,13 @@ import logging
 
 import zmq
 
-from cs_runtime.cluster import DirectoryClient
-from cs_runtime.service import ProcessEnv, service_main
+from cs_runtime.service import ProcessEnv, join_cs_system, service_main
 from wse.emulator import WSE
 
 
 def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
     wse = WSE(penv, ctx)
-    directory = DirectoryClient(ctx, penv.cs_ip, "wse", penv.rank, penv.job)
-    directory.register({"input": wse.input_address})
-    directory.start_heartbeats()
+    directory = join_cs_system(penv, ctx, {"input": wse.input_address})
     swarmx = directory.lookup(["swarmx"])["swarmx"][0]
     wse.connect_swarmx(ctx, swarmx["endpoints"]["router"])
     logging.getLogger("wse").info("WSE %d ready, input at %s", penv.rank, wse.input_address)

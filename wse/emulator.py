@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import zmq
 
 from cs_runtime.model import ModelSpec, ShardContext, dense_backward, layer_forward, softmax_cross_entropy

@@ -18,7 +18,6 @@ summed on the wafer (in replica order) before the one update.
 """
 from __future__ import annotations
 
-import numpy as np
 
 from cs_runtime.data import shard_rows
 from cs_runtime.memoryx import pack_state, unpack_state
