@@ -7,8 +7,8 @@ the same optimizer (cs_runtime.optim) as the CS system, layer by layer.
 from __future__ import annotations
 
 from cs_runtime.inputs import InputStream, eval_steps
-from cs_runtime.model import ShardContext, dense_backward, layer_forward, softmax_cross_entropy
-from cs_runtime.optim import Optimizer, clip_factor, global_norm, scale_grads
+from cs_runtime.model import ShardContext, model_backward, model_forward, softmax_cross_entropy
+from cs_runtime.optim import Optimizer
 from cs_runtime.runner import RunArgs, UserFunctions
 
 
@@ -41,24 +41,14 @@ class CpuExecutor:
     def forward(self, stream: str, step: int, train: bool):
         shard = self.streams[stream].shard(step)
         ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train)
-        x, caches = shard.x, []
-        for index, layer in enumerate(self.spec.layers):
-            x, cache = layer_forward(self.spec, index, x, self.weights[layer.name], ctx)
-            caches.append(cache)
-        return softmax_cross_entropy(x, shard.y, shard.global_batch), caches, shard
+        logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
+        return softmax_cross_entropy(logits, shard.y, shard.global_batch), caches, shard
 
     def train_step(self, step: int, lr: float) -> tuple[float, float]:
         (loss, delta, _), caches, _ = self.forward("train", step, train=True)
-        grads = {}
-        for index in reversed(range(len(self.spec.layers))):
-            layer = self.spec.layers[index]
-            delta, grads[index] = dense_backward(layer, delta, caches[index],
-                                                 self.weights[layer.name]["weight"], need_dx=index > 0)
-        norm = global_norm(grads[i] for i in range(len(grads)))
-        factor = clip_factor(norm, self.max_norm)
-        for index, layer in enumerate(self.spec.layers):
-            self.optimizer.update(self.weights[layer.name], scale_grads(grads[index], factor),
-                                  self.opt_state[layer.name], lr, step)
+        grads = model_backward(self.spec, delta, caches, self.weights)
+        names = [layer.name for layer in self.spec.layers]
+        norm = self.optimizer.update_model(names, self.weights, grads, self.opt_state, lr, step, self.max_norm)
         return loss, norm
 
     def eval_step(self, step: int) -> tuple[float, int, int]:

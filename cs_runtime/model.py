@@ -194,3 +194,22 @@ def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx
         mask = dropout_mask(ctx.seed, ctx.step, index, ctx.global_batch, layer.out_features,
                             ctx.rows, layer.dropout)
     return dense_forward(layer, x, weights["weight"], weights["bias"], mask)
+
+
+def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardContext):
+    """Every layer in order, on weights held in this process: (logits, caches)."""
+    caches = []
+    for index, layer in enumerate(spec.layers):
+        x, cache = layer_forward(spec, index, x, weights[layer.name], ctx)
+        caches.append(cache)
+    return x, caches
+
+
+def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict) -> list[dict]:
+    """Every layer in reverse: the weight gradients of each layer, in layer order."""
+    grads: list = [None] * len(spec.layers)
+    for index in reversed(range(len(spec.layers))):
+        layer = spec.layers[index]
+        delta, grads[index] = dense_backward(layer, delta, caches[index], weights[layer.name]["weight"],
+                                             need_dx=index > 0)
+    return grads

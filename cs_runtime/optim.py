@@ -44,6 +44,15 @@ class Optimizer:
             g = np.array(grads[name], dtype=np.float32)  # own, writable copy
             self._update_one(w, g, state[name], np.float32(lr), step + 1)
 
+    def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
+                     lr: float, step: int, max_norm: float | None) -> float:
+        """Clip by the global norm, then update every layer; returns the norm before clipping."""
+        norm = global_norm(grads)
+        factor = clip_factor(norm, max_norm)
+        for name, layer_grads in zip(layer_names, grads):
+            self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr, step)
+        return norm
+
     def _update_one(self, w, g, slots, lr, t: int) -> None:
         wd = np.float32(self.weight_decay)
         if self.kind == "sgd":

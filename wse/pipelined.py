@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from cs_runtime.data import shard_rows
 from cs_runtime.memoryx import pack_state, unpack_state
-from cs_runtime.model import ModelSpec, ShardContext, dense_backward, layer_forward, softmax_cross_entropy
-from cs_runtime.optim import Optimizer, clip_factor, global_norm, scale_grads
+from cs_runtime.model import ModelSpec, ShardContext, model_backward, model_forward, softmax_cross_entropy
+from cs_runtime.optim import Optimizer
 from cs_runtime.protocol import Message, Msg
 
 
@@ -58,43 +58,26 @@ class PipelinedExecutor:
             ctx = ShardContext(self.seed, batch.step, int(meta["global_batch"]), rows, train)
             yield batch.arrays["x"][part], batch.arrays["y"][part], ctx
 
-    def forward(self, x, ctx):
-        caches = []
-        for index, layer in enumerate(self.spec.layers):
-            x, cache = layer_forward(self.spec, index, x, self.weights[layer.name], ctx)
-            caches.append(cache)
-        return x, caches
-
     def train_step(self, step: int, lr: float) -> None:
         batch = self.inputs.take("train", step)
         loss, count, total = 0.0, 0, None
         for x, y, ctx in self.replica_contexts(batch, train=True):
-            logits, caches = self.forward(x, ctx)
+            logits, caches = model_forward(self.spec, x, self.weights, ctx)
             part_loss, delta, _ = softmax_cross_entropy(logits, y, ctx.global_batch)
-            grads = self.backward(delta, caches)
+            grads = model_backward(self.spec, delta, caches, self.weights)
             loss, count = loss + part_loss, count + len(y)
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
-        norm = global_norm(total)
-        total = [scale_grads(g, clip_factor(norm, self.max_norm)) for g in total]
-        for layer, grads in zip(self.spec.layers, total):
-            self.optimizer.update(self.weights[layer.name], grads, self.opt_state[layer.name], lr, step)
+        names = [layer.name for layer in self.spec.layers]
+        norm = self.optimizer.update_model(names, self.weights, total, self.opt_state, lr, step, self.max_norm)
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
         meta = {"loss": loss, "count": count, "grad_norm": norm, "bytes_in": self.up.take_received()}
         self.up.send(Message(Msg.LOSS, step=step, meta=meta))
-
-    def backward(self, delta, caches) -> list[dict]:
-        grads = [None] * len(self.spec.layers)
-        for index in reversed(range(len(self.spec.layers))):
-            layer = self.spec.layers[index]
-            delta, grads[index] = dense_backward(layer, delta, caches[index],
-                                                 self.weights[layer.name]["weight"], need_dx=index > 0)
-        return grads
 
     def eval_step(self, step: int) -> None:
         batch = self.inputs.take("eval", step)
         loss_sum, correct, count = 0.0, 0, 0
         for x, y, ctx in self.replica_contexts(batch, train=False):
-            logits, _ = self.forward(x, ctx)
+            logits, _ = model_forward(self.spec, x, self.weights, ctx)
             loss, _, c = softmax_cross_entropy(logits, y, ctx.global_batch)
             loss_sum, correct, count = loss_sum + loss * ctx.global_batch, correct + c, count + len(y)
         self.up.send(Message(Msg.EVAL_RESULT, step=step,
