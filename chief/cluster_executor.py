@@ -37,7 +37,7 @@ def choose_strategy(plan: dict, args, num_csx: int) -> tuple[str, int]:
         log.info("layer pipelined runs on one CS system; %d requested: using weight streaming", num_csx)
         strategy = "weight_streaming"
     replicas = int(plan.get("num_replicas", 1))
-    if getattr(args, "multireplica", False):
+    if args.multireplica:
         replicas = max(replicas, 2)
     if strategy != "pipelined":
         replicas = 1
@@ -65,6 +65,7 @@ class ClusterExecutor:
         self.plan_phases: list | None = None
         self.waiting_workers: list[bytes] = []
         self._eval_steps: int | None = None
+        self.traffic: dict[str, int] = {}   # bytes of the last training step
 
     def dealer(self, role: str, peer: dict) -> Endpoint:
         ep = Endpoint(self.ctx, zmq.DEALER, f"chief->{role}", self.penv.job)
@@ -146,7 +147,7 @@ class ClusterExecutor:
         self.wait(self.swarmx, Msg.ACK)
         self.plan_phases = phases
         self.answer_workers()
-        log.info("model loaded on MemoryX and %d WSE(s)", self.penv.num_csx)
+        log.info("model loaded on %s%d WSE(s)", "" if self.pipelined else "MemoryX and ", self.penv.num_csx)
 
     @property
     def pipelined(self) -> bool:
@@ -167,7 +168,7 @@ class ClusterExecutor:
 
     def traffic_summary(self) -> str:
         """Bytes through MemoryX in the last step; SwarmX fans weights out to every WSE."""
-        t = getattr(self, "traffic", None)
+        t = self.traffic
         if not t:
             return ""
         n = self.penv.num_csx

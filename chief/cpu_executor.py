@@ -58,5 +58,8 @@ class CpuExecutor:
     def state(self):
         return self.weights, self.opt_state
 
+    def traffic_summary(self) -> str:
+        return ""  # nothing crosses a socket
+
     def close(self) -> None:
         pass

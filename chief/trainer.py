@@ -145,13 +145,16 @@ class Trainer:
                 self.scalar("train", "samples_per_sec", rate)
                 self.scalar("train", "lr", lr)
                 self.scalar("train", "grad_norm", grad_norm)
-            if self.rc.checkpoint_steps and self.global_step % self.rc.checkpoint_steps == 0:
+            if self.checkpoint_due():
                 self.save_checkpoint()
-        if not (self.rc.checkpoint_steps and self.global_step % self.rc.checkpoint_steps == 0):
+        if not self.checkpoint_due():  # the final step always has a checkpoint
             self.save_checkpoint()
-        summary = getattr(self.executor, "traffic_summary", lambda: "")()
+        summary = self.executor.traffic_summary()
         if summary:
             print(summary, flush=True)
+
+    def checkpoint_due(self) -> bool:
+        return bool(self.rc.checkpoint_steps) and self.global_step % self.rc.checkpoint_steps == 0
 
     def evaluate(self) -> None:
         total_loss, correct, count = 0.0, 0, 0

@@ -48,6 +48,7 @@ class Endpoint:
         self.job = job
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._received_mark = 0
         self.sent_by_type: Counter = Counter()
         self._warned_senders: set = set()
 
@@ -131,7 +132,7 @@ class Endpoint:
 
     def take_received(self) -> int:
         """Array bytes received since the previous call (per-step traffic counts)."""
-        mark = getattr(self, "_received_mark", 0)
+        mark = self._received_mark
         self._received_mark = self.bytes_received
         return self.bytes_received - mark
 
