@@ -15,27 +15,51 @@ Conventions that make data parallel equal the oracle:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
+
+from . import kernels
+from .transformer import LAYER_OPS, init_param
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
+    """One weight-streaming unit. "dense": y = act(x @ W + b), then dropout.
+    The transformer ops (cs_runtime/transformer.py) use the fields after
+    `dropout`: "embedding" maps in_features (vocabulary) ids to out_features
+    (model width); "transformer_block" keeps the width; "lm_head" maps the
+    width to out_features (vocabulary) logits."""
     name: str
-    op: str                  # "dense": y = act(x @ W + b), then dropout
+    op: str
     in_features: int
     out_features: int
     activation: str = "none"
     dropout: float = 0.0
+    max_len: int = 0             # embedding: number of position embeddings
+    num_heads: int = 0           # transformer_block
+    ffn_features: int = 0        # transformer_block: width of the MLP
+    causal: bool = False         # transformer_block: query i sees keys <= i (GPT)
+    norm: str = "pre"            # "pre" (GPT-2) or "post" (BERT) layer norm
+    attn_dropout: float = 0.0    # transformer_block: on the attention probabilities
+    eps: float = 1e-5            # layer norm epsilon
+    pad_id: int = -1             # embedding: token id of padding (-1: none)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.op in LAYER_OPS:
+            return LAYER_OPS[self.op].shapes(self)
         return {"weight": (self.in_features, self.out_features), "bias": (self.out_features,)}
 
     def num_params(self) -> int:
-        return self.in_features * self.out_features + self.out_features
+        return sum(int(np.prod(shape)) for shape in self.param_shapes().values())
+
+    def to_dict(self) -> dict:
+        """The fields that differ from their defaults (so a dense layer's dict stays as it was)."""
+        defaults = {f.name: f.default for f in fields(self)}  # required fields: MISSING, always kept
+        return {k: v for k, v in asdict(self).items() if k not in defaults or v != defaults[k]
+                or k in ("activation", "dropout")}
 
 
 @dataclass(frozen=True)
@@ -43,14 +67,28 @@ class ModelSpec:
     name: str
     layers: tuple[LayerSpec, ...]
     loss: str = "softmax_cross_entropy"
+    # Token models: the summed token losses of a sample are divided by this
+    # (sequence length for GPT: the mean per token; the expected number of
+    # masked tokens for BERT), then by the global batch as for a classifier.
+    # A per-sample constant keeps every data-parallel shard's loss exact.
+    tokens_per_sample: int = 1
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "loss": self.loss, "layers": [asdict(l) for l in self.layers]}
+        d = {"name": self.name, "loss": self.loss, "layers": [l.to_dict() for l in self.layers]}
+        if self.tokens_per_sample != 1:
+            d["tokens_per_sample"] = self.tokens_per_sample
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])
-        return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")))
+        return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
+                   tokens_per_sample=int(d.get("tokens_per_sample", 1)))
+
+    @property
+    def token_model(self) -> bool:
+        """Input is token ids and the loss is per token (the model starts with an embedding)."""
+        return bool(self.layers) and self.layers[0].op == "embedding"
 
     def num_params(self) -> int:
         return sum(layer.num_params() for layer in self.layers)
@@ -67,11 +105,38 @@ def mlp_spec(name: str, sizes: list[int], activation: str, dropout: float) -> Mo
     return ModelSpec(name, tuple(layers))
 
 
+def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hidden_size: int,
+                     num_layers: int, num_heads: int, ffn_features: int, dropout: float, attn_dropout: float,
+                     eps: float, pad_id: int = -1, tokens_per_sample: int = 1) -> ModelSpec:
+    """GPT-2 (style "gpt2": causal, pre-norm) or BERT (style "bert": bidirectional,
+    post-norm, padding mask, MLM transform in the head): embedding, blocks, head."""
+    if style not in ("gpt2", "bert"):
+        raise ValueError(f"unknown transformer style {style!r}; expected gpt2 or bert")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
+    gpt = style == "gpt2"
+    norm = "pre" if gpt else "post"
+    layers = [LayerSpec("embed", "embedding", vocab_size, hidden_size, dropout=dropout, max_len=max_len,
+                        norm=norm, eps=eps, pad_id=pad_id)]
+    for i in range(num_layers):
+        layers.append(LayerSpec(f"block{i}", "transformer_block", hidden_size, hidden_size, dropout=dropout,
+                                num_heads=num_heads, ffn_features=ffn_features, causal=gpt, norm=norm,
+                                attn_dropout=attn_dropout, eps=eps))
+    layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else "gelu",
+                            eps=eps))
+    return ModelSpec(name, tuple(layers), tokens_per_sample=tokens_per_sample)
+
+
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]:
-    """PyTorch-style uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) init, deterministic in seed."""
+    """Dense: PyTorch-style uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)); transformer layers:
+    GPT-2/BERT style (transformer.init_param). Deterministic in seed."""
     weights = {}
     for i, layer in enumerate(spec.layers):
         rng = np.random.default_rng([seed, 7919, i])
+        if layer.op in LAYER_OPS:
+            weights[layer.name] = {name: init_param(name, shape, rng)
+                                   for name, shape in layer.param_shapes().items()}
+            continue
         bound = 1.0 / np.sqrt(layer.in_features)
         weights[layer.name] = {
             name: rng.uniform(-bound, bound, size=shape).astype(np.float32)
@@ -82,15 +147,7 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]
 
 # ---------------------------------------------------------------- activations
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    # tanh approximation, as in GPT-2 and most wafer kernels
-    return 0.5 * x * (1.0 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
-
-
-def _gelu_grad(x: np.ndarray) -> np.ndarray:
-    inner = 0.7978845608 * (x + 0.044715 * x ** 3)
-    t = np.tanh(inner)
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608 * (1.0 + 3 * 0.044715 * x * x)
+_gelu, _gelu_grad = kernels.gelu, kernels.gelu_grad
 
 
 def activate(kind: str, z: np.ndarray) -> np.ndarray:
@@ -185,10 +242,15 @@ class ShardContext:
     global_batch: int
     rows: slice
     train: bool
+    # Set by an embedding layer from the token ids: False for padding keys,
+    # which no attention in the layers after it may attend to.
+    key_keep: np.ndarray | None = field(default=None, repr=False)
 
 
 def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx: ShardContext):
     layer = spec.layers[index]
+    if layer.op in LAYER_OPS:
+        return LAYER_OPS[layer.op].forward(layer, index, x, weights, ctx)
     mask = None
     if ctx.train and layer.dropout > 0:
         mask = dropout_mask(ctx.seed, ctx.step, index, ctx.global_batch, layer.out_features,
@@ -205,11 +267,36 @@ def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardConte
     return x, caches
 
 
+def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict):
+    """(delta for the layer below or None for the first layer, {param: gradient})."""
+    layer = spec.layers[index]
+    if layer.op in LAYER_OPS:
+        return LAYER_OPS[layer.op].backward(layer, delta, cache, weights, index > 0)
+    return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0)
+
+
 def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict) -> list[dict]:
     """Every layer in reverse: the weight gradients of each layer, in layer order."""
     grads: list = [None] * len(spec.layers)
     for index in reversed(range(len(spec.layers))):
-        layer = spec.layers[index]
-        delta, grads[index] = dense_backward(layer, delta, caches[index], weights[layer.name]["weight"],
-                                             need_dx=index > 0)
+        delta, grads[index] = layer_backward(spec, index, delta, caches[index], weights[spec.layers[index].name])
     return grads
+
+
+@dataclass
+class LossResult:
+    loss: float          # this shard's share of the global mean (shards sum to it)
+    delta: np.ndarray    # d loss / d logits
+    correct: int         # predictions equal to the label (counted tokens for token models)
+    loss_sum: float      # summed per-sample (classifier) or per-token loss, for eval
+    count: int           # samples or counted tokens behind loss_sum
+
+
+def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_batch: int) -> LossResult:
+    """The model's loss on one shard: per sample for a classifier, per token for a token model."""
+    if logits.ndim == 2:
+        loss, delta, correct = softmax_cross_entropy(logits, labels, global_batch)
+        return LossResult(loss, delta, correct, loss * global_batch, len(labels))
+    denominator = float(global_batch * spec.tokens_per_sample)
+    loss_sum, delta, correct, count = kernels.token_cross_entropy(logits, labels, denominator)
+    return LossResult(loss_sum / denominator, delta, correct, loss_sum, count)

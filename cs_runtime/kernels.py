@@ -1,0 +1,250 @@
+"""Numpy kernels of the transformer layers, each a forward and a backward.
+
+    y, cache = layer_norm_forward(x, gain, bias, eps)
+    dx, dgain, dbias = layer_norm_backward(dy, cache, gain)
+
+Every kernel works in the dtype it is given (float64 in the gradient tests,
+float32 in training) and keeps whatever its backward needs in a small cache.
+tests/test_kernels.py checks each backward against central differences.
+
+Dropout masks come from a counter-based hash, not a sequential generator:
+the mask element of (key, global sample row, position) is a pure function of
+those numbers, so a sample gets the same mask whichever WSE (or replica) holds
+it, and no process draws more random numbers than its own rows need.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+IGNORE_INDEX = -100     # labels with this value take no part in the loss
+MASKED_SCORE = -1e9     # attention score of a key a query may not see
+
+# ---------------------------------------------------------------- hashing
+
+
+_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, elementwise on uint64 (wraps mod 2**64 by design)."""
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64_int(z: int) -> int:
+    """splitmix64 on a Python int (numpy scalars would warn on the intended wrap-around)."""
+    z = (z + int(_GOLDEN)) & _MASK64
+    z = ((z ^ (z >> 30)) * int(_M1)) & _MASK64
+    z = ((z ^ (z >> 27)) * int(_M2)) & _MASK64
+    return z ^ (z >> 31)
+
+
+def hash_key(*parts: int) -> np.uint64:
+    """One 64-bit key from several small ints (seed, step, layer, site...)."""
+    key = 0
+    for part in parts:
+        key = _splitmix64_int(key ^ (int(part) & _MASK64))
+    return np.uint64(key)
+
+
+def hash_uniform(key: np.uint64, rows: slice, per_sample: tuple[int, ...]) -> np.ndarray:
+    """Uniform [0, 1) float32 of shape (rows, *per_sample), element (r, j) a function of (key, r, j)."""
+    n = int(np.prod(per_sample))
+    row_ids = np.arange(rows.start, rows.stop, dtype=np.uint64)[:, None]
+    counters = row_ids * np.uint64(n) + np.arange(n, dtype=np.uint64)[None, :]
+    bits = splitmix64(counters ^ key) >> np.uint64(40)          # 24 random bits
+    return (bits.astype(np.float32) * np.float32(2.0 ** -24)).reshape((-1, *per_sample))
+
+
+def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float, dtype) -> np.ndarray:
+    """Dropout's scaled keep-mask (0 or 1/(1-p)) for `rows` of a global batch."""
+    keep = hash_uniform(key, rows, per_sample) >= np.float32(p)
+    return keep.astype(dtype) * dtype(1.0 / (1.0 - p))
+
+
+# ---------------------------------------------------------------- dense, GELU, residual
+
+def dense_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """x @ W + b over the last axis of x (any number of leading axes)."""
+    return x @ weight + bias
+
+
+def dense_backward(dy: np.ndarray, x: np.ndarray, weight: np.ndarray, need_dx: bool = True):
+    """(dx or None, dW, db) of dense_forward."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dx = dy @ weight.T if need_dx else None
+    return dx, x2.T @ dy2, dy2.sum(axis=0)
+
+
+_C = 0.7978845608  # sqrt(2 / pi)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    # tanh approximation, as in GPT-2 and BERT's reference code
+    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * x ** 3)))
+
+
+def gelu_grad(x: np.ndarray) -> np.ndarray:
+    t = np.tanh(_C * (x + 0.044715 * x ** 3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
+
+
+def residual_forward(x: np.ndarray, branch: np.ndarray) -> np.ndarray:
+    return x + branch
+
+
+def residual_backward(dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sum passes its gradient unchanged to both inputs."""
+    return dy, dy
+
+
+# ---------------------------------------------------------------- embedding
+
+def embedding_forward(tokens: np.ndarray, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Token plus learned position embedding: [B, T] ids -> [B, T, D]."""
+    seq = tokens.shape[1]
+    if seq > positions.shape[0]:
+        raise ValueError(f"sequence length {seq} exceeds the {positions.shape[0]} position embeddings")
+    return table[tokens] + positions[:seq]
+
+
+def embedding_backward(dy: np.ndarray, tokens: np.ndarray, vocab: int, max_positions: int):
+    """(d table, d positions); repeated tokens add up."""
+    dim = dy.shape[-1]
+    dtable = np.zeros((vocab, dim), dtype=dy.dtype)
+    np.add.at(dtable, tokens.reshape(-1), dy.reshape(-1, dim))
+    dpos = np.zeros((max_positions, dim), dtype=dy.dtype)
+    dpos[:tokens.shape[1]] = dy.sum(axis=0)
+    return dtable, dpos
+
+
+# ---------------------------------------------------------------- layer norm
+
+@dataclass
+class LayerNormCache:
+    xhat: np.ndarray
+    rstd: np.ndarray
+
+
+def layer_norm_forward(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float):
+    mean = x.mean(axis=-1, keepdims=True)
+    centred = x - mean
+    var = (centred * centred).mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + x.dtype.type(eps))
+    xhat = centred * rstd
+    return xhat * gain + bias, LayerNormCache(xhat, rstd)
+
+
+def layer_norm_backward(dy: np.ndarray, cache: LayerNormCache, gain: np.ndarray):
+    """(dx, d gain, d bias)."""
+    xhat, rstd = cache.xhat, cache.rstd
+    lead = tuple(range(dy.ndim - 1))
+    dgain, dbias = (dy * xhat).sum(axis=lead), dy.sum(axis=lead)
+    dxhat = dy * gain
+    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                 - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return dx, dgain, dbias
+
+
+# ---------------------------------------------------------------- attention
+
+@dataclass
+class AttentionCache:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    probs: np.ndarray           # softmax, before dropout
+    dropped: np.ndarray         # probs after dropout (what multiplies v)
+    drop: np.ndarray | None
+
+
+def _split_heads(t: np.ndarray, heads: int) -> np.ndarray:
+    b, s, d = t.shape
+    return t.reshape(b, s, heads, d // heads).transpose(0, 2, 1, 3)
+
+
+def attention_scores_mask(seq: int, causal: bool, key_keep: np.ndarray | None) -> np.ndarray | None:
+    """Bool [B or 1, 1, T, T]: True where query i may attend to key j."""
+    allowed = None
+    if causal:
+        allowed = np.tril(np.ones((seq, seq), dtype=bool))[None, None]
+    if key_keep is not None:
+        keys = key_keep[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    return allowed
+
+
+def attention_forward(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.ndarray | None = None,
+                      drop: np.ndarray | None = None):
+    """Multi-head self-attention from packed [B, T, 3D] projections -> [B, T, D].
+
+    causal: query i sees keys j <= i (GPT). key_keep: bool [B, T], False for
+    padding keys nobody may attend to (BERT). drop: scaled keep-mask on the
+    attention probabilities, [B, heads, T, T].
+    """
+    b, s, three_d = qkv.shape
+    d = three_d // 3
+    q, k, v = (_split_heads(t, heads) for t in np.split(qkv, 3, axis=-1))
+    scale = qkv.dtype.type(1.0 / np.sqrt(d // heads))
+    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+    allowed = attention_scores_mask(s, causal, key_keep)
+    if allowed is not None:
+        scores = np.where(allowed, scores, qkv.dtype.type(MASKED_SCORE))
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    dropped = probs * drop if drop is not None else probs
+    out = (dropped @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
+    return out, AttentionCache(q, k, v, probs, dropped, drop)
+
+
+def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
+    """d qkv [B, T, 3D]. Masked keys have probability 0, so they get no gradient."""
+    q, k, v = cache.q, cache.k, cache.v
+    b, heads, s, hd = q.shape
+    do = dout.reshape(b, s, heads, hd).transpose(0, 2, 1, 3)
+    dv = cache.dropped.transpose(0, 1, 3, 2) @ do
+    dprobs = do @ v.transpose(0, 1, 3, 2)
+    if cache.drop is not None:
+        dprobs *= cache.drop
+    p = cache.probs
+    dscores = p * (dprobs - (dprobs * p).sum(axis=-1, keepdims=True))
+    dscores *= q.dtype.type(1.0 / np.sqrt(hd))
+    dq = dscores @ k
+    dk = dscores.transpose(0, 1, 3, 2) @ q
+    merged = [t.transpose(0, 2, 1, 3).reshape(b, s, heads * hd) for t in (dq, dk, dv)]
+    return np.concatenate(merged, axis=-1)
+
+
+# ---------------------------------------------------------------- loss
+
+def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, denominator: float):
+    """Softmax cross-entropy over the last axis, labels == IGNORE_INDEX left out.
+
+    Returns (loss_sum, dlogits, correct, count): loss_sum is the float64 sum of
+    the counted tokens' losses, dlogits the gradient of loss_sum / denominator.
+    """
+    classes = logits.shape[-1]
+    flat, lab = logits.reshape(-1, classes), labels.reshape(-1)
+    counted = lab != IGNORE_INDEX
+    if np.any((lab < IGNORE_INDEX) | ((lab > IGNORE_INDEX) & (lab < 0)) | (lab >= classes)):
+        raise ValueError(f"labels outside [0, {classes}) (and not the ignore index {IGNORE_INDEX})")
+    safe = np.where(counted, lab, 0)
+    shifted = flat - flat.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    denom = exp.sum(axis=1, keepdims=True)
+    rows = np.arange(len(lab))
+    log_p = shifted[rows, safe] - np.log(denom[:, 0])
+    loss_sum = -float(log_p[counted].astype(np.float64).sum())
+    dlogits = exp / denom
+    dlogits[rows, safe] -= 1.0
+    dlogits *= (counted / denominator).astype(flat.dtype)[:, None]
+    correct = int(((flat.argmax(axis=1) == lab) & counted).sum())
+    return loss_sum, dlogits.reshape(logits.shape), correct, int(counted.sum())
