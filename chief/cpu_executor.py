@@ -7,7 +7,7 @@ the same optimizer (cs_runtime.optim) as the CS system, layer by layer.
 from __future__ import annotations
 
 from cs_runtime.inputs import InputStream, eval_steps
-from cs_runtime.model import ShardContext, model_backward, model_forward, softmax_cross_entropy
+from cs_runtime.model import ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.optim import Optimizer
 from cs_runtime.runner import RunArgs, UserFunctions
 
@@ -42,18 +42,18 @@ class CpuExecutor:
         shard = self.streams[stream].shard(step)
         ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train)
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
-        return softmax_cross_entropy(logits, shard.y, shard.global_batch), caches, shard
+        return model_loss(self.spec, logits, shard.y, shard.global_batch), caches, shard
 
     def train_step(self, step: int, lr: float) -> tuple[float, float]:
-        (loss, delta, _), caches, _ = self.forward("train", step, train=True)
-        grads = model_backward(self.spec, delta, caches, self.weights)
+        result, caches, _ = self.forward("train", step, train=True)
+        grads = model_backward(self.spec, result.delta, caches, self.weights)
         names = [layer.name for layer in self.spec.layers]
         norm = self.optimizer.update_model(names, self.weights, grads, self.opt_state, lr, step, self.max_norm)
-        return loss, norm
+        return result.loss, norm
 
     def eval_step(self, step: int) -> tuple[float, int, int]:
-        (loss, _, correct), _, shard = self.forward("eval", step, train=False)
-        return loss * shard.global_batch, correct, len(shard.y)
+        result, _, _ = self.forward("eval", step, train=False)
+        return result.loss_sum, result.correct, result.count
 
     def state(self):
         return self.weights, self.opt_state

@@ -46,6 +46,7 @@ __all__ = [
     "InputConfig",
     "EvalInputConfig",
     "ModelConfig",
+    "TransformerModelConfig",
     "LinearSchedule",
     "OptimizerConfig",
     "RunConfig",
@@ -100,6 +101,10 @@ class InputConfig(_Section):
     drop_last_batch: StrictBool = True
     # Dataloader processes per input worker; informational for now.
     num_workers: NonNegInt = 0
+    # Language models (examples/gpt2, examples/bert): tokens per sample
+    # (None: the model's max_position_embeddings) and BERT's masking rate.
+    max_sequence_length: Optional[PosInt] = None
+    masked_lm_prob: Annotated[Float, Field(gt=0.0, lt=1.0)] = 0.15
 
     def seed(self, run_seed: int) -> int:
         """The shuffle seed to use: shuffle_seed, else the run's seed."""
@@ -169,6 +174,47 @@ class ModelConfig(_Section):
         return [self.input_size, *self.hidden(), self.num_classes]
 
 
+class TransformerModelConfig(_Section):
+    """A GPT-2 or BERT style language model (model-zoo key names).
+
+    Chosen over the classifier by the `model_type` key.
+    """
+
+    model_type: Literal["gpt2", "bert"]
+    vocab_size: PosInt = 260                 # the byte-level tokenizer's (cs_runtime/text.py)
+    hidden_size: PosInt = 64
+    num_hidden_layers: PosInt = 2
+    num_heads: PosInt = 2
+    filter_size: PosInt = 256                # width of each block's MLP
+    max_position_embeddings: PosInt = 64
+    dropout_rate: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.1
+    attention_dropout_rate: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.1
+    layer_norm_epsilon: PosFloat = 1e-5
+
+    _lower_type = field_validator("model_type", mode="before")(_lower)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "TransformerModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        return self
+
+
+def _model_kind(value: Any) -> str:
+    if isinstance(value, TransformerModelConfig) or (isinstance(value, dict) and "model_type" in value):
+        return "<transformer>"
+    return "<classifier>"
+
+
+AnyModelConfig = Annotated[
+    Union[
+        Annotated[ModelConfig, Tag("<classifier>")],
+        Annotated[TransformerModelConfig, Tag("<transformer>")],
+    ],
+    Discriminator(_model_kind),
+]
+
+
 # ---------------------------------------------------------------------------
 # optimizer
 
@@ -208,7 +254,7 @@ def _lr_kind(value: Any) -> str:
 
 
 # The tags appear in pydantic's error locations; _format_loc drops them.
-_UNION_TAGS = frozenset({"<schedule>", "<constant>"})
+_UNION_TAGS = frozenset({"<schedule>", "<constant>", "<classifier>", "<transformer>"})
 
 LearningRate = Annotated[
     Union[
@@ -285,7 +331,7 @@ class Params(_Section):
 
     train_input: InputConfig = Field(default_factory=InputConfig)
     eval_input: EvalInputConfig = Field(default_factory=EvalInputConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: AnyModelConfig = Field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     runconfig: RunConfig = Field(default_factory=RunConfig)
     csconfig: CSConfig = Field(default_factory=CSConfig)

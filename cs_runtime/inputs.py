@@ -26,7 +26,9 @@ def fetch(dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x, y = dataset.get(indices)
     else:
         x, y = dataset[0][indices], dataset[1][indices]
-    return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+    # Token ids stay integers (int32 on the wire); features are float32.
+    x_dtype = np.int32 if np.issubdtype(np.asarray(x).dtype, np.integer) else np.float32
+    return np.ascontiguousarray(x, dtype=x_dtype), np.ascontiguousarray(y, dtype=np.int64)
 
 
 @dataclass

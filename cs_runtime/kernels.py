@@ -54,10 +54,12 @@ def hash_key(*parts: int) -> np.uint64:
     return np.uint64(key)
 
 
-def hash_uniform(key: np.uint64, rows: slice, per_sample: tuple[int, ...]) -> np.ndarray:
-    """Uniform [0, 1) float32 of shape (rows, *per_sample), element (r, j) a function of (key, r, j)."""
+def hash_uniform(key: np.uint64, rows: slice | np.ndarray, per_sample: tuple[int, ...]) -> np.ndarray:
+    """Uniform [0, 1) float32 of shape (rows, *per_sample), element (r, j) a function of (key, r, j).
+    `rows`: a slice of the global batch, or the row ids themselves."""
     n = int(np.prod(per_sample))
-    row_ids = np.arange(rows.start, rows.stop, dtype=np.uint64)[:, None]
+    ids = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else np.asarray(rows)
+    row_ids = ids.astype(np.uint64)[:, None]
     counters = row_ids * np.uint64(n) + np.arange(n, dtype=np.uint64)[None, :]
     bits = splitmix64(counters ^ key) >> np.uint64(40)          # 24 random bits
     return (bits.astype(np.float32) * np.float32(2.0 ** -24)).reshape((-1, *per_sample))
@@ -73,13 +75,14 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
 
 def dense_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """x @ W + b over the last axis of x (any number of leading axes)."""
-    return x @ weight + bias
+    # One 2-d GEMM: numpy runs a stacked [B, T, k] @ [k, n] as B small ones.
+    return (x.reshape(-1, x.shape[-1]) @ weight + bias).reshape(*x.shape[:-1], weight.shape[1])
 
 
 def dense_backward(dy: np.ndarray, x: np.ndarray, weight: np.ndarray, need_dx: bool = True):
     """(dx or None, dW, db) of dense_forward."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dx = dy @ weight.T if need_dx else None
+    dx = (dy2 @ weight.T).reshape(x.shape) if need_dx else None
     return dx, x2.T @ dy2, dy2.sum(axis=0)
 
 
@@ -88,11 +91,11 @@ _C = 0.7978845608  # sqrt(2 / pi)
 
 def gelu(x: np.ndarray) -> np.ndarray:
     # tanh approximation, as in GPT-2 and BERT's reference code
-    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * (x * x * x))))
 
 
 def gelu_grad(x: np.ndarray) -> np.ndarray:
-    t = np.tanh(_C * (x + 0.044715 * x ** 3))
+    t = np.tanh(_C * (x + 0.044715 * (x * x * x)))
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
 
 
@@ -225,11 +228,14 @@ def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
 
 # ---------------------------------------------------------------- loss
 
-def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, denominator: float):
-    """Softmax cross-entropy over the last axis, labels == IGNORE_INDEX left out.
+def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, global_batch: int):
+    """Softmax cross-entropy of [B, T, C] logits, labels == IGNORE_INDEX left out.
 
-    Returns (loss_sum, dlogits, correct, count): loss_sum is the float64 sum of
-    the counted tokens' losses, dlogits the gradient of loss_sum / denominator.
+    Each sample's loss is the mean over its counted tokens; the shard's loss
+    is the sum of those over its rows / global_batch, so the shards of a
+    global batch add up to its mean whatever the split (as for a classifier).
+    Returns (loss, dlogits, correct, loss_sum, count): loss_sum is the float64
+    sum of every counted token's loss and count their number (for eval).
     """
     classes = logits.shape[-1]
     flat, lab = logits.reshape(-1, classes), labels.reshape(-1)
@@ -241,10 +247,12 @@ def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, denominator: flo
     exp = np.exp(shifted)
     denom = exp.sum(axis=1, keepdims=True)
     rows = np.arange(len(lab))
-    log_p = shifted[rows, safe] - np.log(denom[:, 0])
-    loss_sum = -float(log_p[counted].astype(np.float64).sum())
+    token_loss = (np.log(denom[:, 0]) - shifted[rows, safe]).astype(np.float64)
+    per_sample = counted.reshape(labels.shape).sum(axis=-1, keepdims=True)
+    weight = (counted.reshape(labels.shape) / np.maximum(per_sample, 1) / global_batch).reshape(-1)
+    loss = float((token_loss * weight).sum())
     dlogits = exp / denom
     dlogits[rows, safe] -= 1.0
-    dlogits *= (counted / denominator).astype(flat.dtype)[:, None]
+    dlogits *= weight.astype(flat.dtype)[:, None]
     correct = int(((flat.argmax(axis=1) == lab) & counted).sum())
-    return loss_sum, dlogits.reshape(logits.shape), correct, int(counted.sum())
+    return loss, dlogits.reshape(logits.shape), correct, float(token_loss[counted].sum()), int(counted.sum())

@@ -67,23 +67,14 @@ class ModelSpec:
     name: str
     layers: tuple[LayerSpec, ...]
     loss: str = "softmax_cross_entropy"
-    # Token models: the summed token losses of a sample are divided by this
-    # (sequence length for GPT: the mean per token; the expected number of
-    # masked tokens for BERT), then by the global batch as for a classifier.
-    # A per-sample constant keeps every data-parallel shard's loss exact.
-    tokens_per_sample: int = 1
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "loss": self.loss, "layers": [l.to_dict() for l in self.layers]}
-        if self.tokens_per_sample != 1:
-            d["tokens_per_sample"] = self.tokens_per_sample
-        return d
+        return {"name": self.name, "loss": self.loss, "layers": [l.to_dict() for l in self.layers]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])
-        return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
-                   tokens_per_sample=int(d.get("tokens_per_sample", 1)))
+        return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")))
 
     @property
     def token_model(self) -> bool:
@@ -107,7 +98,7 @@ def mlp_spec(name: str, sizes: list[int], activation: str, dropout: float) -> Mo
 
 def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hidden_size: int,
                      num_layers: int, num_heads: int, ffn_features: int, dropout: float, attn_dropout: float,
-                     eps: float, pad_id: int = -1, tokens_per_sample: int = 1) -> ModelSpec:
+                     eps: float, pad_id: int = -1) -> ModelSpec:
     """GPT-2 (style "gpt2": causal, pre-norm) or BERT (style "bert": bidirectional,
     post-norm, padding mask, MLM transform in the head): embedding, blocks, head."""
     if style not in ("gpt2", "bert"):
@@ -124,7 +115,7 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
                                 attn_dropout=attn_dropout, eps=eps))
     layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else "gelu",
                             eps=eps))
-    return ModelSpec(name, tuple(layers), tokens_per_sample=tokens_per_sample)
+    return ModelSpec(name, tuple(layers))
 
 
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]:
@@ -293,10 +284,9 @@ class LossResult:
 
 
 def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_batch: int) -> LossResult:
-    """The model's loss on one shard: per sample for a classifier, per token for a token model."""
+    """The model's loss on one shard: per sample for a classifier; for a token
+    model the mean over each sample's labelled tokens, and eval counts tokens."""
     if logits.ndim == 2:
         loss, delta, correct = softmax_cross_entropy(logits, labels, global_batch)
         return LossResult(loss, delta, correct, loss * global_batch, len(labels))
-    denominator = float(global_batch * spec.tokens_per_sample)
-    loss_sum, delta, correct, count = kernels.token_cross_entropy(logits, labels, denominator)
-    return LossResult(loss_sum / denominator, delta, correct, loss_sum, count)
+    return LossResult(*kernels.token_cross_entropy(logits, labels, global_batch))

@@ -111,18 +111,22 @@ def test_attention_masks_what_it_must():
 def test_token_cross_entropy_ignores_labels_and_matches_finite_differences():
     rng = np.random.default_rng(6)
     logits = rand(rng, 2, 3, 5)
-    labels = np.array([[1, K.IGNORE_INDEX, 4], [0, 2, K.IGNORE_INDEX]])
-    loss_sum, dlogits, correct, count = K.token_cross_entropy(logits, labels, 7.0)
-    flat = logits.reshape(-1, 5)
-    logp = flat - np.log(np.exp(flat).sum(1, keepdims=True))
-    kept = labels.reshape(-1) != K.IGNORE_INDEX
-    expected = -logp[np.arange(6)[kept], labels.reshape(-1)[kept]].sum()
-    assert count == 4 and abs(loss_sum - expected) < 1e-12
-    assert correct == int((flat.argmax(1) == labels.reshape(-1))[kept].sum())
-    check(lambda: K.token_cross_entropy(logits, labels, 7.0)[0] / 7.0, dlogits, logits, "logits")
-    assert not dlogits[0, 1].any() and not dlogits[1, 2].any()
+    labels = np.array([[1, K.IGNORE_INDEX, 4], [0, 2, 3]])
+    loss, dlogits, correct, loss_sum, count = K.token_cross_entropy(logits, labels, 4)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    token = -np.take_along_axis(logp, np.maximum(labels, 0)[..., None], -1)[..., 0]
+    assert count == 5 and abs(loss_sum - (token.sum() - token[0, 1])) < 1e-12
+    # each sample: the mean of its labelled tokens; the shard: their sum / global batch
+    assert abs(loss - ((token[0, 0] + token[0, 2]) / 2 + token[1].mean()) / 4) < 1e-12
+    kept = labels != K.IGNORE_INDEX
+    assert correct == int(((logits.argmax(-1) == labels) & kept).sum())
+    check(lambda: K.token_cross_entropy(logits, labels, 4)[0], dlogits, logits, "logits")
+    assert not dlogits[0, 1].any()
+    # two shards add up to the whole
+    halves = [K.token_cross_entropy(logits[r], labels[r], 4)[0] for r in (slice(0, 1), slice(1, 2))]
+    assert abs(sum(halves) - loss) < 1e-12
     with pytest.raises(ValueError, match="labels outside"):
-        K.token_cross_entropy(logits, np.full((2, 3), 5), 1.0)
+        K.token_cross_entropy(logits, np.full((2, 3), 5), 1)
 
 
 def test_dropout_masks_are_per_sample_whatever_the_shard():
@@ -139,7 +143,7 @@ def test_dropout_masks_are_per_sample_whatever_the_shard():
 def tiny(style: str) -> ModelSpec:
     return transformer_spec("t", style=style, vocab_size=11, max_len=5, hidden_size=8, num_layers=1,
                             num_heads=2, ffn_features=12, dropout=0.2, attn_dropout=0.2, eps=1e-5,
-                            pad_id=0 if style == "bert" else -1, tokens_per_sample=4)
+                            pad_id=0 if style == "bert" else -1)
 
 
 @pytest.mark.parametrize("style", ["gpt2", "bert"])

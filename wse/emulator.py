@@ -19,7 +19,7 @@ import logging
 
 import zmq
 
-from cs_runtime.model import ModelSpec, ShardContext, dense_backward, layer_forward, softmax_cross_entropy
+from cs_runtime.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.protocol import Message, Msg
 from cs_runtime.service import ProcessEnv
 from cs_runtime.transport import Endpoint
@@ -95,24 +95,21 @@ class WeightStreamingExecutor:
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train)
 
     def finish_forward(self, step: int, train: bool) -> None:
-        loss, dlogits, correct = softmax_cross_entropy(self.x, self.labels, self.ctx.global_batch)
-        count = len(self.labels)
+        result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
         if train:
-            self.delta = dlogits
-            meta = {"loss": loss, "count": count, "bytes_in": self.up.take_received()}
+            self.delta = result.delta
+            meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received()}
             self.up.send(Message(Msg.LOSS, step=step, meta=meta))
         else:
-            loss_sum = loss * self.ctx.global_batch
-            self.up.send(Message(Msg.EVAL_RESULT, step=step,
-                                 meta={"loss_sum": loss_sum, "correct": correct, "count": count}))
+            self.up.send(Message(Msg.EVAL_RESULT, step=step, meta={
+                "loss_sum": result.loss_sum, "correct": result.correct, "count": result.count}))
             self.caches = []
 
     def backward(self, step: int, index: int, weights: dict) -> None:
         if step != self.step or index != len(self.caches) - 1 or self.delta is None:
             raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
-        layer = self.spec.layers[index]
         cache = self.caches.pop()
-        self.delta, grads = dense_backward(layer, self.delta, cache, weights["weight"], need_dx=index > 0)
+        self.delta, grads = layer_backward(self.spec, index, self.delta, cache, weights)
         self.up.send(Message(Msg.GRADS, step=step, layer=index, arrays=grads))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from cs_runtime.data import shard_rows
 from cs_runtime.memoryx import pack_state, unpack_state
-from cs_runtime.model import ModelSpec, ShardContext, model_backward, model_forward, softmax_cross_entropy
+from cs_runtime.model import ModelSpec, ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.optim import Optimizer
 from cs_runtime.protocol import Message, Msg
 
@@ -63,9 +63,9 @@ class PipelinedExecutor:
         loss, count, total = 0.0, 0, None
         for x, y, ctx in self.replica_contexts(batch, train=True):
             logits, caches = model_forward(self.spec, x, self.weights, ctx)
-            part_loss, delta, _ = softmax_cross_entropy(logits, y, ctx.global_batch)
-            grads = model_backward(self.spec, delta, caches, self.weights)
-            loss, count = loss + part_loss, count + len(y)
+            part = model_loss(self.spec, logits, y, ctx.global_batch)
+            grads = model_backward(self.spec, part.delta, caches, self.weights)
+            loss, count = loss + part.loss, count + len(y)
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
         names = [layer.name for layer in self.spec.layers]
         norm = self.optimizer.update_model(names, self.weights, total, self.opt_state, lr, step, self.max_norm)
@@ -78,8 +78,8 @@ class PipelinedExecutor:
         loss_sum, correct, count = 0.0, 0, 0
         for x, y, ctx in self.replica_contexts(batch, train=False):
             logits, _ = model_forward(self.spec, x, self.weights, ctx)
-            loss, _, c = softmax_cross_entropy(logits, y, ctx.global_batch)
-            loss_sum, correct, count = loss_sum + loss * ctx.global_batch, correct + c, count + len(y)
+            part = model_loss(self.spec, logits, y, ctx.global_batch)
+            loss_sum, correct, count = loss_sum + part.loss_sum, correct + part.correct, count + part.count
         self.up.send(Message(Msg.EVAL_RESULT, step=step,
                              meta={"loss_sum": loss_sum, "correct": correct, "count": count}))
 

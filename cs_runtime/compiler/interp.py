@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from cs_runtime import kernels
 from cs_runtime.model import activate, softmax_cross_entropy
 
 from .ir import Graph, Node
@@ -48,8 +49,21 @@ def _fused_dense(node: Node, args: list[Array], ctx: Context) -> Array:
 
 def _loss(node: Node, args: list[Array], ctx: Context) -> Array:
     logits, labels = args
+    if logits.ndim == 3:
+        return np.float32(kernels.token_cross_entropy(logits, labels, len(labels))[0])
     loss, _, _ = softmax_cross_entropy(logits, labels, len(labels))
     return np.float32(loss)
+
+
+def _attention(node: Node, args: list[Array], ctx: Context) -> Array:
+    qkv = args[0]
+    keep = args[1] != node.attrs["pad_id"] if len(args) == 2 else None
+    p = node.attrs["dropout"]
+    drop = None
+    if ctx.train and p > 0:
+        heads, seq = node.attrs["heads"], qkv.shape[1]
+        drop = ctx.keep_mask(node, (len(qkv), heads, seq, seq), p) / np.float32(1 - p)
+    return kernels.attention_forward(qkv, node.attrs["heads"], node.attrs["causal"], keep, drop)[0]
 
 
 RULES: dict[str, Callable[[Node, list[Array], Context], Array]] = {
@@ -64,6 +78,9 @@ RULES: dict[str, Callable[[Node, list[Array], Context], Array]] = {
     "div": lambda n, a, c: a[0] / a[1],
     "softmax_cross_entropy": _loss,
     "fused_dense": _fused_dense,
+    "embedding": lambda n, a, c: kernels.embedding_forward(a[0], a[1], a[2]),
+    "layer_norm": lambda n, a, c: kernels.layer_norm_forward(a[0], a[1], a[2], n.attrs["eps"])[0],
+    "attention": _attention,
 }
 
 

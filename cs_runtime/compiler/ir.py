@@ -22,7 +22,7 @@ Dim = Union[int, str]            # an int, or "B" for the batch
 Shape = tuple[Dim, ...]
 BATCH = "B"
 FLOAT_DTYPES = ("float32",)
-DTYPES = (*FLOAT_DTYPES, "int32")  # int32: class labels only
+DTYPES = (*FLOAT_DTYPES, "int32")  # int32: labels and token ids
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
 SOURCES = ("input", "param", "const")  # nodes that hold a value, compute nothing
 
@@ -136,11 +136,12 @@ def _float_inputs(node: Node, ins: list[Node]) -> None:
 
 def _matmul(node: Node, ins: list[Node]) -> tuple[Shape, str]:
     x, w = ins[0], ins[1]
-    _need(len(x.shape) == 2 and len(w.shape) == 2, node,
-          f"needs 2-d operands, got {_fmt_shape(x.shape)} @ {_fmt_shape(w.shape)}")
-    _need(x.shape[1] == w.shape[0], node, f"%{x.name} has {x.shape[1]} features but "
+    # [B, ..., k] @ [k, n]: a token model's [B, T, D] activations included
+    _need(len(x.shape) >= 2 and len(w.shape) == 2, node,
+          f"needs [B, ..., k] @ [k, n] operands, got {_fmt_shape(x.shape)} @ {_fmt_shape(w.shape)}")
+    _need(x.shape[-1] == w.shape[0], node, f"%{x.name} has {x.shape[-1]} features but "
           f"%{w.name} is {_fmt_shape(w.shape)} (expects {w.shape[0]})")
-    return (x.shape[0], w.shape[1]), x.dtype
+    return (*x.shape[:-1], w.shape[1]), x.dtype
 
 
 def _bias_add(node: Node, ins: list[Node]) -> tuple[Shape, str]:
@@ -180,11 +181,49 @@ def _elementwise(node: Node, ins: list[Node]) -> tuple[Shape, str]:
 
 def _softmax_ce(node: Node, ins: list[Node]) -> tuple[Shape, str]:
     logits, labels = ins[0], ins[1]
-    _need(len(logits.shape) == 2, node, f"logits must be [B, classes], got {_fmt_shape(logits.shape)}")
+    _need(len(logits.shape) in (2, 3), node,
+          f"logits must be [B, classes] or [B, T, vocab], got {_fmt_shape(logits.shape)}")
     _need(labels.dtype == "int32", node, f"labels %{labels.name} must be int32, got {labels.dtype}")
-    _need(labels.shape == logits.shape[:1], node, f"labels {_fmt_shape(labels.shape)} do not match "
+    _need(labels.shape == logits.shape[:-1], node, f"labels {_fmt_shape(labels.shape)} do not match "
           f"logits {_fmt_shape(logits.shape)}")
     return (), logits.dtype
+
+
+def _embedding(node: Node, ins: list[Node]) -> tuple[Shape, str]:
+    tokens, table, positions = ins
+    _need(tokens.dtype == "int32" and len(tokens.shape) == 2, node,
+          f"token ids %{tokens.name} must be int32 [B, T], got {_fmt_shape(tokens.shape)} {tokens.dtype}")
+    _need(table.dtype in FLOAT_DTYPES and positions.dtype in FLOAT_DTYPES, node, "tables must be float")
+    _need(len(table.shape) == 2 and len(positions.shape) == 2 and table.shape[1] == positions.shape[1], node,
+          f"token table {_fmt_shape(table.shape)} and positions {_fmt_shape(positions.shape)} differ in width")
+    seq = tokens.shape[1]
+    _need(seq == BATCH or seq <= positions.shape[0], node,
+          f"sequence length {seq} exceeds the {positions.shape[0]} position embeddings")
+    return (tokens.shape[0], seq, table.shape[1]), table.dtype
+
+
+def _layer_norm(node: Node, ins: list[Node]) -> tuple[Shape, str]:
+    x, gain, bias = ins
+    _need(gain.shape == x.shape[-1:] and bias.shape == x.shape[-1:], node,
+          f"gain {_fmt_shape(gain.shape)} / bias {_fmt_shape(bias.shape)} do not match {_fmt_shape(x.shape)}")
+    _need(isinstance(node.attrs.get("eps"), float) and node.attrs["eps"] > 0, node, "eps must be a float > 0")
+    return x.shape, x.dtype
+
+
+def _attention(node: Node, ins: list[Node]) -> tuple[Shape, str]:
+    qkv = ins[0]
+    _need(qkv.dtype in FLOAT_DTYPES, node, f"input %{qkv.name} is {qkv.dtype}; supported: float32")
+    _need(len(qkv.shape) == 3 and isinstance(qkv.shape[2], int) and qkv.shape[2] % 3 == 0, node,
+          f"needs packed [B, T, 3*D] projections, got {_fmt_shape(qkv.shape)}")
+    heads, width = node.attrs.get("heads"), qkv.shape[2] // 3
+    _need(isinstance(heads, int) and heads > 0 and width % heads == 0, node,
+          f"width {width} is not a multiple of heads {heads!r}")
+    p = node.attrs.get("dropout")
+    _need(isinstance(p, (int, float)) and 0.0 <= p < 1.0, node, f"dropout {p!r} outside [0, 1)")
+    if len(ins) == 2:  # token ids: padding keys are masked
+        _need(ins[1].dtype == "int32" and ins[1].shape == qkv.shape[:2], node,
+              f"padding ids %{ins[1].name} must be int32 {_fmt_shape(qkv.shape[:2])}")
+    return (*qkv.shape[:2], width), qkv.dtype
 
 
 def _fused_dense(node: Node, ins: list[Node]) -> tuple[Shape, str]:
@@ -216,6 +255,9 @@ OPS: dict[str, OpDef] = {
     "div": OpDef((2,), _elementwise),
     "softmax_cross_entropy": OpDef((2,), _softmax_ce, float_only=False),
     "fused_dense": OpDef((3, 4), _fused_dense),  # act(x @ w + b) [* dropout]
+    "embedding": OpDef((3,), _embedding, float_only=False),   # (ids, token table, positions)
+    "layer_norm": OpDef((3,), _layer_norm),                   # (x, gain, bias)
+    "attention": OpDef((1, 2), _attention, float_only=False),  # (qkv [, ids for the padding mask])
 }
 
 

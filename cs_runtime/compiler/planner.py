@@ -63,8 +63,15 @@ def target_from_env(env: Mapping[str, str] = os.environ) -> Target:
 # ---------------------------------------------------------------- kernel costs
 
 def _kn(ins: list[Node]) -> int:
-    """k * n of a matmul's weight: multiply-accumulates per sample."""
-    return elements(ins[1].shape)
+    """Multiply-accumulates per sample: k * n of the weight, times the rows (tokens) of a sample."""
+    x = ins[0]
+    return elements(ins[1].shape) * (elements(x.shape) // int(x.shape[-1]))
+
+
+def _attention_flops(node: Node, ins: list[Node]) -> float:
+    """Scores q k^T and probabilities @ v: 2 * 2 * T * T * D per sample, plus the softmax."""
+    seq, width = int(node.shape[1]), int(node.shape[2])
+    return 4 * seq * seq * width + 5 * seq * seq * int(node.attrs["heads"])
 
 
 # Forward FLOPs per sample of each op; elementwise ops cost one per element.
@@ -72,6 +79,8 @@ FORWARD_FLOPS: dict[str, Callable[[Node, list[Node]], float]] = {
     "matmul": lambda n, ins: 2 * _kn(ins),
     "fused_dense": lambda n, ins: 2 * _kn(ins) + 3 * elements(n.shape),
     "softmax_cross_entropy": lambda n, ins: 5 * elements(ins[0].shape),
+    "attention": _attention_flops,
+    "layer_norm": lambda n, ins: 8 * elements(n.shape),
 }
 
 

@@ -132,7 +132,9 @@ def _fused(chain: list[Node]) -> Node:
              "dropout": rest["dropout"].attrs["p"] if "dropout" in rest else 0.0}
     if "dropout" in rest:
         inputs += (rest["dropout"].inputs[1],)
-    name = f"{matmul.layer}.fused_dense" if matmul.layer else f"{matmul.name}.fused"
+    # "fc0.matmul" -> "fc0.fused_dense"; a layer with several (a transformer
+    # block's "block0.qkv.matmul") keeps each one's own prefix.
+    name = f"{matmul.name.removesuffix('.matmul')}.fused_dense" if matmul.layer else f"{matmul.name}.fused"
     last = chain[-1]
     return Node(name, "fused_dense", inputs, last.shape, last.dtype, attrs, matmul.layer, matmul.layer_op)
 

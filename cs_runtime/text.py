@@ -1,0 +1,169 @@
+"""Text data for the language models: corpus, tokenizer, GPT and BERT samples.
+
+The default corpus ships with every CPython install: `pydoc_data.topics`,
+the Python language reference and library topics as plain English text
+(~470 KB, 79 topics in 3.11; what `help("if")` prints). It is real,
+sizeable prose, present offline, and needs no download. Its exact contents
+follow the Python version, so runs are reproducible on one install.
+
+With `data_dir` set, the corpus is read from there instead:
+- `*.npy` files: pre-tokenised 1-D integer arrays (ids of this tokenizer),
+  concatenated in file-name order; or else
+- `*.txt` files: UTF-8 text, concatenated in file-name order.
+
+The tokenizer is byte-level (GPT-2's base alphabet without the merges): id
+0..3 are [PAD] [CLS] [SEP] [MASK], then the 256 byte values, so any text
+round-trips and the vocabulary is 260.
+
+Split: the first 95% of the tokens train, the last 5% evaluate.
+
+    tokens = load_corpus(None, "train")
+    GptDataset(tokens, seq_len=64).get(np.arange(4))        # x [4, 64] ids, y next ids
+    BertDataset(tokens, 64, 0.15, seed=1).get(np.arange(4))  # x masked ids, y labels or -100
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .kernels import IGNORE_INDEX, hash_key, hash_uniform
+
+PAD, CLS, SEP, MASK = 0, 1, 2, 3
+SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
+OFFSET = len(SPECIALS)
+VOCAB_SIZE = OFFSET + 256
+EVAL_FRACTION = 0.05
+NEWLINE = OFFSET + ord("\n")
+
+
+class TextDataError(ValueError):
+    """A corpus that cannot be used; the message names the file."""
+
+
+def encode(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + OFFSET
+
+
+def decode(ids) -> str:
+    data = bytes(int(i) - OFFSET for i in np.asarray(ids).reshape(-1) if int(i) >= OFFSET)
+    return data.decode("utf-8", errors="replace")
+
+
+def builtin_text() -> str:
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def _read_dir(data_dir: str) -> np.ndarray:
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        raise TextDataError(f"data_dir {data_dir}: no such folder")
+    shards = sorted(folder.glob("*.npy"))
+    if shards:
+        parts = []
+        for path in shards:
+            arr = np.load(path, allow_pickle=False)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise TextDataError(f"{path}: expected a 1-D integer array of token ids, got {arr.dtype} "
+                                    f"{arr.shape}")
+            if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
+                raise TextDataError(f"{path}: token ids outside [0, {VOCAB_SIZE})")
+            parts.append(arr.astype(np.int32))
+        return np.concatenate(parts)
+    texts = sorted(folder.glob("*.txt"))
+    if not texts:
+        raise TextDataError(f"data_dir {data_dir}: no *.npy or *.txt files")
+    try:
+        return encode("\n\n".join(p.read_text(encoding="utf-8") for p in texts))
+    except UnicodeDecodeError as exc:
+        raise TextDataError(f"data_dir {data_dir}: a .txt file is not UTF-8 ({exc})") from None
+
+
+def load_corpus(data_dir: str | None, split: str) -> np.ndarray:
+    """The token ids of `split` ("train" or "eval") of the corpus."""
+    tokens = encode(builtin_text()) if data_dir is None else _read_dir(data_dir)
+    cut = int(len(tokens) * (1 - EVAL_FRACTION))
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown split {split!r}")
+    part = tokens[:cut] if split == "train" else tokens[cut:]
+    part.flags.writeable = False
+    return part
+
+
+class GptDataset:
+    """Next-token prediction on non-overlapping windows of seq_len + 1 tokens."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        if len(self) == 0:
+            raise TextDataError(f"corpus of {len(tokens)} tokens is shorter than one sequence of {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def get(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.asarray(indices)[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
+        window = self.tokens[starts]
+        return window[:, :-1].astype(np.int32), window[:, 1:].astype(np.int64)
+
+
+def pack_lines(tokens: np.ndarray, room: int) -> list[tuple[int, int]]:
+    """(start, stop) spans of whole lines, greedily packed up to `room` tokens; a longer line is cut."""
+    ends = (np.flatnonzero(tokens == NEWLINE) + 1).tolist()
+    if not ends or ends[-1] != len(tokens):
+        ends.append(len(tokens))
+    spans, start, end = [], 0, 0
+    for line_end in ends:
+        if line_end - start > room and end > start:
+            spans.append((start, end))
+            start = end
+        while line_end - start > room:
+            spans.append((start, start + room))
+            start += room
+        end = line_end
+    if end > start:
+        spans.append((start, end))
+    return spans
+
+
+class BertDataset:
+    """Masked-LM samples: [CLS] whole lines [SEP] [PAD]..., of seq_len tokens.
+
+    Static masking, as in the original BERT data: which tokens are masked is
+    a function of (seed, sample index, position), so every worker and every
+    epoch sees the same sample. Of the chosen tokens (masked_lm_prob of the
+    text tokens, at least one per sample) 80% become [MASK], 10% a random
+    byte, 10% stay; the label is the original id there and IGNORE_INDEX
+    elsewhere.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, masked_lm_prob: float, seed: int):
+        if seq_len < 3:
+            raise TextDataError(f"BERT samples need seq_len >= 3, got {seq_len}")
+        self.tokens, self.seq_len, self.prob, self.seed = tokens, seq_len, masked_lm_prob, seed
+        self.spans = np.array(pack_lines(tokens, seq_len - 2), dtype=np.int64).reshape(-1, 2)
+        if len(self.spans) == 0:
+            raise TextDataError("the corpus is empty")
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def get(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        indices = np.asarray(indices)
+        n, t = len(indices), self.seq_len
+        ids = np.full((n, t), PAD, dtype=np.int32)
+        for row, (start, stop) in enumerate(self.spans[indices]):
+            ids[row, 0], ids[row, 1:stop - start + 1], ids[row, stop - start + 1] = CLS, self.tokens[start:stop], SEP
+        u = hash_uniform(hash_key(self.seed, 31337), indices, (3, t))
+        text = ids >= OFFSET
+        chosen = text & (u[:, 0] < self.prob)
+        for row in np.flatnonzero(~chosen.any(axis=1)):  # every sample teaches something
+            candidates = np.flatnonzero(text[row])
+            chosen[row, candidates[int(u[row, 1, 0] * len(candidates))]] = True
+        x, y = ids.copy(), np.full((n, t), IGNORE_INDEX, dtype=np.int64)
+        y[chosen] = ids[chosen]
+        x[chosen & (u[:, 1] < 0.8)] = MASK
+        swap = chosen & (u[:, 1] >= 0.8) & (u[:, 1] < 0.9)
+        x[swap] = OFFSET + (u[:, 2][swap] * 256).astype(np.int32)
+        return x, y

@@ -1,0 +1,46 @@
+"""BERT style encoder, pre-trained with the masked-LM objective, model-zoo style.
+
+    csrun_cpu python examples/bert/run.py --mode train_and_eval --params examples/bert/configs/params.yaml
+    csrun_wse python examples/bert/run.py --mode train_and_eval --params examples/bert/configs/params.yaml
+
+Samples are [CLS] whole lines of text [SEP] padded to max_sequence_length
+(padding keys are masked in every attention); masked_lm_prob of the text
+tokens are chosen, 80% [MASK] / 10% random / 10% kept (cs_runtime/text.py).
+The corpus is the Python reference text shipped with Python
+(pydoc_data.topics), or the *.txt / *.npy files in train_input.data_dir.
+Eval reports the mean loss and accuracy over the masked tokens.
+"""
+from cs_runtime.model import transformer_spec
+from cs_runtime.runner import run
+from cs_runtime.text import PAD, BertDataset, load_corpus
+
+
+def seq_len(params, section) -> int:
+    return section.max_sequence_length or params.model.max_position_embeddings
+
+
+def model_fn(params):
+    m = params.model
+    if getattr(m, "model_type", None) != "bert":
+        raise ValueError("examples/bert needs model.model_type: bert in params.yaml")
+    return transformer_spec("bert", style="bert", vocab_size=m.vocab_size, max_len=m.max_position_embeddings,
+                            hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
+                            ffn_features=m.filter_size, dropout=m.dropout_rate,
+                            attn_dropout=m.attention_dropout_rate, eps=m.layer_norm_epsilon, pad_id=PAD)
+
+
+def dataset(params, section, split: str):
+    return BertDataset(load_corpus(section.data_dir, split), seq_len(params, section), section.masked_lm_prob,
+                       params.runconfig.seed)
+
+
+def train_input_fn(params):
+    return dataset(params, params.train_input, "train")
+
+
+def eval_input_fn(params):
+    return dataset(params, params.eval_input, "eval")
+
+
+if __name__ == "__main__":
+    run(model_fn, train_input_fn, eval_input_fn)

@@ -1,0 +1,42 @@
+"""GPT-2 style decoder-only language model, model-zoo style.
+
+    csrun_cpu python examples/gpt2/run.py --mode train_and_eval --params examples/gpt2/configs/params.yaml
+    csrun_wse python examples/gpt2/run.py --mode train_and_eval --params examples/gpt2/configs/params.yaml
+    python examples/gpt2/sample.py --model_dir model_dir --prompt "The for statement"
+
+Trains next-token prediction on the Python reference text that ships with
+Python (pydoc_data.topics), byte-level tokens (cs_runtime/text.py); with
+train_input.data_dir, on the *.txt or pre-tokenised *.npy files there.
+Eval reports the mean loss per token (perplexity = exp(loss)).
+"""
+from cs_runtime.model import transformer_spec
+from cs_runtime.runner import run
+from cs_runtime.text import GptDataset, load_corpus
+
+
+def seq_len(params, section) -> int:
+    return section.max_sequence_length or params.model.max_position_embeddings
+
+
+def model_fn(params):
+    m = params.model
+    if getattr(m, "model_type", None) != "gpt2":
+        raise ValueError("examples/gpt2 needs model.model_type: gpt2 in params.yaml")
+    return transformer_spec("gpt2", style="gpt2", vocab_size=m.vocab_size, max_len=m.max_position_embeddings,
+                            hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
+                            ffn_features=m.filter_size, dropout=m.dropout_rate,
+                            attn_dropout=m.attention_dropout_rate, eps=m.layer_norm_epsilon)
+
+
+def train_input_fn(params):
+    section = params.train_input
+    return GptDataset(load_corpus(section.data_dir, "train"), seq_len(params, section))
+
+
+def eval_input_fn(params):
+    section = params.eval_input
+    return GptDataset(load_corpus(section.data_dir, "eval"), seq_len(params, section))
+
+
+if __name__ == "__main__":
+    run(model_fn, train_input_fn, eval_input_fn)
