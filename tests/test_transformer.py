@@ -1,0 +1,231 @@
+"""GPT-2 and BERT: text data, the compiler, and every execution mode against the CPU oracle.
+
+    python -m pytest tests/test_transformer.py -q
+
+The whole-job tests run examples/gpt2 and examples/bert with tiny sizes for
+20 steps: weight streaming on 2 WSEs (chosen by the compiler because the
+model exceeds a small wafer memory) and layer pipelined (chosen because it
+fits), each within 1e-5 relative of the CPU run, step by step.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import replace
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from cs_runtime import text
+from cs_runtime.compiler import interp, lower, optimize
+from cs_runtime.compiler.ir import CompileError
+from cs_runtime.kernels import IGNORE_INDEX
+from cs_runtime.model import ShardContext, init_weights, model_forward, model_loss, transformer_spec
+from tests.cluster_utils import REPO, TOL, final_weights, relative_error, tool, train_losses
+
+STEPS = 20
+LM_PARAMS = {
+    "train_input": {"batch_size": 8, "max_sequence_length": 16, "shuffle": True},
+    "eval_input": {"batch_size": 8, "max_sequence_length": 16},
+    "model": {"hidden_size": 16, "num_hidden_layers": 2, "num_heads": 2, "filter_size": 32,
+              "max_position_embeddings": 16, "dropout_rate": 0.1, "attention_dropout_rate": 0.1},
+    # SGD, not Adam: the key bias has an exactly zero gradient (softmax ignores
+    # a shift shared by all keys), so its float gradient is summation-order
+    # noise, which Adam would normalise up to full-size, diverging updates.
+    "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.3, "momentum": 0.9, "max_gradient_norm": 1.0},
+    "runconfig": {"max_steps": STEPS, "log_steps": 5, "checkpoint_steps": 0, "seed": 4, "eval_steps": 2},
+}
+SMALL_WAFER = 100_000  # bytes: the tiny models need ~500 kB with AdamW state
+
+
+def write_lm_params(path, style: str, **sections) -> str:
+    params = {k: dict(v) for k, v in LM_PARAMS.items()}
+    params["model"]["model_type"] = style
+    for section, values in sections.items():
+        params.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(params))
+    return str(path)
+
+
+def example(style: str) -> str:
+    return str(REPO / "examples" / style / "run.py")
+
+
+def run_job(launcher: list[str], style: str, params: str, model_dir, *extra: str, timeout: int = 300):
+    cmd = [*launcher, sys.executable, example(style), "--mode", "train_and_eval", "--params", params,
+           "--model_dir", str(model_dir), *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def eval_loss(stdout: str) -> float:
+    found = re.search(r"\| Eval Device=.*Loss=([\d.]+)", stdout)
+    assert found, stdout
+    return float(found.group(1))
+
+
+@pytest.fixture(scope="module", params=["gpt2", "bert"])
+def lm_oracle(request, tmp_path_factory):
+    style = request.param
+    tmp = tmp_path_factory.mktemp(f"{style}_oracle")
+    params = write_lm_params(tmp / "params.yaml", style)
+    result = run_job([tool("csrun_cpu")], style, params, tmp / "cpu")
+    return style, tmp / "cpu", train_losses(tmp / "cpu"), final_weights(tmp / "cpu"), eval_loss(result.stdout)
+
+
+def assert_matches(model_dir, oracle, stdout: str) -> None:
+    _, _, losses, weights, oracle_eval = oracle
+    got = train_losses(model_dir)
+    assert len(got) == len(losses) == STEPS
+    worst = (np.abs(got - losses) / np.abs(losses)).max()
+    assert worst < TOL, f"loss differs by {worst:.2e} relative"
+    got_w = final_weights(model_dir)
+    assert got_w.keys() == weights.keys() and len(weights) > 20  # every tensor of every block
+    for name in weights:
+        assert relative_error(got_w[name], weights[name]) < TOL, name
+    assert abs(eval_loss(stdout) - oracle_eval) <= 1e-5 * oracle_eval + 1e-5
+
+
+# ---------------------------------------------------------------- whole jobs
+
+def test_oracle_learns(lm_oracle):
+    _, _, losses, _, final_eval = lm_oracle
+    assert losses[0] > 5.0 and losses[-5:].mean() < losses[0] - 0.5  # ln(260) = 5.56 at the start
+    assert final_eval < losses[0]
+
+
+def test_weight_streaming_chosen_for_a_model_over_wafer_memory_equals_oracle(tmp_path, lm_oracle):
+    style = lm_oracle[0]
+    params = write_lm_params(tmp_path / "ws.yaml", style, csconfig={"wafer_memory_bytes": SMALL_WAFER})
+    launcher = [tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"]
+    result = run_job(launcher, style, params, tmp_path / "ws")
+    assert re.search(r"compile: .*weight_streaming \(the model .* does not fit in 100 KB", result.stdout), \
+        result.stdout
+    assert f"Mode=weight_streaming, Step={STEPS}," in result.stdout
+    streamed = int(re.search(r"WeightBytes/step=(\d+)", result.stdout).group(1))
+    params_bytes = sum(w.nbytes for w in lm_oracle[3].values())
+    assert streamed >= 2 * params_bytes  # every tensor, forward and backward
+    assert_matches(tmp_path / "ws", lm_oracle, result.stdout)
+
+
+def test_pipelined_chosen_when_it_fits_equals_oracle(tmp_path, lm_oracle):
+    style = lm_oracle[0]
+    params = write_lm_params(tmp_path / "pipe.yaml", style)
+    result = run_job([tool("csrun_wse")], style, params, tmp_path / "pipe", "--multireplica")
+    assert "pipelined (the whole model" in result.stdout
+    assert f"Mode=pipelined x2, Step={STEPS}," in result.stdout
+    assert "WeightBytes/step=0" in result.stdout
+    assert_matches(tmp_path / "pipe", lm_oracle, result.stdout)
+
+
+def test_gpt_samples_text_from_its_checkpoint(lm_oracle):
+    style, model_dir = lm_oracle[0], lm_oracle[1]
+    cmd = [sys.executable, str(REPO / "examples" / "gpt2" / "sample.py"), "--model_dir", str(model_dir),
+           "--prompt", "The if statement", "--tokens", "40", "--seed", "2"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if style == "bert":
+        assert first.returncode == 1 and "not a GPT" in first.stderr
+        return
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("The if statement") and len(first.stdout) > len("The if statement")
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout == first.stdout
+
+
+# ---------------------------------------------------------------- text data
+
+def test_byte_tokenizer_round_trips_any_text():
+    sample = "def f(x):\n    return x  # ünïcödé ✓"
+    ids = text.encode(sample)
+    assert ids.min() >= text.OFFSET and ids.max() < text.VOCAB_SIZE
+    assert text.decode(ids) == sample
+    assert text.decode([text.CLS, *ids, text.PAD]) == sample
+
+
+def test_builtin_corpus_is_python_reference_text_split_train_eval():
+    train, evaluation = text.load_corpus(None, "train"), text.load_corpus(None, "eval")
+    assert len(train) > 300_000 and len(evaluation) > 10_000
+    assert abs(len(evaluation) / (len(train) + len(evaluation)) - text.EVAL_FRACTION) < 1e-3
+    assert "statement" in text.decode(train[:5000])
+
+
+def test_gpt_samples_are_shifted_windows():
+    tokens = np.arange(4, 104, dtype=np.int32)
+    ds = text.GptDataset(tokens, 10)
+    assert len(ds) == 9
+    x, y = ds.get(np.array([2, 0]))
+    assert np.array_equal(x[0], tokens[20:30]) and np.array_equal(y[0], tokens[21:31])
+    with pytest.raises(text.TextDataError, match="shorter than one sequence"):
+        text.GptDataset(tokens[:5], 10)
+
+
+def test_bert_samples_pack_lines_pad_and_mask_deterministically():
+    tokens = text.load_corpus(None, "train")[:20000]
+    ds = text.BertDataset(tokens, 32, 0.15, seed=1)
+    x, y = ds.get(np.arange(len(ds)))
+    assert (x[:, 0] == text.CLS).all()
+    assert (x == text.PAD).any()  # short lines leave padding
+    labelled = y != IGNORE_INDEX
+    assert labelled.any(axis=1).all()  # every sample has something to predict
+    share = labelled.sum() / (x >= text.OFFSET).sum()
+    assert 0.12 < share < 0.22
+    assert 0.7 < (x[labelled] == text.MASK).mean() < 0.9
+    assert (y[labelled] >= text.OFFSET).all() and not (x[labelled] == text.PAD).any()
+    x2, y2 = ds.get(np.array([7, 3]))
+    assert np.array_equal(x2, x[[7, 3]]) and np.array_equal(y2, y[[7, 3]])
+    x3, _ = text.BertDataset(tokens, 32, 0.15, seed=2).get(np.arange(len(ds)))
+    assert not np.array_equal(x3, x)
+
+
+def test_data_dir_reads_text_or_npy_shards_and_rejects_bad_ones(tmp_path):
+    (tmp_path / "b.txt").write_text("second\n")
+    (tmp_path / "a.txt").write_text("first\n")
+    whole = np.concatenate([text.load_corpus(str(tmp_path), "train"), text.load_corpus(str(tmp_path), "eval")])
+    assert text.decode(whole) == "first\n\n\nsecond\n"
+    shards = tmp_path / "npy"
+    shards.mkdir()
+    np.save(shards / "0.npy", text.encode("hello world, " * 10))
+    assert text.decode(text.load_corpus(str(shards), "train")).startswith("hello world")
+    np.save(shards / "1.npy", np.array([1000]))
+    with pytest.raises(text.TextDataError, match=r"1\.npy: token ids outside"):
+        text.load_corpus(str(shards), "train")
+    with pytest.raises(text.TextDataError, match="no such folder"):
+        text.load_corpus(str(tmp_path / "missing"), "train")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(text.TextDataError, match=r"no \*\.npy or \*\.txt"):
+        text.load_corpus(str(tmp_path / "empty"), "train")
+
+
+# ---------------------------------------------------------------- compiler
+
+@pytest.mark.parametrize("style", ["gpt2", "bert"])
+def test_compiled_graph_computes_what_the_executors_compute(style):
+    spec = transformer_spec(style, style=style, vocab_size=text.VOCAB_SIZE, max_len=8, hidden_size=8,
+                            num_layers=2, num_heads=2, ffn_features=16, dropout=0.1, attn_dropout=0.1, eps=1e-5,
+                            pad_id=text.PAD if style == "bert" else -1)
+    graph = lower(spec)
+    assert {"embedding", "layer_norm", "attention", "matmul", "add"} <= {n.op for n in graph.kernels()}
+    optimized, notes = optimize(graph)
+    assert "block0.fc.fused_dense" in optimized.by_name()
+    weights = init_weights(spec, 3)
+    flat = {f"{layer}.{k}": v for layer, params in weights.items() for k, v in params.items()}
+    rng = np.random.default_rng(0)
+    x = rng.integers(text.OFFSET, text.VOCAB_SIZE, size=(3, 8)).astype(np.int32)
+    x[1, 5:] = text.PAD
+    y = rng.integers(text.OFFSET, text.VOCAB_SIZE, size=(3, 8)).astype(np.int32)
+    y[0, :4] = IGNORE_INDEX
+    logits, _ = model_forward(spec, x, weights, ShardContext(0, 0, 3, slice(0, 3), train=False))
+    expected = model_loss(spec, logits, y, 3).loss
+    for g in (graph, optimized):
+        got = interp.run(g, {"x": x, "labels": y}, flat)[g.output]
+        assert abs(float(got) - expected) < 1e-5 * expected
+
+
+def test_compiler_names_a_bad_transformer_layer():
+    spec = transformer_spec("g", style="gpt2", vocab_size=10, max_len=4, hidden_size=8, num_layers=1, num_heads=2,
+                            ffn_features=8, dropout=0.0, attn_dropout=0.0, eps=1e-5)
+    bad = replace(spec, layers=(spec.layers[0], replace(spec.layers[1], num_heads=3), spec.layers[2]))
+    with pytest.raises(CompileError, match=r"layer block0 \(op transformer_block\): .*num_heads"):
+        lower(bad)
