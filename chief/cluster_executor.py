@@ -135,7 +135,7 @@ class ClusterExecutor:
         spec = {"model": self.spec.to_dict(), "optimizer": self.opt_spec,
                 "max_gradient_norm": self.params.optimizer.max_gradient_norm,
                 "seed": self.params.runconfig.seed, "execution_strategy": self.strategy,
-                "replicas": self.replicas}
+                "replicas": self.replicas, "loss_scaling": self.params.optimizer.loss_scaling_mode()}
         state = pack_state(self.spec, weights, opt_state)
         if self.pipelined:
             # Every weight goes to the wafer once, here, and stays there.
@@ -153,18 +153,20 @@ class ClusterExecutor:
     def pipelined(self) -> bool:
         return self.strategy == "pipelined"
 
-    def train_step(self, step: int, lr: float) -> tuple[float, float]:
+    def train_step(self, step: int, lr: float, loss_scale: float = 1.0) -> tuple[float, float, bool]:
+        """(loss, gradient norm, whether the update was applied)."""
+        start = Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr, "loss_scale": loss_scale})
         if self.pipelined:
-            self.swarmx.send(Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr}))
+            self.swarmx.send(start)
             loss = self.wait(self.swarmx, Msg.LOSS, step)
             self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
-            return float(loss.meta["loss"]), float(loss.meta["grad_norm"])
-        self.memoryx.send(Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr}))
+            return float(loss.meta["loss"]), float(loss.meta["grad_norm"]), bool(loss.meta.get("applied", True))
+        self.memoryx.send(start)
         loss = self.wait(self.swarmx, Msg.LOSS, step)
         done = self.wait(self.memoryx, Msg.STEP_DONE, step)
         self.traffic = {k: int(done.meta.get(k, 0)) for k in ("weight_bytes", "grad_bytes")}
         self.traffic["wse_bytes_in"] = int(loss.meta.get("bytes_in", -1))
-        return float(loss.meta["loss"]), float(done.meta["grad_norm"])
+        return float(loss.meta["loss"]), float(done.meta["grad_norm"]), bool(done.meta.get("applied", True))
 
     def traffic_summary(self) -> str:
         """Bytes through MemoryX in the last step; SwarmX fans weights out to every WSE."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from cs_runtime.inputs import InputStream, eval_steps
 from cs_runtime.model import ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.optim import Optimizer
+from cs_runtime.precision import scaled
 from cs_runtime.runner import RunArgs, UserFunctions
 
 
@@ -29,6 +30,7 @@ class CpuExecutor:
         self.streams = build_streams(args, fns)
         self.optimizer = Optimizer(**optimizer_spec(self.params))
         self.max_norm = self.params.optimizer.max_gradient_norm
+        self.skip_nonfinite = self.params.optimizer.loss_scaling_mode() != "none"
 
     def num_eval_steps(self) -> int:
         if "eval" not in self.streams:
@@ -44,12 +46,14 @@ class CpuExecutor:
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
         return model_loss(self.spec, logits, shard.y, shard.global_batch), caches, shard
 
-    def train_step(self, step: int, lr: float) -> tuple[float, float]:
+    def train_step(self, step: int, lr: float, loss_scale: float = 1.0) -> tuple[float, float, bool]:
+        """(loss, gradient norm, whether the update was applied)."""
         result, caches, _ = self.forward("train", step, train=True)
-        grads = model_backward(self.spec, result.delta, caches, self.weights)
+        grads = model_backward(self.spec, scaled(result.delta, loss_scale), caches, self.weights)
         names = [layer.name for layer in self.spec.layers]
-        norm = self.optimizer.update_model(names, self.weights, grads, self.opt_state, lr, step, self.max_norm)
-        return result.loss, norm
+        norm, applied = self.optimizer.update_model(names, self.weights, grads, self.opt_state, lr, step,
+                                                    self.max_norm, loss_scale, self.skip_nonfinite)
+        return result.loss, norm, applied
 
     def eval_step(self, step: int) -> tuple[float, int, int]:
         result, _, _ = self.forward("eval", step, train=False)

@@ -8,6 +8,7 @@ both paths report alike and the CPU path is a true oracle of the other.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -19,6 +20,7 @@ from cs_runtime import checkpoint as ckpt
 from cs_runtime.config import Params
 from cs_runtime.model import ModelSpec, init_weights
 from cs_runtime.optim import Optimizer
+from cs_runtime.precision import LossScaler
 from cs_runtime.runner import RunArgs, UserFunctions
 
 log = logging.getLogger("chief")
@@ -51,7 +53,8 @@ def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
     spec = fns.model_fn(args.params)
     if not isinstance(spec, ModelSpec):
         raise RunError(f"model_fn returned {type(spec).__name__}, expected a cs_runtime.model.ModelSpec")
-    return spec
+    # The params say the precision (model.mixed_precision), whatever model_fn built.
+    return dataclasses.replace(spec, precision=args.params.precision)
 
 
 def make_executor(args, fns, spec, compiled, on_cluster: bool):
@@ -68,6 +71,14 @@ def optimizer_spec(params: Params) -> dict:
             "betas": list(o.betas), "eps": o.eps}
 
 
+def make_loss_scaler(params: Params) -> LossScaler:
+    o = params.optimizer
+    mode = o.loss_scaling_mode()
+    return LossScaler(mode, initial_scale=o.initial_loss_scale, steps_per_increase=o.steps_per_increase,
+                      min_scale=o.min_loss_scale, max_scale=o.max_loss_scale,
+                      static_scale=o.loss_scaling_factor if mode == "static" else 1.0)
+
+
 class Trainer:
     def __init__(self, args: RunArgs, spec: ModelSpec, executor):
         self.args, self.spec, self.executor = args, spec, executor
@@ -75,6 +86,8 @@ class Trainer:
         self.rc = self.params.runconfig
         self.model_dir = Path(args.model_dir)
         self.writers: dict = {}
+        self.scaler = make_loss_scaler(self.params)
+        self.skipped_steps = 0
 
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
@@ -98,6 +111,8 @@ class Trainer:
                 slots = saved.setdefault(pname, {})
                 for slot in optimizer.slot_names():
                     slots.setdefault(slot, np.zeros_like(w))
+        if "loss_scaler" in state.meta:
+            self.scaler.load_state_dict(state.meta["loss_scaler"])
         log.info("Restored checkpoint %s at global step %d", path, state.global_step)
         return state
 
@@ -129,19 +144,25 @@ class Trainer:
         while self.global_step < self.rc.max_steps:
             step = self.global_step
             lr = self.params.optimizer.lr_at(step)
-            loss, grad_norm = self.executor.train_step(step, lr)
+            loss_scale = self.scaler.scale
+            loss, grad_norm, applied = self.executor.train_step(step, lr, loss_scale)
             if not math.isfinite(loss):
                 raise RunError(f"loss is {loss} at step {step + 1}; stopping (lower the learning rate?)")
+            self.after_step(step, applied, loss_scale)
             self.global_step += 1
             steps_since += 1
             self.scalar("train", "loss", loss)
+            if self.scaler.skips_nonfinite:
+                self.scalar("train", "loss_scale", loss_scale)
             if self.global_step % self.rc.log_steps == 0 or self.global_step == self.rc.max_steps:
                 now = time.monotonic()
                 rate = steps_since * batch / max(now - t_last, 1e-9)
                 global_rate = (self.global_step - first_step) * batch / max(now - t_start, 1e-9)
                 t_last, steps_since = now, 0
-                print(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
-                      f"Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec", flush=True)
+                scale_note = f", LossScale={loss_scale:g}" if self.scaler.skips_nonfinite else ""
+                print(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}"
+                      f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec",
+                      flush=True)
                 self.scalar("train", "samples_per_sec", rate)
                 self.scalar("train", "lr", lr)
                 self.scalar("train", "grad_norm", grad_norm)
@@ -149,9 +170,20 @@ class Trainer:
                 self.save_checkpoint()
         if not self.checkpoint_due():  # the final step always has a checkpoint
             self.save_checkpoint()
+        if self.skipped_steps:
+            print(f"| Train: {self.skipped_steps} step(s) skipped for overflowed gradients; "
+                  f"final loss scale {self.scaler.scale:g}", flush=True)
         summary = self.executor.traffic_summary()
         if summary:
             print(summary, flush=True)
+
+    def after_step(self, step: int, applied: bool, loss_scale: float) -> None:
+        """Advance the loss scale; a skipped step is said once, with what happens next."""
+        self.scaler.update(applied)
+        if not applied:
+            self.skipped_steps += 1
+            log.warning("step %d: gradients overflowed (inf/nan) at loss scale %g; step skipped, "
+                        "loss scale now %g", step + 1, loss_scale, self.scaler.scale)
 
     def checkpoint_due(self) -> bool:
         return bool(self.rc.checkpoint_steps) and self.global_step % self.rc.checkpoint_steps == 0
@@ -171,7 +203,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         weights, opt_state = self.executor.state()
         meta = {"model": self.spec.to_dict(), "params": self.params.to_dict(),
-                "device": self.executor.device}
+                "device": self.executor.device, "loss_scaler": self.scaler.state_dict()}
         state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)
         path = ckpt.save(self.model_dir, state, self.rc.max_checkpoints)
         log.info("Saved checkpoint %s", path)

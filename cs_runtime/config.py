@@ -137,8 +137,12 @@ class ModelConfig(_Section):
     dropout: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.0
     input_size: PosInt = 784
     num_classes: Annotated[StrictInt, Field(ge=2)] = 10
+    # Model-zoo names: 16-bit matmul inputs and streamed tensors, float32 masters.
+    mixed_precision: StrictBool = False
+    fp16_type: Literal["float16", "bfloat16", "cbfloat16"] = "float16"
 
     _lower_activation = field_validator("activation", mode="before")(_lower)
+    _lower_fp16_type = field_validator("fp16_type", mode="before")(_lower)
 
     @model_validator(mode="before")
     @classmethod
@@ -266,6 +270,9 @@ LearningRate = Annotated[
 
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 
+# `loss_scaling_factor: dynamic`, or a fixed positive number (1.0: no scaling).
+LossScalingFactor = Union[Literal["dynamic"], PosFloat]
+
 
 class OptimizerConfig(_Section):
     """The learning rule MemoryX applies (and the CPU oracle mirrors)."""
@@ -277,8 +284,39 @@ class OptimizerConfig(_Section):
     max_gradient_norm: Optional[PosFloat] = None  # None: no clipping
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     eps: PosFloat = 1e-8
+    # Loss scaling for 16-bit gradients (cs_runtime/precision.py: LossScaler).
+    loss_scaling_factor: LossScalingFactor = 1.0
+    initial_loss_scale: PosFloat = 2.0 ** 15
+    steps_per_increase: PosInt = 2000
+    min_loss_scale: PosFloat = 2.0 ** -14
+    max_loss_scale: PosFloat = 2.0 ** 24
 
     _lower_type = field_validator("optimizer_type", mode="before")(_lower)
+
+    @field_validator("loss_scaling_factor", mode="before")
+    @classmethod
+    def _scaling_factor(cls, value: Any) -> Any:
+        # One clear message instead of one per member of the union.
+        if isinstance(value, str) and value.lower() == "dynamic":
+            return "dynamic"
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+            return float(value)
+        raise ValueError("expected 'dynamic' or a positive number")
+
+    @model_validator(mode="after")
+    def _scale_bounds(self) -> "OptimizerConfig":
+        if self.min_loss_scale > self.max_loss_scale:
+            raise ValueError("min_loss_scale must not exceed max_loss_scale")
+        if self.loss_scaling_factor == "dynamic" and not (
+                self.min_loss_scale <= self.initial_loss_scale <= self.max_loss_scale):
+            raise ValueError("initial_loss_scale must lie within [min_loss_scale, max_loss_scale]")
+        return self
+
+    def loss_scaling_mode(self) -> str:
+        """none, static or dynamic (LossScaler's modes)."""
+        if self.loss_scaling_factor == "dynamic":
+            return "dynamic"
+        return "none" if self.loss_scaling_factor == 1.0 else "static"
 
     def lr_at(self, step: int) -> float:
         """The learning rate of `step` (0-based).
@@ -320,6 +358,8 @@ class CSConfig(_Section):
     # Bytes of on-wafer memory the model may use; None: the WSE-2's 40 GB
     # (cs_runtime/hardware.py). A small value forces weight streaming.
     wafer_memory_bytes: Optional[PosInt] = None
+    # Cerebras's 16-bit format; with model.mixed_precision it replaces fp16_type.
+    use_cbfloat16: StrictBool = False
 
 
 # ---------------------------------------------------------------------------
@@ -345,6 +385,20 @@ class Params(_Section):
             sections = cls.model_fields
             data = {k: v for k, v in data.items() if v is not None or k not in sections}
         return data
+
+    @model_validator(mode="after")
+    def _one_16bit_format(self) -> "Params":
+        if self.csconfig.use_cbfloat16 and "fp16_type" in self.model.model_fields_set \
+                and self.model.fp16_type != "cbfloat16":
+            raise ValueError(f"csconfig.use_cbfloat16 contradicts model.fp16_type: {self.model.fp16_type}")
+        return self
+
+    @property
+    def precision(self) -> str:
+        """The format of matmul inputs and streamed tensors: float32 unless mixed precision."""
+        if not self.model.mixed_precision:
+            return "float32"
+        return "cbfloat16" if self.csconfig.use_cbfloat16 else self.model.fp16_type
 
 
 # ---------------------------------------------------------------------------

@@ -3,8 +3,13 @@
 Per training step (TRAIN_STEP from the chief) it streams each layer's weights
 to SwarmX for the forward pass (layer 0..L-1), then again for the backward
 pass (L-1..0); SwarmX hands back each layer's gradients summed over the WSEs,
-and MemoryX updates that layer at once (or, with max_gradient_norm, after the
-last layer, since clipping needs the global norm). Then STEP_DONE to the chief.
+and MemoryX updates that layer at once (or, with max_gradient_norm or loss
+scaling, after the last layer, since clipping needs the global norm and a
+step with an overflowed gradient anywhere is skipped whole). Then STEP_DONE
+to the chief.
+
+With mixed precision the master weights and optimizer state stay float32
+here; weights go out, and gradients come in, in the 16-bit format.
 
     python -m cs_runtime.memoryx      (started by csrun_wse or the appliance)
 """
@@ -16,8 +21,9 @@ import numpy as np
 import zmq
 
 from .model import ModelSpec
-from .optim import Optimizer, clip_factor, global_norm, scale_grads
-from .protocol import Message, Msg
+from .optim import Optimizer, global_norm
+from .precision import encode_arrays
+from .protocol import Message, Msg, float_arrays
 from .service import ProcessEnv, join_cs_system, service_main
 from .transport import Endpoint
 
@@ -71,9 +77,9 @@ class MemoryX:
             self.load_model(msg)
             self.router.send(Message(Msg.ACK, meta={"what": "load_model"}), identity)
         elif msg.type == Msg.TRAIN_STEP:
-            self.train_step(msg.step, float(msg.meta["lr"]))
+            self.train_step(msg.step, float(msg.meta["lr"]), float(msg.meta.get("loss_scale", 1.0)))
         elif msg.type == Msg.EVAL_STEP:
-            self.stream_weights(msg.step, "eval", range(len(self.spec.layers)))
+            self.stream_weights(msg.step, "eval", range(len(self.spec.layers)), self.wire_weights())
         elif msg.type == Msg.GET_STATE:
             state = Message(Msg.STATE, step=msg.step,
                             arrays=pack_state(self.spec, self.weights, self.opt_state))
@@ -89,41 +95,51 @@ class MemoryX:
         self.spec = ModelSpec.from_dict(cfg["model"])
         self.optimizer = Optimizer(**cfg["optimizer"])
         self.max_norm = cfg.get("max_gradient_norm")
+        self.skip_nonfinite = cfg.get("loss_scaling", "none") != "none"
         self.weights, self.opt_state = unpack_state(self.spec, self.optimizer, msg.arrays)
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
                  self.spec.num_params())
 
-    def stream_weights(self, step: int, phase: str, order) -> None:
-        swarmx = self.peers["swarmx"]
-        for index in order:
-            layer = self.spec.layers[index]
-            self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta={"phase": phase},
-                                     arrays=self.weights[layer.name]), swarmx)
+    def wire_weights(self) -> list[dict]:
+        """Each layer's weights as they travel: the masters themselves in float32, else 16-bit copies."""
+        return [encode_arrays(self.weights[layer.name], self.spec.precision) for layer in self.spec.layers]
 
-    def train_step(self, step: int, lr: float) -> None:
+    def stream_weights(self, step: int, phase: str, order, wire: list[dict], **extra) -> None:
+        swarmx = self.peers["swarmx"]
+        meta = {"phase": phase, "format": self.spec.precision, **extra}
+        for index in order:
+            self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
+
+    def train_step(self, step: int, lr: float, loss_scale: float) -> None:
         n = len(self.spec.layers)
         sent, received = self.router.bytes_sent, self.router.bytes_received
-        self.stream_weights(step, "fwd", range(n))
+        wire = self.wire_weights()   # encoded once, sent forward and backward
+        self.stream_weights(step, "fwd", range(n), wire, loss_scale=loss_scale)
         # Weights sent zero-copy must not change until they have left: a layer's
         # gradients only arrive after every WSE received its backward weights.
-        self.stream_weights(step, "bwd", reversed(range(n)))
+        self.stream_weights(step, "bwd", reversed(range(n)), wire)
+        # Without clipping or loss scaling each layer is updated as its gradients land.
+        at_once = not (self.max_norm or self.skip_nonfinite)
         grads = {}
         while len(grads) < n:
             identity, msg = self.router.recv()
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)
                 continue
-            grads[msg.layer] = msg.arrays
-            if not self.max_norm:
-                self.update(msg.layer, msg.arrays, lr, step)
-        norm = global_norm(grads[i] for i in range(n))
-        factor = clip_factor(norm, self.max_norm)
-        if self.max_norm:
-            for index in range(n):
-                self.update(index, scale_grads(grads[index], factor), lr, step)
+            grads[msg.layer] = float_arrays(msg)
+            if at_once:
+                self.update(msg.layer, grads[msg.layer], lr, step)
+        ordered = [grads[i] for i in range(n)]
+        if at_once:
+            norm, applied = global_norm(ordered), True
+        else:
+            names = [layer.name for layer in self.spec.layers]
+            norm, applied = self.optimizer.update_model(names, self.weights, ordered, self.opt_state, lr, step,
+                                                        self.max_norm, loss_scale, self.skip_nonfinite)
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
-        self.router.send(Message(Msg.STEP_DONE, step=step, meta={"grad_norm": norm, **traffic}),
+        self.router.send(Message(Msg.STEP_DONE, step=step,
+                                 meta={"grad_norm": norm, "applied": applied, **traffic}),
                          self.peers["chief"])
 
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:

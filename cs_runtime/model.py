@@ -12,6 +12,12 @@ Conventions that make data parallel equal the oracle:
 - the dropout mask of step s, layer l is drawn for the whole global batch from
   a generator seeded by (seed, s, l) and each shard takes its own rows, so a
   sample gets the same mask whichever WSE holds it.
+
+Mixed precision (`ModelSpec.precision` other than float32): every matmul
+takes its inputs (activations or deltas, and weights) rounded to the 16-bit
+format and accumulates in float32, and the weight gradients come out in the
+16-bit format, as a 16-bit matmul on the wafer emits them. Bias adds,
+activations, the loss and the master weights stay float32.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from . import kernels
+from .precision import FORMATS, quantize
 from .transformer import LAYER_OPS, init_param
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
@@ -67,14 +74,21 @@ class ModelSpec:
     name: str
     layers: tuple[LayerSpec, ...]
     loss: str = "softmax_cross_entropy"
+    precision: str = "float32"   # the format of matmul inputs and weight gradients
+
+    def __post_init__(self):
+        if self.precision not in FORMATS:
+            raise ValueError(f"unknown precision {self.precision!r}; expected one of {sorted(FORMATS)}")
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "loss": self.loss, "layers": [l.to_dict() for l in self.layers]}
+        return {"name": self.name, "loss": self.loss, "precision": self.precision,
+                "layers": [l.to_dict() for l in self.layers]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])
-        return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")))
+        return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
+                   precision=str(d.get("precision", "float32")))
 
     @property
     def token_model(self) -> bool:
@@ -178,6 +192,11 @@ def dropout_mask(seed: int, step: int, layer_index: int, global_batch: int, widt
 
 # ---------------------------------------------------------------- dense layer
 
+def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x as a matmul input of `fmt` (untouched in float32, so float64 gradient checks stay exact)."""
+    return x if fmt == "float32" else quantize(x, fmt)
+
+
 @dataclass
 class DenseCache:
     x: np.ndarray
@@ -187,8 +206,9 @@ class DenseCache:
 
 
 def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.ndarray,
-                  mask: np.ndarray | None) -> tuple[np.ndarray, DenseCache]:
-    z = x @ weight
+                  mask: np.ndarray | None, fmt: str = "float32") -> tuple[np.ndarray, DenseCache]:
+    x = _rounded(x, fmt)   # kept rounded: the weight gradient's matmul takes the same input
+    z = x @ _rounded(weight, fmt)
     z += bias
     a = activate(layer.activation, z)
     out = a * mask if mask is not None else a
@@ -196,13 +216,14 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
 
 
 def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
-                   need_dx: bool = True):
-    """Returns (dx or None, {"weight": dW, "bias": db})."""
+                   need_dx: bool = True, fmt: str = "float32"):
+    """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values."""
     if cache.mask is not None:
         dout = dout * cache.mask
     dz = dout * activation_grad(layer.activation, cache.z, cache.a) if layer.activation != "none" else dout
-    grads = {"weight": cache.x.T @ dz, "bias": dz.sum(axis=0)}
-    dx = dz @ weight.T if need_dx else None
+    dz_in = _rounded(dz, fmt)
+    grads = {"weight": _rounded(cache.x.T @ dz_in, fmt), "bias": _rounded(dz.sum(axis=0), fmt)}
+    dx = dz_in @ _rounded(weight, fmt).T if need_dx else None
     return dx, grads
 
 
@@ -246,7 +267,13 @@ def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx
     if ctx.train and layer.dropout > 0:
         mask = dropout_mask(ctx.seed, ctx.step, index, ctx.global_batch, layer.out_features,
                             ctx.rows, layer.dropout)
-    return dense_forward(layer, x, weights["weight"], weights["bias"], mask)
+    return dense_forward(layer, x, weights["weight"], weights["bias"], mask, spec.precision)
+
+
+def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict):
+    """(delta for the layer below or None for the first layer, this layer's weight gradients)."""
+    return dense_backward(spec.layers[index], delta, cache, weights["weight"], need_dx=index > 0,
+                          fmt=spec.precision)
 
 
 def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardContext):

@@ -14,6 +14,8 @@ import math
 
 import numpy as np
 
+from .precision import unscale_and_check
+
 
 class Optimizer:
     def __init__(self, kind: str, momentum: float = 0.0, weight_decay: float = 0.0,
@@ -45,13 +47,22 @@ class Optimizer:
             self._update_one(w, g, state[name], np.float32(lr), step + 1)
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
-                     lr: float, step: int, max_norm: float | None) -> float:
-        """Clip by the global norm, then update every layer; returns the norm before clipping."""
+                     lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
+                     skip_nonfinite: bool = False) -> tuple[float, bool]:
+        """Unscale, clip by the global norm, then update every layer.
+
+        Returns (the norm of the unscaled gradients before clipping, whether the
+        step was applied): with `skip_nonfinite` (loss scaling on) a step whose
+        gradients hold inf or nan changes nothing.
+        """
+        finite = unscale_and_check(grads, loss_scale)
         norm = global_norm(grads)
+        if skip_nonfinite and not finite:
+            return norm, False
         factor = clip_factor(norm, max_norm)
         for name, layer_grads in zip(layer_names, grads):
             self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr, step)
-        return norm
+        return norm, True
 
     def _update_one(self, w, g, slots, lr, t: int) -> None:
         wd = np.float32(self.weight_decay)

@@ -183,7 +183,49 @@ def from_bits(b: np.ndarray, fmt: str) -> np.ndarray:
 
 def quantize(x: np.ndarray, fmt: str) -> np.ndarray:
     """The float32 value nearest to x (RNE) among the values of `fmt`: what a 16-bit input holds."""
+    if fmt == "float32":
+        return np.asarray(x, dtype=np.float32)   # no rounding, no copy
     return from_bits(to_bits(x, fmt), fmt)
+
+
+def encode_arrays(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
+    """Float tensors as they cross a socket in `fmt`; other arrays (labels) as they are."""
+    if fmt == "float32":
+        return arrays
+    return {name: to_bits(a, fmt) if np.issubdtype(a.dtype, np.floating) else a
+            for name, a in arrays.items()}
+
+
+def decode_arrays(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
+    """Inverse of encode_arrays: float32 values, exactly; other arrays as they are."""
+    if fmt == "float32":
+        return arrays
+    stored = wire_dtype(fmt)
+    return {name: from_bits(a, fmt) if a.dtype == stored else a for name, a in arrays.items()}
+
+
+def scaled(x, scale: float):
+    """x * scale in float32 (x itself when scale is 1): the loss gradient that starts backward."""
+    return x if scale == 1.0 else x * np.float32(scale)
+
+
+def unscale_and_check(grads: list[dict[str, np.ndarray]], scale: float) -> bool:
+    """True when every gradient is finite; then each is divided by `scale` in place.
+
+    A read-only array (e.g. straight off a socket) is replaced in its dict by
+    the unscaled copy instead. Non-finite gradients are left as they are: the
+    step is skipped anyway.
+    """
+    finite = all(bool(np.isfinite(g).all()) for layer in grads for g in layer.values())
+    if finite and scale != 1.0:
+        inv = np.float32(scale)
+        for layer in grads:
+            for name, g in layer.items():
+                if g.flags.writeable:
+                    g /= inv
+                else:
+                    layer[name] = g / inv
+    return finite
 
 
 def matmul(a: np.ndarray, b: np.ndarray, fmt: str) -> np.ndarray:
@@ -260,24 +302,16 @@ class LossScaler:
 
     def scale_loss(self, x):
         """x * scale (the loss, or the loss gradient that starts backward)."""
-        return x if self._scale == 1.0 else x * np.float32(self._scale)
+        return scaled(x, self._scale)
 
     def unscale_and_check(self, grads: list[dict[str, np.ndarray]]) -> bool:
-        """True when every gradient is finite; then each is divided by scale in place.
+        """True when every gradient is finite; then each is divided by scale in place."""
+        return unscale_and_check(grads, self._scale)
 
-        A read-only array (e.g. straight off a socket) is replaced in its dict
-        by the unscaled copy instead.
-        """
-        finite = all(bool(np.isfinite(g).all()) for layer in grads for g in layer.values())
-        if finite and self._scale != 1.0:
-            inv = np.float32(self._scale)
-            for layer in grads:
-                for name, g in layer.items():
-                    if g.flags.writeable:
-                        g /= inv
-                    else:
-                        layer[name] = g / inv
-        return finite
+    @property
+    def skips_nonfinite(self) -> bool:
+        """Whether a step with inf/nan gradients is skipped (any mode but none)."""
+        return self.mode != "none"
 
     def update(self, found_finite: bool) -> bool:
         """Advance the scale after one step; True when that step should be applied."""

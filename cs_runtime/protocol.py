@@ -24,6 +24,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .precision import FORMATS, decode_arrays, wire_dtype
+
 PROTOCOL_VERSION = 1
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
@@ -97,6 +99,12 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.JOB_END: {},
 }
 
+# Optional meta keys of any message, checked when present.
+# "format": the arrays are tensors of that precision format in their wire
+# storage (cs_runtime/precision.py: float16, or uint16 bit patterns); without
+# it they are plain float32 (or whatever dtype they state).
+OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool}
+
 
 @dataclass
 class Message:
@@ -131,6 +139,12 @@ def decode(frames: list) -> Message:
     header = _unpack_header(_as_bytes(frames[0]))
     mtype = _check_header(header)
     specs = _check_array_specs(header["arrays"], frames[1:])
+    fmt = header["meta"].get("format")
+    if fmt is not None:
+        stored = wire_dtype(fmt).name
+        for name, dtype, _ in specs:
+            if dtype != stored and dtype not in ("int64", "int32"):   # labels ride along as ints
+                raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
     arrays = {}
     for (name, dtype, shape), frame in zip(specs, frames[1:]):
         # Read-only view on the received buffer; kernels copy when they must write.
@@ -179,11 +193,20 @@ def _check_header(header: dict) -> Msg:
         mtype = Msg(header["t"])
     except ValueError:
         raise ProtocolError(f"unknown message type {header['t'][:40]!r}") from None
+    meta = header["meta"]
     for key, typ in META_SCHEMA[mtype].items():
-        value = header["meta"].get(key)
-        if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, _NUM)):
+        if not _is(meta.get(key), typ):
             raise ProtocolError(f"{mtype.value}: meta field {key!r} missing or of the wrong type")
+    for key, typ in OPTIONAL_META.items():
+        if key in meta and not _is(meta[key], typ):
+            raise ProtocolError(f"{mtype.value}: meta field {key!r} of the wrong type")
+    if "format" in meta and meta["format"] not in FORMATS:
+        raise ProtocolError(f"{mtype.value}: unknown tensor format {meta['format'][:20]!r}")
     return mtype
+
+
+def _is(value, typ) -> bool:
+    return isinstance(value, typ) and not (isinstance(value, bool) and typ in (int, _NUM))
 
 
 def _check_array_specs(specs: list, frames: list) -> list:
@@ -214,6 +237,11 @@ def _check_array_specs(specs: list, frames: list) -> list:
                                 f"header says {nbytes}")
         checked.append((name, dtype, tuple(shape)))
     return checked
+
+
+def float_arrays(msg: Message) -> dict[str, np.ndarray]:
+    """The message's tensors as float32 values, whatever format they travelled in."""
+    return decode_arrays(msg.arrays, msg.meta.get("format", "float32"))
 
 
 def array_bytes(msg: Message) -> int:

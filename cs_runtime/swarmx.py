@@ -16,7 +16,8 @@ import logging
 import numpy as np
 import zmq
 
-from .protocol import Message, Msg
+from .precision import encode_arrays
+from .protocol import Message, Msg, float_arrays
 from .service import ProcessEnv, join_cs_system, service_main
 from .transport import Endpoint
 
@@ -29,14 +30,20 @@ REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE}
 
 
 def reduce_messages(parts: list[Message]) -> Message:
-    """Sum the arrays and the numeric meta of one message from each WSE (in rank order)."""
+    """Sum the arrays and the numeric meta of one message from each WSE (in rank order).
+
+    16-bit tensors are summed in float32 and sent on in their own format.
+    """
     first = parts[0]
+    fmt = first.meta.get("format", "float32")
+    values = [float_arrays(p) for p in parts]
     arrays = {}
-    for name, arr in first.arrays.items():
+    for name, arr in values[0].items():
         total = np.array(arr, copy=True)
-        for other in parts[1:]:
-            total += other.arrays[name]
+        for other in values[1:]:
+            total += other[name]
         arrays[name] = total
+    arrays = encode_arrays(arrays, fmt)
     meta = dict(first.meta)
     for key, value in first.meta.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):

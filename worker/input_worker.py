@@ -16,6 +16,7 @@ import zmq
 from cs_runtime.cluster import DirectoryClient
 from cs_runtime.data import worker_steps
 from cs_runtime.inputs import InputStream
+from cs_runtime.precision import encode_arrays
 from cs_runtime.protocol import Message, Msg
 from cs_runtime.runner import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
@@ -84,5 +85,7 @@ class InputWorker:
             shard = stream.shard(step, self.wse_rank, self.penv.num_csx)
             meta = {"stream": name, "global_batch": shard.global_batch,
                     "row_start": shard.rows.start, "row_stop": shard.rows.stop}
-            push.send(Message(Msg.BATCH, step=step, meta=meta, arrays={"x": shard.x, "y": shard.y}))
+            # The first layer rounds its input to the 16-bit format anyway: send it so.
+            arrays = encode_arrays({"x": shard.x, "y": shard.y}, p.precision)
+            push.send(Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision}, arrays=arrays))
             self.sent += 1

@@ -7,7 +7,9 @@ activations resident; after the last layer it computes the loss (sent up to
 SwarmX) and the output delta; each backward layer turns the delta into the
 layer's weight gradients (sent to SwarmX for the sum over WSEs) and the delta
 for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
-EVAL_RESULT instead.
+EVAL_RESULT instead. With mixed precision, weights arrive and gradients
+leave in the 16-bit format, and the output delta is multiplied by the step's
+loss scale (sent with the forward weights).
 
 Input batches arrive on a PULL socket from one or more input workers in any
 order; `InputMerger` hands them out in (stream, step) order, so results never
@@ -20,7 +22,8 @@ import logging
 import zmq
 
 from cs_runtime.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
-from cs_runtime.protocol import Message, Msg
+from cs_runtime.precision import encode_arrays, scaled
+from cs_runtime.protocol import Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv
 from cs_runtime.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
@@ -64,13 +67,15 @@ class WeightStreamingExecutor:
         self.ctx: ShardContext | None = None
         self.caches: list = []
         self.delta = None
+        self.loss_scale = 1.0
 
     def on_weights(self, msg: Message) -> None:
         phase, index = msg.meta["phase"], msg.layer
         if phase in ("fwd", "eval"):
-            self.forward(msg.step, index, msg.arrays, train=phase == "fwd")
+            self.loss_scale = float(msg.meta.get("loss_scale", 1.0))
+            self.forward(msg.step, index, float_arrays(msg), train=phase == "fwd")
         elif phase == "bwd":
-            self.backward(msg.step, index, msg.arrays)
+            self.backward(msg.step, index, float_arrays(msg))
         else:
             raise ValueError(f"unknown weights phase {phase!r} for layer {index}")
 
@@ -89,15 +94,15 @@ class WeightStreamingExecutor:
         batch = self.inputs.take(stream, step)
         meta = batch.meta
         self.step, self.caches = step, []
-        self.x = batch.arrays["x"]
-        self.labels = batch.arrays["y"]
+        arrays = float_arrays(batch)
+        self.x, self.labels = arrays["x"], arrays["y"]
         self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train)
 
     def finish_forward(self, step: int, train: bool) -> None:
         result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
         if train:
-            self.delta = result.delta
+            self.delta = scaled(result.delta, self.loss_scale)
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received()}
             self.up.send(Message(Msg.LOSS, step=step, meta=meta))
         else:
@@ -108,9 +113,10 @@ class WeightStreamingExecutor:
     def backward(self, step: int, index: int, weights: dict) -> None:
         if step != self.step or index != len(self.caches) - 1 or self.delta is None:
             raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
-        cache = self.caches.pop()
-        self.delta, grads = layer_backward(self.spec, index, self.delta, cache, weights)
-        self.up.send(Message(Msg.GRADS, step=step, layer=index, arrays=grads))
+        self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights)
+        fmt = self.spec.precision
+        self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
+                             arrays=encode_arrays(grads, fmt)))
 
 
 class WSE:

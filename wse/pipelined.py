@@ -23,7 +23,8 @@ from cs_runtime.data import shard_rows
 from cs_runtime.memoryx import pack_state, unpack_state
 from cs_runtime.model import ModelSpec, ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.optim import Optimizer
-from cs_runtime.protocol import Message, Msg
+from cs_runtime.precision import scaled
+from cs_runtime.protocol import Message, Msg, float_arrays
 
 
 class PipelinedExecutor:
@@ -32,13 +33,14 @@ class PipelinedExecutor:
         self.seed = int(config["seed"])
         self.replicas = max(1, int(config.get("replicas", 1)))
         self.max_norm = config.get("max_gradient_norm")
+        self.skip_nonfinite = config.get("loss_scaling", "none") != "none"
         self.optimizer = Optimizer(**config["optimizer"])
         self.weights, self.opt_state = unpack_state(spec, self.optimizer, arrays)
 
     def handle(self, msg: Message) -> bool:
         """Handle a step-level message; False if it is not one of ours."""
         if msg.type == Msg.TRAIN_STEP:
-            self.train_step(msg.step, float(msg.meta["lr"]))
+            self.train_step(msg.step, float(msg.meta["lr"]), float(msg.meta.get("loss_scale", 1.0)))
         elif msg.type == Msg.EVAL_STEP:
             self.eval_step(msg.step)
         elif msg.type == Msg.GET_STATE:
@@ -56,21 +58,24 @@ class PipelinedExecutor:
             part = shard_rows(stop - start, r, self.replicas)
             rows = slice(start + part.start, start + part.stop)
             ctx = ShardContext(self.seed, batch.step, int(meta["global_batch"]), rows, train)
-            yield batch.arrays["x"][part], batch.arrays["y"][part], ctx
+            arrays = float_arrays(batch)
+            yield arrays["x"][part], arrays["y"][part], ctx
 
-    def train_step(self, step: int, lr: float) -> None:
+    def train_step(self, step: int, lr: float, loss_scale: float) -> None:
         batch = self.inputs.take("train", step)
         loss, count, total = 0.0, 0, None
         for x, y, ctx in self.replica_contexts(batch, train=True):
             logits, caches = model_forward(self.spec, x, self.weights, ctx)
             part = model_loss(self.spec, logits, y, ctx.global_batch)
-            grads = model_backward(self.spec, part.delta, caches, self.weights)
+            grads = model_backward(self.spec, scaled(part.delta, loss_scale), caches, self.weights)
             loss, count = loss + part.loss, count + len(y)
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
         names = [layer.name for layer in self.spec.layers]
-        norm = self.optimizer.update_model(names, self.weights, total, self.opt_state, lr, step, self.max_norm)
+        norm, applied = self.optimizer.update_model(names, self.weights, total, self.opt_state, lr, step,
+                                                    self.max_norm, loss_scale, self.skip_nonfinite)
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
-        meta = {"loss": loss, "count": count, "grad_norm": norm, "bytes_in": self.up.take_received()}
+        meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied,
+                "bytes_in": self.up.take_received()}
         self.up.send(Message(Msg.LOSS, step=step, meta=meta))
 
     def eval_step(self, step: int) -> None:
