@@ -396,7 +396,8 @@ class Params(_Section):
     @property
     def precision(self) -> str:
         """The format of matmul inputs and streamed tensors: float32 unless mixed precision."""
-        if not self.model.mixed_precision:
+        # Language models (TransformerModelConfig) have no mixed_precision key: float32.
+        if not getattr(self.model, "mixed_precision", False):
             return "float32"
         return "cbfloat16" if self.csconfig.use_cbfloat16 else self.model.fp16_type
 

@@ -79,6 +79,10 @@ class ModelSpec:
     def __post_init__(self):
         if self.precision not in FORMATS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {sorted(FORMATS)}")
+        transformer = [l for l in self.layers if l.op in LAYER_OPS]
+        if self.precision != "float32" and transformer:
+            raise ValueError(f"mixed precision ({self.precision}) is implemented for dense layers only; "
+                             f"layer {transformer[0].name} (op {transformer[0].op}) computes in float32")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "loss": self.loss, "precision": self.precision,
@@ -270,12 +274,6 @@ def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx
     return dense_forward(layer, x, weights["weight"], weights["bias"], mask, spec.precision)
 
 
-def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict):
-    """(delta for the layer below or None for the first layer, this layer's weight gradients)."""
-    return dense_backward(spec.layers[index], delta, cache, weights["weight"], need_dx=index > 0,
-                          fmt=spec.precision)
-
-
 def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardContext):
     """Every layer in order, on weights held in this process: (logits, caches)."""
     caches = []
@@ -290,7 +288,7 @@ def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weight
     layer = spec.layers[index]
     if layer.op in LAYER_OPS:
         return LAYER_OPS[layer.op].backward(layer, delta, cache, weights, index > 0)
-    return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0)
+    return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0, fmt=spec.precision)
 
 
 def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict) -> list[dict]:

@@ -40,6 +40,10 @@ EVAL_RE = re.compile(r"\| Eval Device=.*Loss=([\d.]+), Accuracy=([\d.]+)")
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 
 
+class RunFailed(RuntimeError):
+    pass
+
+
 def tool(name: str) -> str:
     found = BIN / name
     return str(found) if found.exists() else name
@@ -67,7 +71,8 @@ def run_one(model: str, batch: int, args, folder: Path) -> dict:
     start = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if result.returncode != 0:
-        raise SystemExit(f"{model} batch {batch} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        raise RunFailed(f"{model} batch {batch} failed (exit {result.returncode}):\n"
+                        f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
     rate = float(RATE_RE.findall(result.stdout)[-1])
     weight_bytes, grad_bytes = map(int, TRAFFIC_RE.search(result.stdout).groups())
     eval_loss, eval_acc = map(float, EVAL_RE.search(result.stdout).groups())
@@ -147,21 +152,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--samples {args.samples} is smaller than a batch")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, failed = [], None
     for model in args.models:
         for batch in args.batch_sizes:
             print(f"running {model} at batch {batch} ({args.samples // batch} steps) ...", flush=True)
-            rows.append(run_one(model, batch, args, out))
+            try:
+                rows.append(run_one(model, batch, args, out))
+            except (RunFailed, subprocess.TimeoutExpired) as exc:
+                failed = str(exc)
+                break
             r = rows[-1]
             print(f"  {r['samples_per_sec']:.1f} samples/sec, step {r['step_time_s']:.2f} s, "
                   f"eval loss {r['eval_loss']:.4f}, {r['wall_s']:.0f} s", flush=True)
-        (out / f"loss_{model}.svg").write_text(svg_plot(model, [r for r in rows if r["model"] == model]))
+        done = [r for r in rows if r["model"] == model]
+        if done:
+            (out / f"loss_{model}.svg").write_text(svg_plot(model, done))
+        if failed:
+            break
     report = table(rows, args)
     (out / "study.md").write_text(report)
     (out / "study.json").write_text(json.dumps(rows, indent=1))
     print(report)
     print(f"written: {out / 'study.md'}, {out / 'study.json'}, " +
           ", ".join(str(out / f"loss_{m}.svg") for m in args.models))
+    if failed:
+        print(f"error: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
