@@ -88,16 +88,15 @@ def lower_embedding(g: Graph, layer: LayerSpec, x: str) -> str:
     return _dropout(g, layer, h, layer.dropout, "")
 
 
-def _padding_ids(g: Graph) -> tuple[str, ...]:
-    """The token-id input when the model's embedding marks padding (BERT), else ()."""
+def _padding(g: Graph) -> tuple[tuple[str, ...], int]:
+    """((token-id input,), pad id) when the model's embedding marks padding (BERT), else ((), -1)."""
     marks = [n for n in g.nodes if n.op == "embedding" and n.attrs.get("pad_id", -1) >= 0]
-    return (marks[0].inputs[0],) if marks else ()
+    return ((marks[0].inputs[0],), int(marks[0].attrs["pad_id"])) if marks else ((), -1)
 
 
 def _attention(g: Graph, layer: LayerSpec, x: str, p: dict) -> str:
     n, at = layer.name, {"layer": layer.name, "layer_op": layer.op}
-    ids = _padding_ids(g)
-    pad_id = int(g.node([m for m in g.nodes if m.op == "embedding"][0].name).attrs["pad_id"]) if ids else -1
+    ids, pad_id = _padding(g)
     qkv = _dense(g, layer, x, p, "qkv")
     att = g.add("attention", (qkv, *ids), name=f"{n}.attention", heads=int(layer.num_heads),
                 causal=bool(layer.causal), dropout=float(layer.attn_dropout), pad_id=pad_id, **at)
