@@ -229,3 +229,21 @@ def test_compiler_names_a_bad_transformer_layer():
     bad = replace(spec, layers=(spec.layers[0], replace(spec.layers[1], num_heads=3), spec.layers[2]))
     with pytest.raises(CompileError, match=r"layer block0 \(op transformer_block\): .*num_heads"):
         lower(bad)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "bert"])
+def test_examples_name_a_bad_params_key(style):
+    from importlib import import_module
+
+    from cs_runtime.config import params_from_dict
+    model_fn = import_module(f"examples.{style}.run").model_fn
+    too_long = params_from_dict({"model": {"model_type": style, "max_position_embeddings": 16},
+                                 "eval_input": {"max_sequence_length": 32}})
+    with pytest.raises(ValueError, match="eval_input.max_sequence_length 32 exceeds model.max_position_embeddings 16"):
+        model_fn(too_long)
+    other = "bert" if style == "gpt2" else "gpt2"
+    with pytest.raises(ValueError, match=f"needs model.model_type: {style}"):
+        model_fn(params_from_dict({"model": {"model_type": other}}))
+    spec = model_fn(params_from_dict({"model": {"model_type": style}}))
+    assert [l.op for l in spec.layers] == ["embedding", "transformer_block", "transformer_block", "lm_head"]
+    assert spec.layers[1].causal == (style == "gpt2")

@@ -22,6 +22,10 @@ def model_fn(params):
     m = params.model
     if getattr(m, "model_type", None) != "gpt2":
         raise ValueError("examples/gpt2 needs model.model_type: gpt2 in params.yaml")
+    for name in ("train_input", "eval_input"):
+        if seq_len(params, getattr(params, name)) > m.max_position_embeddings:
+            raise ValueError(f"{name}.max_sequence_length {getattr(params, name).max_sequence_length} exceeds "
+                             f"model.max_position_embeddings {m.max_position_embeddings}")
     return transformer_spec("gpt2", style="gpt2", vocab_size=m.vocab_size, max_len=m.max_position_embeddings,
                             hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
                             ffn_features=m.filter_size, dropout=m.dropout_rate,
