@@ -5,7 +5,9 @@
 
 Rows: the CPU path (single process, the baseline), csrun_wse in weight
 streaming with 1 and 2 WSEs, and in layer-pipelined mode with 1 and with 2
-replicas (--multireplica). For each: samples/sec (the chief's GlobalRate
+replicas (--multireplica), and weight streaming with 1 WSE in mixed
+precision (float16 with dynamic loss scaling, and cbfloat16), whose weights
+and gradients stream in 16 bits. For each: samples/sec (the chief's GlobalRate
 over the whole training loop, after start-up), the ratio to the CPU path,
 and for the cluster rows the bytes streamed per step. Timings drift on
 shared machines: compare ratios within one run, never absolute numbers
@@ -36,7 +38,7 @@ PIPELINED_RE = re.compile(r"WeightBytes/step=(\d+) \(received by the WSE sockets
 TRAFFIC_RE = re.compile(r"WeightBytes/step=(\d+) .* x (\d+) hops.*GradBytes/step=(\d+)")
 
 
-def write_params(folder: Path, preset: dict, steps: int, strategy: str) -> Path:
+def write_params(folder: Path, preset: dict, steps: int, strategy: str, precision: str = "float32") -> Path:
     params = {
         "train_input": {"batch_size": preset["batch_size"], "shuffle": True, "drop_last_batch": True},
         "model": {"hidden_sizes": preset["hidden_sizes"], "activation": "relu", "dropout": 0.1},
@@ -44,7 +46,10 @@ def write_params(folder: Path, preset: dict, steps: int, strategy: str) -> Path:
         "runconfig": {"max_steps": steps, "log_steps": steps, "checkpoint_steps": 0, "seed": 1,
                       "execution_strategy": strategy},
     }
-    path = folder / f"{strategy}.yaml"
+    if precision != "float32":
+        params["model"].update(mixed_precision=True, fp16_type=precision)
+        params["optimizer"]["loss_scaling_factor"] = "dynamic" if precision == "float16" else 1.0
+    path = folder / f"{strategy}_{precision}.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
 
@@ -84,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
         rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
         rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
+        for precision in ("float16", "cbfloat16"):
+            mixed = write_params(tmp, preset, args.steps, "weight_streaming", precision)
+            rows.append(run_row(f"ws_1wse_{precision}", wse, mixed, tmp / f"ws_{precision}"))
     base = rows[0]["samples_per_sec"]
     print(f"preset={args.preset} model={preset['hidden_sizes']} batch={preset['batch_size']} steps={args.steps}")
     print(f"{'row':<24}{'samples/sec':>14}{'vs cpu':>9}{'weight B/step':>16}{'grad B/step':>14}")
