@@ -312,3 +312,26 @@ def test_a_nan_loss_without_loss_scaling_stops_the_job_naming_the_step(tmp_path)
     result = run_cpu(params, tmp_path / "cpu")
     assert result.returncode == 1
     assert re.search(r"error: loss is (nan|inf|-inf) at step \d+", result.stdout), result.stdout
+
+
+def test_deep_sigmoid_mlp_trains_its_first_layer_only_where_small_gradients_survive(tmp_path):
+    """The underflow case as a training run. fc0's momentum buffer is the sum of every
+    gradient it was given, so its zeros count the weights that never got one."""
+    deep = {"hidden_sizes": [64] * 8, "activation": "sigmoid", "dropout": 0.0}
+    run = {"max_steps": 20, "log_steps": 10, "checkpoint_steps": 0}
+    cases = {"float32": ({}, {}),
+             "float16 unscaled": ({"mixed_precision": True}, {}),
+             "float16 dynamic": ({"mixed_precision": True}, {"loss_scaling_factor": "dynamic"}),
+             "cbfloat16 unscaled": ({"mixed_precision": True, "fp16_type": "cbfloat16"}, {})}
+    zeros = {}
+    for i, (name, (model, optimizer)) in enumerate(cases.items()):
+        params = write_params(tmp_path, name=f"{i}.yaml", model={**deep, **model}, optimizer=optimizer,
+                              runconfig=run)
+        result = run_cpu(params, tmp_path / str(i))
+        assert result.returncode == 0, result.stdout + result.stderr
+        with np.load(tmp_path / str(i) / "checkpoint_20.npz") as ck:
+            zeros[name] = float((ck["optimizer/fc0/weight/momentum"] == 0).mean())
+    assert zeros["float32"] < 0.5                  # the always-black pixels' rows only
+    assert zeros["float16 unscaled"] > 0.99, zeros
+    assert zeros["float16 dynamic"] == pytest.approx(zeros["float32"], abs=0.02), zeros
+    assert zeros["cbfloat16 unscaled"] == pytest.approx(zeros["float32"], abs=0.02), zeros
