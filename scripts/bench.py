@@ -20,7 +20,8 @@ Ceilings, measured in the same run (scripts/bench_baselines.py): a numpy
 float32 matmul of the largest layer at the batch size (FLOP/s); a numpy
 memcpy and a raw pyzmq PUSH/PULL between two processes of one step's
 weight bytes, layer by layer; and the project's own protocol path (WEIGHTS
-messages through Endpoint, validated on receipt) over the same bytes. Timings drift on
+messages through Endpoint, validated on receipt) over the same bytes, over
+tcp and by shared-memory reference (what csrun_wse uses on one host). Timings drift on
 shared machines: compare ratios within one run, never absolute numbers
 across runs. Results also go to --json.
 """
@@ -114,6 +115,7 @@ def ceilings(facts: dict, batch: int, steps: int) -> dict:
         "memcpy": baseline("memcpy", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
         "zmq": baseline("zmq", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
         "protocol": baseline("protocol", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
+        "protocol_shm": baseline("protocol_shm", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
         "matmul": baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
                            "--steps", str(steps))["flops_per_sec"],
     }
@@ -169,11 +171,13 @@ def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], c
     batch = preset["batch_size"]
     one_pass = 2 * sum(facts["layer_bytes"])          # forward + backward, one hop
     print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps}")
-    print(f"ceilings: memcpy {ceiling['memcpy'] / 1e9:.2f} GB/s, raw pyzmq tcp {ceiling['zmq'] / 1e9:.2f} GB/s, "
-          f"project protocol tcp {ceiling['protocol'] / 1e9:.2f} GB/s "
-          f"({ceiling['protocol'] / ceiling['zmq']:.2f} of raw pyzmq, {ceiling['protocol'] / ceiling['memcpy']:.2f}"
-          f" of memcpy), numpy matmul {batch}x{facts['largest'][0]}x{facts['largest'][1]} "
-          f"{ceiling['matmul'] / 1e9:.1f} GFLOP/s")
+    mem, raw = ceiling["memcpy"], ceiling["zmq"]
+    print(f"ceilings: numpy matmul {batch}x{facts['largest'][0]}x{facts['largest'][1]} "
+          f"{ceiling['matmul'] / 1e9:.1f} GFLOP/s; memcpy {mem / 1e9:.2f} GB/s; raw pyzmq tcp {raw / 1e9:.2f} GB/s")
+    print(f"weight stream alone (one step's tensors, received into the receiver's own memory): "
+          f"protocol over tcp {ceiling['protocol'] / 1e9:.2f} GB/s = {ceiling['protocol'] / raw:.2f} of raw pyzmq; "
+          f"protocol by shared memory {ceiling['protocol_shm'] / 1e9:.2f} GB/s = "
+          f"{ceiling['protocol_shm'] / mem:.2f} of memcpy")
     print(f"{'row':<24}{'samples/sec':>12}{'vs ' + base['name']:>14}{'FLOP/s':>10}{'of matmul':>10}"
           f"{'weight B/step':>15}{'stream GB/s':>12}{'of memcpy':>10}{'of zmq':>8}")
     for row in rows:

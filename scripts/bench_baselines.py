@@ -4,6 +4,7 @@
     python scripts/bench_baselines.py ddp --sizes ... --batch 512 --steps 20 --ranks 2
     python scripts/bench_baselines.py zmq --bytes 4000000,4000000 --steps 20
     python scripts/bench_baselines.py protocol --bytes 4000000,4000000 --steps 20
+    python scripts/bench_baselines.py protocol_shm --bytes 4000000,4000000 --steps 20
     python scripts/bench_baselines.py memcpy --bytes ... --steps 20
     python scripts/bench_baselines.py matmul --m 512 --k 2048 --n 2048 --steps 20
 
@@ -20,6 +21,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -109,13 +111,19 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------- ceilings
 
-def zmq_receiver(address: str, frames: int, steps: int) -> None:
+# Every transport row delivers each tensor into a buffer the receiver owns (one
+# np.copyto), as the memcpy row does, so all four measure the same thing:
+# bytes of the sender's tensors landed in the receiver's memory per second.
+
+def zmq_receiver(address: str, sizes: list[int], steps: int) -> None:
     import zmq
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(address)
-    for _ in range((steps + WARMUP_STEPS) * frames):
-        pull.recv(copy=False)
+    own = [np.empty(n // 4, dtype=np.float32) for n in sizes]
+    for _ in range(steps + WARMUP_STEPS):
+        for buffer in own:
+            np.copyto(buffer, np.frombuffer(pull.recv(copy=False).buffer, dtype=np.float32))
     ctx.destroy(linger=0)
 
 
@@ -129,7 +137,7 @@ def run_zmq(args) -> dict:
     port = push.bind_to_random_port("tcp://127.0.0.1")
     buffers = [np.ones(n // 4, dtype=np.float32) for n in args.bytes]
     receiver = multiprocessing.get_context("spawn").Process(
-        target=zmq_receiver, args=(f"tcp://127.0.0.1:{port}", len(buffers), args.steps))
+        target=zmq_receiver, args=(f"tcp://127.0.0.1:{port}", args.bytes, args.steps))
     receiver.start()
     try:
         for _ in range(WARMUP_STEPS):
@@ -148,28 +156,44 @@ def run_zmq(args) -> dict:
     return {"bytes_per_sec": sum(args.bytes) * args.steps / seconds}
 
 
-def protocol_receiver(address: str, frames: int, steps: int) -> None:
+def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | None) -> None:
     import zmq
+    from cs_runtime.shm import Segments
     from cs_runtime.transport import Endpoint
     ctx = zmq.Context()
     pull = Endpoint(ctx, zmq.PULL, "bench-pull", "bench").connect(address)
-    for _ in range((steps + WARMUP_STEPS) * frames):
-        pull.recv()            # decoded and validated, as a WSE does
+    if folder:
+        pull.share_memory(Segments(Path(folder)))
+    own = [np.empty(n // 4, dtype=np.float32) for n in sizes]
+    for _ in range(steps + WARMUP_STEPS):
+        for buffer in own:
+            _, msg = pull.recv()            # decoded and validated, as a WSE does
+            np.copyto(buffer, msg.arrays["weight"])
     ctx.destroy(linger=0)
 
 
-def run_protocol(args) -> dict:
-    """The project's own path: WEIGHTS messages through Endpoint (header, validation, frames)."""
+def run_protocol(args, shared: bool = False) -> dict:
+    """The project's own path: WEIGHTS messages through Endpoint, over tcp or by shared-memory reference."""
     import multiprocessing
+    import tempfile
     import zmq
     from cs_runtime.protocol import Message, Msg
+    from cs_runtime.shm import Arena, Segments
     from cs_runtime.transport import Endpoint
     ctx = zmq.Context()
     push = Endpoint(ctx, zmq.PUSH, "bench-push", "bench")
     address = push.bind()
-    layers = [{"weight": np.ones(n // 4, dtype=np.float32)} for n in args.bytes]
+    folder, arena = None, None
+    if shared:
+        folder = tempfile.mkdtemp(prefix="cs-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        arena = Arena(Path(folder), "cs-bench-memoryx0-1", sum(args.bytes) + 64 * len(args.bytes))
+        push.share_memory(Segments(Path(folder)))
+        push.segments.add_arena(arena)
+        layers = [{"weight": arena.copy_of(np.ones(n // 4, dtype=np.float32))} for n in args.bytes]
+    else:
+        layers = [{"weight": np.ones(n // 4, dtype=np.float32)} for n in args.bytes]
     receiver = multiprocessing.get_context("spawn").Process(
-        target=protocol_receiver, args=(address, len(layers), args.steps))
+        target=protocol_receiver, args=(address, args.bytes, args.steps, folder))
     receiver.start()
 
     def one_step(step):
@@ -187,7 +211,14 @@ def run_protocol(args) -> dict:
         if receiver.is_alive():
             receiver.kill()
         ctx.destroy(linger=0)
+        if arena is not None:
+            arena.close()
+            os.rmdir(folder)
     return {"bytes_per_sec": sum(args.bytes) * args.steps / seconds}
+
+
+def run_protocol_shm(args) -> dict:
+    return run_protocol(args, shared=True)
 
 
 def run_memcpy(args) -> dict:
@@ -216,8 +247,8 @@ def run_matmul(args) -> dict:
     return {"flops_per_sec": 2 * args.m * args.k * args.n * args.steps / (time.perf_counter() - start)}
 
 
-RUNS = {"torch": run_torch, "ddp": run_ddp, "zmq": run_zmq, "protocol": run_protocol, "memcpy": run_memcpy,
-        "matmul": run_matmul}
+RUNS = {"torch": run_torch, "ddp": run_ddp, "zmq": run_zmq, "protocol": run_protocol,
+        "protocol_shm": run_protocol_shm, "memcpy": run_memcpy, "matmul": run_matmul}
 
 
 def main(argv: list[str] | None = None) -> None:
