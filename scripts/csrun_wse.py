@@ -71,17 +71,31 @@ def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str) -> d
     return env
 
 
+# BLAS/OpenMP thread variables: the WSEs split the host's cores between them;
+# every other process does no heavy linear algebra and gets one thread, so
+# idle BLAS threads never spin on a core a WSE is computing on.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def with_threads(env: dict, threads: int) -> dict:
+    """env with the BLAS thread count set, unless the user set it for the job."""
+    return {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
+
+
 def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | None) -> None:
     """MemoryX, SwarmX and the WSEs on this host: with shm_dir they share memory for the weight stream."""
     if shm_dir:
         env = {**env, "CS_SHM_DIR": shm_dir}
+    wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
     for role, count in (("memoryx", 1), ("swarmx", 1), ("wse", num_csx)):
+        role_env = with_threads(env, wse_threads if role == "wse" else 1)
         for rank in range(count):
             group.start(role, rank, [sys.executable, "-m", SERVICE_MODULES[role]],
-                        {**env, "CS_ROLE": role, "CS_RANK": str(rank)})
+                        {**role_env, "CS_ROLE": role, "CS_RANK": str(rank)})
 
 
 def start_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers: int) -> None:
+    env = with_threads(env, 1)    # the chief drives, the workers feed: neither multiplies matrices
     group.start("chief", 0, role_argv(command, "chief"), {**env, "CS_ROLE": "chief", "CS_RANK": "0"})
     for rank in range(num_workers):
         group.start("worker", rank, role_argv(command, "worker"),
