@@ -166,6 +166,7 @@ class ClusterExecutor:
         done = self.wait(self.memoryx, Msg.STEP_DONE, step)
         self.traffic = {k: int(done.meta.get(k, 0)) for k in ("weight_bytes", "grad_bytes")}
         self.traffic["wse_bytes_in"] = int(loss.meta.get("bytes_in", -1))
+        self.traffic["shared_memory"] = bool(done.meta.get("shared_memory", False))
         return float(loss.meta["loss"]), float(done.meta["grad_norm"]), bool(done.meta.get("applied", True))
 
     def traffic_summary(self) -> str:
@@ -176,9 +177,10 @@ class ClusterExecutor:
         n = self.penv.num_csx
         if self.pipelined:
             return f"| Streaming Device=WSE, WeightBytes/step={t['wse_bytes_in']} (received by the WSE sockets)"
+        how = "shared memory, same host" if t["shared_memory"] else "tcp"
         return (f"| Streaming Device=WSE, WeightBytes/step={t['weight_bytes']} (MemoryX->SwarmX) "
                 f"x {1 + n} hops incl. fan-out to {n} WSE(s), GradBytes/step={t['grad_bytes']} (SwarmX->MemoryX), "
-                f"WSEBytesIn/step={t['wse_bytes_in']}")
+                f"WSEBytesIn/step={t['wse_bytes_in']}, via {how}")
 
     def eval_step(self, step: int) -> tuple[float, int, int]:
         (self.swarmx if self.pipelined else self.memoryx).send(Message(Msg.EVAL_STEP, step=step))

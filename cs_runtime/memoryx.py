@@ -11,6 +11,10 @@ to the chief.
 With mixed precision the master weights and optimizer state stay float32
 here; weights go out, and gradients come in, in the 16-bit format.
 
+On one host (shm.py) the master weights, or their 16-bit copies, live in a
+shared-memory arena, and WEIGHTS messages refer to them instead of carrying
+them.
+
     python -m cs_runtime.memoryx      (started by csrun_wse or the appliance)
 """
 from __future__ import annotations
@@ -22,7 +26,8 @@ import zmq
 
 from .model import ModelSpec
 from .optim import Optimizer, global_norm
-from .precision import encode_arrays
+from .precision import encode_arrays, to_bits, wire_dtype
+from . import shm
 from .protocol import Message, Msg, float_arrays
 from .service import ProcessEnv, join_cs_system, service_main
 from .transport import Endpoint
@@ -64,6 +69,11 @@ class MemoryX:
         self.address = self.router.bind()
         self.peers: dict[str, bytes] = {}      # role -> identity
         self.spec: ModelSpec | None = None
+        self.segments = shm.process_segments()
+        if self.segments is not None:
+            self.router.share_memory(self.segments)
+        self.arena: shm.Arena | None = None
+        self.wire: list[dict] | None = None    # 16-bit weight buffers in the arena
 
     def serve(self) -> None:
         while True:
@@ -83,9 +93,10 @@ class MemoryX:
         elif msg.type == Msg.GET_STATE:
             state = Message(Msg.STATE, step=msg.step,
                             arrays=pack_state(self.spec, self.weights, self.opt_state))
-            self.router.send(state, identity)
+            self.router.send(state, identity, share=False)   # to the chief, which may be on another host
         elif msg.type == Msg.JOB_END:
             self.spec = None
+            self.release_arena()
             self.router.send(Message(Msg.ACK, meta={"what": "job_end"}), identity)
         else:
             self.router.warn_once(identity, f"unexpected {msg.type.value}")
@@ -97,12 +108,40 @@ class MemoryX:
         self.max_norm = cfg.get("max_gradient_norm")
         self.skip_nonfinite = cfg.get("loss_scaling", "none") != "none"
         self.weights, self.opt_state = unpack_state(self.spec, self.optimizer, msg.arrays)
+        self.share_weights()
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
                  self.spec.num_params())
 
+    def share_weights(self) -> None:
+        """On one host: move the masters (float32) or make 16-bit buffers in a shared arena."""
+        self.release_arena()
+        shapes = [w.shape for layer in self.weights.values() for w in layer.values()]
+        fmt = self.spec.precision
+        self.arena = shm.new_arena(self.penv.job, f"memoryx{self.penv.rank}",
+                                   shm.arena_bytes(shapes, wire_dtype(fmt).itemsize))
+        if self.arena is None:
+            return
+        if fmt == "float32":
+            self.weights = {name: {p: self.arena.copy_of(w) for p, w in layer.items()}
+                            for name, layer in self.weights.items()}
+        else:
+            self.wire = [{p: self.arena.empty(w.shape, wire_dtype(fmt)) for p, w in self.weights[l.name].items()}
+                         for l in self.spec.layers]
+
+    def release_arena(self) -> None:
+        if self.segments is not None:
+            self.segments.release(self.arena)
+        self.arena, self.wire = None, None
+
     def wire_weights(self) -> list[dict]:
         """Each layer's weights as they travel: the masters themselves in float32, else 16-bit copies."""
-        return [encode_arrays(self.weights[layer.name], self.spec.precision) for layer in self.spec.layers]
+        fmt = self.spec.precision
+        if self.wire is None:
+            return [encode_arrays(self.weights[layer.name], fmt) for layer in self.spec.layers]
+        for layer, buffers in zip(self.spec.layers, self.wire):
+            for name, out in buffers.items():
+                np.copyto(out, to_bits(self.weights[layer.name][name], fmt))
+        return self.wire
 
     def stream_weights(self, step: int, phase: str, order, wire: list[dict], **extra) -> None:
         swarmx = self.peers["swarmx"]
@@ -139,7 +178,8 @@ class MemoryX:
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
         self.router.send(Message(Msg.STEP_DONE, step=step,
-                                 meta={"grad_norm": norm, "applied": applied, **traffic}),
+                                 meta={"grad_norm": norm, "applied": applied,
+                                       "shared_memory": self.arena is not None, **traffic}),
                          self.peers["chief"])
 
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:

@@ -15,9 +15,10 @@ Conventions that make data parallel equal the oracle:
 
 Mixed precision (`ModelSpec.precision` other than float32): every matmul
 takes its inputs (activations or deltas, and weights) rounded to the 16-bit
-format and accumulates in float32, and the weight gradients come out in the
-16-bit format, as a 16-bit matmul on the wafer emits them. Bias adds,
-activations, the loss and the master weights stay float32.
+format and accumulates in float32; biases are used in the 16-bit format too
+(they stream as the weights do), and the weight gradients come out in the
+16-bit format, as a 16-bit matmul on the wafer emits them. Activation
+functions, the loss and the master weights stay float32.
 """
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
                   mask: np.ndarray | None, fmt: str = "float32") -> tuple[np.ndarray, DenseCache]:
     x = _rounded(x, fmt)   # kept rounded: the weight gradient's matmul takes the same input
     z = x @ _rounded(weight, fmt)
-    z += bias
+    z += _rounded(bias, fmt)
     a = activate(layer.activation, z)
     out = a * mask if mask is not None else a
     return out, DenseCache(x, z, a, mask)

@@ -6,6 +6,11 @@ A message is a multipart ZeroMQ message:
                  "layer": int, "meta": {...}, "arrays": [[name, dtype, shape], ...]}
     frame 1..n   one raw buffer per array, in header order (C order, little endian)
 
+An array that lies in a shared-memory segment of the job (same host only,
+see shm.py) is listed as [name, dtype, shape, segment, offset] and has no
+frame: the receiver maps the segment and checks the reference's bounds.
+A socket that does not share memory refuses such references.
+
 No pickle anywhere: a header is plain msgpack data and an array is bytes whose
 dtype and shape the header states. `decode` checks everything (type, version,
 meta keys and their types, dtypes, shapes, frame count, byte sizes, caps) before
@@ -103,7 +108,7 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
 # "format": the arrays are tensors of that precision format in their wire
 # storage (cs_runtime/precision.py: float16, or uint16 bit patterns); without
 # it they are plain float32 (or whatever dtype they state).
-OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool}
+OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool}
 
 
 @dataclass
@@ -116,8 +121,11 @@ class Message:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def encode(msg: Message) -> list:
-    """Message -> list of frames (header bytes, then one buffer per array)."""
+def encode(msg: Message, segments=None) -> list:
+    """Message -> list of frames (header bytes, then one buffer per array).
+
+    With `segments` (shm.Segments), arrays that lie in a shared segment go by reference.
+    """
     specs, frames = [], []
     for name, arr in msg.arrays.items():
         arr = np.asarray(arr, order="C")  # not ascontiguousarray: it turns 0-d into shape (1,)
@@ -125,6 +133,10 @@ def encode(msg: Message) -> list:
             raise ProtocolError(f"array {name!r}: dtype {arr.dtype.name} is not allowed on the wire")
         # The wire is little endian; '>f4' is also named "float32" and would arrive scrambled.
         arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        ref = segments.locate(arr) if segments is not None else None
+        if ref is not None:
+            specs.append([name, arr.dtype.name, list(arr.shape), *ref])
+            continue
         specs.append([name, arr.dtype.name, list(arr.shape)])
         frames.append(arr if arr.nbytes >= ZERO_COPY_THRESHOLD else arr.tobytes())
     header = {"t": msg.type.value, "v": PROTOCOL_VERSION, "job": msg.job, "step": msg.step,
@@ -132,8 +144,11 @@ def encode(msg: Message) -> list:
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
-def decode(frames: list) -> Message:
-    """Frames -> Message, after validating everything. Raises ProtocolError."""
+def decode(frames: list, segments=None) -> Message:
+    """Frames -> Message, after validating everything. Raises ProtocolError.
+
+    `segments` (shm.Segments) resolves shared-memory references; without it they are refused.
+    """
     if not frames:
         raise ProtocolError("empty message")
     header = _unpack_header(_as_bytes(frames[0]))
@@ -142,18 +157,32 @@ def decode(frames: list) -> Message:
     fmt = header["meta"].get("format")
     if fmt is not None:
         stored = wire_dtype(fmt).name
-        for name, dtype, _ in specs:
+        for name, dtype, _, _ in specs:
             if dtype != stored and dtype not in ("int64", "int32"):   # labels ride along as ints
                 raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
     arrays = {}
-    for (name, dtype, shape), frame in zip(specs, frames[1:]):
+    next_frame = iter(frames[1:])
+    for name, dtype, shape, ref in specs:
+        if ref is not None:
+            arrays[name] = _shared_array(segments, name, dtype, shape, ref)
+            continue
         # Read-only view on the received buffer; kernels copy when they must write.
         # ZeroMQ frames (and inproc zero-copy buffers) are writable, so say it explicitly:
         # a receiver must never scribble on memory the sender may still own.
-        arr = np.frombuffer(_as_buffer(frame), dtype=dtype).reshape(shape)
+        arr = np.frombuffer(_as_buffer(next(next_frame)), dtype=dtype).reshape(shape)
         arr.flags.writeable = False
         arrays[name] = arr
     return Message(mtype, header["job"], header["step"], header["layer"], header["meta"], arrays)
+
+
+def _shared_array(segments, name: str, dtype: str, shape: tuple, ref: tuple) -> np.ndarray:
+    if segments is None:
+        raise ProtocolError(f"array {name[:40]!r}: a shared-memory reference on a socket that does not share memory")
+    from .shm import SharedMemoryError
+    try:
+        return segments.resolve(ref[0], ref[1], dtype, shape)
+    except SharedMemoryError as exc:
+        raise ProtocolError(f"array {name[:40]!r}: {exc}") from None
 
 
 def _as_bytes(frame) -> bytes:
@@ -212,11 +241,21 @@ def _is(value, typ) -> bool:
 def _check_array_specs(specs: list, frames: list) -> list:
     if len(specs) > MAX_ARRAYS:
         raise ProtocolError(f"{len(specs)} arrays exceed the cap of {MAX_ARRAYS}")
-    if len(specs) != len(frames):
-        raise ProtocolError(f"header lists {len(specs)} arrays but {len(frames)} frames follow")
+    if not all(isinstance(spec, list) for spec in specs):
+        raise ProtocolError("array spec is not a list")
+    framed = [spec for spec in specs if len(spec) != 5]
+    if len(framed) != len(frames):
+        raise ProtocolError(f"header lists {len(framed)} arrays in frames but {len(frames)} frames follow")
     checked = []
-    for spec, frame in zip(specs, frames):
-        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
+    next_frame = iter(frames)
+    for spec in specs:
+        ref = None
+        if len(spec) == 5:          # [name, dtype, shape, segment, offset]: no frame
+            ref = (spec[3], spec[4])
+            if not (isinstance(ref[0], str) and isinstance(ref[1], int) and not isinstance(ref[1], bool)):
+                raise ProtocolError("shared-memory reference is not [segment name, offset]")
+            spec = spec[:3]
+        if not (len(spec) == 3 and isinstance(spec[0], str)
                 and isinstance(spec[1], str) and isinstance(spec[2], list)):
             raise ProtocolError("array spec is not [name, dtype, shape]")
         name, dtype, shape = spec
@@ -232,10 +271,11 @@ def _check_array_specs(specs: list, frames: list) -> list:
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         if nbytes > MAX_ARRAY_BYTES:
             raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
-        if nbytes != _frame_len(frame):
+        frame = next(next_frame) if ref is None else None
+        if frame is not None and nbytes != _frame_len(frame):
             raise ProtocolError(f"array {name[:40]!r}: frame has {_frame_len(frame)} bytes, "
                                 f"header says {nbytes}")
-        checked.append((name, dtype, tuple(shape)))
+        checked.append((name, dtype, tuple(shape), ref))
     return checked
 
 

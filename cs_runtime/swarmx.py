@@ -16,6 +16,7 @@ import logging
 import numpy as np
 import zmq
 
+from . import shm
 from .precision import encode_arrays
 from .protocol import Message, Msg, float_arrays
 from .service import ProcessEnv, join_cs_system, service_main
@@ -32,9 +33,12 @@ REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE}
 def reduce_messages(parts: list[Message]) -> Message:
     """Sum the arrays and the numeric meta of one message from each WSE (in rank order).
 
-    16-bit tensors are summed in float32 and sent on in their own format.
+    16-bit tensors are summed in float32 and sent on in their own format. One
+    part is sent on as it is (by reference, when it lies in shared memory).
     """
     first = parts[0]
+    if len(parts) == 1:
+        return first
     fmt = first.meta.get("format", "float32")
     values = [float_arrays(p) for p in parts]
     arrays = {}
@@ -57,6 +61,9 @@ class SwarmX:
         self.num_wse = penv.num_csx
         self.router = Endpoint(ctx, zmq.ROUTER, "swarmx", penv.job)
         self.address = self.router.bind()
+        self.segments = shm.process_segments()
+        if self.segments is not None:
+            self.router.share_memory(self.segments)
         self.memoryx: Endpoint | None = None
         self.wse: dict[int, bytes] = {}       # rank -> identity
         self.chief: bytes | None = None
@@ -64,6 +71,8 @@ class SwarmX:
 
     def connect_memoryx(self, ctx: zmq.Context, address: str) -> None:
         self.memoryx = Endpoint(ctx, zmq.DEALER, "swarmx->memoryx", self.penv.job).connect(address)
+        if self.segments is not None:   # weights by reference from MemoryX, gradients on to it
+            self.memoryx.share_memory(self.segments)
         self.memoryx.send(Message(Msg.HELLO, meta={"role": "swarmx", "rank": self.penv.rank}))
 
     def serve(self) -> None:
@@ -93,6 +102,8 @@ class SwarmX:
         if msg.type == Msg.HELLO:
             self.hello(identity, msg)
         elif identity == self.chief and msg.type in BROADCAST:
+            if msg.type == Msg.JOB_END and self.segments is not None:
+                self.segments.forget_peers(self.penv.job)
             self.broadcast(frames)
         elif identity in self.wse.values() and msg.type in REDUCE:
             self.collect(identity, msg)

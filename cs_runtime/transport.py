@@ -51,6 +51,12 @@ class Endpoint:
         self._received_mark = 0
         self.sent_by_type: Counter = Counter()
         self._warned_senders: set = set()
+        self.segments = None      # shm.Segments: big arrays by reference, same host only
+
+    def share_memory(self, segments) -> "Endpoint":
+        """Send arrays that lie in a shared segment by reference, and accept such references."""
+        self.segments = segments
+        return self
 
     def bind(self, host: str | None = None) -> str:
         host = host or bind_host()
@@ -61,10 +67,11 @@ class Endpoint:
         self.sock.connect(address)
         return self
 
-    def send(self, msg: Message, identity: bytes | None = None) -> None:
+    def send(self, msg: Message, identity: bytes | None = None, share: bool = True) -> None:
+        """Send `msg` (to `identity` on a ROUTER); share=False: frames only, for peers elsewhere."""
         if not msg.job:
             msg.job = self.job
-        if not self._send_frames(encode(msg), identity, msg.type.value):
+        if not self._send_frames(encode(msg, self.segments if share else None), identity, msg.type.value):
             return
         payload = array_bytes(msg)
         self.bytes_sent += payload
@@ -115,7 +122,7 @@ class Endpoint:
 
     def decode_or_drop(self, identity, frames) -> Message | None:
         try:
-            msg = decode(frames)
+            msg = decode(frames, self.segments)
             if self.job and msg.job and msg.job != self.job:
                 raise ProtocolError(f"message for job {msg.job[:40]!r}, this is job {self.job!r}")
         except ProtocolError as exc:

@@ -1,13 +1,27 @@
 """Benchmark: the same model trained by each execution path, in one run.
 
     python scripts/bench.py                 # FC-MNIST (preset small)
-    python scripts/bench.py --steps 300 --preset medium
+    python scripts/bench.py --preset large  # 8 x 2048, batch 512: 31M parameters
 
-Rows: the CPU path (single process, the baseline), csrun_wse in weight
+Rows: the CPU path (single process), PyTorch CPU in one process and
+PyTorch DistributedDataParallel (gloo, 2 ranks) on the same layers and
+optimizer (the baseline; skipped with a line when torch is not installed:
+`pip install torch==2.13.0`, never a dependency of the project), csrun_wse in weight
 streaming with 1 and 2 WSEs, and in layer-pipelined mode with 1 and with 2
-replicas (--multireplica). For each: samples/sec (the chief's GlobalRate
-over the whole training loop, after start-up), the ratio to the CPU path,
-and for the cluster rows the bytes streamed per step. Timings drift on
+replicas (--multireplica), and weight streaming with 1 WSE in mixed
+precision (float16 with dynamic loss scaling, and cbfloat16), whose weights
+and gradients stream in 16 bits. For each: samples/sec (the chief's GlobalRate
+over the whole training loop, after start-up), the ratio to PyTorch CPU (to
+the CPU path without torch), the training FLOP/s and their fraction of the
+compute ceiling, and for weight streaming the bytes per step and the weight
+stream's bytes/sec against the transport ceilings.
+
+Ceilings, measured in the same run (scripts/bench_baselines.py): a numpy
+float32 matmul of the largest layer at the batch size (FLOP/s); a numpy
+memcpy and a raw pyzmq PUSH/PULL between two processes of one step's
+weight bytes, layer by layer; and the project's own protocol path (WEIGHTS
+messages through Endpoint, validated on receipt) over the same bytes, over
+tcp and by shared-memory reference (what csrun_wse uses on one host). Timings drift on
 shared machines: compare ratios within one run, never absolute numbers
 across runs. Results also go to --json.
 """
@@ -28,15 +42,16 @@ FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
 BIN = Path(sys.executable).parent
 
 PRESETS = {
-    "small": {"hidden_sizes": [256, 128], "batch_size": 128},
-    "medium": {"hidden_sizes": [1024, 1024, 1024], "batch_size": 256},
+    "small": {"hidden_sizes": [256, 128], "batch_size": 128, "steps": 300},          # FC-MNIST
+    "medium": {"hidden_sizes": [1024, 1024, 1024], "batch_size": 256, "steps": 100},
+    "large": {"hidden_sizes": [2048] * 8, "batch_size": 512, "steps": 20},          # 31M parameters
 }
 RATE_RE = re.compile(r"GlobalRate=([\d.]+) samples/sec")
 PIPELINED_RE = re.compile(r"WeightBytes/step=(\d+) \(received by the WSE sockets\)")
 TRAFFIC_RE = re.compile(r"WeightBytes/step=(\d+) .* x (\d+) hops.*GradBytes/step=(\d+)")
 
 
-def write_params(folder: Path, preset: dict, steps: int, strategy: str) -> Path:
+def write_params(folder: Path, preset: dict, steps: int, strategy: str, precision: str = "float32") -> Path:
     params = {
         "train_input": {"batch_size": preset["batch_size"], "shuffle": True, "drop_last_batch": True},
         "model": {"hidden_sizes": preset["hidden_sizes"], "activation": "relu", "dropout": 0.1},
@@ -44,7 +59,10 @@ def write_params(folder: Path, preset: dict, steps: int, strategy: str) -> Path:
         "runconfig": {"max_steps": steps, "log_steps": steps, "checkpoint_steps": 0, "seed": 1,
                       "execution_strategy": strategy},
     }
-    path = folder / f"{strategy}.yaml"
+    if precision != "float32":
+        params["model"].update(mixed_precision=True, fp16_type=precision)
+        params["optimizer"]["loss_scaling_factor"] = "dynamic" if precision == "float16" else 1.0
+    path = folder / f"{strategy}_{precision}.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
 
@@ -67,32 +85,115 @@ def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra
     return row
 
 
+def baseline(what: str, *flags: str) -> dict:
+    """One row of scripts/bench_baselines.py, in its own process."""
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_baselines.py"), what, *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"bench: baseline {what} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def model_facts(preset: dict) -> dict:
+    """Layer sizes, parameters, training FLOPs per sample, one pass's weight bytes per layer."""
+    sizes = [784, *preset["hidden_sizes"], 10]
+    layer_params = [(a + 1) * b for a, b in zip(sizes[:-1], sizes[1:])]
+    weights = sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))
+    # forward 2, backward 4 FLOPs per weight per sample (the first layer needs no input gradient)
+    flops = 6 * weights - 2 * sizes[0] * sizes[1]
+    largest = max(zip(sizes[:-1], sizes[1:]), key=lambda ab: ab[0] * ab[1])
+    return {"sizes": sizes, "params": sum(layer_params), "flops_per_sample": flops,
+            "layer_bytes": [4 * n for n in layer_params], "largest": largest}
+
+
+def ceilings(facts: dict, batch: int, steps: int) -> dict:
+    """Transport and compute ceilings for the bytes and the largest matmul of one step."""
+    # one step streams every layer forward and backward: the same bytes twice
+    step_bytes = ",".join(str(b) for b in facts["layer_bytes"] * 2)
+    k, n = facts["largest"]
+    return {
+        "memcpy": baseline("memcpy", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
+        "zmq": baseline("zmq", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
+        "protocol": baseline("protocol", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
+        "protocol_shm": baseline("protocol_shm", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
+        "matmul": baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
+                           "--steps", str(steps))["flops_per_sec"],
+    }
+
+
+def torch_rows(facts: dict, batch: int, steps: int) -> list[dict]:
+    flags = ("--sizes", ",".join(map(str, facts["sizes"])), "--batch", str(batch), "--steps", str(steps))
+    rows = []
+    for name, what in (("torch_cpu", "torch"), ("torch_ddp_2ranks", "ddp")):
+        got = baseline(what, *flags)
+        if "skipped" in got:
+            print(f"bench: {name} skipped: {got['skipped']}")
+            continue
+        rows.append({"name": name, "samples_per_sec": got["samples_per_sec"]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
+    steps = args.steps or preset["steps"]
+    batch = preset["batch_size"]
+    facts = model_facts(preset)
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
-        params = write_params(tmp, preset, args.steps, "weight_streaming")
-        piped = write_params(tmp, preset, args.steps, "pipelined")
+        params = write_params(tmp, preset, steps, "weight_streaming")
+        piped = write_params(tmp, preset, steps, "pipelined")
         wse = [str(BIN / "csrun_wse")]
         rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
+        rows += torch_rows(facts, batch, steps)
         for n in (1, 2):
             rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
         rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
         rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
-    base = rows[0]["samples_per_sec"]
-    print(f"preset={args.preset} model={preset['hidden_sizes']} batch={preset['batch_size']} steps={args.steps}")
-    print(f"{'row':<24}{'samples/sec':>14}{'vs cpu':>9}{'weight B/step':>16}{'grad B/step':>14}")
-    for row in rows:
-        row["ratio_vs_cpu"] = row["samples_per_sec"] / base
-        print(f"{row['name']:<24}{row['samples_per_sec']:>14.1f}{row['ratio_vs_cpu']:>9.2f}"
-              f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
+        for precision in ("float16", "cbfloat16"):
+            mixed = write_params(tmp, preset, steps, "weight_streaming", precision)
+            rows.append(run_row(f"ws_1wse_{precision}", wse, mixed, tmp / f"ws_{precision}"))
+    ceiling = ceilings(facts, batch, max(5, min(steps, 50)))
+    report(args.preset, preset, facts, steps, rows, ceiling)
     if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, "steps": args.steps, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"preset": args.preset, "steps": steps, "model": facts,
+                                               "ceilings": ceiling, "rows": rows}, indent=2))
+
+
+def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], ceiling: dict) -> None:
+    """The table: rates, ratios to the baseline, FLOP/s and streaming against their ceilings."""
+    by_name = {r["name"]: r for r in rows}
+    base = by_name.get("torch_cpu", by_name["cpu"])
+    batch = preset["batch_size"]
+    one_pass = 2 * sum(facts["layer_bytes"])          # forward + backward, one hop
+    print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps}")
+    mem, raw = ceiling["memcpy"], ceiling["zmq"]
+    print(f"ceilings: numpy matmul {batch}x{facts['largest'][0]}x{facts['largest'][1]} "
+          f"{ceiling['matmul'] / 1e9:.1f} GFLOP/s; memcpy {mem / 1e9:.2f} GB/s; raw pyzmq tcp {raw / 1e9:.2f} GB/s")
+    print(f"weight stream alone (one step's tensors, received into the receiver's own memory): "
+          f"protocol over tcp {ceiling['protocol'] / 1e9:.2f} GB/s = {ceiling['protocol'] / raw:.2f} of raw pyzmq; "
+          f"protocol by shared memory {ceiling['protocol_shm'] / 1e9:.2f} GB/s = "
+          f"{ceiling['protocol_shm'] / mem:.2f} of memcpy")
+    print(f"{'row':<24}{'samples/sec':>12}{'vs ' + base['name']:>14}{'FLOP/s':>10}{'of matmul':>10}"
+          f"{'weight B/step':>15}{'stream GB/s':>12}{'of memcpy':>10}{'of zmq':>8}")
+    for row in rows:
+        rate = row["samples_per_sec"]
+        row["ratio_vs_baseline"] = rate / base["samples_per_sec"]
+        row["flops_per_sec"] = rate * facts["flops_per_sample"]
+        row["flops_fraction_of_matmul"] = row["flops_per_sec"] / ceiling["matmul"]
+        line = (f"{row['name']:<24}{rate:>12.1f}{row['ratio_vs_baseline']:>14.2f}"
+                f"{row['flops_per_sec'] / 1e9:>9.1f}G{row['flops_fraction_of_matmul']:>10.2f}")
+        if row.get("weight_bytes_per_step"):
+            # bytes that reached the WSE(s) per second: one hop of the weight stream
+            streamed = one_pass * (rate / batch) * (0.5 if "float16" in row["name"] else 1)
+            row["weight_stream_bytes_per_sec"] = streamed
+            line += (f"{row['weight_bytes_per_step']:>15}{streamed / 1e9:>12.3f}"
+                     f"{streamed / ceiling['memcpy']:>10.3f}{streamed / ceiling['zmq']:>8.3f}")
+        print(line)
 
 
 if __name__ == "__main__":

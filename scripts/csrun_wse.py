@@ -17,16 +17,19 @@ import logging
 import os
 import sys
 import uuid
+from pathlib import Path
 
 import zmq
 
 from cs_runtime.cluster import DirectoryServer
 from cs_runtime.launcher import ProcessGroup, Supervisor
+from cs_runtime.shm import remove_job_segments
 from cs_runtime.service import setup_logging
 
 # Variables that describe a process's place in a job; never inherited from outside.
 JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET",
-            "CS_NUM_CSX", "CS_NUM_WORKERS_PER_CSX")
+            "CS_NUM_CSX", "CS_NUM_WORKERS_PER_CSX", "CS_SHM_DIR")
+SHM_DIR = "/dev/shm"   # memory-backed on Linux
 SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx", "wse": "wse"}
 
 
@@ -37,6 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num_csx", type=int, default=1, help="WSE emulators (default 1)")
     parser.add_argument("--num_workers_per_csx", type=int, default=1, help="input workers per WSE (default 1)")
     parser.add_argument("--cs_ip", default=None, help="HOST:PORT of a running CS system (default: start one)")
+    parser.add_argument("--no_shm", action="store_true",
+                        help="stream weights over tcp even between local processes (default: shared memory)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python run.py ARGS...")
     ns = parser.parse_args(argv)
     if not ns.command:
@@ -66,14 +71,31 @@ def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str) -> d
     return env
 
 
-def start_services(group: ProcessGroup, env: dict, num_csx: int) -> None:
+# BLAS/OpenMP thread variables: the WSEs split the host's cores between them;
+# every other process does no heavy linear algebra and gets one thread, so
+# idle BLAS threads never spin on a core a WSE is computing on.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def with_threads(env: dict, threads: int) -> dict:
+    """env with the BLAS thread count set, unless the user set it for the job."""
+    return {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
+
+
+def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | None) -> None:
+    """MemoryX, SwarmX and the WSEs on this host: with shm_dir they share memory for the weight stream."""
+    if shm_dir:
+        env = {**env, "CS_SHM_DIR": shm_dir}
+    wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
     for role, count in (("memoryx", 1), ("swarmx", 1), ("wse", num_csx)):
+        role_env = with_threads(env, wse_threads if role == "wse" else 1)
         for rank in range(count):
             group.start(role, rank, [sys.executable, "-m", SERVICE_MODULES[role]],
-                        {**env, "CS_ROLE": role, "CS_RANK": str(rank)})
+                        {**role_env, "CS_ROLE": role, "CS_RANK": str(rank)})
 
 
 def start_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers: int) -> None:
+    env = with_threads(env, 1)    # the chief drives, the workers feed: neither multiplies matrices
     group.start("chief", 0, role_argv(command, "chief"), {**env, "CS_ROLE": "chief", "CS_RANK": "0"})
     for rank in range(num_workers):
         group.start("worker", rank, role_argv(command, "worker"),
@@ -102,13 +124,16 @@ def main(argv: list[str] | None = None) -> None:
     group = ProcessGroup()
     logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s)", job, ns.num_csx, num_workers)
     supervisor = Supervisor(directory, group, finisher_role="chief")
+    shm_dir = None if ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
     try:
         if ns.cs_ip is None:
-            start_services(group, env, ns.num_csx)
+            start_services(group, env, ns.num_csx, shm_dir)
         start_tasks(group, env, ns.command, num_workers)
         code = supervisor.run()
     finally:
         group.stop_all()
+        if shm_dir:  # whatever the services left, even when killed
+            remove_job_segments(Path(shm_dir), job)
         ctx.destroy(linger=0)
     sys.exit(code)
 

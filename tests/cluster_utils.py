@@ -49,15 +49,16 @@ def run_cpu(params: Path, model_dir: Path, mode: str = "train", *extra: str, tim
 
 
 def wse_command(params: Path, model_dir: Path, mode: str = "train", num_csx: int = 1, workers: int = 1,
-                extra: tuple = ()) -> list[str]:
+                extra: tuple = (), extra_launcher: tuple = ()) -> list[str]:
+    """csrun_wse [flags, extra_launcher] python run.py ... [extra]."""
     return [tool("csrun_wse"), "--num_csx", str(num_csx), "--num_workers_per_csx", str(workers),
-            sys.executable, FC_MNIST, "--mode", mode, "--params", str(params), "--model_dir", str(model_dir),
+            *extra_launcher, sys.executable, FC_MNIST, "--mode", mode, "--params", str(params), "--model_dir", str(model_dir),
             *extra]
 
 
 def run_wse(params: Path, model_dir: Path, mode: str = "train", num_csx: int = 1, workers: int = 1,
-            extra: tuple = (), timeout: int = 180):
-    cmd = wse_command(params, model_dir, mode, num_csx, workers, extra)
+            extra: tuple = (), timeout: int = 180, extra_launcher: tuple = ()):
+    cmd = wse_command(params, model_dir, mode, num_csx, workers, extra, extra_launcher)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,7 +9,9 @@ layer's weight gradients (sent to SwarmX for the sum over WSEs) and the delta
 for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
 EVAL_RESULT instead. With mixed precision, weights arrive and gradients
 leave in the 16-bit format, and the output delta is multiplied by the step's
-loss scale (sent with the forward weights).
+loss scale (sent with the forward weights). On one host (cs_runtime/shm.py)
+weights are read where MemoryX keeps them, and gradients are written into
+this WSE's shared arena, one buffer per tensor, reused every step.
 
 Input batches arrive on a PULL socket from one or more input workers in any
 order; `InputMerger` hands them out in (stream, step) order, so results never
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import zmq
 
+from cs_runtime import shm
 from cs_runtime.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
-from cs_runtime.precision import encode_arrays, scaled
+from cs_runtime.precision import encode_arrays, scaled, wire_dtype
 from cs_runtime.protocol import Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv
 from cs_runtime.transport import Endpoint
@@ -56,8 +60,11 @@ class InputMerger:
 
 
 class WeightStreamingExecutor:
-    def __init__(self, spec: ModelSpec, seed: int, up: Endpoint, inputs: InputMerger):
+    def __init__(self, spec: ModelSpec, seed: int, up: Endpoint, inputs: InputMerger,
+                 arena: shm.Arena | None = None):
         self.spec, self.seed, self.up, self.inputs = spec, seed, up, inputs
+        self.arena = arena
+        self.grad_buffers: dict[tuple[int, str], object] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -116,7 +123,20 @@ class WeightStreamingExecutor:
         self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights)
         fmt = self.spec.precision
         self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
-                             arrays=encode_arrays(grads, fmt)))
+                             arrays=self.shared(index, encode_arrays(grads, fmt))))
+
+    def shared(self, index: int, arrays: dict) -> dict:
+        """The arrays copied into this WSE's arena (sent by reference), or as they are without one."""
+        if self.arena is None:
+            return arrays
+        out = {}
+        for name, arr in arrays.items():
+            buffer = self.grad_buffers.get((index, name))
+            if buffer is None:
+                buffer = self.grad_buffers[(index, name)] = self.arena.empty(arr.shape, arr.dtype)
+            np.copyto(buffer, arr)
+            out[name] = buffer
+        return out
 
 
 class WSE:
@@ -128,9 +148,13 @@ class WSE:
         self.inputs = InputMerger(self.pull)
         self.up: Endpoint | None = None
         self.executor: WeightStreamingExecutor | None = None
+        self.segments = shm.process_segments()
+        self.arena: shm.Arena | None = None
 
     def connect_swarmx(self, ctx: zmq.Context, address: str) -> None:
         self.up = Endpoint(ctx, zmq.DEALER, f"wse{self.penv.rank}->swarmx", self.penv.job).connect(address)
+        if self.segments is not None:
+            self.up.share_memory(self.segments)
         self.up.send(Message(Msg.HELLO, meta={"role": "wse", "rank": self.penv.rank}))
 
     def make_executor(self, msg: Message):
@@ -138,7 +162,10 @@ class WSE:
         spec = ModelSpec.from_dict(config["model"])
         if config.get("execution_strategy") == "pipelined":
             return PipelinedExecutor(spec, config, msg.arrays, self.up, self.inputs)
-        return WeightStreamingExecutor(spec, int(config["seed"]), self.up, self.inputs)
+        shapes = [s for layer in spec.layers for s in layer.param_shapes().values()]
+        self.arena = shm.new_arena(self.penv.job, f"wse{self.penv.rank}",
+                                   shm.arena_bytes(shapes, wire_dtype(spec.precision).itemsize))
+        return WeightStreamingExecutor(spec, int(config["seed"]), self.up, self.inputs, self.arena)
 
     def serve(self) -> None:
         while True:
@@ -156,6 +183,10 @@ class WSE:
         elif msg.type == Msg.JOB_END:
             self.executor = None
             self.inputs.buffer.clear()
+            if self.segments is not None:
+                self.segments.release(self.arena)
+                self.segments.forget_peers(self.penv.job)
+            self.arena = None
             self.up.send(Message(Msg.ACK, meta={"what": "job_end"}))
         else:
             self.up.warn_once(None, f"unexpected {msg.type.value} (model loaded: {self.executor is not None})")

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from cs_runtime.config import Params
 from cs_runtime.hardware import WSE2, Wafer
+from cs_runtime.precision import wire_dtype
 
 from .ir import CompileError, Graph, Node, elements
 
@@ -167,6 +168,7 @@ class Plan:
     kernels: list[KernelPlan]
     estimate: Estimate
     rewrites: list[str] = field(default_factory=list)
+    precision: str = "float32"     # of matmul inputs and streamed tensors (model.mixed_precision)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -247,14 +249,15 @@ def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer) -> tuple[
 
 
 def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, train: bool,
-                          batch: int) -> tuple[list[KernelPlan], Estimate]:
+                          batch: int, precision: str = "float32") -> tuple[list[KernelPlan], Estimate]:
     whole = {"x": 0, "y": 0, "w": wafer.cols, "h": wafer.rows}
     kernels, compute_s, trans_s = [], [], []
     for node, c in zip(nodes, costs):
         active = min(wafer.cores, batch * c.max_pes)
         compute_s.append(wafer.compute_time(batch * c.flops, active))
-        # Weights come in for the forward and backward pass, gradients go out.
-        streamed = c.weight_bytes * (3 if train else 1) + batch * c.host_bytes
+        # Weights come in for the forward and backward pass, gradients go out,
+        # in 16 bits each with mixed precision (the costs count float32).
+        streamed = (c.weight_bytes * (3 if train else 1) + batch * c.host_bytes) * wire_fraction(precision)
         trans_s.append(wafer.io_time(streamed))
         kernels.append(KernelPlan(node.name, node.op, node.layer, c.flops, c.weight_bytes, c.resident_bytes,
                                   wafer.cores, active, whole, _rate(batch, compute_s[-1]),
@@ -308,7 +311,13 @@ def make_plan(graph: Graph, params: Params, mode: str, target: Target,
                 raise
             strategy, why = "weight_streaming", f"{exc}"
     if strategy == "weight_streaming":
-        kernels, est = plan_weight_streaming(nodes, costs, wafer, train, per_system)
+        kernels, est = plan_weight_streaming(nodes, costs, wafer, train, per_system, params.precision)
     return Plan(graph.name, strategy, why, mode, {**target.key_fields(), "compiled_on": target.compiled_on},
                 batch, per_system, {"rows": wafer.rows, "cols": wafer.cols, "cores": wafer.cores},
-                wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), list(rewrites or []))
+                wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), list(rewrites or []),
+                params.precision)
+
+
+def wire_fraction(precision: str) -> float:
+    """Bytes a streamed value takes in `precision`, relative to float32."""
+    return wire_dtype(precision).itemsize / 4

@@ -52,7 +52,8 @@ def render_report(plan: dict[str, Any]) -> str:
         f"Compile report: {plan['model']}",
         f"Execution strategy: {strategy} ({plan['strategy_reason']})",
         f"Target: {t['device']} x {t['num_csx']} system(s), compiled on {t['compiled_on']}",
-        f"Mode: {plan['mode']}, batch {plan['batch_size']} ({plan['per_system_batch']} per system)",
+        f"Mode: {plan['mode']}, batch {plan['batch_size']} ({plan['per_system_batch']} per system), "
+        f"precision {plan.get('precision', 'float32')}",
         f"Wafer memory: {fmt_bytes(plan['resident_bytes'])} needed of {fmt_bytes(plan['wafer_memory_bytes'])}",
         "",
         "Estimated Overall Performance",

@@ -1,0 +1,207 @@
+"""Same-host shared memory for the weight stream: arenas and the segments they announce.
+
+Over tcp every streamed byte is copied into the kernel and out again, twice
+per hop. When MemoryX, SwarmX and the WSEs share a host (the launcher says
+so with CS_SHM_DIR), the big tensors instead live in shared-memory segments:
+MemoryX keeps its master weights in its arena, a WSE writes its gradients
+into its own; a message then carries, for such an array, a reference
+(segment, offset) in place of a frame, and the receiver maps the segment
+read-only and reads the tensor where it lies. The message still crosses the
+ZeroMQ socket, so ordering and the protocol's validation are unchanged.
+
+Why it is safe to hand out live memory: the step protocol is lockstep. A
+WSE reads layer l's weights only between their WEIGHTS message and its
+GRADS for layer l, and MemoryX updates layer l only after those gradients
+arrived; a WSE overwrites its gradient buffer for layer l only in the next
+step, after MemoryX has applied (or copied) this step's.
+
+A segment is a file in CS_SHM_DIR (/dev/shm: memory, not disk) named
+`cs-<job>-<role><rank>-<n>`, created 0600 by the job's own user. A receiver
+maps only files whose name has that shape, that lie in its own CS_SHM_DIR
+and that belong to its own user, and checks every reference against the
+file's size before it builds a view. The launcher deletes the job's
+segments when the job ends, however it ends.
+
+    python -m pytest tests/test_shm.py -q
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+SHM_ENV = "CS_SHM_DIR"
+SEGMENT_NAME = re.compile(r"^cs-[A-Za-z0-9_.-]{1,120}$")
+ALIGN = 64          # bytes: every array starts on a cache line
+# Below this an array goes as a frame (ZeroMQ copies small frames anyway).
+MIN_SHARED_BYTES = 64 * 1024
+
+
+class SharedMemoryError(ValueError):
+    """A reference that must not be followed (bad name, owner, bounds)."""
+
+
+_process_segments: "Segments | None" = None
+
+
+def process_segments() -> "Segments | None":
+    """This process's Segments, or None when the launcher did not ask for shared memory."""
+    global _process_segments
+    folder = shm_dir()
+    if folder is None:
+        return None
+    if _process_segments is None:
+        _process_segments = Segments(folder)
+    return _process_segments
+
+
+def new_arena(job: str, owner: str, size: int) -> "Arena | None":
+    """A fresh arena of this process for `job`, registered with its Segments (None without shm)."""
+    segments = process_segments()
+    if segments is None or size <= 0:
+        return None
+    segments.arenas_made += 1
+    arena = Arena(segments.folder, f"{segment_prefix(job)}{owner}-{segments.arenas_made}", size)
+    segments.add_arena(arena)
+    return arena
+
+
+def arena_bytes(shapes, itemsize: int) -> int:
+    """Bytes an arena needs for arrays of these shapes (with alignment)."""
+    return sum(int(np.prod(s, dtype=np.int64)) * itemsize + ALIGN for s in shapes)
+
+
+def shm_dir() -> Path | None:
+    """Where this job's segments live, or None when the job does not share memory."""
+    value = os.environ.get(SHM_ENV)
+    return Path(value) if value else None
+
+
+def segment_prefix(job: str) -> str:
+    return f"cs-{job}-"
+
+
+def remove_job_segments(folder: Path, job: str) -> int:
+    """Delete every segment of `job` (the launcher's clean-up); returns how many."""
+    removed = 0
+    for path in folder.glob(f"{segment_prefix(job)}*"):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+class Arena:
+    """A fixed-size segment that hands out arrays (bump allocation, never freed)."""
+
+    def __init__(self, folder: Path, name: str, size: int):
+        if not SEGMENT_NAME.match(name):
+            raise SharedMemoryError(f"bad segment name {name!r}")
+        self.name, self.path, self.size = name, folder / name, int(size)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            self.map = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.base = np.frombuffer(self.map, dtype=np.uint8)
+        self.used = 0
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        start = -(-self.used // ALIGN) * ALIGN
+        if start + nbytes > self.size:
+            raise MemoryError(f"arena {self.name}: {nbytes} bytes do not fit ({self.size - start} left)")
+        self.used = start + nbytes
+        return self.base[start:start + nbytes].view(dtype).reshape(shape)
+
+    def copy_of(self, arr: np.ndarray) -> np.ndarray:
+        out = self.empty(arr.shape, arr.dtype)
+        np.copyto(out, arr)
+        return out
+
+    def close(self) -> None:
+        """Unmap and delete the segment (receivers keep their own mappings)."""
+        self.base = None
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # views still exported: the mapping goes when they do
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class Segments:
+    """Every segment one process knows: its own arenas and the peers' it has mapped.
+
+    `locate` turns an array into a reference if it lies in one of them (so a
+    tensor received from a peer's segment can be sent on by reference too);
+    `resolve` turns a reference back into a read-only array.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder.resolve()
+        self.uid = os.getuid()
+        self.spans: dict[str, tuple[int, int, mmap.mmap]] = {}   # name -> (address, size, map)
+        self.arenas_made = 0
+
+    def add_arena(self, arena: Arena) -> None:
+        self.spans[arena.name] = (arena.base.ctypes.data, arena.size, arena.map)
+
+    def release(self, arena: Arena | None) -> None:
+        """Forget and delete an arena of this process (at the end of a job)."""
+        if arena is not None:
+            self.spans.pop(arena.name, None)
+            arena.close()
+
+    def forget_peers(self, job: str) -> None:
+        """Drop the mappings of `job`'s peer segments (they are deleted with the job)."""
+        for name in [n for n in self.spans if n.startswith(segment_prefix(job))]:
+            self.spans.pop(name)
+
+    def locate(self, arr: np.ndarray) -> tuple[str, int] | None:
+        if arr.nbytes < MIN_SHARED_BYTES or not arr.flags.c_contiguous:
+            return None
+        address = arr.ctypes.data
+        for name, (start, size, _) in self.spans.items():
+            if start <= address and address + arr.nbytes <= start + size:
+                return name, address - start
+        return None
+
+    def resolve(self, name: str, offset: int, dtype: str, shape: tuple) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        start, size, mapped = self.spans.get(name) or self._map(name)
+        if not (isinstance(offset, int) and 0 <= offset and offset + nbytes <= size):
+            raise SharedMemoryError(f"reference {name}+{offset} ({nbytes} bytes) outside the segment of {size}")
+        arr = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset).view(dtype).reshape(shape)
+        arr.flags.writeable = False
+        return arr
+
+    def _map(self, name: str):
+        if not SEGMENT_NAME.match(name):
+            raise SharedMemoryError(f"bad segment name {name[:40]!r}")
+        path = self.folder / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise SharedMemoryError(f"segment {name}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != self.uid:
+                raise SharedMemoryError(f"segment {name} belongs to uid {st.st_uid}, not {self.uid}")
+            if st.st_size == 0:
+                raise SharedMemoryError(f"segment {name} is empty")
+            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        span = (np.frombuffer(mapped, dtype=np.uint8).ctypes.data, st.st_size, mapped)
+        self.spans[name] = span
+        return span

@@ -1,0 +1,270 @@
+"""Baselines and ceilings for scripts/bench.py, each run in its own process.
+
+    python scripts/bench_baselines.py torch --sizes 784,2048,10 --batch 512 --steps 20
+    python scripts/bench_baselines.py ddp --sizes ... --batch 512 --steps 20 --ranks 2
+    python scripts/bench_baselines.py zmq --bytes 4000000,4000000 --steps 20
+    python scripts/bench_baselines.py protocol --bytes 4000000,4000000 --steps 20
+    python scripts/bench_baselines.py protocol_shm --bytes 4000000,4000000 --steps 20
+    python scripts/bench_baselines.py memcpy --bytes ... --steps 20
+    python scripts/bench_baselines.py matmul --m 512 --k 2048 --n 2048 --steps 20
+
+Each prints one JSON line. The PyTorch rows need `pip install
+torch==2.13.0` (never a dependency of the project); without it they print
+{"skipped": "..."}. Same model as the project's FC-MNIST: Linear + ReLU +
+dropout 0.1 per hidden layer, softmax cross-entropy, SGD with momentum 0.9,
+on a fixed random batch (the input pipeline is not what is measured).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+WARMUP_STEPS = 2
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+# ---------------------------------------------------------------- PyTorch
+
+def torch_model(torch, sizes: list[int]):
+    layers = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(torch.nn.Linear(n_in, n_out))
+        if i < len(sizes) - 2:
+            layers += [torch.nn.ReLU(), torch.nn.Dropout(0.1)]
+    return torch.nn.Sequential(*layers)
+
+
+def torch_steps(torch, model, batch: int, sizes: list[int], steps: int) -> float:
+    """Seconds for `steps` training steps after warm-up."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, sizes[0], generator=gen)
+    y = torch.randint(0, sizes[-1], (batch,), generator=gen)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - start
+
+
+def run_torch(args) -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "torch is not installed (pip install torch==2.13.0)"}
+    seconds = torch_steps(torch, torch_model(torch, args.sizes), args.batch, args.sizes, args.steps)
+    return {"samples_per_sec": args.batch * args.steps / seconds, "threads": torch.get_num_threads()}
+
+
+def ddp_rank(rank: int, args, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    try:
+        torch.manual_seed(0)      # every rank starts from the same weights, as DDP expects
+        model = torch.nn.parallel.DistributedDataParallel(torch_model(torch, args.sizes))
+        seconds = torch_steps(torch, model, args.batch // args.ranks, args.sizes, args.steps)
+        if rank == 0:
+            out.put(seconds)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ddp(args) -> dict:
+    try:
+        import torch.multiprocessing as mp
+    except ImportError:
+        return {"skipped": "torch is not installed (pip install torch==2.13.0)"}
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(ddp_rank, args=(args, port, out), nprocs=args.ranks, start_method="spawn")
+    seconds = out.get()
+    return {"samples_per_sec": args.batch * args.steps / seconds, "ranks": args.ranks}
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- ceilings
+
+# Every transport row delivers each tensor into a buffer the receiver owns (one
+# np.copyto), as the memcpy row does, so all four measure the same thing:
+# bytes of the sender's tensors landed in the receiver's memory per second.
+
+def zmq_receiver(address: str, sizes: list[int], steps: int) -> None:
+    import zmq
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(address)
+    own = [np.empty(n // 4, dtype=np.float32) for n in sizes]
+    for _ in range(steps + WARMUP_STEPS):
+        for buffer in own:
+            np.copyto(buffer, np.frombuffer(pull.recv(copy=False).buffer, dtype=np.float32))
+    ctx.destroy(linger=0)
+
+
+def run_zmq(args) -> dict:
+    """PUSH -> PULL over loopback tcp, one frame per tensor, zero-copy sends, no protocol."""
+    import multiprocessing
+    import zmq
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    port = push.bind_to_random_port("tcp://127.0.0.1")
+    buffers = [np.ones(n // 4, dtype=np.float32) for n in args.bytes]
+    receiver = multiprocessing.get_context("spawn").Process(
+        target=zmq_receiver, args=(f"tcp://127.0.0.1:{port}", args.bytes, args.steps))
+    receiver.start()
+    try:
+        for _ in range(WARMUP_STEPS):
+            for b in buffers:
+                push.send(b, copy=False)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            for b in buffers:
+                push.send(b, copy=False)
+        receiver.join()        # the last byte has arrived when the receiver has exited
+        seconds = time.perf_counter() - start
+    finally:
+        if receiver.is_alive():
+            receiver.kill()
+        ctx.destroy(linger=0)
+    return {"bytes_per_sec": sum(args.bytes) * args.steps / seconds}
+
+
+def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | None) -> None:
+    import zmq
+    from cs_runtime.shm import Segments
+    from cs_runtime.transport import Endpoint
+    ctx = zmq.Context()
+    pull = Endpoint(ctx, zmq.PULL, "bench-pull", "bench").connect(address)
+    if folder:
+        pull.share_memory(Segments(Path(folder)))
+    own = [np.empty(n // 4, dtype=np.float32) for n in sizes]
+    for _ in range(steps + WARMUP_STEPS):
+        for buffer in own:
+            _, msg = pull.recv()            # decoded and validated, as a WSE does
+            np.copyto(buffer, msg.arrays["weight"])
+    ctx.destroy(linger=0)
+
+
+def run_protocol(args, shared: bool = False) -> dict:
+    """The project's own path: WEIGHTS messages through Endpoint, over tcp or by shared-memory reference."""
+    import multiprocessing
+    import tempfile
+    import zmq
+    from cs_runtime.protocol import Message, Msg
+    from cs_runtime.shm import Arena, Segments
+    from cs_runtime.transport import Endpoint
+    ctx = zmq.Context()
+    push = Endpoint(ctx, zmq.PUSH, "bench-push", "bench")
+    address = push.bind()
+    folder, arena = None, None
+    if shared:
+        folder = tempfile.mkdtemp(prefix="cs-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        arena = Arena(Path(folder), "cs-bench-memoryx0-1", sum(args.bytes) + 64 * len(args.bytes))
+        push.share_memory(Segments(Path(folder)))
+        push.segments.add_arena(arena)
+        layers = [{"weight": arena.copy_of(np.ones(n // 4, dtype=np.float32))} for n in args.bytes]
+    else:
+        layers = [{"weight": np.ones(n // 4, dtype=np.float32)} for n in args.bytes]
+    receiver = multiprocessing.get_context("spawn").Process(
+        target=protocol_receiver, args=(address, args.bytes, args.steps, folder))
+    receiver.start()
+
+    def one_step(step):
+        for index, arrays in enumerate(layers):
+            push.send(Message(Msg.WEIGHTS, step=step, layer=index, meta={"phase": "fwd"}, arrays=arrays))
+    try:
+        for step in range(WARMUP_STEPS):
+            one_step(step)
+        start = time.perf_counter()
+        for step in range(args.steps):
+            one_step(step)
+        receiver.join()
+        seconds = time.perf_counter() - start
+    finally:
+        if receiver.is_alive():
+            receiver.kill()
+        ctx.destroy(linger=0)
+        if arena is not None:
+            arena.close()
+            os.rmdir(folder)
+    return {"bytes_per_sec": sum(args.bytes) * args.steps / seconds}
+
+
+def run_protocol_shm(args) -> dict:
+    return run_protocol(args, shared=True)
+
+
+def run_memcpy(args) -> dict:
+    src = [np.ones(n // 4, dtype=np.float32) for n in args.bytes]
+    dst = [np.empty_like(s) for s in src]
+    for _ in range(WARMUP_STEPS):
+        for s, d in zip(src, dst):
+            np.copyto(d, s)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        for s, d in zip(src, dst):
+            np.copyto(d, s)
+    return {"bytes_per_sec": sum(args.bytes) * args.steps / (time.perf_counter() - start)}
+
+
+def run_matmul(args) -> dict:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((args.m, args.k), dtype=np.float32)
+    b = rng.standard_normal((args.k, args.n), dtype=np.float32)
+    out = np.empty((args.m, args.n), dtype=np.float32)
+    for _ in range(WARMUP_STEPS):
+        np.matmul(a, b, out=out)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        np.matmul(a, b, out=out)
+    return {"flops_per_sec": 2 * args.m * args.k * args.n * args.steps / (time.perf_counter() - start)}
+
+
+RUNS = {"torch": run_torch, "ddp": run_ddp, "zmq": run_zmq, "protocol": run_protocol,
+        "protocol_shm": run_protocol_shm, "memcpy": run_memcpy, "matmul": run_matmul}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=sorted(RUNS))
+    parser.add_argument("--sizes", type=ints, default=[784, 256, 128, 10], help="layer widths, comma separated")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--bytes", type=ints, default=[], help="bytes per tensor of one step")
+    parser.add_argument("--m", type=int, default=512)
+    parser.add_argument("--k", type=int, default=2048)
+    parser.add_argument("--n", type=int, default=2048)
+    args = parser.parse_args(argv)
+    print(json.dumps(RUNS[args.what](args)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

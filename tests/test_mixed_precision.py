@@ -1,0 +1,337 @@
+"""Mixed precision end to end: kernels, loss scaling, the wire, and whole runs.
+
+Numerics of the formats themselves are in test_precision.py; here is what
+the training stack does with them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from cs_runtime import precision as P
+from cs_runtime.config import ParamsError, params_from_dict
+from cs_runtime.data import load_mnist
+from cs_runtime.model import (
+    ShardContext,
+    dense_backward,
+    dense_forward,
+    init_weights,
+    mlp_spec,
+    model_backward,
+    model_forward,
+    softmax_cross_entropy,
+)
+from cs_runtime.optim import Optimizer
+from cs_runtime.protocol import Message, Msg, ProtocolError, decode, encode, float_arrays
+from cs_runtime.swarmx import reduce_messages
+from tests.cluster_utils import (
+    final_weights,
+    relative_error,
+    run_cpu,
+    run_wse,
+    train_losses,
+    write_params,
+)
+
+FORMATS16 = ("float16", "bfloat16", "cbfloat16")
+
+
+# ---------------------------------------------------------------- params
+
+def test_params_precision_keys():
+    assert params_from_dict({}).precision == "float32"
+    assert params_from_dict({"model": {"mixed_precision": True}}).precision == "float16"
+    p = params_from_dict({"model": {"mixed_precision": True, "fp16_type": "BFloat16"}})
+    assert p.precision == "bfloat16"
+    p = params_from_dict({"model": {"mixed_precision": True}, "csconfig": {"use_cbfloat16": True}})
+    assert p.precision == "cbfloat16"
+    # fp16_type alone does nothing: mixed_precision is the switch, as in the model zoo
+    assert params_from_dict({"model": {"fp16_type": "cbfloat16"}}).precision == "float32"
+
+
+def test_params_loss_scaling_keys():
+    o = params_from_dict({}).optimizer
+    assert (o.loss_scaling_mode(), o.initial_loss_scale, o.steps_per_increase) == ("none", 2.0 ** 15, 2000)
+    o = params_from_dict({"optimizer": {"loss_scaling_factor": "Dynamic", "initial_loss_scale": 1024,
+                                        "steps_per_increase": 10, "min_loss_scale": 1,
+                                        "max_loss_scale": 4096}}).optimizer
+    assert (o.loss_scaling_mode(), o.initial_loss_scale, o.max_loss_scale) == ("dynamic", 1024, 4096)
+    assert params_from_dict({"optimizer": {"loss_scaling_factor": 128}}).optimizer.loss_scaling_mode() == "static"
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"optimizer": {"loss_scaling_factor": "dynamc"}}, "optimizer.loss_scaling_factor"),
+    ({"optimizer": {"loss_scaling_factor": 0}}, "optimizer.loss_scaling_factor"),
+    ({"optimizer": {"loss_scaling_factor": True}}, "optimizer.loss_scaling_factor"),
+    ({"optimizer": {"steps_per_increase": 0}}, "optimizer.steps_per_increase"),
+    ({"optimizer": {"min_loss_scale": 8, "max_loss_scale": 4}}, "min_loss_scale must not exceed"),
+    ({"optimizer": {"loss_scaling_factor": "dynamic", "initial_loss_scale": 2.0 ** 30}}, "initial_loss_scale"),
+    ({"model": {"fp16_type": "float8"}}, "model.fp16_type"),
+    ({"model": {"mixed_precision": "yes"}}, "model.mixed_precision"),
+    ({"model": {"mixed_precision": True, "fp16_type": "bfloat16"}, "csconfig": {"use_cbfloat16": True}},
+     "use_cbfloat16 contradicts model.fp16_type"),
+])
+def test_bad_precision_params_name_the_key(bad, where):
+    with pytest.raises(ParamsError) as err:
+        params_from_dict(bad, "params.yaml")
+    message = str(err.value)
+    assert where in message and "\n" not in message
+
+
+# ---------------------------------------------------------------- kernels
+
+@pytest.mark.parametrize("fmt", FORMATS16)
+def test_dense_layer_rounds_matmul_inputs_and_weight_gradients(fmt):
+    rng = np.random.default_rng(0)
+    spec = mlp_spec("m", [7, 5, 3], "relu", 0.0)   # layer 0: hidden, so relu
+    layer = spec.layers[0]
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((4, 7), (7, 5), (5,)))
+    out, cache = dense_forward(layer, x, w, b, None, fmt)
+    expected = np.maximum(P.quantize(x, fmt) @ P.quantize(w, fmt) + P.quantize(b, fmt), 0)
+    np.testing.assert_array_equal(out, expected)
+    assert not np.array_equal(out, np.maximum(x @ w + b, 0))       # the rounding is really there
+    dout = rng.standard_normal((4, 5)).astype(np.float32)
+    dx, grads = dense_backward(layer, dout, cache, w, fmt=fmt)
+    dz = P.quantize(dout * (cache.z > 0), fmt)
+    np.testing.assert_array_equal(grads["weight"], P.quantize(P.quantize(x, fmt).T @ dz, fmt))
+    np.testing.assert_array_equal(dx, dz @ P.quantize(w, fmt).T)
+    for g in grads.values():                                          # gradients leave as 16-bit values
+        np.testing.assert_array_equal(P.quantize(g, fmt), g)
+
+
+def deep_sigmoid_grads(fmt: str, loss_scale: float = 1.0) -> list[dict]:
+    """Weight gradients of one step of a deep sigmoid MLP: its deltas shrink ~4x per layer."""
+    x, y = load_mnist(None, "train")
+    x = x.reshape(len(x), -1)[:64].astype(np.float32)
+    spec = dataclasses.replace(mlp_spec("deep", [784] + [64] * 8 + [10], "sigmoid", 0.0), precision=fmt)
+    weights = init_weights(spec, 1)
+    logits, caches = model_forward(spec, x, weights, ShardContext(1, 0, 64, slice(0, 64), True))
+    _, delta, _ = softmax_cross_entropy(logits, y[:64], 64)
+    grads = model_backward(spec, P.scaled(delta, loss_scale), caches, weights)
+    assert P.unscale_and_check(grads, loss_scale)
+    return grads
+
+
+def zero_fraction(grads: list[dict], layer: int) -> float:
+    return float((grads[layer]["weight"] == 0).mean())
+
+
+def test_float16_loses_small_gradients_to_underflow_and_loss_scaling_recovers_them():
+    reference = deep_sigmoid_grads("float32")
+    unscaled = deep_sigmoid_grads("float16")
+    scaled = deep_sigmoid_grads("float16", loss_scale=2.0 ** 15)
+    cbf16 = deep_sigmoid_grads("cbfloat16")                  # no scaling: its range is wide enough
+    for layer in (0, 1):
+        # float32: only the rows of always-black pixels (layer 0) are zero
+        assert zero_fraction(reference, layer) < 0.5
+        assert zero_fraction(unscaled, layer) > 0.99, f"layer {layer}: float16 kept its gradients"
+        for name, grads in (("float16 x 2**15", scaled), ("cbfloat16", cbf16)):
+            assert abs(zero_fraction(grads, layer) - zero_fraction(reference, layer)) < 0.05, name
+            assert relative_error(grads[layer]["weight"], reference[layer]["weight"]) < 0.02, name
+
+
+# ---------------------------------------------------------------- the update
+
+def test_update_model_skips_a_step_with_overflowed_gradients():
+    opt = Optimizer("sgd", momentum=0.9)
+    w = {"fc0": {"weight": np.ones((2, 2), np.float32)}}
+    state = {"fc0": opt.init_state(w["fc0"])}
+    bad = [{"weight": np.array([[1, np.inf], [0, 0]], np.float32)}]
+    norm, applied = opt.update_model(["fc0"], w, bad, state, 0.1, 0, None, loss_scale=8.0, skip_nonfinite=True)
+    assert not applied and not np.isfinite(norm)
+    np.testing.assert_array_equal(w["fc0"]["weight"], 1.0)
+    np.testing.assert_array_equal(state["fc0"]["weight"]["momentum"], 0.0)
+    good = [{"weight": np.full((2, 2), 8.0, np.float32)}]                # scaled by 8: unscales to 1
+    norm, applied = opt.update_model(["fc0"], w, good, state, 0.1, 0, None, loss_scale=8.0, skip_nonfinite=True)
+    assert applied and norm == pytest.approx(2.0)
+    np.testing.assert_allclose(w["fc0"]["weight"], 0.9)
+
+
+# ---------------------------------------------------------------- the wire
+
+@pytest.mark.parametrize("fmt", FORMATS16)
+def test_16bit_tensors_cross_the_wire_in_half_the_bytes(fmt):
+    rng = np.random.default_rng(1)
+    values = {"weight": P.quantize(rng.standard_normal((300, 70)), fmt), "y": np.arange(5, dtype=np.int64)}
+    msg = Message(Msg.BATCH, step=3, meta={"stream": "train", "global_batch": 5, "row_start": 0, "row_stop": 5,
+                                           "format": fmt},
+                  arrays=P.encode_arrays(values, fmt))
+    frames = encode(msg)
+    assert memoryview(frames[1]).nbytes == 300 * 70 * 2
+    back = float_arrays(decode(frames))
+    np.testing.assert_array_equal(back["weight"], values["weight"])   # 16-bit values travel exactly
+    np.testing.assert_array_equal(back["y"], values["y"])             # labels ride along untouched
+
+
+def test_a_message_whose_arrays_are_not_its_formats_storage_is_refused():
+    as_f32 = Message(Msg.GRADS, step=0, layer=0, meta={"format": "bfloat16"},
+                     arrays={"weight": np.ones(3, np.float32)})
+    with pytest.raises(ProtocolError, match="not the storage of bfloat16"):
+        decode(encode(as_f32))
+    unknown = Message(Msg.GRADS, step=0, layer=0, meta={"format": "float8"}, arrays={})
+    with pytest.raises(ProtocolError, match="unknown tensor format"):
+        decode(encode(unknown))
+
+
+def test_swarmx_sums_16bit_gradients_in_float32_and_sends_them_on_in_16_bits():
+    fmt = "cbfloat16"
+    parts = [P.quantize(np.full(4, v, np.float32), fmt) for v in (1.0, 2.0 ** -10, 3.0)]
+    msgs = [decode(encode(Message(Msg.GRADS, step=1, layer=2, meta={"format": fmt},
+                                  arrays=P.encode_arrays({"weight": p}, fmt)))) for p in parts]
+    reduced = reduce_messages(msgs)
+    assert reduced.meta["format"] == fmt and reduced.arrays["weight"].dtype == np.uint16
+    expected = P.quantize(parts[0] + parts[1] + parts[2], fmt)
+    np.testing.assert_array_equal(float_arrays(reduced)["weight"], expected)
+
+
+# ---------------------------------------------------------------- whole runs
+
+def mixed(tmp_path, fmt: str, **optimizer):
+    return write_params(tmp_path, name=f"{fmt}.yaml", model={"mixed_precision": True, "fp16_type": fmt},
+                        optimizer={"loss_scaling_factor": "dynamic", **optimizer})
+
+
+def eval_accuracy(stdout: str) -> float:
+    found = re.search(r"\| Eval .*Accuracy=([0-9.]+)", stdout)
+    assert found, stdout
+    return float(found.group(1))
+
+
+def weight_bytes_per_step(stdout: str) -> int:
+    found = re.search(r"WeightBytes/step=(\d+)", stdout)
+    assert found, stdout
+    return int(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def float32_accuracy(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("f32")
+    result = run_cpu(write_params(tmp), tmp / "cpu", "train_and_eval")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return eval_accuracy(result.stdout)
+
+
+# Accuracy on the 297 held-out digits after 100 steps: 16-bit runs land within
+# 3 points of float32 (measured: within 1 point).
+ACCURACY_TOLERANCE = 0.03
+
+
+@pytest.mark.parametrize("fmt", FORMATS16)
+def test_every_precision_matches_its_oracle_and_float32_accuracy_in_both_modes(tmp_path, fmt, float32_accuracy):
+    params = mixed(tmp_path, fmt)
+    cpu = run_cpu(params, tmp_path / "cpu", "train_and_eval")
+    assert cpu.returncode == 0, cpu.stdout + cpu.stderr
+    oracle_losses, oracle_weights = train_losses(tmp_path / "cpu"), final_weights(tmp_path / "cpu")
+    num_params = sum(w.size for w in oracle_weights.values())
+    for mode, num_csx in (("weight_streaming", 1), ("pipelined", 1)):
+        params = mixed(tmp_path, fmt)
+        params.write_text(params.read_text().replace("execution_strategy: weight_streaming",
+                                                     f"execution_strategy: {mode}"))
+        run = run_wse(params, tmp_path / mode, "train_and_eval", num_csx=num_csx)
+        assert run.returncode == 0, run.stdout + run.stderr
+        # one system: the same maths in the same order as the CPU path, bit for bit
+        np.testing.assert_array_equal(train_losses(tmp_path / mode), oracle_losses)
+        got = final_weights(tmp_path / mode)
+        for name in oracle_weights:
+            np.testing.assert_array_equal(got[name], oracle_weights[name], err_msg=f"{mode} {name}")
+        assert abs(eval_accuracy(run.stdout) - float32_accuracy) <= ACCURACY_TOLERANCE, mode
+        if mode == "weight_streaming":
+            assert weight_bytes_per_step(run.stdout) == 2 * 2 * num_params   # fwd + bwd, 2 bytes each
+
+
+@pytest.mark.parametrize("fmt", ["float16", "cbfloat16"])
+def test_two_wses_in_16_bits_stay_close_to_the_oracle(tmp_path, fmt):
+    """Each WSE's partial gradient is rounded to 16 bits before SwarmX sums it, so
+    unlike float32 this differs from the CPU path by 16-bit rounding, not float32's."""
+    params = mixed(tmp_path, fmt)
+    cpu = run_cpu(params, tmp_path / "cpu")
+    assert cpu.returncode == 0, cpu.stdout + cpu.stderr
+    run = run_wse(params, tmp_path / "ws", num_csx=2, workers=2)
+    assert run.returncode == 0, run.stdout + run.stderr
+    want, got = train_losses(tmp_path / "cpu"), train_losses(tmp_path / "ws")
+    assert len(got) == len(want) == 100
+    assert np.max(np.abs(got - want) / want) < 2e-2
+    w_want, w_got = final_weights(tmp_path / "cpu"), final_weights(tmp_path / "ws")
+    for name in w_want:
+        assert relative_error(w_got[name], w_want[name]) < 2e-2, name
+
+
+def scalars(model_dir, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(model_dir / "train"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_dynamic_loss_scale_halves_on_overflow_grows_when_clean_and_is_logged(tmp_path):
+    # Start at the top of the range: float16 gradients overflow until the scale comes down.
+    params = mixed(tmp_path, "float16", initial_loss_scale=2.0 ** 24, max_loss_scale=2.0 ** 24,
+                   steps_per_increase=10)
+    result = run_cpu(params, tmp_path / "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    scale = scalars(tmp_path / "cpu", "loss_scale")         # the scale each step ran with (step = done + 1)
+    steps = sorted(scale)
+    assert scale[steps[0]] == 2.0 ** 24
+    skipped = [int(m) for m in re.findall(r"step (\d+): gradients overflowed", result.stdout + result.stderr)]
+    assert skipped, "no step overflowed at 2**24"
+    clean_run = 0
+    for before, after in zip(steps, steps[1:]):
+        if before in skipped:                               # the step before `after` overflowed
+            assert scale[after] == scale[before] / 2
+            clean_run = 0
+        else:
+            clean_run += 1
+            grows = clean_run == 10                         # then the count starts again
+            assert scale[after] == (min(scale[before] * 2, 2.0 ** 24) if grows else scale[before]), before
+            clean_run = 0 if grows else clean_run
+    assert any(scale[b] > scale[a] for a, b in zip(steps, steps[1:])), "the scale never grew back"
+    assert f"{len(skipped)} step(s) skipped" in result.stdout
+    losses = train_losses(tmp_path / "cpu")
+    assert losses[-1] < 0.6 * losses[0]                            # and it still trained
+
+
+def test_resume_restores_the_loss_scale(tmp_path):
+    kw = dict(initial_loss_scale=2.0 ** 24, max_loss_scale=2.0 ** 24, steps_per_increase=7)
+    whole = run_cpu(mixed(tmp_path, "float16", **kw), tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    half = write_params(tmp_path, name="half.yaml", model={"mixed_precision": True},
+                        optimizer={"loss_scaling_factor": "dynamic", **kw}, runconfig={"max_steps": 50})
+    assert run_cpu(half, tmp_path / "resumed").returncode == 0
+    rest = run_cpu(mixed(tmp_path, "float16", **kw), tmp_path / "resumed")
+    assert rest.returncode == 0 and "resuming" in rest.stdout + rest.stderr
+    want, got = final_weights(tmp_path / "whole"), final_weights(tmp_path / "resumed")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_a_nan_loss_without_loss_scaling_stops_the_job_naming_the_step(tmp_path):
+    params = write_params(tmp_path, optimizer={"learning_rate": 1.0e6, "momentum": 0.9})
+    result = run_cpu(params, tmp_path / "cpu")
+    assert result.returncode == 1
+    assert re.search(r"error: loss is (nan|inf|-inf) at step \d+", result.stdout), result.stdout
+
+
+def test_deep_sigmoid_mlp_trains_its_first_layer_only_where_small_gradients_survive(tmp_path):
+    """The underflow case as a training run. fc0's momentum buffer is the sum of every
+    gradient it was given, so its zeros count the weights that never got one."""
+    deep = {"hidden_sizes": [64] * 8, "activation": "sigmoid", "dropout": 0.0}
+    run = {"max_steps": 20, "log_steps": 10, "checkpoint_steps": 0}
+    cases = {"float32": ({}, {}),
+             "float16 unscaled": ({"mixed_precision": True}, {}),
+             "float16 dynamic": ({"mixed_precision": True}, {"loss_scaling_factor": "dynamic"}),
+             "cbfloat16 unscaled": ({"mixed_precision": True, "fp16_type": "cbfloat16"}, {})}
+    zeros = {}
+    for i, (name, (model, optimizer)) in enumerate(cases.items()):
+        params = write_params(tmp_path, name=f"{i}.yaml", model={**deep, **model}, optimizer=optimizer,
+                              runconfig=run)
+        result = run_cpu(params, tmp_path / str(i))
+        assert result.returncode == 0, result.stdout + result.stderr
+        with np.load(tmp_path / str(i) / "checkpoint_20.npz") as ck:
+            zeros[name] = float((ck["optimizer/fc0/weight/momentum"] == 0).mean())
+    assert zeros["float32"] < 0.5                  # the always-black pixels' rows only
+    assert zeros["float16 unscaled"] > 0.99, zeros
+    assert zeros["float16 dynamic"] == pytest.approx(zeros["float32"], abs=0.02), zeros
+    assert zeros["cbfloat16 unscaled"] == pytest.approx(zeros["float32"], abs=0.02), zeros

@@ -1,0 +1,170 @@
+"""Shared memory for the weight stream: arenas, references, and what a receiver refuses."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cs_runtime import shm
+from cs_runtime.protocol import Message, Msg, ProtocolError, decode, encode
+from tests.cluster_utils import (
+    FC_MNIST,
+    assert_matches_oracle,
+    final_weights,
+    run_wse,
+    tool,
+    train_losses,
+    write_params,
+)
+
+BIG = shm.MIN_SHARED_BYTES // 4 * 2       # float32 elements: twice the sharing threshold
+
+
+@pytest.fixture
+def two_processes(tmp_path):
+    """A sender's arena and a receiver's Segments over one folder, as two processes see them."""
+    sender = shm.Segments(tmp_path)
+    arena = shm.Arena(tmp_path, "cs-job1-memoryx0-1", shm.arena_bytes([(BIG,), (BIG,)], 4))
+    sender.add_arena(arena)
+    yield sender, arena, shm.Segments(tmp_path)
+    arena.close()
+
+
+def weights_message(arrays: dict) -> Message:
+    return Message(Msg.WEIGHTS, step=1, layer=0, meta={"phase": "fwd"}, arrays=arrays)
+
+
+def test_arrays_in_an_arena_travel_by_reference_and_arrive_intact(two_processes):
+    sender, arena, receiver = two_processes
+    w = arena.empty((BIG,), np.float32)
+    w[:] = np.arange(BIG, dtype=np.float32)
+    small = np.ones(4, np.float32)
+    frames = encode(weights_message({"weight": w, "bias": small}), sender)
+    assert len(frames) == 2                            # the header and the small array's frame only
+    got = decode(frames, receiver).arrays
+    np.testing.assert_array_equal(got["weight"], w)
+    np.testing.assert_array_equal(got["bias"], small)
+    assert not got["weight"].flags.writeable
+    w[0] = -1.0                                        # the receiver reads the sender's memory itself
+    assert got["weight"][0] == -1.0
+
+
+def test_a_received_shared_array_is_sent_on_by_reference(two_processes):
+    sender, arena, middle = two_processes
+    w = arena.copy_of(np.ones(BIG, np.float32))
+    passed_on = decode(encode(weights_message({"weight": w}), sender), middle).arrays["weight"]
+    frames = encode(weights_message({"weight": passed_on}), middle)
+    assert len(frames) == 1
+    np.testing.assert_array_equal(decode(frames, shm.Segments(arena.path.parent)).arrays["weight"], w)
+
+
+def test_without_shared_memory_arrays_go_as_frames_and_references_are_refused(two_processes):
+    sender, arena, _ = two_processes
+    w = arena.copy_of(np.ones(BIG, np.float32))
+    assert len(encode(weights_message({"weight": w}))) == 2        # no Segments: a frame
+    with pytest.raises(ProtocolError, match="does not share memory"):
+        decode(encode(weights_message({"weight": w}), sender))
+
+
+def reference(name: str, offset: int = 0, shape=(4,)) -> list:
+    header = {"t": "weights", "v": 1, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
+              "arrays": [["weight", "float32", list(shape), name, offset]]}
+    import msgpack
+    return [msgpack.packb(header)]
+
+
+@pytest.mark.parametrize("name, offset, why", [
+    ("cs-job1-memoryx0-1", 2 ** 40, "outside the segment"),
+    ("cs-job1-memoryx0-1", -8, "outside the segment"),
+    ("cs-../../etc/passwd", 0, "bad segment name"),
+    ("passwd", 0, "bad segment name"),
+    ("cs-no-such-segment", 0, "No such file"),
+])
+def test_a_bad_reference_is_refused_before_anything_is_read(two_processes, name, offset, why):
+    _, _, receiver = two_processes
+    with pytest.raises(ProtocolError, match=re.escape(why)):
+        decode(reference(name, offset), receiver)
+
+
+def test_a_segment_of_another_user_is_refused(tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a file owned by another user")
+    path = tmp_path / "cs-job1-stranger-1"
+    path.write_bytes(bytes(1024))
+    os.chown(path, 65534, 65534)
+    with pytest.raises(ProtocolError, match="belongs to uid 65534"):
+        decode(reference(path.name), shm.Segments(tmp_path))
+
+
+def test_an_arena_refuses_to_overflow_and_aligns_its_arrays(tmp_path):
+    arena = shm.Arena(tmp_path, "cs-job2-wse0-1", 1000)
+    try:
+        a = arena.empty((3,), np.float32)
+        b = arena.empty((5,), np.float64)
+        assert b.ctypes.data % shm.ALIGN == 0 and b.ctypes.data - a.ctypes.data == shm.ALIGN
+        with pytest.raises(MemoryError, match="do not fit"):
+            arena.empty((1000,), np.float32)
+        assert oct(arena.path.stat().st_mode & 0o777) == "0o600"
+    finally:
+        arena.close()
+    assert not arena.path.exists()
+
+
+def test_remove_job_segments_deletes_that_job_only(tmp_path):
+    for name in ("cs-jobA-wse0-1", "cs-jobA-memoryx0-1", "cs-jobB-wse0-1"):
+        (tmp_path / name).write_bytes(b"x")
+    assert shm.remove_job_segments(tmp_path, "jobA") == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["cs-jobB-wse0-1"]
+
+
+# ---------------------------------------------------------------- whole jobs
+
+def job_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("cs-wsjob-*")} if Path("/dev/shm").is_dir() else set()
+
+
+def test_shared_memory_and_tcp_runs_both_match_the_oracle_and_leave_no_segment(tmp_path, oracle):
+    params = oracle[0]
+    before = job_segments()
+    shared = run_wse(params, tmp_path / "shm")
+    assert shared.returncode == 0, shared.stdout + shared.stderr
+    assert "via shared memory" in shared.stdout
+    tcp = run_wse(params, tmp_path / "tcp", extra_launcher=("--no_shm",))
+    assert tcp.returncode == 0, tcp.stdout + tcp.stderr
+    assert "via tcp" in tcp.stdout
+    for run in ("shm", "tcp"):
+        assert_matches_oracle(tmp_path / run, oracle)
+    np.testing.assert_array_equal(train_losses(tmp_path / "shm"), train_losses(tmp_path / "tcp"))
+    want, got = final_weights(tmp_path / "tcp"), final_weights(tmp_path / "shm")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    assert job_segments() <= before
+
+
+def test_a_killed_job_leaves_no_segment(tmp_path, oracle):
+    """kill -9 of MemoryX mid-run: its arena is not unlinked by itself; the launcher removes it."""
+    before = job_segments()
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 1})
+    cmd = [tool("csrun_wse"), sys.executable, FC_MNIST, "--mode", "train", "--params", str(params),
+           "--model_dir", str(tmp_path / "md")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:                       # the first progress line: streaming is under way
+            if line.startswith("| Train"):
+                break
+        assert job_segments() - before, "no segment while the job runs"
+        pid = next(int(p) for p in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "cs_runtime.memoryx"],
+                                                  capture_output=True, text=True).stdout.split())
+        os.kill(pid, 9)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and "memoryx" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert job_segments() <= before
