@@ -124,13 +124,15 @@ def test_remove_job_segments_deletes_that_job_only(tmp_path):
 
 # ---------------------------------------------------------------- whole jobs
 
-def job_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("cs-wsjob-*")} if Path("/dev/shm").is_dir() else set()
+def job_segments(output: str) -> list[str]:
+    """The segments left in /dev/shm by the job whose launcher wrote `output`."""
+    job = re.search(r"job (wsjob-[0-9a-f]+)", output)
+    assert job, output
+    return [p.name for p in Path("/dev/shm").glob(f"{shm.segment_prefix(job.group(1))}*")]
 
 
 def test_shared_memory_and_tcp_runs_both_match_the_oracle_and_leave_no_segment(tmp_path, oracle):
     params = oracle[0]
-    before = job_segments()
     shared = run_wse(params, tmp_path / "shm")
     assert shared.returncode == 0, shared.stdout + shared.stderr
     assert "via shared memory" in shared.stdout
@@ -143,21 +145,22 @@ def test_shared_memory_and_tcp_runs_both_match_the_oracle_and_leave_no_segment(t
     want, got = final_weights(tmp_path / "tcp"), final_weights(tmp_path / "shm")
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
-    assert job_segments() <= before
+    assert job_segments(shared.stderr) == []
 
 
 def test_a_killed_job_leaves_no_segment(tmp_path, oracle):
     """kill -9 of MemoryX mid-run: its arena is not unlinked by itself; the launcher removes it."""
-    before = job_segments()
     params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 1})
     cmd = [tool("csrun_wse"), sys.executable, FC_MNIST, "--mode", "train", "--params", str(params),
            "--model_dir", str(tmp_path / "md")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        seen = []
         for line in proc.stdout:                       # the first progress line: streaming is under way
+            seen.append(line)
             if line.startswith("| Train"):
                 break
-        assert job_segments() - before, "no segment while the job runs"
+        assert job_segments("".join(seen)), "no segment while the job runs"
         pid = next(int(p) for p in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "cs_runtime.memoryx"],
                                                   capture_output=True, text=True).stdout.split())
         os.kill(pid, 9)
@@ -167,4 +170,4 @@ def test_a_killed_job_leaves_no_segment(tmp_path, oracle):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert job_segments() <= before
+    assert job_segments("".join(seen)) == []
