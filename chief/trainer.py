@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from cs_runtime import checkpoint as ckpt
 from cs_runtime.config import Params
 from cs_runtime.model import ModelSpec, init_weights
 from cs_runtime.optim import Optimizer
+from cs_runtime.restart import EXIT_BAD_INPUT, RESTART_ENV
 from cs_runtime.runner import RunArgs, UserFunctions
 
 log = logging.getLogger("chief")
@@ -42,9 +44,10 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
             executor.close()
         return 0
     except (RunError, ckpt.CheckpointError, ValueError) as exc:
+        # Bad input (params, data, checkpoint) or a diverged loss: a restart would fail alike.
         log.error("%s", exc)
         print(f"error: {exc}", flush=True)
-        return 1
+        return EXIT_BAD_INPUT
 
 
 def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
@@ -79,6 +82,10 @@ class Trainer:
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
         path = self.args.checkpoint_path
+        restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
+        if restarted and ckpt.latest(self.model_dir) is not None:
+            # A restarted job goes on from where it got to, not from where it began.
+            path = None
         if path is None:
             found = ckpt.latest(self.model_dir)
             if found is not None:

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 5.0     # a peer silent this long is declared hung
 REGISTER_TIMEOUT = 120.0    # generous: a cold start imports numpy, zmq, ...
+DIRECTORY_MAX_FRAME = 1024 * 1024
 
 
 @dataclass
@@ -49,9 +50,11 @@ class Peer:
 class DirectoryServer:
     """The ROUTER side. Driven by its owner's loop through `serve_once`."""
 
-    def __init__(self, ctx: zmq.Context, job: str, expected: dict[str, int], host: str | None = None):
-        self.endpoint = Endpoint(ctx, zmq.ROUTER, "directory", job)
-        self.address = self.endpoint.bind(host)
+    def __init__(self, ctx: zmq.Context, job: str, expected: dict[str, int], host: str | None = None,
+                 port: int = 0):
+        # Only small control messages come here: a bigger frame is refused unread.
+        self.endpoint = Endpoint(ctx, zmq.ROUTER, "directory", job, max_frame_bytes=DIRECTORY_MAX_FRAME)
+        self.address = self.endpoint.bind(host, port)
         self.expected = dict(expected)
         self.peers: dict[tuple[str, int], Peer] = {}
         self.pending: list[tuple[bytes, list]] = []
