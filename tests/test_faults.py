@@ -153,7 +153,7 @@ def bad_messages(draw, job: str) -> list[bytes]:
         raw = ok_grads[0]
         return [raw[: draw(st.integers(0, len(raw) - 1))], *ok_grads[1:]]
     if kind == "version":
-        return pack(header(job=job, v=draw(st.integers().filter(lambda v: v != PROTOCOL_VERSION))))
+        return pack(header(job=job, v=draw(st.integers(-2**63, 2**64 - 1).filter(lambda v: v != PROTOCOL_VERSION))))
     if kind == "type":
         return pack(header(job=job, t=draw(st.text(max_size=30).filter(lambda t: t not in Msg._value2member_map_))))
     if kind == "meta":
@@ -164,7 +164,7 @@ def bad_messages(draw, job: str) -> list[bytes]:
     if kind == "frames":
         return pack(header(job=job, t="grads", meta={}, arrays=[["weight", "float32", [4, 3]]]))
     if kind == "huge_claim":  # must be refused before anything is allocated
-        dims = draw(st.lists(st.integers(2**20, 2**40), min_size=1, max_size=8))
+        dims = draw(st.lists(st.integers(2**20, 2**62), min_size=1, max_size=8))
         return pack(header(job=job, t="grads", meta={}, arrays=[["weight", "float32", dims]]), bytes(16))
     if kind == "big_junk":
         return pack(header(job=job, t="grads", meta={}, arrays=[["weight", "float32", [4, 3]]]),
@@ -244,24 +244,30 @@ def test_bad_messages_during_a_run_are_logged_once_and_change_nothing(tmp_path, 
 # --------------------------------------------------------------------------
 
 def rogue_socket(ctx: zmq.Context, keys: auth.JobKeys | None, address: str) -> int:
+    """Connect as a rogue, try to inject a step anyway, return the handshake event seen."""
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     if keys is not None:
         auth.secure_client(sock, keys)
     monitor = sock.get_monitor_socket()
-    sock.connect(address)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and monitor.poll(1000):
-        event = recv_monitor_message(monitor)["event"]
-        if event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
-            try:  # try to inject anyway: a valid step of the right job with a wild learning rate
-                sock.send_multipart(encode(Message(Msg.TRAIN_STEP, job=JOB[0], step=50, meta={"lr": 100.0})),
-                                    flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            return event
-    raise AssertionError(f"no handshake event from {address}")
+    try:
+        sock.connect(address)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and monitor.poll(1000):
+            event = recv_monitor_message(monitor)["event"]
+            if event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                try:  # a valid step of the right job with a wild learning rate
+                    sock.send_multipart(encode(Message(Msg.TRAIN_STEP, job=JOB[0], step=50, meta={"lr": 100.0})),
+                                        flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                return event
+        raise AssertionError(f"no handshake event from {address}")
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
 
 
 JOB = [""]
