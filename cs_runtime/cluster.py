@@ -181,6 +181,8 @@ class Heartbeat(threading.Thread):
                 while got is not None:
                     last_answer = time.monotonic()
                     if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
+                        if self.role == "chief":  # the chief's log names what failed
+                            log.error("the job is stopping: %s", got[1].meta["reason"])
                         return self.on_failure(f"job failed: {got[1].meta['reason']}")
                     got = endpoint.recv(0)
                 if time.monotonic() - last_answer > HEARTBEAT_TIMEOUT * 2:
