@@ -4,8 +4,9 @@
     python scripts/bench.py --steps 300 --preset medium
 
 Rows: the CPU path (single process, the baseline), csrun_wse in weight
-streaming with 1 and 2 WSEs, and in layer-pipelined mode with 1 and with 2
-replicas (--multireplica). For each: samples/sec (the chief's GlobalRate
+streaming with 1 and 2 WSEs, the 1-WSE run again with --insecure (no CURVE:
+the ratio of the two is the cost of authenticated, encrypted transport),
+and in layer-pipelined mode with 1 and with 2 replicas (--multireplica). For each: samples/sec (the chief's GlobalRate
 over the whole training loop, after start-up), the ratio to the CPU path,
 and for the cluster rows the bytes streamed per step. Timings drift on
 shared machines: compare ratios within one run, never absolute numbers
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
         for n in (1, 2):
             rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
+        rows.append(run_row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i"))
         rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
         rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
     base = rows[0]["samples_per_sec"]
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         row["ratio_vs_cpu"] = row["samples_per_sec"] / base
         print(f"{row['name']:<24}{row['samples_per_sec']:>14.1f}{row['ratio_vs_cpu']:>9.2f}"
               f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
+    curve = {r["name"]: r["samples_per_sec"] for r in rows}
+    print(f"CURVE cost: weight streaming (1 WSE) with CURVE runs at "
+          f"{curve['weight_streaming_1wse'] / curve['weight_streaming_1wse_insecure']:.2f}x the speed of --insecure")
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "steps": args.steps, "rows": rows}, indent=2))
 
