@@ -162,18 +162,19 @@ def run_job(ns: argparse.Namespace, attempt: int) -> Outcome:
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
-    preflight(ns)
     # Keys for one job, in a private folder that goes when the job does. With
     # --cs_ip a long-lived CS system's folder may be given in CS_KEYS_DIR.
-    given = os.environ.get(auth.KEYS_ENV) if ns.cs_ip else None
-    keys_dir = None if ns.insecure or given else auth.create_job_dir()
-    if ns.insecure:
-        os.environ.pop(auth.KEYS_ENV, None)
-    elif keys_dir is not None:
-        os.environ[auth.KEYS_ENV] = str(keys_dir)
+    outside = os.environ.pop(auth.KEYS_ENV, None)
+    keys_dir = None if ns.insecure or (ns.cs_ip and outside) else auth.create_job_dir()
+    if not ns.insecure:
+        os.environ[auth.KEYS_ENV] = str(keys_dir or outside)  # read by auth.job_keys() and base_env
     try:
+        preflight(ns)
         code = run_with_restarts(lambda attempt: run_job(ns, attempt), ns.max_restarts)
     finally:
+        os.environ.pop(auth.KEYS_ENV, None)
+        if outside is not None:
+            os.environ[auth.KEYS_ENV] = outside
         if keys_dir is not None:
             auth.remove_job_dir(keys_dir)
     sys.exit(code)

@@ -13,9 +13,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -315,7 +315,7 @@ def test_insecure_says_so_and_is_for_loopback_only(tmp_path):
     assert "WARNING: --insecure: CURVE authentication and encryption are OFF" in insecure.stderr
     assert "--insecure" not in result.stderr
     remote = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                            env={**__import__("os").environ, "CS_BIND_HOST": "0.0.0.0"})
+                            env={**os.environ, "CS_BIND_HOST": "0.0.0.0"})
     assert remote.returncode != 0
     assert remote.stderr.strip().splitlines()[-1] == "csrun_wse: --insecure is for loopback only, not 0.0.0.0"
 
