@@ -181,6 +181,10 @@ class Trainer:
                 "device": self.executor.device}
         state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)
         path = ckpt.save(self.model_dir, state, self.rc.max_checkpoints)
+        # Summaries up to the checkpoint are on disk too: a restart resumes here
+        # and never writes the earlier steps again.
+        for writer in self.writers.values():
+            writer.flush()
         log.info("Saved checkpoint %s", path)
 
     def scalar(self, split: str, tag: str, value: float) -> None:

@@ -91,7 +91,7 @@ def assert_matches(model_dir: Path, cpu_dir: Path) -> None:
 
 @pytest.mark.parametrize("role", ["wse", "memoryx", "swarmx", "worker"])
 def test_kill_9_at_a_random_step_restarts_and_ends_with_the_oracles_weights(tmp_path, oracle, role):
-    kill_at = random.Random().randrange(10, 80, 5)
+    kill_at = random.Random().randrange(10, 80, 5)  # before or after checkpoint_50
     params = write_params(tmp_path, runconfig={"log_steps": 5})  # the oracle's maths, more progress lines
     proc = start_job(with_launcher_flags(wse_command(params, tmp_path / "m"), "--max_restarts", "1"))
     seen: list[str] = []
