@@ -36,6 +36,8 @@ from zmq.auth.thread import ThreadAuthenticator
 log = logging.getLogger(__name__)
 
 KEYS_ENV = "CS_KEYS_DIR"
+JOB_DIR_PREFIX = "csjob-"
+OWNER_FILE = "launcher.pid"   # the pid of the launcher that made the folder
 
 
 class AuthError(RuntimeError):
@@ -53,13 +55,39 @@ class JobKeys:
 
 def create_job_dir() -> Path:
     """A private folder (0700) holding fresh key pairs for one job (files 0600)."""
-    folder = Path(tempfile.mkdtemp(prefix="csjob-"))  # mkdtemp makes it 0700
+    remove_stale_job_dirs()
+    folder = Path(tempfile.mkdtemp(prefix=JOB_DIR_PREFIX))  # mkdtemp makes it 0700
     for name in ("server", "client"):
         public, secret = zmq.auth.create_certificates(folder, name)
         # zmq.auth writes with the umask; nobody but the owner may read a key.
         for path in (public, secret):
             os.chmod(path, 0o600)
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
+    os.chmod(folder / OWNER_FILE, 0o600)
     return folder
+
+
+def remove_stale_job_dirs() -> None:
+    """Folders left by a launcher that was killed with SIGKILL (its cleanup never ran)."""
+    for folder in Path(tempfile.gettempdir()).glob(JOB_DIR_PREFIX + "*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            owner = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or being made right now
+        if not _pid_alive(owner):
+            remove_job_dir(folder)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_job_dir(folder: Path) -> None:

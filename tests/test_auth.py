@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import stat
+import subprocess
+import sys
 
 import pytest
 import zmq
@@ -54,11 +56,28 @@ def test_key_files_are_private_and_removed(job_keys):
     folder = job_keys.folder
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+    assert names == ["client.key", "client.key_secret", "launcher.pid", "server.key", "server.key_secret"]
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in folder.iterdir())
     assert job_keys.server_secret != job_keys.client_secret
     auth.remove_job_dir(folder)
     assert not folder.exists()
+
+
+def test_a_folder_left_by_a_killed_launcher_is_removed_by_the_next_one():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = auth.create_job_dir()
+    (stale / auth.OWNER_FILE).write_text(dead)  # as if its launcher had been killed
+    live = auth.create_job_dir()
+    try:
+        assert not stale.exists()
+        assert live.exists()
+        other = auth.create_job_dir()
+        assert live.exists()  # its owner (this process) is alive
+        auth.remove_job_dir(other)
+    finally:
+        auth.remove_job_dir(live)
+        auth.remove_job_dir(stale)
 
 
 def test_each_job_gets_its_own_keys():
