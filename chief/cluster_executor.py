@@ -11,6 +11,7 @@ import logging
 
 import zmq
 
+from cs_runtime.auth import stop_authenticator
 from cs_runtime.cluster import DirectoryClient
 from cs_runtime.inputs import InputStream, eval_steps
 from cs_runtime.memoryx import pack_state, unpack_state
@@ -201,4 +202,5 @@ class ClusterExecutor:
             if ep.recv(JOB_END_TIMEOUT_MS) is None:
                 log.warning("%s did not acknowledge the end of the job", ep.name)
         self.heartbeat.stop()
+        stop_authenticator(self.ctx)  # its ZAP thread must not outlive the context
         self.ctx.destroy(linger=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from cs_runtime.config import Params
 from cs_runtime.model import ModelSpec, init_weights
 from cs_runtime.optim import Optimizer
 from cs_runtime.precision import LossScaler
+from cs_runtime.restart import EXIT_BAD_INPUT, RESTART_ENV
 from cs_runtime.runner import RunArgs, UserFunctions
 
 log = logging.getLogger("chief")
@@ -44,9 +46,10 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
             executor.close()
         return 0
     except (RunError, ckpt.CheckpointError, ValueError) as exc:
+        # Bad input (params, data, checkpoint) or a diverged loss: a restart would fail alike.
         log.error("%s", exc)
         print(f"error: {exc}", flush=True)
-        return 1
+        return EXIT_BAD_INPUT
 
 
 def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
@@ -92,6 +95,10 @@ class Trainer:
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
         path = self.args.checkpoint_path
+        restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
+        if restarted and ckpt.latest(self.model_dir) is not None:
+            # A restarted job goes on from where it got to, not from where it began.
+            path = None
         if path is None:
             found = ckpt.latest(self.model_dir)
             if found is not None:
@@ -206,6 +213,10 @@ class Trainer:
                 "device": self.executor.device, "loss_scaler": self.scaler.state_dict()}
         state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)
         path = ckpt.save(self.model_dir, state, self.rc.max_checkpoints)
+        # Summaries up to the checkpoint are on disk too: a restart resumes here
+        # and never writes the earlier steps again.
+        for writer in self.writers.values():
+            writer.flush()
         log.info("Saved checkpoint %s", path)
 
     def scalar(self, split: str, tag: str, value: float) -> None:

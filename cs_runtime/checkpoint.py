@@ -14,8 +14,9 @@ of the step, so this is the whole input position), `meta` (JSON text).
 
 Writes are atomic: the archive is written to a temporary file in the same
 folder, fsynced, then renamed; a crash leaves at most a `.tmp` file, never a
-broken `checkpoint_<step>.npz`. Only after the new checkpoint is complete are
-the oldest beyond `max_checkpoints` deleted.
+broken `checkpoint_<step>.npz`, and the next save removes such leftovers (one
+writer per model_dir: the chief). Only after the new checkpoint is complete
+are the oldest beyond `max_checkpoints` deleted.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def save(model_dir: str | Path, ck: Checkpoint, max_checkpoints: int | None = No
             for slot, value in ck.opt_state.get(layer, {}).get(pname, {}).items():
                 arrays[f"optimizer/{layer}/{pname}/{slot}"] = value
     final = model_dir / f"checkpoint_{ck.global_step}.npz"
+    remove_leftovers(model_dir)
     fd, tmp = tempfile.mkstemp(prefix=f".checkpoint_{ck.global_step}.", suffix=".tmp", dir=model_dir)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -70,6 +72,12 @@ def save(model_dir: str | Path, ck: Checkpoint, max_checkpoints: int | None = No
     if max_checkpoints:
         prune(model_dir, max_checkpoints)
     return final
+
+
+def remove_leftovers(model_dir: Path) -> None:
+    """Temporary files of a writer that was killed mid-write (never a checkpoint)."""
+    for leftover in model_dir.glob(".checkpoint_*.tmp"):
+        leftover.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:

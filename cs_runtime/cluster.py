@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 5.0     # a peer silent this long is declared hung
 REGISTER_TIMEOUT = 120.0    # generous: a cold start imports numpy, zmq, ...
+DIRECTORY_MAX_FRAME = 1024 * 1024
 
 
 @dataclass
@@ -49,9 +50,11 @@ class Peer:
 class DirectoryServer:
     """The ROUTER side. Driven by its owner's loop through `serve_once`."""
 
-    def __init__(self, ctx: zmq.Context, job: str, expected: dict[str, int], host: str | None = None):
-        self.endpoint = Endpoint(ctx, zmq.ROUTER, "directory", job)
-        self.address = self.endpoint.bind(host)
+    def __init__(self, ctx: zmq.Context, job: str, expected: dict[str, int], host: str | None = None,
+                 port: int = 0):
+        # Only small control messages come here: a bigger frame is refused unread.
+        self.endpoint = Endpoint(ctx, zmq.ROUTER, "directory", job, max_frame_bytes=DIRECTORY_MAX_FRAME)
+        self.address = self.endpoint.bind(host, port)
         self.expected = dict(expected)
         self.peers: dict[tuple[str, int], Peer] = {}
         self.pending: list[tuple[bytes, list]] = []
@@ -178,6 +181,8 @@ class Heartbeat(threading.Thread):
                 while got is not None:
                     last_answer = time.monotonic()
                     if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
+                        if self.role == "chief":  # the chief's log names what failed
+                            log.error("the job is stopping: %s", got[1].meta["reason"])
                         return self.on_failure(f"job failed: {got[1].meta['reason']}")
                     got = endpoint.recv(0)
                 if time.monotonic() - last_answer > HEARTBEAT_TIMEOUT * 2:

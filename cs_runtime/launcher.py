@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from .cluster import HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
+from .restart import EXIT_BAD_INPUT
 from .transport import host_name
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 class JobFailed(Exception):
-    pass
+    def __init__(self, reason: str, retryable: bool = True):
+        super().__init__(reason)
+        self.retryable = retryable
 
 
 class Supervisor:
@@ -95,6 +98,7 @@ class Supervisor:
         self.finisher_role = finisher_role  # the role whose exit 0 ends the job (the chief)
         self.started = time.monotonic()
         self.interrupted = ""
+        self.failure: JobFailed | None = None
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -112,6 +116,7 @@ class Supervisor:
                 if extra_check is not None:
                     extra_check()
         except JobFailed as failure:
+            self.failure = failure
             self.directory.failure = str(failure)
             self._drain_status(1.0)
             print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
@@ -125,13 +130,13 @@ class Supervisor:
 
     def _check(self) -> None:
         if self.interrupted:
-            raise JobFailed(self.interrupted)
+            raise JobFailed(self.interrupted, retryable=False)
         # A process killed by a signal is the cause; exits with an error code
         # seen at the same time are usually its peers reacting to it.
         failed = sorted((rc for rc in self.group.exited() if rc[1] != 0), key=lambda t: t[1] >= 0)
         if failed:
             task, rc = failed[0]
-            raise JobFailed(f"{task.label} exited with {_describe(rc)}")
+            raise JobFailed(f"{task.label} exited with {_describe(rc)}", retryable=rc != EXIT_BAD_INPUT)
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
             if (peer.role, peer.rank) in {(t.role, t.rank) for t, _ in self.group.exited()}:
                 continue  # exited cleanly (a worker that finished its plan)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from .auth import stop_authenticator
+
 ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
 
 
@@ -78,4 +80,5 @@ def service_main(role: str, body) -> None:
         logging.shutdown()
         os._exit(1)
     finally:
+        stop_authenticator(ctx)
         ctx.destroy(linger=0)

@@ -14,7 +14,8 @@ from collections import Counter
 
 import zmq
 
-from .protocol import Message, ProtocolError, array_bytes, decode, encode
+from . import auth
+from .protocol import MAX_ARRAY_BYTES, Message, ProtocolError, array_bytes, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,10 @@ def host_name() -> str:
     return os.environ.get("CS_HOST_NAME") or pysocket.gethostname()
 
 
+class PortInUse(OSError):
+    pass
+
+
 class Endpoint:
     """One ZeroMQ socket plus the protocol, byte counters and bad-sender log.
 
@@ -35,9 +40,13 @@ class Endpoint:
     identity of the peer to route to; otherwise identity is None.
     """
 
-    def __init__(self, ctx: zmq.Context, kind: int, name: str, job: str = ""):
+    def __init__(self, ctx: zmq.Context, kind: int, name: str, job: str = "",
+                 max_frame_bytes: int = MAX_ARRAY_BYTES):
+        self.ctx = ctx
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # ZeroMQ drops a peer that sends a bigger frame before allocating it.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         if kind == zmq.ROUTER:
@@ -58,12 +67,23 @@ class Endpoint:
         self.segments = segments
         return self
 
-    def bind(self, host: str | None = None) -> str:
+    def bind(self, host: str | None = None, port: int = 0) -> str:
+        """Bind on `host` (default: bind_host()) at `port` (0: any free one); the address."""
         host = host or bind_host()
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        auth.secure_server(self.ctx, self.sock, host)
+        if not port:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+            return f"tcp://{host}:{port}"
+        try:
+            self.sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EADDRINUSE:
+                raise PortInUse(f"{self.name}: port {port} on {host} is already in use") from None
+            raise
         return f"tcp://{host}:{port}"
 
     def connect(self, address: str) -> "Endpoint":
+        auth.secure_client(self.sock)
         self.sock.connect(address)
         return self
 
@@ -123,7 +143,8 @@ class Endpoint:
     def decode_or_drop(self, identity, frames) -> Message | None:
         try:
             msg = decode(frames, self.segments)
-            if self.job and msg.job and msg.job != self.job:
+            # Every sender stamps its job; an unstamped message is as foreign as another job's.
+            if self.job and msg.job != self.job:
                 raise ProtocolError(f"message for job {msg.job[:40]!r}, this is job {self.job!r}")
         except ProtocolError as exc:
             self.warn_once(identity, str(exc))

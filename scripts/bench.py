@@ -7,7 +7,9 @@ Rows: the CPU path (single process), PyTorch CPU in one process and
 PyTorch DistributedDataParallel (gloo, 2 ranks) on the same layers and
 optimizer (the baseline; skipped with a line when torch is not installed:
 `pip install torch==2.13.0`, never a dependency of the project), csrun_wse in weight
-streaming with 1 and 2 WSEs, and in layer-pipelined mode with 1 and with 2
+streaming with 1 and 2 WSEs, the 1-WSE run again with --insecure (no CURVE:
+the ratio of the two is the cost of authenticated, encrypted transport),
+in layer-pipelined mode with 1 and with 2
 replicas (--multireplica), and weight streaming with 1 WSE in mixed
 precision (float16 with dynamic loss scaling, and cbfloat16), whose weights
 and gradients stream in 16 bits. For each: samples/sec (the chief's GlobalRate
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += torch_rows(facts, batch, steps)
         for n in (1, 2):
             rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
+        rows.append(run_row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i"))
         rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
         rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
         for precision in ("float16", "cbfloat16"):
@@ -159,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(run_row(f"ws_1wse_{precision}", wse, mixed, tmp / f"ws_{precision}"))
     ceiling = ceilings(facts, batch, max(5, min(steps, 50)))
     report(args.preset, preset, facts, steps, rows, ceiling)
+    curve = {r["name"]: r["samples_per_sec"] for r in rows}
+    print(f"CURVE cost: weight streaming (1 WSE) with CURVE runs at "
+          f"{curve['weight_streaming_1wse'] / curve['weight_streaming_1wse_insecure']:.2f}x the speed of --insecure")
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "steps": steps, "model": facts,
                                                "ceilings": ceiling, "rows": rows}, indent=2))

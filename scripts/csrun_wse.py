@@ -8,7 +8,10 @@ SwarmX, N WSE emulators). It then starts the user's command as the job's
 tasks: task 0 as the chief (`python -m chief run.py ...`), N*W more as input
 workers (`python -m worker run.py ...`), and supervises all of them: the job
 ends when the chief exits 0; if any process fails or stops answering,
-everything is stopped within seconds and one line names what failed.
+everything is stopped within seconds and one line names what failed; with
+--max_restarts K the whole job is then restarted from its latest checkpoint,
+up to K times. Traffic is authenticated and encrypted with CURVE keys made for
+the job (see cs_runtime/auth.py); --insecure turns that off, on loopback only.
 """
 from __future__ import annotations
 
@@ -21,14 +24,18 @@ from pathlib import Path
 
 import zmq
 
+from cs_runtime import auth
 from cs_runtime.cluster import DirectoryServer
 from cs_runtime.launcher import ProcessGroup, Supervisor
+from cs_runtime.preflight import PreflightError, check_reachable
+from cs_runtime.restart import RESTART_ENV, Outcome, run_with_restarts
 from cs_runtime.shm import remove_job_segments
 from cs_runtime.service import setup_logging
+from cs_runtime.transport import PortInUse, bind_host
 
 # Variables that describe a process's place in a job; never inherited from outside.
 JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET",
-            "CS_NUM_CSX", "CS_NUM_WORKERS_PER_CSX", "CS_SHM_DIR")
+            "CS_NUM_CSX", "CS_NUM_WORKERS_PER_CSX", auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR")
 SHM_DIR = "/dev/shm"   # memory-backed on Linux
 SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx", "wse": "wse"}
 
@@ -42,6 +49,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cs_ip", default=None, help="HOST:PORT of a running CS system (default: start one)")
     parser.add_argument("--no_shm", action="store_true",
                         help="stream weights over tcp even between local processes (default: shared memory)")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="restart a failed job from its latest checkpoint up to K times (default 0)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="port of the job's directory, the address every process registers at "
+                             "(default: any free port)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="no CURVE authentication or encryption (debugging; loopback only)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python run.py ARGS...")
     ns = parser.parse_args(argv)
     if not ns.command:
@@ -50,6 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unrecognized argument: {ns.command[0]}")
     if ns.num_csx < 1 or ns.num_workers_per_csx < 1:
         parser.error("--num_csx and --num_workers_per_csx must be at least 1")
+    if ns.max_restarts < 0:
+        parser.error("--max_restarts must be 0 or more")
     return ns
 
 
@@ -68,6 +84,9 @@ def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str) -> d
     env.update(CS_JOB_ID=job, CS_RENDEZVOUS=rendezvous, CS_IP=cs_ip, CS_TARGET="wse",
                CS_NUM_CSX=str(ns.num_csx), CS_NUM_WORKERS_PER_CSX=str(ns.num_workers_per_csx),
                PYTHONUNBUFFERED="1")
+    keys = auth.job_keys()
+    if keys is not None:  # the job's own processes learn where the keys are, nobody else
+        env[auth.KEYS_ENV] = str(keys.folder)
     return env
 
 
@@ -102,25 +121,51 @@ def start_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers:
                     {**env, "CS_ROLE": "worker", "CS_RANK": str(rank)})
 
 
-def cs_address(cs_ip: str) -> str:
+def split_cs_ip(cs_ip: str) -> tuple[str, int]:
     host, sep, port = cs_ip.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not host or not port.isdigit():
         raise SystemExit(f"csrun_wse: --cs_ip {cs_ip!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def cs_address(cs_ip: str) -> str:
+    host, port = split_cs_ip(cs_ip)
     return f"tcp://{host}:{port}"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ns = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging("csrun_wse")
+def preflight(ns: argparse.Namespace) -> None:
+    """Fail in seconds, with one line, on what would otherwise fail late or unsafely."""
+    if ns.insecure:
+        hosts = [bind_host()] + ([split_cs_ip(ns.cs_ip)[0]] if ns.cs_ip else [])
+        remote = [h for h in hosts if not auth.is_loopback(h)]
+        if remote:
+            raise SystemExit(f"csrun_wse: --insecure is for loopback only, not {remote[0]}")
+        print("csrun_wse: WARNING: --insecure: CURVE authentication and encryption are OFF; "
+              "any local process can connect to this job's sockets and read or inject its traffic",
+              file=sys.stderr, flush=True)
+    if ns.cs_ip:
+        try:
+            check_reachable(*split_cs_ip(ns.cs_ip), "--cs_ip")
+        except PreflightError as exc:
+            raise SystemExit(f"csrun_wse: {exc}") from None
+
+
+def run_job(ns: argparse.Namespace, attempt: int) -> Outcome:
+    """One whole job: its directory, its processes, supervised until it ends."""
     job = f"wsjob-{uuid.uuid4().hex[:12]}"
     num_workers = ns.num_csx * ns.num_workers_per_csx
     ctx = zmq.Context()
     expected = {"chief": 1, "worker": num_workers}
     if ns.cs_ip is None:
         expected.update(memoryx=1, swarmx=1, wse=ns.num_csx)
-    directory = DirectoryServer(ctx, job, expected)
+    try:
+        directory = DirectoryServer(ctx, job, expected, port=ns.port)
+    except PortInUse as exc:
+        auth.stop_authenticator(ctx)
+        ctx.destroy(linger=0)
+        raise SystemExit(f"csrun_wse: --port: {exc}") from None
     cs_ip = directory.address if ns.cs_ip is None else cs_address(ns.cs_ip)
-    env = base_env(ns, job, directory.address, cs_ip)
+    env = {**base_env(ns, job, directory.address, cs_ip), RESTART_ENV: str(attempt)}
     group = ProcessGroup()
     logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s)", job, ns.num_csx, num_workers)
     supervisor = Supervisor(directory, group, finisher_role="chief")
@@ -134,7 +179,29 @@ def main(argv: list[str] | None = None) -> None:
         group.stop_all()
         if shm_dir:  # whatever the services left, even when killed
             remove_job_segments(Path(shm_dir), job)
+        auth.stop_authenticator(ctx)
         ctx.destroy(linger=0)
+    return Outcome(code, supervisor.failure is None or supervisor.failure.retryable)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging("csrun_wse")
+    # Keys for one job, in a private folder that goes when the job does. With
+    # --cs_ip a long-lived CS system's folder may be given in CS_KEYS_DIR.
+    outside = os.environ.pop(auth.KEYS_ENV, None)
+    keys_dir = None if ns.insecure or (ns.cs_ip and outside) else auth.create_job_dir()
+    if not ns.insecure:
+        os.environ[auth.KEYS_ENV] = str(keys_dir or outside)  # read by auth.job_keys() and base_env
+    try:
+        preflight(ns)
+        code = run_with_restarts(lambda attempt: run_job(ns, attempt), ns.max_restarts)
+    finally:
+        os.environ.pop(auth.KEYS_ENV, None)
+        if outside is not None:
+            os.environ[auth.KEYS_ENV] = outside
+        if keys_dir is not None:
+            auth.remove_job_dir(keys_dir)
     sys.exit(code)
 
 

@@ -239,3 +239,83 @@ def test_load_refuses_pickled_content(tmp_path):
              evil=np.array([object()], dtype=object))
     with pytest.raises(CheckpointError, match="checkpoint_1.npz"):
         load(path)
+
+
+# --------------------------------------------------------------------------
+# kill -9 at any moment of a save (no exception handler runs)
+# --------------------------------------------------------------------------
+
+# Runs in a child process: saves checkpoint 30 and blocks at `where`, reporting
+# "blocked" on stdout; the test then kills it with SIGKILL.
+CRASHING_SAVE = r"""
+import io, os, sys
+import numpy as np
+from cs_runtime import checkpoint
+from tests.test_checkpoint import make_checkpoint
+
+model_dir, where = sys.argv[1], sys.argv[2]
+
+def block(*_):
+    print("blocked", flush=True)
+    sys.stdin.read()          # until the parent kills us
+
+if where == "mid_write":
+    real_savez = np.savez
+    def half_savez(f, **arrays):
+        buf = io.BytesIO()
+        real_savez(buf, **arrays)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        f.flush()
+        block()
+    np.savez = half_savez
+elif where == "before_rename":
+    os.replace = block
+elif where == "before_prune":
+    checkpoint.prune = block
+checkpoint.save(model_dir, make_checkpoint(step=30, seed=3), max_checkpoints=2)
+"""
+
+
+def crash_during_save(model_dir, where: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_SAVE, str(model_dir), where], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "blocked"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("where", ["mid_write", "before_rename"])
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, where):
+    previous = make_checkpoint(step=20, seed=2)
+    save(tmp_path, make_checkpoint(step=10, seed=1), max_checkpoints=2)
+    save(tmp_path, previous, max_checkpoints=2)
+    crash_during_save(tmp_path, where)
+    leftovers = list(tmp_path.glob(".checkpoint_30.*.tmp"))
+    assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0  # really killed mid-save
+    # The half-written file is never picked, the previous one loads, nothing was pruned.
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10, 20]
+    assert_same(load(latest(tmp_path)), previous)
+    # The next save (a restarted chief) clears the leftover and prunes as usual.
+    save(tmp_path, make_checkpoint(step=40), max_checkpoints=2)
+    assert files_in(tmp_path) == ["checkpoint_20.npz", "checkpoint_40.npz"]
+
+
+def test_kill_9_before_pruning_keeps_every_checkpoint(tmp_path):
+    for step in (10, 20):
+        save(tmp_path, make_checkpoint(step=step), max_checkpoints=2)
+    crash_during_save(tmp_path, "before_prune")
+    # The new checkpoint is complete before any old one is deleted.
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10, 20, 30]
+    assert_same(load(latest(tmp_path)), make_checkpoint(step=30, seed=3))
+    save(tmp_path, make_checkpoint(step=40), max_checkpoints=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]

@@ -9,15 +9,17 @@ worker runs ahead (prefetch) of its WSE.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import zmq
 
 from cs_runtime.cluster import DirectoryClient
-from cs_runtime.data import worker_steps
+from cs_runtime.data import DataError, worker_steps
 from cs_runtime.inputs import InputStream
 from cs_runtime.precision import encode_arrays
 from cs_runtime.protocol import Message, Msg
+from cs_runtime.restart import EXIT_BAD_INPUT
 from cs_runtime.runner import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
 from cs_runtime.transport import Endpoint
@@ -33,6 +35,11 @@ def serve_inputs(args: RunArgs, fns: UserFunctions) -> None:
     ctx = zmq.Context()
     try:
         InputWorker(args, fns, penv, ctx).run()
+    except DataError as exc:
+        # One line naming the file; the launcher then stops the job (and never restarts it).
+        log.error("worker %d: bad input data: %s", penv.rank, exc)
+        logging.shutdown()
+        sys.exit(EXIT_BAD_INPUT)
     finally:
         ctx.destroy(linger=0)
 

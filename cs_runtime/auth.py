@@ -1,0 +1,169 @@
+"""Per-job CURVE keys: every socket of a job is authenticated and encrypted.
+
+The launcher makes a private job folder (mode 0700) and in it two CURVE key
+pairs with zmq.auth (`server.key[_secret]`, `client.key[_secret]`, every
+file 0600). Its processes learn the folder from the environment
+(CS_KEYS_DIR), never from a command line. Every socket that binds is a CURVE
+server with the server secret and a ZAP handler (zmq.auth's
+ThreadAuthenticator) that admits only the job's public keys; every socket
+that connects is a CURVE client that knows the server's public key. A peer
+without the job's keys cannot finish the handshake, so not a byte it sends
+reaches the protocol layer.
+
+Without CS_KEYS_DIR (csrun_wse --insecure, or a test that builds sockets
+itself) sockets are plain TCP, and binding anything but loopback is refused.
+
+    keys_dir = create_job_dir()          # launcher: per job, removed at the end
+    env["CS_KEYS_DIR"] = str(keys_dir)   # handed to the job's processes only
+"""
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import os
+import shutil
+import socket as pysocket
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger(__name__)
+
+KEYS_ENV = "CS_KEYS_DIR"
+JOB_DIR_PREFIX = "csjob-"
+OWNER_FILE = "launcher.pid"   # the pid of the launcher that made the folder
+
+
+class AuthError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    folder: Path
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def create_job_dir() -> Path:
+    """A private folder (0700) holding fresh key pairs for one job (files 0600)."""
+    remove_stale_job_dirs()
+    folder = Path(tempfile.mkdtemp(prefix=JOB_DIR_PREFIX))  # mkdtemp makes it 0700
+    for name in ("server", "client"):
+        public, secret = zmq.auth.create_certificates(folder, name)
+        # zmq.auth writes with the umask; nobody but the owner may read a key.
+        for path in (public, secret):
+            os.chmod(path, 0o600)
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
+    os.chmod(folder / OWNER_FILE, 0o600)
+    return folder
+
+
+def remove_stale_job_dirs() -> None:
+    """Folders left by a launcher that was killed with SIGKILL (its cleanup never ran)."""
+    for folder in Path(tempfile.gettempdir()).glob(JOB_DIR_PREFIX + "*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            owner = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or being made right now
+        if not _pid_alive(owner):
+            remove_job_dir(folder)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_job_dir(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=8)
+def load_keys(folder: str) -> JobKeys:
+    path = Path(folder)
+    try:
+        server_public, server_secret = zmq.auth.load_certificate(path / "server.key_secret")
+        client_public, client_secret = zmq.auth.load_certificate(path / "client.key_secret")
+    except (OSError, ValueError) as exc:
+        raise AuthError(f"cannot read the job's CURVE keys in {folder}: {exc}") from None
+    if not (server_secret and client_secret):
+        raise AuthError(f"CURVE key files in {folder} have no secret key")
+    return JobKeys(path, server_public, server_secret, client_public, client_secret)
+
+
+def job_keys() -> JobKeys | None:
+    """This process's job keys, or None when the job runs without CURVE."""
+    folder = os.environ.get(KEYS_ENV)
+    return load_keys(folder) if folder else None
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(pysocket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------ sockets
+_authenticators: dict[int, ThreadAuthenticator] = {}
+_auth_lock = threading.Lock()
+
+
+def secure_server(ctx: zmq.Context, sock: zmq.Socket, host: str, keys: JobKeys | None = None) -> None:
+    """Make `sock` (about to bind on `host`) a CURVE server admitting only the job's keys."""
+    keys = keys or job_keys()
+    if keys is None:
+        if not is_loopback(host):
+            raise AuthError(f"refusing to bind {host} without CURVE keys ({KEYS_ENV} not set): "
+                            "only loopback may run insecure")
+        return
+    _start_authenticator(ctx, keys)
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket, keys: JobKeys | None = None) -> None:
+    """Make `sock` (about to connect) a CURVE client of the job's servers."""
+    keys = keys or job_keys()
+    if keys is None:
+        return
+    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.client_public
+    sock.curve_serverkey = keys.server_public
+
+
+def _start_authenticator(ctx: zmq.Context, keys: JobKeys) -> None:
+    # One ZAP handler per context: it answers for every CURVE server socket in it.
+    with _auth_lock:
+        if id(ctx) in _authenticators:
+            return
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("cs_runtime.auth.zap"))
+        auth.start()
+        # Every *.key in the job folder: the job's client and server public keys.
+        auth.configure_curve(domain="*", location=str(keys.folder))
+        _authenticators[id(ctx)] = auth
+
+
+def stop_authenticator(ctx: zmq.Context) -> None:
+    """Stop the ZAP thread of `ctx`; call before ctx.destroy()."""
+    with _auth_lock:
+        auth = _authenticators.pop(id(ctx), None)
+    if auth is not None:
+        auth.stop()

@@ -1,0 +1,56 @@
+"""Checks the launcher makes before it starts a single process, so a wrong
+address fails in seconds with one line instead of a long wait for peers."""
+from __future__ import annotations
+
+import socket
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from . import auth
+
+CONNECT_TIMEOUT_S = 5.0
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def check_reachable(host: str, port: int, what: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """A TCP connection and a ZeroMQ handshake (with the job's keys) to host:port, or raise naming it.
+
+    The handshake matters: a firewall or proxy may accept TCP for any address,
+    and only a completed handshake shows a ZeroMQ peer that takes our keys.
+    """
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except socket.timeout:
+        raise PreflightError(f"{what} {host}:{port} is unreachable (no answer within {timeout:.0f} s)") from None
+    except OSError as exc:
+        raise PreflightError(f"{what} {host}:{port} is unreachable ({exc.strerror or exc})") from None
+    _check_handshake(host, port, what, timeout)
+
+
+def _check_handshake(host: str, port: int, what: str, timeout: float) -> None:
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        auth.secure_client(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+        sock.connect(f"tcp://{host}:{port}")
+        deadline = time.monotonic() + timeout
+        while monitor.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
+            if event & HANDSHAKE_FAILED:
+                raise PreflightError(f"{what} {host}:{port} refused this job's handshake "
+                                     f"(not a CS system, or other CURVE keys / --insecure on one side only)")
+        raise PreflightError(f"{what} {host}:{port} is unreachable (no ZeroMQ handshake within {timeout:.0f} s)")
+    finally:
+        ctx.destroy(linger=0)
