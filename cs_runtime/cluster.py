@@ -56,6 +56,8 @@ class DirectoryServer:
         self.peers: dict[tuple[str, int], Peer] = {}
         self.pending: list[tuple[bytes, list]] = []
         self.failure: str = ""
+        # (role, rank) -> EXITED meta, for tasks the launcher cannot wait for itself (srun)
+        self.exits: dict[tuple[str, int], dict] = {}
 
     def serve_once(self, timeout_ms: int) -> None:
         got = self.endpoint.recv(timeout_ms)
@@ -68,6 +70,9 @@ class DirectoryServer:
             self.pending.append((identity, [str(r) for r in msg.meta["roles"]]))
         elif msg.type == Msg.HEARTBEAT:
             self._heartbeat(identity, msg)
+        elif msg.type == Msg.EXITED:
+            self.exits[(msg.meta["role"], msg.meta["rank"])] = dict(msg.meta)
+            self._send(identity, Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure}))
         else:
             self.endpoint.warn_once(identity, f"unexpected {msg.type.value} at the directory")
         self._answer_lookups()
@@ -138,6 +143,14 @@ class DirectoryClient:
         for peer in got[1].meta["peers"]:
             by_role[peer["role"]].append(peer)
         return {r: sorted(p, key=lambda p: p["rank"]) for r, p in by_role.items()}
+
+    def report_exit(self, host: str, pid: int, code: int, timeout_ms: int = 2000) -> None:
+        """Tell the launcher how this task ended (it cannot see the exit code through srun)."""
+        meta = {"role": self.role, "rank": self.rank, "host": host, "pid": pid, "code": code}
+        self.endpoint.send(Message(Msg.EXITED, meta=meta))
+        got = self.endpoint.recv(timeout_ms)  # the answer says it arrived (LINGER 0 would drop it)
+        while got is not None and got[1].type != Msg.STATUS:
+            got = self.endpoint.recv(timeout_ms)
 
     def start_heartbeats(self, on_failure=None) -> "Heartbeat":
         beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure)

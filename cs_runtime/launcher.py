@@ -46,6 +46,18 @@ class Task:
     def label(self) -> str:
         return f"{self.role} {self.rank} on {self.host} (pid {self.proc.pid})"
 
+    def request_stop(self) -> None:
+        """Ask the process to end; `stop_all` kills it if it has not after the grace period."""
+        _signal_group(self.proc, signal.SIGTERM)
+
+    def kill(self) -> None:
+        _signal_group(self.proc, signal.SIGKILL)
+
+
+def spawn(argv: list[str], env: dict[str, str], **popen_args) -> subprocess.Popen:
+    """A child in its own session that dies with the launcher."""
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent, **popen_args)
+
 
 class ProcessGroup:
     def __init__(self):
@@ -53,10 +65,12 @@ class ProcessGroup:
 
     def start(self, role: str, rank: int, argv: list[str], env: dict[str, str],
               host: str | None = None) -> Task:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        task = Task(role, rank, host or host_name(), proc)
-        self.tasks.append(task)
+        task = self.add(Task(role, rank, host or host_name(), spawn(argv, env)))
         log.debug("started %s: %s", task.label, " ".join(argv))
+        return task
+
+    def add(self, task: Task) -> Task:
+        self.tasks.append(task)
         return task
 
     def exited(self) -> list[tuple[Task, int]]:
@@ -66,13 +80,13 @@ class ProcessGroup:
         """SIGTERM every live process, SIGKILL what is left after `grace` seconds."""
         live = [t for t in self.tasks if t.proc.poll() is None]
         for task in live:
-            _signal_group(task.proc, signal.SIGTERM)
+            task.request_stop()
         deadline = time.monotonic() + grace
         for task in live:
             try:
                 task.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(task.proc, signal.SIGKILL)
+                task.kill()
                 task.proc.wait()
 
 

@@ -70,7 +70,8 @@ class PipelinedExecutor:
         names = [layer.name for layer in self.spec.layers]
         norm = self.optimizer.update_model(names, self.weights, total, self.opt_state, lr, step, self.max_norm)
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
-        meta = {"loss": loss, "count": count, "grad_norm": norm, "bytes_in": self.up.take_received()}
+        meta = {"loss": loss, "count": count, "grad_norm": norm, "bytes_in": self.up.take_received(),
+                "input_wait_s": self.inputs.take_wait()}
         self.up.send(Message(Msg.LOSS, step=step, meta=meta))
 
     def eval_step(self, step: int) -> None:
