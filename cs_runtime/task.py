@@ -53,7 +53,12 @@ def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str,
 
 def read_ssh_spec() -> dict:
     """The task csrun_wse sent: {"role", "rank", "host", "env", "argv"}, checked before use."""
-    line = sys.stdin.buffer.readline(1 << 20)
+    line = b""
+    while not line.endswith(b"\n"):  # byte by byte: nothing after the line may be buffered away
+        byte = os.read(0, 1)
+        if not byte or len(line) > 1 << 20:
+            break
+        line += byte
     try:
         spec = json.loads(line)
     except ValueError:
@@ -70,7 +75,9 @@ def read_ssh_spec() -> dict:
 def watch_stdin(stop: threading.Event) -> None:
     """EOF on stdin means the ssh client is gone: stop the task."""
     def read_to_eof():
-        while sys.stdin.buffer.read1(4096):
+        # os.read, not sys.stdin: a daemon thread holding the buffered reader's
+        # lock makes interpreter shutdown abort.
+        while os.read(0, 4096):
             pass
         stop.set()
     threading.Thread(target=read_to_eof, name="stdin-eof", daemon=True).start()
