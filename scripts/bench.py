@@ -5,7 +5,10 @@
 
 Rows: the CPU path (single process, the baseline), csrun_wse in weight
 streaming with 1 and 2 WSEs, and in layer-pipelined mode with 1 and with 2
-replicas (--multireplica). For each: samples/sec (the chief's GlobalRate
+replicas (--multireplica). Then the input-bound rows: FC-MNIST with an
+expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
+one WSE fed by 1, 2 and 4 input workers, with the ratio to 1 worker
+(`--rows input` runs only these; they need about 4 free cores to scale). For each: samples/sec (the chief's GlobalRate
 over the whole training loop, after start-up), the ratio to the CPU path,
 and for the cluster rows the bytes streamed per step. Timings drift on
 shared machines: compare ratios within one run, never absolute numbers
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +29,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
+AUGMENTED = REPO / "examples" / "fc_mnist" / "run_augmented.py"
+INPUT_WORKERS = (1, 2, 4)
 BIN = Path(sys.executable).parent
 
 PRESETS = {
@@ -49,8 +55,9 @@ def write_params(folder: Path, preset: dict, steps: int, strategy: str) -> Path:
     return path
 
 
-def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra: tuple = ()) -> dict:
-    cmd = [*launcher, sys.executable, str(FC_MNIST), "--mode", "train", "--params", str(params),
+def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra: tuple = (),
+            script: Path = FC_MNIST) -> dict:
+    cmd = [*launcher, sys.executable, str(script), "--mode", "train", "--params", str(params),
            "--model_dir", str(model_dir), *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
@@ -67,32 +74,65 @@ def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra
     return row
 
 
+def model_rows(tmp: Path, preset: dict, steps: int) -> list[dict]:
+    params = write_params(tmp, preset, steps, "weight_streaming")
+    piped = write_params(tmp, preset, steps, "pipelined")
+    wse = [str(BIN / "csrun_wse")]
+    rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
+    for n in (1, 2):
+        rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
+    rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
+    rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
+    base = rows[0]["samples_per_sec"]
+    for row in rows:
+        row["ratio"] = row["samples_per_sec"] / base
+    return rows
+
+
+def input_rows(tmp: Path, preset: dict, steps: int) -> list[dict]:
+    """One WSE, input-bound: the same run with 1, 2, 4 input workers (same numbers, more throughput)."""
+    params = write_params(tmp, preset, steps, "weight_streaming")
+    rows = []
+    for workers in INPUT_WORKERS:
+        launcher = [str(BIN / "csrun_wse"), "--num_workers_per_csx", str(workers)]
+        rows.append(run_row(f"input_bound_{workers}worker", launcher, params, tmp / f"in{workers}",
+                            script=AUGMENTED))
+    base = rows[0]["samples_per_sec"]
+    for row in rows:
+        row["ratio"] = row["samples_per_sec"] / base
+    return rows
+
+
+def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
+    print(title)
+    print(f"{'row':<24}{'samples/sec':>14}{'vs ' + baseline:>12}{'weight B/step':>16}{'grad B/step':>14}")
+    for row in rows:
+        print(f"{row['name']:<24}{row['samples_per_sec']:>14.1f}{row['ratio']:>12.2f}"
+              f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--input_steps", type=int, default=100, help="steps of each input-bound row (default 100)")
+    parser.add_argument("--rows", choices=("all", "model", "input"), default="all")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
+    result = {"preset": args.preset, "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
-        params = write_params(tmp, preset, args.steps, "weight_streaming")
-        piped = write_params(tmp, preset, args.steps, "pipelined")
-        wse = [str(BIN / "csrun_wse")]
-        rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
-        for n in (1, 2):
-            rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
-        rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
-        rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
-    base = rows[0]["samples_per_sec"]
-    print(f"preset={args.preset} model={preset['hidden_sizes']} batch={preset['batch_size']} steps={args.steps}")
-    print(f"{'row':<24}{'samples/sec':>14}{'vs cpu':>9}{'weight B/step':>16}{'grad B/step':>14}")
-    for row in rows:
-        row["ratio_vs_cpu"] = row["samples_per_sec"] / base
-        print(f"{row['name']:<24}{row['samples_per_sec']:>14.1f}{row['ratio_vs_cpu']:>9.2f}"
-              f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
+        if args.rows in ("all", "model"):
+            result["rows"] = model_rows(tmp, preset, args.steps)
+            print_rows(f"preset={args.preset} model={preset['hidden_sizes']} batch={preset['batch_size']} "
+                       f"steps={args.steps}", "cpu", result["rows"])
+        if args.rows in ("all", "input"):
+            result["input_rows"] = input_rows(tmp, preset, args.input_steps)
+            print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
+                       f"{os.cpu_count()} CPUs", "1 worker", result["input_rows"])
     if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, "steps": args.steps, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
