@@ -55,7 +55,11 @@ class InputMonitor:
 
     def on_step(self, input_wait_s: float) -> None:
         now = self.clock()
+        first = self.last_step_at is None
         self.last_step_at, self.stall_reported = now, False
+        if first:  # the first step also waited for the workers to start: windows begin after it
+            self.window_start = now
+            return
         self.window_wait += input_wait_s / self.num_csx
         self.window_steps += 1
         span = now - self.window_start
