@@ -124,11 +124,12 @@ def bind_address_for(hosts: list[str]) -> str:
 
 # ---------------------------------------------------------------- tasks seen through a carrier
 class CarriedProcess:
-    """A task's process as the launcher sees it: through its carrier (its ssh
-    client, or the one srun of every task) and the exit it reported."""
+    """A task's process as the launcher sees it: through its carrier (its own ssh
+    client, or the one srun all tasks share) and the exit code its wrapper reported."""
 
-    def __init__(self, carrier: subprocess.Popen, directory: DirectoryServer, role: str, rank: int):
-        self.carrier, self.directory, self.key = carrier, directory, (role, rank)
+    def __init__(self, carrier: subprocess.Popen, directory: DirectoryServer, role: str, rank: int,
+                 shared: bool = False):
+        self.carrier, self.directory, self.key, self.shared = carrier, directory, (role, rank), shared
 
     @property
     def pid(self) -> int:
@@ -136,6 +137,11 @@ class CarriedProcess:
 
     def poll(self) -> int | None:
         report = self.directory.exits.get(self.key)
+        if not self.shared:
+            # Its own carrier ends right after the task: wait for that, so nothing
+            # of the task is left when the launcher returns; the report has the true code.
+            code = self.carrier.poll()
+            return code if code is None or report is None else int(report["code"])
         return int(report["code"]) if report is not None else self.carrier.poll()
 
     @property
@@ -290,6 +296,6 @@ def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: Slu
     carrier = spawn(srun_argv(shape, job, command), env, stdin=subprocess.DEVNULL)
     for index in range(shape.tasks):
         role, rank = role_of_task(index)
-        task = SrunTask(role, rank, "slurm", CarriedProcess(carrier, directory, role, rank))
+        task = SrunTask(role, rank, "slurm", CarriedProcess(carrier, directory, role, rank, shared=True))
         task.directory = directory
         group.add(task)

@@ -117,7 +117,8 @@ def plan_layout(ns: argparse.Namespace) -> Layout:
     if ns.launcher == "slurm":
         shape = remote.slurm_shape(ns.total_nodes, ns.tasks_per_node, ns.cpus_per_task)
         return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape)
-    return Layout("local", ns.num_csx * (ns.num_workers_per_csx or 1))
+    # One machine: loopback, unless the user exported CS_BIND_HOST (e.g. for a --cs_ip elsewhere).
+    return Layout("local", ns.num_csx * (ns.num_workers_per_csx or 1), os.environ.get("CS_BIND_HOST", "127.0.0.1"))
 
 
 def describe(layout: Layout) -> str:
