@@ -56,6 +56,7 @@ class DirectoryServer:
         self.peers: dict[tuple[str, int], Peer] = {}
         self.pending: list[tuple[bytes, list]] = []
         self.failure: str = ""
+        self.done = False  # the job has finished: heartbeat answers tell every process to exit 0
         # (role, rank) -> EXITED meta, for tasks the launcher cannot wait for itself (srun)
         self.exits: dict[tuple[str, int], dict] = {}
 
@@ -72,7 +73,7 @@ class DirectoryServer:
             self._heartbeat(identity, msg)
         elif msg.type == Msg.EXITED:
             self.exits[(msg.meta["role"], msg.meta["rank"])] = dict(msg.meta)
-            self._send(identity, Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure}))
+            self._send(identity, self.status())
         else:
             self.endpoint.warn_once(identity, f"unexpected {msg.type.value} at the directory")
         self._answer_lookups()
@@ -87,8 +88,11 @@ class DirectoryServer:
         peer = self.peers.get((msg.meta["role"], msg.meta["rank"]))
         if peer is not None:
             peer.last_seen = time.monotonic()
-        reply = Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure})
-        self._send(identity, reply)
+        self._send(identity, self.status())
+
+    def status(self) -> Message:
+        return Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure,
+                                         "done": self.done and not self.failure})
 
     def _answer_lookups(self) -> None:
         still = []
@@ -168,11 +172,18 @@ def _exit_now(reason: str) -> None:
     os._exit(1)
 
 
+def _exit_done() -> None:
+    log.debug("stopping: the job has finished")
+    logging.shutdown()
+    os._exit(0)
+
+
 class Heartbeat(threading.Thread):
     """Background thread with its own socket (ZeroMQ sockets are not thread safe).
 
     Exits the process (via `on_failure`) when the directory reports the job
-    failed or stops answering: so no process outlives its job.
+    failed or stops answering, and with code 0 when it reports the job done:
+    so no process outlives its job.
     """
 
     def __init__(self, ctx, address, role, rank, job, on_failure=None):
@@ -192,6 +203,8 @@ class Heartbeat(threading.Thread):
                     last_answer = time.monotonic()
                     if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
                         return self.on_failure(f"job failed: {got[1].meta['reason']}")
+                    if got[1].type == Msg.STATUS and got[1].meta["done"]:
+                        return _exit_done()
                     got = endpoint.recv(0)
                 if time.monotonic() - last_answer > HEARTBEAT_TIMEOUT * 2:
                     return self.on_failure(f"directory at {self.address} stopped answering")

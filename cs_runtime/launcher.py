@@ -24,6 +24,8 @@ from .transport import host_name
 
 log = logging.getLogger(__name__)
 
+FINISH_GRACE_S = 3.0  # after the chief's exit 0, how long the others get to exit by themselves
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -121,6 +123,7 @@ class Supervisor:
             while True:
                 self.directory.serve_once(100)
                 if self._finished():
+                    self._let_finish(FINISH_GRACE_S)
                     return 0
                 self._check()
                 if extra_check is not None:
@@ -156,6 +159,14 @@ class Supervisor:
             for task in self.group.tasks:
                 if (task.role, task.rank) not in registered and task.proc.poll() is None:
                     raise JobFailed(f"{task.label} did not register within {REGISTER_TIMEOUT:.0f} s")
+
+    def _let_finish(self, seconds: float) -> None:
+        """The chief is done: heartbeat answers now say so and every process exits 0
+        by itself (under srun a step that ends cleanly, not a cancelled one)."""
+        self.directory.done = True
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and any(t.proc.poll() is None for t in self.group.tasks):
+            self.directory.serve_once(50)
 
     def _drain_status(self, seconds: float) -> None:
         """Answer heartbeats for a moment so remote processes learn the job failed."""

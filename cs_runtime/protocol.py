@@ -50,7 +50,7 @@ class Msg(str, enum.Enum):
     LOOKUP = "lookup"            # process -> directory: wants the directory
     DIRECTORY = "directory"      # directory -> process: every registered process
     HEARTBEAT = "heartbeat"      # process -> directory
-    STATUS = "status"            # directory -> process: ok or the failure it saw
+    STATUS = "status"            # directory -> process: ok or the failure it saw; done: exit 0 now
     EXITED = "exited"            # task wrapper -> directory: its task's exit code (tasks under srun)
     # job set-up
     HELLO = "hello"              # peer introduces itself on a ROUTER socket
@@ -80,7 +80,7 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.LOOKUP: {"roles": list},
     Msg.DIRECTORY: {"peers": list},
     Msg.HEARTBEAT: {"role": str, "rank": int},
-    Msg.STATUS: {"ok": bool, "reason": str},
+    Msg.STATUS: {"ok": bool, "reason": str, "done": bool},
     Msg.EXITED: {"role": str, "rank": int, "host": str, "pid": int, "code": int},
     Msg.HELLO: {"role": str, "rank": int},
     Msg.PLAN: {"phases": list},

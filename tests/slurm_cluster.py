@@ -133,6 +133,20 @@ class SlurmCluster:
                                    f"{out.stdout.strip()} {out.stderr.strip()} {logs}")
             time.sleep(0.2)  # polling sinfo for readiness
 
+    def wait_for_job(self, job_id: str, timeout: float) -> tuple[str, str]:
+        """(JobState, ExitCode) once the job has ended. (`sbatch --wait` polls with a backoff
+        that grows to tens of seconds; `scontrol` answers at once.)"""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = subprocess.run([_binary("scontrol"), "show", "job", "-o", job_id], env=self.env,
+                                 capture_output=True, text=True).stdout
+            fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+            if fields.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+                return fields["JobState"], fields.get("ExitCode", "")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Slurm job {job_id} still {fields.get('JobState')} after {timeout:.0f} s")
+            time.sleep(0.25)  # polling Slurm's job state: there is nothing to wait on
+
     def stop(self) -> None:
         if len(self.daemons) == 3 and self.daemons[1].poll() is None:  # jobs a failed test left
             subprocess.run([_binary("scancel"), "--full", "--user=root"], env=self.env, capture_output=True)

@@ -89,6 +89,7 @@ def test_srun_tasks_train_like_the_oracle(tmp_path, oracle, slurm_cluster):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=slurm_cluster.env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 input worker(s), tasks with srun (1 node(s) x 3 task(s) x 1 cpu(s))" in result.stderr
+    assert "CANCELLED" not in result.stderr and "srun: error" not in result.stderr  # a clean end of the step
     assert_matches_oracle(tmp_path / "m", oracle)
     assert slurm_leftovers(str(tmp_path)) == []
 
@@ -98,10 +99,12 @@ def test_sbatch_script_runs_csrun_wse_inside_the_allocation(tmp_path, oracle, sl
     script = tmp_path / "job.sh"
     command = " ".join(shlex.quote(a) for a in train_command(oracle[0], tmp_path / "m"))
     script.write_text(f"#!/bin/bash\n#SBATCH --nodes=1 --ntasks-per-node=2 --cpus-per-task=1\n{command}\n")
-    result = subprocess.run(["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", str(script)],
-                            capture_output=True, text=True, timeout=300, env=slurm_cluster.env, cwd=tmp_path)
+    submit = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path / 'job.out'}", str(script)],
+                            capture_output=True, text=True, timeout=60, env=slurm_cluster.env, cwd=tmp_path)
+    assert submit.returncode == 0, submit.stderr
+    state = slurm_cluster.wait_for_job(submit.stdout.strip().split(";")[0], timeout=300)
     out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-    assert result.returncode == 0, result.stderr + out[-3000:]
+    assert state == ("COMPLETED", "0:0"), out[-3000:]
     # no flags: the allocation's shape (1 node x 2 tasks) decides
     assert "1 input worker(s), tasks with srun (1 node(s) x 2 task(s) x 1 cpu(s))" in out, out[-3000:]
     assert_matches_oracle(tmp_path / "m", oracle)
