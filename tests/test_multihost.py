@@ -77,6 +77,46 @@ def test_ssh_dead_worker_on_a_host_stops_the_job_everywhere(tmp_path, oracle, ne
         kill_tree(proc)
 
 
+def wait_for_exit(pids: list[int], timeout: float) -> list[int]:
+    """Wait (pidfd, no polling) until these processes have exited; returns those still alive."""
+    import os
+    import select
+    deadline = time.monotonic() + timeout
+    alive = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                alive.append(pid)
+        finally:
+            os.close(fd)
+    return alive
+
+
+def test_ssh_killing_the_launcher_stops_every_remote_process(tmp_path, netns_hosts):
+    from tests.cluster_utils import write_params
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    h0, h1 = netns_hosts.addresses
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1}",
+                                          "--ssh_options", netns_hosts.ssh_options),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        remote = leftovers(netns_hosts)
+        assert {cmd.split(" -m ")[1].split()[0] for _, cmd in remote} >= {"chief", "worker", "cs_runtime.task"}
+        proc.kill()  # no chance to clean up: its ssh clients die with it, the far sides see EOF
+        proc.wait()
+        assert wait_for_exit([pid for pid, _ in remote], timeout=30) == []
+        assert leftovers(netns_hosts) == []
+    finally:
+        kill_tree(proc)
+
+
 # ------------------------------------------------------------------ Slurm
 def slurm_leftovers(marker: str) -> list[str]:
     out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
