@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -153,7 +154,8 @@ class CarriedProcess:
 
 
 class RemoteTask(Task):
-    """A task on another host (or under srun): named by the host and pid it registered with."""
+    """A task on another host (or under srun): named by the host and pid it registered with,
+    or, before it has, by its carrier (whose own messages then say what went wrong)."""
 
     directory: DirectoryServer | None = None
 
@@ -164,11 +166,18 @@ class RemoteTask(Task):
         peer = self.directory.peers.get(key) if self.directory else None
         if known is None and peer is not None:
             known = {"host": peer.host, "pid": peer.pid}
-        host, pid = (known["host"], known["pid"]) if known else (self.host, self.proc.pid)
-        return f"{self.role} {self.rank} on {host} (pid {pid})"
+        if known:
+            return f"{self.role} {self.rank} on {known['host']} (pid {known['pid']})"
+        return f"{self.role} {self.rank} via {self.carrier()} (pid {self.proc.pid})"
+
+    def carrier(self) -> str:
+        return "its carrier"
 
 
 class SshTask(RemoteTask):
+    def carrier(self) -> str:
+        return f"ssh to {self.host}"
+
     def request_stop(self) -> None:
         # EOF on the far side's stdin: its wrapper stops the task and ssh exits.
         carrier = self.proc.carrier
@@ -183,6 +192,9 @@ class SshTask(RemoteTask):
 
 
 class SrunTask(RemoteTask):
+    def carrier(self) -> str:
+        return "srun"
+
     def request_stop(self) -> None:
         carrier = self.proc.carrier
         if not getattr(carrier, "stop_requested", False):
@@ -191,12 +203,18 @@ class SrunTask(RemoteTask):
 
 
 # ---------------------------------------------------------------- SSH
+def require(program: str, package: str) -> None:
+    if shutil.which(program) is None:
+        raise LaunchError(f"{program} not found on PATH (install {package})")
+
+
 def ssh_base(options: str, host: str) -> list[str]:
     return ["ssh", *shlex.split(options), host]
 
 
 def preflight(hosts: list[str], options: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
     """Every host must answer `ssh HOST true`; the error names each one that does not."""
+    require("ssh", "openssh-client")
     probes = {h: subprocess.Popen([*ssh_base(options, h), "true"], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
               for h in dict.fromkeys(hosts)}
@@ -285,6 +303,7 @@ def slurm_bind_address() -> str:
 
 
 def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
+    require("srun", "Slurm's client, e.g. slurm-client")
     return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}",
             f"--ntasks-per-node={shape.tasks_per_node}", f"--cpus-per-task={shape.cpus_per_task}",
             "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
