@@ -56,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_flag(parser, "hostfile", default=None, help="run the tasks over SSH on these hosts ('HOST [slots=N]' a line)")
     parser.add_argument("-H", "--hosts", default=None, help="run the tasks over SSH on h1,h2,... (one slot each)")
     add_flag(parser, "ssh_options", default=remote.DEFAULT_SSH_OPTIONS,
-             help=f"options for ssh (default {remote.DEFAULT_SSH_OPTIONS!r})")
+             help=f"options for ssh, e.g. --ssh_options='-p 2222' (default {remote.DEFAULT_SSH_OPTIONS!r})")
     add_flag(parser, "total_nodes", type=int, default=None, help="nodes (Slurm: srun -N; SSH: the first N hosts)")
     add_flag(parser, "tasks_per_node", type=int, default=None,
              help="tasks per node (Slurm: default from the allocation, else 2; SSH: default the slots)")
@@ -94,6 +94,8 @@ def choose_launcher(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if launcher != "local" and ns.num_workers_per_csx is not None:
         parser.error(f"--num_workers_per_csx is for local runs; with {launcher} every task after the chief "
                      "is an input worker (set the tasks with --tasks-per-node or slots=N)")
+    if launcher == "ssh" and ns.cpus_per_task is not None:
+        parser.error("--cpus-per-task is for Slurm; over SSH give each host the slots it can run")
     if launcher == "local" and slurm_flags:
         parser.error("--total-nodes, --tasks-per-node and --cpus-per-task need SSH hosts or Slurm")
     return launcher

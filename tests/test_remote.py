@@ -38,6 +38,7 @@ def test_dash_and_underscore_spellings_are_the_same_flag():
     (["-H", "h1", "--num_workers_per_csx", "2", "python", "r.py"], "--num_workers_per_csx is for local runs"),
     (["--launcher", "local", "--tasks-per-node", "2", "python", "r.py"], "need SSH hosts or Slurm"),
     (["--tasks-per-node", "0", "python", "r.py"], "--tasks_per_node must be at least 1"),
+    (["-H", "h1,h2", "--cpus-per-task", "2", "python", "r.py"], "--cpus-per-task is for Slurm"),
 ])
 def test_bad_flags_are_errors_that_say_what(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
