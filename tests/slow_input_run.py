@@ -14,7 +14,9 @@ from cs_runtime.runner import run
 SLOW_S = float(os.environ.get("SLOW_INPUT_S", "0.5"))   # for each of the first SLOW_CALLS batches
 STALL_S = float(os.environ.get("STALL_INPUT_S", "0"))   # once, at batch STALL_AT_CALL
 SLOW_CALLS = 12
-STALL_AT_CALL = 20
+# Right after the slow batches: the WSE is already waiting for this worker, so
+# the whole stall is time without a step (later, its prefetched batches would hide part of it).
+STALL_AT_CALL = SLOW_CALLS + 1
 
 
 class SlowOnWorker1:

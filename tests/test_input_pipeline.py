@@ -17,7 +17,7 @@ def test_slow_and_stalled_worker_show_as_input_bottleneck(tmp_path, oracle):
     import os
     cmd = [tool("csrun_wse"), "--num_workers_per_csx", "2", sys.executable, SLOW_RUN, "--mode", "train",
            "--params", str(oracle[0]), "--model_dir", str(tmp_path / "m")]
-    env = {**os.environ, "SLOW_INPUT_S": "0.5", "STALL_INPUT_S": "6.5"}
+    env = {**os.environ, "SLOW_INPUT_S": "0.5", "STALL_INPUT_S": "8"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stderr
