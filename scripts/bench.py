@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--input_steps", type=int, default=100, help="steps of each input-bound row (default 100)")
+    parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
     parser.add_argument("--rows", choices=("all", "model", "input"), default="all")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)

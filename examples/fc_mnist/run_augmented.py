@@ -4,7 +4,7 @@
         --params examples/fc_mnist/configs/params.yaml
 
 Every training sample is shifted by up to 2 pixels and blurred AUGMENT_ROUNDS
-times (environment, default 20) with a 3x3 box filter, one sample at a time as
+times (environment, default 60) with a 3x3 box filter, one sample at a time as
 a typical Python augmentation would. The shift is drawn from the sample's
 index, so a batch is the same whichever worker makes it (the numbers do not
 depend on the worker count, as the oracle requires).
@@ -42,7 +42,7 @@ class AugmentedDigits:
 
 def train_input_fn(params):
     images, labels = load_mnist(params.train_input.data_dir, "train")
-    return AugmentedDigits(images, labels, int(os.environ.get("AUGMENT_ROUNDS", "20")))
+    return AugmentedDigits(images, labels, int(os.environ.get("AUGMENT_ROUNDS", "60")))
 
 
 if __name__ == "__main__":
