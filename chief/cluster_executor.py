@@ -11,6 +11,7 @@ import logging
 
 import zmq
 
+from chief.input_monitor import InputMonitor
 from cs_runtime.auth import stop_authenticator
 from cs_runtime.cluster import DirectoryClient
 from cs_runtime.inputs import InputStream, eval_steps
@@ -28,6 +29,12 @@ JOB_END_TIMEOUT_MS = 2000
 
 class ServiceError(RuntimeError):
     pass
+
+
+def input_wait(loss: Message) -> float:
+    """Seconds the WSEs waited for input in this step (an optional LOSS field)."""
+    value = loss.meta.get("input_wait_s", 0.0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def choose_strategy(plan: dict, args, num_csx: int) -> tuple[str, int]:
@@ -67,6 +74,7 @@ class ClusterExecutor:
         self.waiting_workers: list[bytes] = []
         self._eval_steps: int | None = None
         self.traffic: dict[str, int] = {}   # bytes of the last training step
+        self.input_monitor = InputMonitor(self.penv.num_csx, self.penv.num_workers)
 
     def dealer(self, role: str, peer: dict) -> Endpoint:
         ep = Endpoint(self.ctx, zmq.DEALER, f"chief->{role}", self.penv.job)
@@ -82,6 +90,7 @@ class ClusterExecutor:
             poller.register(ep.sock, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(POLL_MS))
+            self.input_monitor.on_idle()
             if self.workers.sock in ready:
                 self.serve_worker()
             if self.swarmx is not endpoint and self.swarmx.sock in ready:
@@ -108,6 +117,9 @@ class ClusterExecutor:
         if got is None:
             return
         identity, msg = got
+        if msg.type == Msg.INPUT_STATS:
+            self.input_monitor.on_stats(msg.meta)
+            return
         if msg.type != Msg.HELLO:
             self.workers.warn_once(identity, f"unexpected {msg.type.value} from a worker")
             return
@@ -160,10 +172,12 @@ class ClusterExecutor:
         if self.pipelined:
             self.swarmx.send(start)
             loss = self.wait(self.swarmx, Msg.LOSS, step)
+            self.input_monitor.on_step(input_wait(loss))
             self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
             return float(loss.meta["loss"]), float(loss.meta["grad_norm"]), bool(loss.meta.get("applied", True))
         self.memoryx.send(start)
         loss = self.wait(self.swarmx, Msg.LOSS, step)
+        self.input_monitor.on_step(input_wait(loss))
         done = self.wait(self.memoryx, Msg.STEP_DONE, step)
         self.traffic = {k: int(done.meta.get(k, 0)) for k in ("weight_bytes", "grad_bytes")}
         self.traffic["wse_bytes_in"] = int(loss.meta.get("bytes_in", -1))

@@ -59,6 +59,9 @@ class DirectoryServer:
         self.peers: dict[tuple[str, int], Peer] = {}
         self.pending: list[tuple[bytes, list]] = []
         self.failure: str = ""
+        self.done = False  # the job has finished: heartbeat answers tell every process to exit 0
+        # (role, rank) -> EXITED meta, for tasks the launcher cannot wait for itself (srun)
+        self.exits: dict[tuple[str, int], dict] = {}
 
     def serve_once(self, timeout_ms: int) -> None:
         got = self.endpoint.recv(timeout_ms)
@@ -71,6 +74,9 @@ class DirectoryServer:
             self.pending.append((identity, [str(r) for r in msg.meta["roles"]]))
         elif msg.type == Msg.HEARTBEAT:
             self._heartbeat(identity, msg)
+        elif msg.type == Msg.EXITED:
+            self.exits[(msg.meta["role"], msg.meta["rank"])] = dict(msg.meta)
+            self._send(identity, self.status())
         else:
             self.endpoint.warn_once(identity, f"unexpected {msg.type.value} at the directory")
         self._answer_lookups()
@@ -85,8 +91,11 @@ class DirectoryServer:
         peer = self.peers.get((msg.meta["role"], msg.meta["rank"]))
         if peer is not None:
             peer.last_seen = time.monotonic()
-        reply = Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure})
-        self._send(identity, reply)
+        self._send(identity, self.status())
+
+    def status(self) -> Message:
+        return Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure,
+                                         "done": self.done and not self.failure})
 
     def _answer_lookups(self) -> None:
         still = []
@@ -142,6 +151,14 @@ class DirectoryClient:
             by_role[peer["role"]].append(peer)
         return {r: sorted(p, key=lambda p: p["rank"]) for r, p in by_role.items()}
 
+    def report_exit(self, host: str, pid: int, code: int, timeout_ms: int = 2000) -> None:
+        """Tell the launcher how this task ended (it cannot see the exit code through srun)."""
+        meta = {"role": self.role, "rank": self.rank, "host": host, "pid": pid, "code": code}
+        self.endpoint.send(Message(Msg.EXITED, meta=meta))
+        got = self.endpoint.recv(timeout_ms)  # the answer says it arrived (LINGER 0 would drop it)
+        while got is not None and got[1].type != Msg.STATUS:
+            got = self.endpoint.recv(timeout_ms)
+
     def start_heartbeats(self, on_failure=None) -> "Heartbeat":
         beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure)
         beat.start()
@@ -158,11 +175,18 @@ def _exit_now(reason: str) -> None:
     os._exit(1)
 
 
+def _exit_done() -> None:
+    log.debug("stopping: the job has finished")
+    logging.shutdown()
+    os._exit(0)
+
+
 class Heartbeat(threading.Thread):
     """Background thread with its own socket (ZeroMQ sockets are not thread safe).
 
     Exits the process (via `on_failure`) when the directory reports the job
-    failed or stops answering: so no process outlives its job.
+    failed or stops answering, and with code 0 when it reports the job done:
+    so no process outlives its job.
     """
 
     def __init__(self, ctx, address, role, rank, job, on_failure=None):
@@ -184,6 +208,8 @@ class Heartbeat(threading.Thread):
                         if self.role == "chief":  # the chief's log names what failed
                             log.error("the job is stopping: %s", got[1].meta["reason"])
                         return self.on_failure(f"job failed: {got[1].meta['reason']}")
+                    if got[1].type == Msg.STATUS and got[1].meta["done"]:
+                        return _exit_done()
                     got = endpoint.recv(0)
                 if time.monotonic() - last_answer > HEARTBEAT_TIMEOUT * 2:
                     return self.on_failure(f"directory at {self.address} stopped answering")

@@ -53,6 +53,13 @@ class InputStream:
                          seed=section.seed(run_seed))
         return cls(name, dataset, plan)
 
+    def shards(self, step: int, num_ranks: int) -> list[Shard]:
+        """Global batch `step`, fetched once, split into each WSE's rows."""
+        indices = self.plan.global_indices(step)
+        x, y = fetch(self.dataset, indices)
+        rows = [shard_rows(len(indices), rank, num_ranks) for rank in range(num_ranks)]
+        return [Shard(x[r], y[r], len(indices), r) for r in rows]
+
     def shard(self, step: int, rank: int = 0, num_ranks: int = 1) -> Shard:
         indices = self.plan.global_indices(step)
         rows = shard_rows(len(indices), rank, num_ranks)

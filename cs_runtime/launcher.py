@@ -25,6 +25,8 @@ from .transport import host_name
 
 log = logging.getLogger(__name__)
 
+FINISH_GRACE_S = 3.0  # after the chief's exit 0, how long the others get to exit by themselves
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -47,6 +49,18 @@ class Task:
     def label(self) -> str:
         return f"{self.role} {self.rank} on {self.host} (pid {self.proc.pid})"
 
+    def request_stop(self) -> None:
+        """Ask the process to end; `stop_all` kills it if it has not after the grace period."""
+        _signal_group(self.proc, signal.SIGTERM)
+
+    def kill(self) -> None:
+        _signal_group(self.proc, signal.SIGKILL)
+
+
+def spawn(argv: list[str], env: dict[str, str], **popen_args) -> subprocess.Popen:
+    """A child in its own session that dies with the launcher."""
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent, **popen_args)
+
 
 class ProcessGroup:
     def __init__(self):
@@ -54,10 +68,12 @@ class ProcessGroup:
 
     def start(self, role: str, rank: int, argv: list[str], env: dict[str, str],
               host: str | None = None) -> Task:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        task = Task(role, rank, host or host_name(), proc)
-        self.tasks.append(task)
+        task = self.add(Task(role, rank, host or host_name(), spawn(argv, env)))
         log.debug("started %s: %s", task.label, " ".join(argv))
+        return task
+
+    def add(self, task: Task) -> Task:
+        self.tasks.append(task)
         return task
 
     def exited(self) -> list[tuple[Task, int]]:
@@ -67,13 +83,13 @@ class ProcessGroup:
         """SIGTERM every live process, SIGKILL what is left after `grace` seconds."""
         live = [t for t in self.tasks if t.proc.poll() is None]
         for task in live:
-            _signal_group(task.proc, signal.SIGTERM)
+            task.request_stop()
         deadline = time.monotonic() + grace
         for task in live:
             try:
                 task.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(task.proc, signal.SIGKILL)
+                task.kill()
                 task.proc.wait()
 
 
@@ -111,6 +127,7 @@ class Supervisor:
             while True:
                 self.directory.serve_once(100)
                 if self._finished():
+                    self._let_finish(FINISH_GRACE_S)
                     return 0
                 self._check()
                 if extra_check is not None:
@@ -147,6 +164,14 @@ class Supervisor:
             for task in self.group.tasks:
                 if (task.role, task.rank) not in registered and task.proc.poll() is None:
                     raise JobFailed(f"{task.label} did not register within {REGISTER_TIMEOUT:.0f} s")
+
+    def _let_finish(self, seconds: float) -> None:
+        """The chief is done: heartbeat answers now say so and every process exits 0
+        by itself (under srun a step that ends cleanly, not a cancelled one)."""
+        self.directory.done = True
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and any(t.proc.poll() is None for t in self.group.tasks):
+            self.directory.serve_once(50)
 
     def _drain_status(self, seconds: float) -> None:
         """Answer heartbeats for a moment so remote processes learn the job failed."""

@@ -57,10 +57,12 @@ class Msg(str, enum.Enum):
     LOOKUP = "lookup"            # process -> directory: wants the directory
     DIRECTORY = "directory"      # directory -> process: every registered process
     HEARTBEAT = "heartbeat"      # process -> directory
-    STATUS = "status"            # directory -> process: ok or the failure it saw
+    STATUS = "status"            # directory -> process: ok or the failure it saw; done: exit 0 now
+    EXITED = "exited"            # task wrapper -> directory: its task's exit code (tasks under srun)
     # job set-up
     HELLO = "hello"              # peer introduces itself on a ROUTER socket
     PLAN = "plan"                # chief -> input worker: which batches to stream
+    INPUT_STATS = "input_stats"  # input worker -> chief: batches made, time busy / blocked
     LOAD_MODEL = "load_model"    # chief -> MemoryX (weights + optimizer) / -> WSEs (layer specs)
     ACK = "ack"                  # generic acknowledgement
     ERROR = "error"              # a service reports a fatal error to the chief
@@ -85,9 +87,12 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.LOOKUP: {"roles": list},
     Msg.DIRECTORY: {"peers": list},
     Msg.HEARTBEAT: {"role": str, "rank": int},
-    Msg.STATUS: {"ok": bool, "reason": str},
+    Msg.STATUS: {"ok": bool, "reason": str, "done": bool},
+    Msg.EXITED: {"role": str, "rank": int, "host": str, "pid": int, "code": int},
     Msg.HELLO: {"role": str, "rank": int},
     Msg.PLAN: {"phases": list},
+    Msg.INPUT_STATS: {"rank": int, "host": str, "batches": int, "busy_s": _NUM, "blocked_s": _NUM,
+                      "elapsed_s": _NUM, "done": bool},
     Msg.LOAD_MODEL: {"spec": dict},
     Msg.ACK: {"what": str},
     Msg.ERROR: {"role": str, "rank": int, "reason": str},

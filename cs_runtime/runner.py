@@ -7,7 +7,8 @@ The same script is every task of a job. What this process does depends on
 the role the launcher gave it (environment CS_ROLE):
 - no role (plain `python run.py` or `csrun_cpu`): the CPU path, in-process;
 - chief (`csrun_wse` task 0): compile, then drive the CS system;
-- worker (`csrun_wse` other tasks): stream its shard of the input.
+- worker (`csrun_wse` other tasks): stream its shard of the input;
+- input_probe / wse_probe (`cs_input_analyzer`): measure input and WSE rates.
 """
 from __future__ import annotations
 
@@ -74,6 +75,12 @@ def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = N
     if role == "worker":
         from worker.input_worker import serve_inputs
         serve_inputs(args, fns)
+    elif role == "input_probe":  # cs_input_analyzer
+        from worker.probe import measure_input
+        measure_input(args, fns)
+    elif role == "wse_probe":
+        from wse.probe import measure_consumption
+        measure_consumption(args, fns)
     else:
         from chief.trainer import run_chief
         sys.exit(run_chief(args, fns, on_cluster=role == "chief"))

@@ -8,7 +8,9 @@ Environment (set by csrun_wse / the appliance, read here only):
     CS_RANK        rank within the role
     CS_RENDEZVOUS  the job's directory (chief and workers register there)
     CS_IP          the CS system's directory (MemoryX, SwarmX, WSEs)
-    CS_NUM_CSX, CS_NUM_WORKERS_PER_CSX
+    CS_NUM_CSX     WSEs of the job
+    CS_NUM_WORKERS input workers of the job (on all hosts)
+    CS_BIND_HOST   the address this process binds (set per host by the launcher)
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class ProcessEnv:
     rendezvous: str
     cs_ip: str
     num_csx: int
-    workers_per_csx: int
+    num_workers: int
 
     @classmethod
     def from_environ(cls, role: str | None = None) -> "ProcessEnv":
@@ -43,7 +45,7 @@ class ProcessEnv:
         return cls(job=env["CS_JOB_ID"], role=role or env.get("CS_ROLE", ""),
                    rank=int(env.get("CS_RANK", "0")), rendezvous=env.get("CS_RENDEZVOUS", env["CS_IP"]),
                    cs_ip=env["CS_IP"], num_csx=int(env.get("CS_NUM_CSX", "1")),
-                   workers_per_csx=int(env.get("CS_NUM_WORKERS_PER_CSX", "1")))
+                   num_workers=int(env.get("CS_NUM_WORKERS", "1")))
 
 
 def setup_logging(role: str, rank: int | None = None) -> None:

@@ -25,6 +25,29 @@ def bind_host() -> str:
     return os.environ.get("CS_BIND_HOST", "127.0.0.1")
 
 
+def source_address_towards(host: str) -> str:
+    """The address this machine uses to reach `host`: what a process here binds
+    so that `host` can connect to it (loopback only when `host` is this machine
+    via loopback). No packet is sent: a UDP connect only picks the route."""
+    try:
+        address = pysocket.getaddrinfo(host, None, pysocket.AF_INET)[0][4][0]
+    except (pysocket.gaierror, IndexError):
+        raise ValueError(f"host {host!r} does not resolve to an IPv4 address") from None
+    if address.startswith("127."):
+        return "127.0.0.1"
+    with pysocket.socket(pysocket.AF_INET, pysocket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address, 9))
+        except OSError as exc:
+            raise ValueError(f"no route to host {host!r} ({address}): {exc.strerror}") from None
+        return probe.getsockname()[0]
+
+
+def host_of(address: str) -> str:
+    """tcp://HOST:PORT -> HOST."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
 def host_name() -> str:
     return os.environ.get("CS_HOST_NAME") or pysocket.gethostname()
 

@@ -12,7 +12,10 @@ the ratio of the two is the cost of authenticated, encrypted transport),
 in layer-pipelined mode with 1 and with 2
 replicas (--multireplica), and weight streaming with 1 WSE in mixed
 precision (float16 with dynamic loss scaling, and cbfloat16), whose weights
-and gradients stream in 16 bits. For each: samples/sec (the chief's GlobalRate
+and gradients stream in 16 bits. Then the input-bound rows: FC-MNIST with an
+expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
+one WSE fed by 1, 2 and 4 input workers, with the ratio to 1 worker
+(`--rows input` runs only these; they need about 4 free cores to scale). For each: samples/sec (the chief's GlobalRate
 over the whole training loop, after start-up), the ratio to PyTorch CPU (to
 the CPU path without torch), the training FLOP/s and their fraction of the
 compute ceiling, and for weight streaming the bytes per step and the weight
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -41,6 +45,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
+AUGMENTED = REPO / "examples" / "fc_mnist" / "run_augmented.py"
+INPUT_WORKERS = (1, 2, 4)
 BIN = Path(sys.executable).parent
 
 PRESETS = {
@@ -69,8 +75,9 @@ def write_params(folder: Path, preset: dict, steps: int, strategy: str, precisio
     return path
 
 
-def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra: tuple = ()) -> dict:
-    cmd = [*launcher, sys.executable, str(FC_MNIST), "--mode", "train", "--params", str(params),
+def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra: tuple = (),
+            script: Path = FC_MNIST) -> dict:
+    cmd = [*launcher, sys.executable, str(script), "--mode", "train", "--params", str(params),
            "--model_dir", str(model_dir), *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
@@ -139,35 +146,70 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
+    parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
+    parser.add_argument("--rows", choices=("all", "model", "input"), default="all")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     steps = args.steps or preset["steps"]
-    batch = preset["batch_size"]
-    facts = model_facts(preset)
+    result = {"preset": args.preset, "steps": steps}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
-        params = write_params(tmp, preset, steps, "weight_streaming")
-        piped = write_params(tmp, preset, steps, "pipelined")
-        wse = [str(BIN / "csrun_wse")]
-        rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
-        rows += torch_rows(facts, batch, steps)
-        for n in (1, 2):
-            rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
-        rows.append(run_row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i"))
-        rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
-        rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
-        for precision in ("float16", "cbfloat16"):
-            mixed = write_params(tmp, preset, steps, "weight_streaming", precision)
-            rows.append(run_row(f"ws_1wse_{precision}", wse, mixed, tmp / f"ws_{precision}"))
+        if args.rows in ("all", "model"):
+            result.update(model_rows(tmp, args.preset, preset, steps))
+        if args.rows in ("all", "input"):
+            result["input_rows"] = input_rows(tmp, preset, args.input_steps)
+            print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
+                       f"{os.cpu_count()} CPUs", "1 worker", result["input_rows"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def model_rows(tmp: Path, name: str, preset: dict, steps: int) -> dict:
+    """Every execution path on the preset's model, the baselines and the ceilings; printed as a table."""
+    batch = preset["batch_size"]
+    facts = model_facts(preset)
+    params = write_params(tmp, preset, steps, "weight_streaming")
+    piped = write_params(tmp, preset, steps, "pipelined")
+    wse = [str(BIN / "csrun_wse")]
+    rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
+    rows += torch_rows(facts, batch, steps)
+    for n in (1, 2):
+        rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
+    rows.append(run_row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i"))
+    rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
+    rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
+    for precision in ("float16", "cbfloat16"):
+        mixed = write_params(tmp, preset, steps, "weight_streaming", precision)
+        rows.append(run_row(f"ws_1wse_{precision}", wse, mixed, tmp / f"ws_{precision}"))
     ceiling = ceilings(facts, batch, max(5, min(steps, 50)))
-    report(args.preset, preset, facts, steps, rows, ceiling)
+    report(name, preset, facts, steps, rows, ceiling)
     curve = {r["name"]: r["samples_per_sec"] for r in rows}
     print(f"CURVE cost: weight streaming (1 WSE) with CURVE runs at "
           f"{curve['weight_streaming_1wse'] / curve['weight_streaming_1wse_insecure']:.2f}x the speed of --insecure")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, "steps": steps, "model": facts,
-                                               "ceilings": ceiling, "rows": rows}, indent=2))
+    return {"model": facts, "ceilings": ceiling, "rows": rows}
+
+
+def input_rows(tmp: Path, preset: dict, steps: int) -> list[dict]:
+    """One WSE, input-bound: the same run with 1, 2, 4 input workers (same numbers, more throughput)."""
+    params = write_params(tmp, preset, steps, "weight_streaming")
+    rows = []
+    for workers in INPUT_WORKERS:
+        launcher = [str(BIN / "csrun_wse"), "--num_workers_per_csx", str(workers)]
+        rows.append(run_row(f"input_bound_{workers}worker", launcher, params, tmp / f"in{workers}",
+                            script=AUGMENTED))
+    base = rows[0]["samples_per_sec"]
+    for row in rows:
+        row["ratio"] = row["samples_per_sec"] / base
+    return rows
+
+
+def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
+    print(title)
+    print(f"{'row':<24}{'samples/sec':>14}{'vs ' + baseline:>12}{'weight B/step':>16}{'grad B/step':>14}")
+    for row in rows:
+        print(f"{row['name']:<24}{row['samples_per_sec']:>14.1f}{row['ratio']:>12.2f}"
+              f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
 
 
 def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], ceiling: dict) -> None:

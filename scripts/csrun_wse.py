@@ -2,11 +2,16 @@
 
     csrun_wse [--num_csx N] [--num_workers_per_csx W] [--cs_ip HOST:PORT] \\
         python examples/fc_mnist/run.py --mode train --params examples/fc_mnist/configs/params.yaml
+    csrun_wse --hostfile hosts.txt python run.py ...                                  # tasks over SSH
+    csrun_wse --total-nodes 3 --tasks-per-node 2 --cpus-per-task 1 python run.py ...  # tasks with srun
 
-Without --cs_ip it starts a local CS system for the job (one MemoryX, one
-SwarmX, N WSE emulators). It then starts the user's command as the job's
-tasks: task 0 as the chief (`python -m chief run.py ...`), N*W more as input
-workers (`python -m worker run.py ...`), and supervises all of them: the job
+Without --cs_ip it starts a CS system for the job on this machine (one
+MemoryX, one SwarmX, N WSE emulators). It then starts the user's command as
+the job's tasks: task 0 as the chief (`python -m chief run.py ...`), the
+others as input workers (`python -m worker run.py ...`): on this machine
+(N*W workers), over SSH on the hosts of --hostfile / -H, or with srun inside
+a Slurm allocation (or when --total-nodes / --tasks-per-node /
+--cpus-per-task is given without hosts). It supervises all of them: the job
 ends when the chief exits 0; if any process fails or stops answering,
 everything is stopped within seconds and one line names what failed; with
 --max_restarts K the whole job is then restarted from its latest checkpoint,
@@ -20,70 +25,138 @@ import logging
 import os
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
-from cs_runtime import auth
+from cs_runtime import auth, remote
 from cs_runtime.cluster import DirectoryServer
 from cs_runtime.launcher import ProcessGroup, Supervisor
 from cs_runtime.preflight import PreflightError, check_reachable
 from cs_runtime.restart import RESTART_ENV, Outcome, run_with_restarts
-from cs_runtime.shm import remove_job_segments
 from cs_runtime.service import setup_logging
-from cs_runtime.transport import PortInUse, bind_host
+from cs_runtime.shm import remove_job_segments
+from cs_runtime.task import role_argv
+from cs_runtime.transport import PortInUse
 
 # Variables that describe a process's place in a job; never inherited from outside.
-JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET",
-            "CS_NUM_CSX", "CS_NUM_WORKERS_PER_CSX", auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR")
+JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET", "CS_NUM_CSX",
+            "CS_NUM_WORKERS_PER_CSX", "CS_NUM_WORKERS", "CS_HOST_NAME", "CS_BIND_HOST",
+            auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR")
 SHM_DIR = "/dev/shm"   # memory-backed on Linux
 SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx", "wse": "wse"}
+
+
+def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """--name_with_underscores and --name-with-dashes are the same flag."""
+    spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+    parser.add_argument(*spellings, dest=name, **kwargs)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="csrun_wse", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--num_csx", type=int, default=1, help="WSE emulators (default 1)")
-    parser.add_argument("--num_workers_per_csx", type=int, default=1, help="input workers per WSE (default 1)")
-    parser.add_argument("--cs_ip", default=None, help="HOST:PORT of a running CS system (default: start one)")
-    parser.add_argument("--no_shm", action="store_true",
-                        help="stream weights over tcp even between local processes (default: shared memory)")
-    parser.add_argument("--max_restarts", type=int, default=0,
-                        help="restart a failed job from its latest checkpoint up to K times (default 0)")
-    parser.add_argument("--port", type=int, default=0,
-                        help="port of the job's directory, the address every process registers at "
-                             "(default: any free port)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="no CURVE authentication or encryption (debugging; loopback only)")
+    add_flag(parser, "num_csx", type=int, default=1, help="WSE emulators (default 1)")
+    add_flag(parser, "num_workers_per_csx", type=int, default=None,
+             help="input workers per WSE, on this machine (default 1); over SSH or Slurm every task "
+                  "after the chief is an input worker")
+    add_flag(parser, "cs_ip", default=None, help="HOST:PORT of a running CS system (default: start one)")
+    add_flag(parser, "hostfile", default=None, help="run the tasks over SSH on these hosts ('HOST [slots=N]' a line)")
+    parser.add_argument("-H", "--hosts", default=None, help="run the tasks over SSH on h1,h2,... (one slot each)")
+    add_flag(parser, "ssh_options", default=remote.DEFAULT_SSH_OPTIONS,
+             help=f"options for ssh, e.g. --ssh_options='-p 2222' (default {remote.DEFAULT_SSH_OPTIONS!r})")
+    add_flag(parser, "total_nodes", type=int, default=None, help="nodes (Slurm: srun -N; SSH: the first N hosts)")
+    add_flag(parser, "tasks_per_node", type=int, default=None,
+             help="tasks per node (Slurm: default from the allocation, else 2; SSH: default the slots)")
+    add_flag(parser, "cpus_per_task", type=int, default=None, help="CPUs per task (Slurm; default 1)")
+    add_flag(parser, "launcher", choices=("auto", "local", "ssh", "slurm"), default="auto",
+             help="auto (default): ssh with --hostfile/-H; slurm inside an allocation or with "
+                  "--total-nodes/--tasks-per-node/--cpus-per-task; else local")
+    add_flag(parser, "max_restarts", type=int, default=0,
+             help="restart a failed job from its latest checkpoint up to K times (default 0)")
+    add_flag(parser, "port", type=int, default=0,
+             help="port of the job's directory, the address every process registers at (default: any free port)")
+    add_flag(parser, "insecure", action="store_true",
+             help="no CURVE authentication or encryption (debugging; loopback only)")
+    add_flag(parser, "no_shm", action="store_true",
+             help="stream weights over tcp even between local processes (default: shared memory)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python run.py ARGS...")
     ns = parser.parse_args(argv)
     if not ns.command:
         parser.error("no command given (e.g. python examples/fc_mnist/run.py --mode train --params ...)")
     if ns.command[0].startswith("-"):
         parser.error(f"unrecognized argument: {ns.command[0]}")
-    if ns.num_csx < 1 or ns.num_workers_per_csx < 1:
-        parser.error("--num_csx and --num_workers_per_csx must be at least 1")
+    for flag in ("num_csx", "num_workers_per_csx", "total_nodes", "tasks_per_node", "cpus_per_task"):
+        if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
+            parser.error(f"--{flag} must be at least 1")
     if ns.max_restarts < 0:
         parser.error("--max_restarts must be 0 or more")
+    ns.launcher = choose_launcher(ns, parser)
     return ns
 
 
-def role_argv(command: list[str], role: str) -> list[str]:
-    """`python [opts] run.py args` -> `python [opts] -m <role> run.py args`."""
-    if os.path.basename(command[0]).startswith("python"):
-        script_at = next((i for i, a in enumerate(command[1:], 1) if not a.startswith("-")), None)
-        if script_at is None:
-            raise SystemExit(f"csrun_wse: no script in {' '.join(command)}")
-        return [*command[:script_at], "-m", role, *command[script_at:]]
-    return [sys.executable, "-m", role, *command]  # an executable script with a shebang
+def choose_launcher(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    if ns.hostfile and ns.hosts:
+        parser.error("give --hostfile or -H, not both")
+    slurm_flags = any(v is not None for v in (ns.total_nodes, ns.tasks_per_node, ns.cpus_per_task))
+    launcher = ns.launcher
+    if launcher == "auto":
+        if ns.hostfile or ns.hosts:
+            launcher = "ssh"
+        elif remote.in_allocation() or slurm_flags:
+            launcher = "slurm"
+        else:
+            launcher = "local"
+    if launcher == "ssh" and not (ns.hostfile or ns.hosts):
+        parser.error("--launcher ssh needs --hostfile or -H")
+    if launcher != "local" and ns.num_workers_per_csx is not None:
+        parser.error(f"--num_workers_per_csx is for local runs; with {launcher} every task after the chief "
+                     "is an input worker (set the tasks with --tasks-per-node or slots=N)")
+    if launcher == "ssh" and ns.cpus_per_task is not None:
+        parser.error("--cpus-per-task is for Slurm; over SSH give each host the slots it can run")
+    if launcher == "local" and slurm_flags:
+        parser.error("--total-nodes, --tasks-per-node and --cpus-per-task need SSH hosts or Slurm")
+    return launcher
 
 
-def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str) -> dict[str, str]:
+@dataclass
+class Layout:
+    """Where the job's tasks run and which address its sockets bind."""
+    launcher: str
+    num_workers: int
+    bind: str = "127.0.0.1"
+    placement: list[str] | None = None          # SSH: the host of each task
+    shape: remote.SlurmShape | None = None      # Slurm: nodes x tasks x cpus
+
+
+def plan_layout(ns: argparse.Namespace) -> Layout:
+    if ns.launcher == "ssh":
+        hosts = remote.parse_hostfile(ns.hostfile) if ns.hostfile else remote.parse_host_list(ns.hosts)
+        placement = remote.place_tasks(hosts, ns.tasks_per_node, ns.total_nodes)
+        return Layout("ssh", len(placement) - 1, remote.bind_address_for(placement), placement=placement)
+    if ns.launcher == "slurm":
+        shape = remote.slurm_shape(ns.total_nodes, ns.tasks_per_node, ns.cpus_per_task)
+        return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape)
+    # One machine: loopback, unless the user exported CS_BIND_HOST (e.g. for a --cs_ip elsewhere).
+    return Layout("local", ns.num_csx * (ns.num_workers_per_csx or 1), os.environ.get("CS_BIND_HOST", "127.0.0.1"))
+
+
+def describe(layout: Layout) -> str:
+    if layout.launcher == "ssh":
+        return f"over SSH (task hosts: {' '.join(layout.placement)})"
+    if layout.launcher == "slurm":
+        s = layout.shape
+        return f"with srun ({s.nodes} node(s) x {s.tasks_per_node} task(s) x {s.cpus_per_task} cpu(s))"
+    return "on this machine"
+
+
+def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str, layout: Layout) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
     env.update(CS_JOB_ID=job, CS_RENDEZVOUS=rendezvous, CS_IP=cs_ip, CS_TARGET="wse",
-               CS_NUM_CSX=str(ns.num_csx), CS_NUM_WORKERS_PER_CSX=str(ns.num_workers_per_csx),
-               PYTHONUNBUFFERED="1")
+               CS_NUM_CSX=str(ns.num_csx), CS_NUM_WORKERS=str(layout.num_workers),
+               CS_BIND_HOST=layout.bind, PYTHONUNBUFFERED="1")
     keys = auth.job_keys()
     if keys is not None:  # the job's own processes learn where the keys are, nobody else
         env[auth.KEYS_ENV] = str(keys.folder)
@@ -102,7 +175,7 @@ def with_threads(env: dict, threads: int) -> dict:
 
 
 def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | None) -> None:
-    """MemoryX, SwarmX and the WSEs on this host: with shm_dir they share memory for the weight stream."""
+    """MemoryX, SwarmX and the WSEs, on this machine: with shm_dir they share memory for the weight stream."""
     if shm_dir:
         env = {**env, "CS_SHM_DIR": shm_dir}
     wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
@@ -113,12 +186,22 @@ def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | 
                         {**role_env, "CS_ROLE": role, "CS_RANK": str(rank)})
 
 
-def start_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers: int) -> None:
-    env = with_threads(env, 1)    # the chief drives, the workers feed: neither multiplies matrices
+def start_local_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers: int) -> None:
     group.start("chief", 0, role_argv(command, "chief"), {**env, "CS_ROLE": "chief", "CS_RANK": "0"})
     for rank in range(num_workers):
         group.start("worker", rank, role_argv(command, "worker"),
                     {**env, "CS_ROLE": "worker", "CS_RANK": str(rank)})
+
+
+def start_tasks(group: ProcessGroup, directory: DirectoryServer, layout: Layout, env: dict,
+                ns: argparse.Namespace, job: str) -> None:
+    env = with_threads(env, 1)    # the chief drives, the workers feed: neither multiplies matrices
+    if layout.launcher == "ssh":
+        remote.start_ssh_tasks(group, directory, layout.placement, env, ns.command, ns.ssh_options)
+    elif layout.launcher == "slurm":
+        remote.start_srun_tasks(group, directory, layout.shape, env, ns.command, job)
+    else:
+        start_local_tasks(group, env, ns.command, layout.num_workers)
 
 
 def split_cs_ip(cs_ip: str) -> tuple[str, int]:
@@ -133,13 +216,13 @@ def cs_address(cs_ip: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def preflight(ns: argparse.Namespace) -> None:
+def preflight(ns: argparse.Namespace, layout: Layout) -> None:
     """Fail in seconds, with one line, on what would otherwise fail late or unsafely."""
     if ns.insecure:
-        hosts = [bind_host()] + ([split_cs_ip(ns.cs_ip)[0]] if ns.cs_ip else [])
-        remote = [h for h in hosts if not auth.is_loopback(h)]
-        if remote:
-            raise SystemExit(f"csrun_wse: --insecure is for loopback only, not {remote[0]}")
+        hosts = [layout.bind] + ([split_cs_ip(ns.cs_ip)[0]] if ns.cs_ip else [])
+        outside = [h for h in hosts if not auth.is_loopback(h)]
+        if outside:
+            raise SystemExit(f"csrun_wse: --insecure is for loopback only, not {outside[0]}")
         print("csrun_wse: WARNING: --insecure: CURVE authentication and encryption are OFF; "
               "any local process can connect to this job's sockets and read or inject its traffic",
               file=sys.stderr, flush=True)
@@ -148,32 +231,34 @@ def preflight(ns: argparse.Namespace) -> None:
             check_reachable(*split_cs_ip(ns.cs_ip), "--cs_ip")
         except PreflightError as exc:
             raise SystemExit(f"csrun_wse: {exc}") from None
+    if layout.launcher == "ssh":
+        remote.preflight(layout.placement, ns.ssh_options)
 
 
-def run_job(ns: argparse.Namespace, attempt: int) -> Outcome:
+def run_job(ns: argparse.Namespace, layout: Layout, attempt: int) -> Outcome:
     """One whole job: its directory, its processes, supervised until it ends."""
     job = f"wsjob-{uuid.uuid4().hex[:12]}"
-    num_workers = ns.num_csx * ns.num_workers_per_csx
     ctx = zmq.Context()
-    expected = {"chief": 1, "worker": num_workers}
+    expected = {"chief": 1, "worker": layout.num_workers}
     if ns.cs_ip is None:
         expected.update(memoryx=1, swarmx=1, wse=ns.num_csx)
     try:
-        directory = DirectoryServer(ctx, job, expected, port=ns.port)
+        directory = DirectoryServer(ctx, job, expected, host=layout.bind, port=ns.port)
     except PortInUse as exc:
         auth.stop_authenticator(ctx)
         ctx.destroy(linger=0)
         raise SystemExit(f"csrun_wse: --port: {exc}") from None
     cs_ip = directory.address if ns.cs_ip is None else cs_address(ns.cs_ip)
-    env = {**base_env(ns, job, directory.address, cs_ip), RESTART_ENV: str(attempt)}
+    env = {**base_env(ns, job, directory.address, cs_ip, layout), RESTART_ENV: str(attempt)}
     group = ProcessGroup()
-    logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s)", job, ns.num_csx, num_workers)
+    logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s), tasks %s", job, ns.num_csx,
+                                        layout.num_workers, describe(layout))
     supervisor = Supervisor(directory, group, finisher_role="chief")
     shm_dir = None if ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
     try:
         if ns.cs_ip is None:
             start_services(group, env, ns.num_csx, shm_dir)
-        start_tasks(group, env, ns.command, num_workers)
+        start_tasks(group, directory, layout, env, ns, job)
         code = supervisor.run()
     finally:
         group.stop_all()
@@ -187,6 +272,7 @@ def run_job(ns: argparse.Namespace, attempt: int) -> Outcome:
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
+    layout = plan_layout(ns)
     # Keys for one job, in a private folder that goes when the job does. With
     # --cs_ip a long-lived CS system's folder may be given in CS_KEYS_DIR.
     outside = os.environ.pop(auth.KEYS_ENV, None)
@@ -194,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     if not ns.insecure:
         os.environ[auth.KEYS_ENV] = str(keys_dir or outside)  # read by auth.job_keys() and base_env
     try:
-        preflight(ns)
-        code = run_with_restarts(lambda attempt: run_job(ns, attempt), ns.max_restarts)
+        preflight(ns, layout)
+        code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt), ns.max_restarts)
     finally:
         os.environ.pop(auth.KEYS_ENV, None)
         if outside is not None:

@@ -8,7 +8,6 @@ change in the receiver.
 """
 from __future__ import annotations
 
-import io
 import logging
 import tokenize
 from pathlib import Path

@@ -1,10 +1,16 @@
 """The input worker: runs the user's input function on its share of the batches.
 
-Worker w of a job with N WSEs and W workers per WSE feeds WSE w // W and
-produces the steps s with s % W == w % W: for each, the rows of global batch
-s that belong to its WSE. The chief's PLAN says which steps of which stream
-(train, eval) to produce. The PUSH socket's high-water mark bounds how far a
-worker runs ahead (prefetch) of its WSE.
+Worker w of a job's K input workers (on any number of hosts) produces the
+global batches s with s % K == w (`worker_steps`): it fetches each once and
+sends every WSE its rows. Each WSE merges the streams of all workers in step
+order (`wse.emulator.InputMerger`), so results never depend on K or on which
+worker is faster. A PUSH high-water mark of PREFETCH per WSE lets a worker
+run that far ahead of the WSE (prefetch) and no further.
+
+About once a second the worker tells the chief how it is doing
+(INPUT_STATS: batches made, seconds busy in the input function, seconds
+blocked because the WSE's queue was full): the chief's evidence when it
+suspects an input bottleneck.
 """
 from __future__ import annotations
 
@@ -22,12 +28,14 @@ from cs_runtime.protocol import Message, Msg
 from cs_runtime.restart import EXIT_BAD_INPUT
 from cs_runtime.runner import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
-from cs_runtime.transport import Endpoint
+from cs_runtime.transport import Endpoint, host_name
 
 log = logging.getLogger("worker")
 
 PREFETCH = 4
 PLAN_TIMEOUT_S = 300
+STATS_INTERVAL_S = 1.0
+SEND_POLL_MS = 250
 
 
 def serve_inputs(args: RunArgs, fns: UserFunctions) -> None:
@@ -47,52 +55,81 @@ def serve_inputs(args: RunArgs, fns: UserFunctions) -> None:
 class InputWorker:
     def __init__(self, args: RunArgs, fns: UserFunctions, penv: ProcessEnv, ctx: zmq.Context):
         self.args, self.fns, self.penv, self.ctx = args, fns, penv, ctx
-        self.wse_rank = penv.rank // penv.workers_per_csx
-        self.local = penv.rank % penv.workers_per_csx
-        self.sent = 0
+        self.batches = 0
+        self.busy_s = self.blocked_s = 0.0
+        self.started = self.last_report = time.monotonic()
+        self.chief: Endpoint | None = None
 
     def run(self) -> None:
         job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "worker", self.penv.rank, self.penv.job)
         job_dir.register({})
         beat = job_dir.start_heartbeats()
         chief = job_dir.lookup(["chief"])["chief"][0]
-        wse = DirectoryClient(self.ctx, self.penv.cs_ip, "worker", self.penv.rank, self.penv.job)
-        target = wse.lookup(["wse"])["wse"][self.wse_rank]
+        cs_system = DirectoryClient(self.ctx, self.penv.cs_ip, "worker", self.penv.rank, self.penv.job)
+        wses = cs_system.lookup(["wse"])["wse"]
         phases = self.ask_plan(chief["endpoints"]["router"])
-        push = Endpoint(self.ctx, zmq.PUSH, f"worker{self.penv.rank}", self.penv.job)
-        push.sock.setsockopt(zmq.SNDHWM, PREFETCH)
-        push.connect(target["endpoints"]["input"])
-        t0 = time.monotonic()
+        pushes = [self.push_to(wse["endpoints"]["input"]) for wse in wses]
+        self.started = time.monotonic()
         for phase in phases:
-            self.stream(push, phase)
-        log.info("worker %d streamed %d batches to WSE %d in %.1f s", self.penv.rank, self.sent,
-                 self.wse_rank, time.monotonic() - t0)
+            self.stream(pushes, phase)
+        self.report(done=True)
+        log.info("worker %d made %d batches for %d WSE(s) in %.1f s (%.1f s in the input function)",
+                 self.penv.rank, self.batches, len(wses), time.monotonic() - self.started, self.busy_s)
         # Stay registered until the job ends: the launcher stops us with the rest.
         beat.join()
 
+    def push_to(self, address: str) -> Endpoint:
+        push = Endpoint(self.ctx, zmq.PUSH, f"worker{self.penv.rank}", self.penv.job)
+        push.sock.setsockopt(zmq.SNDHWM, PREFETCH)
+        return push.connect(address)
+
     def ask_plan(self, address: str) -> list[dict]:
-        chief = Endpoint(self.ctx, zmq.DEALER, f"worker{self.penv.rank}->chief", self.penv.job)
-        chief.connect(address)
-        chief.send(Message(Msg.HELLO, meta={"role": "worker", "rank": self.penv.rank}))
-        got = chief.recv(PLAN_TIMEOUT_S * 1000)
+        self.chief = Endpoint(self.ctx, zmq.DEALER, f"worker{self.penv.rank}->chief", self.penv.job)
+        self.chief.connect(address)
+        self.chief.send(Message(Msg.HELLO, meta={"role": "worker", "rank": self.penv.rank}))
+        got = self.chief.recv(PLAN_TIMEOUT_S * 1000)
         if got is None or got[1].type != Msg.PLAN:
             raise RuntimeError(f"worker {self.penv.rank}: no plan from the chief at {address}")
-        chief.close()
         return got[1].meta["phases"]
 
-    def stream(self, push: Endpoint, phase: dict) -> None:
-        name = str(phase["stream"])
+    def open_stream(self, name: str) -> InputStream:
         p = self.args.params
         if name == "train":
-            stream = InputStream.build("train", self.fns.train_input_fn(p), p.train_input, p.runconfig.seed)
-        else:
-            stream = InputStream.build("eval", self.fns.eval_input_fn(p), p.eval_input, p.runconfig.seed)
-        for step in worker_steps(int(phase["start"]), int(phase["stop"]), self.local,
-                                 self.penv.workers_per_csx):
-            shard = stream.shard(step, self.wse_rank, self.penv.num_csx)
-            meta = {"stream": name, "global_batch": shard.global_batch,
-                    "row_start": shard.rows.start, "row_stop": shard.rows.stop}
-            # The first layer rounds its input to the 16-bit format anyway: send it so.
-            arrays = encode_arrays({"x": shard.x, "y": shard.y}, p.precision)
-            push.send(Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision}, arrays=arrays))
-            self.sent += 1
+            return InputStream.build("train", self.fns.train_input_fn(p), p.train_input, p.runconfig.seed)
+        return InputStream.build("eval", self.fns.eval_input_fn(p), p.eval_input, p.runconfig.seed)
+
+    def stream(self, pushes: list[Endpoint], phase: dict) -> None:
+        name, p = str(phase["stream"]), self.args.params
+        stream = self.open_stream(name)
+        for step in worker_steps(int(phase["start"]), int(phase["stop"]), self.penv.rank, self.penv.num_workers):
+            t0 = time.monotonic()
+            shards = stream.shards(step, len(pushes))
+            self.busy_s += time.monotonic() - t0
+            for push, shard in zip(pushes, shards):
+                meta = {"stream": name, "global_batch": shard.global_batch, "worker": self.penv.rank,
+                        "row_start": shard.rows.start, "row_stop": shard.rows.stop}
+                # The first layer rounds its input to the 16-bit format anyway: send it so.
+                arrays = encode_arrays({"x": shard.x, "y": shard.y}, p.precision)
+                self.send(push, Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision}, arrays=arrays))
+            self.batches += 1
+            self.maybe_report()
+
+    def send(self, push: Endpoint, msg: Message) -> None:
+        """Send once the WSE has room; time spent waiting is 'blocked' (the WSE is the slower side)."""
+        t0 = time.monotonic()
+        while not push.sock.poll(SEND_POLL_MS, zmq.POLLOUT):
+            self.blocked_s += time.monotonic() - t0
+            t0 = time.monotonic()
+            self.maybe_report()
+        self.blocked_s += time.monotonic() - t0
+        push.send(msg)
+
+    def maybe_report(self) -> None:
+        if time.monotonic() - self.last_report >= STATS_INTERVAL_S:
+            self.report(done=False)
+
+    def report(self, done: bool) -> None:
+        self.last_report = time.monotonic()
+        meta = {"rank": self.penv.rank, "host": host_name(), "batches": self.batches, "busy_s": self.busy_s,
+                "blocked_s": self.blocked_s, "elapsed_s": self.last_report - self.started, "done": done}
+        self.chief.send(Message(Msg.INPUT_STATS, meta=meta))

@@ -20,6 +20,7 @@ depend on how many workers there are or which is faster.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import zmq
@@ -43,9 +44,23 @@ class InputMerger:
     def __init__(self, pull: Endpoint):
         self.pull = pull
         self.buffer: dict[tuple[str, int], Message] = {}
+        self.waited_s = 0.0  # time the WSE sat idle for want of input (reported with each loss)
+
+    def take_wait(self) -> float:
+        """Seconds waited for input since the previous call."""
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
 
     def take(self, stream: str, step: int, poll_ms: int = 1000) -> Message:
         key = (stream, step)
+        t0 = time.monotonic()
+        try:
+            return self._take(key, poll_ms)
+        finally:
+            self.waited_s += time.monotonic() - t0
+
+    def _take(self, key: tuple[str, int], poll_ms: int) -> Message:
+        stream, step = key
         while key not in self.buffer:
             got = self.pull.recv(poll_ms)
             if got is None:
@@ -110,7 +125,8 @@ class WeightStreamingExecutor:
         result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
         if train:
             self.delta = scaled(result.delta, self.loss_scale)
-            meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received()}
+            meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
+                    "input_wait_s": self.inputs.take_wait()}
             self.up.send(Message(Msg.LOSS, step=step, meta=meta))
         else:
             self.up.send(Message(Msg.EVAL_RESULT, step=step, meta={

@@ -75,7 +75,7 @@ class PipelinedExecutor:
                                                     self.max_norm, loss_scale, self.skip_nonfinite)
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
         meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied,
-                "bytes_in": self.up.take_received()}
+                "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}
         self.up.send(Message(Msg.LOSS, step=step, meta=meta))
 
     def eval_step(self, step: int) -> None:

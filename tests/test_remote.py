@@ -1,0 +1,201 @@
+"""Launcher pieces that need no hosts: flags, hostfiles, task placement, the task wrapper,
+the chief's input monitor, and the input shards (one process or a few, no cluster)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from chief.input_monitor import InputMonitor
+from cs_runtime import remote
+from cs_runtime.cluster import DirectoryServer
+from cs_runtime.inputs import InputStream
+from cs_runtime.transport import source_address_towards
+from scripts import csrun_wse
+from tests.cluster_utils import REPO, alive
+
+
+# ------------------------------------------------------------------ flags
+def test_dash_and_underscore_spellings_are_the_same_flag():
+    a = csrun_wse.parse_args(["--tasks-per-node", "3", "--total_nodes", "2", "--cpus-per-task", "1", "python", "r.py"])
+    b = csrun_wse.parse_args(["--tasks_per_node", "3", "--total-nodes", "2", "--cpus_per_task", "1", "python", "r.py"])
+    assert (a.tasks_per_node, a.total_nodes, a.cpus_per_task) == (b.tasks_per_node, b.total_nodes, b.cpus_per_task) \
+        == (3, 2, 1)
+    assert a.launcher == b.launcher == "slurm"
+    assert csrun_wse.parse_args(["-H", "h1,h2", "python", "r.py"]).launcher == "ssh"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tasks-per-nod", "2", "python", "r.py"], "unrecognized arguments: --tasks-per-nod"),
+    (["--bogus", "python", "r.py"], "unrecognized arguments: --bogus"),
+    (["-H", "h1", "--hostfile", "f", "python", "r.py"], "not both"),
+    (["-H", "h1", "--num_workers_per_csx", "2", "python", "r.py"], "--num_workers_per_csx is for local runs"),
+    (["--launcher", "local", "--tasks-per-node", "2", "python", "r.py"], "need SSH hosts or Slurm"),
+    (["--tasks-per-node", "0", "python", "r.py"], "--tasks_per_node must be at least 1"),
+    (["-H", "h1,h2", "--cpus-per-task", "2", "python", "r.py"], "--cpus-per-task is for Slurm"),
+])
+def test_bad_flags_are_errors_that_say_what(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        csrun_wse.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ hosts
+def test_hostfile_slots_comments_and_repeats(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# cluster\nnode1 slots=2\n\nnode2   # one slot\nnode1 slots=1\n")
+    hosts = remote.parse_hostfile(str(path))
+    assert [(h.name, h.slots) for h in hosts] == [("node1", 3), ("node2", 1)]
+    assert remote.place_tasks(hosts, None, None) == ["node1", "node1", "node1", "node2"]
+    assert remote.place_tasks(hosts, 2, None) == ["node1", "node1", "node2", "node2"]
+    assert remote.place_tasks(hosts, 2, 1) == ["node1", "node1"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("node1 slots=two\n", "hosts:1: expected 'HOST [slots=N]'"),
+    ("node1\nnode2 cpus=4\n", "hosts:2: expected 'HOST [slots=N]'"),
+    ("# nothing\n", "no hosts in it"),
+])
+def test_bad_hostfile_names_file_and_line(tmp_path, text, message):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        remote.parse_hostfile(str(path))
+    assert message in str(exc.value)
+
+
+def test_host_list_and_too_few_slots():
+    assert [(h.name, h.slots) for h in remote.parse_host_list("a,b,a")] == [("a", 2), ("b", 1)]
+    with pytest.raises(SystemExit, match="at least 2"):
+        remote.place_tasks(remote.parse_host_list("a"), None, None)
+    with pytest.raises(SystemExit, match="--total-nodes 3 but only 2"):
+        remote.place_tasks(remote.parse_host_list("a,b"), None, 3)
+
+
+def test_bind_address_is_loopback_only_for_this_host():
+    assert source_address_towards("127.0.0.1") == "127.0.0.1"
+    assert remote.bind_address_for(["localhost", "127.0.0.1"]) == "127.0.0.1"
+    with pytest.raises(SystemExit, match="does not resolve"):
+        remote.bind_address_for(["no-such-host.invalid"])
+
+
+def test_slurm_shape_from_flags_then_allocation(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x3)")
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    assert remote.slurm_shape(None, None, None) == remote.SlurmShape(3, 2, 1)
+    assert remote.slurm_shape(2, 4, 2).tasks == 8
+    argv = remote.srun_argv(remote.SlurmShape(3, 2, 1), "job", ["python", "run.py"])
+    assert "--kill-on-bad-exit=1" in argv and "--nodes=3" in argv and "--ntasks=6" in argv
+    assert argv[-4:] == ["--slurm", "--", "python", "run.py"]
+
+
+# ------------------------------------------------------------------ the task wrapper
+def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_path):
+    ctx = zmq.Context()
+    directory = DirectoryServer(ctx, "job-w", {"worker": 1})
+    pidfile = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    spec = {"role": "worker", "rank": 0, "host": "hostA", "argv": [sys.executable, "-c", child],
+            "env": {**os.environ, "CS_JOB_ID": "job-w", "CS_RENDEZVOUS": directory.address,
+                    "PYTHONPATH": str(REPO)}}
+    wrapper = subprocess.Popen([sys.executable, "-m", "cs_runtime.task", "--ssh"], stdin=subprocess.PIPE,
+                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        wrapper.stdin.write((json.dumps(spec) + "\n").encode())
+        wrapper.stdin.flush()
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text()):
+            directory.serve_once(50)
+            assert time.monotonic() < deadline and wrapper.poll() is None
+        child_pid = int(pidfile.read_text())
+        wrapper.stdin.close()  # what the end of an ssh connection looks like from the far side
+        while ("worker", 0) not in directory.exits:
+            directory.serve_once(50)
+            assert time.monotonic() < deadline
+        assert wrapper.wait(timeout=30) == 128 + 15
+        assert not alive(child_pid)
+        assert directory.exits[("worker", 0)] == {"role": "worker", "rank": 0, "host": "hostA",
+                                                  "pid": child_pid, "code": -15}
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
+        directory.close()
+        ctx.destroy(linger=0)
+
+
+def test_task_wrapper_refuses_a_bad_task_description():
+    result = subprocess.run([sys.executable, "-m", "cs_runtime.task", "--ssh"], input=b'{"role": 1}\n',
+                            capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert result.returncode != 0
+    assert b"task description needs role, rank, host, env, argv" in result.stderr
+
+
+# ------------------------------------------------------------------ input shards and the monitor
+def test_shards_tile_the_global_batch_whatever_the_wse_count():
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(50, 4)).astype(np.float32), rng.integers(0, 10, 50))
+    from cs_runtime.config import load_params
+    params = load_params(str(REPO / "examples" / "fc_mnist" / "configs" / "params.yaml"))
+    section = params.train_input.model_copy(update={"batch_size": 16})
+    stream = InputStream.build("train", data, section, 1)
+    whole = stream.shard(3)
+    for n in (1, 2, 3):
+        parts = stream.shards(3, n)
+        np.testing.assert_array_equal(np.concatenate([p.x for p in parts]), whole.x)
+        assert [p.global_batch for p in parts] == [16] * n
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def stats(rank, batches, busy, elapsed, done=False):
+    return {"rank": rank, "host": f"h{rank}", "batches": batches, "busy_s": busy, "blocked_s": 0.0,
+            "elapsed_s": elapsed, "done": done}
+
+
+def test_monitor_names_the_slow_worker_with_its_rate():
+    clock = FakeClock()
+    monitor = InputMonitor(num_csx=2, num_workers=2, clock=clock)
+    monitor.on_stats(stats(0, 10, 1.0, 1.0))
+    monitor.on_stats(stats(1, 2, 1.0, 1.0))
+    for _ in range(8):  # 4 s, the two WSEs waiting 0.4 s each per 0.5 s step
+        clock.now += 0.5
+        monitor.on_step(0.8)
+    assert len(monitor.warnings) == 1
+    line = monitor.warnings[0]
+    assert "suspected input bottleneck: the WSE(s) waited for input 80% of the last 3.0 s" in line
+    assert "worker 0 on h0 10.0 batches/s (busy 100%)" in line and "worker 1 on h1 2.0 batches/s" in line
+
+
+def test_monitor_quiet_when_fed_and_reports_a_stall_once():
+    clock = FakeClock()
+    monitor = InputMonitor(num_csx=1, num_workers=2, clock=clock)
+    monitor.on_idle()
+    clock.now = 30.0
+    monitor.on_idle()  # start-up (no step yet) is not a stall
+    for _ in range(20):
+        clock.now += 0.5
+        monitor.on_step(0.01)
+    assert monitor.warnings == []
+    monitor.on_stats(stats(0, 40, 0.5, 10.0))
+    clock.now += 6.0
+    monitor.on_idle()
+    monitor.on_idle()
+    assert len(monitor.warnings) == 1
+    assert "no step finished for 6.0 s" in monitor.warnings[0]
+    assert "worker 0 on h0 4.0 batches/s (busy 5%) silent for 6.0 s" in monitor.warnings[0]
+    assert "worker 1 has not reported" in monitor.warnings[0]

@@ -1,0 +1,40 @@
+"""Input throughput probe, one of k run side by side by cs_input_analyzer.
+
+The analyzer starts the user's script with CS_ROLE=input_probe,
+CS_PROBE_RANK=r, CS_PROBE_WORKERS=k and CS_PROBE_SECONDS=s. The probe builds
+the training input exactly as an input worker does, makes one batch (warm-up,
+not timed), prints `PROBE ready`, waits for a line on stdin (so all k start
+together), then makes its share of the batches (`worker_steps`) for s
+seconds and prints `PROBE {json}` with what it measured.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from cs_runtime.data import worker_steps
+from cs_runtime.inputs import InputStream
+from cs_runtime.runner import RunArgs, UserFunctions
+
+
+def say(kind: str, payload: dict | None = None) -> None:
+    print(f"PROBE {kind}" + (f" {json.dumps(payload)}" if payload is not None else ""), flush=True)
+
+
+def measure_input(args: RunArgs, fns: UserFunctions) -> None:
+    rank, workers = int(os.environ["CS_PROBE_RANK"]), int(os.environ["CS_PROBE_WORKERS"])
+    seconds = float(os.environ["CS_PROBE_SECONDS"])
+    p = args.params
+    stream = InputStream.build("train", fns.train_input_fn(p), p.train_input, p.runconfig.seed)
+    steps = iter(worker_steps(0, 1 << 40, rank, workers))
+    stream.shards(next(steps), 1)  # warm-up: first-touch costs are not throughput
+    say("ready")
+    sys.stdin.readline()
+    batches, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        stream.shards(next(steps), 1)
+        batches += 1
+    elapsed = time.perf_counter() - start
+    say("result", {"batches": batches, "seconds": elapsed, "batch_size": p.train_input.batch_size})

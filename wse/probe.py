@@ -1,0 +1,47 @@
+"""WSE consumption probe for cs_input_analyzer: how fast one WSE emulator eats batches.
+
+Started as the user's script with CS_ROLE=wse_probe, CS_PROBE_SECONDS=s and
+CS_NUM_CSX=n: compiles the model (the compile stage every run has, which
+also gives the hardware model's estimate), then runs the WSE's kernels
+(forward, loss, backward, update) on its 1/n shard of one global batch for s
+seconds, with no input cost, and prints `PROBE result {json}`. Streaming
+weights between processes costs more, so this is an upper bound of what a
+weight-streaming cluster consumes: enough workers for it are enough.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from chief.compile import compile_model
+from chief.trainer import build_spec, optimizer_spec
+from cs_runtime.inputs import InputStream
+from cs_runtime.model import ShardContext, init_weights, model_backward, model_forward, softmax_cross_entropy
+from cs_runtime.optim import Optimizer
+from cs_runtime.runner import RunArgs, UserFunctions
+from worker.probe import say
+
+
+def measure_consumption(args: RunArgs, fns: UserFunctions) -> None:
+    seconds, num_csx = float(os.environ["CS_PROBE_SECONDS"]), int(os.environ.get("CS_NUM_CSX", "1"))
+    spec = build_spec(args, fns)
+    plan = compile_model(spec, args)
+    p = args.params
+    stream = InputStream.build("train", fns.train_input_fn(p), p.train_input, p.runconfig.seed)
+    shard = stream.shards(0, num_csx)[0]
+    optimizer = Optimizer(**optimizer_spec(p))
+    weights = init_weights(spec, p.runconfig.seed)
+    opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
+    names = [layer.name for layer in spec.layers]
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or steps < 3:
+        ctx = ShardContext(p.runconfig.seed, steps, shard.global_batch, shard.rows, True)
+        logits, caches = model_forward(spec, shard.x, weights, ctx)
+        _, delta, _ = softmax_cross_entropy(logits, shard.y, shard.global_batch)
+        grads = model_backward(spec, delta, caches, weights)
+        optimizer.update_model(names, weights, grads, opt_state, 1e-6, steps, None)
+        steps += 1
+    elapsed = time.perf_counter() - start
+    say("result", {"steps": steps, "seconds": elapsed, "batch_size": shard.global_batch, "num_csx": num_csx,
+                   "execution_strategy": plan.get("execution_strategy", "weight_streaming"),
+                   "estimated_samples_per_s": float(plan.get("estimate", {}).get("samples_per_s", 0.0))})
