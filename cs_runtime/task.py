@@ -113,7 +113,10 @@ def _killpg(pid: int, sig: int) -> None:
 
 def report_exit(env: dict[str, str], role: str, rank: int, host: str, pid: int, code: int) -> None:
     import zmq
+    from .auth import KEYS_ENV
     from .cluster import DirectoryClient
+    if KEYS_ENV in env:  # over ssh the job's keys came with the task's environment, not ours
+        os.environ[KEYS_ENV] = env[KEYS_ENV]
     ctx = zmq.Context()
     try:
         client = DirectoryClient(ctx, env["CS_RENDEZVOUS"], role, rank, env["CS_JOB_ID"])
