@@ -146,6 +146,7 @@ class Trainer:
             log.info("Already at step %d of max_steps %d: nothing to train", self.global_step, self.rc.max_steps)
             return
         batch = self.params.train_input.batch_size
+        self.writer("train")  # opened (and tensorboardX imported) before the clock starts
         t_start = t_last = time.monotonic()
         first_step, steps_since = self.global_step, 0
         while self.global_step < self.rc.max_steps:
@@ -219,8 +220,11 @@ class Trainer:
             writer.flush()
         log.info("Saved checkpoint %s", path)
 
-    def scalar(self, split: str, tag: str, value: float) -> None:
+    def writer(self, split: str):
         if split not in self.writers:
             from tensorboardX import SummaryWriter
             self.writers[split] = SummaryWriter(str(self.model_dir / split))
-        self.writers[split].add_scalar(tag, value, self.global_step)
+        return self.writers[split]
+
+    def scalar(self, split: str, tag: str, value: float) -> None:
+        self.writer(split).add_scalar(tag, value, self.global_step)
