@@ -16,11 +16,12 @@ arrived; a WSE overwrites its gradient buffer for layer l only in the next
 step, after MemoryX has applied (or copied) this step's.
 
 A segment is a file in CS_SHM_DIR (/dev/shm: memory, not disk) named
-`cs-<job>-<role><rank>-<n>`, created 0600 by the job's own user. A receiver
+`cs-<job>-<role><rank>-<n>-l<launcher pid>`, created 0600 by the job's own user. A receiver
 maps only files whose name has that shape, that lie in its own CS_SHM_DIR
 and that belong to its own user, and checks every reference against the
 file's size before it builds a view. The launcher deletes the job's
-segments when the job ends, however it ends.
+segments when the job ends, however it ends; segments of a launcher that was
+itself killed (kill -9) are deleted by the next launcher.
 
     python -m pytest tests/test_shm.py -q
 """
@@ -35,6 +36,7 @@ import numpy as np
 
 SHM_ENV = "CS_SHM_DIR"
 SEGMENT_NAME = re.compile(r"^cs-[A-Za-z0-9_.-]{1,120}$")
+LAUNCHER_SUFFIX = re.compile(r"-l(\d+)$")
 ALIGN = 64          # bytes: every array starts on a cache line
 # Below this an array goes as a frame (ZeroMQ copies small frames anyway).
 MIN_SHARED_BYTES = 64 * 1024
@@ -64,7 +66,9 @@ def new_arena(job: str, owner: str, size: int) -> "Arena | None":
     if segments is None or size <= 0:
         return None
     segments.arenas_made += 1
-    arena = Arena(segments.folder, f"{segment_prefix(job)}{owner}-{segments.arenas_made}", size)
+    # The launcher that started us is our parent: named here, its death orphans the segment.
+    name = f"{segment_prefix(job)}{owner}-{segments.arenas_made}-l{os.getppid()}"
+    arena = Arena(segments.folder, name, size)
     segments.add_arena(arena)
     return arena
 
@@ -82,6 +86,31 @@ def shm_dir() -> Path | None:
 
 def segment_prefix(job: str) -> str:
     return f"cs-{job}-"
+
+
+def remove_orphaned_segments(folder: Path) -> int:
+    """Delete segments whose launcher is dead (it was killed before it could); returns how many."""
+    removed = 0
+    for path in folder.glob("cs-*-l*"):
+        found = LAUNCHER_SUFFIX.search(path.name)
+        try:
+            if not found or path.stat().st_uid != os.getuid() or _alive(int(found.group(1))):
+                continue
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_job_segments(folder: Path, job: str) -> int:

@@ -36,7 +36,7 @@ from cs_runtime.launcher import ProcessGroup, Supervisor
 from cs_runtime.preflight import PreflightError, check_reachable
 from cs_runtime.restart import RESTART_ENV, Outcome, run_with_restarts
 from cs_runtime.service import setup_logging
-from cs_runtime.shm import remove_job_segments
+from cs_runtime.shm import remove_job_segments, remove_orphaned_segments
 from cs_runtime.task import role_argv
 from cs_runtime.transport import PortInUse
 
@@ -255,6 +255,8 @@ def run_job(ns: argparse.Namespace, layout: Layout, attempt: int) -> Outcome:
                                         layout.num_workers, describe(layout))
     supervisor = Supervisor(directory, group, finisher_role="chief")
     shm_dir = None if ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
+    if shm_dir:
+        remove_orphaned_segments(Path(shm_dir))
     try:
         if ns.cs_ip is None:
             start_services(group, env, ns.num_csx, shm_dir)

@@ -171,3 +171,15 @@ def test_a_killed_job_leaves_no_segment(tmp_path, oracle):
             proc.kill()
             proc.wait()
     assert job_segments("".join(seen)) == []
+
+
+def test_segments_of_a_dead_launcher_are_removed_and_a_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                        # a pid that no longer runs
+    orphan = tmp_path / f"cs-wsjob-a-memoryx0-1-l{dead.pid}"
+    live = tmp_path / f"cs-wsjob-b-memoryx0-1-l{os.getpid()}"
+    other = tmp_path / "cs-wsjob-c-memoryx0-1"         # no launcher named: left alone
+    for path in (orphan, live, other):
+        path.write_bytes(b"x")
+    assert shm.remove_orphaned_segments(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
