@@ -65,11 +65,16 @@ def process_env(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+def rss_bytes(pid: int) -> int | None:
+    """Resident bytes of `pid`, or None once it has exited."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return None
+    for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
-    return 0
+    return None
 
 
 def with_launcher_flags(cmd: list[str], *flags: str) -> list[str]:
@@ -186,7 +191,8 @@ def is_dropped(frames: list[bytes], job: str) -> bool:
 
 
 def test_bad_messages_during_a_run_are_logged_once_and_change_nothing(tmp_path, monkeypatch):
-    params = write_params(tmp_path, runconfig={"max_steps": 300, "log_steps": 10, "checkpoint_steps": 0})
+    # Long enough that the services are still running when their memory is read afterwards.
+    params = write_params(tmp_path, runconfig={"max_steps": 600, "log_steps": 10, "checkpoint_steps": 0})
     cpu = run_cpu(params, tmp_path / "cpu")
     assert cpu.returncode == 0, cpu.stderr[-2000:]
     proc = start_job(wse_command(params, tmp_path / "m"))
@@ -225,7 +231,11 @@ def test_bad_messages_during_a_run_are_logged_once_and_change_nothing(tmp_path, 
         for name in targets:  # one of each at every socket, whatever hypothesis drew
             sockets[name].send_multipart([b"\xc1 not msgpack"])
         assert proc.poll() is None, "the run ended before the bad messages were all sent"
-        growth = {pid: rss_bytes(pid) - rss_before[pid] for pid in services}
+        rss_after = {pid: rss_bytes(pid) for pid in services}
+        # a service that finished its part of the run in the meantime has no memory to read
+        growth = {pid: rss - rss_before[pid] for pid, rss in rss_after.items()
+                  if rss is not None and rss_before[pid] is not None}
+        assert growth, "every service had exited before its memory could be read"
         output = "".join(seen) + proc.stdout.read()
         assert proc.wait(timeout=180) == 0, output[-3000:]
     finally:
