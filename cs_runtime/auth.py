@@ -76,11 +76,12 @@ def remove_stale_job_dirs() -> None:
             owner = int((folder / OWNER_FILE).read_text())
         except (OSError, ValueError):
             continue  # not ours, or being made right now
-        if not _pid_alive(owner):
+        if not pid_alive(owner):
             remove_job_dir(folder)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .auth import pid_alive  # also how stale key folders are found
+
 SHM_ENV = "CS_SHM_DIR"
 SEGMENT_NAME = re.compile(r"^cs-[A-Za-z0-9_.-]{1,120}$")
 LAUNCHER_SUFFIX = re.compile(r"-l(\d+)$")
@@ -94,23 +96,13 @@ def remove_orphaned_segments(folder: Path) -> int:
     for path in folder.glob("cs-*-l*"):
         found = LAUNCHER_SUFFIX.search(path.name)
         try:
-            if not found or path.stat().st_uid != os.getuid() or _alive(int(found.group(1))):
+            if not found or path.stat().st_uid != os.getuid() or pid_alive(int(found.group(1))):
                 continue
             path.unlink()
             removed += 1
         except FileNotFoundError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_job_segments(folder: Path, job: str) -> int:
