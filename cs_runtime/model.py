@@ -191,8 +191,9 @@ def dropout_mask(seed: int, step: int, layer_index: int, global_batch: int, widt
                  rows: slice, p: float) -> np.ndarray:
     """Scaled keep-mask (0 or 1/(1-p)) for `rows` of the global batch of `step`."""
     rng = np.random.default_rng([seed, step, layer_index, 104729])
-    keep = rng.random((global_batch, width), dtype=np.float32)[rows] >= p
-    return keep.astype(np.float32) / np.float32(1.0 - p)
+    draws = rng.random((global_batch, width), dtype=np.float32)[rows]
+    # keep / (1 - p) written over the draws: no further array of the mask's size.
+    return np.divide(draws >= p, np.float32(1.0 - p), out=draws, dtype=np.float32)
 
 
 # ---------------------------------------------------------------- dense layer
@@ -204,9 +205,10 @@ def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
 
 @dataclass
 class DenseCache:
-    x: np.ndarray
-    z: np.ndarray
-    a: np.ndarray
+    x: np.ndarray              # the matmul input (rounded, in mixed precision)
+    out: np.ndarray            # the layer's output, after activation and dropout
+    z: np.ndarray | None       # pre-activation, kept where the derivative needs it (gelu)
+    a: np.ndarray | None       # activation before dropout (tanh, sigmoid: the derivative is a function of it)
     mask: np.ndarray | None
 
 
@@ -215,17 +217,27 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
     x = _rounded(x, fmt)   # kept rounded: the weight gradient's matmul takes the same input
     z = x @ _rounded(weight, fmt)
     z += _rounded(bias, fmt)
+    if layer.activation == "relu":
+        # In place: relu's derivative is read off the output (out > 0 exactly where
+        # z > 0 and dropout kept the unit; where it did not, the delta is 0 anyway).
+        out = np.maximum(z, 0, out=z)
+        if mask is not None:
+            out *= mask
+        return out, DenseCache(x, out, None, None, mask)
     a = activate(layer.activation, z)
     out = a * mask if mask is not None else a
-    return out, DenseCache(x, z, a, mask)
+    return out, DenseCache(x, out, z if layer.activation == "gelu" else None, a, mask)
 
 
 def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
                    need_dx: bool = True, fmt: str = "float32"):
-    """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values."""
-    if cache.mask is not None:
-        dout = dout * cache.mask
-    dz = dout * activation_grad(layer.activation, cache.z, cache.a) if layer.activation != "none" else dout
+    """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values.
+    `dout` is left as it is."""
+    dz = dout if cache.mask is None else dout * cache.mask
+    if layer.activation == "relu":
+        dz = dz * (cache.out > 0) if dz is dout else np.multiply(dz, cache.out > 0, out=dz)
+    elif layer.activation != "none":
+        dz = dz * activation_grad(layer.activation, cache.z, cache.a)
     dz_in = _rounded(dz, fmt)
     grads = {"weight": _rounded(cache.x.T @ dz_in, fmt), "bias": _rounded(dz.sum(axis=0), fmt)}
     dx = dz_in @ _rounded(weight, fmt).T if need_dx else None

@@ -25,6 +25,7 @@ class Optimizer:
         self.kind, self.momentum, self.weight_decay = kind, momentum, weight_decay
         self.beta1, self.beta2 = betas
         self.eps = eps
+        self._buffers: dict[tuple, np.ndarray] = {}
 
     @classmethod
     def from_config(cls, cfg) -> "Optimizer":
@@ -43,7 +44,7 @@ class Optimizer:
                state: dict[str, dict[str, np.ndarray]], lr: float, step: int) -> None:
         """Apply one update to one layer in place. `step` is the 0-based global step."""
         for name, w in params.items():
-            g = np.array(grads[name], dtype=np.float32)  # own, writable copy
+            g = np.asarray(grads[name], dtype=np.float32)  # read, never written: it may be a peer's memory
             self._update_one(w, g, state[name], np.float32(lr), step + 1)
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
@@ -66,32 +67,41 @@ class Optimizer:
 
     def _update_one(self, w, g, slots, lr, t: int) -> None:
         wd = np.float32(self.weight_decay)
+        if wd and self.kind != "adamw":
+            g = g + wd * w
         if self.kind == "sgd":
-            if wd:
-                g += wd * w
             if self.momentum:
                 buf = slots["momentum"]
                 buf *= np.float32(self.momentum)
                 buf += g  # buf starts at zero, so step 1 gives buf = g as in PyTorch
                 g = buf
-            w -= lr * g
+            w -= np.multiply(g, lr, out=self._scratch(w))
             return
         if self.kind == "adamw" and wd:
             w *= np.float32(1.0) - lr * wd
-        elif wd:
-            g += wd * w
         m, v = slots["exp_avg"], slots["exp_avg_sq"]
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
+        tmp = self._scratch(w)
         # 1 - beta in float64 first: 1 - float32(0.999) is off by 5e-5 relative.
         m *= b1
-        m += np.float32(1 - self.beta1) * g
+        m += np.multiply(g, np.float32(1 - self.beta1), out=tmp)
         v *= b2
-        v += np.float32(1 - self.beta2) * g * g
+        np.multiply(g, np.float32(1 - self.beta2), out=tmp)
+        v += np.multiply(tmp, g, out=tmp)
         bias1 = 1 - self.beta1 ** t
         bias2 = 1 - self.beta2 ** t
-        denom = np.sqrt(v) / np.float32(math.sqrt(bias2))
+        denom = np.sqrt(v, out=tmp)
+        denom /= np.float32(math.sqrt(bias2))
         denom += np.float32(self.eps)
-        w -= np.float32(lr / bias1) * (m / denom)
+        w -= np.multiply(np.divide(m, denom, out=denom), np.float32(lr / bias1), out=denom)
+
+    def _scratch(self, like: np.ndarray) -> np.ndarray:
+        """A float32 buffer of `like`'s shape, reused across layers and steps (no
+        weight-sized temporaries, whose fresh pages cost more than the arithmetic)."""
+        buf = self._buffers.get(like.shape)
+        if buf is None:
+            buf = self._buffers[like.shape] = np.empty(like.shape, np.float32)
+        return buf
 
 
 def global_norm(grads_per_layer) -> float:
@@ -99,7 +109,10 @@ def global_norm(grads_per_layer) -> float:
     total = 0.0
     for grads in grads_per_layer:
         for g in grads.values():
-            total += float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64)))
+            flat = g.reshape(-1)
+            # einsum widens to float64 a buffer at a time: converting whole arrays
+            # first took longer than a layer's update.
+            total += float(np.einsum("i,i->", flat, flat, dtype=np.float64))
     return math.sqrt(total)
 
 
