@@ -56,7 +56,8 @@ class Optimizer:
         step was applied): with `skip_nonfinite` (loss scaling on) a step whose
         gradients hold inf or nan changes nothing.
         """
-        finite = unscale_and_check(grads, loss_scale)
+        # Without loss scaling there is nothing to unscale, and no step is skipped.
+        finite = unscale_and_check(grads, loss_scale) if skip_nonfinite or loss_scale != 1.0 else True
         norm = global_norm(grads)
         if skip_nonfinite and not finite:
             return norm, False

@@ -15,8 +15,9 @@ precision (float16 with dynamic loss scaling, and cbfloat16), whose weights
 and gradients stream in 16 bits. Then the input-bound rows: FC-MNIST with an
 expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
 one WSE fed by 1, 2 and 4 input workers, with the ratio to 1 worker
-(`--rows input` runs only these; they need about 4 free cores to scale). For each: samples/sec (the chief's GlobalRate
-over the whole training loop, after start-up), the ratio to PyTorch CPU (to
+(`--rows input` runs only these; they need about 4 free cores to scale). For each: samples/sec (from the chief's
+progress lines, every 2 steps, leaving out the first 2 steps as the torch rows
+leave out their warm-up), the ratio to PyTorch CPU (to
 the CPU path without torch), the training FLOP/s and their fraction of the
 compute ceiling, and for weight streaming the bytes per step and the weight
 stream's bytes/sec against the transport ceilings.
@@ -54,7 +55,10 @@ PRESETS = {
     "medium": {"hidden_sizes": [1024, 1024, 1024], "batch_size": 256, "steps": 100},
     "large": {"hidden_sizes": [2048] * 8, "batch_size": 512, "steps": 20},          # 31M parameters
 }
-RATE_RE = re.compile(r"GlobalRate=([\d.]+) samples/sec")
+RATE_RE = re.compile(r", Rate=([\d.]+) samples/sec")
+# Steps left out of every rate, as bench_baselines.py leaves out the torch rows' first
+# steps: the first steps fault in every fresh buffer and start the BLAS threads.
+WARMUP_STEPS = 2
 PIPELINED_RE = re.compile(r"WeightBytes/step=(\d+) \(received by the WSE sockets\)")
 TRAFFIC_RE = re.compile(r"WeightBytes/step=(\d+) .* x (\d+) hops.*GradBytes/step=(\d+)")
 
@@ -64,7 +68,7 @@ def write_params(folder: Path, preset: dict, steps: int, strategy: str, precisio
         "train_input": {"batch_size": preset["batch_size"], "shuffle": True, "drop_last_batch": True},
         "model": {"hidden_sizes": preset["hidden_sizes"], "activation": "relu", "dropout": 0.1},
         "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.01, "momentum": 0.9},
-        "runconfig": {"max_steps": steps, "log_steps": steps, "checkpoint_steps": 0, "seed": 1,
+        "runconfig": {"max_steps": steps, "log_steps": WARMUP_STEPS, "checkpoint_steps": 0, "seed": 1,
                       "execution_strategy": strategy},
     }
     if precision != "float32":
@@ -82,8 +86,7 @@ def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise SystemExit(f"bench: {name} failed:\n{result.stderr[-2000:]}")
-    rates = RATE_RE.findall(result.stdout)
-    row = {"name": name, "samples_per_sec": float(rates[-1])}
+    row = {"name": name, "samples_per_sec": steady_rate([float(r) for r in RATE_RE.findall(result.stdout)])}
     traffic = TRAFFIC_RE.search(result.stdout)
     pipelined = PIPELINED_RE.search(result.stdout)
     if pipelined:
@@ -92,6 +95,15 @@ def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra
         weight, hops, grads = (int(g) for g in traffic.groups())
         row.update(weight_bytes_per_step=weight * hops, grad_bytes_per_step=grads * (hops - 1) + grads)
     return row
+
+
+def steady_rate(rates: list[float]) -> float:
+    """samples/sec over every progress interval but the first (the warm-up steps).
+
+    Each interval is WARMUP_STEPS steps of one batch, so its time is proportional
+    to 1/rate: the overall rate is the harmonic mean of the interval rates."""
+    steady = rates[1:] or rates
+    return len(steady) / sum(1.0 / r for r in steady)
 
 
 def baseline(what: str, *flags: str) -> dict:
@@ -152,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     steps = args.steps or preset["steps"]
+    steps = max(2, -(-steps // WARMUP_STEPS)) * WARMUP_STEPS  # whole intervals, at least one after warm-up
     result = {"preset": args.preset, "steps": steps}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
