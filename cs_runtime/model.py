@@ -230,16 +230,20 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
 
 
 def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
-                   need_dx: bool = True, fmt: str = "float32"):
+                   need_dx: bool = True, fmt: str = "float32", out: dict | None = None):
     """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values.
-    `dout` is left as it is."""
+    `dout` is left as it is. In float32, `out` may hold the buffers to write the
+    gradients into (a WSE's shared memory, so they are not copied there)."""
     dz = dout if cache.mask is None else dout * cache.mask
     if layer.activation == "relu":
         dz = dz * (cache.out > 0) if dz is dout else np.multiply(dz, cache.out > 0, out=dz)
     elif layer.activation != "none":
         dz = dz * activation_grad(layer.activation, cache.z, cache.a)
     dz_in = _rounded(dz, fmt)
-    grads = {"weight": _rounded(cache.x.T @ dz_in, fmt), "bias": _rounded(dz.sum(axis=0), fmt)}
+    if out is not None and fmt == "float32":
+        grads = {"weight": np.matmul(cache.x.T, dz, out=out["weight"]), "bias": dz.sum(axis=0, out=out["bias"])}
+    else:
+        grads = {"weight": _rounded(cache.x.T @ dz_in, fmt), "bias": _rounded(dz.sum(axis=0), fmt)}
     dx = dz_in @ _rounded(weight, fmt).T if need_dx else None
     return dx, grads
 
@@ -296,12 +300,15 @@ def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardConte
     return x, caches
 
 
-def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict):
-    """(delta for the layer below or None for the first layer, {param: gradient})."""
+def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict,
+                   out: dict | None = None):
+    """(delta for the layer below or None for the first layer, {param: gradient}).
+    A dense float32 layer writes its gradients into `out`'s buffers when given."""
     layer = spec.layers[index]
     if layer.op in LAYER_OPS:
         return LAYER_OPS[layer.op].backward(layer, delta, cache, weights, index > 0)
-    return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0, fmt=spec.precision)
+    return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0, fmt=spec.precision,
+                          out=out)
 
 
 def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict) -> list[dict]:

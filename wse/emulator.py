@@ -136,22 +136,31 @@ class WeightStreamingExecutor:
     def backward(self, step: int, index: int, weights: dict) -> None:
         if step != self.step or index != len(self.caches) - 1 or self.delta is None:
             raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
-        self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights)
         fmt = self.spec.precision
+        out = None
+        if self.arena is not None and fmt == "float32":   # computed straight into shared memory
+            out = {name: self.grad_buffer(index, name, shape, np.float32)
+                   for name, shape in self.spec.layers[index].param_shapes().items()}
+        self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights, out)
         self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
                              arrays=self.shared(index, encode_arrays(grads, fmt))))
 
+    def grad_buffer(self, index: int, name: str, shape: tuple, dtype) -> np.ndarray:
+        """Layer `index`'s buffer for gradient `name` in this WSE's arena, reused every step."""
+        buffer = self.grad_buffers.get((index, name))
+        if buffer is None:
+            buffer = self.grad_buffers[(index, name)] = self.arena.empty(shape, dtype)
+        return buffer
+
     def shared(self, index: int, arrays: dict) -> dict:
-        """The arrays copied into this WSE's arena (sent by reference), or as they are without one."""
+        """The arrays in this WSE's arena (sent by reference), or as they are without one."""
         if self.arena is None:
             return arrays
         out = {}
         for name, arr in arrays.items():
-            buffer = self.grad_buffers.get((index, name))
-            if buffer is None:
-                buffer = self.grad_buffers[(index, name)] = self.arena.empty(arr.shape, arr.dtype)
-            np.copyto(buffer, arr)
-            out[name] = buffer
+            out[name] = self.grad_buffer(index, name, arr.shape, arr.dtype)
+            if out[name] is not arr:
+                np.copyto(out[name], arr)
         return out
 
 
