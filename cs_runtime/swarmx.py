@@ -17,7 +17,8 @@ import numpy as np
 import zmq
 
 from . import shm
-from .precision import encode_arrays
+from .model import ModelSpec
+from .precision import encode_arrays, wire_dtype
 from .protocol import Message, Msg, float_arrays
 from .service import ProcessEnv, join_cs_system, service_main
 from .transport import Endpoint
@@ -30,11 +31,12 @@ BROADCAST = {Msg.WEIGHTS, Msg.LOAD_MODEL, Msg.JOB_END, Msg.TRAIN_STEP, Msg.EVAL_
 REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE}
 
 
-def reduce_messages(parts: list[Message]) -> Message:
+def reduce_messages(parts: list[Message], into: dict[str, np.ndarray] | None = None) -> Message:
     """Sum the arrays and the numeric meta of one message from each WSE (in rank order).
 
     16-bit tensors are summed in float32 and sent on in their own format. One
     part is sent on as it is (by reference, when it lies in shared memory).
+    With `into` (a buffer per tensor, in shared memory) the sums land there.
     """
     first = parts[0]
     if len(parts) == 1:
@@ -43,11 +45,16 @@ def reduce_messages(parts: list[Message]) -> Message:
     values = [float_arrays(p) for p in parts]
     arrays = {}
     for name, arr in values[0].items():
-        total = np.array(arr, copy=True)
-        for other in values[1:]:
+        direct = into[name] if into is not None and fmt == "float32" else None
+        total = np.add(arr, values[1][name], out=direct)
+        for other in values[2:]:
             total += other[name]
         arrays[name] = total
     arrays = encode_arrays(arrays, fmt)
+    if into is not None and fmt != "float32":
+        for name, arr in arrays.items():
+            np.copyto(into[name], arr)
+            arrays[name] = into[name]
     meta = dict(first.meta)
     for key, value in first.meta.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -68,6 +75,8 @@ class SwarmX:
         self.wse: dict[int, bytes] = {}       # rank -> identity
         self.chief: bytes | None = None
         self.pending: dict[tuple, dict[int, Message]] = {}
+        self.arena: shm.Arena | None = None
+        self.sums: dict[int, dict[str, np.ndarray]] = {}   # layer -> tensor -> its summed gradient
 
     def connect_memoryx(self, ctx: zmq.Context, address: str) -> None:
         self.memoryx = Endpoint(ctx, zmq.DEALER, "swarmx->memoryx", self.penv.job).connect(address)
@@ -102,7 +111,10 @@ class SwarmX:
         if msg.type == Msg.HELLO:
             self.hello(identity, msg)
         elif identity == self.chief and msg.type in BROADCAST:
+            if msg.type == Msg.LOAD_MODEL:
+                self.prepare_sums(msg.meta["spec"])
             if msg.type == Msg.JOB_END and self.segments is not None:
+                self.release_sums()
                 self.segments.forget_peers(self.penv.job)
             self.broadcast(frames)
         elif identity in self.wse.values() and msg.type in REDUCE:
@@ -127,6 +139,27 @@ class SwarmX:
         for rank in range(self.num_wse):
             self.router.forward(frames, self.wse[rank])
 
+    def prepare_sums(self, config: dict) -> None:
+        """Weight streaming with several WSEs on one host: buffers in shared memory
+        for the summed gradients, so they reach MemoryX by reference, not over tcp."""
+        self.release_sums()
+        if self.segments is None or self.num_wse < 2 or config.get("execution_strategy") == "pipelined":
+            return
+        spec = ModelSpec.from_dict(config["model"])
+        shapes = {(i, name): shape for i, layer in enumerate(spec.layers)
+                  for name, shape in layer.param_shapes().items()}
+        dtype = wire_dtype(spec.precision)
+        self.arena = shm.new_arena(self.penv.job, f"swarmx{self.penv.rank}",
+                                   shm.arena_bytes(shapes.values(), dtype.itemsize))
+        if self.arena is not None:
+            for (index, name), shape in shapes.items():
+                self.sums.setdefault(index, {})[name] = self.arena.empty(shape, dtype)
+
+    def release_sums(self) -> None:
+        if self.segments is not None:
+            self.segments.release(self.arena)
+        self.arena, self.sums = None, {}
+
     def collect(self, identity: bytes, msg: Message) -> None:
         rank = next(r for r, i in self.wse.items() if i == identity)
         key = (msg.type, msg.step, msg.layer, msg.meta.get("what"))
@@ -135,7 +168,9 @@ class SwarmX:
         if len(parts) < self.num_wse:
             return
         del self.pending[key]
-        reduced = reduce_messages([parts[r] for r in range(self.num_wse)])
+        # A layer's buffers are free again: MemoryX applied last step's sums before this step began.
+        into = self.sums.get(msg.layer) if msg.type == Msg.GRADS else None
+        reduced = reduce_messages([parts[r] for r in range(self.num_wse)], into)
         if reduced.type == Msg.GRADS:
             self.memoryx.send(reduced)
         else:

@@ -63,6 +63,25 @@ def test_a_received_shared_array_is_sent_on_by_reference(two_processes):
     np.testing.assert_array_equal(decode(frames, shm.Segments(arena.path.parent)).arrays["weight"], w)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_swarmx_sums_gradients_into_its_arena_and_sends_them_on_by_reference(two_processes, fmt):
+    from cs_runtime import precision as P
+    from cs_runtime.swarmx import reduce_messages
+    sender, arena, receiver = two_processes
+    rng = np.random.default_rng(3)
+    parts = [P.quantize(rng.standard_normal(BIG).astype(np.float32), fmt) for _ in range(3)]
+    msgs = [Message(Msg.GRADS, step=1, layer=0, meta={"format": fmt}, arrays=P.encode_arrays({"weight": p}, fmt))
+            for p in parts]
+    into = {"weight": arena.empty((BIG,), P.wire_dtype(fmt))}
+    reduced = reduce_messages(msgs, into)
+    assert reduced.arrays["weight"] is into["weight"]
+    frames = encode(reduced, sender)
+    assert sum(len(memoryview(f)) for f in frames) < BIG      # a reference, not the tensor
+    got = decode(frames, receiver)
+    want = P.decode_arrays(reduce_messages(msgs).arrays, fmt)["weight"]   # the sum without buffers
+    np.testing.assert_array_equal(P.decode_arrays(got.arrays, fmt)["weight"], want)
+
+
 def test_without_shared_memory_arrays_go_as_frames_and_references_are_refused(two_processes):
     sender, arena, _ = two_processes
     w = arena.copy_of(np.ones(BIG, np.float32))
