@@ -25,7 +25,7 @@ import numpy as np
 import zmq
 
 from .model import ModelSpec
-from .optim import Optimizer, global_norm
+from .optim import Optimizer, norm_of, squared_norms
 from .precision import encode_arrays, to_bits, wire_dtype
 from . import shm
 from .protocol import Message, Msg, float_arrays
@@ -159,18 +159,19 @@ class MemoryX:
         self.stream_weights(step, "bwd", reversed(range(n)), wire)
         # Without clipping or loss scaling each layer is updated as its gradients land.
         at_once = not (self.max_norm or self.skip_nonfinite)
-        grads = {}
+        grads, squares = {}, {}
         while len(grads) < n:
             identity, msg = self.router.recv()
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)
                 continue
             grads[msg.layer] = float_arrays(msg)
-            if at_once:
+            if at_once:   # the norm too, while the WSEs compute the layers below
+                squares[msg.layer] = squared_norms(grads[msg.layer])
                 self.update(msg.layer, grads[msg.layer], lr, step)
         ordered = [grads[i] for i in range(n)]
         if at_once:
-            norm, applied = global_norm(ordered), True
+            norm, applied = norm_of(squares[i] for i in range(n)), True
         else:
             names = [layer.name for layer in self.spec.layers]
             norm, applied = self.optimizer.update_model(names, self.weights, ordered, self.opt_state, lr, step,

@@ -120,13 +120,23 @@ class Optimizer:
 
 def global_norm(grads_per_layer) -> float:
     """L2 norm over every gradient array of every layer (float64 accumulation)."""
+    return norm_of(squared_norms(grads) for grads in grads_per_layer)
+
+
+def squared_norms(grads: dict[str, np.ndarray]) -> list[float]:
+    """Each of one layer's gradients' sum of squares, in float64, in the dict's order."""
+    # einsum widens to float64 a buffer at a time: converting whole arrays
+    # first took longer than a layer's update.
+    return [float(np.einsum("i,i->", g.reshape(-1), g.reshape(-1), dtype=np.float64)) for g in grads.values()]
+
+
+def norm_of(squares_per_layer) -> float:
+    """The global norm from each layer's squared_norms, added in layer order (so a
+    norm built as gradients arrive equals global_norm's to the last bit)."""
     total = 0.0
-    for grads in grads_per_layer:
-        for g in grads.values():
-            flat = g.reshape(-1)
-            # einsum widens to float64 a buffer at a time: converting whole arrays
-            # first took longer than a layer's update.
-            total += float(np.einsum("i,i->", flat, flat, dtype=np.float64))
+    for squares in squares_per_layer:
+        for square in squares:
+            total += square
     return math.sqrt(total)
 
 
