@@ -114,7 +114,9 @@ def _encode(x: np.ndarray, spec: _Spec) -> np.ndarray:
     out = (shifted + np.uint32((1 << (drop - 1)) - 1) + ((shifted >> drop) & 1)) >> drop
     np.minimum(out, np.uint32(spec.inf_bits), out=out)   # overflow after rounding -> inf
 
-    sub = np.flatnonzero(mag < ((rebias + 1) << 23))
+    small = mag < np.uint32((rebias + 1) << 23)      # zero, or subnormal in the target format
+    np.putmask(out, small, np.uint32(0))             # zeros (half of a relu's outputs) are done
+    sub = np.flatnonzero(small & (mag != 0))
     if sub.size:
         m = mag[sub].astype(np.int64)
         e32 = m >> 23
@@ -134,18 +136,32 @@ def _encode(x: np.ndarray, spec: _Spec) -> np.ndarray:
 
 
 def _decode(b: np.ndarray, spec: _Spec) -> np.ndarray:
-    """Bit patterns of `spec` -> float32, exactly."""
-    b = np.asarray(b).astype(np.int64)
-    sign = (b >> spec.sign_shift) & 1
+    """Bit patterns of `spec` -> float32, exactly.
+
+    Normal values move their fields into place in uint32 (the mantissa shifted
+    up, the exponent rebiased); zeros stay zero; the rare subnormals, infs and
+    nans are computed on their own (in int64)."""
+    b = np.asarray(b)
+    bits = b.reshape(-1).astype(np.uint32)
+    mag = bits & np.uint32(0x7FFF)
+    out = (mag << np.uint32(23 - spec.man_bits)) + np.uint32((127 - spec.bias) << 23)
+    np.putmask(out, mag == 0, np.uint32(0))
+    rare = np.flatnonzero((mag - np.uint32(1) < np.uint32((1 << spec.man_bits) - 1))   # subnormal (wraps at 0)
+                          | (mag >= np.uint32(spec.inf_bits)))
+    if rare.size:
+        out[rare] = _decode_rare(bits[rare].astype(np.int64), spec)
+    out |= (bits & np.uint32(0x8000)) << np.uint32(16)
+    return out.view(np.float32).reshape(b.shape)
+
+
+def _decode_rare(b: np.ndarray, spec: _Spec) -> np.ndarray:
+    """Magnitude bit patterns (as float32 bits) of subnormal, inf and nan values of `spec`."""
     e = (b >> spec.man_bits) & spec.exp_max
     m = b & ((1 << spec.man_bits) - 1)
-    normal_bits = ((e - spec.bias + 127) << 23) | (m << (23 - spec.man_bits))
-    out_bits = np.where(e == spec.exp_max, np.where(m == 0, _F32_INF, 0x7FC00000), normal_bits)
-    out = np.where(e == 0, 0, out_bits).astype(np.uint32).view(np.float32)
-    # Subnormals (and zero): m * 2**(1 - bias - man_bits), exact in float32 for every spec here.
+    special = np.where(m == 0, _F32_INF, 0x7FC00000)
+    # Subnormals: m * 2**(1 - bias - man_bits), exact in float32 for every spec here.
     sub = np.ldexp(m.astype(np.float32), np.int32(1 - spec.bias - spec.man_bits)).astype(np.float32)
-    out = np.where(e == 0, sub, out)
-    return np.where(sign == 1, -out, out).astype(np.float32)
+    return np.where(e == spec.exp_max, special, sub.view(np.uint32).astype(np.int64)).astype(np.uint32)
 
 
 def wire_dtype(fmt: str) -> np.dtype:
