@@ -213,10 +213,13 @@ class DenseCache:
 
 
 def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.ndarray,
-                  mask: np.ndarray | None, fmt: str = "float32") -> tuple[np.ndarray, DenseCache]:
+                  mask: np.ndarray | None, fmt: str = "float32",
+                  weights_rounded: bool = False) -> tuple[np.ndarray, DenseCache]:
+    """`weights_rounded`: weight and bias already hold `fmt`'s values (they
+    arrived in it), so rounding them again would change nothing."""
     x = _rounded(x, fmt)   # kept rounded: the weight gradient's matmul takes the same input
-    z = x @ _rounded(weight, fmt)
-    z += _rounded(bias, fmt)
+    z = x @ (weight if weights_rounded else _rounded(weight, fmt))
+    z += bias if weights_rounded else _rounded(bias, fmt)
     if layer.activation == "relu":
         # In place: relu's derivative is read off the output (out > 0 exactly where
         # z > 0 and dropout kept the unit; where it did not, the delta is 0 anyway).
@@ -230,7 +233,8 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
 
 
 def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
-                   need_dx: bool = True, fmt: str = "float32", out: dict | None = None):
+                   need_dx: bool = True, fmt: str = "float32", out: dict | None = None,
+                   weights_rounded: bool = False):
     """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values.
     `dout` is left as it is. In float32, `out` may hold the buffers to write the
     gradients into (a WSE's shared memory, so they are not copied there)."""
@@ -244,7 +248,7 @@ def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight
         grads = {"weight": np.matmul(cache.x.T, dz, out=out["weight"]), "bias": dz.sum(axis=0, out=out["bias"])}
     else:
         grads = {"weight": _rounded(cache.x.T @ dz_in, fmt), "bias": _rounded(dz.sum(axis=0), fmt)}
-    dx = dz_in @ _rounded(weight, fmt).T if need_dx else None
+    dx = dz_in @ (weight if weights_rounded else _rounded(weight, fmt)).T if need_dx else None
     return dx, grads
 
 
@@ -280,7 +284,9 @@ class ShardContext:
     key_keep: np.ndarray | None = field(default=None, repr=False)
 
 
-def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx: ShardContext):
+def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx: ShardContext,
+                  weights_rounded: bool = False):
+    """(output, cache). `weights_rounded`: the weights hold the model's 16-bit values already."""
     layer = spec.layers[index]
     if layer.op in LAYER_OPS:
         return LAYER_OPS[layer.op].forward(layer, index, x, weights, ctx)
@@ -288,7 +294,7 @@ def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx
     if ctx.train and layer.dropout > 0:
         mask = dropout_mask(ctx.seed, ctx.step, index, ctx.global_batch, layer.out_features,
                             ctx.rows, layer.dropout)
-    return dense_forward(layer, x, weights["weight"], weights["bias"], mask, spec.precision)
+    return dense_forward(layer, x, weights["weight"], weights["bias"], mask, spec.precision, weights_rounded)
 
 
 def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardContext):
@@ -301,14 +307,14 @@ def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardConte
 
 
 def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict,
-                   out: dict | None = None):
+                   out: dict | None = None, weights_rounded: bool = False):
     """(delta for the layer below or None for the first layer, {param: gradient}).
     A dense float32 layer writes its gradients into `out`'s buffers when given."""
     layer = spec.layers[index]
     if layer.op in LAYER_OPS:
         return LAYER_OPS[layer.op].backward(layer, delta, cache, weights, index > 0)
     return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0, fmt=spec.precision,
-                          out=out)
+                          out=out, weights_rounded=weights_rounded)
 
 
 def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict) -> list[dict]:

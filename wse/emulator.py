@@ -106,7 +106,8 @@ class WeightStreamingExecutor:
             self.start_step(step, "train" if train else "eval", train)
         elif step != self.step or len(self.caches) != index:
             raise RuntimeError(f"forward weights for layer {index} of step {step} out of order")
-        out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx)
+        # Weights arrive in the model's format: exact values of it, nothing to round.
+        out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx, weights_rounded=True)
         self.caches.append(cache)
         self.x = out
         if index == len(self.spec.layers) - 1:
@@ -141,7 +142,8 @@ class WeightStreamingExecutor:
         if self.arena is not None and fmt == "float32":   # computed straight into shared memory
             out = {name: self.grad_buffer(index, name, shape, np.float32)
                    for name, shape in self.spec.layers[index].param_shapes().items()}
-        self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights, out)
+        self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights, out,
+                                           weights_rounded=True)
         self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
                              arrays=self.shared(index, encode_arrays(grads, fmt))))
 
