@@ -85,6 +85,7 @@ class Job:
     ended: float | None = None
     last_poll: float = field(default_factory=time.monotonic)
     runtime: "JobRuntime | None" = None
+    services: list = field(default_factory=list)   # [{role, rank, pid}] of the processes that served it
 
     def __post_init__(self):
         # Unique across CS systems and restarts: segment names and messages carry it.
@@ -104,7 +105,8 @@ class Job:
                 "labels": dict(self.labels), "systems": [f"cs{i}" for i in self.systems],
                 "num_csx": self.num_csx, "age_s": round(now - self.submitted, 1),
                 "duration_s": None if self.started is None else round((self.ended or now) - self.started, 1),
-                "submitted": self.submitted, "position": position, "reason": self.reason}
+                "submitted": self.submitted, "position": position, "reason": self.reason,
+                "services": list(self.services)}
 
 
 class ServicePool:
@@ -308,6 +310,7 @@ class CSSystem:
                 self.end(job, "FAILED", f"could not start its services: {exc}")
                 continue
             job.keys = {}
+            job.services = [{"role": t.role, "rank": t.rank, "pid": t.proc.pid} for t in job.runtime.group.tasks]
             log.info("%s (%s) started on %s", job.name, job.user, ",".join(f"cs{i}" for i in job.systems))
 
     def end(self, job: Job, phase: str, reason: str = "") -> None:

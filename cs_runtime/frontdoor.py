@@ -26,7 +26,7 @@ import zmq
 
 from . import auth
 from .cluster import DIRECTORY_MAX_FRAME
-from .preflight import PreflightError, check_reachable
+from .preflight import PreflightError, check_reachable, check_tcp
 from .protocol import Message, Msg
 from .transport import Endpoint
 
@@ -109,10 +109,11 @@ class FrontDoor:
     def open(cls, address: str, insecure: bool, what: str = "--cs_ip") -> "FrontDoor":
         """Check the CS system answers (TCP, then the CURVE handshake), then connect."""
         host, port = split_address(address, what)
-        keys = None if insecure else auth.client_keys(system_public_key(host, port))
         if insecure and not auth.is_loopback(host):
             raise FrontDoorError(f"--insecure is for loopback only, not {host}")
         try:
+            check_tcp(host, port, what)
+            keys = None if insecure else auth.client_keys(system_public_key(host, port))
             check_reachable(host, port, what, keys=keys, insecure=insecure)
         except PreflightError as exc:
             raise FrontDoorError(str(exc)) from None

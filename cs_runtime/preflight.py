@@ -26,6 +26,12 @@ def check_reachable(host: str, port: int, what: str, timeout: float = CONNECT_TI
     The handshake matters: a firewall or proxy may accept TCP for any address,
     and only a completed handshake shows a ZeroMQ peer that takes our keys.
     """
+    check_tcp(host, port, what, timeout)
+    _check_handshake(host, port, what, timeout, keys, insecure)
+
+
+def check_tcp(host: str, port: int, what: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Something accepts TCP connections at host:port, or raise naming it."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
             pass
@@ -33,7 +39,6 @@ def check_reachable(host: str, port: int, what: str, timeout: float = CONNECT_TI
         raise PreflightError(f"{what} {host}:{port} is unreachable (no answer within {timeout:.0f} s)") from None
     except OSError as exc:
         raise PreflightError(f"{what} {host}:{port} is unreachable ({exc.strerror or exc})") from None
-    _check_handshake(host, port, what, timeout, keys, insecure)
 
 
 def _check_handshake(host: str, port: int, what: str, timeout: float, keys, insecure: bool) -> None:
