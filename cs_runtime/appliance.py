@@ -57,6 +57,8 @@ log = logging.getLogger("cs_system")
 
 SUBMITTER_TIMEOUT_S = 10.0   # a job whose csrun_wse has not polled this long has lost its submitter
 ENDED_KEPT = 500             # ended jobs csctl still lists
+MAX_WAITING = 1000           # jobs queued or running at once; more are refused
+RESPAWN_DELAY_S = 5.0        # an idle service that died is replaced after this (no spawn loop on a broken install)
 ROLES = (("memoryx", 1), ("swarmx", 1))   # per job, with one WSE per system
 
 
@@ -118,6 +120,7 @@ class ServicePool:
         self.wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CS_") or k == "CS_LOG_LEVEL"}
         self.env.update({AWAIT_JOB_ENV: "1", "PYTHONUNBUFFERED": "1"})
+        self.not_before: dict[str, float] = {}
 
     def spawn(self, role: str) -> subprocess.Popen:
         env = with_threads(self.env, self.wse_threads if role == "wse" else 1)
@@ -126,7 +129,13 @@ class ServicePool:
 
     def refill(self, targets: dict[str, int]) -> None:
         for role, want in targets.items():
+            for dead in [p for p in self.idle[role] if p.poll() is not None]:
+                log.warning("an idle %s (pid %d) exited with %s; starting another in %.0f s", role, dead.pid,
+                            describe_exit(dead.returncode), RESPAWN_DELAY_S)
+                self.not_before[role] = time.monotonic() + RESPAWN_DELAY_S
             self.idle[role] = [p for p in self.idle[role] if p.poll() is None]
+            if time.monotonic() < self.not_before.get(role, 0.0):
+                continue
             while len(self.idle[role]) < want:
                 self.idle[role].append(self.spawn(role))
 
@@ -359,6 +368,8 @@ class CSSystem:
         if m["num_csx"] > self.num_csx:
             raise Refused(f"the job asks for {m['num_csx']} CS systems; the CS system at {self.where} "
                           f"has {self.num_csx}")
+        if sum(not j.over for j in self.jobs) >= MAX_WAITING:
+            raise Refused(f"the CS system at {self.where} has {MAX_WAITING} jobs waiting or running; try later")
         if bool(m["keys"]) == self.insecure:
             raise Refused("this CS system runs " + ("--insecure: submit with --insecure" if self.insecure
                                                      else "with CURVE: submit without --insecure"))

@@ -6,7 +6,10 @@
     csrun_wse --total-nodes 3 --tasks-per-node 2 --cpus-per-task 1 python run.py ...  # tasks with srun
 
 Without --cs_ip it starts a CS system for the job on this machine (one
-MemoryX, one SwarmX, N WSE emulators). It then starts the user's command as
+MemoryX, one SwarmX, N WSE emulators); with --cs_ip HOST:PORT it submits the
+job to a shared CS system (`cs_system serve`), waits for its turn in the
+queue, and then runs the tasks against the services that system gives the job
+(`run_on_cs_system`, also what a Python API can call). It then starts the user's command as
 the job's tasks: task 0 as the chief (`python -m chief run.py ...`), the
 others as input workers (`python -m worker run.py ...`): on this machine
 (N*W workers), over SSH on the hosts of --hostfile / -H, or with srun inside
