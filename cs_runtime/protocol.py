@@ -159,7 +159,7 @@ def _check_front_door(mtype: "Msg", meta: dict) -> None:
         if not 1 <= meta["num_csx"] <= 64:
             raise ProtocolError(f"submit: num_csx {meta['num_csx']} is not in [1, 64]")
         keys = meta["keys"]
-        if keys and (sorted(keys) != sorted(JOB_KEY_NAMES)
+        if keys and (set(keys) != set(JOB_KEY_NAMES)
                      or not all(isinstance(v, str) and Z85_KEY.match(v) for v in keys.values())):
             raise ProtocolError("submit: keys must be empty or the four Z85 CURVE keys of the job")
     if mtype in (Msg.JOB_STATE, Msg.JOB_DONE) and meta["phase"] not in PHASES:
