@@ -61,9 +61,11 @@ class ClusterExecutor:
         self.opt_spec = optimizer_spec(self.params)
         self.ctx = zmq.Context()
         self.workers = Endpoint(self.ctx, zmq.ROUTER, "chief", self.penv.job)
-        job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "chief", 0, self.penv.job)
-        job_dir.register({"router": self.workers.bind()})
-        self.heartbeat = job_dir.start_heartbeats()
+        # Kept: its socket closes with LINGER 0 when collected, which can drop the REGISTER not yet sent
+        # (the CURVE handshake may not be done), and the workers would wait for the chief for ever.
+        self.job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "chief", 0, self.penv.job)
+        self.job_dir.register({"router": self.workers.bind()})
+        self.heartbeat = self.job_dir.start_heartbeats()
         services = DirectoryClient(self.ctx, self.penv.cs_ip, "chief", 0, self.penv.job)
         found = services.lookup(["memoryx", "swarmx"])
         self.memoryx = self.dealer("memoryx", found["memoryx"][0])

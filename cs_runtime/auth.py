@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 KEYS_ENV = "CS_KEYS_DIR"
 JOB_DIR_PREFIX = "csjob-"
+SYSTEM_DIR_PREFIX = "cssys-"  # a CS system's front-door keys (cs_system serve)
+PORT_FILE = "port"             # in a CS system's folder: the port of its front door
 OWNER_FILE = "launcher.pid"   # the pid of the launcher that made the folder
 
 
@@ -67,9 +69,72 @@ def create_job_dir() -> Path:
     return folder
 
 
-def remove_stale_job_dirs() -> None:
+def write_job_dir(keys: dict[str, str]) -> Path:
+    """A private folder (0700) with the job keys a submitter sent (key_strings' form), files 0600.
+
+    The CS system's services serve a job submitted from elsewhere with that job's own keys.
+    """
+    remove_stale_job_dirs()
+    folder = Path(tempfile.mkdtemp(prefix=JOB_DIR_PREFIX))
+    for name in ("server", "client"):
+        public, secret = keys[f"{name}_public"], keys[f"{name}_secret"]
+        # zmq.auth's own writer, so that zmq.auth.load_certificate reads the files back.
+        zmq.auth.certs._write_key_file(folder / f"{name}.key", _BANNER, public)
+        zmq.auth.certs._write_key_file(folder / f"{name}.key_secret", _BANNER, public, secret)
+        for suffix in (".key", ".key_secret"):
+            os.chmod(folder / f"{name}{suffix}", 0o600)
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
+    return folder
+
+
+_BANNER = "#   ZeroMQ CURVE certificate of one cs-emulator job, written {}\n"
+
+
+def key_strings(keys: JobKeys) -> dict[str, str]:
+    """The job's four keys as Z85 text (what SUBMIT carries to a CS system)."""
+    return {"server_public": keys.server_public.decode(), "server_secret": keys.server_secret.decode(),
+            "client_public": keys.client_public.decode(), "client_secret": keys.client_secret.decode()}
+
+
+def create_system_dir() -> tuple[Path, JobKeys]:
+    """A CS system's front-door key pair in a private folder (0700; the secret 0600)."""
+    remove_stale_job_dirs(SYSTEM_DIR_PREFIX)
+    folder = Path(tempfile.mkdtemp(prefix=SYSTEM_DIR_PREFIX))
+    public_file, secret_file = zmq.auth.create_certificates(folder, "server")
+    for path in (public_file, secret_file):
+        os.chmod(path, 0o600)
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
+    public, secret = zmq.auth.load_certificate(secret_file)
+    return folder, JobKeys(folder, public, secret, b"", b"")
+
+
+def write_system_port(folder: Path, port: int) -> None:
+    """Record the front door's port, so that this user's clients on this machine find the key."""
+    (folder / PORT_FILE).write_text(str(port))
+
+
+def find_system_key(port: int) -> bytes | None:
+    """The front-door public key of a live CS system of this user on this machine at `port`."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SYSTEM_DIR_PREFIX}*"):
+        try:
+            if folder.stat().st_uid != os.getuid() or int((folder / PORT_FILE).read_text()) != port \
+                    or not pid_alive(int((folder / OWNER_FILE).read_text())):
+                continue
+            return zmq.auth.load_certificate(folder / "server.key")[0]
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def client_keys(server_public: bytes) -> JobKeys:
+    """A fresh client key pair for talking to a CS system's front door (whose public key is given)."""
+    public, secret = zmq.curve_keypair()
+    return JobKeys(Path(), server_public, b"", public, secret)
+
+
+def remove_stale_job_dirs(prefix: str = JOB_DIR_PREFIX) -> None:
     """Folders left by a launcher that was killed with SIGKILL (its cleanup never ran)."""
-    for folder in Path(tempfile.gettempdir()).glob(JOB_DIR_PREFIX + "*"):
+    for folder in Path(tempfile.gettempdir()).glob(prefix + "*"):
         try:
             if folder.stat().st_uid != os.getuid():
                 continue
@@ -126,15 +191,20 @@ _authenticators: dict[int, ThreadAuthenticator] = {}
 _auth_lock = threading.Lock()
 
 
-def secure_server(ctx: zmq.Context, sock: zmq.Socket, host: str, keys: JobKeys | None = None) -> None:
-    """Make `sock` (about to bind on `host`) a CURVE server admitting only the job's keys."""
+def secure_server(ctx: zmq.Context, sock: zmq.Socket, host: str, keys: JobKeys | None = None,
+                  any_client: bool = False) -> None:
+    """Make `sock` (about to bind on `host`) a CURVE server admitting only the job's keys.
+
+    any_client: admit every client key (a CS system's front door, where who may do
+    what is decided per request); the traffic is still encrypted and the server authenticated.
+    """
     keys = keys or job_keys()
     if keys is None:
         if not is_loopback(host):
             raise AuthError(f"refusing to bind {host} without CURVE keys ({KEYS_ENV} not set): "
                             "only loopback may run insecure")
         return
-    _start_authenticator(ctx, keys)
+    _start_authenticator(ctx, keys, any_client)
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
     sock.curve_server = True
@@ -150,7 +220,7 @@ def secure_client(sock: zmq.Socket, keys: JobKeys | None = None) -> None:
     sock.curve_serverkey = keys.server_public
 
 
-def _start_authenticator(ctx: zmq.Context, keys: JobKeys) -> None:
+def _start_authenticator(ctx: zmq.Context, keys: JobKeys, any_client: bool = False) -> None:
     # One ZAP handler per context: it answers for every CURVE server socket in it.
     with _auth_lock:
         if id(ctx) in _authenticators:
@@ -158,7 +228,7 @@ def _start_authenticator(ctx: zmq.Context, keys: JobKeys) -> None:
         auth = ThreadAuthenticator(ctx, log=logging.getLogger("cs_runtime.auth.zap"))
         auth.start()
         # Every *.key in the job folder: the job's client and server public keys.
-        auth.configure_curve(domain="*", location=str(keys.folder))
+        auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY if any_client else str(keys.folder))
         _authenticators[id(ctx)] = auth
 
 

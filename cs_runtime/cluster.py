@@ -51,9 +51,10 @@ class DirectoryServer:
     """The ROUTER side. Driven by its owner's loop through `serve_once`."""
 
     def __init__(self, ctx: zmq.Context, job: str, expected: dict[str, int], host: str | None = None,
-                 port: int = 0):
+                 port: int = 0, keys=None):
         # Only small control messages come here: a bigger frame is refused unread.
-        self.endpoint = Endpoint(ctx, zmq.ROUTER, "directory", job, max_frame_bytes=DIRECTORY_MAX_FRAME)
+        self.endpoint = Endpoint(ctx, zmq.ROUTER, "directory", job, max_frame_bytes=DIRECTORY_MAX_FRAME,
+                                 keys=keys)
         self.address = self.endpoint.bind(host, port)
         self.expected = dict(expected)
         self.peers: dict[tuple[str, int], Peer] = {}
@@ -62,6 +63,8 @@ class DirectoryServer:
         self.done = False  # the job has finished: heartbeat answers tell every process to exit 0
         # (role, rank) -> EXITED meta, for tasks the launcher cannot wait for itself (srun)
         self.exits: dict[tuple[str, int], dict] = {}
+        # The role sets asked for: the chief, once it has compiled, asks for MemoryX and SwarmX together.
+        self.lookups: set[frozenset] = set()
 
     def serve_once(self, timeout_ms: int) -> None:
         got = self.endpoint.recv(timeout_ms)
@@ -71,6 +74,7 @@ class DirectoryServer:
         if msg.type == Msg.REGISTER:
             self._register(msg)
         elif msg.type == Msg.LOOKUP:
+            self.lookups.add(frozenset(str(r) for r in msg.meta["roles"]))
             self.pending.append((identity, [str(r) for r in msg.meta["roles"]]))
         elif msg.type == Msg.HEARTBEAT:
             self._heartbeat(identity, msg)

@@ -29,6 +29,19 @@ FINISH_GRACE_S = 3.0  # after the chief's exit 0, how long the others get to exi
 
 PR_SET_PDEATHSIG = 1
 
+SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx", "wse": "wse"}
+
+# BLAS/OpenMP thread variables: the WSEs split the host's cores between them;
+# every other process does no heavy linear algebra and gets one thread, so
+# idle BLAS threads never spin on a core a WSE is computing on.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def with_threads(env: dict, threads: int) -> dict:
+    """env with the BLAS thread count set, unless the user set it for the job."""
+    return {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
+
+
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it when the launcher dies."""
@@ -153,7 +166,7 @@ class Supervisor:
         failed = sorted((rc for rc in self.group.exited() if rc[1] != 0), key=lambda t: t[1] >= 0)
         if failed:
             task, rc = failed[0]
-            raise JobFailed(f"{task.label} exited with {_describe(rc)}", retryable=rc != EXIT_BAD_INPUT)
+            raise JobFailed(f"{task.label} exited with {describe_exit(rc)}", retryable=rc != EXIT_BAD_INPUT)
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
             if (peer.role, peer.rank) in {(t.role, t.rank) for t, _ in self.group.exited()}:
                 continue  # exited cleanly (a worker that finished its plan)
@@ -180,7 +193,7 @@ class Supervisor:
             self.directory.serve_once(50)
 
 
-def _describe(rc: int) -> str:
+def describe_exit(rc: int) -> str:
     if rc < 0:
         try:
             return f"signal {signal.Signals(-rc).name}"

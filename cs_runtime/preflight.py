@@ -19,12 +19,19 @@ class PreflightError(RuntimeError):
     pass
 
 
-def check_reachable(host: str, port: int, what: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+def check_reachable(host: str, port: int, what: str, timeout: float = CONNECT_TIMEOUT_S,
+                    keys: auth.JobKeys | None = None, insecure: bool = False) -> None:
     """A TCP connection and a ZeroMQ handshake (with the job's keys) to host:port, or raise naming it.
 
     The handshake matters: a firewall or proxy may accept TCP for any address,
     and only a completed handshake shows a ZeroMQ peer that takes our keys.
     """
+    check_tcp(host, port, what, timeout)
+    _check_handshake(host, port, what, timeout, keys, insecure)
+
+
+def check_tcp(host: str, port: int, what: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Something accepts TCP connections at host:port, or raise naming it."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
             pass
@@ -32,15 +39,15 @@ def check_reachable(host: str, port: int, what: str, timeout: float = CONNECT_TI
         raise PreflightError(f"{what} {host}:{port} is unreachable (no answer within {timeout:.0f} s)") from None
     except OSError as exc:
         raise PreflightError(f"{what} {host}:{port} is unreachable ({exc.strerror or exc})") from None
-    _check_handshake(host, port, what, timeout)
 
 
-def _check_handshake(host: str, port: int, what: str, timeout: float) -> None:
+def _check_handshake(host: str, port: int, what: str, timeout: float, keys, insecure: bool) -> None:
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
-        auth.secure_client(sock)
+        if not insecure:
+            auth.secure_client(sock, keys)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         sock.connect(f"tcp://{host}:{port}")
         deadline = time.monotonic() + timeout

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,16 @@ class Msg(str, enum.Enum):
     GET_STATE = "get_state"      # chief -> MemoryX: weights + optimizer state for a checkpoint
     STATE = "state"              # MemoryX -> chief
     JOB_END = "job_end"          # chief -> services: forget the job
+    # the CS system's front door (cs_system serve): submitters and csctl
+    SUBMIT = "submit"            # csrun_wse -> front door: queue a job
+    JOB_POLL = "job_poll"        # csrun_wse -> front door: where is my job (also: I am still here)
+    JOB_STATE = "job_state"      # front door -> csrun_wse: phase, and the directory once it runs
+    JOB_DONE = "job_done"        # csrun_wse -> front door: how the job's tasks ended
+    GET_JOBS = "get_jobs"        # csctl -> front door
+    JOBS = "jobs"                # front door -> csctl: one row per job
+    CANCEL = "cancel"            # csctl -> front door: stop a job (its owner only)
+    LABEL = "label"              # csctl -> front door: set labels on a job (its owner only)
+    REFUSED = "refused"          # front door -> client: the request was not carried out, and why
 
 
 # Required meta keys per type, with the Python types they must have.
@@ -107,7 +118,66 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.GET_STATE: {},
     Msg.STATE: {},
     Msg.JOB_END: {},
+    Msg.SUBMIT: {"user": str, "num_csx": int, "owner": str, "labels": dict, "keys": dict},
+    Msg.JOB_POLL: {"name": str, "owner": str},
+    Msg.JOB_STATE: {"name": str, "job": str, "phase": str, "reason": str, "cs_ip": str, "position": int,
+                    "systems": list},
+    Msg.JOB_DONE: {"name": str, "owner": str, "phase": str, "reason": str},
+    Msg.GET_JOBS: {},
+    Msg.JOBS: {"jobs": list, "system": dict},
+    Msg.CANCEL: {"name": str, "owner": str},
+    Msg.LABEL: {"name": str, "owner": str, "labels": dict},
+    Msg.REFUSED: {"reason": str},
 }
+
+# ------------------------------------------------------------ front door
+# Job phases, in the order a job goes through them (csctl get jobs).
+PHASES = ("QUEUED", "COMPILING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
+ENDED_PHASES = ("SUCCEEDED", "FAILED", "CANCELLED")
+JOB_NAME = re.compile(r"^wsjob-[0-9]{1,9}$")
+LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")   # Kubernetes' label syntax
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+MAX_LABELS = 32
+OWNER_TOKEN = re.compile(r"^[0-9a-f]{64}$")
+USER_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+# A job's CURVE keys (the submitter's, for the services that serve it): Z85, 40 characters each.
+JOB_KEY_NAMES = ("server_public", "server_secret", "client_public", "client_secret")
+Z85_KEY = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+
+
+def _check_front_door(mtype: "Msg", meta: dict) -> None:
+    """What the types alone do not say: names, labels, keys, phases have a fixed shape."""
+    if "name" in META_SCHEMA[mtype] and mtype != Msg.JOB_STATE and not JOB_NAME.match(meta["name"]):
+        raise ProtocolError(f"{mtype.value}: job name {meta['name'][:40]!r} is not wsjob-<number>")
+    if "owner" in META_SCHEMA[mtype] and not OWNER_TOKEN.match(meta["owner"]):
+        raise ProtocolError(f"{mtype.value}: owner credential is not 64 hex digits")
+    if "labels" in META_SCHEMA[mtype]:
+        check_labels(meta["labels"], ProtocolError)
+    if mtype == Msg.SUBMIT:
+        if not USER_NAME.match(meta["user"]):
+            raise ProtocolError(f"submit: user name {meta['user'][:40]!r} is not allowed")
+        if not 1 <= meta["num_csx"] <= 64:
+            raise ProtocolError(f"submit: num_csx {meta['num_csx']} is not in [1, 64]")
+        keys = meta["keys"]
+        if keys and (set(keys) != set(JOB_KEY_NAMES)
+                     or not all(isinstance(v, str) and Z85_KEY.match(v) for v in keys.values())):
+            raise ProtocolError("submit: keys must be empty or the four Z85 CURVE keys of the job")
+    if mtype in (Msg.JOB_STATE, Msg.JOB_DONE) and meta["phase"] not in PHASES:
+        raise ProtocolError(f"{mtype.value}: unknown phase {meta['phase'][:20]!r}")
+
+
+def check_labels(labels, error=ValueError) -> None:
+    """Raise `error` naming the first bad label (keys and values as Kubernetes labels)."""
+    if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
+        raise error(f"labels must be a map of at most {MAX_LABELS} entries")
+    for key, value in labels.items():
+        if not (isinstance(key, str) and LABEL_KEY.match(key)):
+            raise error(f"label key {str(key)[:70]!r} is not 1-63 letters, digits, '-', '_' or '.'")
+        if not (isinstance(value, str) and LABEL_VALUE.match(value)):
+            raise error(f"label {key}: value {str(value)[:70]!r} is not 0-63 letters, digits, '-', '_' or '.'")
+
+FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOBS, Msg.JOBS, Msg.CANCEL,
+              Msg.LABEL, Msg.REFUSED}
 
 # Optional meta keys of any message, checked when present.
 # "format": the arrays are tensors of that precision format in their wire
@@ -236,6 +306,8 @@ def _check_header(header: dict) -> Msg:
             raise ProtocolError(f"{mtype.value}: meta field {key!r} of the wrong type")
     if "format" in meta and meta["format"] not in FORMATS:
         raise ProtocolError(f"{mtype.value}: unknown tensor format {meta['format'][:20]!r}")
+    if mtype in FRONT_DOOR:
+        _check_front_door(mtype, meta)
     return mtype
 
 

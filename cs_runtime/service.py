@@ -14,6 +14,7 @@ Environment (set by csrun_wse / the appliance, read here only):
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -24,6 +25,13 @@ import zmq
 from .auth import stop_authenticator
 
 ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
+
+# A CS system (cs_runtime/appliance.py) starts its services ahead of time with
+# AWAIT_JOB_ENV set: each imports what it needs, then waits for the one job it
+# will serve, given as one JSON line on stdin (the variables below, nothing else).
+AWAIT_JOB_ENV = "CS_AWAIT_JOB"
+ASSIGNED_VARS = ("CS_JOB_ID", "CS_IP", "CS_ROLE", "CS_RANK", "CS_NUM_CSX", "CS_KEYS_DIR", "CS_SHM_DIR",
+                 "CS_BIND_HOST")
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,25 @@ def join_cs_system(penv: ProcessEnv, ctx: zmq.Context, endpoints: dict):
     return directory
 
 
+def take_assignment() -> None:
+    """Wait for this process's job on stdin and put it in the environment; EOF: exit 0."""
+    line = sys.stdin.buffer.readline(1 << 16)
+    if not line:
+        sys.exit(0)   # the CS system stopped before it had a job for us
+    try:
+        assigned = json.loads(line)
+    except ValueError:
+        raise SystemExit("service: the job assignment on stdin is not JSON") from None
+    if not isinstance(assigned, dict) or not all(
+            k in ASSIGNED_VARS and isinstance(v, str) for k, v in assigned.items()):
+        raise SystemExit(f"service: a job assignment sets only {', '.join(ASSIGNED_VARS)}, as strings")
+    os.environ.update(assigned)
+
+
 def service_main(role: str, body) -> None:
     """Run `body(penv, ctx)` as the process `role`; exit non-zero on any error."""
+    if os.environ.pop(AWAIT_JOB_ENV, None):
+        take_assignment()
     penv = ProcessEnv.from_environ(role)
     setup_logging(role, penv.rank)
     ctx = zmq.Context()

@@ -58,7 +58,7 @@ def process_segments() -> "Segments | None":
     if folder is None:
         return None
     if _process_segments is None:
-        _process_segments = Segments(folder)
+        _process_segments = Segments(folder, os.environ.get("CS_JOB_ID", ""))
     return _process_segments
 
 
@@ -168,8 +168,9 @@ class Segments:
     `resolve` turns a reference back into a read-only array.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, job: str = ""):
         self.folder = folder.resolve()
+        self.job = job    # set: only this job's segments are mapped (a CS system serves many jobs)
         self.uid = os.getuid()
         self.spans: dict[str, tuple[int, int, mmap.mmap]] = {}   # name -> (address, size, map)
         self.arenas_made = 0
@@ -209,6 +210,8 @@ class Segments:
     def _map(self, name: str):
         if not SEGMENT_NAME.match(name):
             raise SharedMemoryError(f"bad segment name {name[:40]!r}")
+        if self.job and not name.startswith(segment_prefix(self.job)):
+            raise SharedMemoryError(f"segment {name[:60]} is not of this job ({self.job})")
         path = self.folder / name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)

@@ -64,8 +64,10 @@ class Endpoint:
     """
 
     def __init__(self, ctx: zmq.Context, kind: int, name: str, job: str = "",
-                 max_frame_bytes: int = MAX_ARRAY_BYTES):
+                 max_frame_bytes: int = MAX_ARRAY_BYTES, keys: "auth.JobKeys | None" = None,
+                 any_client: bool = False):
         self.ctx = ctx
+        self.keys, self.any_client = keys, any_client   # None: the job's keys from the environment
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a peer that sends a bigger frame before allocating it.
@@ -93,7 +95,7 @@ class Endpoint:
     def bind(self, host: str | None = None, port: int = 0) -> str:
         """Bind on `host` (default: bind_host()) at `port` (0: any free one); the address."""
         host = host or bind_host()
-        auth.secure_server(self.ctx, self.sock, host)
+        auth.secure_server(self.ctx, self.sock, host, self.keys, self.any_client)
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
             return f"tcp://{host}:{port}"
@@ -106,7 +108,7 @@ class Endpoint:
         return f"tcp://{host}:{port}"
 
     def connect(self, address: str) -> "Endpoint":
-        auth.secure_client(self.sock)
+        auth.secure_client(self.sock, self.keys)
         self.sock.connect(address)
         return self
 

@@ -6,7 +6,10 @@
     csrun_wse --total-nodes 3 --tasks-per-node 2 --cpus-per-task 1 python run.py ...  # tasks with srun
 
 Without --cs_ip it starts a CS system for the job on this machine (one
-MemoryX, one SwarmX, N WSE emulators). It then starts the user's command as
+MemoryX, one SwarmX, N WSE emulators); with --cs_ip HOST:PORT it submits the
+job to a shared CS system (`cs_system serve`), waits for its turn in the
+queue, and then runs the tasks against the services that system gives the job
+(`run_on_cs_system`, also what a Python API can call). It then starts the user's command as
 the job's tasks: task 0 as the chief (`python -m chief run.py ...`), the
 others as input workers (`python -m worker run.py ...`): on this machine
 (N*W workers), over SSH on the hosts of --hostfile / -H, or with srun inside
@@ -32,8 +35,9 @@ import zmq
 
 from cs_runtime import auth, remote
 from cs_runtime.cluster import DirectoryServer
-from cs_runtime.launcher import ProcessGroup, Supervisor
-from cs_runtime.preflight import PreflightError, check_reachable
+from cs_runtime.frontdoor import FrontDoor, FrontDoorError, SubmittedJob
+from cs_runtime.launcher import SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, with_threads
+from cs_runtime.protocol import ENDED_PHASES, check_labels
 from cs_runtime.restart import RESTART_ENV, Outcome, run_with_restarts
 from cs_runtime.service import setup_logging
 from cs_runtime.shm import remove_job_segments, remove_orphaned_segments
@@ -45,7 +49,6 @@ JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TAR
             "CS_NUM_WORKERS_PER_CSX", "CS_NUM_WORKERS", "CS_HOST_NAME", "CS_BIND_HOST",
             auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR")
 SHM_DIR = "/dev/shm"   # memory-backed on Linux
-SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx", "wse": "wse"}
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
@@ -82,6 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
              help="no CURVE authentication or encryption (debugging; loopback only)")
     add_flag(parser, "no_shm", action="store_true",
              help="stream weights over tcp even between local processes (default: shared memory)")
+    add_flag(parser, "job_label", action="append", default=[], metavar="KEY=VALUE",
+             help="with --cs_ip: a label of the job, shown by csctl get jobs (repeatable)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python run.py ARGS...")
     ns = parser.parse_args(argv)
     if not ns.command:
@@ -93,6 +98,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{flag} must be at least 1")
     if ns.max_restarts < 0:
         parser.error("--max_restarts must be 0 or more")
+    ns.job_labels = dict(pair.partition("=")[::2] for pair in ns.job_label)
+    if any("=" not in pair for pair in ns.job_label):
+        parser.error("--job_label takes KEY=VALUE")
+    try:
+        check_labels(ns.job_labels)
+    except ValueError as exc:
+        parser.error(f"--job_label: {exc}")
+    if ns.job_labels and not ns.cs_ip:
+        parser.error("--job_label is for jobs on a CS system (--cs_ip)")
     ns.launcher = choose_launcher(ns, parser)
     return ns
 
@@ -163,17 +177,6 @@ def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str, layo
     return env
 
 
-# BLAS/OpenMP thread variables: the WSEs split the host's cores between them;
-# every other process does no heavy linear algebra and gets one thread, so
-# idle BLAS threads never spin on a core a WSE is computing on.
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def with_threads(env: dict, threads: int) -> dict:
-    """env with the BLAS thread count set, unless the user set it for the job."""
-    return {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
-
-
 def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | None) -> None:
     """MemoryX, SwarmX and the WSEs, on this machine: with shm_dir they share memory for the weight stream."""
     if shm_dir:
@@ -204,43 +207,41 @@ def start_tasks(group: ProcessGroup, directory: DirectoryServer, layout: Layout,
         start_local_tasks(group, env, ns.command, layout.num_workers)
 
 
-def split_cs_ip(cs_ip: str) -> tuple[str, int]:
-    host, sep, port = cs_ip.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise SystemExit(f"csrun_wse: --cs_ip {cs_ip!r} is not HOST:PORT")
-    return host, int(port)
+def preflight(ns: argparse.Namespace, layout: Layout) -> FrontDoor | None:
+    """Fail in seconds, with one line, on what would otherwise fail late or unsafely.
 
-
-def cs_address(cs_ip: str) -> str:
-    host, port = split_cs_ip(cs_ip)
-    return f"tcp://{host}:{port}"
-
-
-def preflight(ns: argparse.Namespace, layout: Layout) -> None:
-    """Fail in seconds, with one line, on what would otherwise fail late or unsafely."""
+    With --cs_ip: the connection to the CS system's front door."""
     if ns.insecure:
-        hosts = [layout.bind] + ([split_cs_ip(ns.cs_ip)[0]] if ns.cs_ip else [])
-        outside = [h for h in hosts if not auth.is_loopback(h)]
+        outside = [h for h in [layout.bind] if not auth.is_loopback(h)]
         if outside:
             raise SystemExit(f"csrun_wse: --insecure is for loopback only, not {outside[0]}")
         print("csrun_wse: WARNING: --insecure: CURVE authentication and encryption are OFF; "
               "any local process can connect to this job's sockets and read or inject its traffic",
               file=sys.stderr, flush=True)
-    if ns.cs_ip:
-        try:
-            check_reachable(*split_cs_ip(ns.cs_ip), "--cs_ip")
-        except PreflightError as exc:
-            raise SystemExit(f"csrun_wse: {exc}") from None
     if layout.launcher == "ssh":
         remote.preflight(layout.placement, ns.ssh_options)
+    if not ns.cs_ip:
+        return None
+    try:
+        return FrontDoor.open(ns.cs_ip, ns.insecure, what="--cs_ip")
+    except FrontDoorError as exc:
+        raise SystemExit(f"csrun_wse: {exc}") from None
 
 
-def run_job(ns: argparse.Namespace, layout: Layout, attempt: int) -> Outcome:
-    """One whole job: its directory, its processes, supervised until it ends."""
-    job = f"wsjob-{uuid.uuid4().hex[:12]}"
+def run_job(ns: argparse.Namespace, layout: Layout, attempt: int, door: FrontDoor | None = None) -> Outcome:
+    """One whole job, on a CS system of its own (door None) or on the shared one behind `door`."""
+    if door is not None:
+        return run_on_cs_system(ns, layout, attempt, door)
+    return supervise_job(ns, layout, attempt, f"wsjob-{uuid.uuid4().hex[:12]}")[0]
+
+
+def supervise_job(ns: argparse.Namespace, layout: Layout, attempt: int, job: str, cs_ip: str | None = None,
+                  extra_check=None) -> tuple[Outcome, Supervisor]:
+    """The job's directory and processes, supervised until it ends. cs_ip None: start MemoryX,
+    SwarmX and the WSEs here too; else the CS system's directory for this job."""
     ctx = zmq.Context()
     expected = {"chief": 1, "worker": layout.num_workers}
-    if ns.cs_ip is None:
+    if cs_ip is None:
         expected.update(memoryx=1, swarmx=1, wse=ns.num_csx)
     try:
         directory = DirectoryServer(ctx, job, expected, host=layout.bind, port=ns.port)
@@ -248,43 +249,89 @@ def run_job(ns: argparse.Namespace, layout: Layout, attempt: int) -> Outcome:
         auth.stop_authenticator(ctx)
         ctx.destroy(linger=0)
         raise SystemExit(f"csrun_wse: --port: {exc}") from None
-    cs_ip = directory.address if ns.cs_ip is None else cs_address(ns.cs_ip)
-    env = {**base_env(ns, job, directory.address, cs_ip, layout), RESTART_ENV: str(attempt)}
+    env = {**base_env(ns, job, directory.address, cs_ip or directory.address, layout), RESTART_ENV: str(attempt)}
     group = ProcessGroup()
     logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s), tasks %s", job, ns.num_csx,
                                         layout.num_workers, describe(layout))
     supervisor = Supervisor(directory, group, finisher_role="chief")
-    shm_dir = None if ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
+    shm_dir = None if cs_ip or ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
     if shm_dir:
         remove_orphaned_segments(Path(shm_dir))
     try:
-        if ns.cs_ip is None:
+        if cs_ip is None:
             start_services(group, env, ns.num_csx, shm_dir)
         start_tasks(group, directory, layout, env, ns, job)
-        code = supervisor.run()
+        code = supervisor.run(extra_check)
     finally:
         group.stop_all()
         if shm_dir:  # whatever the services left, even when killed
             remove_job_segments(Path(shm_dir), job)
         auth.stop_authenticator(ctx)
         ctx.destroy(linger=0)
-    return Outcome(code, supervisor.failure is None or supervisor.failure.retryable)
+    return Outcome(code, supervisor.failure is None or supervisor.failure.retryable), supervisor
+
+
+def say(line: str) -> None:
+    print(f"csrun_wse: {line}", file=sys.stderr, flush=True)
+
+
+def run_on_cs_system(ns: argparse.Namespace, layout: Layout, attempt: int, door: FrontDoor) -> Outcome:
+    """Submit to the shared CS system, wait for the job's turn, then run its chief and input workers
+    against the directory the CS system made for it, until the job ends or the CS system ends it."""
+    try:
+        job = SubmittedJob(door, ns.num_csx, ns.job_labels, auth.job_keys())
+    except FrontDoorError as exc:
+        raise SystemExit(f"csrun_wse: {exc}") from None
+    say(f"submitted {job.name} to the CS system at {ns.cs_ip} (csctl --cs_ip {ns.cs_ip} get jobs)")
+    try:
+        state = job.wait_turn(lambda position: say(f"{job.name} is queued (position {position})"))
+    except KeyboardInterrupt:
+        job.done("CANCELLED", "interrupted by SIGINT while queued")
+        say(f"{job.name} cancelled while queued")
+        return Outcome(130, retryable=False)
+    except FrontDoorError as exc:
+        say(f"{job.name}: {exc}")
+        return Outcome(1)
+    if state["phase"] in ENDED_PHASES:
+        say(f"{job.name} {state['phase']}: {state['reason']}")
+        return Outcome(1, retryable=state["phase"] == "FAILED")
+    say(f"{job.name} starts on {','.join(state['systems'])}")
+
+    def follow() -> None:   # the CS system may end the job: cancelled, or one of its services failed
+        try:
+            now = job.check()
+        except FrontDoorError as exc:
+            raise JobFailed(str(exc)) from None
+        if now["phase"] in ENDED_PHASES:
+            raise JobFailed(f"{job.name} {now['phase'].lower()} on the CS system: {now['reason']}",
+                            retryable=now["phase"] == "FAILED")
+
+    outcome, supervisor = supervise_job(ns, layout, attempt, state["job"], state["cs_ip"], follow)
+    failure = supervisor.failure
+    if failure is None:
+        job.done("SUCCEEDED")
+    else:
+        job.done("CANCELLED" if str(failure).startswith("interrupted") else "FAILED", str(failure))
+    return outcome
 
 
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
     layout = plan_layout(ns)
-    # Keys for one job, in a private folder that goes when the job does. With
-    # --cs_ip a long-lived CS system's folder may be given in CS_KEYS_DIR.
+    # Keys for one job, in a private folder that goes when the job does (with
+    # --cs_ip they travel, encrypted, to the CS system's services for this job).
     outside = os.environ.pop(auth.KEYS_ENV, None)
-    keys_dir = None if ns.insecure or (ns.cs_ip and outside) else auth.create_job_dir()
-    if not ns.insecure:
-        os.environ[auth.KEYS_ENV] = str(keys_dir or outside)  # read by auth.job_keys() and base_env
+    keys_dir = None if ns.insecure else auth.create_job_dir()
+    if keys_dir is not None:
+        os.environ[auth.KEYS_ENV] = str(keys_dir)  # read by auth.job_keys() and base_env
+    door = None
     try:
-        preflight(ns, layout)
-        code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt), ns.max_restarts)
+        door = preflight(ns, layout)
+        code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt, door), ns.max_restarts)
     finally:
+        if door is not None:
+            door.close()
         os.environ.pop(auth.KEYS_ENV, None)
         if outside is not None:
             os.environ[auth.KEYS_ENV] = outside

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from cs_runtime import protocol
 from cs_runtime.protocol import (
     ALLOWED_DTYPES,
+    FRONT_DOOR,
     MAX_DIMS,
     MAX_HEADER_BYTES,
     META_SCHEMA,
@@ -50,8 +51,16 @@ def _sample_value(typ):
     return {str: "x", int: 3, float: 0.5, bool: True, dict: {"k": 1}, list: [1, "a"]}[typ]
 
 
+# Front-door fields have a fixed shape as well as a type.
+FRONT_DOOR_SAMPLES = {"name": "wsjob-1", "owner": "ab" * 32, "labels": {"k": "v"}, "keys": {}, "phase": "QUEUED",
+                      "user": "u", "num_csx": 1}
+
+
 def minimal_meta(mtype: Msg) -> dict:
-    return {key: _sample_value(typ) for key, typ in META_SCHEMA[mtype].items()}
+    meta = {key: _sample_value(typ) for key, typ in META_SCHEMA[mtype].items()}
+    if mtype in FRONT_DOOR:
+        meta.update({k: v for k, v in FRONT_DOOR_SAMPLES.items() if k in meta})
+    return meta
 
 
 def header(mtype: Msg = Msg.GRADS, **overrides) -> dict:

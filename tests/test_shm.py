@@ -120,6 +120,16 @@ def test_a_segment_of_another_user_is_refused(tmp_path):
         decode(reference(path.name), shm.Segments(tmp_path))
 
 
+def test_a_segment_of_another_job_is_refused(two_processes, tmp_path):
+    """A CS system serves many jobs: a process of one job never maps another job's segment."""
+    sender, arena, _ = two_processes
+    other_job = shm.Segments(tmp_path, job="job2")
+    frames = encode(weights_message({"weight": arena.copy_of(np.ones(BIG, np.float32))}), sender)
+    with pytest.raises(ProtocolError, match="is not of this job"):
+        decode(frames, other_job)
+    assert decode(frames, shm.Segments(tmp_path, job="job1")).arrays["weight"].sum() == BIG
+
+
 def test_an_arena_refuses_to_overflow_and_aligns_its_arrays(tmp_path):
     arena = shm.Arena(tmp_path, "cs-job2-wse0-1", 1000)
     try:

@@ -1,0 +1,420 @@
+"""A CS system that many jobs share: `cs_system serve --port 9000 --num_csx 2`.
+
+One long-lived process, the front door, owns N CS systems (WSE emulators
+cs0..cs{N-1}) and a queue. `csrun_wse --cs_ip HOST:9000 ...` submits a job
+(SUBMIT), then polls it (JOB_POLL, twice a second, which also says the
+submitter is alive). Jobs start in submission order as soon as enough
+systems are free (the head of the queue is never overtaken); a job holds
+its systems until it ends. When a job's turn comes the front door gives it a
+MemoryX, a SwarmX and one WSE per system, and a directory of its own; the
+next poll answer (phase COMPILING) tells the submitter that directory's
+address, and the submitter runs the chief and input workers against it as
+csrun_wse does for a local system. The phase becomes RUNNING when the chief,
+compiled, looks up MemoryX; the submitter reports how its tasks ended
+(JOB_DONE). csctl lists, cancels and labels jobs over the same front door.
+
+Isolation: a service process serves one job, then is stopped. The front
+door keeps a pool of service processes started ahead of time (imports
+done, waiting on stdin; see service.py) and hands one out per role when a
+job starts, with that job's id, its CURVE keys (sent by the submitter,
+encrypted) and its directory; a fresh process replaces it in the pool.
+So no socket, key, mapping or state of one job exists in a process of
+another, each job's directory admits only that job's keys, every message
+carries the job id and is dropped by another job, and a process maps only
+shared-memory segments named for its job. A job that fails, is cancelled, or
+whose submitter stops polling for 10 s has its service processes stopped
+and its segments and key folder deleted; the systems are then free.
+
+Ownership: see frontdoor.py (a per-user owner credential; the job keeps its
+SHA-256, and CANCEL / LABEL must carry the credential).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from . import auth
+from .cluster import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
+from .launcher import SERVICE_MODULES, ProcessGroup, Task, describe_exit, spawn, with_threads
+from .protocol import ENDED_PHASES, Message, Msg
+from .service import AWAIT_JOB_ENV
+from .shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
+from .transport import Endpoint, host_name
+
+log = logging.getLogger("cs_system")
+
+SUBMITTER_TIMEOUT_S = 10.0   # a job whose csrun_wse has not polled this long has lost its submitter
+ENDED_KEPT = 500             # ended jobs csctl still lists
+MAX_WAITING = 1000           # jobs queued or running at once; more are refused
+RESPAWN_DELAY_S = 5.0        # an idle service that died is replaced after this (no spawn loop on a broken install)
+ROLES = (("memoryx", 1), ("swarmx", 1))   # per job, with one WSE per system
+
+
+class Refused(Exception):
+    """A front-door request that is not carried out; the message goes back to the client."""
+
+
+def owner_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass
+class Job:
+    number: int
+    user: str
+    owner: str              # SHA-256 of the submitter's owner credential
+    num_csx: int
+    labels: dict
+    keys: dict              # the job's CURVE keys (Z85), until it starts; {} when insecure
+    run_id: str = ""        # the id every process and message of the job carries
+    phase: str = "QUEUED"
+    reason: str = ""
+    systems: list = field(default_factory=list)
+    submitted: float = field(default_factory=time.time)
+    started: float | None = None
+    ended: float | None = None
+    last_poll: float = field(default_factory=time.monotonic)
+    runtime: "JobRuntime | None" = None
+    services: list = field(default_factory=list)   # [{role, rank, pid}] of the processes that served it
+
+    def __post_init__(self):
+        # Unique across CS systems and restarts: segment names and messages carry it.
+        self.run_id = f"{self.name}-{secrets.token_hex(4)}"
+
+    @property
+    def name(self) -> str:
+        return f"wsjob-{self.number}"
+
+    @property
+    def over(self) -> bool:
+        return self.phase in ENDED_PHASES
+
+    def row(self, position: int) -> dict:
+        now = time.time()
+        return {"name": self.name, "job_id": self.run_id, "phase": self.phase, "user": self.user,
+                "labels": dict(self.labels), "systems": [f"cs{i}" for i in self.systems],
+                "num_csx": self.num_csx, "age_s": round(now - self.submitted, 1),
+                "duration_s": None if self.started is None else round((self.ended or now) - self.started, 1),
+                "submitted": self.submitted, "position": position, "reason": self.reason,
+                "services": list(self.services)}
+
+
+class ServicePool:
+    """Service processes started ahead of time, each waiting for the one job it will serve."""
+
+    def __init__(self, num_csx: int):
+        self.idle: dict[str, list[subprocess.Popen]] = {role: [] for role in SERVICE_MODULES}
+        # The WSEs split the cores between the systems; every other service gets one BLAS thread.
+        self.wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CS_") or k == "CS_LOG_LEVEL"}
+        self.env.update({AWAIT_JOB_ENV: "1", "PYTHONUNBUFFERED": "1"})
+        self.not_before: dict[str, float] = {}
+
+    def spawn(self, role: str) -> subprocess.Popen:
+        env = with_threads(self.env, self.wse_threads if role == "wse" else 1)
+        return spawn([sys.executable, "-m", SERVICE_MODULES[role]], env, stdin=subprocess.PIPE,
+                     stdout=sys.stderr)   # services log to stderr; stdout stays the server's own
+
+    def refill(self, targets: dict[str, int]) -> None:
+        for role, want in targets.items():
+            for dead in [p for p in self.idle[role] if p.poll() is not None]:
+                log.warning("an idle %s (pid %d) exited with %s; starting another in %.0f s", role, dead.pid,
+                            describe_exit(dead.returncode), RESPAWN_DELAY_S)
+                self.not_before[role] = time.monotonic() + RESPAWN_DELAY_S
+            self.idle[role] = [p for p in self.idle[role] if p.poll() is None]
+            if time.monotonic() < self.not_before.get(role, 0.0):
+                continue
+            while len(self.idle[role]) < want:
+                self.idle[role].append(self.spawn(role))
+
+    def take(self, role: str, assignment: dict[str, str]) -> subprocess.Popen:
+        """An idle process of `role` (or a new one), given its job."""
+        while True:
+            proc = self.idle[role].pop(0) if self.idle[role] else self.spawn(role)
+            try:
+                proc.stdin.write(json.dumps(assignment).encode() + b"\n")
+                proc.stdin.close()
+                return proc
+            except (BrokenPipeError, ValueError):
+                proc.wait()   # it died while idle: take the next one
+
+    def stop_all(self) -> None:
+        group = ProcessGroup()
+        for role, procs in self.idle.items():
+            for proc in procs:
+                if proc.stdin:
+                    proc.stdin.close()   # EOF: an idle service exits by itself
+                group.add(Task(role, 0, host_name(), proc))
+        group.stop_all()
+        self.idle = {role: [] for role in SERVICE_MODULES}
+
+
+class JobRuntime:
+    """One running job on the CS system: its directory, its service processes, its keys."""
+
+    def __init__(self, job: Job, host: str, pool: ServicePool, shm_dir: str | None):
+        self.job, self.shm_dir = job, shm_dir
+        self.ctx = zmq.Context()     # its own ZAP handler, admitting only this job's keys
+        self.keys_dir = auth.write_job_dir(job.keys) if job.keys else None
+        keys = auth.load_keys(str(self.keys_dir)) if self.keys_dir else None
+        self.directory = DirectoryServer(self.ctx, job.run_id, {"memoryx": 1, "swarmx": 1, "wse": job.num_csx},
+                                         host=host, keys=keys)
+        env = {"CS_JOB_ID": job.run_id, "CS_IP": self.directory.address, "CS_NUM_CSX": str(job.num_csx),
+               "CS_BIND_HOST": host}
+        if self.keys_dir:
+            env[auth.KEYS_ENV] = str(self.keys_dir)
+        if shm_dir:
+            env[SHM_ENV] = shm_dir
+        self.group = ProcessGroup()
+        for role, count in (*ROLES, ("wse", job.num_csx)):
+            for rank in range(count):
+                proc = pool.take(role, {**env, "CS_ROLE": role, "CS_RANK": str(rank)})
+                self.group.add(Task(role, rank, host_name(), proc))
+        self.started = time.monotonic()
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self.directory.endpoint.sock
+
+    def serve(self) -> None:
+        while self.socket.poll(0):
+            self.directory.serve_once(0)
+
+    @property
+    def chief_arrived(self) -> bool:
+        """The chief has compiled and looks for MemoryX: the job is training."""
+        return frozenset(("memoryx", "swarmx")) in self.directory.lookups
+
+    def failure(self) -> str | None:
+        """What went wrong with the job's services, if anything."""
+        for task, rc in self.group.exited():
+            return f"{task.label} exited with {describe_exit(rc)}"
+        for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
+            return f"{peer.role} {peer.rank} on {peer.host} (pid {peer.pid}) stopped answering"
+        if time.monotonic() - self.started > REGISTER_TIMEOUT:
+            for task in self.group.tasks:
+                if (task.role, task.rank) not in self.directory.peers:
+                    return f"{task.label} did not register within {REGISTER_TIMEOUT:.0f} s"
+        return None
+
+    def stop(self, reason: str) -> None:
+        """Stop every process of the job and delete what it leaves: segments, keys, sockets."""
+        self.directory.failure = reason     # heartbeat answers now tell any straggler to exit
+        self.group.stop_all()               # services keep nothing worth a grace period
+        if self.shm_dir:
+            remove_job_segments(Path(self.shm_dir), self.job.run_id)
+        self.directory.close()
+        auth.stop_authenticator(self.ctx)
+        self.ctx.destroy(linger=0)
+        if self.keys_dir:
+            auth.remove_job_dir(self.keys_dir)
+
+
+class CSSystem:
+    """The front door, the queue and the systems."""
+
+    def __init__(self, host: str, port: int, num_csx: int, insecure: bool, shm: bool):
+        self.host, self.num_csx, self.insecure = host, num_csx, insecure
+        self.shm_dir = "/dev/shm" if shm and os.path.isdir("/dev/shm") else None
+        if self.shm_dir:
+            remove_orphaned_segments(Path(self.shm_dir))
+        os.environ.pop(auth.KEYS_ENV, None)   # this process has no job of its own
+        self.keys_dir, keys = (None, None) if insecure else auth.create_system_dir()
+        self.ctx = zmq.Context()
+        self.front = Endpoint(self.ctx, zmq.ROUTER, "cs_system", "", max_frame_bytes=DIRECTORY_MAX_FRAME,
+                              keys=keys, any_client=True)
+        try:
+            self.port = int(self.front.bind(host, port).rsplit(":", 1)[1])
+        except Exception:
+            self.close()
+            raise
+        if self.keys_dir:
+            auth.write_system_port(self.keys_dir, self.port)
+        self.public_key = keys.server_public.decode() if keys else ""
+        self.where = f"{host}:{self.port}"
+        self.jobs: list[Job] = []
+        self.submitted = 0     # jobs are numbered 1, 2, ... in submission order
+        self.free = set(range(num_csx))
+        self.pool = ServicePool(num_csx)
+        self.stopping = ""
+
+    # ------------------------------------------------------------ main loop
+    def serve_forever(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, _: setattr(self, "stopping", signal.Signals(signum).name))
+        try:
+            while not self.stopping:
+                self.step(100)
+        finally:
+            self.shutdown()
+
+    def step(self, timeout_ms: int) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front.sock, zmq.POLLIN)
+        for job in self.running():
+            poller.register(job.runtime.socket, zmq.POLLIN)
+        poller.poll(timeout_ms)
+        self.serve_front_door()
+        for job in self.running():
+            job.runtime.serve()
+            self.watch(job)
+        self.drop_lost_submitters()
+        self.schedule()
+        self.pool.refill({"memoryx": 1, "swarmx": 1, "wse": self.num_csx})
+
+    def running(self) -> list[Job]:
+        return [j for j in self.jobs if j.runtime is not None]
+
+    def serve_front_door(self) -> None:
+        for _ in range(100):   # bounded: the jobs' directories must be served too
+            got = self.front.recv(0)
+            if got is None:
+                return
+            identity, msg = got
+            try:
+                answer = self.answer(msg)
+            except Refused as refusal:
+                answer = Message(Msg.REFUSED, meta={"reason": str(refusal)})
+            answer.step = msg.step        # the client matches answers to requests by it
+            self.front.send(answer, identity)
+
+    def watch(self, job: Job) -> None:
+        failure = job.runtime.failure()
+        if failure:
+            self.end(job, "FAILED", failure)
+        elif job.phase == "COMPILING" and job.runtime.chief_arrived:
+            job.phase = "RUNNING"
+            log.info("%s is running", job.name)
+
+    def drop_lost_submitters(self) -> None:
+        now = time.monotonic()
+        for job in self.jobs:
+            if not job.over and now - job.last_poll > SUBMITTER_TIMEOUT_S:
+                self.end(job, "FAILED", f"its csrun_wse stopped polling for {SUBMITTER_TIMEOUT_S:.0f} s "
+                                        "(killed, or the connection was lost)")
+
+    def schedule(self) -> None:
+        """Start queued jobs in order while the head of the queue fits the free systems."""
+        for job in [j for j in self.jobs if j.phase == "QUEUED"]:
+            if job.num_csx > len(self.free):
+                return
+            job.systems = sorted(self.free)[:job.num_csx]
+            self.free -= set(job.systems)
+            job.phase, job.started = "COMPILING", time.time()
+            try:
+                job.runtime = JobRuntime(job, self.host, self.pool, self.shm_dir)
+            except Exception as exc:  # e.g. no free port: the job fails, the system goes on
+                self.end(job, "FAILED", f"could not start its services: {exc}")
+                continue
+            job.keys = {}
+            job.services = [{"role": t.role, "rank": t.rank, "pid": t.proc.pid} for t in job.runtime.group.tasks]
+            log.info("%s (%s) started on %s", job.name, job.user, ",".join(f"cs{i}" for i in job.systems))
+
+    def end(self, job: Job, phase: str, reason: str = "") -> None:
+        if job.over:
+            return
+        runtime, job.runtime = job.runtime, None
+        if runtime is not None:
+            runtime.stop(reason or f"job {phase.lower()}")
+        self.free |= set(job.systems)
+        job.phase, job.reason, job.ended, job.keys = phase, reason, time.time(), {}
+        log.info("%s %s%s", job.name, phase, f": {reason}" if reason else "")
+        ended = [j for j in self.jobs if j.over]
+        for old in ended[:max(0, len(ended) - ENDED_KEPT)]:
+            self.jobs.remove(old)
+
+    # ------------------------------------------------------------ requests
+    def answer(self, msg: Message) -> Message:
+        m = msg.meta
+        if msg.type == Msg.SUBMIT:
+            return self.job_state(self.submit(m))
+        if msg.type == Msg.GET_JOBS:
+            return Message(Msg.JOBS, meta={"jobs": [j.row(self.position(j)) for j in self.jobs],
+                                           "system": {"address": self.where, "num_csx": self.num_csx,
+                                                      "free": [f"cs{i}" for i in sorted(self.free)]}})
+        if msg.type not in (Msg.JOB_POLL, Msg.JOB_DONE, Msg.CANCEL, Msg.LABEL):
+            raise Refused(f"{msg.type.value} is not a request the CS system takes")
+        verb = {Msg.JOB_POLL: "follow", Msg.JOB_DONE: "report on", Msg.CANCEL: "cancel", Msg.LABEL: "label"}
+        job = self.owned(m["name"], m["owner"], verb[msg.type])
+        if msg.type == Msg.JOB_POLL:
+            job.last_poll = time.monotonic()
+        elif msg.type == Msg.JOB_DONE:
+            self.end(job, m["phase"] if m["phase"] in ENDED_PHASES else "FAILED", m["reason"])
+        elif msg.type == Msg.CANCEL:
+            if job.over:
+                raise Refused(f"{job.name} has already ended ({job.phase})")
+            self.end(job, "CANCELLED", "cancelled by its owner (csctl cancel job)")
+            return Message(Msg.ACK, meta={"what": "cancel"})
+        else:
+            job.labels.update(m["labels"])
+            if len(job.labels) > 32:
+                raise Refused(f"{job.name}: more than 32 labels")
+            return Message(Msg.ACK, meta={"what": "label"})
+        return self.job_state(job)
+
+    def submit(self, m: dict) -> Job:
+        if m["num_csx"] > self.num_csx:
+            raise Refused(f"the job asks for {m['num_csx']} CS systems; the CS system at {self.where} "
+                          f"has {self.num_csx}")
+        if sum(not j.over for j in self.jobs) >= MAX_WAITING:
+            raise Refused(f"the CS system at {self.where} has {MAX_WAITING} jobs waiting or running; try later")
+        if bool(m["keys"]) == self.insecure:
+            raise Refused("this CS system runs " + ("--insecure: submit with --insecure" if self.insecure
+                                                     else "with CURVE: submit without --insecure"))
+        self.submitted += 1
+        job = Job(self.submitted, m["user"], owner_hash(m["owner"]), m["num_csx"], dict(m["labels"]), dict(m["keys"]))
+        self.jobs.append(job)
+        log.info("%s (%s, %d system(s)) queued at position %d", job.name, job.user, job.num_csx, self.position(job))
+        return job
+
+    def owned(self, name: str, owner: str, verb: str) -> Job:
+        job = next((j for j in self.jobs if j.name == name), None)
+        if job is None:
+            raise Refused(f"no job {name} on {self.where}")
+        if not hmac.compare_digest(job.owner, owner_hash(owner)):
+            raise Refused(f"permission denied: {name} belongs to {job.user}, and only its owner may {verb} it "
+                          "(this request does not carry the owner credential it was submitted with)")
+        return job
+
+    def position(self, job: Job) -> int:
+        queued = [j for j in self.jobs if j.phase == "QUEUED"]
+        return queued.index(job) + 1 if job in queued else 0
+
+    def job_state(self, job: Job) -> Message:
+        return Message(Msg.JOB_STATE, meta={
+            "name": job.name, "job": job.run_id, "phase": job.phase, "reason": job.reason,
+            "cs_ip": job.runtime.directory.address if job.runtime else "", "position": self.position(job),
+            "systems": [f"cs{i}" for i in job.systems]})
+
+    # ------------------------------------------------------------ stop
+    def shutdown(self) -> None:
+        live = [j for j in self.jobs if not j.over]
+        for job in live:
+            self.end(job, "CANCELLED", f"the CS system stopped ({self.stopping or 'shut down'})")
+        if live:   # a moment to tell the submitters, so they stop at once rather than time out
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                self.front.sock.poll(50)
+                self.serve_front_door()
+        self.pool.stop_all()
+        self.close()
+        log.info("stopped")
+
+    def close(self) -> None:
+        self.front.close()
+        auth.stop_authenticator(self.ctx)
+        self.ctx.destroy(linger=0)
+        if self.keys_dir:
+            auth.remove_job_dir(self.keys_dir)

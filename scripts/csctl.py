@@ -1,0 +1,112 @@
+"""csctl: look at and steer the jobs of a CS system (`cs_system serve`).
+
+    csctl [--cs_ip HOST:PORT] get jobs [-o table|json]
+    csctl [--cs_ip HOST:PORT] cancel job ID          # ID: 7 or wsjob-7; its owner only
+    csctl [--cs_ip HOST:PORT] label job ID KEY=VALUE [KEY=VALUE ...]
+
+The CS system is --cs_ip, else $CS_SYSTEM. Cancelling or labelling a job
+needs the owner credential of the user who submitted it (~/.cs_emulator/
+owner.token, see cs_runtime/frontdoor.py). Errors are one line, exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from cs_runtime.frontdoor import SYSTEM_ENV, FrontDoor, FrontDoorError, owner_token
+from cs_runtime.protocol import JOB_NAME, Message, Msg, check_labels
+
+COLUMNS = ("NAME", "AGE", "DURATION", "PHASE", "SYSTEMS", "USER", "LABELS")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="csctl", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--cs_ip", "--cs-ip", dest="cs_ip", default=os.environ.get(SYSTEM_ENV),
+                        help=f"HOST:PORT of the CS system (default ${SYSTEM_ENV})")
+    parser.add_argument("--insecure", action="store_true", help="the CS system runs without CURVE (loopback)")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    get = verbs.add_parser("get", help="list jobs")
+    get.add_argument("kind", choices=("jobs", "job"))
+    get.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    cancel = verbs.add_parser("cancel", help="stop a job and free its systems")
+    cancel.add_argument("kind", choices=("job",))
+    cancel.add_argument("job")
+    label = verbs.add_parser("label", help="set labels on a job")
+    label.add_argument("kind", choices=("job",))
+    label.add_argument("job")
+    label.add_argument("labels", nargs="+", metavar="KEY=VALUE")
+    ns = parser.parse_args(argv)
+    if not ns.cs_ip:
+        parser.error(f"no CS system: give --cs_ip HOST:PORT or set {SYSTEM_ENV}")
+    return ns
+
+
+def job_name(text: str) -> str:
+    name = text if text.startswith("wsjob-") else f"wsjob-{text}"
+    if not JOB_NAME.match(name):
+        raise FrontDoorError(f"{text!r} is not a job id (7 or wsjob-7)")
+    return name
+
+
+def parse_labels(pairs: list[str]) -> dict[str, str]:
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise FrontDoorError(f"label {pair!r} is not KEY=VALUE")
+        labels[key] = value
+    check_labels(labels, FrontDoorError)
+    return labels
+
+
+def age(seconds: float | None) -> str:
+    """kubectl's style: 42s, 3m5s, 2h4m, 3d."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60}m"
+    return f"{s // 86400}d"
+
+
+def table(jobs: list[dict]) -> str:
+    rows = [COLUMNS] + [(j["name"], age(j["age_s"]), age(j["duration_s"]), j["phase"],
+                         ",".join(j["systems"]) or "-", j["user"],
+                         ",".join(f"{k}={v}" for k, v in sorted(j["labels"].items())) or "-") for j in jobs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def run(ns: argparse.Namespace) -> str:
+    door = FrontDoor.open(ns.cs_ip, ns.insecure, what="the CS system at")
+    try:
+        if ns.verb == "get":
+            jobs = door.request(Message(Msg.GET_JOBS)).meta["jobs"]
+            return json.dumps({"jobs": jobs}, indent=2) if ns.output == "json" else table(jobs)
+        name = job_name(ns.job)
+        if ns.verb == "cancel":
+            door.request(Message(Msg.CANCEL, meta={"name": name, "owner": owner_token()}))
+            return f"{name} cancelled"
+        door.request(Message(Msg.LABEL, meta={"name": name, "owner": owner_token(),
+                                               "labels": parse_labels(ns.labels)}))
+        return f"{name} labelled"
+    finally:
+        door.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        print(run(ns), flush=True)
+    except FrontDoorError as exc:
+        raise SystemExit(f"csctl: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()
