@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,8 +236,30 @@ def preflight(ns: argparse.Namespace, layout: Layout) -> None:
         remote.preflight(layout.placement, ns.ssh_options)
 
 
-def run_job(ns: argparse.Namespace, layout: Layout, attempt: int) -> Outcome:
-    """One whole job: its directory, its processes, supervised until it ends."""
+@dataclass
+class Job:
+    """A started job: its directory, its processes and what they hold; `close()` releases it all."""
+    id: str
+    ctx: zmq.Context
+    directory: DirectoryServer
+    group: ProcessGroup
+    supervisor: Supervisor
+    env: dict[str, str]
+    shm_dir: str | None
+
+    def close(self) -> None:
+        self.group.stop_all()
+        if self.shm_dir:  # whatever the services left, even when killed
+            remove_job_segments(Path(self.shm_dir), self.id)
+        auth.stop_authenticator(self.ctx)
+        self.ctx.destroy(linger=0)
+
+
+def start_job(ns: argparse.Namespace, layout: Layout, attempt: int, tasks: bool = True,
+              handle_signals: bool = True) -> Job:
+    """The job's directory and, without --cs_ip, its CS system (MemoryX, SwarmX, WSEs);
+    with `tasks` also the chief and the input workers of ns.command. The caller
+    supervises (`job.supervisor.run()`) and always calls `job.close()`."""
     job = f"wsjob-{uuid.uuid4().hex[:12]}"
     ctx = zmq.Context()
     expected = {"chief": 1, "worker": layout.num_workers}
@@ -253,43 +276,60 @@ def run_job(ns: argparse.Namespace, layout: Layout, attempt: int) -> Outcome:
     group = ProcessGroup()
     logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s), tasks %s", job, ns.num_csx,
                                         layout.num_workers, describe(layout))
-    supervisor = Supervisor(directory, group, finisher_role="chief")
+    supervisor = Supervisor(directory, group, finisher_role="chief", handle_signals=handle_signals)
     shm_dir = None if ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
+    started = Job(job, ctx, directory, group, supervisor, env, shm_dir)
     if shm_dir:
         remove_orphaned_segments(Path(shm_dir))
     try:
         if ns.cs_ip is None:
             start_services(group, env, ns.num_csx, shm_dir)
-        start_tasks(group, directory, layout, env, ns, job)
-        code = supervisor.run()
+        if tasks:
+            start_tasks(group, directory, layout, env, ns, job)
+    except BaseException:
+        directory.close()
+        started.close()
+        raise
+    return started
+
+
+def run_job(ns: argparse.Namespace, layout: Layout, attempt: int) -> Outcome:
+    """One whole job: its directory, its processes, supervised until it ends."""
+    job = start_job(ns, layout, attempt)
+    try:
+        code = job.supervisor.run()
     finally:
-        group.stop_all()
-        if shm_dir:  # whatever the services left, even when killed
-            remove_job_segments(Path(shm_dir), job)
-        auth.stop_authenticator(ctx)
-        ctx.destroy(linger=0)
-    return Outcome(code, supervisor.failure is None or supervisor.failure.retryable)
+        job.close()
+    failure = job.supervisor.failure
+    return Outcome(code, failure is None or failure.retryable)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ns = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging("csrun_wse")
-    layout = plan_layout(ns)
-    # Keys for one job, in a private folder that goes when the job does. With
-    # --cs_ip a long-lived CS system's folder may be given in CS_KEYS_DIR.
+@contextmanager
+def job_keys(ns: argparse.Namespace):
+    """CURVE keys for one job, in a private folder that goes when the job does
+    (CS_KEYS_DIR of this process while it runs). With --cs_ip a long-lived CS
+    system's folder may be given in CS_KEYS_DIR."""
     outside = os.environ.pop(auth.KEYS_ENV, None)
     keys_dir = None if ns.insecure or (ns.cs_ip and outside) else auth.create_job_dir()
     if not ns.insecure:
         os.environ[auth.KEYS_ENV] = str(keys_dir or outside)  # read by auth.job_keys() and base_env
     try:
-        preflight(ns, layout)
-        code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt), ns.max_restarts)
+        yield
     finally:
         os.environ.pop(auth.KEYS_ENV, None)
         if outside is not None:
             os.environ[auth.KEYS_ENV] = outside
         if keys_dir is not None:
             auth.remove_job_dir(keys_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging("csrun_wse")
+    layout = plan_layout(ns)
+    with job_keys(ns):
+        preflight(ns, layout)
+        code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt), ns.max_restarts)
     sys.exit(code)
 
 
