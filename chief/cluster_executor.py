@@ -54,10 +54,15 @@ def choose_strategy(plan: dict, args, num_csx: int) -> tuple[str, int]:
 
 class ClusterExecutor:
 
-    def __init__(self, args, fns, spec, compiled=None):
+    def __init__(self, args, fns, spec, compiled=None, penv: ProcessEnv | None = None,
+                 exit_on_failure: bool = True):
+        """penv: the job (default: this process's environment). exit_on_failure=False (a chief
+        inside a user's process, cs_torch.Session): a failed job raises ServiceError from the
+        waiting call instead of ending the process."""
         from chief.trainer import optimizer_spec
         self.args, self.fns, self.spec, self.params = args, fns, spec, args.params
-        self.penv = ProcessEnv.from_environ("chief")
+        self.penv = penv or ProcessEnv.from_environ("chief")
+        self.failure = ""
         self.opt_spec = optimizer_spec(self.params)
         self.ctx = zmq.Context()
         self.workers = Endpoint(self.ctx, zmq.ROUTER, "chief", self.penv.job)
@@ -65,7 +70,7 @@ class ClusterExecutor:
         # (the CURVE handshake may not be done), and the workers would wait for the chief for ever.
         self.job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "chief", 0, self.penv.job)
         self.job_dir.register({"router": self.workers.bind()})
-        self.heartbeat = self.job_dir.start_heartbeats()
+        self.heartbeat = self.job_dir.start_heartbeats(None if exit_on_failure else self.on_job_failure)
         services = DirectoryClient(self.ctx, self.penv.cs_ip, "chief", 0, self.penv.job)
         found = services.lookup(["memoryx", "swarmx"])
         self.memoryx = self.dealer("memoryx", found["memoryx"][0])
@@ -84,6 +89,10 @@ class ClusterExecutor:
         ep.send(Message(Msg.HELLO, meta={"role": "chief", "rank": 0}))
         return ep
 
+    def on_job_failure(self, reason: str) -> None:
+        """Heartbeat thread: the job failed; `wait` raises it within POLL_MS."""
+        self.failure = reason
+
     # ------------------------------------------------------------ waiting
     def wait(self, endpoint: Endpoint, mtype: Msg, step: int = -1) -> Message:
         """Next `mtype` message on `endpoint`, serving workers meanwhile."""
@@ -92,6 +101,8 @@ class ClusterExecutor:
             poller.register(ep.sock, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(POLL_MS))
+            if self.failure:
+                raise ServiceError(self.failure)
             self.input_monitor.on_idle()
             if self.workers.sock in ready:
                 self.serve_worker()

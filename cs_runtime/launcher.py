@@ -122,14 +122,18 @@ class JobFailed(Exception):
 class Supervisor:
     """The launcher's main loop over one directory and one process group."""
 
-    def __init__(self, directory: DirectoryServer, group: ProcessGroup, finisher_role: str | None):
+    def __init__(self, directory: DirectoryServer, group: ProcessGroup, finisher_role: str | None,
+                 handle_signals: bool = True):
         self.directory, self.group = directory, group
         self.finisher_role = finisher_role  # the role whose exit 0 ends the job (the chief)
         self.started = time.monotonic()
         self.interrupted = ""
         self.failure: JobFailed | None = None
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        # Set when the chief runs in the launcher's own process (cs_torch.Session): it ends the job.
+        self.finish_requested = False
+        if handle_signals:  # a launcher process; in a user's process Ctrl-C stays the user's
+            signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
         self.interrupted = f"interrupted by {signal.Signals(signum).name}"
@@ -156,7 +160,7 @@ class Supervisor:
             self.directory.close()
 
     def _finished(self) -> bool:
-        return any(t.role == self.finisher_role and rc == 0 for t, rc in self.group.exited())
+        return self.finish_requested or any(t.role == self.finisher_role and rc == 0 for t, rc in self.group.exited())
 
     def _check(self) -> None:
         if self.interrupted:

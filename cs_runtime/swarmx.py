@@ -77,6 +77,9 @@ class SwarmX:
         self.pending: dict[tuple, dict[int, Message]] = {}
         self.arena: shm.Arena | None = None
         self.sums: dict[int, dict[str, np.ndarray]] = {}   # layer -> tensor -> its summed gradient
+        # Broadcasts that came before every WSE said HELLO (a chief that starts faster than the
+        # WSEs connect); sent, in order, once the last one has.
+        self.early: list[list] = []
 
     def connect_memoryx(self, ctx: zmq.Context, address: str) -> None:
         self.memoryx = Endpoint(ctx, zmq.DEALER, "swarmx->memoryx", self.penv.job).connect(address)
@@ -128,6 +131,10 @@ class SwarmX:
         role, rank = msg.meta["role"], msg.meta["rank"]
         if role == "wse" and 0 <= rank < self.num_wse:
             self.wse[rank] = identity
+            if len(self.wse) == self.num_wse:
+                early, self.early = self.early, []
+                for frames in early:
+                    self.broadcast(frames)
         elif role == "chief":
             self.chief = identity
         else:
@@ -135,7 +142,8 @@ class SwarmX:
 
     def broadcast(self, frames: list) -> None:
         if len(self.wse) < self.num_wse:
-            raise RuntimeError(f"only {len(self.wse)} of {self.num_wse} WSEs have connected")
+            self.early.append(frames)
+            return
         for rank in range(self.num_wse):
             self.router.forward(frames, self.wse[rank])
 

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,17 +229,32 @@ def preflight(ns: argparse.Namespace, layout: Layout) -> FrontDoor | None:
         raise SystemExit(f"csrun_wse: {exc}") from None
 
 
-def run_job(ns: argparse.Namespace, layout: Layout, attempt: int, door: FrontDoor | None = None) -> Outcome:
-    """One whole job, on a CS system of its own (door None) or on the shared one behind `door`."""
-    if door is not None:
-        return run_on_cs_system(ns, layout, attempt, door)
-    return supervise_job(ns, layout, attempt, f"wsjob-{uuid.uuid4().hex[:12]}")[0]
+@dataclass
+class Job:
+    """A started job: its directory, its processes and what they hold; `close()` releases it all."""
+    id: str
+    ctx: zmq.Context
+    directory: DirectoryServer
+    group: ProcessGroup
+    supervisor: Supervisor
+    env: dict[str, str]
+    shm_dir: str | None
+
+    def close(self) -> None:
+        self.group.stop_all()
+        if self.shm_dir:  # whatever the services left, even when killed
+            remove_job_segments(Path(self.shm_dir), self.id)
+        auth.stop_authenticator(self.ctx)
+        self.ctx.destroy(linger=0)
 
 
-def supervise_job(ns: argparse.Namespace, layout: Layout, attempt: int, job: str, cs_ip: str | None = None,
-                  extra_check=None) -> tuple[Outcome, Supervisor]:
-    """The job's directory and processes, supervised until it ends. cs_ip None: start MemoryX,
-    SwarmX and the WSEs here too; else the CS system's directory for this job."""
+def start_job(ns: argparse.Namespace, layout: Layout, attempt: int, tasks: bool = True,
+              handle_signals: bool = True, job: str | None = None, cs_ip: str | None = None) -> Job:
+    """The job's directory and, with cs_ip None, its CS system here (MemoryX, SwarmX, WSEs);
+    else `cs_ip` is the directory the shared CS system made for `job`. With `tasks`
+    also the chief and the input workers of ns.command. The caller supervises
+    (`job.supervisor.run()`) and always calls `job.close()`."""
+    job = job or f"wsjob-{uuid.uuid4().hex[:12]}"
     ctx = zmq.Context()
     expected = {"chief": 1, "worker": layout.num_workers}
     if cs_ip is None:
@@ -253,36 +269,72 @@ def supervise_job(ns: argparse.Namespace, layout: Layout, attempt: int, job: str
     group = ProcessGroup()
     logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s), tasks %s", job, ns.num_csx,
                                         layout.num_workers, describe(layout))
-    supervisor = Supervisor(directory, group, finisher_role="chief")
+    supervisor = Supervisor(directory, group, finisher_role="chief", handle_signals=handle_signals)
     shm_dir = None if cs_ip or ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
+    started = Job(job, ctx, directory, group, supervisor, env, shm_dir)
     if shm_dir:
         remove_orphaned_segments(Path(shm_dir))
     try:
         if cs_ip is None:
             start_services(group, env, ns.num_csx, shm_dir)
-        start_tasks(group, directory, layout, env, ns, job)
-        code = supervisor.run(extra_check)
+        if tasks:
+            start_tasks(group, directory, layout, env, ns, job)
+    except BaseException:
+        directory.close()
+        started.close()
+        raise
+    return started
+
+
+def run_job(ns: argparse.Namespace, layout: Layout, attempt: int, door: FrontDoor | None = None) -> Outcome:
+    """One whole job, on a CS system of its own (door None) or on the shared one behind `door`."""
+    if door is not None:
+        return run_on_cs_system(ns, layout, attempt, door)
+    return supervise_job(ns, layout, attempt)[0]
+
+
+def supervise_job(ns: argparse.Namespace, layout: Layout, attempt: int, job: str | None = None,
+                  cs_ip: str | None = None, extra_check=None) -> tuple[Outcome, Supervisor]:
+    """start_job, supervised until the job ends, then closed."""
+    started = start_job(ns, layout, attempt, job=job, cs_ip=cs_ip)
+    try:
+        code = started.supervisor.run(extra_check)
     finally:
-        group.stop_all()
-        if shm_dir:  # whatever the services left, even when killed
-            remove_job_segments(Path(shm_dir), job)
-        auth.stop_authenticator(ctx)
-        ctx.destroy(linger=0)
-    return Outcome(code, supervisor.failure is None or supervisor.failure.retryable), supervisor
+        started.close()
+    failure = started.supervisor.failure
+    return Outcome(code, failure is None or failure.retryable), started.supervisor
 
 
 def say(line: str) -> None:
     print(f"csrun_wse: {line}", file=sys.stderr, flush=True)
 
 
-def run_on_cs_system(ns: argparse.Namespace, layout: Layout, attempt: int, door: FrontDoor) -> Outcome:
-    """Submit to the shared CS system, wait for the job's turn, then run its chief and input workers
-    against the directory the CS system made for it, until the job ends or the CS system ends it."""
+def submit(ns: argparse.Namespace, door: FrontDoor) -> SubmittedJob:
     try:
         job = SubmittedJob(door, ns.num_csx, ns.job_labels, auth.job_keys())
     except FrontDoorError as exc:
         raise SystemExit(f"csrun_wse: {exc}") from None
     say(f"submitted {job.name} to the CS system at {ns.cs_ip} (csctl --cs_ip {ns.cs_ip} get jobs)")
+    return job
+
+
+def follower(job: SubmittedJob):
+    """A supervisor check: the CS system may end the job (cancelled, or one of its services failed)."""
+    def follow() -> None:
+        try:
+            now = job.check()
+        except FrontDoorError as exc:
+            raise JobFailed(str(exc)) from None
+        if now["phase"] in ENDED_PHASES:
+            raise JobFailed(f"{job.name} {now['phase'].lower()} on the CS system: {now['reason']}",
+                            retryable=now["phase"] == "FAILED")
+    return follow
+
+
+def run_on_cs_system(ns: argparse.Namespace, layout: Layout, attempt: int, door: FrontDoor) -> Outcome:
+    """Submit to the shared CS system, wait for the job's turn, then run its chief and input workers
+    against the directory the CS system made for it, until the job ends or the CS system ends it."""
+    job = submit(ns, door)
     try:
         state = job.wait_turn(lambda position: say(f"{job.name} is queued (position {position})"))
     except KeyboardInterrupt:
@@ -296,17 +348,7 @@ def run_on_cs_system(ns: argparse.Namespace, layout: Layout, attempt: int, door:
         say(f"{job.name} {state['phase']}: {state['reason']}")
         return Outcome(1, retryable=state["phase"] == "FAILED")
     say(f"{job.name} starts on {','.join(state['systems'])}")
-
-    def follow() -> None:   # the CS system may end the job: cancelled, or one of its services failed
-        try:
-            now = job.check()
-        except FrontDoorError as exc:
-            raise JobFailed(str(exc)) from None
-        if now["phase"] in ENDED_PHASES:
-            raise JobFailed(f"{job.name} {now['phase'].lower()} on the CS system: {now['reason']}",
-                            retryable=now["phase"] == "FAILED")
-
-    outcome, supervisor = supervise_job(ns, layout, attempt, state["job"], state["cs_ip"], follow)
+    outcome, supervisor = supervise_job(ns, layout, attempt, state["job"], state["cs_ip"], follower(job))
     failure = supervisor.failure
     if failure is None:
         job.done("SUCCEEDED")
@@ -315,28 +357,36 @@ def run_on_cs_system(ns: argparse.Namespace, layout: Layout, attempt: int, door:
     return outcome
 
 
-def main(argv: list[str] | None = None) -> None:
-    ns = parse_args(sys.argv[1:] if argv is None else argv)
-    setup_logging("csrun_wse")
-    layout = plan_layout(ns)
-    # Keys for one job, in a private folder that goes when the job does (with
-    # --cs_ip they travel, encrypted, to the CS system's services for this job).
+@contextmanager
+def job_keys(ns: argparse.Namespace):
+    """CURVE keys for one job, in a private folder that goes when the job does
+    (CS_KEYS_DIR of this process while it runs; with --cs_ip they travel,
+    encrypted, to the CS system's services for this job)."""
     outside = os.environ.pop(auth.KEYS_ENV, None)
     keys_dir = None if ns.insecure else auth.create_job_dir()
     if keys_dir is not None:
         os.environ[auth.KEYS_ENV] = str(keys_dir)  # read by auth.job_keys() and base_env
-    door = None
     try:
-        door = preflight(ns, layout)
-        code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt, door), ns.max_restarts)
+        yield
     finally:
-        if door is not None:
-            door.close()
         os.environ.pop(auth.KEYS_ENV, None)
         if outside is not None:
             os.environ[auth.KEYS_ENV] = outside
         if keys_dir is not None:
             auth.remove_job_dir(keys_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging("csrun_wse")
+    layout = plan_layout(ns)
+    with job_keys(ns):
+        door = preflight(ns, layout)
+        try:
+            code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt, door), ns.max_restarts)
+        finally:
+            if door is not None:
+                door.close()
     sys.exit(code)
 
 

@@ -1,0 +1,105 @@
+"""dataloader(input_fn, batch_size): batches made by the job's input workers.
+
+    def train_input_fn():                 # top level of the script or of a module
+        return load_mnist(None, "train")  # (x, y) arrays, or an object with __len__ and get(indices)
+
+    loader = cs_torch.dataloader(train_input_fn, batch_size=64)
+    for batch in loader:                  # one pass over the data set, as a PyTorch DataLoader
+        loss = session.step(batch)
+
+As on a real CS system, the input function does not run in your process: the
+Session starts input workers (`python -m cs_torch.input_worker`) that import
+it by name, build the same global batches as csrun_wse's workers (a pure
+function of the step: `cs_runtime.data.BatchPlan`) and stream each WSE its
+rows. What the loop gets is a `Batch` handle that says which loader it comes
+from; the data goes from the workers to the WSEs, never through your process.
+
+The constraint that follows: `input_fn` must be a function defined at the
+top level of a module or of your script, and the script must keep its
+training loop under `if __name__ == "__main__":` (a worker imports the
+script, which runs its top-level code). Its arguments (`*args`, `**kwargs`)
+must be JSON values (strings, numbers, lists, dicts, None), since they
+travel to the workers as JSON, never pickled.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cs_runtime.inputs import dataset_len
+
+from .nn import CsTorchError
+
+INPUT_ENV = "CS_TORCH_INPUT"  # the input workers' instructions (JSON), see cs_torch/input_worker.py
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One global batch of `loader`, made by the input workers; pass it to `Session.step`."""
+    loader: "DataLoader"
+    index: int  # within this iteration of the loader
+
+
+class DataLoader:
+    def __init__(self, input_fn, batch_size: int, *args, shuffle: bool = True, drop_last: bool = True,
+                 shuffle_seed: int | None = None, num_steps: int | None = None, **kwargs):
+        for name, value in (("batch_size", batch_size), ("num_steps", num_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CsTorchError(f"dataloader: {name} must be a positive integer, got {value!r}")
+        self.input_fn, self.args, self.kwargs = input_fn, list(args), dict(kwargs)
+        self.batch_size, self.shuffle, self.drop_last = batch_size, bool(shuffle), bool(drop_last)
+        self.shuffle_seed, self.num_steps = shuffle_seed, num_steps
+        self.location = function_location(input_fn)
+        try:
+            json.dumps([self.args, self.kwargs])
+        except (TypeError, ValueError) as exc:
+            raise CsTorchError(f"dataloader: the arguments of {input_fn.__name__} must be JSON values "
+                               f"(they travel to the input workers): {exc}") from None
+        self._num_samples: int | None = None
+
+    def dataset(self):
+        """The input function's data set, built here (the workers build their own)."""
+        return self.input_fn(*self.args, **self.kwargs)
+
+    @property
+    def num_samples(self) -> int:
+        if self._num_samples is None:
+            self._num_samples = dataset_len(self.dataset())
+        return self._num_samples
+
+    def __len__(self) -> int:
+        """Batches per pass over the data set (num_steps when given)."""
+        if self.num_steps is not None:
+            return self.num_steps
+        n = self.num_samples
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self):
+        return (Batch(self, i) for i in range(len(self)))
+
+    def section(self) -> dict:
+        """The train_input / eval_input section of the params the workers use."""
+        return {"batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last_batch": self.drop_last,
+                "shuffle_seed": self.shuffle_seed}
+
+    def worker_spec(self) -> dict:
+        """What an input worker needs to build the same data set (JSON)."""
+        return {**self.location, "args": self.args, "kwargs": self.kwargs}
+
+
+def function_location(fn) -> dict:
+    """{"module", "file", "function"} by which an input worker can import `fn`, or a one-line error."""
+    name = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if not callable(fn) or not name or not module:
+        raise CsTorchError(f"dataloader: input_fn must be a function, got {type(fn).__name__}")
+    if "<" in name or "." in name:
+        raise CsTorchError(f"dataloader: input_fn {name} must be defined at the top level of a module or "
+                           "script (the input workers import it by name)")
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if module == "__main__" and not file:
+        raise CsTorchError(f"dataloader: input_fn {name} is defined in an interactive session; define it "
+                           "in a file (the input workers import it by name)")
+    return {"module": module, "file": str(Path(file).resolve()) if file else None, "function": name}

@@ -1,0 +1,58 @@
+"""An input worker of a cs_torch Session: `python -m cs_torch.input_worker` (started by the Session).
+
+It imports the loader's input function by name (a module, or the user's
+script run under another name than __main__, so that its guarded training
+loop does not run), then serves batches exactly as csrun_wse's input
+workers do (worker.input_worker.serve_inputs). What to import and the
+params come in the environment (INPUT_ENV, JSON), never pickled.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from cs_runtime.config import params_from_dict
+from cs_runtime.runner import RunArgs, UserFunctions
+from cs_torch.data import INPUT_ENV
+
+SCRIPT_RUN_NAME = "__cs_torch_input__"
+
+
+def load_function(spec: dict):
+    """The input function named by a DataLoader's worker_spec."""
+    module, file, name = spec["module"], spec["file"], spec["function"]
+    if module == "__main__":
+        namespace = runpy.run_path(file, run_name=SCRIPT_RUN_NAME)
+        return namespace[name]
+    if file:  # the folder the module was imported from, in case it is not on the worker's path
+        root = Path(file).parent
+        for _ in range(module.count(".") + (Path(file).name == "__init__.py")):
+            root = root.parent
+        sys.path.insert(0, str(root))
+    return getattr(importlib.import_module(module), name)
+
+
+def main() -> None:
+    role = os.environ.get("CS_ROLE", "worker")
+    logging.basicConfig(level=os.environ.get("CS_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {role} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    spec = json.loads(os.environ[INPUT_ENV])
+    fn = load_function(spec["input"])
+    args, kwargs = spec["input"]["args"], spec["input"]["kwargs"]
+    params = params_from_dict(spec["params"], "cs_torch session")
+    run_args = RunArgs(spec["mode"], "<cs_torch>", params, spec["model_dir"], None, False, False)
+
+    def dataset(_params):
+        return fn(*args, **kwargs)
+
+    from worker.input_worker import serve_inputs
+    serve_inputs(run_args, UserFunctions(None, dataset, dataset))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Optimizers: the learning rules MemoryX applies (cs_runtime/optim.py), PyTorch-style names.
+
+    optimizer = cs_torch.optim.SGD(lr=0.01, momentum=0.9)
+    optimizer = cs_torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+Each becomes the `optimizer` section of a params.yaml, so the CS system and
+the CPU path apply exactly the rule a csrun_wse run with those params does.
+"""
+from __future__ import annotations
+
+from .nn import CsTorchError
+
+
+class Optimizer:
+    kind = ""
+
+    def __init__(self, params=None, *, lr: float, weight_decay: float = 0.0,
+                 max_gradient_norm: float | None = None, **rule):
+        # `params` (model.parameters()) is accepted for PyTorch's spelling: every weight is trained.
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise CsTorchError(f"{type(self).__name__}: lr must be a positive number, got {lr!r}")
+        self.section = {"optimizer_type": self.kind, "learning_rate": float(lr),
+                        "weight_decay": float(weight_decay), "max_gradient_norm": max_gradient_norm, **rule}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.section})"
+
+
+class SGD(Optimizer):
+    kind = "sgd"
+
+    def __init__(self, params=None, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, max_gradient_norm: float | None = None):
+        if nesterov:
+            raise CsTorchError("SGD: nesterov=True is not supported (MemoryX applies heavy-ball momentum)")
+        super().__init__(params, lr=lr, weight_decay=weight_decay, max_gradient_norm=max_gradient_norm,
+                         momentum=float(momentum))
+
+
+class Adam(Optimizer):
+    kind = "adam"
+
+    def __init__(self, params=None, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
+        super().__init__(params, lr=lr, weight_decay=weight_decay, max_gradient_norm=max_gradient_norm,
+                         betas=[float(b) for b in betas], eps=float(eps))
+
+
+class AdamW(Adam):
+    kind = "adamw"
+
+    def __init__(self, params=None, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, max_gradient_norm: float | None = None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         max_gradient_norm=max_gradient_norm)
