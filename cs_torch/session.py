@@ -191,6 +191,7 @@ class Session:
         self._stack = ExitStack()
         self._submitted = None        # the job on a shared CS system (initialize(cs_ip=...))
         self.executor_failed = False
+        self._exit_exc: BaseException | None = None
         self._in_step = False
         self._saved_step = 0
         self._eval = {"loss_sum": 0.0, "correct": 0, "count": 0}
@@ -255,7 +256,14 @@ class Session:
         if state["phase"] in ENDED_PHASES:
             raise CsTorchError(f"{submitted.name} {state['phase']}: {state['reason']}")
         self._submitted = submitted
+        self._stack.callback(self._report_done)   # once every process has stopped, before the door closes
         return state["job"], state["cs_ip"], csrun_wse.follower(submitted)
+
+    def _report_done(self) -> None:
+        """How the job ended, for the shared CS system's list (and to free its systems)."""
+        exc = self._exit_exc
+        failed = exc is not None or self.executor_failed
+        self._submitted.done("FAILED" if failed else "SUCCEEDED", repr(exc)[:200] if exc is not None else "")
 
     def _catch_sigterm(self) -> None:
         """SIGTERM ends the `with` block as Ctrl-C does (so the job is stopped), in the main thread."""
@@ -272,10 +280,8 @@ class Session:
         try:
             self._finish(exc)
         finally:
+            self._exit_exc = exc
             self._shutdown()
-            if self._submitted is not None:   # what the shared CS system lists for this job
-                failed = exc is not None or self.executor_failed
-                self._submitted.done("FAILED" if failed else "SUCCEEDED", repr(exc) if exc is not None else "")
 
     def _finish(self, exc) -> None:
         if self.executor is None:

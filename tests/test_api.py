@@ -1,6 +1,7 @@
 """cs_torch: a training loop of the user's own, on the emulated CS system, checked against the CPU oracle."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -50,6 +51,24 @@ def test_example_matches_cpu_oracle(trained, oracle):
     assert re.search(r"\| Train Device=WSE, Mode=weight_streaming, Step=100, GlobalRate=[\d.]+ samples/sec",
                      result.stdout), result.stdout
     assert_matches_oracle(model_dir, oracle)
+
+
+def test_a_session_on_a_shared_cs_system_is_a_job_there_and_matches_the_oracle(tmp_path, oracle):
+    from tests.test_appliance import Server
+    server = Server(tmp_path)
+    try:
+        cmd = [sys.executable, EXAMPLE, *ORACLE_FLAGS, "--steps", "100", "--no_eval", "--cs_ip", server.address,
+               "--model_dir", str(tmp_path / "m")]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO,
+                                env=server.env("owner"))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        assert "submitted wsjob-" in result.stderr
+        assert_matches_oracle(tmp_path / "m", oracle)
+        listed = server.csctl("get", "jobs", "-o", "json")
+        phases = [job["phase"] for job in json.loads(listed.stdout)["jobs"]]
+        assert phases == ["SUCCEEDED"], listed.stdout
+    finally:
+        assert server.stop() == 0
 
 
 def test_eval_mode_matches_cpu_eval_of_the_same_checkpoint(trained, oracle, tmp_path):
