@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from . import trace
 from .precision import unscale_and_check
 
 
@@ -48,21 +49,22 @@ class Optimizer:
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
                      lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
-                     skip_nonfinite: bool = False) -> tuple[float, bool]:
+                     skip_nonfinite: bool = False) -> tuple[float, bool, list[float]]:
         """Unscale, clip by the global norm, then update every layer.
 
         Returns (the norm of the unscaled gradients before clipping, whether the
-        step was applied): with `skip_nonfinite` (loss scaling on) a step whose
-        gradients hold inf or nan changes nothing.
+        step was applied, each layer's norm): with `skip_nonfinite` (loss
+        scaling on) a step whose gradients hold inf or nan changes nothing.
         """
         finite = unscale_and_check(grads, loss_scale)
-        norm = global_norm(grads)
+        norm, per_layer = grad_norms(grads)
         if skip_nonfinite and not finite:
-            return norm, False
+            return norm, False, per_layer
         factor = clip_factor(norm, max_norm)
-        for name, layer_grads in zip(layer_names, grads):
-            self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr, step)
-        return norm, True
+        for index, (name, layer_grads) in enumerate(zip(layer_names, grads)):
+            with trace.span("update", step=step, layer=index):
+                self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr, step)
+        return norm, True, per_layer
 
     def _update_one(self, w, g, slots, lr, t: int) -> None:
         wd = np.float32(self.weight_decay)
@@ -96,11 +98,18 @@ class Optimizer:
 
 def global_norm(grads_per_layer) -> float:
     """L2 norm over every gradient array of every layer (float64 accumulation)."""
-    total = 0.0
+    return grad_norms(grads_per_layer)[0]
+
+
+def grad_norms(grads_per_layer) -> tuple[float, list[float]]:
+    """(the global L2 norm, each layer's L2 norm), from one pass in float64."""
+    squares = []
     for grads in grads_per_layer:
+        total = 0.0
         for g in grads.values():
             total += float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64)))
-    return math.sqrt(total)
+        squares.append(total)
+    return math.sqrt(sum(squares)), [math.sqrt(s) for s in squares]
 
 
 def scale_grads(grads: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:

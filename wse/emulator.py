@@ -25,7 +25,7 @@ import time
 import numpy as np
 import zmq
 
-from cs_runtime import shm
+from cs_runtime import shm, trace
 from cs_runtime.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.precision import encode_arrays, scaled, wire_dtype
 from cs_runtime.protocol import Message, Msg, float_arrays
@@ -55,7 +55,8 @@ class InputMerger:
         key = (stream, step)
         t0 = time.monotonic()
         try:
-            return self._take(key, poll_ms)
+            with trace.span("input_wait", step=step):
+                return self._take(key, poll_ms)
         finally:
             self.waited_s += time.monotonic() - t0
 
@@ -93,11 +94,13 @@ class WeightStreamingExecutor:
 
     def on_weights(self, msg: Message) -> None:
         phase, index = msg.meta["phase"], msg.layer
+        with trace.span("recv_weights", step=msg.step, layer=index):
+            weights = float_arrays(msg)   # 16-bit formats are widened here
         if phase in ("fwd", "eval"):
             self.loss_scale = float(msg.meta.get("loss_scale", 1.0))
-            self.forward(msg.step, index, float_arrays(msg), train=phase == "fwd")
+            self.forward(msg.step, index, weights, train=phase == "fwd")
         elif phase == "bwd":
-            self.backward(msg.step, index, float_arrays(msg))
+            self.backward(msg.step, index, weights)
         else:
             raise ValueError(f"unknown weights phase {phase!r} for layer {index}")
 
@@ -106,7 +109,8 @@ class WeightStreamingExecutor:
             self.start_step(step, "train" if train else "eval", train)
         elif step != self.step or len(self.caches) != index:
             raise RuntimeError(f"forward weights for layer {index} of step {step} out of order")
-        out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx)
+        with trace.span("fwd" if train else "eval_fwd", step=step, layer=index):
+            out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx)
         self.caches.append(cache)
         self.x = out
         if index == len(self.spec.layers) - 1:
@@ -122,7 +126,8 @@ class WeightStreamingExecutor:
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train)
 
     def finish_forward(self, step: int, train: bool) -> None:
-        result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
+        with trace.span("loss", step=step):
+            result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
         if train:
             self.delta = scaled(result.delta, self.loss_scale)
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
@@ -136,10 +141,12 @@ class WeightStreamingExecutor:
     def backward(self, step: int, index: int, weights: dict) -> None:
         if step != self.step or index != len(self.caches) - 1 or self.delta is None:
             raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
-        self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights)
+        with trace.span("bwd", step=step, layer=index):
+            self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights)
         fmt = self.spec.precision
-        self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
-                             arrays=self.shared(index, encode_arrays(grads, fmt))))
+        with trace.span("send_grads", step=step, layer=index):
+            self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
+                                 arrays=self.shared(index, encode_arrays(grads, fmt))))
 
     def shared(self, index: int, arrays: dict) -> dict:
         """The arrays copied into this WSE's arena (sent by reference), or as they are without one."""
@@ -189,7 +196,11 @@ class WSE:
             self.handle(msg)
 
     def handle(self, msg: Message) -> None:
-        if msg.type == Msg.LOAD_MODEL:
+        if msg.type == Msg.GET_TRACE:
+            received_ns = trace.now_ns()
+            self.up.send(trace.reply(msg, "wse", self.penv.rank, received_ns), share=False)
+        elif msg.type == Msg.LOAD_MODEL:
+            trace.RECORDER.reset(bool(msg.meta["spec"].get("trace")))
             self.executor = self.make_executor(msg)
             self.up.send(Message(Msg.ACK, meta={"what": "load_model"}))
         elif msg.type == Msg.WEIGHTS and isinstance(self.executor, WeightStreamingExecutor):
@@ -197,6 +208,7 @@ class WSE:
         elif isinstance(self.executor, PipelinedExecutor) and self.executor.handle(msg):
             pass
         elif msg.type == Msg.JOB_END:
+            trace.RECORDER.reset(False)
             self.executor = None
             self.inputs.buffer.clear()
             if self.segments is not None:
