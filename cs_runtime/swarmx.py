@@ -116,7 +116,7 @@ class SwarmX:
                 if self.segments is not None:
                     self.segments.forget_peers(self.penv.job)
             self.broadcast(frames)
-        elif identity in self.wse.values() and msg.type == Msg.TRACE:
+        elif identity in self.wse.values() and msg.type == Msg.TRACE and self.chief is not None:
             self.router.forward(frames, self.chief)
         elif identity in self.wse.values() and msg.type in REDUCE:
             self.collect(identity, msg)

@@ -1,8 +1,9 @@
 """TensorBoard summaries, read back with tensorboard's own reader (not tensorboardX).
 
-Both paths (csrun_cpu and csrun_wse in weight streaming) log the same tags at
-the same steps, and the per-layer gradient norms equal the norms of the
-gradients recomputed here from the checkpoint before each logged step.
+Every path (csrun_cpu, csrun_wse in weight streaming and in pipelined mode)
+logs the same tags at the same steps, and the per-layer gradient norms equal
+the norms of the gradients recomputed here from the CPU run's checkpoint
+before each logged step.
 """
 from __future__ import annotations
 
@@ -58,17 +59,19 @@ def oracle_layer_norms(params_path, model_dir, step: int) -> list[float]:
 def runs(tmp_path_factory):
     """The same short run on the CPU path and on csrun_wse (a checkpoint after every step)."""
     tmp = tmp_path_factory.mktemp("tb")
-    params = write_params(tmp, runconfig={"max_steps": STEPS, "log_steps": LOG_STEPS, "checkpoint_steps": 1,
-                                          "max_checkpoints": STEPS + 1, "seed": 5,
-                                          "execution_strategy": "weight_streaming"})
+    runconfig = {"max_steps": STEPS, "log_steps": LOG_STEPS, "checkpoint_steps": 1,
+                 "max_checkpoints": STEPS + 1, "seed": 5, "execution_strategy": "weight_streaming"}
+    params = write_params(tmp, runconfig=runconfig)
+    piped = write_params(tmp, "piped.yaml", runconfig={**runconfig, "execution_strategy": "pipelined"})
     cpu = run_cpu(params, tmp / "cpu", "train_and_eval")
     assert cpu.returncode == 0, cpu.stdout + cpu.stderr
-    wse = run_wse(params, tmp / "wse", "train_and_eval")
-    assert wse.returncode == 0, wse.stdout + wse.stderr
-    return params, {"cpu": tmp / "cpu", "wse": tmp / "wse"}
+    for name, path in (("wse", params), ("pipe", piped)):
+        wse = run_wse(path, tmp / name, "train_and_eval")
+        assert wse.returncode == 0, wse.stdout + wse.stderr
+    return params, {"cpu": tmp / "cpu", "wse": tmp / "wse", "pipe": tmp / "pipe"}
 
 
-@pytest.mark.parametrize("path", ["cpu", "wse"])
+@pytest.mark.parametrize("path", ["cpu", "wse", "pipe"])
 def test_per_layer_grad_norms_match_the_oracle(runs, path):
     params, dirs = runs
     acc = read_events(dirs[path], "train")
@@ -86,17 +89,19 @@ def test_per_layer_grad_norms_match_the_oracle(runs, path):
 
 def test_both_paths_log_the_same_tags_at_the_same_steps(runs):
     _, dirs = runs
-    cpu, wse = read_events(dirs["cpu"], "train"), read_events(dirs["wse"], "train")
+    cpu = read_events(dirs["cpu"], "train")
     tags = set(cpu.Tags()["scalars"])
-    assert tags == set(wse.Tags()["scalars"])
     assert {"loss", "lr", "grad_norm", "samples_per_sec", *(f"per_layer_grad_norm/{n}" for n in LAYERS)} <= tags
-    for tag in tags:
-        assert sorted(scalars(cpu, tag)) == sorted(scalars(wse, tag)), tag
+    for other in ("wse", "pipe"):
+        wse = read_events(dirs[other], "train")
+        assert tags == set(wse.Tags()["scalars"]), other
+        for tag in tags:
+            assert sorted(scalars(cpu, tag)) == sorted(scalars(wse, tag)), (other, tag)
     # lr and grad_norm at the logging cadence, every loss every step
     assert sorted(scalars(cpu, "lr")) == list(range(LOG_STEPS, STEPS + 1, LOG_STEPS))
     assert sorted(scalars(cpu, "loss")) == list(range(1, STEPS + 1))
     assert scalars(wse, "lr")[STEPS] == pytest.approx(0.01)
-    for split in ("cpu", "wse"):
+    for split in ("cpu", "wse", "pipe"):
         ev = read_events(dirs[split], "eval")
         assert 0.0 <= scalars(ev, "accuracy")[STEPS] <= 1.0 and scalars(ev, "loss")[STEPS] > 0
 
