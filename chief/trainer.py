@@ -182,7 +182,7 @@ class Trainer:
                 self.scalar("train", "samples_per_sec", rate)
                 self.scalar("train", "lr", lr)
                 self.scalar("train", "grad_norm", grad_norm)
-                for layer, norm in zip(self.spec.layers, self.executor.layer_grad_norms):
+                for layer, norm in zip(self.spec.layers, getattr(self.executor, "layer_grad_norms", ())):
                     self.scalar("train", f"per_layer_grad_norm/{layer.name}", norm)
             if self.checkpoint_due():
                 self.save_checkpoint()

@@ -10,7 +10,7 @@ so a long-lived CS system traces only the jobs that ask). Off, a span site
 costs one attribute check and returns a shared do-nothing context manager.
 
 Spans are kept in memory as (name, start_ns, dur_ns, step, layer) on the
-process's monotonic clock (time.perf_counter_ns). At the end of the run the
+process's monotonic clock (time.monotonic_ns). At the end of the run the
 chief asks every process for them (GET_TRACE, answered by TRACE, see
 protocol.py) and puts every span on its own clock. A process that names the
 same kernel (boot id) as the chief reads the same CLOCK_MONOTONIC: its offset
@@ -38,7 +38,7 @@ from .protocol import MAX_SPAN_NAME_CHARS, MAX_SPAN_NAMES, MAX_SPANS, Message, M
 
 TRACE_ENV = "CS_TRACE"
 
-now_ns = time.perf_counter_ns   # CLOCK_MONOTONIC on Linux: one clock for every process of a host
+now_ns = time.monotonic_ns   # CLOCK_MONOTONIC on Linux: one clock for every process of a host
 
 
 class Recorder:
@@ -150,9 +150,12 @@ def clock_id() -> str:
 def clock_offset(t0: int, t1: int, t2: int, t3: int, remote_clock: str = "") -> int:
     """The remote clock minus the local one: 0 when both read the same kernel's
     monotonic clock, else estimated from one round trip (as NTP does)."""
-    if remote_clock and remote_clock == clock_id():
+    estimate = ((t1 - t0) + (t2 - t3)) // 2
+    # With truly one clock the estimate is within half the round trip of 0; if not,
+    # the same boot id hides another clock (a time namespace): trust the estimate.
+    if remote_clock and remote_clock == clock_id() and abs(estimate) <= (t3 - t0) // 2 + 1000:
         return 0
-    return ((t1 - t0) + (t2 - t3)) // 2
+    return estimate
 
 
 # ---------------------------------------------------------------- the trace file
