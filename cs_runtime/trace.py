@@ -185,6 +185,7 @@ def chrome_events(processes: list[ProcessTrace]) -> list[dict]:
     for pid, proc in enumerate(sorted(processes, key=lambda p: _sort_key(p.name)), start=1):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": proc.name}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": proc.name}})
         role = proc.name.rstrip("0123456789")
         for name, start, dur, step, layer in proc.spans:
             args = {k: v for k, v in (("step", step), ("layer", layer)) if v >= 0}
