@@ -8,10 +8,12 @@ plan (which batches to stream) and are answered whenever they connect.
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
 from chief.input_monitor import InputMonitor
+from cs_runtime import trace
 from cs_runtime.auth import stop_authenticator
 from cs_runtime.cluster import DirectoryClient
 from cs_runtime.inputs import InputStream, eval_steps
@@ -25,6 +27,7 @@ log = logging.getLogger("chief")
 
 POLL_MS = 1000
 JOB_END_TIMEOUT_MS = 2000
+TRACE_TIMEOUT_S = 30     # for every process's spans at the end of a --trace run
 
 
 class ServiceError(RuntimeError):
@@ -79,6 +82,8 @@ class ClusterExecutor:
         self.device = f"WSE, Mode={self.strategy}" + (f" x{self.replicas}" if self.replicas > 1 else "")
         self.plan_phases: list | None = None
         self.waiting_workers: list[bytes] = []
+        self.worker_ids: list[bytes] = []       # every worker that said HELLO (asked for spans at the end)
+        self.layer_grad_norms: list[float] = []   # of the last training step, for TensorBoard
         self._eval_steps: int | None = None
         self.traffic: dict[str, int] = {}   # bytes of the last training step
         self.input_monitor = InputMonitor(self.penv.num_csx, self.penv.num_workers)
@@ -137,6 +142,8 @@ class ClusterExecutor:
             self.workers.warn_once(identity, f"unexpected {msg.type.value} from a worker")
             return
         self.waiting_workers.append(identity)
+        if identity not in self.worker_ids:
+            self.worker_ids.append(identity)
         self.answer_workers()
 
     def answer_workers(self) -> None:
@@ -161,7 +168,8 @@ class ClusterExecutor:
         spec = {"model": self.spec.to_dict(), "optimizer": self.opt_spec,
                 "max_gradient_norm": self.params.optimizer.max_gradient_norm,
                 "seed": self.params.runconfig.seed, "execution_strategy": self.strategy,
-                "replicas": self.replicas, "loss_scaling": self.params.optimizer.loss_scaling_mode()}
+                "replicas": self.replicas, "loss_scaling": self.params.optimizer.loss_scaling_mode(),
+                "trace": trace.RECORDER.enabled}
         state = pack_state(self.spec, weights, opt_state)
         if self.pipelined:
             # Every weight goes to the wafer once, here, and stays there.
@@ -187,6 +195,7 @@ class ClusterExecutor:
             loss = self.wait(self.swarmx, Msg.LOSS, step)
             self.input_monitor.on_step(input_wait(loss))
             self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
+            self.layer_grad_norms = list(loss.meta.get("layer_grad_norms", []))
             return float(loss.meta["loss"]), float(loss.meta["grad_norm"]), bool(loss.meta.get("applied", True))
         self.memoryx.send(start)
         loss = self.wait(self.swarmx, Msg.LOSS, step)
@@ -195,6 +204,7 @@ class ClusterExecutor:
         self.traffic = {k: int(done.meta.get(k, 0)) for k in ("weight_bytes", "grad_bytes")}
         self.traffic["wse_bytes_in"] = int(loss.meta.get("bytes_in", -1))
         self.traffic["shared_memory"] = bool(done.meta.get("shared_memory", False))
+        self.layer_grad_norms = list(done.meta.get("layer_grad_norms", []))
         return float(loss.meta["loss"]), float(done.meta["grad_norm"]), bool(done.meta.get("applied", True))
 
     def traffic_summary(self) -> str:
@@ -221,6 +231,59 @@ class ClusterExecutor:
         holder.send(Message(Msg.GET_STATE))
         msg = self.wait(holder, Msg.STATE)
         return unpack_state(self.spec, Optimizer(**self.opt_spec), msg.arrays)
+
+    def collect_traces(self) -> list[trace.ProcessTrace]:
+        """Every process's spans, each with its clock offset from the GET_TRACE round trip.
+
+        MemoryX and SwarmX answer themselves; SwarmX passes the request to every
+        WSE and their answers back; each input worker answers on its socket.
+        """
+        sent: dict = {}      # memoryx / swarmx / a worker's identity -> when the request left
+        for ep in (self.memoryx, self.swarmx):
+            sent[ep.name] = trace.now_ns()
+            ep.send(Message(Msg.GET_TRACE))
+        for identity in self.worker_ids:
+            sent[identity] = trace.now_ns()
+            self.workers.send(Message(Msg.GET_TRACE), identity)
+        expected = ["memoryx", "swarmx", *(f"wse{r}" for r in range(self.penv.num_csx)),
+                    *(f"worker{r}" for r in range(len(self.worker_ids)))]
+        traces = []
+        for arrived, source, msg in self.trace_answers(len(expected)):
+            m = msg.meta
+            row = m["role"] if m["role"] in ("memoryx", "swarmx") else f"{m['role']}{m['rank']}"
+            asked = sent[source]
+            estimate = trace.clock_offset(asked, m["recv_ns"], m["send_ns"], arrived)
+            offset = trace.clock_offset(asked, m["recv_ns"], m["send_ns"], arrived, m["clock"])
+            traces.append(trace.ProcessTrace(
+                row, trace.unpack_spans(m["names"], msg.arrays), offset, m["dropped"],
+                {"same_clock": offset == 0 and bool(m["clock"]), "estimated_offset_us": round(estimate / 1000, 1),
+                 "round_trip_us": round((arrived - asked) / 1000, 1)}))
+        missing = sorted(set(expected) - {t.name for t in traces})
+        if missing:
+            log.warning("trace: no spans from %s within %d s", ", ".join(missing), TRACE_TIMEOUT_S)
+        return traces
+
+    def trace_answers(self, count: int) -> list[tuple[int, object, Message]]:
+        """Up to `count` TRACE messages as (when it arrived, who was asked, message)."""
+        endpoints = {ep.sock: ep for ep in (self.memoryx, self.swarmx, self.workers)}
+        poller = zmq.Poller()
+        for sock in endpoints:
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + TRACE_TIMEOUT_S
+        answers = []
+        while len(answers) < count and time.monotonic() < deadline:
+            for sock in dict(poller.poll(POLL_MS)):
+                ep = endpoints[sock]
+                got = ep.recv(0)
+                arrived = trace.now_ns()
+                if got is None or got[1].type == Msg.INPUT_STATS:
+                    continue
+                if got[1].type != Msg.TRACE:
+                    self.unexpected(got)
+                    continue
+                # A WSE's answer comes through SwarmX: its request left with SwarmX's.
+                answers.append((arrived, got[0] if ep is self.workers else ep.name, got[1]))
+        return answers
 
     def close(self) -> None:
         # A long-lived CS system must forget this job before the next one comes.

@@ -6,6 +6,7 @@ the same optimizer (cs_runtime.optim) as the CS system, layer by layer.
 """
 from __future__ import annotations
 
+from cs_runtime import trace
 from cs_runtime.inputs import InputStream, eval_steps
 from cs_runtime.model import ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.optim import Optimizer
@@ -31,6 +32,7 @@ class CpuExecutor:
         self.optimizer = Optimizer(**optimizer_spec(self.params))
         self.max_norm = self.params.optimizer.max_gradient_norm
         self.skip_nonfinite = self.params.optimizer.loss_scaling_mode() != "none"
+        self.layer_grad_norms: list[float] = []   # of the last training step, for TensorBoard
 
     def num_eval_steps(self) -> int:
         if "eval" not in self.streams:
@@ -41,7 +43,8 @@ class CpuExecutor:
         self.weights, self.opt_state = weights, opt_state
 
     def forward(self, stream: str, step: int, train: bool):
-        shard = self.streams[stream].shard(step)
+        with trace.span("make_batch", step=step):
+            shard = self.streams[stream].shard(step)
         ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train)
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
         return model_loss(self.spec, logits, shard.y, shard.global_batch), caches, shard
@@ -49,10 +52,10 @@ class CpuExecutor:
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0) -> tuple[float, float, bool]:
         """(loss, gradient norm, whether the update was applied)."""
         result, caches, _ = self.forward("train", step, train=True)
-        grads = model_backward(self.spec, scaled(result.delta, loss_scale), caches, self.weights)
+        grads = model_backward(self.spec, scaled(result.delta, loss_scale), caches, self.weights, step)
         names = [layer.name for layer in self.spec.layers]
-        norm, applied = self.optimizer.update_model(names, self.weights, grads, self.opt_state, lr, step,
-                                                    self.max_norm, loss_scale, self.skip_nonfinite)
+        norm, applied, self.layer_grad_norms = self.optimizer.update_model(
+            names, self.weights, grads, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite)
         return result.loss, norm, applied
 
     def eval_step(self, step: int) -> tuple[float, int, int]:
@@ -64,6 +67,9 @@ class CpuExecutor:
 
     def traffic_summary(self) -> str:
         return ""  # nothing crosses a socket
+
+    def collect_traces(self) -> list:
+        return []   # every span of the CPU path is the chief's own
 
     def close(self) -> None:
         pass

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from cs_runtime import checkpoint as ckpt
+from cs_runtime import trace
 from cs_runtime.config import Params
 from cs_runtime.model import ModelSpec, init_weights
 from cs_runtime.optim import Optimizer
@@ -33,6 +35,7 @@ class RunError(Exception):
 
 
 def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
+    trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
         spec = build_spec(args, fns)
         from chief.compile import compile_model
@@ -133,13 +136,17 @@ class Trainer:
             phases.append({"stream": "train", "start": self.global_step, "stop": self.rc.max_steps})
         if mode in ("eval", "train_and_eval"):
             phases.append({"stream": "eval", "start": 0, "stop": self.executor.num_eval_steps()})
-        self.executor.load(start.weights, start.opt_state, phases)
+        with trace.span("load"):
+            self.executor.load(start.weights, start.opt_state, phases)
+        self.write_text_summaries()
         if mode in ("train", "train_and_eval"):
             self.train()
         if mode in ("eval", "train_and_eval"):
             self.evaluate()
         for writer in self.writers.values():
             writer.close()
+        if trace.RECORDER.enabled:
+            self.write_trace()
 
     def train(self) -> None:
         if self.global_step >= self.rc.max_steps:
@@ -153,7 +160,8 @@ class Trainer:
             step = self.global_step
             lr = self.params.optimizer.lr_at(step)
             loss_scale = self.scaler.scale
-            loss, grad_norm, applied = self.executor.train_step(step, lr, loss_scale)
+            with trace.span("train_step", step=step):
+                loss, grad_norm, applied = self.executor.train_step(step, lr, loss_scale)
             if not math.isfinite(loss):
                 raise RunError(f"loss is {loss} at step {step + 1}; stopping (lower the learning rate?)")
             self.after_step(step, applied, loss_scale)
@@ -174,6 +182,8 @@ class Trainer:
                 self.scalar("train", "samples_per_sec", rate)
                 self.scalar("train", "lr", lr)
                 self.scalar("train", "grad_norm", grad_norm)
+                for layer, norm in zip(self.spec.layers, getattr(self.executor, "layer_grad_norms", ())):
+                    self.scalar("train", f"per_layer_grad_norm/{layer.name}", norm)
             if self.checkpoint_due():
                 self.save_checkpoint()
         if not self.checkpoint_due():  # the final step always has a checkpoint
@@ -199,7 +209,8 @@ class Trainer:
     def evaluate(self) -> None:
         total_loss, correct, count = 0.0, 0, 0
         for step in range(self.executor.num_eval_steps()):
-            loss_sum, c, n = self.executor.eval_step(step)
+            with trace.span("eval_step", step=step):
+                loss_sum, c, n = self.executor.eval_step(step)
             total_loss, correct, count = total_loss + loss_sum, correct + c, count + n
         loss, accuracy = total_loss / max(count, 1), correct / max(count, 1)
         print(f"| Eval Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
@@ -209,6 +220,10 @@ class Trainer:
 
     # ------------------------------------------------------------ outputs
     def save_checkpoint(self) -> None:
+        with trace.span("checkpoint", step=self.global_step):
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
         weights, opt_state = self.executor.state()
         meta = {"model": self.spec.to_dict(), "params": self.params.to_dict(),
                 "device": self.executor.device, "loss_scaler": self.scaler.state_dict()}
@@ -220,6 +235,23 @@ class Trainer:
             writer.flush()
         log.info("Saved checkpoint %s", path)
 
+    def write_text_summaries(self) -> None:
+        """The params and the compile report as TensorBoard text (TEXT tab), once per run."""
+        writer = self.writer("train")
+        writer.add_text("params", as_code(yaml.safe_dump(self.params.to_dict(), sort_keys=False)), self.global_step)
+        report = self.model_dir / "compile_report.txt"
+        if report.is_file():
+            writer.add_text("compile_report", as_code(report.read_text()), self.global_step)
+
+    def write_trace(self) -> None:
+        """Merge every process's spans into model_dir/trace.json and say where it is."""
+        own = trace.ProcessTrace("chief", trace.RECORDER.take(), 0, trace.RECORDER.dropped)
+        processes = [own, *self.executor.collect_traces()]
+        path = self.model_dir / "trace.json"
+        spans = trace.write_chrome_trace(path, processes)
+        print(f"| Trace: {path} ({spans} spans from {len(processes)} process(es)); "
+              f"open it in https://ui.perfetto.dev or chrome://tracing", flush=True)
+
     def writer(self, split: str):
         if split not in self.writers:
             from tensorboardX import SummaryWriter
@@ -228,3 +260,8 @@ class Trainer:
 
     def scalar(self, split: str, tag: str, value: float) -> None:
         self.writer(split).add_scalar(tag, value, self.global_step)
+
+
+def as_code(text: str) -> str:
+    """Markdown code block (TensorBoard renders text summaries as markdown)."""
+    return "\n".join("    " + line for line in text.splitlines())

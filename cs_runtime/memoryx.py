@@ -25,9 +25,9 @@ import numpy as np
 import zmq
 
 from .model import ModelSpec
-from .optim import Optimizer, norm_of, squared_norms
+from .optim import Optimizer, norms_of, squared_norms
 from .precision import encode_arrays, to_bits, wire_dtype
-from . import shm
+from . import shm, trace
 from .protocol import Message, Msg, float_arrays
 from .service import ProcessEnv, join_cs_system, service_main
 from .transport import Endpoint
@@ -81,6 +81,7 @@ class MemoryX:
             self.handle(identity, msg)
 
     def handle(self, identity: bytes, msg: Message) -> None:
+        received_ns = trace.now_ns()
         if msg.type == Msg.HELLO:
             self.peers[msg.meta["role"]] = identity
         elif msg.type == Msg.LOAD_MODEL:
@@ -94,8 +95,11 @@ class MemoryX:
             state = Message(Msg.STATE, step=msg.step,
                             arrays=pack_state(self.spec, self.weights, self.opt_state))
             self.router.send(state, identity, share=False)   # to the chief, which may be on another host
+        elif msg.type == Msg.GET_TRACE:
+            self.router.send(trace.reply(msg, "memoryx", self.penv.rank, received_ns), identity, share=False)
         elif msg.type == Msg.JOB_END:
             self.spec = None
+            trace.RECORDER.reset(False)
             self.release_arena()
             self.router.send(Message(Msg.ACK, meta={"what": "job_end"}), identity)
         else:
@@ -107,6 +111,7 @@ class MemoryX:
         self.optimizer = Optimizer(**cfg["optimizer"])
         self.max_norm = cfg.get("max_gradient_norm")
         self.skip_nonfinite = cfg.get("loss_scaling", "none") != "none"
+        trace.RECORDER.reset(bool(cfg.get("trace")))
         self.weights, self.opt_state = unpack_state(self.spec, self.optimizer, msg.arrays)
         self.share_weights()
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
@@ -146,13 +151,16 @@ class MemoryX:
     def stream_weights(self, step: int, phase: str, order, wire: list[dict], **extra) -> None:
         swarmx = self.peers["swarmx"]
         meta = {"phase": phase, "format": self.spec.precision, **extra}
+        span_name = "send_" + phase
         for index in order:
-            self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
+            with trace.span(span_name, step=step, layer=index):
+                self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
 
     def train_step(self, step: int, lr: float, loss_scale: float) -> None:
         n = len(self.spec.layers)
         sent, received = self.router.bytes_sent, self.router.bytes_received
-        wire = self.wire_weights()   # encoded once, sent forward and backward
+        with trace.span("encode_weights", step=step):
+            wire = self.wire_weights()   # encoded once, sent forward and backward
         self.stream_weights(step, "fwd", range(n), wire, loss_scale=loss_scale)
         # Weights sent zero-copy must not change until they have left: a layer's
         # gradients only arrive after every WSE received its backward weights.
@@ -171,21 +179,24 @@ class MemoryX:
                 self.update(msg.layer, grads[msg.layer], lr, step)
         ordered = [grads[i] for i in range(n)]
         if at_once:
-            norm, applied = norm_of(squares[i] for i in range(n)), True
+            applied = True
+            norm, layer_norms = norms_of(squares[i] for i in range(n))
         else:
             names = [layer.name for layer in self.spec.layers]
-            norm, applied = self.optimizer.update_model(names, self.weights, ordered, self.opt_state, lr, step,
-                                                        self.max_norm, loss_scale, self.skip_nonfinite)
+            norm, applied, layer_norms = self.optimizer.update_model(
+                names, self.weights, ordered, self.opt_state, lr, step, self.max_norm, loss_scale,
+                self.skip_nonfinite)
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
         self.router.send(Message(Msg.STEP_DONE, step=step,
-                                 meta={"grad_norm": norm, "applied": applied,
+                                 meta={"grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                                        "shared_memory": self.arena is not None, **traffic}),
                          self.peers["chief"])
 
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:
         name = self.spec.layers[index].name
-        self.optimizer.update(self.weights[name], grads, self.opt_state[name], lr, step)
+        with trace.span("update", step=step, layer=index):
+            self.optimizer.update(self.weights[name], grads, self.opt_state[name], lr, step)
 
 
 def main(penv: ProcessEnv, ctx: zmq.Context) -> None:

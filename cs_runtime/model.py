@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from . import kernels
+from . import kernels, trace
 from .precision import FORMATS, quantize
 from .transformer import LAYER_OPS, init_param
 
@@ -300,8 +300,10 @@ def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx
 def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardContext):
     """Every layer in order, on weights held in this process: (logits, caches)."""
     caches = []
+    name = "fwd" if ctx.train else "eval_fwd"
     for index, layer in enumerate(spec.layers):
-        x, cache = layer_forward(spec, index, x, weights[layer.name], ctx)
+        with trace.span(name, step=ctx.step, layer=index):
+            x, cache = layer_forward(spec, index, x, weights[layer.name], ctx)
         caches.append(cache)
     return x, caches
 
@@ -317,11 +319,13 @@ def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weight
                           out=out, weights_rounded=weights_rounded)
 
 
-def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict) -> list[dict]:
+def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict, step: int = -1) -> list[dict]:
     """Every layer in reverse: the weight gradients of each layer, in layer order."""
     grads: list = [None] * len(spec.layers)
     for index in reversed(range(len(spec.layers))):
-        delta, grads[index] = layer_backward(spec, index, delta, caches[index], weights[spec.layers[index].name])
+        with trace.span("bwd", step=step, layer=index):
+            delta, grads[index] = layer_backward(spec, index, delta, caches[index],
+                                                 weights[spec.layers[index].name])
     return grads
 
 

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from . import trace
 from .precision import unscale_and_check
 
 UPDATE_CHUNK = 1 << 15   # elements of a parameter updated at a time (128 KB per array: in L2 cache)
@@ -51,22 +52,23 @@ class Optimizer:
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
                      lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
-                     skip_nonfinite: bool = False) -> tuple[float, bool]:
+                     skip_nonfinite: bool = False) -> tuple[float, bool, list[float]]:
         """Unscale, clip by the global norm, then update every layer.
 
         Returns (the norm of the unscaled gradients before clipping, whether the
-        step was applied): with `skip_nonfinite` (loss scaling on) a step whose
-        gradients hold inf or nan changes nothing.
+        step was applied, each layer's norm): with `skip_nonfinite` (loss
+        scaling on) a step whose gradients hold inf or nan changes nothing.
         """
         # Without loss scaling there is nothing to unscale, and no step is skipped.
         finite = unscale_and_check(grads, loss_scale) if skip_nonfinite or loss_scale != 1.0 else True
-        norm = global_norm(grads)
+        norm, per_layer = grad_norms(grads)
         if skip_nonfinite and not finite:
-            return norm, False
+            return norm, False, per_layer
         factor = clip_factor(norm, max_norm)
-        for name, layer_grads in zip(layer_names, grads):
-            self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr, step)
-        return norm, True
+        for index, (name, layer_grads) in enumerate(zip(layer_names, grads)):
+            with trace.span("update", step=step, layer=index):
+                self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr, step)
+        return norm, True, per_layer
 
     def _update_one(self, w, g, slots, lr, t: int) -> None:
         """One parameter, a cache-sized piece at a time: the update's several passes
@@ -120,7 +122,12 @@ class Optimizer:
 
 def global_norm(grads_per_layer) -> float:
     """L2 norm over every gradient array of every layer (float64 accumulation)."""
-    return norm_of(squared_norms(grads) for grads in grads_per_layer)
+    return grad_norms(grads_per_layer)[0]
+
+
+def grad_norms(grads_per_layer) -> tuple[float, list[float]]:
+    """(the global L2 norm, each layer's L2 norm), in float64."""
+    return norms_of(squared_norms(grads) for grads in grads_per_layer)
 
 
 def squared_norms(grads: dict[str, np.ndarray]) -> list[float]:
@@ -130,14 +137,17 @@ def squared_norms(grads: dict[str, np.ndarray]) -> list[float]:
     return [float(np.einsum("i,i->", g.reshape(-1), g.reshape(-1), dtype=np.float64)) for g in grads.values()]
 
 
-def norm_of(squares_per_layer) -> float:
-    """The global norm from each layer's squared_norms, added in layer order (so a
-    norm built as gradients arrive equals global_norm's to the last bit)."""
-    total = 0.0
+def norms_of(squares_per_layer) -> tuple[float, list[float]]:
+    """grad_norms from each layer's squared_norms, added in layer order (so norms
+    built as gradients arrive equal grad_norms' to the last bit)."""
+    total, per_layer = 0.0, []
     for squares in squares_per_layer:
+        layer_total = 0.0
         for square in squares:
             total += square
-    return math.sqrt(total)
+            layer_total += square
+        per_layer.append(math.sqrt(layer_total))
+    return math.sqrt(total), per_layer
 
 
 def scale_grads(grads: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:

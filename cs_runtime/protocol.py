@@ -44,6 +44,12 @@ MAX_DIMS = 8
 # (bfloat16 / cbfloat16 travel as their raw uint16 bit patterns).
 ALLOWED_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"}
 
+# TRACE messages (cs_runtime/trace.py): spans as parallel 1-D arrays, names once.
+MAX_SPANS = 500_000
+MAX_SPAN_NAMES = 256
+MAX_SPAN_NAME_CHARS = 64
+SPAN_ARRAYS = {"name": "int32", "start_ns": "int64", "dur_ns": "int64", "step": "int64", "layer": "int64"}
+
 # Frames smaller than this are copied by ZeroMQ anyway; larger ones go zero-copy.
 ZERO_COPY_THRESHOLD = 64 * 1024
 
@@ -89,6 +95,9 @@ class Msg(str, enum.Enum):
     CANCEL = "cancel"            # csctl -> front door: stop a job (its owner only)
     LABEL = "label"              # csctl -> front door: set labels on a job (its owner only)
     REFUSED = "refused"          # front door -> client: the request was not carried out, and why
+    # timeline (--trace)
+    GET_TRACE = "get_trace"      # chief -> MemoryX, SwarmX (-> every WSE), input workers: your spans
+    TRACE = "trace"              # each -> chief (WSEs via SwarmX): spans + the clocks of the round trip
 
 
 # Required meta keys per type, with the Python types they must have.
@@ -128,6 +137,9 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.CANCEL: {"name": str, "owner": str},
     Msg.LABEL: {"name": str, "owner": str, "labels": dict},
     Msg.REFUSED: {"reason": str},
+    Msg.GET_TRACE: {},
+    Msg.TRACE: {"role": str, "rank": int, "names": list, "dropped": int, "clock": str, "recv_ns": int,
+                "send_ns": int},
 }
 
 # ------------------------------------------------------------ front door
@@ -176,6 +188,7 @@ def check_labels(labels, error=ValueError) -> None:
         if not (isinstance(value, str) and LABEL_VALUE.match(value)):
             raise error(f"label {key}: value {str(value)[:70]!r} is not 0-63 letters, digits, '-', '_' or '.'")
 
+
 FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOBS, Msg.JOBS, Msg.CANCEL,
               Msg.LABEL, Msg.REFUSED}
 
@@ -183,7 +196,10 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # "format": the arrays are tensors of that precision format in their wire
 # storage (cs_runtime/precision.py: float16, or uint16 bit patterns); without
 # it they are plain float32 (or whatever dtype they state).
-OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool}
+# "layer_grad_norms": each layer's gradient norm, in layer order (STEP_DONE, and LOSS in pipelined mode).
+# "trace": record a timeline for this job (LOAD_MODEL's spec).
+OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
+                                 "layer_grad_norms": list}
 
 
 @dataclass
@@ -247,6 +263,8 @@ def decode(frames: list, segments=None) -> Message:
         arr = np.frombuffer(_as_buffer(next(next_frame)), dtype=dtype).reshape(shape)
         arr.flags.writeable = False
         arrays[name] = arr
+    if mtype == Msg.TRACE:
+        _check_trace(header["meta"], arrays)
     return Message(mtype, header["job"], header["step"], header["layer"], header["meta"], arrays)
 
 
@@ -308,6 +326,9 @@ def _check_header(header: dict) -> Msg:
         raise ProtocolError(f"{mtype.value}: unknown tensor format {meta['format'][:20]!r}")
     if mtype in FRONT_DOOR:
         _check_front_door(mtype, meta)
+    norms = meta.get("layer_grad_norms")
+    if norms is not None and (len(norms) > MAX_ARRAYS or not all(_is(n, _NUM) for n in norms)):
+        raise ProtocolError(f"{mtype.value}: meta field 'layer_grad_norms' is not a list of numbers")
     return mtype
 
 
@@ -354,6 +375,28 @@ def _check_array_specs(specs: list, frames: list) -> list:
                                 f"header says {nbytes}")
         checked.append((name, dtype, tuple(shape), ref))
     return checked
+
+
+def _check_trace(meta: dict, arrays: dict) -> None:
+    """A TRACE's spans: the five arrays, 1-D, one length, name ids within its list of names."""
+    names = meta["names"]
+    if len(names) > MAX_SPAN_NAMES or not all(isinstance(n, str) and len(n) <= MAX_SPAN_NAME_CHARS
+                                              for n in names):
+        raise ProtocolError(f"trace: names must be at most {MAX_SPAN_NAMES} strings of at most "
+                            f"{MAX_SPAN_NAME_CHARS} characters")
+    if set(arrays) != set(SPAN_ARRAYS):
+        raise ProtocolError(f"trace: arrays must be {sorted(SPAN_ARRAYS)}")
+    lengths = set()
+    for name, dtype in SPAN_ARRAYS.items():
+        arr = arrays[name]
+        if arr.dtype.name != dtype or arr.ndim != 1:
+            raise ProtocolError(f"trace: array {name!r} must be 1-D {dtype}")
+        lengths.add(len(arr))
+    if len(lengths) != 1 or lengths.pop() > MAX_SPANS:
+        raise ProtocolError(f"trace: span arrays differ in length or exceed {MAX_SPANS} spans")
+    ids, durations = arrays["name"], arrays["dur_ns"]
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(names) or durations.min() < 0):
+        raise ProtocolError("trace: a span names no listed name or has a negative duration")
 
 
 def float_arrays(msg: Message) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ import logging
 import numpy as np
 import zmq
 
-from . import shm
+from . import shm, trace
 from .model import ModelSpec
 from .precision import encode_arrays, wire_dtype
 from .protocol import Message, Msg, float_arrays
@@ -29,6 +29,8 @@ log = logging.getLogger("swarmx")
 # mode, where the WSE holds the weights and MemoryX is not involved.
 BROADCAST = {Msg.WEIGHTS, Msg.LOAD_MODEL, Msg.JOB_END, Msg.TRAIN_STEP, Msg.EVAL_STEP, Msg.GET_STATE}
 REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE}
+REDUCE_SPAN = {Msg.GRADS: "reduce_grads", Msg.LOSS: "reduce_loss", Msg.EVAL_RESULT: "reduce_eval",
+               Msg.ACK: "reduce_ack", Msg.STATE: "gather_state"}
 
 
 def reduce_messages(parts: list[Message], into: dict[str, np.ndarray] | None = None) -> Message:
@@ -103,23 +105,33 @@ class SwarmX:
         if msg is None:
             return
         if msg.type in BROADCAST:
-            self.broadcast(frames)
+            with trace.span("broadcast", step=msg.step, layer=msg.layer):
+                self.broadcast(frames)
         else:
             self.router.warn_once(b"memoryx", f"unexpected {msg.type.value} from MemoryX")
 
     def from_router(self, identity, frames) -> None:
+        received_ns = trace.now_ns()
         msg = self.router.decode_or_drop(identity, frames)
         if msg is None:
             return
         if msg.type == Msg.HELLO:
             self.hello(identity, msg)
+        elif identity == self.chief and msg.type == Msg.GET_TRACE:
+            self.broadcast(frames)    # each WSE answers with its own TRACE, passed on below
+            self.router.send(trace.reply(msg, "swarmx", self.penv.rank, received_ns), self.chief, share=False)
         elif identity == self.chief and msg.type in BROADCAST:
             if msg.type == Msg.LOAD_MODEL:
                 self.prepare_sums(msg.meta["spec"])
-            if msg.type == Msg.JOB_END and self.segments is not None:
-                self.release_sums()
-                self.segments.forget_peers(self.penv.job)
+                trace.RECORDER.reset(bool(msg.meta["spec"].get("trace")))
+            if msg.type == Msg.JOB_END:
+                trace.RECORDER.reset(False)
+                if self.segments is not None:
+                    self.release_sums()
+                    self.segments.forget_peers(self.penv.job)
             self.broadcast(frames)
+        elif identity in self.wse.values() and msg.type == Msg.TRACE and self.chief is not None:
+            self.router.forward(frames, self.chief)
         elif identity in self.wse.values() and msg.type in REDUCE:
             self.collect(identity, msg)
         elif identity in self.wse.values() and msg.type == Msg.ERROR:
@@ -178,11 +190,12 @@ class SwarmX:
         del self.pending[key]
         # A layer's buffers are free again: MemoryX applied last step's sums before this step began.
         into = self.sums.get(msg.layer) if msg.type == Msg.GRADS else None
-        reduced = reduce_messages([parts[r] for r in range(self.num_wse)], into)
-        if reduced.type == Msg.GRADS:
-            self.memoryx.send(reduced)
-        else:
-            self.router.send(reduced, self.chief)
+        with trace.span(REDUCE_SPAN[msg.type], step=msg.step, layer=msg.layer):
+            reduced = reduce_messages([parts[r] for r in range(self.num_wse)], into)
+            if reduced.type == Msg.GRADS:
+                self.memoryx.send(reduced)
+            else:
+                self.router.send(reduced, self.chief)
 
 
 def main(penv: ProcessEnv, ctx: zmq.Context) -> None:

@@ -15,9 +15,12 @@ precision (float16 with dynamic loss scaling, and cbfloat16), whose weights
 and gradients stream in 16 bits. Then the input-bound rows: FC-MNIST with an
 expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
 one WSE fed by 1, 2 and 4 input workers, with the ratio to 1 worker
-(`--rows input` runs only these; they need about 4 free cores to scale). For each: samples/sec (from the chief's
-progress lines, every 2 steps, leaving out the first 2 steps as the torch rows
-leave out their warm-up), the ratio to PyTorch CPU (to
+(`--rows input` runs only these; they need about 4 free cores to scale).
+`--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
+weight streaming) and the CPU path, each with --trace off and on, alternated
+--repeats times; the median of each, and on / off. For each: samples/sec (from
+the chief's progress lines, every 2 steps, leaving out the first 2 steps as the
+torch rows leave out their warm-up), the ratio to PyTorch CPU (to
 the CPU path without torch), the training FLOP/s and their fraction of the
 compute ceiling, and for weight streaming the bytes per step and the weight
 stream's bytes/sec against the transport ceilings.
@@ -37,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
-    parser.add_argument("--rows", choices=("all", "model", "input"), default="all")
+    parser.add_argument("--rows", choices=("all", "model", "input", "trace"), default="all")
+    parser.add_argument("--repeats", type=int, default=3, help="--rows trace: runs of each row (default 3)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -170,6 +175,12 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(tmp)
         if args.rows in ("all", "model"):
             result.update(model_rows(tmp, args.preset, preset, steps))
+        if args.rows == "trace":
+            result["trace_rows"] = trace_rows(tmp, preset, steps, args.repeats)
+            print_rows(f"timeline cost: preset {args.preset}, steps={steps}, median of {args.repeats}",
+                       "--trace off", result["trace_rows"])
+            result["span_cost"] = span_cost(tmp / "ws_1wse_on0", steps, preset["batch_size"],
+                                            result["trace_rows"][0]["samples_per_sec"])
         if args.rows in ("all", "input"):
             result["input_rows"] = input_rows(tmp, preset, args.input_steps)
             print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
@@ -215,6 +226,54 @@ def input_rows(tmp: Path, preset: dict, steps: int) -> list[dict]:
     for row in rows:
         row["ratio"] = row["samples_per_sec"] / base
     return rows
+
+
+def trace_rows(tmp: Path, preset: dict, steps: int, repeats: int) -> list[dict]:
+    """The same run with --trace off and on, alternated so that drifting load hits both alike."""
+    params = write_params(tmp, preset, steps, "weight_streaming")
+    rows = []
+    for name, launcher in (("ws_1wse", [str(BIN / "csrun_wse")]), ("cpu", [str(BIN / "csrun_cpu")])):
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        for i in range(repeats):
+            for mode, flags in (("off", []), ("on", ["--trace"])):
+                row = run_row(f"{name}_trace_{mode}", [*launcher, *flags], params, tmp / f"{name}_{mode}{i}")
+                rates[mode].append(row["samples_per_sec"])
+        off = statistics.median(rates["off"])
+        for mode in ("off", "on"):
+            rate = statistics.median(rates[mode])
+            rows.append({"name": f"{name}_trace_{mode}", "samples_per_sec": rate, "ratio": rate / off,
+                         "runs": rates[mode]})
+    return rows
+
+
+def span_cost(traced_dir: Path, steps: int, batch: int, rate_off: float) -> dict:
+    """ns per span site, off and on (in this process), and what the off cost is of a step, from the spans per step."""
+    import timeit
+    sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
+    from cs_runtime import trace
+
+    def site():
+        with trace.span("fwd", step=1, layer=2):
+            pass
+
+    def bare():
+        pass
+    n = 200_000
+    empty = min(timeit.repeat(bare, number=n, repeat=5)) / n
+    cost = {}
+    for mode in (False, True):
+        trace.RECORDER.reset(mode)
+        cost["on" if mode else "off"] = (min(timeit.repeat(site, number=n, repeat=5)) / n - empty) * 1e9
+    trace.RECORDER.reset(False)
+    spans = sum(1 for e in json.loads((traced_dir / "trace.json").read_text())["traceEvents"] if e["ph"] == "X")
+    per_step = spans / steps
+    step_ns = batch / rate_off * 1e9
+    result = {"ns_per_site_off": cost["off"], "ns_per_site_on": cost["on"], "spans_per_step": per_step,
+              "off_fraction_of_step": per_step * cost["off"] / step_ns}
+    print(f"span site: {cost['off']:.0f} ns off, {cost['on']:.0f} ns on; {per_step:.1f} spans per step "
+          f"(all processes); off: {result['off_fraction_of_step'] * 100:.4f}% of a step's "
+          f"{step_ns / 1e6:.2f} ms (summed over processes, an upper bound)")
+    return result
 
 
 def print_rows(title: str, baseline: str, rows: list[dict]) -> None:

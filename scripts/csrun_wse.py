@@ -48,7 +48,7 @@ from cs_runtime.transport import PortInUse
 # Variables that describe a process's place in a job; never inherited from outside.
 JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET", "CS_NUM_CSX",
             "CS_NUM_WORKERS_PER_CSX", "CS_NUM_WORKERS", "CS_HOST_NAME", "CS_BIND_HOST",
-            auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR")
+            auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR", "CS_TRACE")
 SHM_DIR = "/dev/shm"   # memory-backed on Linux
 
 
@@ -88,6 +88,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
              help="stream weights over tcp even between local processes (default: shared memory)")
     add_flag(parser, "job_label", action="append", default=[], metavar="KEY=VALUE",
              help="with --cs_ip: a label of the job, shown by csctl get jobs (repeatable)")
+    add_flag(parser, "trace", action="store_true",
+             help="record a timeline of every process; the chief writes model_dir/trace.json (Perfetto)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python run.py ARGS...")
     ns = parser.parse_args(argv)
     if not ns.command:
@@ -171,7 +173,7 @@ def base_env(ns: argparse.Namespace, job: str, rendezvous: str, cs_ip: str, layo
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
     env.update(CS_JOB_ID=job, CS_RENDEZVOUS=rendezvous, CS_IP=cs_ip, CS_TARGET="wse",
                CS_NUM_CSX=str(ns.num_csx), CS_NUM_WORKERS=str(layout.num_workers),
-               CS_BIND_HOST=layout.bind, PYTHONUNBUFFERED="1")
+               CS_BIND_HOST=layout.bind, PYTHONUNBUFFERED="1", CS_TRACE="1" if ns.trace else "0")
     keys = auth.job_keys()
     if keys is not None:  # the job's own processes learn where the keys are, nobody else
         env[auth.KEYS_ENV] = str(keys.folder)

@@ -141,12 +141,12 @@ def test_update_model_skips_a_step_with_overflowed_gradients():
     w = {"fc0": {"weight": np.ones((2, 2), np.float32)}}
     state = {"fc0": opt.init_state(w["fc0"])}
     bad = [{"weight": np.array([[1, np.inf], [0, 0]], np.float32)}]
-    norm, applied = opt.update_model(["fc0"], w, bad, state, 0.1, 0, None, loss_scale=8.0, skip_nonfinite=True)
+    norm, applied, _ = opt.update_model(["fc0"], w, bad, state, 0.1, 0, None, loss_scale=8.0, skip_nonfinite=True)
     assert not applied and not np.isfinite(norm)
     np.testing.assert_array_equal(w["fc0"]["weight"], 1.0)
     np.testing.assert_array_equal(state["fc0"]["weight"]["momentum"], 0.0)
     good = [{"weight": np.full((2, 2), 8.0, np.float32)}]                # scaled by 8: unscales to 1
-    norm, applied = opt.update_model(["fc0"], w, good, state, 0.1, 0, None, loss_scale=8.0, skip_nonfinite=True)
+    norm, applied, _ = opt.update_model(["fc0"], w, good, state, 0.1, 0, None, loss_scale=8.0, skip_nonfinite=True)
     assert applied and norm == pytest.approx(2.0)
     np.testing.assert_allclose(w["fc0"]["weight"], 0.9)
 

@@ -31,6 +31,7 @@ from cs_runtime.protocol import (
     Message,
     Msg,
     ProtocolError,
+    SPAN_ARRAYS,
     array_bytes,
     decode,
     encode,
@@ -97,12 +98,16 @@ def reject(frames, *words):
 
 @pytest.mark.parametrize("mtype", list(Msg))
 def test_every_type_round_trips_with_minimal_meta(mtype):
-    msg = Message(mtype, job="j", step=7, layer=3, meta=minimal_meta(mtype),
-                  arrays={"a": np.arange(4, dtype=np.float32)})
+    meta, arrays = minimal_meta(mtype), {"a": np.arange(4, dtype=np.float32)}
+    if mtype == Msg.TRACE:   # its names and span arrays are checked too (tests/test_trace.py)
+        meta["names"] = ["fwd"]
+        arrays = {name: np.zeros(4, dtype) for name, dtype in SPAN_ARRAYS.items()}
+    msg = Message(mtype, job="j", step=7, layer=3, meta=meta, arrays=arrays)
     out = decode(encode(msg))
     assert out.type is mtype
     assert (out.job, out.step, out.layer, out.meta) == ("j", 7, 3, msg.meta)
-    np.testing.assert_array_equal(out.arrays["a"], msg.arrays["a"])
+    for name, arr in arrays.items():
+        np.testing.assert_array_equal(out.arrays[name], arr)
 
 
 def test_meta_schema_covers_every_type():

@@ -20,6 +20,7 @@ import time
 
 import zmq
 
+from cs_runtime import trace
 from cs_runtime.cluster import DirectoryClient
 from cs_runtime.data import DataError, worker_steps
 from cs_runtime.inputs import InputStream
@@ -36,6 +37,7 @@ PREFETCH = 4
 PLAN_TIMEOUT_S = 300
 STATS_INTERVAL_S = 1.0
 SEND_POLL_MS = 250
+IDLE_POLL_MS = 250
 
 
 def serve_inputs(args: RunArgs, fns: UserFunctions) -> None:
@@ -59,6 +61,7 @@ class InputWorker:
         self.busy_s = self.blocked_s = 0.0
         self.started = self.last_report = time.monotonic()
         self.chief: Endpoint | None = None
+        trace.RECORDER.reset(trace.enabled_from_env())
 
     def run(self) -> None:
         job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "worker", self.penv.rank, self.penv.job)
@@ -75,8 +78,21 @@ class InputWorker:
         self.report(done=True)
         log.info("worker %d made %d batches for %d WSE(s) in %.1f s (%.1f s in the input function)",
                  self.penv.rank, self.batches, len(wses), time.monotonic() - self.started, self.busy_s)
-        # Stay registered until the job ends: the launcher stops us with the rest.
-        beat.join()
+        # Stay registered until the job ends: the launcher stops us with the rest
+        # (the heartbeat thread ends the process when the job is done).
+        self.answer_chief_until_done(beat)
+
+    def answer_chief_until_done(self, beat) -> None:
+        """After the last batch: hand the chief this worker's spans when it asks (--trace)."""
+        while beat.is_alive():
+            got = self.chief.recv(IDLE_POLL_MS)
+            if got is None:
+                continue
+            received_ns, msg = trace.now_ns(), got[1]
+            if msg.type == Msg.GET_TRACE:
+                self.chief.send(trace.reply(msg, "worker", self.penv.rank, received_ns))
+            else:
+                self.chief.warn_once(None, f"unexpected {msg.type.value} from the chief")
 
     def push_to(self, address: str) -> Endpoint:
         push = Endpoint(self.ctx, zmq.PUSH, f"worker{self.penv.rank}", self.penv.job)
@@ -103,14 +119,17 @@ class InputWorker:
         stream = self.open_stream(name)
         for step in worker_steps(int(phase["start"]), int(phase["stop"]), self.penv.rank, self.penv.num_workers):
             t0 = time.monotonic()
-            shards = stream.shards(step, len(pushes))
+            with trace.span("make_batch", step=step):
+                shards = stream.shards(step, len(pushes))
             self.busy_s += time.monotonic() - t0
             for push, shard in zip(pushes, shards):
                 meta = {"stream": name, "global_batch": shard.global_batch, "worker": self.penv.rank,
                         "row_start": shard.rows.start, "row_stop": shard.rows.stop}
                 # The first layer rounds its input to the 16-bit format anyway: send it so.
                 arrays = encode_arrays({"x": shard.x, "y": shard.y}, p.precision)
-                self.send(push, Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision}, arrays=arrays))
+                with trace.span("send_batch", step=step):
+                    self.send(push, Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision},
+                                            arrays=arrays))
             self.batches += 1
             self.maybe_report()
 

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import zmq
 
-from cs_runtime import shm
+from cs_runtime import shm, trace
 from cs_runtime.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.precision import encode_arrays, scaled, wire_dtype
 from cs_runtime.protocol import Message, Msg, float_arrays
@@ -55,7 +55,8 @@ class InputMerger:
         key = (stream, step)
         t0 = time.monotonic()
         try:
-            return self._take(key, poll_ms)
+            with trace.span("input_wait", step=step):
+                return self._take(key, poll_ms)
         finally:
             self.waited_s += time.monotonic() - t0
 
@@ -93,11 +94,13 @@ class WeightStreamingExecutor:
 
     def on_weights(self, msg: Message) -> None:
         phase, index = msg.meta["phase"], msg.layer
+        with trace.span("recv_weights", step=msg.step, layer=index):
+            weights = float_arrays(msg)   # 16-bit formats are widened here
         if phase in ("fwd", "eval"):
             self.loss_scale = float(msg.meta.get("loss_scale", 1.0))
-            self.forward(msg.step, index, float_arrays(msg), train=phase == "fwd")
+            self.forward(msg.step, index, weights, train=phase == "fwd")
         elif phase == "bwd":
-            self.backward(msg.step, index, float_arrays(msg))
+            self.backward(msg.step, index, weights)
         else:
             raise ValueError(f"unknown weights phase {phase!r} for layer {index}")
 
@@ -107,7 +110,8 @@ class WeightStreamingExecutor:
         elif step != self.step or len(self.caches) != index:
             raise RuntimeError(f"forward weights for layer {index} of step {step} out of order")
         # Weights arrive in the model's format: exact values of it, nothing to round.
-        out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx, weights_rounded=True)
+        with trace.span("fwd" if train else "eval_fwd", step=step, layer=index):
+            out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx, weights_rounded=True)
         self.caches.append(cache)
         self.x = out
         if index == len(self.spec.layers) - 1:
@@ -123,7 +127,8 @@ class WeightStreamingExecutor:
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train)
 
     def finish_forward(self, step: int, train: bool) -> None:
-        result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
+        with trace.span("loss", step=step):
+            result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
         if train:
             self.delta = scaled(result.delta, self.loss_scale)
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
@@ -142,10 +147,12 @@ class WeightStreamingExecutor:
         if self.arena is not None and fmt == "float32":   # computed straight into shared memory
             out = {name: self.grad_buffer(index, name, shape, np.float32)
                    for name, shape in self.spec.layers[index].param_shapes().items()}
-        self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights, out,
-                                           weights_rounded=True)
-        self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
-                             arrays=self.shared(index, encode_arrays(grads, fmt))))
+        with trace.span("bwd", step=step, layer=index):
+            self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights, out,
+                                               weights_rounded=True)
+        with trace.span("send_grads", step=step, layer=index):
+            self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
+                                 arrays=self.shared(index, encode_arrays(grads, fmt))))
 
     def grad_buffer(self, index: int, name: str, shape: tuple, dtype) -> np.ndarray:
         """Layer `index`'s buffer for gradient `name` in this WSE's arena, reused every step."""
@@ -200,7 +207,11 @@ class WSE:
             self.handle(msg)
 
     def handle(self, msg: Message) -> None:
-        if msg.type == Msg.LOAD_MODEL:
+        if msg.type == Msg.GET_TRACE:
+            received_ns = trace.now_ns()
+            self.up.send(trace.reply(msg, "wse", self.penv.rank, received_ns), share=False)
+        elif msg.type == Msg.LOAD_MODEL:
+            trace.RECORDER.reset(bool(msg.meta["spec"].get("trace")))
             self.executor = self.make_executor(msg)
             self.up.send(Message(Msg.ACK, meta={"what": "load_model"}))
         elif msg.type == Msg.WEIGHTS and isinstance(self.executor, WeightStreamingExecutor):
@@ -208,6 +219,7 @@ class WSE:
         elif isinstance(self.executor, PipelinedExecutor) and self.executor.handle(msg):
             pass
         elif msg.type == Msg.JOB_END:
+            trace.RECORDER.reset(False)
             self.executor = None
             self.inputs.buffer.clear()
             if self.segments is not None:

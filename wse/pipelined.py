@@ -67,14 +67,14 @@ class PipelinedExecutor:
         for x, y, ctx in self.replica_contexts(batch, train=True):
             logits, caches = model_forward(self.spec, x, self.weights, ctx)
             part = model_loss(self.spec, logits, y, ctx.global_batch)
-            grads = model_backward(self.spec, scaled(part.delta, loss_scale), caches, self.weights)
+            grads = model_backward(self.spec, scaled(part.delta, loss_scale), caches, self.weights, step)
             loss, count = loss + part.loss, count + len(y)
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
         names = [layer.name for layer in self.spec.layers]
-        norm, applied = self.optimizer.update_model(names, self.weights, total, self.opt_state, lr, step,
-                                                    self.max_norm, loss_scale, self.skip_nonfinite)
+        norm, applied, layer_norms = self.optimizer.update_model(
+            names, self.weights, total, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite)
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
-        meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied,
+        meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                 "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}
         self.up.send(Message(Msg.LOSS, step=step, meta=meta))
 
