@@ -187,9 +187,10 @@ class ClusterExecutor:
     def pipelined(self) -> bool:
         return self.strategy == "pipelined"
 
-    def train_step(self, step: int, lr: float, loss_scale: float = 1.0) -> tuple[float, float, bool]:
-        """(loss, gradient norm, whether the update was applied)."""
-        start = Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr, "loss_scale": loss_scale})
+    def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
+                   norms: bool = True) -> tuple[float, float, bool]:
+        """(loss, gradient norm (nan unless `norms`), whether the update was applied)."""
+        start = Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr, "loss_scale": loss_scale, "norms": norms})
         if self.pipelined:
             self.swarmx.send(start)
             loss = self.wait(self.swarmx, Msg.LOSS, step)

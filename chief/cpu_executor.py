@@ -49,13 +49,15 @@ class CpuExecutor:
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
         return model_loss(self.spec, logits, shard.y, shard.global_batch), caches, shard
 
-    def train_step(self, step: int, lr: float, loss_scale: float = 1.0) -> tuple[float, float, bool]:
-        """(loss, gradient norm, whether the update was applied)."""
+    def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
+                   norms: bool = True) -> tuple[float, float, bool]:
+        """(loss, gradient norm (nan unless `norms`), whether the update was applied)."""
         result, caches, _ = self.forward("train", step, train=True)
         grads = model_backward(self.spec, scaled(result.delta, loss_scale), caches, self.weights, step)
         names = [layer.name for layer in self.spec.layers]
         norm, applied, self.layer_grad_norms = self.optimizer.update_model(
-            names, self.weights, grads, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite)
+            names, self.weights, grads, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite,
+            need_norms=norms)
         return result.loss, norm, applied
 
     def eval_step(self, step: int) -> tuple[float, int, int]:

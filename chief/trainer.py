@@ -161,7 +161,7 @@ class Trainer:
             lr = self.params.optimizer.lr_at(step)
             loss_scale = self.scaler.scale
             with trace.span("train_step", step=step):
-                loss, grad_norm, applied = self.executor.train_step(step, lr, loss_scale)
+                loss, grad_norm, applied = self.executor.train_step(step, lr, loss_scale, self.logs_at(step + 1))
             if not math.isfinite(loss):
                 raise RunError(f"loss is {loss} at step {step + 1}; stopping (lower the learning rate?)")
             self.after_step(step, applied, loss_scale)
@@ -170,7 +170,7 @@ class Trainer:
             self.scalar("train", "loss", loss)
             if self.scaler.skips_nonfinite:
                 self.scalar("train", "loss_scale", loss_scale)
-            if self.global_step % self.rc.log_steps == 0 or self.global_step == self.rc.max_steps:
+            if self.logs_at(self.global_step):
                 now = time.monotonic()
                 rate = steps_since * batch / max(now - t_last, 1e-9)
                 global_rate = (self.global_step - first_step) * batch / max(now - t_start, 1e-9)
@@ -194,6 +194,11 @@ class Trainer:
         summary = self.executor.traffic_summary()
         if summary:
             print(summary, flush=True)
+
+    def logs_at(self, global_step: int) -> bool:
+        """Whether the progress line and the step's summaries are written after `global_step`
+        steps; the gradient norms are computed for those steps only."""
+        return global_step % self.rc.log_steps == 0 or global_step == self.rc.max_steps
 
     def after_step(self, step: int, applied: bool, loss_scale: float) -> None:
         """Advance the loss scale; a skipped step is said once, with what happens next."""

@@ -20,6 +20,7 @@ them.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import zmq
@@ -88,7 +89,8 @@ class MemoryX:
             self.load_model(msg)
             self.router.send(Message(Msg.ACK, meta={"what": "load_model"}), identity)
         elif msg.type == Msg.TRAIN_STEP:
-            self.train_step(msg.step, float(msg.meta["lr"]), float(msg.meta.get("loss_scale", 1.0)))
+            self.train_step(msg.step, float(msg.meta["lr"]), float(msg.meta.get("loss_scale", 1.0)),
+                            bool(msg.meta.get("norms", True)))
         elif msg.type == Msg.EVAL_STEP:
             self.stream_weights(msg.step, "eval", range(len(self.spec.layers)), self.wire_weights())
         elif msg.type == Msg.GET_STATE:
@@ -156,7 +158,8 @@ class MemoryX:
             with trace.span(span_name, step=step, layer=index):
                 self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
 
-    def train_step(self, step: int, lr: float, loss_scale: float) -> None:
+    def train_step(self, step: int, lr: float, loss_scale: float, norms: bool = True) -> None:
+        """One step; the gradient norms only when the chief asks (`norms`) or clipping needs them."""
         n = len(self.spec.layers)
         sent, received = self.router.bytes_sent, self.router.bytes_received
         with trace.span("encode_weights", step=step):
@@ -175,17 +178,18 @@ class MemoryX:
                 continue
             grads[msg.layer] = float_arrays(msg)
             if at_once:   # the norm too, while the WSEs compute the layers below
-                squares[msg.layer] = squared_norms(grads[msg.layer])
+                if norms:
+                    squares[msg.layer] = squared_norms(grads[msg.layer])
                 self.update(msg.layer, grads[msg.layer], lr, step)
         ordered = [grads[i] for i in range(n)]
         if at_once:
             applied = True
-            norm, layer_norms = norms_of(squares[i] for i in range(n))
+            norm, layer_norms = norms_of(squares[i] for i in range(n)) if norms else (math.nan, [])
         else:
             names = [layer.name for layer in self.spec.layers]
             norm, applied, layer_norms = self.optimizer.update_model(
                 names, self.weights, ordered, self.opt_state, lr, step, self.max_norm, loss_scale,
-                self.skip_nonfinite)
+                self.skip_nonfinite, need_norms=norms)
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
         self.router.send(Message(Msg.STEP_DONE, step=step,

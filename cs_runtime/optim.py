@@ -52,16 +52,18 @@ class Optimizer:
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
                      lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
-                     skip_nonfinite: bool = False) -> tuple[float, bool, list[float]]:
+                     skip_nonfinite: bool = False, need_norms: bool = True) -> tuple[float, bool, list[float]]:
         """Unscale, clip by the global norm, then update every layer.
 
         Returns (the norm of the unscaled gradients before clipping, whether the
         step was applied, each layer's norm): with `skip_nonfinite` (loss
         scaling on) a step whose gradients hold inf or nan changes nothing.
+        Without `need_norms` (and without clipping, which needs the norm) the
+        norms are not computed: (nan, applied, []).
         """
         # Without loss scaling there is nothing to unscale, and no step is skipped.
         finite = unscale_and_check(grads, loss_scale) if skip_nonfinite or loss_scale != 1.0 else True
-        norm, per_layer = grad_norms(grads)
+        norm, per_layer = grad_norms(grads) if need_norms or max_norm else (math.nan, [])
         if skip_nonfinite and not finite:
             return norm, False, per_layer
         factor = clip_factor(norm, max_norm)

@@ -198,8 +198,10 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # it they are plain float32 (or whatever dtype they state).
 # "layer_grad_norms": each layer's gradient norm, in layer order (STEP_DONE, and LOSS in pipelined mode).
 # "trace": record a timeline for this job (LOAD_MODEL's spec).
+# "norms": whether TRAIN_STEP wants the step's gradient norms back (default
+# yes; the chief asks only on the steps it logs: they cost a pass over every gradient).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
-                                 "layer_grad_norms": list}
+                                 "layer_grad_norms": list, "norms": bool}
 
 
 @dataclass

@@ -225,3 +225,24 @@ def test_clipped_gradients_have_the_max_norm():
     factor = clip_factor(norm, 1.0)
     clipped = [{k: v * factor for k, v in layer.items()} for layer in layers]
     assert global_norm(clipped) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_norms_are_skipped_when_not_wanted_unless_clipping_needs_them():
+    rng = np.random.default_rng(9)
+    grads = [{"w": rng.standard_normal((6, 5)).astype(np.float32)} for _ in range(2)]
+    results = {}
+    for need, max_norm in ((True, None), (False, None), (False, 0.5)):
+        opt = Optimizer("sgd", momentum=0.9)
+        weights = {f"l{i}": {"w": np.ones((6, 5), np.float32)} for i in range(2)}
+        state = {name: opt.init_state(w) for name, w in weights.items()}
+        got = opt.update_model(["l0", "l1"], weights, [dict(g) for g in grads], state, 0.1, 0, max_norm,
+                               need_norms=need)
+        results[(need, max_norm)] = got, weights
+    (norm, applied, per_layer), weights = results[(True, None)]
+    assert norm == pytest.approx(global_norm(grads)) and len(per_layer) == 2 and applied
+    (skipped, applied, none), same = results[(False, None)]
+    assert np.isnan(skipped) and none == [] and applied
+    for name in weights:
+        np.testing.assert_array_equal(same[name]["w"], weights[name]["w"])   # the update does not need them
+    (clip_norm, _, _), _ = results[(False, 0.5)]
+    assert clip_norm == pytest.approx(norm)                                 # clipping does

@@ -40,7 +40,8 @@ class PipelinedExecutor:
     def handle(self, msg: Message) -> bool:
         """Handle a step-level message; False if it is not one of ours."""
         if msg.type == Msg.TRAIN_STEP:
-            self.train_step(msg.step, float(msg.meta["lr"]), float(msg.meta.get("loss_scale", 1.0)))
+            self.train_step(msg.step, float(msg.meta["lr"]), float(msg.meta.get("loss_scale", 1.0)),
+                            bool(msg.meta.get("norms", True)))
         elif msg.type == Msg.EVAL_STEP:
             self.eval_step(msg.step)
         elif msg.type == Msg.GET_STATE:
@@ -61,7 +62,7 @@ class PipelinedExecutor:
             arrays = float_arrays(batch)
             yield arrays["x"][part], arrays["y"][part], ctx
 
-    def train_step(self, step: int, lr: float, loss_scale: float) -> None:
+    def train_step(self, step: int, lr: float, loss_scale: float, norms: bool = True) -> None:
         batch = self.inputs.take("train", step)
         loss, count, total = 0.0, 0, None
         for x, y, ctx in self.replica_contexts(batch, train=True):
@@ -72,7 +73,8 @@ class PipelinedExecutor:
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
         names = [layer.name for layer in self.spec.layers]
         norm, applied, layer_norms = self.optimizer.update_model(
-            names, self.weights, total, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite)
+            names, self.weights, total, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite,
+            need_norms=norms)
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
         meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                 "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}
