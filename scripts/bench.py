@@ -131,19 +131,26 @@ def model_facts(preset: dict) -> dict:
             "layer_bytes": [4 * n for n in layer_params], "largest": largest}
 
 
+CEILING_REPEATS = 3   # each transport ceiling runs this often, alternated; the median counts
+
+
 def ceilings(facts: dict, batch: int, steps: int) -> dict:
-    """Transport and compute ceilings for the bytes and the largest matmul of one step."""
+    """Transport and compute ceilings for the bytes and the largest matmul of one step.
+
+    The transport rows share two cores with ZeroMQ's I/O threads and vary by
+    tens of percent from run to run; alternating them, several times, lets a
+    drift in the machine's load hit each alike."""
     # one step streams every layer forward and backward: the same bytes twice
     step_bytes = ",".join(str(b) for b in facts["layer_bytes"] * 2)
     k, n = facts["largest"]
-    return {
-        "memcpy": baseline("memcpy", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
-        "zmq": baseline("zmq", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
-        "protocol": baseline("protocol", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
-        "protocol_shm": baseline("protocol_shm", "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"],
-        "matmul": baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
-                           "--steps", str(steps))["flops_per_sec"],
-    }
+    runs: dict[str, list[float]] = {what: [] for what in ("memcpy", "zmq", "protocol", "protocol_shm")}
+    for _ in range(CEILING_REPEATS):
+        for what, values in runs.items():
+            values.append(baseline(what, "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"])
+    result = {what: statistics.median(values) for what, values in runs.items()}
+    result["matmul"] = baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
+                                "--steps", str(steps))["flops_per_sec"]
+    return result
 
 
 def torch_rows(facts: dict, batch: int, steps: int) -> list[dict]:
