@@ -172,17 +172,17 @@ def activate(kind: str, z: np.ndarray) -> np.ndarray:
     return z
 
 
-def activation_grad(kind: str, z: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """d act / d z, given the pre-activation z and the activation a."""
-    if kind == "relu":
-        return (z > 0).astype(z.dtype)
+def activation_grad(kind: str, z: np.ndarray | None, a: np.ndarray | None) -> np.ndarray:
+    """d act / d z of tanh and sigmoid (from the activation a) and gelu (from the
+    pre-activation z). relu's is read off the layer's output in dense_backward,
+    and "none" has no factor to apply."""
     if kind == "tanh":
         return 1.0 - a * a
     if kind == "sigmoid":
         return a * (1.0 - a)
     if kind == "gelu":
         return _gelu_grad(z).astype(z.dtype)
-    return np.ones_like(z)
+    raise ValueError(f"activation_grad: no derivative table entry for {kind!r}")
 
 
 # ---------------------------------------------------------------- dropout
