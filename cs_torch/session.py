@@ -318,8 +318,7 @@ class Session:
                 if job is not None:
                     job.supervisor.finish_requested = True  # every process is told to exit, then stopped
                     self.supervisor_thread.join(SUPERVISOR_JOIN_S)
-                    job.group.stop_all()
-                    job.close()
+                    job.close()   # stops whatever is left, then the segments and the context
             finally:
                 self._stack.close()
 
