@@ -14,14 +14,14 @@ import zmq
 
 from chief.input_monitor import InputMonitor
 from cs_runtime import trace
-from cs_runtime.auth import stop_authenticator
-from cs_runtime.cluster import DirectoryClient
-from cs_runtime.inputs import InputStream, eval_steps
-from cs_runtime.memoryx import pack_state, unpack_state
-from cs_runtime.optim import Optimizer
-from cs_runtime.protocol import Message, Msg
+from cs_runtime.wire.auth import stop_authenticator
+from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.data.inputs import InputStream, eval_steps
+from cs_runtime.memoryx.server import pack_state, unpack_state
+from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.wire.protocol import Message, Msg
 from cs_runtime.service import ProcessEnv
-from cs_runtime.transport import Endpoint
+from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("chief")
 

@@ -28,7 +28,7 @@ from cs_runtime.compiler.lower import lower
 from cs_runtime.compiler.planner import make_plan, strategy_for, target_from_env
 from cs_runtime.compiler.report import write_outputs
 from cs_runtime.compiler.rewrites import optimize
-from cs_runtime.model import ModelSpec
+from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.runner import RunArgs
 
 __all__ = ["CompileError", "compile_model"]

@@ -7,10 +7,10 @@ the same optimizer (cs_runtime.optim) as the CS system, layer by layer.
 from __future__ import annotations
 
 from cs_runtime import trace
-from cs_runtime.inputs import InputStream, eval_steps
-from cs_runtime.model import ShardContext, model_backward, model_forward, model_loss
-from cs_runtime.optim import Optimizer
-from cs_runtime.precision import scaled
+from cs_runtime.data.inputs import InputStream, eval_steps
+from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
+from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.precision import scaled
 from cs_runtime.runner import RunArgs, UserFunctions
 
 

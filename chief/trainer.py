@@ -21,10 +21,10 @@ import yaml
 from cs_runtime import checkpoint as ckpt
 from cs_runtime import trace
 from cs_runtime.config import Params
-from cs_runtime.model import ModelSpec, init_weights
-from cs_runtime.optim import Optimizer
-from cs_runtime.precision import LossScaler
-from cs_runtime.restart import EXIT_BAD_INPUT, RESTART_ENV
+from cs_runtime.numerics.model import ModelSpec, init_weights
+from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.precision import LossScaler
+from cs_runtime.launch.restart import EXIT_BAD_INPUT, RESTART_ENV
 from cs_runtime.runner import RunArgs, UserFunctions
 
 log = logging.getLogger("chief")

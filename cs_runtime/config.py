@@ -185,7 +185,7 @@ class TransformerModelConfig(_Section):
     """
 
     model_type: Literal["gpt2", "bert"]
-    vocab_size: PosInt = 260                 # the byte-level tokenizer's (cs_runtime/text.py)
+    vocab_size: PosInt = 260                 # the byte-level tokenizer's (cs_runtime/data/text.py)
     hidden_size: PosInt = 64
     num_hidden_layers: PosInt = 2
     num_heads: PosInt = 2
@@ -284,7 +284,7 @@ class OptimizerConfig(_Section):
     max_gradient_norm: Optional[PosFloat] = None  # None: no clipping
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     eps: PosFloat = 1e-8
-    # Loss scaling for 16-bit gradients (cs_runtime/precision.py: LossScaler).
+    # Loss scaling for 16-bit gradients (cs_runtime/numerics/precision.py: LossScaler).
     loss_scaling_factor: LossScalingFactor = 1.0
     initial_loss_scale: PosFloat = 2.0 ** 15
     steps_per_increase: PosInt = 2000
@@ -356,7 +356,7 @@ class CSConfig(_Section):
     """Settings of the CS system the compiler plans for."""
 
     # Bytes of on-wafer memory the model may use; None: the WSE-2's 40 GB
-    # (cs_runtime/hardware.py). A small value forces weight streaming.
+    # (cs_runtime/compiler/hardware.py). A small value forces weight streaming.
     wafer_memory_bytes: Optional[PosInt] = None
     # Cerebras's 16-bit format; with model.mixed_precision it replaces fp16_type.
     use_cbfloat16: StrictBool = False

@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import Params, ParamsError, load_params
-from .model import ModelSpec
+from cs_runtime.config import Params, ParamsError, load_params
+from cs_runtime.numerics.model import ModelSpec
 
 MODES = ("train", "eval", "train_and_eval", "validate_only", "compile_only")
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from .auth import stop_authenticator
+from cs_runtime.wire.auth import stop_authenticator
 
 ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
 
-# A CS system (cs_runtime/appliance.py) starts its services ahead of time with
+# A CS system (cs_runtime/appliance/server.py) starts its services ahead of time with
 # AWAIT_JOB_ENV set: each imports what it needs, then waits for the one job it
 # will serve, given as one JSON line on stdin (the variables below, nothing else).
 AWAIT_JOB_ENV = "CS_AWAIT_JOB"
@@ -69,7 +69,7 @@ def join_cs_system(penv: ProcessEnv, ctx: zmq.Context, endpoints: dict):
     Keep the returned client alive: its socket closes with LINGER 0 when it is
     garbage collected, which would drop a REGISTER not yet sent.
     """
-    from .cluster import DirectoryClient
+    from cs_runtime.launch.directory import DirectoryClient
     directory = DirectoryClient(ctx, penv.cs_ip, penv.role, penv.rank, penv.job)
     directory.register(endpoints)
     directory.start_heartbeats()

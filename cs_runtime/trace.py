@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocol import MAX_SPAN_NAME_CHARS, MAX_SPAN_NAMES, MAX_SPANS, Message, Msg
+from cs_runtime.wire.protocol import MAX_SPAN_NAME_CHARS, MAX_SPAN_NAMES, MAX_SPANS, Message, Msg
 
 TRACE_ENV = "CS_TRACE"
 

@@ -2,8 +2,8 @@
 Cerebras' PyTorch integration (cerebras.pytorch). No torch needed.
 
     import cs_torch as cstorch
-    from cs_runtime.data import load_mnist
-    from cs_runtime.model import mlp_spec
+    from cs_runtime.data.mnist import load_mnist
+    from cs_runtime.numerics.model import mlp_spec
 
     def train_input_fn():
         return load_mnist(None, "train")

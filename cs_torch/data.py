@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cs_runtime.inputs import dataset_len
+from cs_runtime.data.inputs import dataset_len
 
 from .nn import CsTorchError
 

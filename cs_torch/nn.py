@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cs_runtime.model import LayerSpec, ModelSpec
+from cs_runtime.numerics.model import LayerSpec, ModelSpec
 
 
 class CsTorchError(ValueError):

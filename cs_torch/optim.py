@@ -1,4 +1,4 @@
-"""Optimizers: the learning rules MemoryX applies (cs_runtime/optim.py), PyTorch-style names.
+"""Optimizers: the learning rules MemoryX applies (cs_runtime/numerics/optim.py), PyTorch-style names.
 
     optimizer = cs_torch.optim.SGD(lr=0.01, momentum=0.9)
     optimizer = cs_torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)

@@ -41,9 +41,9 @@ from chief.cluster_executor import ClusterExecutor, ServiceError
 from chief.compile import compile_model
 from chief.trainer import Trainer
 from cs_runtime.config import ParamsError, params_from_dict
-from cs_runtime.frontdoor import FrontDoorError, split_address
-from cs_runtime.model import ModelSpec
-from cs_runtime.protocol import ENDED_PHASES
+from cs_runtime.appliance.client import FrontDoorError, split_address
+from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.wire.protocol import ENDED_PHASES
 from cs_runtime.runner import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
 from scripts import csrun_wse

@@ -158,8 +158,8 @@ def run_zmq(args) -> dict:
 
 def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | None) -> None:
     import zmq
-    from cs_runtime.shm import Segments
-    from cs_runtime.transport import Endpoint
+    from cs_runtime.wire.shm import Segments
+    from cs_runtime.wire.transport import Endpoint
     ctx = zmq.Context()
     pull = Endpoint(ctx, zmq.PULL, "bench-pull", "bench").connect(address)
     if folder:
@@ -177,9 +177,9 @@ def run_protocol(args, shared: bool = False) -> dict:
     import multiprocessing
     import tempfile
     import zmq
-    from cs_runtime.protocol import Message, Msg
-    from cs_runtime.shm import Arena, Segments
-    from cs_runtime.transport import Endpoint
+    from cs_runtime.wire.protocol import Message, Msg
+    from cs_runtime.wire.shm import Arena, Segments
+    from cs_runtime.wire.transport import Endpoint
     ctx = zmq.Context()
     push = Endpoint(ctx, zmq.PUSH, "bench-push", "bench")
     address = push.bind()

@@ -6,7 +6,7 @@
 
 It starts the front door (jobs queue there and run in order, one at a time
 per CS system) and keeps MemoryX, SwarmX and WSE processes ready for the
-next job; see cs_runtime/appliance.py. Ctrl-C (or SIGTERM) stops it, every
+next job; see cs_runtime/appliance/server.py. Ctrl-C (or SIGTERM) stops it, every
 job's processes and its own, and deletes what they left in /dev/shm.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cs_runtime import auth
+from cs_runtime.wire import auth
 from cs_runtime.service import setup_logging
-from cs_runtime.transport import PortInUse
+from cs_runtime.wire.transport import PortInUse
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("cs_system")
-    from cs_runtime.appliance import CSSystem
+    from cs_runtime.appliance.server import CSSystem
     try:
         system = CSSystem(ns.host, ns.port, ns.num_csx, ns.insecure, shm=not ns.no_shm)
     except PortInUse as exc:

@@ -6,7 +6,7 @@
 
 The CS system is --cs_ip, else $CS_SYSTEM. Cancelling or labelling a job
 needs the owner credential of the user who submitted it (~/.cs_emulator/
-owner.token, see cs_runtime/frontdoor.py). Errors are one line, exit code 1.
+owner.token, see cs_runtime/appliance/client.py). Errors are one line, exit code 1.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import json
 import os
 import sys
 
-from cs_runtime.frontdoor import SYSTEM_ENV, FrontDoor, FrontDoorError, owner_token
-from cs_runtime.protocol import JOB_NAME, Message, Msg, check_labels
+from cs_runtime.appliance.client import SYSTEM_ENV, FrontDoor, FrontDoorError, owner_token
+from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels
 
 COLUMNS = ("NAME", "AGE", "DURATION", "PHASE", "SYSTEMS", "USER", "LABELS")
 

@@ -19,7 +19,7 @@ ends when the chief exits 0; if any process fails or stops answering,
 everything is stopped within seconds and one line names what failed; with
 --max_restarts K the whole job is then restarted from its latest checkpoint,
 up to K times. Traffic is authenticated and encrypted with CURVE keys made for
-the job (see cs_runtime/auth.py); --insecure turns that off, on loopback only.
+the job (see cs_runtime/wire/auth.py); --insecure turns that off, on loopback only.
 """
 from __future__ import annotations
 
@@ -34,16 +34,17 @@ from pathlib import Path
 
 import zmq
 
-from cs_runtime import auth, remote
-from cs_runtime.cluster import DirectoryServer
-from cs_runtime.frontdoor import FrontDoor, FrontDoorError, SubmittedJob
-from cs_runtime.launcher import SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, with_threads
-from cs_runtime.protocol import ENDED_PHASES, check_labels
-from cs_runtime.restart import RESTART_ENV, Outcome, run_with_restarts
+from cs_runtime.wire import auth
+from cs_runtime.launch import remote
+from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
+from cs_runtime.launch.launcher import SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, with_threads
+from cs_runtime.wire.protocol import ENDED_PHASES, check_labels
+from cs_runtime.launch.restart import RESTART_ENV, Outcome, run_with_restarts
 from cs_runtime.service import setup_logging
-from cs_runtime.shm import remove_job_segments, remove_orphaned_segments
-from cs_runtime.task import role_argv
-from cs_runtime.transport import PortInUse
+from cs_runtime.wire.shm import remove_job_segments, remove_orphaned_segments
+from cs_runtime.launch.task import role_argv
+from cs_runtime.wire.transport import PortInUse
 
 # Variables that describe a process's place in a job; never inherited from outside.
 JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET", "CS_NUM_CSX",

@@ -7,8 +7,8 @@ decoder and a stuck file system, not for synchronisation).
 import os
 import time
 
-from cs_runtime.data import load_mnist
-from cs_runtime.model import mlp_spec
+from cs_runtime.data.mnist import load_mnist
+from cs_runtime.numerics.model import mlp_spec
 from cs_runtime.runner import run
 
 SLOW_S = float(os.environ.get("SLOW_INPUT_S", "0.5"))   # for each of the first SLOW_CALLS batches

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import cs_torch as cstorch
-from cs_runtime.model import init_weights, mlp_spec
-from cs_runtime.auth import KEYS_ENV
+from cs_runtime.numerics.model import init_weights, mlp_spec
+from cs_runtime.wire.auth import KEYS_ENV
 from examples.fc_mnist.train_cstorch import eval_input_fn, train_input_fn
 from tests.cluster_utils import REPO, alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cs_runtime.protocol import Message, Msg, ProtocolError, decode, encode
+from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import (alive, assert_matches_oracle, descendants, kill_tree, wse_command,
                                  write_params)
 

@@ -13,9 +13,9 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cs_runtime import auth
-from cs_runtime.protocol import Message, Msg, encode
-from cs_runtime.transport import Endpoint
+from cs_runtime.wire import auth
+from cs_runtime.wire.protocol import Message, Msg, encode
+from cs_runtime.wire.transport import Endpoint
 
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)

@@ -1,4 +1,4 @@
-"""Tests of the compiler (cs_runtime/compiler, cs_runtime/hardware.py, chief/compile.py).
+"""Tests of the compiler (cs_runtime/compiler, cs_runtime/compiler/hardware.py, chief/compile.py).
 
     python -m pytest tests/test_compiler.py -q
 
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from chief.compile import compile_model
-from cs_runtime import hardware
+from cs_runtime.compiler import hardware
 from cs_runtime.compiler import artifact
 from cs_runtime.compiler.interp import run as interpret
 from cs_runtime.compiler.ir import BATCH, CompileError, Graph, validate
@@ -30,7 +30,7 @@ from cs_runtime.compiler.planner import Target, choose_strategy, make_plan, targ
 from cs_runtime.compiler.report import OVERALL_FIELDS, render_report, render_svg
 from cs_runtime.compiler.rewrites import drop_dead, drop_noops, fold_constants, fuse_dense, optimize
 from cs_runtime.config import params_from_dict
-from cs_runtime.model import LayerSpec, ModelSpec, mlp_spec
+from cs_runtime.numerics.model import LayerSpec, ModelSpec, mlp_spec
 from cs_runtime.runner import RunArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -460,7 +460,7 @@ def test_csrun_cpu_compile_only_writes_the_report(tmp_path: Path) -> None:
 
 
 BROKEN_RUN = '''
-from cs_runtime.model import LayerSpec, ModelSpec
+from cs_runtime.numerics.model import LayerSpec, ModelSpec
 from cs_runtime.runner import run
 
 def model_fn(params):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cs_runtime.data import (
+from cs_runtime.data.mnist import (
     BatchPlan,
     DataError,
     load_embedded_digits,

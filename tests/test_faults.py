@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
-from cs_runtime import auth
-from cs_runtime.cluster import DirectoryClient
-from cs_runtime.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode
+from cs_runtime.wire import auth
+from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.wire.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import (FC_MNIST, TOL, alive, assert_matches_oracle, descendants, final_weights,
                                  kill_tree, relative_error, run_cpu, run_wse, tool, train_losses, wse_command,
                                  write_params)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cs_runtime import kernels as K
-from cs_runtime.model import ModelSpec, ShardContext, layer_backward, layer_forward, transformer_spec
+from cs_runtime.numerics import kernels as K
+from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, transformer_spec
 
 from .test_model import assert_close, numeric_grad
 

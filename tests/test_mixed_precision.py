@@ -11,10 +11,10 @@ import re
 import numpy as np
 import pytest
 
-from cs_runtime import precision as P
+from cs_runtime.numerics import precision as P
 from cs_runtime.config import ParamsError, params_from_dict
-from cs_runtime.data import load_mnist
-from cs_runtime.model import (
+from cs_runtime.data.mnist import load_mnist
+from cs_runtime.numerics.model import (
     ShardContext,
     dense_backward,
     dense_forward,
@@ -24,10 +24,10 @@ from cs_runtime.model import (
     model_forward,
     softmax_cross_entropy,
 )
-from cs_runtime.optim import Optimizer
-from cs_runtime.protocol import Message, Msg, ProtocolError, decode, encode, float_arrays
-from cs_runtime.restart import EXIT_BAD_INPUT
-from cs_runtime.swarmx import reduce_messages
+from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode, float_arrays
+from cs_runtime.launch.restart import EXIT_BAD_INPUT
+from cs_runtime.swarmx.server import reduce_messages
 from tests.cluster_utils import (
     final_weights,
     relative_error,

@@ -14,8 +14,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from cs_runtime.data import shard_rows
-from cs_runtime.model import (
+from cs_runtime.data.mnist import shard_rows
+from cs_runtime.numerics.model import (
     ACTIVATIONS,
     LayerSpec,
     ModelSpec,

@@ -9,7 +9,7 @@ import time
 
 from tests.cluster_utils import FC_MNIST, assert_matches_oracle, kill_tree, tool
 
-JOB_MARKERS = ("cs_runtime.task", "-m chief", "-m worker")
+JOB_MARKERS = ("cs_runtime.launch.task", "-m chief", "-m worker")
 
 
 def train_command(params, model_dir, *launcher: str) -> list[str]:
@@ -108,7 +108,7 @@ def test_ssh_killing_the_launcher_stops_every_remote_process(tmp_path, netns_hos
             if "| Train" in line:
                 break
         remote = leftovers(netns_hosts)
-        assert {cmd.split(" -m ")[1].split()[0] for _, cmd in remote} >= {"chief", "worker", "cs_runtime.task"}
+        assert {cmd.split(" -m ")[1].split()[0] for _, cmd in remote} >= {"chief", "worker", "cs_runtime.launch.task"}
         proc.kill()  # no chance to clean up: its ssh clients die with it, the far sides see EOF
         proc.wait()
         assert wait_for_exit([pid for pid, _ in remote], timeout=30) == []

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cs_runtime.optim import Optimizer, clip_factor, global_norm
+from cs_runtime.numerics.optim import Optimizer, clip_factor, global_norm
 
 STEPS = 6
 LRS = [0.1, 0.05, 0.05, 0.02, 0.01, 0.01]  # the lr changes between steps, as schedules do

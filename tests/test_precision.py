@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cs_runtime import precision as P
+from cs_runtime.numerics import precision as P
 
 ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 MAN_BITS = {"bfloat16": 7, "cbfloat16": 9}

@@ -19,8 +19,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cs_runtime import protocol
-from cs_runtime.protocol import (
+from cs_runtime.wire import protocol
+from cs_runtime.wire.protocol import (
     ALLOWED_DTYPES,
     FRONT_DOOR,
     MAX_DIMS,
@@ -36,7 +36,7 @@ from cs_runtime.protocol import (
     decode,
     encode,
 )
-from cs_runtime.transport import Endpoint
+from cs_runtime.wire.transport import Endpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -470,7 +470,7 @@ def test_endpoint_drops_bad_messages_logs_once_per_sender(ctx, caplog):
         senders[b"alice"].send_multipart([pack(header(t="nope", job="job1"))])
         senders[b"bob"].send_multipart([pack([1, 2])])
         senders[b"alice"].send_multipart(good)
-        with caplog.at_level(logging.WARNING, logger="cs_runtime.transport"):
+        with caplog.at_level(logging.WARNING, logger="cs_runtime.wire.transport"):
             got = server.recv(timeout_ms=5000)
             assert got is not None
             identity, msg = got
@@ -496,7 +496,7 @@ def test_endpoint_drops_messages_of_another_job(ctx, caplog):
         push.connect(pull.bind("127.0.0.1"))
         push.send(Message(Msg.LOSS, meta={"loss": 1.5, "count": 4}))         # job2: dropped
         push.send(Message(Msg.LOSS, job="job1", meta={"loss": 2.5, "count": 4}))
-        with caplog.at_level(logging.WARNING, logger="cs_runtime.transport"):
+        with caplog.at_level(logging.WARNING, logger="cs_runtime.wire.transport"):
             _, msg = pull.recv(timeout_ms=5000)
         assert msg.job == "job1" and msg.meta["loss"] == 2.5
         assert any("job2" in r.getMessage() for r in caplog.records)

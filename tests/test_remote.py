@@ -13,10 +13,10 @@ import pytest
 import zmq
 
 from chief.input_monitor import InputMonitor
-from cs_runtime import remote
-from cs_runtime.cluster import DirectoryServer
-from cs_runtime.inputs import InputStream
-from cs_runtime.transport import source_address_towards
+from cs_runtime.launch import remote
+from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.data.inputs import InputStream
+from cs_runtime.wire.transport import source_address_towards
 from scripts import csrun_wse
 from tests.cluster_utils import REPO, alive
 
@@ -107,7 +107,7 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
     spec = {"role": "worker", "rank": 0, "host": "hostA", "argv": [sys.executable, "-c", child],
             "env": {**os.environ, "CS_JOB_ID": "job-w", "CS_RENDEZVOUS": directory.address,
                     "PYTHONPATH": str(REPO)}}
-    wrapper = subprocess.Popen([sys.executable, "-m", "cs_runtime.task", "--ssh"], stdin=subprocess.PIPE,
+    wrapper = subprocess.Popen([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], stdin=subprocess.PIPE,
                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         wrapper.stdin.write((json.dumps(spec) + "\n").encode())
@@ -133,7 +133,7 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
 
 
 def test_task_wrapper_refuses_a_bad_task_description():
-    result = subprocess.run([sys.executable, "-m", "cs_runtime.task", "--ssh"], input=b'{"role": 1}\n',
+    result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], input=b'{"role": 1}\n',
                             capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert result.returncode != 0
     assert b"task description needs role, rank, host, env, argv" in result.stderr

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cs_runtime import shm
-from cs_runtime.protocol import Message, Msg, ProtocolError, decode, encode
+from cs_runtime.wire import shm
+from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import (
     FC_MNIST,
     assert_matches_oracle,
@@ -65,8 +65,8 @@ def test_a_received_shared_array_is_sent_on_by_reference(two_processes):
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
 def test_swarmx_sums_gradients_into_its_arena_and_sends_them_on_by_reference(two_processes, fmt):
-    from cs_runtime import precision as P
-    from cs_runtime.swarmx import reduce_messages
+    from cs_runtime.numerics import precision as P
+    from cs_runtime.swarmx.server import reduce_messages
     sender, arena, receiver = two_processes
     rng = np.random.default_rng(3)
     parts = [P.quantize(rng.standard_normal(BIG).astype(np.float32), fmt) for _ in range(3)]

@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cs_runtime import checkpoint as ckpt
 from cs_runtime.config import load_params
-from cs_runtime.inputs import InputStream
-from cs_runtime.model import ShardContext, model_backward, model_forward, model_loss
+from cs_runtime.data.inputs import InputStream
+from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
 from examples.fc_mnist.run import model_fn, train_input_fn
 from tests.cluster_utils import run_cpu, run_wse, write_params
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cs_runtime import trace
-from cs_runtime.protocol import Message, Msg, ProtocolError, decode, encode
+from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import FC_MNIST, assert_matches_oracle, run_cpu, run_wse, tool, write_params
 
 LAYERS = 3   # SMALL_PARAMS: hidden_sizes [64, 32] + the output layer

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import yaml
 
-from cs_runtime import text
+from cs_runtime.data import text
 from cs_runtime.compiler import interp, lower, optimize
 from cs_runtime.compiler.ir import CompileError
-from cs_runtime.kernels import IGNORE_INDEX
-from cs_runtime.model import ShardContext, init_weights, model_forward, model_loss, transformer_spec
+from cs_runtime.numerics.kernels import IGNORE_INDEX
+from cs_runtime.numerics.model import ShardContext, init_weights, model_forward, model_loss, transformer_spec
 from tests.cluster_utils import REPO, TOL, final_weights, relative_error, tool, train_losses
 
 STEPS = 20

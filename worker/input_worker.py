@@ -21,15 +21,15 @@ import time
 import zmq
 
 from cs_runtime import trace
-from cs_runtime.cluster import DirectoryClient
-from cs_runtime.data import DataError, worker_steps
-from cs_runtime.inputs import InputStream
-from cs_runtime.precision import encode_arrays
-from cs_runtime.protocol import Message, Msg
-from cs_runtime.restart import EXIT_BAD_INPUT
+from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.data.mnist import DataError, worker_steps
+from cs_runtime.data.inputs import InputStream
+from cs_runtime.numerics.precision import encode_arrays
+from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.launch.restart import EXIT_BAD_INPUT
 from cs_runtime.runner import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
-from cs_runtime.transport import Endpoint, host_name
+from cs_runtime.wire.transport import Endpoint, host_name
 
 log = logging.getLogger("worker")
 

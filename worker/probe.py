@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
-from cs_runtime.data import worker_steps
-from cs_runtime.inputs import InputStream
+from cs_runtime.data.mnist import worker_steps
+from cs_runtime.data.inputs import InputStream
 from cs_runtime.runner import RunArgs, UserFunctions
 
 

@@ -9,7 +9,7 @@ layer's weight gradients (sent to SwarmX for the sum over WSEs) and the delta
 for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
 EVAL_RESULT instead. With mixed precision, weights arrive and gradients
 leave in the 16-bit format, and the output delta is multiplied by the step's
-loss scale (sent with the forward weights). On one host (cs_runtime/shm.py)
+loss scale (sent with the forward weights). On one host (cs_runtime/wire/shm.py)
 weights are read where MemoryX keeps them, and gradients are written into
 this WSE's shared arena, one buffer per tensor, reused every step.
 
@@ -25,12 +25,13 @@ import time
 import numpy as np
 import zmq
 
-from cs_runtime import shm, trace
-from cs_runtime.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
-from cs_runtime.precision import encode_arrays, scaled, wire_dtype
-from cs_runtime.protocol import Message, Msg, float_arrays
+from cs_runtime.wire import shm
+from cs_runtime import trace
+from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
+from cs_runtime.numerics.precision import encode_arrays, scaled, wire_dtype
+from cs_runtime.wire.protocol import Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv
-from cs_runtime.transport import Endpoint
+from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
 
 log = logging.getLogger("wse")

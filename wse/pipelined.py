@@ -19,12 +19,12 @@ summed on the wafer (in replica order) before the one update.
 from __future__ import annotations
 
 
-from cs_runtime.data import shard_rows
-from cs_runtime.memoryx import pack_state, unpack_state
-from cs_runtime.model import ModelSpec, ShardContext, model_backward, model_forward, model_loss
-from cs_runtime.optim import Optimizer
-from cs_runtime.precision import scaled
-from cs_runtime.protocol import Message, Msg, float_arrays
+from cs_runtime.data.mnist import shard_rows
+from cs_runtime.memoryx.server import pack_state, unpack_state
+from cs_runtime.numerics.model import ModelSpec, ShardContext, model_backward, model_forward, model_loss
+from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.precision import scaled
+from cs_runtime.wire.protocol import Message, Msg, float_arrays
 
 
 class PipelinedExecutor:

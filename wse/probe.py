@@ -15,9 +15,9 @@ import time
 
 from chief.compile import compile_model
 from chief.trainer import build_spec, optimizer_spec
-from cs_runtime.inputs import InputStream
-from cs_runtime.model import ShardContext, init_weights, model_backward, model_forward, softmax_cross_entropy
-from cs_runtime.optim import Optimizer
+from cs_runtime.data.inputs import InputStream
+from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, softmax_cross_entropy
+from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.runner import RunArgs, UserFunctions
 from worker.probe import say
 

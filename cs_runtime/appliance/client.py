@@ -24,11 +24,11 @@ from pathlib import Path
 
 import zmq
 
-from . import auth
-from .cluster import DIRECTORY_MAX_FRAME
-from .preflight import PreflightError, check_reachable, check_tcp
-from .protocol import Message, Msg
-from .transport import Endpoint
+from cs_runtime.wire import auth
+from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME
+from cs_runtime.launch.preflight import PreflightError, check_reachable, check_tcp
+from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.transport import Endpoint
 
 USER_DIR_ENV = "CS_USER_DIR"
 SYSTEM_ENV = "CS_SYSTEM"          # HOST:PORT of the CS system, for csctl

@@ -45,13 +45,13 @@ from pathlib import Path
 
 import zmq
 
-from . import auth
-from .cluster import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
-from .launcher import SERVICE_MODULES, ProcessGroup, Task, describe_exit, spawn, with_threads
-from .protocol import ENDED_PHASES, Message, Msg
-from .service import AWAIT_JOB_ENV
-from .shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
-from .transport import Endpoint, host_name
+from cs_runtime.wire import auth
+from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
+from cs_runtime.launch.launcher import SERVICE_MODULES, ProcessGroup, Task, describe_exit, spawn, with_threads
+from cs_runtime.wire.protocol import ENDED_PHASES, Message, Msg
+from cs_runtime.service import AWAIT_JOB_ENV
+from cs_runtime.wire.shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
+from cs_runtime.wire.transport import Endpoint, host_name
 
 log = logging.getLogger("cs_system")
 

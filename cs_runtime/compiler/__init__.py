@@ -3,7 +3,7 @@
     lower.py     ModelSpec -> Graph of primitive ops (ir.py), validated
     rewrites.py  constant folding, no-op and dead-node removal, dense fusion
     interp.py    a numpy interpreter of the graph (the rewrites' oracle)
-    planner.py   execution mode, PEs per kernel, estimate (cs_runtime/hardware.py)
+    planner.py   execution mode, PEs per kernel, estimate (cs_runtime/compiler/hardware.py)
     report.py    compile_report.txt, plan.json, wafer.svg
     artifact.py  the compiled artifact on disk, its key, reuse and rejection
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cs_runtime.config import Params
-from cs_runtime.model import ModelSpec
+from cs_runtime.numerics.model import ModelSpec
 
 from .ir import CompileError, Graph
 from .planner import STRATEGIES, Target

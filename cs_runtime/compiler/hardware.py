@@ -3,7 +3,7 @@
 Every number the compiler's estimates rest on lives here, so a reader can see
 at once which are published figures and which are our modelling choices.
 
-    from cs_runtime.hardware import WSE2
+    from cs_runtime.compiler.hardware import WSE2
     WSE2.cores                      # 850,000
     WSE2.compute_time(flops, pes)   # seconds for `flops` spread over `pes` cores
 

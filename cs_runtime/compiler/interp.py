@@ -1,6 +1,6 @@
 """A tiny numpy interpreter for the kernel graph.
 
-It gives every op its meaning, reusing the kernels of cs_runtime/model.py so
+It gives every op its meaning, reusing the kernels of cs_runtime/numerics/model.py so
 the IR means exactly what the executors compute. Constant folding calls it at
 compile time, and the tests use it as the oracle of every rewrite: a rewritten
 graph must compute the same numbers as the original.
@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from cs_runtime import kernels
-from cs_runtime.model import activate, softmax_cross_entropy
+from cs_runtime.numerics import kernels
+from cs_runtime.numerics.model import activate, softmax_cross_entropy
 
 from .ir import Graph, Node
 

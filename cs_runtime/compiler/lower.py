@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cs_runtime.model import LayerSpec, ModelSpec
+from cs_runtime.numerics.model import LayerSpec, ModelSpec
 
 from .ir import BATCH, CompileError, Graph, validate
 

@@ -16,7 +16,7 @@ slowest stage, so PEs beyond that pace are wasted.
 Weight streaming: each kernel in turn has the whole wafer, its weights
 streamed in over the system I/O while the activations stay resident.
 
-All times come from cs_runtime/hardware.py.
+All times come from cs_runtime/compiler/hardware.py.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
 from cs_runtime.config import Params
-from cs_runtime.hardware import WSE2, Wafer
-from cs_runtime.precision import wire_dtype
+from cs_runtime.compiler.hardware import WSE2, Wafer
+from cs_runtime.numerics.precision import wire_dtype
 
 from .ir import CompileError, Graph, Node, elements
 

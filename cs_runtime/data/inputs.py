@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data import BatchPlan, shard_rows
+from cs_runtime.data.mnist import BatchPlan, shard_rows
 
 
 def dataset_len(dataset) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .kernels import IGNORE_INDEX, hash_key, hash_uniform
+from cs_runtime.numerics.kernels import IGNORE_INDEX, hash_key, hash_uniform
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .protocol import Message, Msg
-from .transport import Endpoint, host_name
+from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.transport import Endpoint, host_name
 
 log = logging.getLogger(__name__)
 

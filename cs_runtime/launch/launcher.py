@@ -19,9 +19,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .cluster import HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
-from .restart import EXIT_BAD_INPUT
-from .transport import host_name
+from cs_runtime.launch.directory import HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
+from cs_runtime.launch.restart import EXIT_BAD_INPUT
+from cs_runtime.wire.transport import host_name
 
 log = logging.getLogger(__name__)
 

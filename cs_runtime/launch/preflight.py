@@ -8,7 +8,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import auth
+from cs_runtime.wire import auth
 
 CONNECT_TIMEOUT_S = 5.0
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

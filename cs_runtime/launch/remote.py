@@ -1,8 +1,8 @@
 """Launch back-ends beyond this machine: tasks over SSH, and under Slurm with srun.
 
 A job's tasks are the user's command started N times: task 0 is the chief,
-tasks 1..N-1 the input workers. Each runs inside `python -m cs_runtime.task`
-(see cs_runtime/task.py) on its host, which gives it its role, rank and bind
+tasks 1..N-1 the input workers. Each runs inside `python -m cs_runtime.launch.task`
+(see cs_runtime/launch/task.py) on its host, which gives it its role, rank and bind
 address and stops it when the job ends. Here, on the launcher's side:
 
 - SSH: a hostfile (`host [slots=N]` per line) or `-H h1,h2` says where; a
@@ -30,10 +30,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .cluster import DirectoryServer
-from .launcher import ProcessGroup, Task, _signal_group, spawn
-from .task import role_argv, role_of_task
-from .transport import source_address_towards
+from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.launch.launcher import ProcessGroup, Task, _signal_group, spawn
+from cs_runtime.launch.task import role_argv, role_of_task
+from cs_runtime.wire.transport import source_address_towards
 
 DEFAULT_SSH_OPTIONS = "-o BatchMode=yes -o ConnectTimeout=10"
 PREFLIGHT_TIMEOUT_S = 20.0
@@ -242,7 +242,7 @@ def start_ssh_tasks(group: ProcessGroup, directory: DirectoryServer, placement: 
     cwd = os.getcwd()
     pythonpath = env.get("PYTHONPATH", "")
     shell = (f"cd {shlex.quote(cwd)} && exec env PYTHONPATH={shlex.quote(pythonpath)} "
-             f"{shlex.quote(sys.executable)} -m cs_runtime.task --ssh")
+             f"{shlex.quote(sys.executable)} -m cs_runtime.launch.task --ssh")
     for index, host in enumerate(placement):
         role, rank = role_of_task(index)
         carrier = spawn([*ssh_base(options, host), shell], env, stdin=subprocess.PIPE)
@@ -307,7 +307,7 @@ def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
     return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}",
             f"--ntasks-per-node={shape.tasks_per_node}", f"--cpus-per-task={shape.cpus_per_task}",
             "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
-            sys.executable, "-m", "cs_runtime.task", "--slurm", "--", *command]
+            sys.executable, "-m", "cs_runtime.launch.task", "--slurm", "--", *command]
 
 
 def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: SlurmShape, env: dict,

@@ -1,7 +1,7 @@
-"""One task of a job on its host: `python -m cs_runtime.task` (started by csrun_wse).
+"""One task of a job on its host: `python -m cs_runtime.launch.task` (started by csrun_wse).
 
-    ssh HOST 'cd DIR && python -m cs_runtime.task --ssh'      # the task arrives as one JSON line on stdin
-    srun ... python -m cs_runtime.task --slurm -- python run.py ARGS...
+    ssh HOST 'cd DIR && python -m cs_runtime.launch.task --ssh'      # the task arrives as one JSON line on stdin
+    srun ... python -m cs_runtime.launch.task --slurm -- python run.py ARGS...
 
 The wrapper gives the task its identity (role, rank, and the address to bind:
 the one this host uses to reach the launcher, so peers on other hosts can
@@ -44,7 +44,7 @@ def role_of_task(task: int) -> tuple[str, int]:
 
 
 def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str, str]:
-    from .transport import host_of, source_address_towards
+    from cs_runtime.wire.transport import host_of, source_address_towards
     env = {k: v for k, v in base.items() if k not in LOCAL_VARS}
     env.update(CS_ROLE=role, CS_RANK=str(rank), CS_HOST_NAME=host,
                CS_BIND_HOST=source_address_towards(host_of(env["CS_RENDEZVOUS"])))
@@ -62,13 +62,13 @@ def read_ssh_spec() -> dict:
     try:
         spec = json.loads(line)
     except ValueError:
-        raise SystemExit("cs_runtime.task: stdin did not start with a JSON task description") from None
+        raise SystemExit("cs_runtime.launch.task: stdin did not start with a JSON task description") from None
     types = {"role": str, "rank": int, "host": str, "env": dict, "argv": list}
     if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in types.items()):
-        raise SystemExit(f"cs_runtime.task: task description needs {', '.join(types)}")
+        raise SystemExit(f"cs_runtime.launch.task: task description needs {', '.join(types)}")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec["env"].items()) \
             or not spec["argv"] or not all(isinstance(a, str) for a in spec["argv"]):
-        raise SystemExit("cs_runtime.task: env and argv must be strings")
+        raise SystemExit("cs_runtime.launch.task: env and argv must be strings")
     return spec
 
 
@@ -85,7 +85,7 @@ def watch_stdin(stop: threading.Event) -> None:
 
 def run_child(argv: list[str], env: dict[str, str], stop: threading.Event) -> tuple[int, int]:
     """(pid, exit code) of the task, stopped early if `stop` is set."""
-    from .launcher import spawn
+    from cs_runtime.launch.launcher import spawn
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     child = spawn(argv, env, stdin=subprocess.DEVNULL)
@@ -113,8 +113,8 @@ def _killpg(pid: int, sig: int) -> None:
 
 def report_exit(env: dict[str, str], role: str, rank: int, host: str, pid: int, code: int) -> None:
     import zmq
-    from .auth import KEYS_ENV
-    from .cluster import DirectoryClient
+    from cs_runtime.wire.auth import KEYS_ENV
+    from cs_runtime.launch.directory import DirectoryClient
     if KEYS_ENV in env:  # over ssh the job's keys came with the task's environment, not ours
         os.environ[KEYS_ENV] = env[KEYS_ENV]
     ctx = zmq.Context()
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         base, command = dict(os.environ), role_argv(argv[2:], role)
     else:
-        raise SystemExit("usage: python -m cs_runtime.task --ssh | --slurm -- COMMAND...")
+        raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND...")
     env = task_env(base, role, rank, host)
     pid, code = run_child(command, env, stop)
     report_exit(env, role, rank, host, pid, code)

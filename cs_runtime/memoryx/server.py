@@ -25,13 +25,14 @@ import math
 import numpy as np
 import zmq
 
-from .model import ModelSpec
-from .optim import Optimizer, norms_of, squared_norms
-from .precision import encode_arrays, to_bits, wire_dtype
-from . import shm, trace
-from .protocol import Message, Msg, float_arrays
-from .service import ProcessEnv, join_cs_system, service_main
-from .transport import Endpoint
+from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
+from cs_runtime.numerics.precision import encode_arrays, to_bits, wire_dtype
+from cs_runtime.wire import shm
+from cs_runtime import trace
+from cs_runtime.wire.protocol import Message, Msg, float_arrays
+from cs_runtime.service import ProcessEnv, join_cs_system, service_main
+from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("memoryx")
 
@@ -209,6 +210,3 @@ def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
     log.info("MemoryX serving at %s", server.address)
     server.serve()
 
-
-if __name__ == "__main__":
-    service_main("memoryx", main)

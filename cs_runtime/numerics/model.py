@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from . import kernels, trace
-from .precision import FORMATS, quantize
-from .transformer import LAYER_OPS, init_param
+from cs_runtime.numerics import kernels
+from cs_runtime import trace
+from cs_runtime.numerics.precision import FORMATS, quantize
+from cs_runtime.numerics.transformer import LAYER_OPS, init_param
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
 
@@ -36,7 +37,7 @@ ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
 @dataclass(frozen=True)
 class LayerSpec:
     """One weight-streaming unit. "dense": y = act(x @ W + b), then dropout.
-    The transformer ops (cs_runtime/transformer.py) use the fields after
+    The transformer ops (cs_runtime/numerics/transformer.py) use the fields after
     `dropout`: "embedding" maps in_features (vocabulary) ids to out_features
     (model width); "transformer_block" keeps the width; "lm_head" maps the
     width to out_features (vocabulary) logits."""

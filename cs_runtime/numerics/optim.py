@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from . import trace
-from .precision import unscale_and_check
+from cs_runtime import trace
+from cs_runtime.numerics.precision import unscale_and_check
 
 UPDATE_CHUNK = 1 << 15   # elements of a parameter updated at a time (128 KB per array: in L2 cache)
 

@@ -1,6 +1,6 @@
 """Transformer layers: the units weight streaming moves, one at a time.
 
-A GPT-2 or BERT model is three kinds of layer (cs_runtime/model.py's
+A GPT-2 or BERT model is three kinds of layer (cs_runtime/numerics/model.py's
 `LayerSpec` with these ops), each holding several named weight tensors:
 
 - "embedding": token + learned position embedding [+ layer norm (BERT)],
@@ -14,7 +14,7 @@ A GPT-2 or BERT model is three kinds of layer (cs_runtime/model.py's
   layers share one tensor.
 
 Each op gives its parameter shapes, its initialisation, and forward/backward
-built from cs_runtime/kernels.py. Dropout sites are numbered per layer, so
+built from cs_runtime/numerics/kernels.py. Dropout sites are numbered per layer, so
 every mask is a function of (seed, step, layer, site, sample, position).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import kernels as K
+from cs_runtime.numerics import kernels as K
 
 # ---------------------------------------------------------------- parameters
 

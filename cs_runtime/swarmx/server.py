@@ -16,12 +16,13 @@ import logging
 import numpy as np
 import zmq
 
-from . import shm, trace
-from .model import ModelSpec
-from .precision import encode_arrays, wire_dtype
-from .protocol import Message, Msg, float_arrays
-from .service import ProcessEnv, join_cs_system, service_main
-from .transport import Endpoint
+from cs_runtime.wire import shm
+from cs_runtime import trace
+from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.numerics.precision import encode_arrays, wire_dtype
+from cs_runtime.wire.protocol import Message, Msg, float_arrays
+from cs_runtime.service import ProcessEnv, join_cs_system, service_main
+from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("swarmx")
 
@@ -206,6 +207,3 @@ def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
     log.info("SwarmX serving at %s for %d WSE(s)", server.address, server.num_wse)
     server.serve()
 
-
-if __name__ == "__main__":
-    service_main("swarmx", main)

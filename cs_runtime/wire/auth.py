@@ -225,7 +225,7 @@ def _start_authenticator(ctx: zmq.Context, keys: JobKeys, any_client: bool = Fal
     with _auth_lock:
         if id(ctx) in _authenticators:
             return
-        auth = ThreadAuthenticator(ctx, log=logging.getLogger("cs_runtime.auth.zap"))
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("cs_runtime.wire.auth.zap"))
         auth.start()
         # Every *.key in the job folder: the job's client and server public keys.
         auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY if any_client else str(keys.folder))

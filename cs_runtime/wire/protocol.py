@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .precision import FORMATS, decode_arrays, wire_dtype
+from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
 PROTOCOL_VERSION = 1
 
@@ -194,7 +194,7 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 
 # Optional meta keys of any message, checked when present.
 # "format": the arrays are tensors of that precision format in their wire
-# storage (cs_runtime/precision.py: float16, or uint16 bit patterns); without
+# storage (cs_runtime/numerics/precision.py: float16, or uint16 bit patterns); without
 # it they are plain float32 (or whatever dtype they state).
 # "layer_grad_norms": each layer's gradient norm, in layer order (STEP_DONE, and LOSS in pipelined mode).
 # "trace": record a timeline for this job (LOAD_MODEL's spec).
@@ -273,7 +273,7 @@ def decode(frames: list, segments=None) -> Message:
 def _shared_array(segments, name: str, dtype: str, shape: tuple, ref: tuple) -> np.ndarray:
     if segments is None:
         raise ProtocolError(f"array {name[:40]!r}: a shared-memory reference on a socket that does not share memory")
-    from .shm import SharedMemoryError
+    from cs_runtime.wire.shm import SharedMemoryError
     try:
         return segments.resolve(ref[0], ref[1], dtype, shape)
     except SharedMemoryError as exc:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .auth import pid_alive  # also how stale key folders are found
+from cs_runtime.wire.auth import pid_alive  # also how stale key folders are found
 
 SHM_ENV = "CS_SHM_DIR"
 SEGMENT_NAME = re.compile(r"^cs-[A-Za-z0-9_.-]{1,120}$")

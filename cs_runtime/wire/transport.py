@@ -14,8 +14,8 @@ from collections import Counter
 
 import zmq
 
-from . import auth
-from .protocol import MAX_ARRAY_BYTES, Message, ProtocolError, array_bytes, decode, encode
+from cs_runtime.wire import auth
+from cs_runtime.wire.protocol import MAX_ARRAY_BYTES, Message, ProtocolError, array_bytes, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@
 
 Samples are [CLS] whole lines of text [SEP] padded to max_sequence_length
 (padding keys are masked in every attention); masked_lm_prob of the text
-tokens are chosen, 80% [MASK] / 10% random / 10% kept (cs_runtime/text.py).
+tokens are chosen, 80% [MASK] / 10% random / 10% kept (cs_runtime/data/text.py).
 The corpus is the Python reference text shipped with Python
 (pydoc_data.topics), or the *.txt / *.npy files in train_input.data_dir.
 Eval reports the mean loss and accuracy over the masked tokens.
 """
-from cs_runtime.model import transformer_spec
+from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.runner import run
-from cs_runtime.text import PAD, BertDataset, load_corpus
+from cs_runtime.data.text import PAD, BertDataset, load_corpus
 
 
 def seq_len(params, section) -> int:

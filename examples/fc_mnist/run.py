@@ -7,8 +7,8 @@ With `train_input.data_dir: null` it trains on the real handwritten digits
 embedded in the package; point data_dir at a folder of MNIST IDX files
 (train-images-idx3-ubyte[.gz], ...) for the full data set.
 """
-from cs_runtime.data import load_mnist
-from cs_runtime.model import mlp_spec
+from cs_runtime.data.mnist import load_mnist
+from cs_runtime.numerics.model import mlp_spec
 from cs_runtime.runner import run
 
 

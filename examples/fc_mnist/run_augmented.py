@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from cs_runtime.data import load_mnist
+from cs_runtime.data.mnist import load_mnist
 from cs_runtime.runner import run
 
 from run import eval_input_fn, model_fn  # noqa: E402  (same folder; runs as a script)

@@ -13,8 +13,8 @@ workers import this file to build the batches, and must not run the loop.
 import argparse
 
 import cs_torch as cstorch
-from cs_runtime.data import load_mnist
-from cs_runtime.model import mlp_spec
+from cs_runtime.data.mnist import load_mnist
+from cs_runtime.numerics.model import mlp_spec
 
 
 def train_input_fn(data_dir=None):

@@ -5,13 +5,13 @@
     python examples/gpt2/sample.py --model_dir model_dir --prompt "The for statement"
 
 Trains next-token prediction on the Python reference text that ships with
-Python (pydoc_data.topics), byte-level tokens (cs_runtime/text.py); with
+Python (pydoc_data.topics), byte-level tokens (cs_runtime/data/text.py); with
 train_input.data_dir, on the *.txt or pre-tokenised *.npy files there.
 Eval reports the mean loss per token (perplexity = exp(loss)).
 """
-from cs_runtime.model import transformer_spec
+from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.runner import run
-from cs_runtime.text import GptDataset, load_corpus
+from cs_runtime.data.text import GptDataset, load_corpus
 
 
 def seq_len(params, section) -> int:

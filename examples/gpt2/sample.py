@@ -16,8 +16,8 @@ import sys
 import numpy as np
 
 from cs_runtime import checkpoint as ckpt
-from cs_runtime.model import ModelSpec, ShardContext, model_forward
-from cs_runtime.text import decode, encode
+from cs_runtime.numerics.model import ModelSpec, ShardContext, model_forward
+from cs_runtime.data.text import decode, encode
 
 
 def load_model(path: str) -> tuple[ModelSpec, dict]:

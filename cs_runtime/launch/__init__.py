@@ -1,0 +1,9 @@
+"""Starting and supervising a job's processes.
+
+    launcher.py   spawn, process groups, the supervisor that stops everything on a failure
+    remote.py     the SSH and srun back-ends
+    task.py       python -m cs_runtime.launch.task: the per-host task wrapper
+    directory.py  the job's directory: registration and heartbeats of every process
+    restart.py    --max_restarts: run a job again from its latest checkpoint
+    preflight.py  reachability and handshake checks before a job starts
+"""
