@@ -165,8 +165,7 @@ def describe(layout: Layout) -> str:
     if layout.launcher == "ssh":
         return f"over SSH (task hosts: {' '.join(layout.placement)})"
     if layout.launcher == "slurm":
-        s = layout.shape
-        return f"with srun ({s.nodes} node(s) x {s.tasks_per_node} task(s) x {s.cpus_per_task} cpu(s))"
+        return f"with srun ({layout.shape.describe()})"
     return "on this machine"
 
 
@@ -383,13 +382,17 @@ def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
     layout = plan_layout(ns)
-    with job_keys(ns):
-        door = preflight(ns, layout)
-        try:
-            code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt, door), ns.max_restarts)
-        finally:
-            if door is not None:
-                door.close()
+    try:
+        with job_keys(ns):
+            door = preflight(ns, layout)
+            try:
+                code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt, door), ns.max_restarts)
+            finally:
+                if door is not None:
+                    door.close()
+    except KeyboardInterrupt:  # Ctrl-C before the job's supervisor took the signal over
+        say("interrupted by SIGINT")
+        code = 130
     sys.exit(code)
 
 

@@ -132,6 +132,9 @@ def test_srun_tasks_train_like_the_oracle(tmp_path, oracle, slurm_cluster):
     assert "CANCELLED" not in result.stderr and "srun: error" not in result.stderr  # a clean end of the step
     assert_matches_oracle(tmp_path / "m", oracle)
     assert slurm_leftovers(str(tmp_path)) == []
+    job_id = re.search(r"srun: job (\d+) ", result.stderr)
+    if job_id:  # srun made its own allocation: its one step ended by itself
+        assert steps_when_ended(slurm_cluster, job_id.group(1)) == {"0": "done"}
 
 
 def test_sbatch_script_runs_csrun_wse_inside_the_allocation(tmp_path, oracle, slurm_cluster):
@@ -149,3 +152,57 @@ def test_sbatch_script_runs_csrun_wse_inside_the_allocation(tmp_path, oracle, sl
     assert "1 input worker(s), tasks with srun (1 node(s) x 2 task(s) x 1 cpu(s))" in out, out[-3000:]
     assert_matches_oracle(tmp_path / "m", oracle)
     assert slurm_leftovers(str(tmp_path)) == []
+
+
+def steps_when_ended(cluster, job_id: str, timeout: float = 15.0) -> dict[str, str]:
+    """The job's steps as slurmd logged their ends, once none is still running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ends = cluster.step_ends(job_id)
+        if "running" not in ends.values() or time.monotonic() > deadline:
+            return ends
+        time.sleep(0.2)  # polling slurmd's log: there is nothing to wait on
+
+
+def test_salloc_n3_runs_three_tasks_and_its_step_completes(tmp_path, oracle, slurm_cluster):
+    cmd = ["salloc", "-n3", *train_command(oracle[0], tmp_path / "m")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=slurm_cluster.env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # -n3 alone: three tasks (the chief and two input workers), not the old default of two per node
+    assert "2 input worker(s), tasks with srun (1 node(s) x 3 task(s) x 1 cpu(s))" in result.stderr
+    assert_matches_oracle(tmp_path / "m", oracle)
+    job_id = re.search(r"Granted job allocation (\d+)", result.stderr).group(1)
+    # csrun_wse waited for its srun: the step ended by itself, not cancelled when the launcher left
+    assert steps_when_ended(slurm_cluster, job_id) == {"0": "done"}, result.stderr[-2000:]
+    assert slurm_leftovers(str(tmp_path)) == []
+
+
+def test_shape_the_allocation_cannot_hold_is_one_line_before_anything_starts(tmp_path, oracle, slurm_cluster):
+    cmd = ["salloc", "-n3", *train_command(oracle[0], tmp_path / "m", "--tasks-per-node", "4")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=slurm_cluster.env)
+    assert result.returncode != 0
+    ours = [l for l in result.stderr.splitlines() if l.startswith("csrun_wse:")]
+    assert len(ours) == 1 and "4 task(s) x 1 cpu(s) on node 0 of the allocation, which holds 3 CPU(s)" in ours[0], \
+        result.stderr
+    job_id = re.search(r"Granted job allocation (\d+)", result.stderr).group(1)
+    assert slurm_cluster.step_ends(job_id) == {}  # no step was started
+    assert not (tmp_path / "m").exists()
+
+
+def test_ctrl_c_stops_the_srun_job_and_exits_130(tmp_path, slurm_cluster):
+    import signal
+    from tests.cluster_utils import write_params
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "--total-nodes", "1", "--tasks-per-node", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=slurm_cluster.env)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) == 130, output[-3000:]
+        assert "job failed: interrupted by SIGINT" in output
+        assert slurm_leftovers(str(tmp_path)) == []
+    finally:
+        kill_tree(proc)

@@ -87,15 +87,76 @@ def test_bind_address_is_loopback_only_for_this_host():
         remote.bind_address_for(["no-such-host.invalid"])
 
 
-def test_slurm_shape_from_flags_then_allocation(monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x3)")
+def allocation(monkeypatch, tasks_per_node: str, cpus_per_node: str, nodes: int, **more: str) -> None:
+    """The environment salloc/sbatch give a job (as Slurm 22.05 sets it)."""
+    for name in ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", str(nodes))
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", tasks_per_node)
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", cpus_per_node)
+    for name, value in more.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_slurm_counts_expand_and_compress():
+    assert remote.expand_counts("2(x3),1", "X") == [2, 2, 2, 1]
+    assert remote.expand_counts("4", "X") == [4]
+    assert remote.compress_counts([2, 2, 2, 1]) == "2(x3),1"
+    with pytest.raises(SystemExit, match=r"X='2\(3\)': expected counts like"):
+        remote.expand_counts("2(3)", "X")
+
+
+def test_slurm_shape_outside_an_allocation_from_flags_else_two_tasks(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    assert remote.slurm_shape(None, None, None) == remote.SlurmShape(3, 2, 1)
-    assert remote.slurm_shape(2, 4, 2).tasks == 8
-    argv = remote.srun_argv(remote.SlurmShape(3, 2, 1), "job", ["python", "run.py"])
+    assert remote.slurm_shape(None, None, None) == remote.SlurmShape([2], 1)
+    assert remote.slurm_shape(2, 4, 2) == remote.SlurmShape([4, 4], 2)
+    argv = remote.srun_argv(remote.SlurmShape([2, 2, 2], 1), "job", ["python", "run.py"])
     assert "--kill-on-bad-exit=1" in argv and "--nodes=3" in argv and "--ntasks=6" in argv
-    assert argv[-4:] == ["--slurm", "--", "python", "run.py"]
+    assert "--ntasks-per-node=2" in argv and argv[-4:] == ["--slurm", "--", "python", "run.py"]
+
+
+@pytest.mark.parametrize("asked, tasks, cpus, nodes, shape", [
+    ("salloc -n3", "3", "3", 1, [3]),
+    ("salloc -N3 -n3", "1(x3)", "1(x3)", 3, [1, 1, 1]),
+    ("salloc -n7 over 4 nodes", "2(x3),1", "2(x3),1", 4, [2, 2, 2, 1]),
+    ("salloc -N2 --ntasks-per-node=2", "2(x2)", "2(x2)", 2, [2, 2]),
+])
+def test_slurm_shape_is_the_allocation_however_it_was_asked(monkeypatch, asked, tasks, cpus, nodes, shape):
+    allocation(monkeypatch, tasks, cpus, nodes)
+    assert remote.slurm_shape(None, None, None).per_node == shape, asked
+
+
+def test_slurm_uneven_shape_lets_srun_lay_it_out_and_says_so(monkeypatch):
+    allocation(monkeypatch, "2(x3),1", "2(x3),1", 4)
+    shape = remote.slurm_shape(None, None, None)
+    assert shape.describe() == "4 node(s) x 2(x3),1 task(s) x 1 cpu(s)"
+    argv = remote.srun_argv(shape, "job", ["python", "run.py"])
+    assert "--ntasks=7" in argv and "--nodes=4" in argv and not any("per-node" in a for a in argv)
+
+
+def test_slurm_only_ntasks_is_laid_out_in_blocks(monkeypatch):
+    allocation(monkeypatch, "", "4(x2)", 2, SLURM_NTASKS="5")
+    assert remote.slurm_shape(None, None, None).per_node == [3, 2]
+
+
+def test_slurm_flags_choose_inside_the_allocation(monkeypatch):
+    allocation(monkeypatch, "2(x3)", "4(x3)", 3, SLURM_CPUS_PER_TASK="2")
+    assert remote.slurm_shape(2, None, None) == remote.SlurmShape([2, 2], 2)
+    assert remote.slurm_shape(None, 4, 1) == remote.SlurmShape([4, 4, 4], 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ((4, None, None), r"--total-nodes 4 but the allocation has 3 node\(s\)"),
+    ((None, 3, 2), r"3 task\(s\) x 2 cpu\(s\) on node 0 of the allocation, which holds 4 CPU\(s\)"),
+    ((1, 1, None), r"1 task\(s\) \(1 node\(s\) x 1 task\(s\) x 1 cpu\(s\)\): a job needs at least 2"),
+])
+def test_slurm_shape_the_allocation_cannot_hold_is_one_line(monkeypatch, flags, message):
+    allocation(monkeypatch, "2(x3)", "4(x3)", 3)
+    with pytest.raises(SystemExit, match=message) as err:
+        remote.slurm_shape(*flags)
+    assert "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------ the task wrapper

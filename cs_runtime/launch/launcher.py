@@ -26,6 +26,7 @@ from cs_runtime.wire.transport import host_name
 log = logging.getLogger(__name__)
 
 FINISH_GRACE_S = 3.0  # after the chief's exit 0, how long the others get to exit by themselves
+CARRIER_GRACE_S = 10.0  # after its tasks, how long a carrier (srun, ssh) gets to end by itself
 
 PR_SET_PDEATHSIG = 1
 
@@ -69,6 +70,9 @@ class Task:
     def kill(self) -> None:
         _signal_group(self.proc, signal.SIGKILL)
 
+    def settle(self, timeout: float) -> None:
+        """Wait for whatever carries the task once the task itself has ended (nothing, here)."""
+
 
 def spawn(argv: list[str], env: dict[str, str], **popen_args) -> subprocess.Popen:
     """A child in its own session that dies with the launcher."""
@@ -104,6 +108,8 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 task.kill()
                 task.proc.wait()
+        for task in self.tasks:  # srun ends its step COMPLETED only when nobody has to kill it
+            task.settle(max(0.0, deadline - time.monotonic()) + CARRIER_GRACE_S)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -128,6 +134,7 @@ class Supervisor:
         self.finisher_role = finisher_role  # the role whose exit 0 ends the job (the chief)
         self.started = time.monotonic()
         self.interrupted = ""
+        self.signal = 0  # the signal that interrupted the launcher: its exit code is then 128 + it
         self.failure: JobFailed | None = None
         # Set when the chief runs in the launcher's own process (cs_torch.Session): it ends the job.
         self.finish_requested = False
@@ -137,9 +144,11 @@ class Supervisor:
 
     def _on_signal(self, signum, _frame) -> None:
         self.interrupted = f"interrupted by {signal.Signals(signum).name}"
+        self.signal = signum
 
     def run(self, extra_check=None) -> int:
-        """Serve until the finisher exits 0 (returns 0) or anything fails (returns 1)."""
+        """Serve until the finisher exits 0 (returns 0) or anything fails (returns 1; 128 + N
+        when signal N interrupted the launcher: 130 for Ctrl-C, as a shell reports it)."""
         try:
             while True:
                 self.directory.serve_once(100)
@@ -154,7 +163,7 @@ class Supervisor:
             self.directory.failure = str(failure)
             self._drain_status(1.0)
             print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
-            return 1
+            return 128 + self.signal if self.signal else 1
         finally:
             self.group.stop_all()
             self.directory.close()

@@ -18,6 +18,7 @@ address this machine uses to reach the hosts, never loopback across hosts.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -173,6 +174,14 @@ class RemoteTask(Task):
     def carrier(self) -> str:
         return "its carrier"
 
+    def settle(self, timeout: float) -> None:
+        carrier = self.proc.carrier
+        try:
+            carrier.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            carrier.wait()
+
 
 class SshTask(RemoteTask):
     def carrier(self) -> str:
@@ -261,13 +270,25 @@ def start_ssh_tasks(group: ProcessGroup, directory: DirectoryServer, placement: 
 # ---------------------------------------------------------------- Slurm
 @dataclass
 class SlurmShape:
-    nodes: int
-    tasks_per_node: int
+    per_node: list[int]     # tasks on each node, in node order (task 0, the chief, on the first)
     cpus_per_task: int
 
     @property
+    def nodes(self) -> int:
+        return len(self.per_node)
+
+    @property
     def tasks(self) -> int:
-        return self.nodes * self.tasks_per_node
+        return sum(self.per_node)
+
+    @property
+    def tasks_per_node(self) -> int | None:
+        """The count every node runs, None when they differ."""
+        return self.per_node[0] if len(set(self.per_node)) == 1 else None
+
+    def describe(self) -> str:
+        per_node = self.tasks_per_node or compress_counts(self.per_node)
+        return f"{self.nodes} node(s) x {per_node} task(s) x {self.cpus_per_task} cpu(s)"
 
 
 def in_allocation() -> bool:
@@ -275,19 +296,64 @@ def in_allocation() -> bool:
 
 
 def slurm_shape(total_nodes: int | None, tasks_per_node: int | None, cpus_per_task: int | None) -> SlurmShape:
-    """Flags first, then what the allocation says, then 1 node x 2 tasks x 1 cpu."""
+    """Flags first, then the allocation as it was asked for (-n, -N, --ntasks-per-node: Slurm
+    sums them up in SLURM_TASKS_PER_NODE, as srun itself reads them); outside an
+    allocation 1 node x 2 tasks x 1 cpu. A shape the allocation cannot hold is an error."""
     env = os.environ
-    shape = SlurmShape(total_nodes or _leading_int(env.get("SLURM_JOB_NUM_NODES")) or 1,
-                       tasks_per_node or _leading_int(env.get("SLURM_NTASKS_PER_NODE")) or 2,
-                       cpus_per_task or _leading_int(env.get("SLURM_CPUS_PER_TASK")) or 1)
+    cpus = cpus_per_task or _leading_int(env.get("SLURM_CPUS_PER_TASK")) or 1
+    if in_allocation():
+        per_node = allocation_shape(total_nodes, tasks_per_node, cpus)
+    else:
+        per_node = [tasks_per_node or 2] * (total_nodes or 1)
+    shape = SlurmShape(per_node, cpus)
     if shape.tasks < 2:
-        raise LaunchError(f"{shape.tasks} task(s): a job needs at least 2 (the chief and one input worker); "
-                          "raise --tasks-per-node or --total-nodes")
+        raise LaunchError(f"{shape.tasks} task(s) ({shape.describe()}): a job needs at least 2 (the chief and one "
+                          "input worker); ask the allocation for more (e.g. salloc -n 3) or give --tasks-per-node")
     return shape
 
 
+def allocation_shape(total_nodes: int | None, tasks_per_node: int | None, cpus: int) -> list[int]:
+    """Tasks per node inside this allocation, checked against the CPUs it holds on each node."""
+    env = os.environ
+    nodes = _leading_int(env.get("SLURM_JOB_NUM_NODES")) or 1
+    given = expand_counts(env.get("SLURM_TASKS_PER_NODE", ""), "SLURM_TASKS_PER_NODE")
+    if not given:  # older Slurm: only the total, laid out in blocks as srun does
+        total = _leading_int(env.get("SLURM_NTASKS")) or nodes
+        given = [total // nodes + (i < total % nodes) for i in range(nodes)]
+    if total_nodes is not None and total_nodes > len(given):
+        raise LaunchError(f"--total-nodes {total_nodes} but the allocation has {len(given)} node(s) "
+                          f"(SLURM_JOB_NUM_NODES={nodes})")
+    per_node = [tasks_per_node] * (total_nodes or len(given)) if tasks_per_node else given[:total_nodes]
+    held = expand_counts(env.get("SLURM_JOB_CPUS_PER_NODE", ""), "SLURM_JOB_CPUS_PER_NODE")
+    for node, (tasks, cpus_held) in enumerate(zip(per_node, held)):
+        if tasks * cpus > cpus_held:
+            raise LaunchError(f"{tasks} task(s) x {cpus} cpu(s) on node {node} of the allocation, which holds "
+                              f"{cpus_held} CPU(s) there (SLURM_JOB_CPUS_PER_NODE={env['SLURM_JOB_CPUS_PER_NODE']}); "
+                              "ask the allocation for more (salloc -n / --ntasks-per-node) or fewer tasks")
+    return per_node
+
+
+def expand_counts(value: str, name: str) -> list[int]:
+    """Slurm's compressed per-node counts: '2(x3),1' -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in filter(None, value.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise LaunchError(f"{name}={value!r}: expected counts like '2(x3),1'")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def compress_counts(counts: list[int]) -> str:
+    """[2, 2, 2, 1] -> '2(x3),1'."""
+    parts: list[str] = []
+    for value, run in ((v, len(list(g))) for v, g in itertools.groupby(counts)):
+        parts.append(f"{value}(x{run})" if run > 1 else str(value))
+    return ",".join(parts)
+
+
 def _leading_int(value: str | None) -> int | None:
-    """'2(x3)' -> 2 (Slurm's compressed per-node counts)."""
+    """'2(x3)' -> 2."""
     match = re.match(r"\d+", value or "")
     return int(match.group()) if match else None
 
@@ -304,8 +370,10 @@ def slurm_bind_address() -> str:
 
 def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
     require("srun", "Slurm's client, e.g. slurm-client")
-    return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}",
-            f"--ntasks-per-node={shape.tasks_per_node}", f"--cpus-per-task={shape.cpus_per_task}",
+    # Uneven counts (an allocation of '2(x3),1'): srun lays the tasks out over the allocation as it was made.
+    per_node = [f"--ntasks-per-node={shape.tasks_per_node}"] if shape.tasks_per_node else []
+    return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}", *per_node,
+            f"--cpus-per-task={shape.cpus_per_task}",
             "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
             sys.executable, "-m", "cs_runtime.launch.task", "--slurm", "--", *command]
 
