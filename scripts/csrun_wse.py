@@ -38,7 +38,8 @@ from cs_runtime.wire import auth
 from cs_runtime.launch import remote
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
-from cs_runtime.launch.launcher import SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, with_threads
+from cs_runtime.launch.launcher import (SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, check_file_limit,
+                                       with_threads)
 from cs_runtime.wire.protocol import ENDED_PHASES, check_labels
 from cs_runtime.launch.restart import RESTART_ENV, Outcome, run_with_restarts
 from cs_runtime.service import setup_logging
@@ -214,6 +215,7 @@ def preflight(ns: argparse.Namespace, layout: Layout) -> FrontDoor | None:
     """Fail in seconds, with one line, on what would otherwise fail late or unsafely.
 
     With --cs_ip: the connection to the CS system's front door."""
+    check_file_limit(layout.num_workers + 1 + ns.num_csx + 2)  # tasks, WSEs, MemoryX, SwarmX
     if ns.insecure:
         outside = [h for h in [layout.bind] if not auth.is_loopback(h)]
         if outside:
