@@ -50,7 +50,7 @@ from cs_runtime.wire.transport import PortInUse
 # Variables that describe a process's place in a job; never inherited from outside.
 JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET", "CS_NUM_CSX",
             "CS_NUM_WORKERS_PER_CSX", "CS_NUM_WORKERS", "CS_HOST_NAME", "CS_BIND_HOST",
-            auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR", "CS_TRACE")
+            auth.KEYS_ENV, auth.KEYS_TEXT_ENV, RESTART_ENV, "CS_SHM_DIR", "CS_TRACE")
 SHM_DIR = "/dev/shm"   # memory-backed on Linux
 
 
@@ -82,6 +82,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                   "--total-nodes/--tasks-per-node/--cpus-per-task; else local")
     add_flag(parser, "max_restarts", type=int, default=0,
              help="restart a failed job from its latest checkpoint up to K times (default 0)")
+    add_flag(parser, "bind_address", default=None, metavar="ADDRESS",
+             help="the address of this machine the job's directory and services bind (default: the one "
+                  "this machine uses to reach the task hosts; loopback for a job on this machine only)")
     add_flag(parser, "port", type=int, default=0,
              help="port of the job's directory, the address every process registers at (default: any free port)")
     add_flag(parser, "insecure", action="store_true",
@@ -151,6 +154,16 @@ class Layout:
 
 
 def plan_layout(ns: argparse.Namespace) -> Layout:
+    layout = place_tasks(ns)
+    if ns.bind_address:
+        layout.bind = remote.local_address(ns.bind_address)
+    elsewhere = (remote.hosts_elsewhere(layout.placement) if layout.launcher == "ssh" else
+                 [f"{layout.shape.nodes} Slurm nodes"] if layout.launcher == "slurm" and layout.shape.nodes > 1 else [])
+    remote.refuse_loopback_across_hosts(layout.bind, elsewhere)
+    return layout
+
+
+def place_tasks(ns: argparse.Namespace) -> Layout:
     if ns.launcher == "ssh":
         hosts = remote.parse_hostfile(ns.hostfile) if ns.hostfile else remote.parse_host_list(ns.hosts)
         placement = remote.place_tasks(hosts, ns.tasks_per_node, ns.total_nodes)

@@ -206,3 +206,61 @@ def test_ctrl_c_stops_the_srun_job_and_exits_130(tmp_path, slurm_cluster):
         assert slurm_leftovers(str(tmp_path)) == []
     finally:
         kill_tree(proc)
+
+
+# ------------------------------------------------------------------ hosts without this machine's /tmp
+def ssh(hosts, host: str, command: str) -> subprocess.CompletedProcess:
+    import shlex
+    return subprocess.run(["ssh", *shlex.split(hosts.ssh_options), host, command], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_keys_reach_hosts_that_do_not_share_this_machines_tmp(tmp_path, oracle, isolated_hosts):
+    import tempfile
+    h0, h1 = isolated_hosts.addresses
+    with tempfile.NamedTemporaryFile(prefix="cs-only-here-") as only_here:  # in this machine's /tmp
+        assert ssh(isolated_hosts, h0, f"test -e {only_here.name}").returncode == 1  # not seen there
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1},{h1}",
+                                          "--ssh_options", isolated_hosts.ssh_options),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_matches_oracle(tmp_path / "m", oracle)
+    assert leftovers(isolated_hosts) == []
+    for host in (h0, h1):  # each task wrapper removed the keys it wrote there
+        assert ssh(isolated_hosts, host, "ls /tmp").stdout.split() == [tmp_path.parents[1].name], host
+
+
+def test_preflight_names_the_hosts_that_cannot_start_tasks(tmp_path, oracle, isolated_hosts):
+    import tempfile
+    h0, h1 = isolated_hosts.addresses
+    with tempfile.TemporaryDirectory(prefix="cs-only-here-") as here:  # the working folder, not on the hosts
+        result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1}",
+                                              "--ssh_options", isolated_hosts.ssh_options),
+                                capture_output=True, text=True, timeout=120, cwd=here)
+    assert result.returncode != 0
+    lines = [l for l in result.stderr.splitlines() if l.startswith("csrun_wse:")]
+    assert len(lines) == 1 and "host(s) that cannot start the job's tasks: " in lines[0], result.stderr
+    assert all(f"{h} (" in lines[0] for h in (h0, h1)) and lines[0].count(here) == 2, lines[0]
+    assert not (tmp_path / "m").exists()
+
+
+def test_loopback_bind_is_refused_for_tasks_on_other_hosts(tmp_path, oracle, isolated_hosts):
+    h0, h1 = isolated_hosts.addresses
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1}", "--bind_address",
+                                          "127.0.0.1", "--ssh_options", isolated_hosts.ssh_options),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert f"csrun_wse: the job's services would bind 127.0.0.1 (loopback), which its tasks on {h0}, {h1} " \
+           "cannot reach" in result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_bind_address_sets_where_the_services_listen(tmp_path, oracle, isolated_hosts):
+    h0, h1 = isolated_hosts.addresses
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1}", "--bind_address",
+                                          isolated_hosts.gateway, "--ssh_options", isolated_hosts.ssh_options),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"WSE 0 ready, input at tcp://{isolated_hosts.gateway}:" in result.stderr
+    assert_matches_oracle(tmp_path / "m", oracle)
+    assert leftovers(isolated_hosts) == []

@@ -193,6 +193,24 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
         ctx.destroy(linger=0)
 
 
+@pytest.mark.parametrize("sent, answer", [
+    ({"keys": None}, "ok"),
+    ({"keys": {"server_public": "x"}}, "the job's keys must be server_public, server_secret, client_public"),
+])
+def test_task_wrapper_check_keeps_the_keys_or_says_why_not(sent, answer, tmp_path):
+    from cs_runtime.wire import auth
+    if sent["keys"] is None:  # fresh keys, as the launcher sends them
+        folder = auth.create_job_dir()
+        sent = {"keys": auth.key_strings(auth.load_keys(str(folder)))}
+        auth.remove_job_dir(folder)
+    result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--check"], input=json.dumps(sent) + "\n",
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
+    assert answer in (result.stdout + result.stderr), result.stderr
+    assert (result.returncode == 0) == (answer == "ok")
+    assert list(tmp_path.iterdir()) == []  # the check leaves nothing
+
+
 def test_task_wrapper_refuses_a_bad_task_description():
     result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], input=b'{"role": 1}\n',
                             capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)

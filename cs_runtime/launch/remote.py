@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.wire import auth
 from cs_runtime.launch.launcher import ProcessGroup, Task, _signal_group, spawn
 from cs_runtime.launch.task import role_argv, role_of_task
 from cs_runtime.wire.transport import source_address_towards
@@ -122,6 +123,40 @@ def bind_address_for(hosts: list[str]) -> str:
             raise LaunchError(str(exc)) from None
     real = [a for a in addresses if not a.startswith("127.")]
     return real[0] if real else "127.0.0.1"
+
+
+def local_address(address: str) -> str:
+    """--bind_address: an IPv4 address (or name) of this machine, which the job's sockets bind."""
+    try:
+        resolved = socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+        with socket.socket() as probe:
+            probe.bind((resolved, 0))
+    except (socket.gaierror, IndexError):
+        raise LaunchError(f"--bind_address {address}: does not resolve to an IPv4 address") from None
+    except OSError as exc:
+        raise LaunchError(f"--bind_address {address}: not an address of this machine ({exc.strerror})") from None
+    return resolved
+
+
+def refuse_loopback_across_hosts(bind: str, elsewhere: list[str]) -> None:
+    """A job whose tasks run on other hosts cannot reach sockets bound to loopback: say so now,
+    not as a registration timeout later."""
+    if elsewhere and bind.startswith("127."):
+        raise LaunchError(f"the job's services would bind {bind} (loopback), which its tasks on "
+                          f"{', '.join(elsewhere)} cannot reach; give --bind_address with an address of "
+                          "this machine those hosts reach")
+
+
+def hosts_elsewhere(hosts: list[str]) -> list[str]:
+    """The hosts this machine does not reach over loopback."""
+    elsewhere = []
+    for host in dict.fromkeys(hosts):
+        try:
+            if not source_address_towards(host).startswith("127."):
+                elsewhere.append(host)
+        except ValueError:
+            elsewhere.append(host)  # ssh may know it (an ssh_config alias): surely not this machine's loopback
+    return elsewhere
 
 
 # ---------------------------------------------------------------- tasks seen through a carrier
@@ -221,42 +256,56 @@ def ssh_base(options: str, host: str) -> list[str]:
     return ["ssh", *shlex.split(options), host]
 
 
+def task_shell(env: dict[str, str], mode: str) -> str:
+    """What ssh runs on a host: the task wrapper, in this working folder, with this PYTHONPATH."""
+    return (f"cd {shlex.quote(os.getcwd())} && exec env PYTHONPATH={shlex.quote(env.get('PYTHONPATH', ''))} "
+            f"{shlex.quote(sys.executable)} -m cs_runtime.launch.task {mode}")
+
+
 def preflight(hosts: list[str], options: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
-    """Every host must answer `ssh HOST true`; the error names each one that does not."""
+    """Every host must answer over ssh, start the task wrapper in this working folder and keep
+    the job's keys (sent as a task's are); the error names each host that cannot, and why."""
     require("ssh", "openssh-client")
-    probes = {h: subprocess.Popen([*ssh_base(options, h), "true"], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    keys = auth.job_keys()
+    check = (json.dumps({"keys": auth.key_strings(keys) if keys else None}) + "\n").encode()
+    probes = {h: subprocess.Popen([*ssh_base(options, h), task_shell(dict(os.environ), "--check")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
               for h in dict.fromkeys(hosts)}
     deadline = time.monotonic() + timeout
-    failed = []
+    unreachable, unready = [], []
     for host, probe in probes.items():
         try:
-            _, err = probe.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            if probe.returncode != 0:
-                failed.append(f"{host} ({(err.strip().splitlines() or ['exit code %d' % probe.returncode])[-1]})")
+            out, err = probe.communicate(check, timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             probe.kill()
             probe.communicate()
-            failed.append(f"{host} (no answer within {timeout:.0f} s)")
-    if failed:
-        raise LaunchError(f"host(s) not reachable over SSH: {'; '.join(failed)}")
+            unreachable.append(f"{host} (no answer within {timeout:.0f} s)")
+            continue
+        last = (err.decode(errors="replace").strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        if probe.returncode == 255:  # ssh's own failure: the host was not reached
+            unreachable.append(f"{host} ({last})")
+        elif probe.returncode != 0 or out.strip() != b"ok":
+            unready.append(f"{host} ({last})")
+    problems = ([f"host(s) not reachable over SSH: {'; '.join(unreachable)}"] if unreachable else []) + \
+               ([f"host(s) that cannot start the job's tasks: {'; '.join(unready)}"] if unready else [])
+    if problems:
+        raise LaunchError(". ".join(problems))
 
 
 def remote_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in HOST_LOCAL_VARS}
+    """What a task on another host inherits: not the launcher's own terminal, login or key folder."""
+    return {k: v for k, v in env.items() if k not in HOST_LOCAL_VARS and k != auth.KEYS_ENV}
 
 
 def start_ssh_tasks(group: ProcessGroup, directory: DirectoryServer, placement: list[str], env: dict,
                     command: list[str], options: str) -> None:
-    cwd = os.getcwd()
-    pythonpath = env.get("PYTHONPATH", "")
-    shell = (f"cd {shlex.quote(cwd)} && exec env PYTHONPATH={shlex.quote(pythonpath)} "
-             f"{shlex.quote(sys.executable)} -m cs_runtime.launch.task --ssh")
+    shell = task_shell(env, "--ssh")
+    keys = auth.job_keys()
     for index, host in enumerate(placement):
         role, rank = role_of_task(index)
         carrier = spawn([*ssh_base(options, host), shell], env, stdin=subprocess.PIPE)
         spec = {"role": role, "rank": rank, "host": host, "env": remote_env(env),
-                "argv": role_argv(command, role)}
+                "argv": role_argv(command, role), "keys": auth.key_strings(keys) if keys else None}
         try:
             carrier.stdin.write((json.dumps(spec) + "\n").encode())
             carrier.stdin.flush()
@@ -380,6 +429,10 @@ def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
 
 def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: SlurmShape, env: dict,
                      command: list[str], job: str) -> None:
+    keys = auth.job_keys()
+    env = remote_env(env) | {k: env[k] for k in HOST_LOCAL_VARS & env.keys()}  # all but the key folder
+    if keys is not None:  # srun's environment carries them to each node's task wrapper
+        env[auth.KEYS_TEXT_ENV] = json.dumps(auth.key_strings(keys))
     carrier = spawn(srun_argv(shape, job, command), env, stdin=subprocess.DEVNULL)
     for index in range(shape.tasks):
         role, rank = role_of_task(index)

@@ -2,6 +2,14 @@
 
     ssh HOST 'cd DIR && python -m cs_runtime.launch.task --ssh'      # the task arrives as one JSON line on stdin
     srun ... python -m cs_runtime.launch.task --slurm -- python run.py ARGS...
+    ssh HOST 'cd DIR && python -m cs_runtime.launch.task --check'    # the launcher's pre-flight
+
+The job's CURVE keys come with the task, never by a path into the launcher's
+file system: in the JSON description over ssh ("keys"), in CS_JOB_KEYS under
+srun. The wrapper writes them into a private folder of this host (0700, files
+0600), gives the task that folder (CS_KEYS_DIR), and removes it at the end.
+`--check` reads {"keys": ...} the same way, writes and reads them back, and
+prints "ok": so a host that could not start a task fails the pre-flight instead.
 
 The wrapper gives the task its identity (role, rank, and the address to bind:
 the one this host uses to reach the launcher, so peers on other hosts can
@@ -23,6 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 STOP_GRACE_S = 3.0
 # Per-process identity: never passed from the launcher's environment.
@@ -51,8 +60,7 @@ def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str,
     return env
 
 
-def read_ssh_spec() -> dict:
-    """The task csrun_wse sent: {"role", "rank", "host", "env", "argv"}, checked before use."""
+def read_stdin_json() -> object:
     line = b""
     while not line.endswith(b"\n"):  # byte by byte: nothing after the line may be buffered away
         byte = os.read(0, 1)
@@ -60,9 +68,14 @@ def read_ssh_spec() -> dict:
             break
         line += byte
     try:
-        spec = json.loads(line)
+        return json.loads(line)
     except ValueError:
         raise SystemExit("cs_runtime.launch.task: stdin did not start with a JSON task description") from None
+
+
+def read_ssh_spec() -> dict:
+    """The task csrun_wse sent: {"role", "rank", "host", "env", "argv"[, "keys"]}, checked before use."""
+    spec = read_stdin_json()
     types = {"role": str, "rank": int, "host": str, "env": dict, "argv": list}
     if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in types.items()):
         raise SystemExit(f"cs_runtime.launch.task: task description needs {', '.join(types)}")
@@ -111,11 +124,50 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
+def write_keys(keys: object | None) -> str | None:
+    """The job's keys, sent as text, in a private folder of this host; its path (None: no keys)."""
+    if keys is None:
+        return None
+    from cs_runtime.wire import auth
+    try:
+        folder = auth.write_job_dir(auth.keys_from_text(keys))
+        auth.load_keys(str(folder))  # what every process of the task will do first
+    except (auth.AuthError, OSError) as exc:
+        raise SystemExit(f"cs_runtime.launch.task: cannot keep the job's keys on this host: {exc}") from None
+    return str(folder)
+
+
+def task_keys(env: dict[str, str], sent: object | None) -> str | None:
+    """Write the keys the task came with; the task's environment then names that folder."""
+    from cs_runtime.wire.auth import KEYS_ENV, KEYS_TEXT_ENV
+    text = env.pop(KEYS_TEXT_ENV, None)
+    if sent is None and text is not None:
+        try:
+            sent = json.loads(text)
+        except ValueError:
+            raise SystemExit(f"cs_runtime.launch.task: {KEYS_TEXT_ENV} is not JSON") from None
+    env.pop(KEYS_ENV, None)  # a folder on the launcher's host means nothing here
+    folder = write_keys(sent)
+    if folder is not None:
+        env[KEYS_ENV] = folder
+    return folder
+
+
+def check_host() -> None:
+    """The pre-flight: this host can start a task (python, the code, the working folder) and keep the keys."""
+    sent = read_stdin_json()
+    folder = write_keys(sent.get("keys") if isinstance(sent, dict) else None)
+    if folder is not None:
+        from cs_runtime.wire.auth import remove_job_dir
+        remove_job_dir(Path(folder))
+    print("ok", flush=True)
+
+
 def report_exit(env: dict[str, str], role: str, rank: int, host: str, pid: int, code: int) -> None:
     import zmq
     from cs_runtime.wire.auth import KEYS_ENV
     from cs_runtime.launch.directory import DirectoryClient
-    if KEYS_ENV in env:  # over ssh the job's keys came with the task's environment, not ours
+    if KEYS_ENV in env:  # the job's keys are the task's, written by this wrapper
         os.environ[KEYS_ENV] = env[KEYS_ENV]
     ctx = zmq.Context()
     try:
@@ -132,19 +184,29 @@ def exit_status(code: int) -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     stop = threading.Event()
+    sent_keys = None
+    if argv[:1] == ["--check"]:
+        return check_host()
     if argv[:1] == ["--ssh"]:
         spec = read_ssh_spec()
         role, rank, host, base, command = spec["role"], spec["rank"], spec["host"], spec["env"], spec["argv"]
+        sent_keys = spec.get("keys")
         watch_stdin(stop)
     elif argv[:2] == ["--slurm", "--"] and len(argv) > 2:
         role, rank = role_of_task(int(os.environ["SLURM_PROCID"]))
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         base, command = dict(os.environ), role_argv(argv[2:], role)
     else:
-        raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND...")
+        raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND... | --check")
     env = task_env(base, role, rank, host)
-    pid, code = run_child(command, env, stop)
-    report_exit(env, role, rank, host, pid, code)
+    folder = task_keys(env, sent_keys)
+    try:
+        pid, code = run_child(command, env, stop)
+        report_exit(env, role, rank, host, pid, code)
+    finally:
+        if folder is not None:
+            from cs_runtime.wire.auth import remove_job_dir
+            remove_job_dir(Path(folder))
     sys.exit(exit_status(code))
 
 
