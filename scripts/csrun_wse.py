@@ -71,8 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_flag(parser, "cs_ip", default=None, help="HOST:PORT of a running CS system (default: start one)")
     add_flag(parser, "hostfile", default=None, help="run the tasks over SSH on these hosts ('HOST [slots=N]' a line)")
     parser.add_argument("-H", "--hosts", default=None, help="run the tasks over SSH on h1,h2,... (one slot each)")
-    add_flag(parser, "ssh_options", default=remote.DEFAULT_SSH_OPTIONS,
-             help=f"options for ssh, e.g. --ssh_options='-p 2222' (default {remote.DEFAULT_SSH_OPTIONS!r})")
+    add_flag(parser, "ssh_options", default="",
+             help=f"options for ssh, e.g. --ssh_options='-p 2222', added to (and overriding) the defaults "
+                  f"{remote.DEFAULT_SSH_OPTIONS!r}")
     add_flag(parser, "total_nodes", type=int, default=None, help="nodes (Slurm: srun -N; SSH: the first N hosts)")
     add_flag(parser, "tasks_per_node", type=int, default=None,
              help="tasks per node (Slurm: default from the allocation, else 2; SSH: default the slots)")
@@ -157,7 +158,7 @@ def plan_layout(ns: argparse.Namespace) -> Layout:
     layout = place_tasks(ns)
     if ns.bind_address:
         layout.bind = remote.local_address(ns.bind_address)
-    elsewhere = (remote.hosts_elsewhere(layout.placement) if layout.launcher == "ssh" else
+    elsewhere = (remote.hosts_elsewhere(layout.placement, ns.ssh_options) if layout.launcher == "ssh" else
                  [f"{layout.shape.nodes} Slurm nodes"] if layout.launcher == "slurm" and layout.shape.nodes > 1 else [])
     remote.refuse_loopback_across_hosts(layout.bind, elsewhere)
     return layout
@@ -167,7 +168,8 @@ def place_tasks(ns: argparse.Namespace) -> Layout:
     if ns.launcher == "ssh":
         hosts = remote.parse_hostfile(ns.hostfile) if ns.hostfile else remote.parse_host_list(ns.hosts)
         placement = remote.place_tasks(hosts, ns.tasks_per_node, ns.total_nodes)
-        return Layout("ssh", len(placement) - 1, remote.bind_address_for(placement), placement=placement)
+        return Layout("ssh", len(placement) - 1, remote.bind_address_for(placement, ns.ssh_options),
+                      placement=placement)
     if ns.launcher == "slurm":
         shape = remote.slurm_shape(ns.total_nodes, ns.tasks_per_node, ns.cpus_per_task)
         return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape)

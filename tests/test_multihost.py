@@ -2,10 +2,12 @@
 on a one-node Slurm cluster (fixtures in conftest.py; they skip where root or the binaries are missing)."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.cluster_utils import FC_MNIST, assert_matches_oracle, kill_tree, tool
 
@@ -264,3 +266,105 @@ def test_bind_address_sets_where_the_services_listen(tmp_path, oracle, isolated_
     assert f"WSE 0 ready, input at tcp://{isolated_hosts.gateway}:" in result.stderr
     assert_matches_oracle(tmp_path / "m", oracle)
     assert leftovers(isolated_hosts) == []
+
+
+# ------------------------------------------------------------------ SSH at scale
+def sshd_sessions(hosts, index: int) -> list[int]:
+    """The sshd processes serving a connection on host `index` (not its listener)."""
+    listener = int(hosts.sshd_pidfiles[index].read_text().split()[0])
+    return [pid for pid in hosts.pids(hosts.namespaces[index])
+            if pid != listener and Path(f"/proc/{pid}/comm").exists()
+            and Path(f"/proc/{pid}/comm").read_text().strip() == "sshd"]
+
+
+def test_24_tasks_on_one_host_start_over_one_ssh_connection(tmp_path, oracle, netns_hosts):
+    h0, _ = netns_hosts.addresses
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{h0} slots=24\n")
+    proc = subprocess.Popen(train_command(oracle[0], tmp_path / "m", "--hostfile", str(hostfile),
+                                          "--ssh_options", netns_hosts.ssh_options),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        # 24 tasks, one connection: sshd's MaxStartups (10 by default) never sees more than one
+        sessions = sshd_sessions(netns_hosts, 0)
+        workers = [pid for pid, cmd in netns_hosts.job_processes() if "-m worker" in cmd]
+        output = proc.stdout.read()
+        assert proc.wait(timeout=300) == 0, output[-3000:]
+        assert 1 <= len(sessions) <= 2, sessions  # the privileged monitor and its session child
+        assert len(workers) == 23
+        assert_matches_oracle(tmp_path / "m", oracle)
+        assert leftovers(netns_hosts) == []
+    finally:
+        kill_tree(proc)
+
+
+def test_ssh_config_alias_is_resolved_by_ssh(tmp_path, oracle, isolated_hosts):
+    h0, h1 = isolated_hosts.addresses
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host cs-alias-a\n  HostName {h0}\nHost cs-alias-b\n  HostName {h1}\n")
+    options = isolated_hosts.ssh_options.replace("-F /dev/null", f"-F {config}")
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", "cs-alias-a,cs-alias-b",
+                                          "--ssh_options", options),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "task hosts: cs-alias-a cs-alias-b" in result.stderr
+    assert f"WSE 0 ready, input at tcp://{isolated_hosts.gateway}:" in result.stderr  # the bridge, not loopback
+    assert_matches_oracle(tmp_path / "m", oracle)
+    assert leftovers(isolated_hosts) == []
+
+
+def test_a_lost_ssh_connection_is_reported_as_such(tmp_path, netns_hosts):
+    import signal
+    from tests.cluster_utils import write_params
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    h0, h1 = netns_hosts.addresses
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1}",
+                                          "--ssh_options", netns_hosts.ssh_options),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        for pid in sshd_sessions(netns_hosts, 1):
+            os.kill(pid, signal.SIGKILL)  # the connection to h1 drops
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) == 1
+        failed = [l for l in output.splitlines() if "job failed" in l]
+        assert len(failed) == 1 and f"lost its ssh connection to {h1}" in failed[0], output[-3000:]
+        assert "SIGTERM" not in failed[0]
+        assert wait_for_exit([pid for pid, _ in leftovers(netns_hosts)], timeout=30) == []
+    finally:
+        kill_tree(proc)
+
+
+def test_a_dead_host_mid_run_is_named_and_nothing_is_left(tmp_path, netns_hosts):
+    from tests.cluster_utils import write_params
+    from tests.netns_hosts import sh
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    h0, h1 = netns_hosts.addresses
+    link = f"{netns_hosts.tag}v1"   # host 1's cable into the bridge
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1},{h1}",
+                                          "--ssh_options", netns_hosts.ssh_options),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        on_h1 = [pid for pid, _ in leftovers(netns_hosts) if pid in netns_hosts.pids(netns_hosts.namespaces[1])]
+        sh("ip", "link", "set", link, "down")
+        t0 = time.monotonic()
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) == 1
+        failed = [l for l in output.splitlines() if "job failed" in l]
+        assert len(failed) == 1 and re.search(rf"worker [01] on {re.escape(h1)} \(pid \d+\) stopped answering",
+                                              failed[0]), output[-3000:]
+        assert time.monotonic() - t0 < 30
+        # cut off, host 1's processes hear nothing from the directory and stop by themselves
+        assert wait_for_exit(on_h1, timeout=40) == []
+        assert leftovers(netns_hosts) == []
+    finally:
+        sh("ip", "link", "set", link, "up")
+        kill_tree(proc)

@@ -99,6 +99,13 @@ def allocation(monkeypatch, tasks_per_node: str, cpus_per_node: str, nodes: int,
         monkeypatch.setenv(name, value)
 
 
+def test_ssh_options_add_to_the_defaults_and_override_what_they_name():
+    argv = remote.ssh_base("-p 2222 -o ConnectTimeout=3", "h1")
+    # ssh keeps the first value of each option: the user's come first
+    assert argv[:5] == ["ssh", "-p", "2222", "-o", "ConnectTimeout=3"] and argv[-1] == "h1"
+    assert "BatchMode=yes" in argv and argv.index("ConnectTimeout=3") < argv.index("ConnectTimeout=10")
+
+
 def test_slurm_counts_expand_and_compress():
     assert remote.expand_counts("2(x3),1", "X") == [2, 2, 2, 1]
     assert remote.expand_counts("4", "X") == [4]
@@ -165,7 +172,7 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
     directory = DirectoryServer(ctx, "job-w", {"worker": 1})
     pidfile = tmp_path / "child.pid"
     child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
-    spec = {"role": "worker", "rank": 0, "host": "hostA", "argv": [sys.executable, "-c", child],
+    spec = {"host": "hostA", "tasks": [{"role": "worker", "rank": 0, "argv": [sys.executable, "-c", child]}],
             "env": {**os.environ, "CS_JOB_ID": "job-w", "CS_RENDEZVOUS": directory.address,
                     "PYTHONPATH": str(REPO)}}
     wrapper = subprocess.Popen([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], stdin=subprocess.PIPE,
@@ -211,11 +218,17 @@ def test_task_wrapper_check_keeps_the_keys_or_says_why_not(sent, answer, tmp_pat
     assert list(tmp_path.iterdir()) == []  # the check leaves nothing
 
 
-def test_task_wrapper_refuses_a_bad_task_description():
-    result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], input=b'{"role": 1}\n',
+@pytest.mark.parametrize("sent, message", [
+    (b'{"role": 1}\n', b"task description needs host, env, tasks"),
+    (b'{"host": "h", "env": {}, "tasks": [{"role": "chief", "rank": "0", "argv": ["x"]}]}\n',
+     b"each task needs role, rank and argv (strings)"),
+    (b'{"host": "h", "env": {}, "tasks": []}\n', b"no tasks in the description"),
+])
+def test_task_wrapper_refuses_a_bad_task_description(sent, message):
+    result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], input=sent,
                             capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert result.returncode != 0
-    assert b"task description needs role, rank, host, env, argv" in result.stderr
+    assert message in result.stderr
 
 
 # ------------------------------------------------------------------ input shards and the monitor

@@ -186,14 +186,6 @@ class DirectoryClient:
             by_role[peer["role"]].append(peer)
         return {r: sorted(p, key=lambda p: p["rank"]) for r, p in by_role.items()}
 
-    def report_exit(self, host: str, pid: int, code: int, timeout_ms: int = 2000) -> None:
-        """Tell the launcher how this task ended (it cannot see the exit code through srun)."""
-        meta = {"role": self.role, "rank": self.rank, "host": host, "pid": pid, "code": code}
-        self.endpoint.send(Message(Msg.EXITED, meta=meta))
-        got = self.endpoint.recv(timeout_ms)  # the answer says it arrived (LINGER 0 would drop it)
-        while got is not None and got[1].type != Msg.STATUS:
-            got = self.endpoint.recv(timeout_ms)
-
     def start_heartbeats(self, on_failure=None) -> "Heartbeat":
         beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure)
         beat.start()

@@ -74,6 +74,10 @@ class Task:
     def settle(self, timeout: float) -> None:
         """Wait for whatever carries the task once the task itself has ended (nothing, here)."""
 
+    def ended_how(self, rc: int) -> str:
+        """How the task ended, for the launcher's one line."""
+        return f"exited with {describe_exit(rc)}"
+
 
 def spawn(argv: list[str], env: dict[str, str], **popen_args) -> subprocess.Popen:
     """A child in its own session that dies with the launcher."""
@@ -205,7 +209,7 @@ class Supervisor:
         failed = sorted((rc for rc in exited if rc[1] != 0), key=lambda t: t[1] >= 0)
         if failed:
             task, rc = failed[0]
-            raise JobFailed(f"{task.label} exited with {describe_exit(rc)}", retryable=rc != EXIT_BAD_INPUT)
+            raise JobFailed(f"{task.label} {task.ended_how(rc)}", retryable=rc != EXIT_BAD_INPUT)
         ended = {(t.role, t.rank) for t, _ in exited}
         timeout = register_timeout(len(self.group.tasks))
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT, first_timeout=timeout):

@@ -31,14 +31,18 @@ import sys
 import time
 from dataclasses import dataclass
 
+import zmq
+
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.wire import auth
 from cs_runtime.launch.launcher import ProcessGroup, Task, _signal_group, spawn
 from cs_runtime.launch.task import role_argv, role_of_task
 from cs_runtime.wire.transport import source_address_towards
 
-DEFAULT_SSH_OPTIONS = "-o BatchMode=yes -o ConnectTimeout=10"
+# No password prompts; a host that does not answer, or stops answering, fails in seconds.
+DEFAULT_SSH_OPTIONS = "-o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3"
 PREFLIGHT_TIMEOUT_S = 20.0
+SSH_FAILED = 255   # ssh's exit code for its own errors (connection refused, lost, ...)
 # Not passed to remote hosts: they describe the launcher's own terminal and login.
 HOST_LOCAL_VARS = {"PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "DISPLAY", "XAUTHORITY", "TERM", "COLUMNS",
                    "LINES", "SSH_AUTH_SOCK", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AGENT_PID"}
@@ -113,14 +117,28 @@ def place_tasks(hosts: list[Host], tasks_per_node: int | None, total_nodes: int 
     return placement
 
 
-def bind_address_for(hosts: list[str]) -> str:
+def ssh_hostname(host: str, options: str = "") -> str:
+    """The name ssh connects to for `host`: itself, or what an ssh_config alias says (`ssh -G`)."""
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET)
+        return host
+    except socket.gaierror:
+        pass
+    if shutil.which("ssh") is None:
+        return host
+    out = subprocess.run([*ssh_base(options, host)[:-1], "-G", host], capture_output=True, text=True, timeout=10)
+    names = [line.split(None, 1)[1] for line in out.stdout.splitlines() if line.startswith("hostname ")]
+    return names[0].strip() if out.returncode == 0 and names else host
+
+
+def bind_address_for(hosts: list[str], options: str = "") -> str:
     """The address to bind here so every host can reach us (loopback if all hosts are this one)."""
     addresses = []
     for host in dict.fromkeys(hosts):
         try:
-            addresses.append(source_address_towards(host))
+            addresses.append(source_address_towards(ssh_hostname(host, options)))
         except ValueError as exc:
-            raise LaunchError(str(exc)) from None
+            raise LaunchError(f"{exc} (nor through ssh_config)") from None
     real = [a for a in addresses if not a.startswith("127.")]
     return real[0] if real else "127.0.0.1"
 
@@ -147,12 +165,12 @@ def refuse_loopback_across_hosts(bind: str, elsewhere: list[str]) -> None:
                           "this machine those hosts reach")
 
 
-def hosts_elsewhere(hosts: list[str]) -> list[str]:
+def hosts_elsewhere(hosts: list[str], options: str = "") -> list[str]:
     """The hosts this machine does not reach over loopback."""
     elsewhere = []
     for host in dict.fromkeys(hosts):
         try:
-            if not source_address_towards(host).startswith("127."):
+            if not source_address_towards(ssh_hostname(host, options)).startswith("127."):
                 elsewhere.append(host)
         except ValueError:
             elsewhere.append(host)  # ssh may know it (an ssh_config alias): surely not this machine's loopback
@@ -161,12 +179,12 @@ def hosts_elsewhere(hosts: list[str]) -> list[str]:
 
 # ---------------------------------------------------------------- tasks seen through a carrier
 class CarriedProcess:
-    """A task's process as the launcher sees it: through its carrier (its own ssh
-    client, or the one srun all tasks share) and the exit code its wrapper reported."""
+    """A task's process as the launcher sees it: through its carrier (the ssh client of its
+    host, or the srun of the step), which its host's other tasks share, and the exit code
+    its wrapper reported."""
 
-    def __init__(self, carrier: subprocess.Popen, directory: DirectoryServer, role: str, rank: int,
-                 shared: bool = False):
-        self.carrier, self.directory, self.key, self.shared = carrier, directory, (role, rank), shared
+    def __init__(self, carrier: subprocess.Popen, directory: DirectoryServer, role: str, rank: int):
+        self.carrier, self.directory, self.key = carrier, directory, (role, rank)
 
     @property
     def pid(self) -> int:
@@ -174,11 +192,6 @@ class CarriedProcess:
 
     def poll(self) -> int | None:
         report = self.directory.exits.get(self.key)
-        if not self.shared:
-            # Its own carrier ends right after the task: wait for that, so nothing
-            # of the task is left when the launcher returns; the report has the true code.
-            code = self.carrier.poll()
-            return code if code is None or report is None else int(report["code"])
         return int(report["code"]) if report is not None else self.carrier.poll()
 
     @property
@@ -186,7 +199,16 @@ class CarriedProcess:
         return self.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        return self.carrier.wait(timeout)
+        """Until the task has ended (reported, or its carrier gone)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.carrier.args, timeout)
+            try:  # the report comes through the directory, which the launcher's loop serves
+                self.directory.serve_once(50)
+            except zmq.ZMQError:  # closed: only the carrier's end can tell now
+                return self.carrier.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return code
 
 
 class RemoteTask(Task):
@@ -222,6 +244,13 @@ class SshTask(RemoteTask):
     def carrier(self) -> str:
         return f"ssh to {self.host}"
 
+    def ended_how(self, rc: int) -> str:
+        carrier = self.proc.carrier
+        if carrier.poll() == SSH_FAILED and not carrier.stdin.closed:  # ssh ended, not asked to
+            # Its wrapper then stops the host's tasks, which would otherwise read as a SIGTERM.
+            return f"lost its ssh connection to {self.host} (ssh exited with code {SSH_FAILED})"
+        return super().ended_how(rc)
+
     def request_stop(self) -> None:
         # EOF on the far side's stdin: its wrapper stops the task and ssh exits.
         carrier = self.proc.carrier
@@ -253,7 +282,9 @@ def require(program: str, package: str) -> None:
 
 
 def ssh_base(options: str, host: str) -> list[str]:
-    return ["ssh", *shlex.split(options), host]
+    """The user's --ssh_options first: for each option ssh keeps the first value it is given,
+    so they add to the defaults and override those they name."""
+    return ["ssh", *shlex.split(options), *shlex.split(DEFAULT_SSH_OPTIONS), host]
 
 
 def task_shell(env: dict[str, str], mode: str) -> str:
@@ -282,7 +313,7 @@ def preflight(hosts: list[str], options: str, timeout: float = PREFLIGHT_TIMEOUT
             unreachable.append(f"{host} (no answer within {timeout:.0f} s)")
             continue
         last = (err.decode(errors="replace").strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
-        if probe.returncode == 255:  # ssh's own failure: the host was not reached
+        if probe.returncode == SSH_FAILED:  # ssh's own failure: the host was not reached
             unreachable.append(f"{host} ({last})")
         elif probe.returncode != 0 or out.strip() != b"ok":
             unready.append(f"{host} ({last})")
@@ -299,21 +330,25 @@ def remote_env(env: dict[str, str]) -> dict[str, str]:
 
 def start_ssh_tasks(group: ProcessGroup, directory: DirectoryServer, placement: list[str], env: dict,
                     command: list[str], options: str) -> None:
+    """One ssh connection per host: its wrapper starts all of that host's tasks."""
     shell = task_shell(env, "--ssh")
     keys = auth.job_keys()
+    by_host: dict[str, list[tuple[str, int]]] = {}
     for index, host in enumerate(placement):
-        role, rank = role_of_task(index)
+        by_host.setdefault(host, []).append(role_of_task(index))
+    for host, tasks in by_host.items():
         carrier = spawn([*ssh_base(options, host), shell], env, stdin=subprocess.PIPE)
-        spec = {"role": role, "rank": rank, "host": host, "env": remote_env(env),
-                "argv": role_argv(command, role), "keys": auth.key_strings(keys) if keys else None}
+        spec = {"host": host, "env": remote_env(env), "keys": auth.key_strings(keys) if keys else None,
+                "tasks": [{"role": role, "rank": rank, "argv": role_argv(command, role)} for role, rank in tasks]}
         try:
             carrier.stdin.write((json.dumps(spec) + "\n").encode())
             carrier.stdin.flush()
         except BrokenPipeError:
             pass  # ssh already failed; the supervisor reports its exit code
-        task = SshTask(role, rank, host, CarriedProcess(carrier, directory, role, rank))
-        task.directory = directory
-        group.add(task)
+        for role, rank in tasks:
+            task = SshTask(role, rank, host, CarriedProcess(carrier, directory, role, rank))
+            task.directory = directory
+            group.add(task)
 
 
 # ---------------------------------------------------------------- Slurm
@@ -436,6 +471,6 @@ def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: Slu
     carrier = spawn(srun_argv(shape, job, command), env, stdin=subprocess.DEVNULL)
     for index in range(shape.tasks):
         role, rank = role_of_task(index)
-        task = SrunTask(role, rank, "slurm", CarriedProcess(carrier, directory, role, rank, shared=True))
+        task = SrunTask(role, rank, "slurm", CarriedProcess(carrier, directory, role, rank))
         task.directory = directory
         group.add(task)

@@ -1,6 +1,6 @@
-"""One task of a job on its host: `python -m cs_runtime.launch.task` (started by csrun_wse).
+"""A job's tasks on one host: `python -m cs_runtime.launch.task` (started by csrun_wse).
 
-    ssh HOST 'cd DIR && python -m cs_runtime.launch.task --ssh'      # the task arrives as one JSON line on stdin
+    ssh HOST 'cd DIR && python -m cs_runtime.launch.task --ssh'      # the host's tasks: one JSON line on stdin
     srun ... python -m cs_runtime.launch.task --slurm -- python run.py ARGS...
     ssh HOST 'cd DIR && python -m cs_runtime.launch.task --check'    # the launcher's pre-flight
 
@@ -11,14 +11,17 @@ srun. The wrapper writes them into a private folder of this host (0700, files
 `--check` reads {"keys": ...} the same way, writes and reads them back, and
 prints "ok": so a host that could not start a task fails the pre-flight instead.
 
-The wrapper gives the task its identity (role, rank, and the address to bind:
-the one this host uses to reach the launcher, so peers on other hosts can
-connect; loopback only when the launcher is on this host), starts it as a
-child in its own session, and stops that child when the job goes away:
-over SSH when stdin closes (the ssh client ended: job over, launcher killed,
-connection lost), and on SIGTERM / SIGHUP / SIGINT (how srun ends a step).
-It then reports the exit code to the job's directory (EXITED): through srun
-or ssh the launcher sees only one carrier process, not each task.
+Over SSH one wrapper (one ssh connection) starts every task of its host, so
+sshd's MaxStartups and MaxSessions never see more than one connection per host
+per job; under srun each task has its own. The wrapper gives each task its
+identity (role, rank, and the address to bind: the one this host uses to reach
+the launcher, so peers on other hosts can connect; loopback only when the
+launcher is on this host), starts it as a child in its own session, and stops
+its tasks when the job goes away: over SSH when stdin closes (the ssh client
+ended: job over, launcher killed, connection lost), and on SIGTERM / SIGHUP /
+SIGINT (how srun ends a step). It reports each exit code to the job's
+directory (EXITED) as it happens: the launcher sees only the carrier (ssh,
+srun), not each task.
 
 Task 0 is the chief, task i > 0 input worker i - 1 (under srun: SLURM_PROCID).
 """
@@ -31,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 STOP_GRACE_S = 3.0
@@ -74,14 +78,21 @@ def read_stdin_json() -> object:
 
 
 def read_ssh_spec() -> dict:
-    """The task csrun_wse sent: {"role", "rank", "host", "env", "argv"[, "keys"]}, checked before use."""
+    """The host's tasks csrun_wse sent, checked before use:
+    {"host", "env", "keys", "tasks": [{"role", "rank", "argv"}, ...]}."""
     spec = read_stdin_json()
-    types = {"role": str, "rank": int, "host": str, "env": dict, "argv": list}
+    types = {"host": str, "env": dict, "tasks": list}
     if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in types.items()):
         raise SystemExit(f"cs_runtime.launch.task: task description needs {', '.join(types)}")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec["env"].items()) \
-            or not spec["argv"] or not all(isinstance(a, str) for a in spec["argv"]):
-        raise SystemExit("cs_runtime.launch.task: env and argv must be strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec["env"].items()):
+        raise SystemExit("cs_runtime.launch.task: env must map strings to strings")
+    task_types = {"role": str, "rank": int, "argv": list}
+    for task in spec["tasks"]:
+        if not isinstance(task, dict) or any(not isinstance(task.get(k), t) for k, t in task_types.items()) \
+                or not task["argv"] or not all(isinstance(a, str) for a in task["argv"]):
+            raise SystemExit("cs_runtime.launch.task: each task needs role, rank and argv (strings)")
+    if not spec["tasks"]:
+        raise SystemExit("cs_runtime.launch.task: no tasks in the description")
     return spec
 
 
@@ -96,25 +107,71 @@ def watch_stdin(stop: threading.Event) -> None:
     threading.Thread(target=read_to_eof, name="stdin-eof", daemon=True).start()
 
 
-def run_child(argv: list[str], env: dict[str, str], stop: threading.Event) -> tuple[int, int]:
-    """(pid, exit code) of the task, stopped early if `stop` is set."""
+def run_tasks(tasks: list[tuple[str, int, list[str]]], base: dict[str, str], host: str,
+              stop: threading.Event) -> list[int]:
+    """Start every task, report each exit as it happens, stop the rest when `stop` is set; the codes."""
     from cs_runtime.launch.launcher import spawn
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    child = spawn(argv, env, stdin=subprocess.DEVNULL)
-    while child.poll() is None:
-        if stop.wait(0.2):
-            return child.pid, stop_child(child)
-    return child.pid, child.returncode
-
-
-def stop_child(child: subprocess.Popen) -> int:
-    _killpg(child.pid, signal.SIGTERM)
+    reporter = ExitReporter(base)
+    live = [(role, rank, spawn(argv, task_env(base, role, rank, host), stdin=subprocess.DEVNULL))
+            for role, rank, argv in tasks]
+    codes = []
     try:
-        return child.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        _killpg(child.pid, signal.SIGKILL)
-        return child.wait()
+        while live:
+            if stop.wait(0.2):
+                stop_children([child for _, _, child in live])
+            ended = [(role, rank, child) for role, rank, child in live if child.poll() is not None]
+            if ended:
+                reporter.report(host, [(role, rank, child.pid, child.returncode) for role, rank, child in ended],
+                                timeout_ms=1000 if stop.is_set() else 2000)
+                codes += [child.returncode for _, _, child in ended]
+                live = [task for task in live if task[2].returncode is None]
+    finally:
+        reporter.close()
+    return codes
+
+
+def stop_children(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        _killpg(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+class ExitReporter:
+    """Tells the job's directory how each task ended (through ssh or srun the launcher cannot see it)."""
+
+    def __init__(self, env: dict[str, str]):
+        import zmq
+        from cs_runtime.wire.auth import KEYS_ENV
+        from cs_runtime.wire.transport import Endpoint
+        if KEYS_ENV in env:  # the job's keys are the ones this wrapper wrote
+            os.environ[KEYS_ENV] = env[KEYS_ENV]
+        self.ctx = zmq.Context()
+        self.endpoint = Endpoint(self.ctx, zmq.DEALER, "task-wrapper", env["CS_JOB_ID"]).connect(env["CS_RENDEZVOUS"])
+
+    def report(self, host: str, exits: list[tuple[str, int, int, int]], timeout_ms: int) -> None:
+        from cs_runtime.wire.protocol import Message, Msg
+        for role, rank, pid, code in exits:
+            self.endpoint.send(Message(Msg.EXITED, meta={"role": role, "rank": rank, "host": host, "pid": pid,
+                                                         "code": code}))
+        # Each is answered: wait for that (LINGER 0 would drop what is not yet sent), not past the deadline.
+        deadline, answers = time.monotonic() + timeout_ms / 1000, 0
+        while answers < len(exits):
+            got = self.endpoint.recv(max(0, int((deadline - time.monotonic()) * 1000)))
+            if got is None:
+                return
+            answers += got[1].type == Msg.STATUS
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.ctx.destroy(linger=0)
 
 
 def _killpg(pid: int, sig: int) -> None:
@@ -163,20 +220,6 @@ def check_host() -> None:
     print("ok", flush=True)
 
 
-def report_exit(env: dict[str, str], role: str, rank: int, host: str, pid: int, code: int) -> None:
-    import zmq
-    from cs_runtime.wire.auth import KEYS_ENV
-    from cs_runtime.launch.directory import DirectoryClient
-    if KEYS_ENV in env:  # the job's keys are the task's, written by this wrapper
-        os.environ[KEYS_ENV] = env[KEYS_ENV]
-    ctx = zmq.Context()
-    try:
-        client = DirectoryClient(ctx, env["CS_RENDEZVOUS"], role, rank, env["CS_JOB_ID"])
-        client.report_exit(host, pid, code)
-    finally:
-        ctx.destroy(linger=0)
-
-
 def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell says
 
@@ -189,25 +232,23 @@ def main(argv: list[str] | None = None) -> None:
         return check_host()
     if argv[:1] == ["--ssh"]:
         spec = read_ssh_spec()
-        role, rank, host, base, command = spec["role"], spec["rank"], spec["host"], spec["env"], spec["argv"]
-        sent_keys = spec.get("keys")
+        host, base, sent_keys = spec["host"], dict(spec["env"]), spec.get("keys")
+        tasks = [(t["role"], t["rank"], t["argv"]) for t in spec["tasks"]]
         watch_stdin(stop)
     elif argv[:2] == ["--slurm", "--"] and len(argv) > 2:
         role, rank = role_of_task(int(os.environ["SLURM_PROCID"]))
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        base, command = dict(os.environ), role_argv(argv[2:], role)
+        base, tasks = dict(os.environ), [(role, rank, role_argv(argv[2:], role))]
     else:
         raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND... | --check")
-    env = task_env(base, role, rank, host)
-    folder = task_keys(env, sent_keys)
+    folder = task_keys(base, sent_keys)
     try:
-        pid, code = run_child(command, env, stop)
-        report_exit(env, role, rank, host, pid, code)
+        codes = run_tasks(tasks, base, host, stop)
     finally:
         if folder is not None:
             from cs_runtime.wire.auth import remove_job_dir
             remove_job_dir(Path(folder))
-    sys.exit(exit_status(code))
+    sys.exit(exit_status(next((c for c in codes if c != 0), 0)))
 
 
 if __name__ == "__main__":
