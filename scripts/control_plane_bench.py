@@ -47,6 +47,7 @@ def simulate(address: str, first: int, count: int, seconds: float, out: Path) ->
     answers that the job is done (at most `seconds`); then write every heartbeat's
     (send time, round trip) to `out` as JSON."""
     ctx = zmq.Context()
+    ctx.max_sockets = 2 * count + 64  # two per task; ZeroMQ's default stops at 1,023
     tasks = [role_of_task(i) for i in range(first, first + count)]
     clients = [DirectoryClient(ctx, address, role, rank, JOB) for role, rank in tasks]
     beats = [Endpoint(ctx, zmq.DEALER, "heartbeat", JOB).connect(address) for _ in tasks]
