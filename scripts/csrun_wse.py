@@ -78,6 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_flag(parser, "tasks_per_node", type=int, default=None,
              help="tasks per node (Slurm: default from the allocation, else 2; SSH: default the slots)")
     add_flag(parser, "cpus_per_task", type=int, default=None, help="CPUs per task (Slurm; default 1)")
+    add_flag(parser, "services_node", default=None, metavar="NODE",
+             help="inside a Slurm allocation: the node that runs MemoryX, SwarmX and the WSEs "
+                  "(default the allocation's first)")
     add_flag(parser, "launcher", choices=("auto", "local", "ssh", "slurm"), default="auto",
              help="auto (default): ssh with --hostfile/-H; slurm inside an allocation or with "
                   "--total-nodes/--tasks-per-node/--cpus-per-task; else local")
@@ -139,6 +142,8 @@ def choose_launcher(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                      "is an input worker (set the tasks with --tasks-per-node or slots=N)")
     if launcher == "ssh" and ns.cpus_per_task is not None:
         parser.error("--cpus-per-task is for Slurm; over SSH give each host the slots it can run")
+    if ns.services_node is not None and not (launcher == "slurm" and remote.in_allocation()):
+        parser.error("--services-node is for jobs inside a Slurm allocation")
     if launcher == "local" and slurm_flags:
         parser.error("--total-nodes, --tasks-per-node and --cpus-per-task need SSH hosts or Slurm")
     return launcher
@@ -152,6 +157,7 @@ class Layout:
     bind: str = "127.0.0.1"
     placement: list[str] | None = None          # SSH: the host of each task
     shape: remote.SlurmShape | None = None      # Slurm: nodes x tasks x cpus
+    services_node: str | None = None            # inside an allocation: where the services run
 
 
 def plan_layout(ns: argparse.Namespace) -> Layout:
@@ -172,7 +178,8 @@ def place_tasks(ns: argparse.Namespace) -> Layout:
                       placement=placement)
     if ns.launcher == "slurm":
         shape = remote.slurm_shape(ns.total_nodes, ns.tasks_per_node, ns.cpus_per_task)
-        return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape)
+        node = remote.services_node(ns.services_node) if remote.in_allocation() else None
+        return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape, services_node=node)
     # One machine: loopback, unless the user exported CS_BIND_HOST (e.g. for a --cs_ip elsewhere).
     return Layout("local", ns.num_csx * (ns.num_workers_per_csx or 1), os.environ.get("CS_BIND_HOST", "127.0.0.1"))
 
@@ -181,7 +188,8 @@ def describe(layout: Layout) -> str:
     if layout.launcher == "ssh":
         return f"over SSH (task hosts: {' '.join(layout.placement)})"
     if layout.launcher == "slurm":
-        return f"with srun ({layout.shape.describe()})"
+        services = f", services on {layout.services_node} (srun)" if layout.services_node else ""
+        return f"with srun ({layout.shape.describe()}){services}"
     return "on this machine"
 
 
@@ -289,12 +297,15 @@ def start_job(ns: argparse.Namespace, layout: Layout, attempt: int, tasks: bool 
     logging.getLogger("csrun_wse").info("job %s: %d WSE(s), %d input worker(s), tasks %s", job, ns.num_csx,
                                         layout.num_workers, describe(layout))
     supervisor = Supervisor(directory, group, finisher_role="chief", handle_signals=handle_signals)
-    shm_dir = None if cs_ip or ns.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
+    # Services started as an srun step share memory on their node, not with this host: tcp.
+    shm_dir = None if cs_ip or ns.no_shm or layout.services_node or not os.path.isdir(SHM_DIR) else SHM_DIR
     started = Job(job, ctx, directory, group, supervisor, env, shm_dir)
     if shm_dir:
         remove_orphaned_segments(Path(shm_dir))
     try:
-        if cs_ip is None:
+        if cs_ip is None and layout.services_node:  # inside an allocation: a step on one of its nodes
+            remote.start_srun_services(group, directory, layout.services_node, env, ns.num_csx, job)
+        elif cs_ip is None:
             start_services(group, env, ns.num_csx, shm_dir)
         if tasks:
             start_tasks(group, directory, layout, env, ns, job)

@@ -166,17 +166,30 @@ def steps_when_ended(cluster, job_id: str, timeout: float = 15.0) -> dict[str, s
         time.sleep(0.2)  # polling slurmd's log: there is nothing to wait on
 
 
-def test_salloc_n3_runs_three_tasks_and_its_step_completes(tmp_path, oracle, slurm_cluster):
+def test_salloc_n3_runs_three_tasks_and_the_services_as_steps_that_complete(tmp_path, oracle, slurm_cluster):
+    import socket
     cmd = ["salloc", "-n3", *train_command(oracle[0], tmp_path / "m")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=slurm_cluster.env)
     assert result.returncode == 0, result.stderr[-3000:]
-    # -n3 alone: three tasks (the chief and two input workers), not the old default of two per node
-    assert "2 input worker(s), tasks with srun (1 node(s) x 3 task(s) x 1 cpu(s))" in result.stderr
+    # -n3 alone: three tasks (the chief and two input workers), not the old default of two per node;
+    # MemoryX, SwarmX and the WSE on the allocation's first node, as a step of the allocation
+    assert (f"2 input worker(s), tasks with srun (1 node(s) x 3 task(s) x 1 cpu(s)), services on "
+            f"{socket.gethostname()} (srun)") in result.stderr
     assert_matches_oracle(tmp_path / "m", oracle)
     job_id = re.search(r"Granted job allocation (\d+)", result.stderr).group(1)
-    # csrun_wse waited for its srun: the step ended by itself, not cancelled when the launcher left
-    assert steps_when_ended(slurm_cluster, job_id) == {"0": "done"}, result.stderr[-2000:]
+    # two steps (services, tasks); csrun_wse waited for both: each ended by itself, none cancelled
+    assert steps_when_ended(slurm_cluster, job_id) == {"0": "done", "1": "done"}, result.stderr[-2000:]
     assert slurm_leftovers(str(tmp_path)) == []
+
+
+def test_services_node_must_be_a_node_of_the_allocation(tmp_path, oracle, slurm_cluster):
+    cmd = ["salloc", "-n3", *train_command(oracle[0], tmp_path / "m", "--services-node", "no-such-node")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=slurm_cluster.env)
+    assert result.returncode != 0
+    ours = [l for l in result.stderr.splitlines() if l.startswith("csrun_wse:")]
+    assert len(ours) == 1 and "--services-node no-such-node is not a node of the allocation" in ours[0], \
+        result.stderr
+    assert not (tmp_path / "m").exists()
 
 
 def test_shape_the_allocation_cannot_hold_is_one_line_before_anything_starts(tmp_path, oracle, slurm_cluster):

@@ -39,6 +39,7 @@ def test_dash_and_underscore_spellings_are_the_same_flag():
     (["--launcher", "local", "--tasks-per-node", "2", "python", "r.py"], "need SSH hosts or Slurm"),
     (["--tasks-per-node", "0", "python", "r.py"], "--tasks_per_node must be at least 1"),
     (["-H", "h1,h2", "--cpus-per-task", "2", "python", "r.py"], "--cpus-per-task is for Slurm"),
+    (["--tasks-per-node", "2", "--services-node", "n1", "python", "r.py"], "--services-node is for jobs inside"),
 ])
 def test_bad_flags_are_errors_that_say_what(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -104,6 +105,11 @@ def test_ssh_options_add_to_the_defaults_and_override_what_they_name():
     # ssh keeps the first value of each option: the user's come first
     assert argv[:5] == ["ssh", "-p", "2222", "-o", "ConnectTimeout=3"] and argv[-1] == "h1"
     assert "BatchMode=yes" in argv and argv.index("ConnectTimeout=3") < argv.index("ConnectTimeout=10")
+
+
+def test_services_step_roles_then_the_tasks():
+    from cs_runtime.launch.task import role_of_service
+    assert [role_of_service(i) for i in range(4)] == [("memoryx", 0), ("swarmx", 0), ("wse", 0), ("wse", 1)]
 
 
 def test_slurm_counts_expand_and_compress():

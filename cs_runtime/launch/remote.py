@@ -36,7 +36,7 @@ import zmq
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.wire import auth
 from cs_runtime.launch.launcher import ProcessGroup, Task, _signal_group, spawn
-from cs_runtime.launch.task import role_argv, role_of_task
+from cs_runtime.launch.task import role_argv, role_of_service, role_of_task
 from cs_runtime.wire.transport import source_address_towards
 
 # No password prompts; a host that does not answer, or stops answering, fails in seconds.
@@ -442,14 +442,26 @@ def _leading_int(value: str | None) -> int | None:
     return int(match.group()) if match else None
 
 
+def allocation_nodes() -> list[str]:
+    """The allocation's node names, in order (empty outside one)."""
+    if not os.environ.get("SLURM_JOB_NODELIST") or shutil.which("scontrol") is None:
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                         capture_output=True, text=True)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def services_node(asked: str | None) -> str:
+    """Where the services run inside the allocation: --services-node, else its first node."""
+    nodes = allocation_nodes()
+    if asked is not None and nodes and asked not in nodes:
+        raise LaunchError(f"--services-node {asked} is not a node of the allocation ({', '.join(nodes)})")
+    return asked or (nodes[0] if nodes else socket.gethostname())
+
+
 def slurm_bind_address() -> str:
     """Reachable from every node of the allocation; this host's address otherwise."""
-    nodes = []
-    if os.environ.get("SLURM_JOB_NODELIST"):
-        out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                             capture_output=True, text=True)
-        nodes = out.stdout.split() if out.returncode == 0 else []
-    return bind_address_for(nodes or [socket.gethostname()])
+    return bind_address_for(allocation_nodes() or [socket.gethostname()])
 
 
 def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
@@ -458,17 +470,40 @@ def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
     per_node = [f"--ntasks-per-node={shape.tasks_per_node}"] if shape.tasks_per_node else []
     return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}", *per_node,
             f"--cpus-per-task={shape.cpus_per_task}",
-            "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
+            "--kill-on-bad-exit=1", "--overlap",  # beside the services' step, on the same CPUs
+            f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
             sys.executable, "-m", "cs_runtime.launch.task", "--slurm", "--", *command]
+
+
+def srun_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of an srun step: the job's keys as text instead of the launcher's key folder."""
+    keys = auth.job_keys()
+    env = {k: v for k, v in env.items() if k != auth.KEYS_ENV}
+    if keys is not None:  # srun's environment carries them to each node's task wrapper
+        env[auth.KEYS_TEXT_ENV] = json.dumps(auth.key_strings(keys))
+    return env
+
+
+def start_srun_services(group: ProcessGroup, directory: DirectoryServer, node: str, env: dict, num_csx: int,
+                        job: str) -> None:
+    """MemoryX, SwarmX and the WSEs as a step of the allocation on `node`, beside the tasks' step
+    (--overlap: they share its CPUs; --overcommit: more services than CPUs held there is fine)."""
+    require("srun", "Slurm's client, e.g. slurm-client")
+    count = 2 + num_csx
+    argv = ["srun", "--nodes=1", f"--ntasks={count}", f"--nodelist={node}", "--overlap", "--overcommit",
+            "--cpus-per-task=1", "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL",
+            f"--job-name={job}-services", sys.executable, "-m", "cs_runtime.launch.task", "--slurm-services"]
+    carrier = spawn(argv, srun_env(env), stdin=subprocess.DEVNULL)
+    for index in range(count):
+        role, rank = role_of_service(index)
+        task = SrunTask(role, rank, node, CarriedProcess(carrier, directory, role, rank))
+        task.directory = directory
+        group.add(task)
 
 
 def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: SlurmShape, env: dict,
                      command: list[str], job: str) -> None:
-    keys = auth.job_keys()
-    env = remote_env(env) | {k: env[k] for k in HOST_LOCAL_VARS & env.keys()}  # all but the key folder
-    if keys is not None:  # srun's environment carries them to each node's task wrapper
-        env[auth.KEYS_TEXT_ENV] = json.dumps(auth.key_strings(keys))
-    carrier = spawn(srun_argv(shape, job, command), env, stdin=subprocess.DEVNULL)
+    carrier = spawn(srun_argv(shape, job, command), srun_env(env), stdin=subprocess.DEVNULL)
     for index in range(shape.tasks):
         role, rank = role_of_task(index)
         task = SrunTask(role, rank, "slurm", CarriedProcess(carrier, directory, role, rank))

@@ -2,6 +2,7 @@
 
     ssh HOST 'cd DIR && python -m cs_runtime.launch.task --ssh'      # the host's tasks: one JSON line on stdin
     srun ... python -m cs_runtime.launch.task --slurm -- python run.py ARGS...
+    srun ... python -m cs_runtime.launch.task --slurm-services      # MemoryX, SwarmX, the WSEs in an allocation
     ssh HOST 'cd DIR && python -m cs_runtime.launch.task --check'    # the launcher's pre-flight
 
 The job's CURVE keys come with the task, never by a path into the launcher's
@@ -54,6 +55,19 @@ def role_argv(command: list[str], role: str) -> list[str]:
 
 def role_of_task(task: int) -> tuple[str, int]:
     return ("chief", 0) if task == 0 else ("worker", task - 1)
+
+
+def role_of_service(task: int) -> tuple[str, int]:
+    """The services' step: task 0 MemoryX, 1 SwarmX, 2.. WSE 0.."""
+    return ("memoryx", 0) if task == 0 else ("swarmx", 0) if task == 1 else ("wse", task - 2)
+
+
+def service_argv(role: str, base: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A service's command, and its environment: a WSE gets the node's cores divided between the WSEs."""
+    from cs_runtime.launch.launcher import SERVICE_MODULES, with_threads
+    wses = int(base.get("CS_NUM_CSX", "1"))
+    threads = max(1, (os.cpu_count() or 1) // wses) if role == "wse" else 1
+    return [sys.executable, "-m", SERVICE_MODULES[role]], with_threads(base, threads)
 
 
 def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str, str]:
@@ -239,8 +253,14 @@ def main(argv: list[str] | None = None) -> None:
         role, rank = role_of_task(int(os.environ["SLURM_PROCID"]))
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         base, tasks = dict(os.environ), [(role, rank, role_argv(argv[2:], role))]
+    elif argv == ["--slurm-services"]:
+        role, rank = role_of_service(int(os.environ["SLURM_PROCID"]))
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        command, base = service_argv(role, dict(os.environ))
+        tasks = [(role, rank, command)]
     else:
-        raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND... | --check")
+        raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND... | --slurm-services"
+                         " | --check")
     folder = task_keys(base, sent_keys)
     try:
         codes = run_tasks(tasks, base, host, stop)
