@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from cs_runtime.config import params_from_dict
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_torch.data import INPUT_ENV
 
 SCRIPT_RUN_NAME = "__cs_torch_input__"

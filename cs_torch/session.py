@@ -44,7 +44,7 @@ from cs_runtime.config import ParamsError, params_from_dict
 from cs_runtime.appliance.client import FrontDoorError, split_address
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.wire.protocol import ENDED_PHASES
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
 from scripts import csrun_wse
 

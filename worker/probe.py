@@ -16,7 +16,7 @@ import time
 
 from cs_runtime.data.mnist import worker_steps
 from cs_runtime.data.inputs import InputStream
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, UserFunctions
 
 
 def say(kind: str, payload: dict | None = None) -> None:
