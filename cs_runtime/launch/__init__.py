@@ -1,5 +1,6 @@
 """Starting and supervising a job's processes.
 
+    job.py        a job as a library: JobOptions -> layout, keys, CS system, tasks, supervision (csrun_wse)
     launcher.py   spawn, process groups, the supervisor that stops everything on a failure
     remote.py     the SSH and srun back-ends
     task.py       python -m cs_runtime.launch.task: the per-host task wrapper
