@@ -19,7 +19,7 @@ from cs_runtime.wire.auth import stop_authenticator
 from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.optim import Optimizer
-from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.protocol import JobSettings, Message, Msg
 from cs_runtime.service import ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 
@@ -164,11 +164,10 @@ class ClusterExecutor:
         return self._eval_steps
 
     def load(self, weights, opt_state, phases) -> None:
-        spec = {"model": self.spec.to_dict(), "optimizer": self.opt_spec,
-                "max_gradient_norm": self.params.optimizer.max_gradient_norm,
-                "seed": self.params.runconfig.seed, "execution_strategy": self.strategy,
-                "replicas": self.replicas, "loss_scaling": self.params.optimizer.loss_scaling_mode(),
-                "trace": trace.RECORDER.enabled}
+        settings = JobSettings(self.spec, self.opt_spec, self.params.runconfig.seed, self.strategy, self.replicas,
+                               self.params.optimizer.max_gradient_norm,
+                               self.params.optimizer.loss_scaling_mode(), trace.RECORDER.enabled)
+        spec = settings.to_meta()
         state = flatten(weights, opt_state)
         if self.pipelined:
             # Every weight goes to the wafer once, here, and stays there.

@@ -31,7 +31,7 @@ from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, to_bits, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import Message, Msg, float_arrays
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv, join_cs_system, service_main
 from cs_runtime.wire.transport import Endpoint
 
@@ -83,12 +83,12 @@ class MemoryX:
             self.router.warn_once(identity, f"unexpected {msg.type.value}")
 
     def load_model(self, msg: Message) -> None:
-        cfg = msg.meta["spec"]
-        self.spec = ModelSpec.from_dict(cfg["model"])
-        self.optimizer = Optimizer(**cfg["optimizer"])
-        self.max_norm = cfg.get("max_gradient_norm")
-        self.skip_nonfinite = cfg.get("loss_scaling", "none") != "none"
-        trace.RECORDER.reset(bool(cfg.get("trace")))
+        settings = JobSettings.from_meta(msg.meta["spec"])
+        self.spec = settings.model
+        self.optimizer = Optimizer(**settings.optimizer)
+        self.max_norm = settings.max_gradient_norm
+        self.skip_nonfinite = settings.skips_nonfinite
+        trace.RECORDER.reset(settings.trace)
         self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer.slot_names(), msg.arrays)
         self.share_weights()
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
