@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -22,12 +21,13 @@ from chief.cluster_executor import ClusterExecutor
 from chief.compile import compile_model
 from chief.cpu_executor import CpuExecutor
 from cs_runtime import checkpoint as ckpt
+from cs_runtime import env
 from cs_runtime import trace
 from cs_runtime.config import Params
 from cs_runtime.numerics.model import ModelSpec, init_weights
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import LossScaler
-from cs_runtime.launch.restart import EXIT_BAD_INPUT, RESTART_ENV
+from cs_runtime.launch.restart import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunArgs, UserFunctions
 
 log = logging.getLogger("chief")
@@ -102,7 +102,7 @@ class Trainer:
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
         path = self.args.checkpoint_path
-        restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
+        restarted = env.RESTART.get() > 0
         if restarted and ckpt.latest(self.model_dir) is not None:
             # A restarted job goes on from where it got to, not from where it began.
             path = None

@@ -16,11 +16,11 @@ name from ROLE_ENTRY_POINTS, so no import of this package points up.
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 import sys
 
+from cs_runtime import env
 from cs_runtime.run_args import RunArgs, UserFunctions, parse_args
+from cs_runtime.service import setup_logging
 
 __all__ = ["RunArgs", "UserFunctions", "run"]
 
@@ -37,9 +37,8 @@ ROLE_ENTRY_POINTS = {
 def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     fns = UserFunctions(model_fn, train_input_fn, eval_input_fn)
-    role = os.environ.get("CS_ROLE", "")
-    logging.basicConfig(level=os.environ.get("CS_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {role or 'cpu'} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    role = env.ROLE.get()
+    setup_logging(role or "cpu")
     module, function = ROLE_ENTRY_POINTS.get(role, ROLE_ENTRY_POINTS[""])
     code = getattr(importlib.import_module(module), function)(args, fns)
     if code is not None:

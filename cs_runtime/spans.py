@@ -9,13 +9,14 @@ chief (TRACE) and writes the merged timeline.
 """
 from __future__ import annotations
 
-import os
 import time
+
+from cs_runtime import env
 
 # Spans a process keeps for one job; a TRACE message carries at most this many (protocol.py).
 MAX_SPANS = 500_000
 
-TRACE_ENV = "CS_TRACE"
+TRACE_ENV = env.TRACE.name
 
 now_ns = time.monotonic_ns   # CLOCK_MONOTONIC on Linux: one clock for every process of a host
 
@@ -82,4 +83,4 @@ def span(name: str, step: int = -1, layer: int = -1):
 
 
 def enabled_from_env() -> bool:
-    return os.environ.get(TRACE_ENV, "") not in ("", "0")
+    return env.TRACE.get()

@@ -10,11 +10,11 @@ weight-streaming cluster consumes: enough workers for it are enough.
 """
 from __future__ import annotations
 
-import os
 import time
 
 from chief.compile import compile_model
 from chief.trainer import build_spec
+from cs_runtime import env
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, softmax_cross_entropy
 from cs_runtime.numerics.optim import Optimizer
@@ -23,7 +23,7 @@ from worker.probe import say
 
 
 def measure_consumption(args: RunArgs, fns: UserFunctions) -> None:
-    seconds, num_csx = float(os.environ["CS_PROBE_SECONDS"]), int(os.environ.get("CS_NUM_CSX", "1"))
+    seconds, num_csx = env.PROBE_SECONDS.get(), env.NUM_CSX.get()
     spec = build_spec(args, fns)
     plan = compile_model(spec, args)
     p = args.params

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import zmq
 
+from cs_runtime import env as cs_env
 from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
 from cs_runtime.launch.launcher import SERVICE_MODULES, ProcessGroup, Task, describe_exit, spawn, with_threads
@@ -118,7 +119,7 @@ class ServicePool:
         self.idle: dict[str, list[subprocess.Popen]] = {role: [] for role in SERVICE_MODULES}
         # The WSEs split the cores between the systems; every other service gets one BLAS thread.
         self.wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CS_") or k == "CS_LOG_LEVEL"}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CS_") or k == cs_env.LOG_LEVEL.name}
         self.env.update({AWAIT_JOB_ENV: "1", "PYTHONUNBUFFERED": "1"})
         self.not_before: dict[str, float] = {}
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import zmq
 
+from cs_runtime import env as cs_env
 from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.launch import remote
 from cs_runtime.launch.directory import DirectoryServer
@@ -39,9 +40,7 @@ from cs_runtime.wire.transport import PortInUse
 log = logging.getLogger("csrun_wse")
 
 # Variables that describe a process's place in a job; never inherited from outside.
-JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET", "CS_NUM_CSX",
-            "CS_NUM_WORKERS_PER_CSX", "CS_NUM_WORKERS", "CS_HOST_NAME", "CS_BIND_HOST",
-            auth.KEYS_ENV, RESTART_ENV, "CS_SHM_DIR", "CS_TRACE")
+JOB_VARS = cs_env.JOB_VARS
 SHM_DIR = "/dev/shm"   # memory-backed on Linux
 LAUNCHERS = ("local", "ssh", "slurm")
 
@@ -89,7 +88,7 @@ def plan_layout(options: JobOptions) -> Layout:
         return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape)
     # One machine: loopback, unless the user exported CS_BIND_HOST (e.g. for a --cs_ip elsewhere).
     return Layout("local", options.num_csx * (options.num_workers_per_csx or 1),
-                  os.environ.get("CS_BIND_HOST", "127.0.0.1"))
+                  cs_env.BIND_HOST.get())
 
 
 def describe(layout: Layout) -> str:
