@@ -46,7 +46,7 @@ from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.wire.protocol import ENDED_PHASES
 from cs_runtime.launch import job as launch
 from cs_runtime.launch.job import JobOptions
-from cs_runtime.launch.launcher import with_threads
+from cs_runtime.launch.launcher import JobFailed, with_threads
 from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
 
@@ -62,10 +62,6 @@ STRATEGIES = ("weight_streaming", "pipelined", None)
 # workers (PREFETCH batches ahead) are stopped with the job.
 PLAN_STOP = 2 ** 62
 SUPERVISOR_JOIN_S = 30.0
-
-
-class JobFailed(RuntimeError):
-    """A process of the Session's job failed; the message names it."""
 
 
 # ------------------------------------------------------------------ set-up
