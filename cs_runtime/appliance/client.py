@@ -27,7 +27,7 @@ import zmq
 from cs_runtime import env
 from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME
-from cs_runtime.launch.preflight import PreflightError, check_reachable, check_tcp
+from cs_runtime.launch.reachability import UnreachableError, check_reachable, check_tcp
 from cs_runtime.wire.protocol import Message, Msg
 from cs_runtime.wire.transport import Endpoint
 
@@ -116,7 +116,7 @@ class FrontDoor:
             check_tcp(host, port, what)
             keys = None if insecure else auth.client_keys(system_public_key(host, port))
             check_reachable(host, port, what, keys=keys, insecure=insecure)
-        except PreflightError as exc:
+        except UnreachableError as exc:
             raise FrontDoorError(str(exc)) from None
         return cls(host, port, keys)
 

@@ -61,7 +61,7 @@ class ProtocolError(ValueError):
 
 
 class Msg(str, enum.Enum):
-    # cluster directory, liveness
+    # the directory (launch/directory.py), liveness
     REGISTER = "register"        # process -> directory: role, rank, host, pid, endpoints
     LOOKUP = "lookup"            # process -> directory: wants the directory
     DIRECTORY = "directory"      # directory -> process: every registered process
