@@ -54,3 +54,8 @@ def test_the_per_job_lists_are_views_of_the_table():
 def test_the_table_lists_every_variable():
     table = env.table()
     assert all(f"`{v.name}`" in table for v in env.ALL)
+
+
+def test_the_docs_table_lists_every_variable():
+    page = (REPO / "docs" / "environment.md").read_text()
+    assert [v.name for v in env.ALL if f"`{v.name}`" not in page] == []
