@@ -229,7 +229,7 @@ class ClusterExecutor:
         holder = self.swarmx if self.pipelined else self.memoryx  # who has the weights
         holder.send(Message(Msg.GET_STATE))
         msg = self.wait(holder, Msg.STATE)
-        return unflatten_for(self.spec, Optimizer(**self.opt_spec).slot_names(), msg.arrays)
+        return unflatten_for(self.spec, Optimizer(**self.opt_spec), msg.arrays)
 
     def collect_traces(self) -> list[trace.ProcessTrace]:
         """Every process's spans, each with its clock offset from the GET_TRACE round trip.

@@ -76,10 +76,10 @@ def unflatten(arrays: dict) -> tuple[dict, dict]:
     return weights, opt_state
 
 
-def unflatten_for(spec: ModelSpec, slot_names, arrays: dict) -> tuple[dict, dict]:
+def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]:
     """unflatten, checked against the model: every weight of `spec` with its shape (ValueError
-    naming the first that is not), every optimizer slot in `slot_names` (zeros where absent).
-    float32 copies, so the result is writable and owns its memory."""
+    naming the first that is not), every slot of `optimizer` (numerics.optim.Optimizer; a new
+    slot where absent). float32 copies, so the result is writable and owns its memory."""
     weights, opt_state = {}, {}
     for layer in spec.layers:
         weights[layer.name], opt_state[layer.name] = {}, {}
@@ -91,7 +91,7 @@ def unflatten_for(spec: ModelSpec, slot_names, arrays: dict) -> tuple[dict, dict
             opt_state[layer.name][pname] = {
                 slot: np.array(arrays.get(f"optimizer/{layer.name}/{pname}/{slot}", np.zeros(shape)),
                                dtype=np.float32)
-                for slot in slot_names}
+                for slot in optimizer.slot_names()}
     return weights, opt_state
 
 

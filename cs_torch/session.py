@@ -6,10 +6,10 @@
             loss = session.step(batch)
 
 A Session is one job, set up exactly as csrun_wse sets one up
-(cs_runtime.launch.job: job_keys, check_before_start, start_job): entering the `with`
-block starts the job's directory and, without cs_ip, its CS system (MemoryX,
-SwarmX, the WSEs) on this machine; with cs_ip the job uses the running CS
-system there. The chief runs in your process: the first `step` compiles the
+(cs_runtime.launch.job: job_keys, check_insecure_and_ssh_hosts, open_front_door,
+start_job): entering the `with` block starts the job's directory and,
+without cs_ip, its CS system (MemoryX, SwarmX, the WSEs) on this machine;
+with cs_ip the job uses the running CS system there. The chief runs in your process: the first `step` compiles the
 model (chief.compile, reusing the artifact in model_dir), starts the input
 workers for the batch's loader, loads the weights (from the latest checkpoint
 in model_dir, if any) and from then on each `step` is one training (or eval)
@@ -220,7 +220,7 @@ class Session:
         self.layout = launch.plan_layout(options)
         self._stack.enter_context(launch.job_keys(options.insecure))
         try:
-            launch.check_before_start(options, self.layout)
+            launch.check_insecure_and_ssh_hosts(options, self.layout)
             door = launch.open_front_door(options)
         except SystemExit as exc:   # launch.LaunchError: one line
             raise CsTorchError(str(exc)) from None

@@ -35,7 +35,7 @@ class PipelinedExecutor:
         self.max_norm = settings.max_gradient_norm
         self.skip_nonfinite = settings.skips_nonfinite
         self.optimizer = Optimizer(**settings.optimizer)
-        self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer.slot_names(), arrays)
+        self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, arrays)
 
     def handle(self, msg: Message) -> bool:
         """Handle a step-level message; False if it is not one of ours."""

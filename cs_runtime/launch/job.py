@@ -9,8 +9,8 @@ CS system there (`cs_system serve`), waits for its turn, and runs against
 the services that system gives it (`run_on_cs_system`). Its tasks (the
 command as the chief, then as every input worker) run on this machine, over
 SSH or with srun (`plan_layout`). A caller that supervises by itself
-(cs_torch.Session) uses the pieces: `job_keys`, `check_before_start`,
-`open_front_door`, `submit`, `start_job`.
+(cs_torch.Session) uses the pieces: `job_keys`,
+`check_insecure_and_ssh_hosts`, `open_front_door`, `submit`, `start_job`.
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def start_tasks(group: ProcessGroup, directory: DirectoryServer, layout: Layout,
         start_local_tasks(group, env, options.command, layout.num_workers)
 
 
-def check_before_start(options: JobOptions, layout: Layout) -> None:
+def check_insecure_and_ssh_hosts(options: JobOptions, layout: Layout) -> None:
     """Fail in seconds, with one line, on what would otherwise fail late or unsafely:
     --insecure off loopback, and SSH hosts that do not answer."""
     if options.insecure:
@@ -318,7 +318,7 @@ def run(options: JobOptions) -> int:
     the exit code. Raises LaunchError (a one-line SystemExit) on bad options or hosts."""
     layout = plan_layout(options)
     with job_keys(options.insecure):
-        check_before_start(options, layout)
+        check_insecure_and_ssh_hosts(options, layout)
         door = open_front_door(options)
         try:
             return run_with_restarts(lambda attempt: run_job(options, layout, attempt, door), options.max_restarts)

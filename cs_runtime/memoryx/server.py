@@ -89,7 +89,7 @@ class MemoryX:
         self.max_norm = settings.max_gradient_norm
         self.skip_nonfinite = settings.skips_nonfinite
         trace.RECORDER.reset(settings.trace)
-        self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer.slot_names(), msg.arrays)
+        self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, msg.arrays)
         self.share_weights()
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
                  self.spec.num_params())
