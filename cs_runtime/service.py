@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from cs_runtime import env
+from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.wire.auth import stop_authenticator
 
 ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
@@ -66,7 +67,6 @@ def join_cs_system(penv: ProcessEnv, ctx: zmq.Context, endpoints: dict):
     Keep the returned client alive: its socket closes with LINGER 0 when it is
     garbage collected, which would drop a REGISTER not yet sent.
     """
-    from cs_runtime.launch.directory import DirectoryClient
     directory = DirectoryClient(ctx, penv.cs_ip, penv.role, penv.rank, penv.job)
     directory.register(endpoints)
     directory.start_heartbeats()
