@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         result = run(args.tasks, args.seconds, min(args.processes, args.tasks), keys)
     finally:
         auth.remove_job_dir(keys)
-    print(f"{result['tasks']} tasks (all heartbeating after {result['start_s']:.1f} s), {result['heartbeats']} heartbeats ({result['per_task_per_s']:.2f}/s per task): "
+    print(f"{result['tasks']} tasks (all heartbeating after {result['start_s']:.1f} s), "
+          f"{result['heartbeats']} heartbeats ({result['per_task_per_s']:.2f}/s per task): "
           f"round trip p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms; "
           f"launcher CPU {result['launcher_cpu'] * 100:.1f}% of a core; "
           f"{result['fds_per_task']:.2f} open files per task; job exit {result['code']}")

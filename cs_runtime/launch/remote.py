@@ -41,7 +41,7 @@ from cs_runtime.wire.transport import source_address_towards
 
 # No password prompts; a host that does not answer, or stops answering, fails in seconds.
 DEFAULT_SSH_OPTIONS = "-o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3"
-PREFLIGHT_TIMEOUT_S = 20.0
+SSH_CHECK_TIMEOUT_S = 20.0
 SSH_FAILED = 255   # ssh's exit code for its own errors (connection refused, lost, ...)
 # Not passed to remote hosts: they describe the launcher's own terminal and login.
 HOST_LOCAL_VARS = {"PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "DISPLAY", "XAUTHORITY", "TERM", "COLUMNS",
@@ -293,7 +293,7 @@ def task_shell(env: dict[str, str], mode: str) -> str:
             f"{shlex.quote(sys.executable)} -m cs_runtime.launch.task {mode}")
 
 
-def preflight(hosts: list[str], options: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
+def check_ssh_hosts(hosts: list[str], options: str, timeout: float = SSH_CHECK_TIMEOUT_S) -> None:
     """Every host must answer over ssh, start the task wrapper in this working folder and keep
     the job's keys (sent as a task's are); the error names each host that cannot, and why."""
     require("ssh", "openssh-client")
