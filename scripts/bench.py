@@ -11,8 +11,11 @@ streaming with 1 and 2 WSEs, the 1-WSE run again with --insecure (no CURVE:
 the ratio of the two is the cost of authenticated, encrypted transport),
 in layer-pipelined mode with 1 and with 2
 replicas (--multireplica), and weight streaming with 1 WSE in mixed
-precision (float16 with dynamic loss scaling, and cbfloat16), whose weights
-and gradients stream in 16 bits. Then the input-bound rows: FC-MNIST with an
+precision (float16 with dynamic loss scaling, bfloat16 and cbfloat16) with
+1 and 2 WSEs, whose weights and gradients stream in 16 bits; then a verdict
+per performance target (met, or missed by how much). `--rows precision`
+runs only the weight streaming rows; `--quick` is a smoke test (tiny model,
+4 steps, CPU path and 1-WSE float32 and float16: numbers mean nothing). Then the input-bound rows: FC-MNIST with an
 expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
 one WSE fed by 1, 2 and 4 input workers, with the ratio to 1 worker
 (`--rows input` runs only these; they need about 4 free cores to scale).
@@ -58,7 +61,21 @@ PRESETS = {
     "small": {"hidden_sizes": [256, 128], "batch_size": 128, "steps": 300},          # FC-MNIST
     "medium": {"hidden_sizes": [1024, 1024, 1024], "batch_size": 256, "steps": 100},
     "large": {"hidden_sizes": [2048] * 8, "batch_size": 512, "steps": 20},          # 31M parameters
+    "tiny": {"hidden_sizes": [32], "batch_size": 32, "steps": 4},                     # --quick: a smoke test
 }
+MIXED = ("float16", "bfloat16", "cbfloat16")
+# The targets of the performance issue: (what, row, baseline row, the least ratio that meets it).
+# A target is judged only when both of its rows ran; the wire targets compare ceilings.
+TARGETS = [
+    *((f"{fmt} weight streaming, {n} WSE(s), vs float32", f"ws_{n}wse_{fmt}", f"weight_streaming_{n}wse", 0.9)
+      for n in (1, 2) for fmt in MIXED),
+    ("pipelined vs torch (small preset)", "pipelined", "torch_cpu", 0.8),
+    ("weight streaming 1 WSE vs torch (small preset)", "weight_streaming_1wse", "torch_cpu", 0.5),
+    ("weight streaming 2 WSEs vs DDP (small preset)", "weight_streaming_2wse", "torch_ddp_2ranks", 1.0),
+    ("protocol over tcp vs raw pyzmq", "ceiling:protocol", "ceiling:zmq", 0.9),
+    ("protocol by shared memory vs memcpy", "ceiling:protocol_shm", "ceiling:memcpy", 0.8),
+]
+SMALL_ONLY = "(small preset)"
 RATE_RE = re.compile(r", Rate=([\d.]+) samples/sec")
 # Steps left out of every rate, as bench_baselines.py leaves out the torch rows' first
 # steps: the first steps fault in every fresh buffer and start the BLAS threads.
@@ -170,18 +187,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
-    parser.add_argument("--rows", choices=("all", "model", "input", "trace"), default="all")
+    parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace"), default="all",
+                        help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a tiny model, 4 steps, the CPU path and 1-WSE float32 and float16 "
+                             "weight streaming, no torch rows or ceilings (numbers only show it runs)")
     parser.add_argument("--repeats", type=int, default=3, help="--rows trace: runs of each row (default 3)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.preset, args.rows = "tiny", "quick"
     preset = PRESETS[args.preset]
     steps = args.steps or preset["steps"]
     steps = max(2, -(-steps // WARMUP_STEPS)) * WARMUP_STEPS  # whole intervals, at least one after warm-up
     result = {"preset": args.preset, "steps": steps}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
-        if args.rows in ("all", "model"):
-            result.update(model_rows(tmp, args.preset, preset, steps))
+        if args.rows in ("all", "model", "precision", "quick"):
+            result.update(model_rows(tmp, args.preset, preset, steps, args.rows))
         if args.rows == "trace":
             result["trace_rows"] = trace_rows(tmp, preset, steps, args.repeats)
             print_rows(f"timeline cost: preset {args.preset}, steps={steps}, median of {args.repeats}",
@@ -192,33 +215,67 @@ def main(argv: list[str] | None = None) -> None:
             result["input_rows"] = input_rows(tmp, preset, args.input_steps)
             print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
                        f"{os.cpu_count()} CPUs", "1 worker", result["input_rows"])
+    if "rows" in result:
+        result["verdicts"] = verdicts(args.preset, result["rows"], result.get("ceilings", {}))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
-def model_rows(tmp: Path, name: str, preset: dict, steps: int) -> dict:
-    """Every execution path on the preset's model, the baselines and the ceilings; printed as a table."""
+def model_rows(tmp: Path, name: str, preset: dict, steps: int, which: str = "model") -> dict:
+    """The execution paths on the preset's model, the baselines and the ceilings; printed as a table.
+
+    which: model (every row), precision (weight streaming in each format on 1 and 2 WSEs),
+    quick (a smoke test: CPU path, 1-WSE float32 and float16, no torch, no ceilings)."""
     batch = preset["batch_size"]
     facts = model_facts(preset)
     params = write_params(tmp, preset, steps, "weight_streaming")
     piped = write_params(tmp, preset, steps, "pipelined")
     wse = [str(BIN / "csrun_wse")]
-    rows = [run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")]
-    rows += torch_rows(facts, batch, steps)
-    for n in (1, 2):
+    wse_counts = (1,) if which == "quick" else (1, 2)
+    formats = ("float16",) if which == "quick" else MIXED
+    rows = []
+    if which != "precision":
+        rows.append(run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu"))
+    if which == "model":
+        rows += torch_rows(facts, batch, steps)
+    for n in wse_counts:
         rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
-    rows.append(run_row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i"))
-    rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
-    rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
-    for precision in ("float16", "cbfloat16"):
-        mixed = write_params(tmp, preset, steps, "weight_streaming", precision)
-        rows.append(run_row(f"ws_1wse_{precision}", wse, mixed, tmp / f"ws_{precision}"))
-    ceiling = ceilings(facts, batch, max(5, min(steps, 50)))
+    if which == "model":
+        rows.append(run_row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i"))
+        rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
+        rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
+    for n in wse_counts:
+        for precision in formats:
+            mixed = write_params(tmp, preset, steps, "weight_streaming", precision)
+            rows.append(run_row(f"ws_{n}wse_{precision}", [*wse, "--num_csx", str(n)], mixed,
+                                tmp / f"ws{n}_{precision}"))
+    ceiling = ceilings(facts, batch, max(5, min(steps, 50))) if which == "model" else {}
     report(name, preset, facts, steps, rows, ceiling)
     curve = {r["name"]: r["samples_per_sec"] for r in rows}
-    print(f"CURVE cost: weight streaming (1 WSE) with CURVE runs at "
-          f"{curve['weight_streaming_1wse'] / curve['weight_streaming_1wse_insecure']:.2f}x the speed of --insecure")
+    if "weight_streaming_1wse_insecure" in curve:
+        print(f"CURVE cost: weight streaming (1 WSE) with CURVE runs at "
+              f"{curve['weight_streaming_1wse'] / curve['weight_streaming_1wse_insecure']:.2f}x the speed of --insecure")
     return {"model": facts, "ceilings": ceiling, "rows": rows}
+
+
+def verdicts(preset: str, rows: list[dict], ceiling: dict) -> list[dict]:
+    """Each target whose rows ran: the ratio measured, the target, met or missed and by how much."""
+    values = {r["name"]: r["samples_per_sec"] for r in rows}
+    values.update({f"ceiling:{k}": v for k, v in ceiling.items()})
+    judged = []
+    for what, row, base, target in TARGETS:
+        if row not in values or base not in values or (SMALL_ONLY in what and preset != "small"):
+            continue
+        ratio = values[row] / values[base]
+        judged.append({"target": what, "row": row, "baseline": base, "ratio": ratio, "target_ratio": target,
+                       "met": ratio >= target, "margin": ratio / target - 1})
+    if judged:
+        print(f"{'target':<52}{'ratio':>7}{'target':>8}  verdict")
+        for v in judged:
+            verdict = "met" if v["met"] else "missed"
+            print(f"{v['target']:<52}{v['ratio']:>7.2f}{v['target_ratio']:>8.2f}  "
+                  f"{verdict} by {abs(v['margin']) * 100:.0f}%")
+    return judged
 
 
 def input_rows(tmp: Path, preset: dict, steps: int) -> list[dict]:
@@ -292,34 +349,41 @@ def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
 
 
 def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], ceiling: dict) -> None:
-    """The table: rates, ratios to the baseline, FLOP/s and streaming against their ceilings."""
+    """The table: rates, ratios to the baseline, FLOP/s and streaming against their ceilings (when measured)."""
     by_name = {r["name"]: r for r in rows}
-    base = by_name.get("torch_cpu", by_name["cpu"])
+    base = by_name.get("torch_cpu") or by_name.get("cpu") or rows[0]
     batch = preset["batch_size"]
     one_pass = 2 * sum(facts["layer_bytes"])          # forward + backward, one hop
     print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps}")
-    mem, raw = ceiling["memcpy"], ceiling["zmq"]
-    print(f"ceilings: numpy matmul {batch}x{facts['largest'][0]}x{facts['largest'][1]} "
-          f"{ceiling['matmul'] / 1e9:.1f} GFLOP/s; memcpy {mem / 1e9:.2f} GB/s; raw pyzmq tcp {raw / 1e9:.2f} GB/s")
-    print(f"weight stream alone (one step's tensors, received into the receiver's own memory): "
-          f"protocol over tcp {ceiling['protocol'] / 1e9:.2f} GB/s = {ceiling['protocol'] / raw:.2f} of raw pyzmq; "
-          f"protocol by shared memory {ceiling['protocol_shm'] / 1e9:.2f} GB/s = "
-          f"{ceiling['protocol_shm'] / mem:.2f} of memcpy")
-    print(f"{'row':<24}{'samples/sec':>12}{'vs ' + base['name']:>14}{'FLOP/s':>10}{'of matmul':>10}"
+    if ceiling:
+        mem, raw = ceiling["memcpy"], ceiling["zmq"]
+        print(f"ceilings: numpy matmul {batch}x{facts['largest'][0]}x{facts['largest'][1]} "
+              f"{ceiling['matmul'] / 1e9:.1f} GFLOP/s; memcpy {mem / 1e9:.2f} GB/s; raw pyzmq tcp {raw / 1e9:.2f} GB/s")
+        print(f"weight stream alone (one step's tensors, received into the receiver's own memory): "
+              f"protocol over tcp {ceiling['protocol'] / 1e9:.2f} GB/s = {ceiling['protocol'] / raw:.2f} of raw pyzmq; "
+              f"protocol by shared memory {ceiling['protocol_shm'] / 1e9:.2f} GB/s = "
+              f"{ceiling['protocol_shm'] / mem:.2f} of memcpy")
+    else:
+        print("ceilings: not measured in this mode")
+    print(f"{'row':<28}{'samples/sec':>12}{'vs ' + base['name']:>28}{'FLOP/s':>10}{'of matmul':>10}"
           f"{'weight B/step':>15}{'stream GB/s':>12}{'of memcpy':>10}{'of zmq':>8}")
     for row in rows:
         rate = row["samples_per_sec"]
         row["ratio_vs_baseline"] = rate / base["samples_per_sec"]
         row["flops_per_sec"] = rate * facts["flops_per_sample"]
-        row["flops_fraction_of_matmul"] = row["flops_per_sec"] / ceiling["matmul"]
-        line = (f"{row['name']:<24}{rate:>12.1f}{row['ratio_vs_baseline']:>14.2f}"
-                f"{row['flops_per_sec'] / 1e9:>9.1f}G{row['flops_fraction_of_matmul']:>10.2f}")
+        line = f"{row['name']:<28}{rate:>12.1f}{row['ratio_vs_baseline']:>28.2f}{row['flops_per_sec'] / 1e9:>9.1f}G"
+        if ceiling:
+            row["flops_fraction_of_matmul"] = row["flops_per_sec"] / ceiling["matmul"]
+            line += f"{row['flops_fraction_of_matmul']:>10.2f}"
+        else:
+            line += f"{'-':>10}"
         if row.get("weight_bytes_per_step"):
             # bytes that reached the WSE(s) per second: one hop of the weight stream
             streamed = one_pass * (rate / batch) * (0.5 if "float16" in row["name"] else 1)
             row["weight_stream_bytes_per_sec"] = streamed
-            line += (f"{row['weight_bytes_per_step']:>15}{streamed / 1e9:>12.3f}"
-                     f"{streamed / ceiling['memcpy']:>10.3f}{streamed / ceiling['zmq']:>8.3f}")
+            line += f"{row['weight_bytes_per_step']:>15}{streamed / 1e9:>12.3f}"
+            if ceiling:
+                line += f"{streamed / ceiling['memcpy']:>10.3f}{streamed / ceiling['zmq']:>8.3f}"
         print(line)
 
 
