@@ -35,8 +35,10 @@ mantissa bits.
 float32 -> 16 bits rounds to nearest, ties to even (also in the subnormal
 range); a value whose rounded magnitude does not fit becomes ±inf; nan stays
 nan (canonical quiet nan, sign kept). The conversion is integer arithmetic on
-float32 bit patterns, vectorised. 16 bits -> float32 is exact. float16 uses
-numpy's own half type (same rounding rule), so its storage dtype is float16.
+float32 bit patterns, vectorised, in chunks that stay in cache. 16 bits -> float32 is exact.
+float16's storage dtype is numpy's half type: float32 -> float16 is numpy's
+own conversion (same rounding rule); float16 -> float32 gives numpy's results
+bit for bit (nan payloads too) in fewer passes.
 
 Loss scaling (`LossScaler`) follows PyTorch's GradScaler: multiply the loss
 by `scale` before backward, then `unscale_and_check` the gradients and
@@ -59,6 +61,7 @@ class _Spec:
     """An IEEE-style binary format of 1 + exp_bits + man_bits <= 16 bits."""
     exp_bits: int
     man_bits: int
+    numpy_half: bool = False           # numpy's float16: its inf / nan patterns are numpy's own
 
     @property
     def bias(self) -> int:
@@ -81,7 +84,7 @@ class _Spec:
         return self.exp_bits + self.man_bits
 
 
-_SPECS = {"float16": _Spec(5, 10), "bfloat16": _Spec(8, 7), "cbfloat16": _Spec(6, 9)}
+_SPECS = {"float16": _Spec(5, 10, numpy_half=True), "bfloat16": _Spec(8, 7), "cbfloat16": _Spec(6, 9)}
 _F32_INF = 0x7F800000
 
 
@@ -90,32 +93,61 @@ def _check(fmt: str) -> None:
         raise ValueError(f"unknown precision format {fmt!r}; expected one of {sorted(FORMATS)}")
 
 
+# Elements per pass of the conversions: each pass over a chunk stays in the core's
+# cache, so the dozen integer passes of a conversion cost about one pass over memory.
+_CHUNK = 1 << 15
+
+
 def _encode(x: np.ndarray, spec: _Spec) -> np.ndarray:
     """float32 -> bit patterns of `spec` (uint16), round to nearest even.
 
-    Integer arithmetic on the float32 bit pattern:
+    Integer arithmetic on the float32 bit pattern, chunk by chunk:
     - normal results: rebias the exponent, add the RNE rounding increment to
       the bits dropped from the mantissa; a carry runs into the exponent as it
       should (1.11..1 rounds up to the next power of two, or to inf). uint32
       cannot overflow here: the largest sum is 0x7FFFFFFF + 2**drop;
-    - subnormal results (rare, so computed only where needed, in int64): the
-      integer significand, implicit bit included, is shifted right to units of
-      the smallest subnormal, rounding to even; a carry out of the subnormal
-      range gives the smallest normal pattern, which is again right.
+    - zeros and subnormal results, inf and nan: only in a chunk that holds
+      some (its min or max magnitude says so), then by `_encode_rare`.
     """
     x = np.asarray(x, dtype=np.float32)
-    bits = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
-    sign = (bits >> 16) & 0x8000                     # every format here is 16 bits wide
-    mag = bits & np.uint32(0x7FFFFFFF)
-    drop = 23 - spec.man_bits                        # mantissa bits dropped
-    rebias = 127 - spec.bias                         # float32 biased exponent of target field 0
+    flat = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
+    out = np.empty(flat.size, np.uint16)
+    drop = np.uint32(23 - spec.man_bits)                     # mantissa bits dropped
+    rebias = np.uint32((127 - spec.bias) << 23)              # float32 biased exponent of target field 0
+    increment = np.uint32((1 << (drop - 1)) - 1)
+    smallest_normal = np.uint32((127 - spec.bias + 1) << 23)
+    inf_bits = np.uint32(spec.inf_bits)
+    size = min(_CHUNK, flat.size)
+    mag_buf, shifted_buf, out_buf = (np.empty(size, np.uint32) for _ in range(3))
+    for start in range(0, flat.size, _CHUNK):
+        bits = flat[start:start + _CHUNK]
+        mag, shifted, rounded = mag_buf[:bits.size], shifted_buf[:bits.size], out_buf[:bits.size]
+        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
+        np.subtract(mag, rebias, out=shifted)                # wraps below the normal range: fixed below
+        np.right_shift(shifted, drop, out=rounded)
+        rounded &= np.uint32(1)                              # ties go to the even neighbour
+        rounded += shifted
+        rounded += increment
+        rounded >>= drop
+        np.minimum(rounded, inf_bits, out=rounded)           # overflow after rounding -> inf
+        if mag.min() < smallest_normal or mag.max() >= _F32_INF:
+            _encode_rare(mag, rounded, spec)
+        np.right_shift(bits, np.uint32(16), out=shifted)     # every format here is 16 bits wide
+        shifted &= np.uint32(0x8000)
+        rounded |= shifted
+        np.copyto(out[start:start + bits.size], rounded, casting="unsafe")
+    return out.reshape(x.shape)
 
-    shifted = mag - np.uint32(rebias << 23)          # wraps below the normal range: replaced below
-    out = (shifted + np.uint32((1 << (drop - 1)) - 1) + ((shifted >> drop) & 1)) >> drop
-    np.minimum(out, np.uint32(spec.inf_bits), out=out)   # overflow after rounding -> inf
 
-    small = mag < np.uint32((rebias + 1) << 23)      # zero, or subnormal in the target format
-    np.putmask(out, small, np.uint32(0))             # zeros (half of a relu's outputs) are done
+def _encode_rare(mag: np.ndarray, out: np.ndarray, spec: _Spec) -> None:
+    """Magnitude patterns in `out` for the zeros, subnormal results, infs and nans of `mag` (float32 bits).
+
+    Subnormal results are computed in int64: the integer significand, implicit
+    bit included, is shifted right to units of the smallest subnormal, rounding
+    to even; a carry out of the subnormal range gives the smallest normal
+    pattern, which is again right."""
+    small = mag < np.uint32((127 - spec.bias + 1) << 23)    # zero, or subnormal in the target format
+    np.putmask(out, small, np.uint32(0))                    # zeros (half of a relu's outputs) are done
     sub = np.flatnonzero(small & (mag != 0))
     if sub.size:
         m = mag[sub].astype(np.int64)
@@ -128,29 +160,45 @@ def _encode(x: np.ndarray, spec: _Spec) -> np.ndarray:
         half = np.int64(1) << (shift - 1)
         q += (rem > half) | ((rem == half) & ((q & 1) == 1))
         out[sub] = q
-
     special = np.flatnonzero(mag >= _F32_INF)
-    if special.size:
+    if special.size and spec.numpy_half:        # nan payloads exactly as numpy's conversion keeps them
+        out[special] = mag[special].view(np.float32).astype(np.float16).view(np.uint16)
+    elif special.size:
         out[special] = np.where(mag[special] == _F32_INF, spec.inf_bits, spec.nan_bits)
-    return (out | sign).astype(np.uint16).reshape(x.shape)
 
 
 def _decode(b: np.ndarray, spec: _Spec) -> np.ndarray:
-    """Bit patterns of `spec` -> float32, exactly.
+    """Bit patterns of `spec` -> float32, exactly, chunk by chunk.
 
-    Normal values move their fields into place in uint32 (the mantissa shifted
-    up, the exponent rebiased); zeros stay zero; the rare subnormals, infs and
-    nans are computed on their own (in int64)."""
+    The magnitude's fields shifted into place read as a float32 whose exponent
+    is `127 - bias` too small; multiplying by 2**(127 - bias) is exact, for
+    zeros and subnormals too (those read as float32 subnormals). Inf and nan
+    (rare) are computed on their own, in a chunk that holds some."""
     b = np.asarray(b)
-    bits = b.reshape(-1).astype(np.uint32)
-    mag = bits & np.uint32(0x7FFF)
-    out = (mag << np.uint32(23 - spec.man_bits)) + np.uint32((127 - spec.bias) << 23)
-    np.putmask(out, mag == 0, np.uint32(0))
-    rare = np.flatnonzero((mag - np.uint32(1) < np.uint32((1 << spec.man_bits) - 1))   # subnormal (wraps at 0)
-                          | (mag >= np.uint32(spec.inf_bits)))
-    if rare.size:
-        out[rare] = _decode_rare(bits[rare].astype(np.int64), spec)
-    out |= (bits & np.uint32(0x8000)) << np.uint32(16)
+    flat = b.reshape(-1)
+    out = np.empty(flat.size, np.uint32)
+    shift = np.uint32(23 - spec.man_bits)
+    scale = np.float32(2.0 ** (127 - spec.bias))
+    size = min(_CHUNK, flat.size)
+    mag_buf, sign_buf = np.empty(size, np.uint32), np.empty(size, np.uint32)
+    for start in range(0, flat.size, _CHUNK):
+        patterns = flat[start:start + _CHUNK]
+        mag, sign, value = mag_buf[:patterns.size], sign_buf[:patterns.size], out[start:start + patterns.size]
+        np.copyto(mag, patterns, casting="unsafe")
+        np.bitwise_and(mag, np.uint32(0x8000), out=sign)
+        mag ^= sign
+        np.left_shift(mag, shift, out=value)
+        if scale != 1:                                       # bfloat16 has float32's exponent already
+            floats = value.view(np.float32)
+            np.multiply(floats, scale, out=floats)
+        if mag.max() >= spec.inf_bits:
+            rare = np.flatnonzero(mag >= spec.inf_bits)
+            if spec.numpy_half:                              # nan payloads as numpy's conversion keeps them
+                value[rare] = mag[rare].astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+            else:
+                value[rare] = _decode_rare(mag[rare].astype(np.int64), spec)
+        sign <<= np.uint32(16)
+        value |= sign
     return out.view(np.float32).reshape(b.shape)
 
 
@@ -177,6 +225,8 @@ def to_bits(x: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "float32":
         return x.copy()
     if fmt == "float16":
+        # numpy's own conversion: as fast as _encode on typical weights, whose
+        # smallest values (below float16's 2**-14) send every chunk down the rare path
         with np.errstate(over="ignore"):            # overflow to inf is the defined result
             return x.astype(np.float16)
     return _encode(x, _SPECS[fmt])
@@ -189,9 +239,9 @@ def from_bits(b: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "float32":
         return b.astype(np.float32)
     if fmt == "float16":
-        if b.dtype == np.uint16:
-            b = b.view(np.float16)
-        return b.astype(np.float32)
+        if b.dtype not in (np.float16, np.uint16):
+            return b.astype(np.float32)
+        return _decode(b.view(np.uint16), _SPECS[fmt])
     if b.dtype != np.uint16:
         raise TypeError(f"{fmt} storage must be uint16 bit patterns, got {b.dtype}")
     return _decode(b, _SPECS[fmt])
