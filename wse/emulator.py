@@ -150,7 +150,7 @@ class WeightStreamingExecutor:
                    for name, shape in self.spec.layers[index].param_shapes().items()}
         with trace.span("bwd", step=step, layer=index):
             self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights, out,
-                                               weights_rounded=True)
+                                               weights_rounded=True, grads_on_wire=True)
         with trace.span("send_grads", step=step, layer=index):
             self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
                                  arrays=self.shared(index, encode_arrays(grads, fmt))))

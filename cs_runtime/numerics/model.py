@@ -28,7 +28,7 @@ import numpy as np
 
 from cs_runtime.numerics import kernels
 from cs_runtime import spans
-from cs_runtime.numerics.precision import FORMATS, quantize
+from cs_runtime.numerics.precision import FORMATS, quantize, to_bits
 from cs_runtime.numerics.transformer import LAYER_OPS, init_param
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
@@ -204,6 +204,11 @@ def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
     return x if fmt == "float32" else quantize(x, fmt)
 
 
+def _on_wire(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x in `fmt`'s storage (16-bit patterns), as a gradient leaves a WSE: one conversion, not two."""
+    return x if fmt == "float32" else to_bits(x, fmt)
+
+
 @dataclass
 class DenseCache:
     x: np.ndarray              # the matmul input (rounded, in mixed precision)
@@ -235,8 +240,9 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
 
 def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
                    need_dx: bool = True, fmt: str = "float32", out: dict | None = None,
-                   weights_rounded: bool = False):
-    """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values.
+                   weights_rounded: bool = False, grads_on_wire: bool = False):
+    """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values
+    (with `grads_on_wire`, in `fmt`'s storage: the same values, as they are sent).
     `dout` is left as it is. In float32, `out` may hold the buffers to write the
     gradients into (a WSE's shared memory, so they are not copied there)."""
     dz = dout if cache.mask is None else dout * cache.mask
@@ -248,7 +254,8 @@ def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight
     if out is not None and fmt == "float32":
         grads = {"weight": np.matmul(cache.x.T, dz, out=out["weight"]), "bias": dz.sum(axis=0, out=out["bias"])}
     else:
-        grads = {"weight": _rounded(cache.x.T @ dz_in, fmt), "bias": _rounded(dz.sum(axis=0), fmt)}
+        finish = _on_wire if grads_on_wire else _rounded
+        grads = {"weight": finish(cache.x.T @ dz_in, fmt), "bias": finish(dz.sum(axis=0), fmt)}
     dx = dz_in @ (weight if weights_rounded else _rounded(weight, fmt)).T if need_dx else None
     return dx, grads
 
@@ -310,14 +317,15 @@ def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardConte
 
 
 def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict,
-                   out: dict | None = None, weights_rounded: bool = False):
+                   out: dict | None = None, weights_rounded: bool = False, grads_on_wire: bool = False):
     """(delta for the layer below or None for the first layer, {param: gradient}).
-    A dense float32 layer writes its gradients into `out`'s buffers when given."""
+    A dense float32 layer writes its gradients into `out`'s buffers when given;
+    with `grads_on_wire` a dense layer's gradients come in the format's storage."""
     layer = spec.layers[index]
     if layer.op in LAYER_OPS:
         return LAYER_OPS[layer.op].backward(layer, delta, cache, weights, index > 0)
     return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0, fmt=spec.precision,
-                          out=out, weights_rounded=weights_rounded)
+                          out=out, weights_rounded=weights_rounded, grads_on_wire=grads_on_wire)
 
 
 def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict, step: int = -1) -> list[dict]:

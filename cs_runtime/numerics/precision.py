@@ -255,10 +255,12 @@ def quantize(x: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def encode_arrays(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
-    """Float tensors as they cross a socket in `fmt`; other arrays (labels) as they are."""
+    """Float tensors as they cross a socket in `fmt`; other arrays (labels, tensors
+    already in `fmt`'s storage) as they are."""
     if fmt == "float32":
         return arrays
-    return {name: to_bits(a, fmt) if np.issubdtype(a.dtype, np.floating) else a
+    stored = wire_dtype(fmt)
+    return {name: to_bits(a, fmt) if np.issubdtype(a.dtype, np.floating) and a.dtype != stored else a
             for name, a in arrays.items()}
 
 
