@@ -157,7 +157,8 @@ def _encode_small(mag: np.ndarray, work: np.ndarray, spec: _Spec) -> np.ndarray:
     unit_exp = 1 - spec.bias - spec.man_bits
     carrier = np.float32(2.0 ** (unit_exp + 23))
     values = work.view(np.float32)
-    np.add(mag.view(np.float32), carrier, out=values)
+    with np.errstate(invalid="ignore"):        # signalling nans in the chunk: patched by _encode_special
+        np.add(mag.view(np.float32), carrier, out=values)
     work -= carrier.view(np.uint32)
     return work
 

@@ -1,0 +1,53 @@
+"""The chunked 16-bit conversions against numpy's own float16 conversion, an independent oracle.
+
+float16 shares the integer rounding path of bfloat16 and cbfloat16 (_encode,
+_decode), so numpy's half type checks that path bit for bit: normals, ties,
+subnormals, zeros, overflow, inf and nan, in arrays spanning several chunks
+whose rare values sit in some chunks and not others."""
+import numpy as np
+
+from cs_runtime.numerics import precision
+from cs_runtime.numerics.precision import _CHUNK, _SPECS, _decode, _encode, from_bits, to_bits
+
+HALF = _SPECS["float16"]
+
+
+def _patterns() -> np.ndarray:
+    rng = np.random.default_rng(7)
+    sweep = np.arange(0, 2 ** 32, 65537, dtype=np.uint64).astype(np.uint32)   # every exponent, odd low bits
+    k = rng.integers(0, 2 ** 31, 200_000, dtype=np.uint64).astype(np.uint32)
+    ties = (k & ~np.uint32(0x1FFF)) | np.uint32(0x1000)                      # exactly halfway for float16
+    chunk_of_normals = (rng.standard_normal(_CHUNK) + 3).astype(np.float32).view(np.uint32)
+    bits = np.concatenate([chunk_of_normals, sweep, ties, ties + 1, ties - 1, chunk_of_normals])
+    return bits.view(np.float32)
+
+
+def test_encode_matches_numpy_float16_bit_for_bit():
+    x = _patterns()
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    got = _encode(x, HALF)
+    assert x.size > 3 * _CHUNK
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} differ, first {x[bad[:3]]}: {got[bad[:3]]} != {want[bad[:3]]}"
+
+
+def test_decode_matches_numpy_float16_on_every_pattern_and_across_chunks():
+    patterns = np.tile(np.arange(2 ** 16, dtype=np.uint16), 2)
+    want = patterns.view(np.float16).astype(np.float32).view(np.uint32)
+    assert np.array_equal(_decode(patterns, HALF).view(np.uint32), want)
+    assert np.array_equal(from_bits(patterns.view(np.float16), "float16").view(np.uint32), want)
+
+
+def test_odd_shapes_and_layouts_keep_their_shape_and_values():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3 * _CHUNK // 100 + 7, 100)).astype(np.float32).T   # not contiguous
+    for fmt in ("float16", "bfloat16", "cbfloat16"):
+        bits = to_bits(x, fmt)
+        assert bits.shape == x.shape and bits.dtype == precision.wire_dtype(fmt)
+        back = from_bits(bits, fmt)
+        assert back.shape == x.shape
+        assert np.array_equal(to_bits(back, fmt).view(np.uint16), bits.view(np.uint16))   # values of fmt: exact
+        assert np.all(np.abs(back - x) <= np.abs(x) * 2.0 ** -(_SPECS[fmt].man_bits))
+    assert to_bits(np.float32(1.5), "cbfloat16").shape == ()
+    assert to_bits(np.zeros((0, 4), np.float32), "bfloat16").shape == (0, 4)
