@@ -44,14 +44,14 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
             return 0
         executor = make_executor(args, fns, spec, compiled, on_cluster)
         try:
-            Trainer(args, spec, executor).run()
+            Trainer(args, spec, executor, fns).run()
         finally:
             executor.close()
         return 0
     except (RunError, ckpt.CheckpointError, ValueError) as exc:
         # Bad input (params, data, checkpoint) or a diverged loss: a restart would fail alike.
-        log.error("%s", exc)
-        print(f"error: {exc}", flush=True)
+        for line in str(exc).splitlines():   # a ParamsError may hold several problems, a line each
+            print(f"error: {line}", flush=True)   # said once: stdout, not the log as well
         return EXIT_BAD_INPUT
 
 
@@ -74,7 +74,7 @@ def make_executor(args, fns, spec, compiled, on_cluster: bool):
 def optimizer_spec(params: Params) -> dict:
     o = params.optimizer
     return {"kind": o.optimizer_type, "momentum": o.momentum, "weight_decay": o.weight_decay,
-            "betas": list(o.betas), "eps": o.eps}
+            "betas": list(o.betas), "eps": o.eps, "exclude_bias_and_norm": o.exclude_bias_and_norm}
 
 
 def make_loss_scaler(params: Params) -> LossScaler:
@@ -86,8 +86,8 @@ def make_loss_scaler(params: Params) -> LossScaler:
 
 
 class Trainer:
-    def __init__(self, args: RunArgs, spec: ModelSpec, executor):
-        self.args, self.spec, self.executor = args, spec, executor
+    def __init__(self, args: RunArgs, spec: ModelSpec, executor, fns: UserFunctions | None = None):
+        self.args, self.spec, self.executor, self.fns = args, spec, executor, fns
         self.params = args.params
         self.rc = self.params.runconfig
         self.model_dir = Path(args.model_dir)
@@ -131,15 +131,18 @@ class Trainer:
         start = self.initial_state()
         self.global_step = start.global_step
         mode = self.args.mode
+        self.max_steps = self.stop_step()
         phases = []
-        if mode in ("train", "train_and_eval") and self.global_step < self.rc.max_steps:
-            phases.append({"stream": "train", "start": self.global_step, "stop": self.rc.max_steps})
+        if mode in ("train", "train_and_eval") and self.global_step < self.max_steps:
+            phases.append({"stream": "train", "start": self.global_step, "stop": self.max_steps})
         if mode in ("eval", "train_and_eval"):
             phases.append({"stream": "eval", "start": 0, "stop": self.executor.num_eval_steps()})
         with trace.span("load"):
             self.executor.load(start.weights, start.opt_state, phases)
         self.write_text_summaries()
         if mode in ("train", "train_and_eval"):
+            if self.rc.save_initial_checkpoint and self.global_step == 0:
+                self.save_checkpoint()
             self.train()
         if mode in ("eval", "train_and_eval"):
             self.evaluate()
@@ -148,15 +151,29 @@ class Trainer:
         if trace.RECORDER.enabled:
             self.write_trace()
 
+    def stop_step(self) -> int:
+        """The global step training stops at (runconfig: max_steps, num_steps or num_epochs)."""
+        per_epoch = None
+        if self.rc.num_epochs is not None and self.rc.steps_per_epoch is None and self.fns is not None:
+            from cs_runtime.data.inputs import dataset_len
+            section = self.params.train_input
+            per_epoch = dataset_len(self.fns.train_input_fn(self.params)) // section.batch_size
+        stop = self.rc.stop_step(self.global_step, per_epoch)
+        every = self.rc.eval_frequency
+        if self.args.mode == "train_and_eval" and every is not None and every < stop - self.global_step:
+            raise RunError(f"runconfig.eval_frequency {every}: evaluating during training is not emulated (eval "
+                           f"runs once, after step {stop}); set eval_frequency to {stop - self.global_step} or more")
+        return stop
+
     def train(self) -> None:
-        if self.global_step >= self.rc.max_steps:
-            log.info("Already at step %d of max_steps %d: nothing to train", self.global_step, self.rc.max_steps)
+        if self.global_step >= self.max_steps:
+            log.info("Already at step %d of max_steps %d: nothing to train", self.global_step, self.max_steps)
             return
         batch = self.params.train_input.batch_size
         self.writer("train")  # opened (and tensorboardX imported) before the clock starts
         t_start = t_last = time.monotonic()
         first_step, steps_since = self.global_step, 0
-        while self.global_step < self.rc.max_steps:
+        while self.global_step < self.max_steps:
             step = self.global_step
             lr = self.params.optimizer.lr_at(step)
             loss_scale = self.scaler.scale
@@ -198,7 +215,7 @@ class Trainer:
     def logs_at(self, global_step: int) -> bool:
         """Whether the progress line and the step's summaries are written after `global_step`
         steps; the gradient norms are computed for those steps only."""
-        return global_step % self.rc.log_steps == 0 or global_step == self.rc.max_steps
+        return global_step % self.rc.log_steps == 0 or global_step == self.max_steps
 
     def after_step(self, step: int, applied: bool, loss_scale: float) -> None:
         """Advance the loss scale; a skipped step is said once, with what happens next."""

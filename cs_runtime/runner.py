@@ -8,7 +8,9 @@ the role the launcher gave it (environment CS_ROLE):
 - no role (plain `python run.py` or `csrun_cpu`): the CPU path, in-process;
 - chief (`csrun_wse` task 0): compile, then drive the CS system;
 - worker (`csrun_wse` other tasks): stream its shard of the input;
-- input_probe / wse_probe (`cs_input_analyzer`): measure input and WSE rates.
+- input_probe / wse_probe (`cs_input_analyzer`): measure input and WSE rates;
+- precheck (`csrun_wse`, before it starts anything): validate the params and
+  the model, as --validate_only does, and exit (2 on a bad params file).
 """
 from __future__ import annotations
 
@@ -44,30 +46,41 @@ class UserFunctions:
     eval_input_fn: Callable[[Params], object] | None
 
 
-def parse_args(argv: list[str] | None = None) -> RunArgs:
+def parse_args(argv: list[str] | None = None, model: str | None = None) -> RunArgs:
+    """run.py's command line; `model` (fc_mnist, gpt2, bert) is what the script
+    builds, which says what the params' model section may hold."""
     parser = argparse.ArgumentParser(description="Train or evaluate a model on the emulated CS system.")
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--params", required=True, help="params.yaml")
-    parser.add_argument("--model_dir", default="model_dir", help="checkpoints, logs, compile output")
+    parser.add_argument("--model_dir", default=None,
+                        help="checkpoints, logs, compile output (default: runconfig.model_dir, else model_dir)")
     parser.add_argument("--checkpoint_path", default=None, help="resume from this checkpoint")
     parser.add_argument("--validate_only", action="store_true", help="check the model compiles; run nothing")
     parser.add_argument("--compile_only", action="store_true", help="compile and write the report; run nothing")
     parser.add_argument("--multireplica", action="store_true",
                         help="layer pipelined: several copies of a small model on one WSE")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="set a params key, e.g. runconfig.max_steps=10 or train_input.data_dir=/data "
+                             "(trainer.init.loop.max_steps=10 in a 2.x file); repeatable")
     ns = parser.parse_args(argv)
     try:
-        params = load_params(ns.params)
+        params = load_params(ns.params, model, ns.override)
     except ParamsError as exc:
-        parser.exit(2, f"error: {exc}\n")
+        parser.exit(2, "".join(f"error: {line}\n" for line in exc.lines))
     validate_only = ns.validate_only or ns.mode == "validate_only"
     compile_only = ns.compile_only or ns.mode == "compile_only"
     mode = "train" if ns.mode in ("validate_only", "compile_only") else ns.mode
-    return RunArgs(mode, ns.params, params, ns.model_dir, ns.checkpoint_path, validate_only, compile_only,
+    # As in the model zoo, the command line wins over runconfig.model_dir and runconfig.mode.
+    model_dir = ns.model_dir or params.runconfig.model_dir or "model_dir"
+    return RunArgs(mode, ns.params, params, model_dir, ns.checkpoint_path, validate_only, compile_only,
                    ns.multireplica)
 
 
-def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None,
+        model: str | None = None) -> None:
+    """`model`: the model the script builds (fc_mnist, gpt2, bert), as a model-zoo
+    run.py knows it; None lets `model.model_type` say (older params files)."""
+    args = parse_args(argv, model)
     fns = UserFunctions(model_fn, train_input_fn, eval_input_fn)
     role = os.environ.get("CS_ROLE", "")
     logging.basicConfig(level=os.environ.get("CS_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
@@ -81,6 +94,11 @@ def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = N
     elif role == "wse_probe":
         from wse.probe import measure_consumption
         measure_consumption(args, fns)
+    elif role == "precheck":
+        from chief.trainer import run_chief
+        if not args.compile_only:
+            args.validate_only = True
+        sys.exit(run_chief(args, fns, on_cluster=False))
     else:
         from chief.trainer import run_chief
         sys.exit(run_chief(args, fns, on_cluster=role == "chief"))

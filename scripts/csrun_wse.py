@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 import uuid
 from contextlib import contextmanager
@@ -379,9 +380,32 @@ def job_keys(ns: argparse.Namespace):
             auth.remove_job_dir(keys_dir)
 
 
+def runs_nothing(command: list[str]) -> bool:
+    """Whether the command only validates or compiles (run.py's --validate_only, --compile_only, --mode ...)."""
+    args = command[1:]
+    modes = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--mode"}
+    modes |= {a.split("=", 1)[1] for a in args if a.startswith("--mode=")}
+    return bool({"--validate_only", "--compile_only"} & set(args) or {"validate_only", "compile_only"} & modes)
+
+
+def precheck(ns: argparse.Namespace) -> int:
+    """Run the script once, here, to validate its params and model before anything
+    starts: a bad params file is said once (by the script, a line per problem),
+    with no MemoryX, SwarmX, WSE or worker started. Returns the script's exit code."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+    env.update(CS_ROLE="precheck", CS_TARGET="wse", CS_TRACE="0")
+    try:
+        return subprocess.run(role_argv(ns.command, "chief"), env=env, check=False).returncode
+    except OSError as exc:
+        raise SystemExit(f"csrun_wse: cannot run {ns.command[0]}: {exc.strerror}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
+    checked = precheck(ns)
+    if checked != 0 or runs_nothing(ns.command):
+        sys.exit(checked)
     layout = plan_layout(ns)
     with job_keys(ns):
         door = preflight(ns, layout)
