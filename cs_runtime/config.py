@@ -333,16 +333,15 @@ class BertModelConfig(TransformerModelConfig):
     """examples/bert: the model zoo's BERT (pre-training) model section."""
 
     encoder_nonlinearity: Literal["gelu"] = "gelu"
-    # The pooler feeds the next-sentence head, which is not emulated (disable_nsp: true).
+    # The pooler feeds the next-sentence head, which is not emulated: disable_nsp
+    # must be true (the model zoo's default, false, trains it; lm_checks says so).
     pooler_nonlinearity: Optional[StrictStr] = None
-    disable_nsp: StrictBool = True
+    disable_nsp: Optional[StrictBool] = None
     # The masked-LM loss: the mean over predicted tokens (None), or the model
     # zoo's sum over predicted tokens * mlm_loss_weight / batch_size.
     mlm_loss_weight: Optional[PosFloat] = None
 
     _lower_nl = field_validator("encoder_nonlinearity", mode="before")(_lower)
-    _nsp = field_validator("disable_nsp")(
-        _refuse_unless(True, "the next-sentence-prediction head is not emulated; set disable_nsp: true"))
 
 
 MODEL_CONFIGS: dict[str, type[_ModelBase]] = {"fc_mnist": ModelConfig, "gpt2": GPT2ModelConfig,
@@ -822,6 +821,8 @@ def _short_repr(value: Any, limit: int = 60) -> str:
 def _format_error(err: dict[str, Any]) -> str:
     """One pydantic error as 'dotted.path: what is wrong (got X)'."""
     path = _format_loc(err["loc"]) or "<top level>"
+    if path == "<top level>" and err["type"] == "value_error":
+        return err["msg"].removeprefix("Value error, ")   # a check across sections names its keys itself
     if err["type"] == "extra_forbidden":
         return f"{path}: unknown key"
     msg = err["msg"]

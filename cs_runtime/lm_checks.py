@@ -34,6 +34,9 @@ def language_model_problems(params: Params, model: str) -> list[str]:
     if m.use_bias_in_output is False:
         problems.append("model.use_bias_in_output: false (an output layer without bias) is not emulated; "
                         "set it to true")
+    if model == "bert" and m.disable_nsp is not True:
+        problems.append("model.disable_nsp: the model zoo's BERT also learns next-sentence prediction unless "
+                        "disable_nsp: true; that head is not emulated, so set disable_nsp: true")
     if model == "bert" and m.mlm_loss_weight is not None:
         problems.append(f"model.mlm_loss_weight: {m.mlm_loss_weight} (the masked-LM loss summed and scaled) is "
                         "not emulated: the loss is the mean over masked tokens; remove the key")

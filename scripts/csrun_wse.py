@@ -388,23 +388,43 @@ def runs_nothing(command: list[str]) -> bool:
     return bool({"--validate_only", "--compile_only"} & set(args) or {"validate_only", "compile_only"} & modes)
 
 
-def precheck(ns: argparse.Namespace) -> int:
+def local_script(command: list[str]) -> str | None:
+    """The script of `python [opts] run.py ...` (or an executable script), if it is on this machine."""
+    if os.path.basename(command[0]).startswith("python"):
+        script = next((a for a in command[1:] if not a.startswith("-")), None)
+    else:
+        script = command[0]
+    return script if script and os.path.isfile(script) else None
+
+
+def precheck(ns: argparse.Namespace) -> int | None:
     """Run the script once, here, to validate its params and model before anything
     starts: a bad params file is said once (by the script, a line per problem),
-    with no MemoryX, SwarmX, WSE or worker started. Returns the script's exit code."""
+    with no MemoryX, SwarmX, WSE or worker started. What the check prints is shown
+    when it fails or when it is all the command asked for. Returns its exit code
+    (None: not checked here)."""
+    script = local_script(ns.command)
+    if script is None:
+        return None   # the script lives on the task hosts only: the chief checks there
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
     env.update(CS_ROLE="precheck", CS_TARGET="wse", CS_TRACE="0")
     try:
-        return subprocess.run(role_argv(ns.command, "chief"), env=env, check=False).returncode
+        done = subprocess.run(ns.command, env=env, check=False, capture_output=True, text=True)
     except OSError as exc:
         raise SystemExit(f"csrun_wse: cannot run {ns.command[0]}: {exc.strerror}") from None
+    if done.returncode != 0 or runs_nothing(ns.command):
+        sys.stdout.write(done.stdout)
+        sys.stderr.write(done.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return done.returncode
 
 
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
     checked = precheck(ns)
-    if checked != 0 or runs_nothing(ns.command):
+    if checked is not None and (checked != 0 or runs_nothing(ns.command)):
         sys.exit(checked)
     layout = plan_layout(ns)
     with job_keys(ns):
