@@ -7,7 +7,7 @@ accepted and then ignored.
 """
 from __future__ import annotations
 
-from cs_runtime.config import Params, ParamsError
+from cs_runtime.config import MODEL_CONFIGS, Params, ParamsError
 
 # The model zoo's data processors of each model (train_input.data_processor):
 # the example's input function reads the data of any of them from data_dir.
@@ -24,6 +24,9 @@ def seq_len(params: Params, section) -> int:
 def language_model_problems(params: Params, model: str) -> list[str]:
     """One line per setting the emulated GPT-2 / BERT cannot honour."""
     m = params.model
+    if not isinstance(m, MODEL_CONFIGS[model]):
+        return [f"model: this script builds {model}, but the params were read as a {type(m).__name__} section "
+                f"(say model: {{name: {model}}}, or run the {model} example)"]
     problems = []
     if m.mixed_precision:
         problems.append(f"model.mixed_precision: true ({params.precision}) is emulated for dense layers only; "
