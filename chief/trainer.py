@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class RunError(Exception):
 def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
     trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
+        if not args.validate_only:   # validate_only writes nothing
+            ensure_writable(args.model_dir)
         spec = build_spec(args, fns)
         from chief.compile import compile_model
         compiled = compile_model(spec, args)
@@ -53,6 +56,16 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
         for line in str(exc).splitlines():   # a ParamsError may hold several problems, a line each
             print(f"error: {line}", flush=True)   # said once: stdout, not the log as well
         return EXIT_BAD_INPUT
+
+
+def ensure_writable(model_dir: str) -> None:
+    """model_dir exists (made if need be) and takes files, or one line says why not."""
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=model_dir, prefix=".writable-"):
+            pass
+    except OSError as exc:
+        raise RunError(f"--model_dir {model_dir}: cannot create or write there ({exc.strerror or exc})") from None
 
 
 def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
@@ -193,9 +206,10 @@ class Trainer:
                 global_rate = (self.global_step - first_step) * batch / max(now - t_start, 1e-9)
                 t_last, steps_since = now, 0
                 scale_note = f", LossScale={loss_scale:g}" if self.scaler.skips_nonfinite else ""
+                eta = eta_text((self.max_steps - self.global_step) * (now - t_start) / (self.global_step - first_step))
                 print(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}"
-                      f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec",
-                      flush=True)
+                      f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec, "
+                      f"Progress={self.global_step}/{self.max_steps}, ETA={eta}", flush=True)
                 self.scalar("train", "samples_per_sec", rate)
                 self.scalar("train", "lr", lr)
                 self.scalar("train", "grad_norm", grad_norm)
@@ -282,6 +296,12 @@ class Trainer:
 
     def scalar(self, split: str, tag: str, value: float) -> None:
         self.writer(split).add_scalar(tag, value, self.global_step)
+
+
+def eta_text(seconds: float) -> str:
+    """0:01:05: the time left at the run's rate so far."""
+    seconds = int(round(max(seconds, 0.0)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def as_code(text: str) -> str:

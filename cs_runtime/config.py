@@ -115,7 +115,7 @@ def _refuse_unless(allowed: Any, why: str):
     """A field validator: the value must be `allowed` (what the emulator does), else `why`."""
     def check(value: Any) -> Any:
         if value is not None and value != allowed:
-            raise ValueError(f"{why} (got {value!r})")
+            raise ValueError(why)   # the error line adds "(got value)"
         return value
     return check
 
@@ -323,10 +323,13 @@ class GPT2ModelConfig(TransformerModelConfig):
     """examples/gpt2: the model zoo's GPT-2 model section."""
 
     nonlinearity: Literal["gelu"] = "gelu"
-    loss_scaling: Literal["num_tokens"] = "num_tokens"     # the loss is the mean over predicted tokens
-    loss_weight: Annotated[Float, Field(ge=1.0, le=1.0)] = 1.0
+    loss_scaling: StrictStr = "num_tokens"     # the loss is the mean over predicted tokens
+    loss_weight: Float = 1.0
 
     _lower_nl = field_validator("nonlinearity", "loss_scaling", mode="before")(_lower)
+    _per_token = field_validator("loss_scaling")(
+        _refuse_unless("num_tokens", "the loss is the mean over predicted tokens (num_tokens) here"))
+    _weight = field_validator("loss_weight")(_refuse_unless(1.0, "the loss is not re-weighted here"))
 
 
 class BertModelConfig(TransformerModelConfig):
@@ -356,6 +359,11 @@ def _model_kind(value: Any) -> str:
         for key in ("model_type", "name"):
             if isinstance(value.get(key), str) and value[key].lower() in MODEL_CONFIGS:
                 return value[key].lower()
+        # A section written by to_dict() of a language model names its nonlinearity key.
+        if "encoder_nonlinearity" in value:
+            return "bert"
+        if "nonlinearity" in value:
+            return "gpt2"
     return "fc_mnist"
 
 
@@ -783,6 +791,12 @@ class _FcMnistParams(Params):
         if isinstance(data, dict) and isinstance(data.get("optimizer"), dict) \
                 and "optimizer_type" not in data["optimizer"]:
             data = {**data, "optimizer": {"optimizer_type": "adam", **data["optimizer"]}}
+        # The TF model (no eval_input) evaluates on the test split of train_input's
+        # data_dir, in train_input's batches, the last partial one dropped.
+        train = data.get("train_input") if isinstance(data, dict) else None
+        if isinstance(train, dict) and "eval_input" not in data:
+            data = {**data, "eval_input": {"data_dir": train.get("data_dir"), "drop_last_batch": True,
+                                           **({"batch_size": train["batch_size"]} if "batch_size" in train else {})}}
         return data
 
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 from cs_runtime.config import Params, ParamsError, load_params
 from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.version import version_line
 
 MODES = ("train", "eval", "train_and_eval", "validate_only", "compile_only")
 
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None, model: str | None = None) -> RunAr
     """run.py's command line; `model` (fc_mnist, gpt2, bert) is what the script
     builds, which says what the params' model section may hold."""
     parser = argparse.ArgumentParser(description="Train or evaluate a model on the emulated CS system.")
+    parser.add_argument("--version", action="version", version=version_line(parser.prog))
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--params", required=True, help="params.yaml")
     parser.add_argument("--model_dir", default=None,

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from cs_runtime.version import version_line
+
 HEADROOM = 1.2            # input must outrun the WSE by this factor: a worker's rate varies
 PROBE_START_TIMEOUT_S = 300
 
@@ -31,6 +33,7 @@ PROBE_START_TIMEOUT_S = 300
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cs_input_analyzer", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("cs_input_analyzer"))
     cpus = os.cpu_count() or 1
 
     def flag(name: str, **kwargs):

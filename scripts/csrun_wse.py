@@ -46,6 +46,7 @@ from cs_runtime.service import setup_logging
 from cs_runtime.wire.shm import remove_job_segments, remove_orphaned_segments
 from cs_runtime.launch.task import role_argv
 from cs_runtime.wire.transport import PortInUse
+from cs_runtime.version import version_line
 
 # Variables that describe a process's place in a job; never inherited from outside.
 JOB_VARS = ("CS_JOB_ID", "CS_ROLE", "CS_RANK", "CS_IP", "CS_RENDEZVOUS", "CS_TARGET", "CS_NUM_CSX",
@@ -64,6 +65,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="csrun_wse", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("csrun_wse"))
     add_flag(parser, "num_csx", type=int, default=1, help="WSE emulators (default 1)")
     add_flag(parser, "num_workers_per_csx", type=int, default=None,
              help="input workers per WSE, on this machine (default 1); over SSH or Slurm every task "

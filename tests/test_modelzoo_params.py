@@ -7,6 +7,7 @@ releases 1.8, 2.0-2.3 and the 2.x trainer layout).
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,9 @@ def test_fc_mnist_tf_trains_with_adam_and_tf_spellings() -> None:
     rc = p.runconfig
     assert (rc.log_steps, rc.checkpoint_steps, rc.max_checkpoints) == (500, 10000, 2)
     assert p.model.layer_sizes() == [784, 500, 300, 10]
+    # No eval_input: the TF model evaluates train_input's data_dir (test split), same batch size.
+    e = p.eval_input
+    assert (e.data_dir, e.batch_size, e.shuffle, e.drop_last_batch) == ("./tfds", 256, False, True)
     # Without a script saying FC-MNIST, an optimizer section keeps the project's SGD default.
     assert params_from_dict({"optimizer": {"learning_rate": 0.1}}).optimizer.optimizer_type == "sgd"
 
@@ -406,3 +410,29 @@ def test_fc_mnist_tf_file_on_the_cs_system_matches_the_cpu_oracle(tmp_path: Path
     np.testing.assert_allclose(wse_losses, cpu_losses, rtol=1e-5)
     for name in cpu_w:
         np.testing.assert_allclose(wse_w[name], cpu_w[name], rtol=1e-5, atol=1e-7)
+
+
+def test_fc_mnist_r20_trains_on_mnist_in_torchvisions_layout(tmp_path: Path) -> None:
+    """The model zoo's FC-MNIST downloads MNIST with torchvision: data_dir/MNIST/raw/."""
+    from tests.test_data import write_split
+    raw = tmp_path / "mnist" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    images, _ = write_split(raw, "train", 64, gz=True)
+    write_split(raw, "t10k", 16)
+    model_dir = tmp_path / "model_dir"
+    result = run_script("fc_mnist", FILES / "fc_mnist_pytorch_r20.yaml", model_dir,
+                        "--override", f"train_input.data_dir={tmp_path / 'mnist'}",
+                        "--override", f"eval_input.data_dir={tmp_path / 'mnist'}",
+                        "--override", "runconfig.max_steps=5", mode="train_and_eval")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(train_losses(model_dir)) == 5
+    assert "Accuracy=" in result.stdout and "(" in result.stdout.split("Accuracy=")[1]
+    assert re.search(r"Accuracy=[\d.]+ \(\d+/16\)", result.stdout), result.stdout   # the 16 t10k samples
+
+
+@pytest.mark.parametrize("name, model", SHIPPED + [("gpt2_tiny_trainer", "gpt2"), ("bert_tiny_r23", "bert")])
+def test_to_dict_round_trips(name: str, model: str) -> None:
+    """What checkpoints and TensorBoard record (to_dict) reads back as the same params."""
+    p = load_params(FILES / f"{name}.yaml", model)
+    assert params_from_dict(p.to_dict(), model=model) == p
+    assert params_from_dict(p.to_dict()).model == p.model       # no script: the section says which model
