@@ -399,15 +399,21 @@ def local_script(command: list[str]) -> str | None:
     return script if script and os.path.isfile(script) else None
 
 
-def precheck(ns: argparse.Namespace) -> int | None:
+@dataclass
+class Checked:
+    """What the precheck found: the script's exit code (None: not checked here) and its error lines."""
+    code: int | None
+    errors: list[str]
+
+
+def precheck(ns: argparse.Namespace) -> Checked:
     """Run the script once, here, to validate its params and model before anything
     starts: a bad params file is said once (by the script, a line per problem),
     with no MemoryX, SwarmX, WSE or worker started. What the check prints is shown
-    when it fails or when it is all the command asked for. Returns its exit code
-    (None: not checked here)."""
+    when it fails or when it is all the command asked for."""
     script = local_script(ns.command)
     if script is None:
-        return None   # the script lives on the task hosts only: the chief checks there
+        return Checked(None, [])   # the script lives on the task hosts only: the chief checks there
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
     env.update(CS_ROLE="precheck", CS_TARGET="wse", CS_TRACE="0")
     try:
@@ -419,18 +425,47 @@ def precheck(ns: argparse.Namespace) -> int | None:
         sys.stderr.write(done.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-    return done.returncode
+    errors = [line.removeprefix("error: ") for line in (done.stdout + done.stderr).splitlines()
+              if line.startswith("error: ") or ": error: " in line]
+    return Checked(done.returncode, errors)
+
+
+def record_failure(ns: argparse.Namespace, checked: Checked) -> None:
+    """With --cs_ip: the job is submitted and ended FAILED at once, its reason the
+    params errors, so `csctl get jobs` shows why it never ran."""
+    layout = plan_layout(ns)
+    reason = "; ".join(checked.errors) or f"the params check exited {checked.code}"
+    with job_keys(ns):
+        try:
+            door = preflight(ns, layout)
+        except SystemExit as exc:   # the CS system cannot be reached: the params errors stand alone
+            print(exc, file=sys.stderr, flush=True)
+            return
+        try:
+            job = SubmittedJob(door, ns.num_csx, ns.job_labels, auth.job_keys())
+            job.done("FAILED", f"params: {reason}")
+            say(f"{job.name} failed before it started (csctl --cs_ip {ns.cs_ip} get jobs)")
+        except FrontDoorError as exc:
+            say(f"the CS system at {ns.cs_ip} was not told of the failure: {exc}")
+        finally:
+            door.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
     checked = precheck(ns)
-    if checked is not None and (checked != 0 or runs_nothing(ns.command)):
-        sys.exit(checked)
+    if checked.code is not None and (checked.code != 0 or runs_nothing(ns.command)):
+        if checked.code != 0 and ns.cs_ip:
+            record_failure(ns, checked)
+        sys.exit(checked.code)
     layout = plan_layout(ns)
     with job_keys(ns):
-        door = preflight(ns, layout)
+        try:
+            door = preflight(ns, layout)
+        except SystemExit as exc:   # the CS system cannot be reached: the params errors stand alone
+            print(exc, file=sys.stderr, flush=True)
+            return
         try:
             code = run_with_restarts(lambda attempt: run_job(ns, layout, attempt, door), ns.max_restarts)
         finally:
