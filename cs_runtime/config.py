@@ -606,6 +606,11 @@ class OptimizerConfig(_Section):
             raise ValueError("learning_rate: every schedule but the last needs steps (or total_iters)")
         return self
 
+    def optimizer_spec(self) -> dict:
+        """The keyword arguments of cs_runtime.numerics.optim.Optimizer (sent to MemoryX as they are)."""
+        return {"kind": self.optimizer_type, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                "betas": list(self.betas), "eps": self.eps, "exclude_bias_and_norm": self.exclude_bias_and_norm}
+
     def loss_scaling_mode(self) -> str:
         """none, static or dynamic (LossScaler's modes)."""
         if self.loss_scaling_factor == "dynamic":
