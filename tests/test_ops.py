@@ -135,6 +135,15 @@ def _differentiable(x):
     return isinstance(x, np.ndarray) and x.dtype.kind == "f"
 
 
+def _only_saved(op, inputs, out):
+    """The inputs and output with what the rule says it does not read replaced by NaN:
+    a rule reading more than it declares (so backward would not have kept it) fails."""
+    def blank(x):
+        return np.full(x.shape, np.nan) if x.dtype.kind == "f" else x
+    ins = [x if i in op.saves_inputs else blank(x) for i, x in enumerate(inputs)]
+    return ins, (out if op.saves_output else blank(out))
+
+
 def _numeric_grads(op, inputs, attrs, g, eps=1e-6):
     grads = []
     for i, x in enumerate(inputs):
@@ -162,7 +171,7 @@ def test_vjp_matches_finite_differences(case):
     out = op.forward(inputs, attrs)
     assert out.shape == op.shape([x.shape for x in inputs], attrs)
     g = rng.standard_normal(out.shape)
-    analytic = op.vjp(g, inputs, out, attrs)
+    analytic = op.vjp(g, *_only_saved(op, inputs, out), attrs)
     assert len(analytic) == len(inputs)
     for x, a, n in zip(inputs, analytic, _numeric_grads(op, inputs, attrs, g)):
         if n is None:

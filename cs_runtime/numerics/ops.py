@@ -558,6 +558,8 @@ _register("unsqueeze", lambda i, a: i[0].reshape(_unsqueeze_shape([i[0].shape], 
 _register("squeeze", lambda i, a: i[0].reshape(_squeeze_shape([i[0].shape], a)),
           lambda g, i, o, a: [g.reshape(i[0].shape)], _squeeze_shape, _free)
 _register("clone", lambda i, a: i[0].copy(), lambda g, i, o, a: [g], _same_shape, _free)
+# torch's detach: the value passes, its gradient does not.
+_register("detach", lambda i, a: i[0], lambda g, i, o, a: [None], _same_shape, _free)
 
 
 def _cast_forward(inputs, attrs):
