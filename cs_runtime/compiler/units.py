@@ -1,0 +1,111 @@
+"""Cut a program into weight-streaming units, and give each its backward.
+
+The unit rule (shown in compile_report.txt):
+  1. An op inside a block -- an element of a ModuleList or Sequential, a
+     module path ending in an index such as `transformer.h.3` -- belongs to
+     that block's unit, when the block reads a parameter.
+  2. Otherwise an op belongs to the unit of its own module (its innermost
+     module path, such as `lm_head` or `conv1`), when that module's ops read
+     a parameter.
+  3. Ops in no such module (functional code in forward(), the loss,
+     parameter-free modules such as ReLU or Dropout) join the unit of the op
+     before them; before the first unit, the first unit.
+Consecutive ops with the same key form one unit; a module whose ops come
+back later (a module called twice) makes a second unit of that name + "#2".
+
+A parameter read by two units (a token embedding tied to the output head)
+is streamed to both; each unit's backward yields its own gradient of it and
+the runner sums them before the one update.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from cs_runtime.compiler.autodiff import FLOAT_DTYPES, backward_nodes, requires_grad
+from cs_runtime.numerics.program import Node, Program, Unit
+
+_INDEX = re.compile(r"^\d+$")
+
+
+def _candidate(module: str) -> str:
+    parts = module.split(".") if module else []
+    for i, part in enumerate(parts):
+        if _INDEX.match(part):
+            return ".".join(parts[:i + 1])
+    return module
+
+
+def unit_keys(program: Program) -> list[str]:
+    """Each forward node's unit key, by the rule above."""
+    candidates = [_candidate(n.module) for n in program.nodes]
+    owning = {c for c, n in zip(candidates, program.nodes) if c and any(i in program.params for i in n.inputs)}
+    keys, previous = [], None
+    for c in candidates:
+        key = c if c in owning else previous
+        keys.append(key)
+        previous = key
+    first = next((k for k in keys if k is not None), "model")
+    return [first if k is None else k for k in keys]
+
+
+def split_units(program: Program, shapes: dict[str, tuple], dtypes: dict[str, str]) -> list[Unit]:
+    """The units in execution order, each with its forward and backward node lists."""
+    keys = unit_keys(program)
+    groups: list[tuple[str, list[Node]]] = []
+    seen: dict[str, int] = {}
+    for key, node in zip(keys, program.nodes):
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(node)
+            continue
+        seen[key] = seen.get(key, 0) + 1
+        groups.append((key if seen[key] == 1 else f"{key}#{seen[key]}", [node]))
+    needs = requires_grad(program, dtypes)
+    later_reads = _reads_after(groups, set(program.outputs.values()))
+    units = []
+    for index, (name, nodes) in enumerate(groups):
+        units.append(_unit(name, nodes, program, needs, later_reads[index], shapes, dtypes))
+    return units
+
+
+def _reads_after(groups, final: set[str]) -> list[set[str]]:
+    """Per group, the values read by the groups after it (plus the program's outputs)."""
+    result, acc = [], set(final)
+    for _, nodes in reversed(groups):
+        result.append(set(acc))
+        for n in nodes:
+            acc.update(n.inputs)
+    return result[::-1]
+
+
+def _unit(name, nodes, program, needs, read_later, shapes, dtypes) -> Unit:
+    produced = {o for n in nodes for o in n.outputs}
+    read = [i for n in nodes for i in n.inputs]
+    params = tuple(dict.fromkeys(i for i in read if i in program.params))
+    reads = tuple(dict.fromkeys(i for i in read if i not in produced and i not in program.params))
+    writes = tuple(o for n in nodes for o in n.outputs if o in read_later)
+    grad_writes = tuple(w for w in writes if w in needs)
+    grad_reads_wanted = {r for r in reads if r in needs}
+    trainable = {p for p in params if program.params[p].dtype in FLOAT_DTYPES}
+    backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs,
+                                     shapes, dtypes)
+    param_grads = {p: grads[p] for p in params if p in grads}
+    input_grads = {r: grads[r] for r in reads if r in grads}
+    fwd_values = produced | set(reads)
+    kept = tuple(dict.fromkeys(i for n in backward for i in n.inputs if i in fwd_values))
+    return Unit(name, params, reads, writes, nodes, backward, grad_writes, tuple(input_grads),
+                param_grads, input_grads, kept)
+
+
+def unit_flops(unit: Unit, shapes: dict[str, tuple]) -> tuple[int, int]:
+    """(forward FLOPs, backward FLOPs ~ 2x forward for the ops that have a backward)."""
+    from cs_runtime.numerics.ops import OPS
+    fwd = sum(OPS[n.op].flops([shapes[i] for i in n.inputs], shapes[n.outputs[0]], n.attrs) for n in unit.forward)
+    bwd = sum(2 * OPS[n.attrs["of"]].flops([tuple(s) for s in n.attrs["shapes"][:-1]], tuple(n.attrs["shapes"][-1]),
+                                           n.attrs["attrs"]) for n in unit.backward if n.op == "vjp")
+    return fwd, bwd
+
+
+def kept_bytes(unit: Unit, shapes: dict[str, tuple], dtypes: dict[str, str]) -> int:
+    return sum(int(np.prod(shapes[k], dtype=np.int64)) * np.dtype(dtypes[k]).itemsize for k in unit.kept)
