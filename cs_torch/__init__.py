@@ -32,7 +32,7 @@ from .nn import CsTorchError
 from .session import JobFailed, Module, Session, dataloader, initialize, manual_seed, module
 
 # The 2.x names, each from the module that holds it; loaded on first use (they need torch).
-_LAZY = {"backend": "backend", "current_backend": "backend", "compile": "tracing", "trace": "tracing",
+_LAZY = {"backend": "backends", "current_backend": "backends", "compile": "tracing", "trace": "tracing",
          "step_closure": "tracing", "checkpoint_closure": "tracing", "save": "saving", "load": "saving",
          "summarize_scalar": "summary"}
 _LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch")

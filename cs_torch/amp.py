@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from .backend import note
+from .backends import note
 from .nn import CsTorchError
 
 HALF_DTYPES = ("float16", "bfloat16", "cbfloat16")

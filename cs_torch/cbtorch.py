@@ -33,7 +33,7 @@ import torch
 from cs_runtime.numerics.executor import forward_backward, run_nodes
 
 from . import capture as capture_mod
-from .backend import backend, current_backend, note
+from .backends import backend, current_backend, note
 from .nn import CsTorchError
 from .tracing import _host_values
 

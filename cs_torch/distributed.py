@@ -1,4 +1,4 @@
 """cstorch.distributed.ClusterConfig (the cluster settings of cstorch.backend)."""
-from .backend import ClusterConfig
+from .backends import ClusterConfig
 
 __all__ = ["ClusterConfig"]

@@ -9,7 +9,7 @@ executor's step number; outside a step, at once.
 """
 from __future__ import annotations
 
-from .backend import note
+from .backends import note
 
 _said = set()
 

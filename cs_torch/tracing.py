@@ -37,7 +37,7 @@ import sys
 import numpy as np
 import torch
 
-from .backend import current_backend
+from .backends import current_backend, note
 from .nn import CsTorchError
 
 # The trace in progress: a _Probe while the step runs eagerly, a _Replay while it is exported.
@@ -79,7 +79,11 @@ class CompiledModel:
 def compile(model: torch.nn.Module, backend=None) -> CompiledModel:  # noqa: A001 (the documented name)
     if not isinstance(model, torch.nn.Module):
         raise CsTorchError(f"compile: expected a torch.nn.Module, got {type(model).__name__}")
-    return CompiledModel(model, backend or current_backend())
+    backend = backend or current_backend()
+    if backend.is_csx:
+        note(f"backend('CSX'): a traced step's program runs in this process on the one executor, unit by unit "
+             f"(the same numbers on any num_csx; num_csx={backend.cluster_config.num_csx} is recorded)")
+    return CompiledModel(model, backend)
 
 
 # ---------------------------------------------------------------- the probe
@@ -154,8 +158,21 @@ class _LossRef:
 LOSS = _LossRef()
 
 
+def _has_tensor(obj) -> bool:
+    if isinstance(obj, (torch.Tensor, _LossRef)):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_tensor(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_has_tensor(o) for o in obj.values())
+    return False
+
+
 def _spec(value, loss, what: str):
-    """value with the loss tensor replaced by LOSS; any other tensor is an error."""
+    """value with the loss tensor replaced by LOSS; any other tensor is an error. Containers
+    without tensors stay the very objects the step gave (a closure may append to a list)."""
+    if not _has_tensor(value):
+        return value
     if isinstance(value, torch.Tensor):
         if value is loss:
             return LOSS
@@ -169,6 +186,8 @@ def _spec(value, loss, what: str):
 
 
 def _materialize(spec, loss_tensor):
+    if not _has_tensor(spec):
+        return spec
     if spec is LOSS:
         return loss_tensor
     if isinstance(spec, (tuple, list)):
@@ -248,8 +267,12 @@ class TracedStep:
 
         example = tuple(leaves[i].detach().clone() for i in tensor_leaves)
         was_training = model.training
+        # An eval step (often under torch.no_grad()) is exported with grad off, so that its
+        # no_grad is no change of mode and leaves nothing in the graph.
+        grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         try:
-            captured = capture_mod.capture(model, tuple(probe.model_args), example, replay_loss)
+            with grad_mode:
+                captured = capture_mod.capture(model, tuple(probe.model_args), example, replay_loss)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"trace: {exc}") from None
         finally:
@@ -317,6 +340,8 @@ def trace(fn) -> TracedStep:
 
 # ---------------------------------------------------------------- closures
 def _host_values(obj):
+    if not _has_tensor(obj):
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, (tuple, list)):

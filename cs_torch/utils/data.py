@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..backend import ClusterConfig, current_backend, note
+from ..backends import ClusterConfig, current_backend, note
 from ..nn import CsTorchError
 
 _current: list = []
