@@ -111,9 +111,11 @@ class GradScaler:
         return self._apply(optimizer, grads, unscale=True)
 
     def _apply(self, optimizer, grads: dict, unscale: bool) -> bool:
-        if unscale:
-            grads = {p: g / np.float32(self.scale_) for p, g in grads.items()}
-        if not all(np.isfinite(g).all() for g in grads.values()):
+        with np.errstate(over="ignore", invalid="ignore"):   # an overflow is what this looks for
+            if unscale:
+                grads = {p: (g.astype(np.float64) / self.scale_).astype(np.float32) for p, g in grads.items()}
+            finite = all(np.isfinite(g).all() for g in grads.values())
+        if not finite:
             self.skipped_steps += 1
             return True
         if self.max_gradient_norm:

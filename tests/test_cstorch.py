@@ -119,3 +119,212 @@ def test_cbtorch_example_matches_torch_eager(num_csx):
     assert_same_weights(model, ref)
     with torch.no_grad():
         assert_close_losses(eval_losses, [loss_fn(ref(x), y).item() for x, y in mlp.input_fn(32, "eval")])
+
+
+# ---------------------------------------------------------------- optimizers, schedules, loss scaling
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("make, make_ref", [
+    (lambda p: cstorch.optim.SGD(p, 0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+     lambda p: torch.optim.SGD(p, 0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (lambda p: cstorch.optim.SGD(p, 0.1, momentum=0.5, dampening=0.1),
+     lambda p: torch.optim.SGD(p, 0.1, momentum=0.5, dampening=0.1)),
+    (lambda p: cstorch.optim.Adam(p, 0.01, eps=1e-8, weight_decay=0.1),
+     lambda p: torch.optim.Adam(p, 0.01, eps=1e-8, weight_decay=0.1)),
+    (lambda p: cstorch.optim.AdamW(p, 0.01, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1),
+     lambda p: torch.optim.AdamW(p, 0.01, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1)),
+])
+def test_optimizers_follow_torch_rules_and_state_dict(make, make_ref):
+    model, ref = _pair()
+    opt, ropt = make(model.parameters()), make_ref(ref.parameters())
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    for _ in range(5):
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    assert_same_weights(model, ref, rel=1e-6)
+    ours, theirs = opt.state_dict(), ropt.state_dict()
+    assert set(ours["state"]) == set(theirs["state"])
+    for key, value in theirs["state"][0].items():
+        assert torch.allclose(torch.as_tensor(ours["state"][0][key]).float(), value.float(), rtol=1e-5), key
+    fresh = make(copy.deepcopy(model).parameters())
+    fresh.load_state_dict(ours)
+    assert fresh.state_dict()["param_groups"] == ours["param_groups"]
+
+
+def test_old_optimizer_spelling_still_makes_memoryx_sections():
+    assert cstorch.optim.SGD(lr=0.1, momentum=0.9).section["optimizer_type"] == "sgd"
+    assert type(cstorch.optim.Adam(torch.nn.Linear(2, 2).parameters(), 0.1)).__module__ == "cs_torch.optimizers"
+
+
+def test_schedules_follow_their_formulas():
+    lr = cstorch.optim.lr_scheduler
+    opt = cstorch.optim.SGD(torch.nn.Linear(2, 2).parameters(), 1.0)
+    assert lr.ConstantLR(opt, 0.3).lr_at(50) == 0.3
+    assert lr.LinearLR(opt, 1.0, 0.0, 10).lr_at(5) == pytest.approx(0.5)
+    assert lr.LinearLR(opt, 1.0, 0.0, 10).lr_at(20) == pytest.approx(0.0)
+    assert lr.ExponentialLR(opt, 1.0, 10, 0.5).lr_at(20) == pytest.approx(0.25)
+    assert lr.ExponentialLR(opt, 1.0, 10, 0.5, staircase=True).lr_at(19) == pytest.approx(0.5)
+    assert lr.CosineDecayLR(opt, 1.0, 0.0, 10).lr_at(5) == pytest.approx(0.5)
+    seq = lr.SequentialLR(opt, [lr.LinearLR(opt, 0.0, 1.0, 4), lr.CosineDecayLR(opt, 1.0, 0.1, 6)], [4])
+    assert [round(seq.lr_at(k), 6) for k in (0, 2, 4, 10)] == [0.0, 0.5, 1.0, 0.1]
+    assert opt.param_groups[0]["lr"] == 0.0   # a scheduler sets step 0's rate when made
+    seq.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25) and seq.get_last_lr() == [pytest.approx(0.25)]
+    with pytest.raises(CsTorchError, match="SequentialLR: 2 schedulers need 1 increasing milestones"):
+        lr.SequentialLR(opt, [seq, seq], [])
+
+
+def _traced_linear(scaler, optimizer_lr=0.1):
+    model = torch.nn.Linear(4, 2)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    opt = cstorch.optim.SGD(model.parameters(), optimizer_lr)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+    return model, step
+
+
+def test_dynamic_loss_scaling_skips_overflowing_steps_and_grows_back():
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0 ** 200, steps_per_increase=2,
+                                    max_loss_scale=2.0 ** 200)
+    model, step = _traced_linear(scaler)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    before = copy.deepcopy(model.state_dict())
+    step(x, y)             # 2**200 overflows float32: the step is skipped and the scale halves
+    assert scaler.skipped_steps == 1 and scaler.scale_value() == 2.0 ** 199
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    scaler.scale_ = 4.0
+    step(x, y)
+    step(x, y)             # two good steps double it
+    assert scaler.scale_value() == 8.0 and scaler.skipped_steps == 1
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- save, load, closures, errors
+def test_load_refuses_a_pickle_that_runs_code(tmp_path):
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+    bad = tmp_path / "evil.mdl"
+    bad.write_bytes(pickle.dumps({"x": Evil()}))
+    with pytest.raises(CsTorchError, match=r"load: .*evil.mdl is not a checkpoint this can load safely"):
+        cstorch.load(bad)
+    with pytest.raises(CsTorchError, match="weights_only=True"):
+        cstorch.load(bad, weights_only=False)
+    cstorch.save({"w": torch.ones(2), "step": 3}, tmp_path / "ok" / "c.mdl")
+    assert cstorch.load(tmp_path / "ok" / "c.mdl")["step"] == 3
+
+
+def test_step_closure_gets_host_tensors_and_checkpoint_closure_keeps_to_its_steps():
+    model = torch.nn.Linear(3, 2)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    opt = cstorch.optim.SGD(model.parameters(), 0.1)
+    seen, saved = [], []
+
+    @cstorch.step_closure
+    def on_loss(loss, tag):
+        seen.append((tag, type(loss).__name__, loss.item()))
+
+    @cstorch.checkpoint_closure
+    def save(step):
+        saved.append(step)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        on_loss(loss, "in-step")
+        loss.backward()
+        opt.step()
+        return {"loss": loss, "tag": 7}
+
+    data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(4)]
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), num_steps=4,
+                                               checkpoint_steps=2)
+    for i, (x, y) in enumerate(executor, start=1):
+        out = step(x, y)
+        assert out["tag"] == 7 and seen[-1][2] == out["loss"].item()
+        if i == 1:
+            with pytest.raises(CsTorchError, match="step 1 is not a checkpoint step"):
+                save(i)
+        if executor.on_checkpoint_step:
+            save(i)
+    assert [s[:2] for s in seen] == [("in-step", "Tensor")] * 4 and saved == [2, 4]
+
+
+def test_a_step_handing_out_another_tensor_fails_in_one_line():
+    compiled = cstorch.compile(torch.nn.Linear(3, 2), cstorch.backend("CPU"))
+
+    @cstorch.trace
+    def step(x, y):
+        out = compiled(x)
+        return torch.nn.functional.cross_entropy(out, y), out
+    with pytest.raises(CsTorchError, match=r"trace: a step without backward\(\) returns exactly one tensor"):
+        step(torch.randn(4, 3), torch.randint(0, 2, (4,)))
+
+
+def test_an_unsupported_op_names_module_and_op():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return torch.cumsum(self.fc(x), dim=1)
+    compiled = cstorch.compile(Odd(), cstorch.backend("CPU"))
+
+    @cstorch.trace
+    def step(x, y):
+        return torch.nn.functional.mse_loss(compiled(x), y)
+    with pytest.raises(CsTorchError, match=r"trace: module <root>: op not supported \(op cumsum"):
+        step(torch.randn(4, 3), torch.randn(4, 2))
+
+
+def test_an_exception_in_the_loop_propagates_and_stops_the_executor():
+    loader = cstorch.utils.data.DataLoader(lambda: [1, 2, 3])
+    executor = cstorch.utils.data.DataExecutor(loader, num_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        for batch in executor:
+            raise KeyboardInterrupt
+    from cs_torch.utils.data import current_executor
+    assert current_executor() is None
+
+
+def test_backend_arguments_it_cannot_honour_say_so(capsys):
+    cstorch.backend("CSX", cluster_config={"num_csx": 2, "max_wgt_servers": 4, "mount_dirs": ["/data"]},
+                    transfer_processes=4)
+    err = capsys.readouterr().err.splitlines()
+    assert any("transfer_processes=4 is not honoured" in line for line in err)
+    assert any("cluster_config.max_wgt_servers=4 is not honoured" in line for line in err)
+    assert any("cluster_config.mount_dirs=['/data'] is not honoured" in line for line in err)
+    with pytest.raises(CsTorchError, match="cannot instantiate multiple backends"):
+        cstorch.backend("CPU")
+    with pytest.raises(CsTorchError, match="unknown setting 'num_wse'"):
+        backends.ClusterConfig.of({"num_wse": 2})
+
+
+def test_cbtorch_session_checks_its_mode():
+    with pytest.raises(CsTorchError, match="mode must be one of train, eval"):
+        cbtorch.Session(None, mode="predict")
+
+
+def test_cs_torch_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import cs_torch\n"
+            "print(cs_torch.optim.SGD(lr=0.1).section['optimizer_type'], cs_torch.Session.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sgd", "Session"]
