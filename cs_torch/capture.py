@@ -162,13 +162,11 @@ class _Lowering:
 
     def _aliases(self) -> dict[str, str]:
         """state_dict keys that share a captured parameter's storage (tied weights)."""
-        by_ptr = {}
-        for name, p in self.model.named_parameters():
-            by_ptr[p.data_ptr()] = name
+        owner_of = {self.model.get_parameter(name).data_ptr(): name for name in self.params}
         aliases = {}
         for key, t in self.model.state_dict(keep_vars=True).items():
-            owner = by_ptr.get(t.data_ptr())
-            if owner is not None and owner in self.params and key != owner:
+            owner = owner_of.get(t.data_ptr())
+            if owner is not None and key != owner:
                 aliases[key] = owner
         return aliases
 

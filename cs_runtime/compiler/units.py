@@ -88,21 +88,27 @@ def _unit(name, nodes, program, needs, read_later, shapes, dtypes) -> Unit:
     grad_writes = tuple(w for w in writes if w in needs)
     grad_reads_wanted = {r for r in reads if r in needs}
     trainable = {p for p in params if program.params[p].dtype in FLOAT_DTYPES}
-    backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs,
-                                     shapes, dtypes)
+    backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs)
     param_grads = {p: grads[p] for p in params if p in grads}
     input_grads = {r: grads[r] for r in reads if r in grads}
     fwd_values = produced | set(reads)
-    kept = tuple(dict.fromkeys(i for n in backward for i in n.inputs if i in fwd_values))
+    read_by_rules, shape_of = [], []
+    for n in backward:
+        flags = n.attrs.get("reads", [True] * (len(n.inputs) - 1))
+        for value, read in zip(n.inputs[1:], flags):
+            if value in fwd_values:
+                (read_by_rules if read else shape_of).append(value)
+    kept = tuple(dict.fromkeys(read_by_rules))
+    shape_only = tuple(v for v in dict.fromkeys(shape_of) if v not in kept)
     return Unit(name, params, reads, writes, nodes, backward, grad_writes, tuple(input_grads),
-                param_grads, input_grads, kept)
+                param_grads, input_grads, kept, shape_only)
 
 
 def unit_flops(unit: Unit, shapes: dict[str, tuple]) -> tuple[int, int]:
     """(forward FLOPs, backward FLOPs ~ 2x forward for the ops that have a backward)."""
     from cs_runtime.numerics.ops import OPS
     fwd = sum(OPS[n.op].flops([shapes[i] for i in n.inputs], shapes[n.outputs[0]], n.attrs) for n in unit.forward)
-    bwd = sum(2 * OPS[n.attrs["of"]].flops([tuple(s) for s in n.attrs["shapes"][:-1]], tuple(n.attrs["shapes"][-1]),
+    bwd = sum(2 * OPS[n.attrs["of"]].flops([shapes[i] for i in n.inputs[1:-1]], shapes[n.inputs[-1]],
                                            n.attrs["attrs"]) for n in unit.backward if n.op == "vjp")
     return fwd, bwd
 
