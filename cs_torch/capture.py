@@ -162,13 +162,11 @@ class _Lowering:
 
     def _aliases(self) -> dict[str, str]:
         """state_dict keys that share a captured parameter's storage (tied weights)."""
-        by_ptr = {}
-        for name, p in self.model.named_parameters():
-            by_ptr[p.data_ptr()] = name
+        owner_of = {self.model.get_parameter(name).data_ptr(): name for name in self.params}
         aliases = {}
         for key, t in self.model.state_dict(keep_vars=True).items():
-            owner = by_ptr.get(t.data_ptr())
-            if owner is not None and owner in self.params and key != owner:
+            owner = owner_of.get(t.data_ptr())
+            if owner is not None and key != owner:
                 aliases[key] = owner
         return aliases
 
@@ -536,3 +534,34 @@ def weights_from_state_dict(state_dict: dict, param_names) -> dict[str, np.ndarr
     if missing:
         raise CaptureError(f"state_dict lacks parameter {missing[0]!r} ({len(missing)} missing)")
     return {n: _numpy(state_dict[n]).astype(np.float32) for n in param_names}
+
+
+# ---------------------------------------------------------------- hand it to run()
+
+def model_spec(name: str, module: torch.nn.Module, example_inputs, example_target, loss_fn,
+               state_dict: dict | None = None):
+    """What a run.py's model_fn returns for a torch model: the captured program as a
+    ModelSpec of weight-streaming units, starting from the module's own weights
+    (or from `state_dict`, a torch state_dict)."""
+    from cs_runtime.compiler.units import program_spec
+    captured = capture(module, example_inputs, example_target, loss_fn)
+    weights = captured.weights if state_dict is None else \
+        weights_from_state_dict(_untied(state_dict, captured.aliases), captured.program.params)
+    spec = program_spec(name, captured.program, captured.units, captured.shapes, captured.dtypes, weights)
+    return spec
+
+
+def _untied(state_dict: dict, aliases: dict[str, str]) -> dict:
+    """A state_dict with a tied parameter under its program name too."""
+    out = dict(state_dict)
+    for key, owner in aliases.items():
+        if owner not in out and key in out:
+            out[owner] = out[key]
+    return out
+
+
+def checkpoint_weights(path: str) -> dict[str, np.ndarray]:
+    """A run's checkpoint as {parameter name: array}, ready for load_into."""
+    from cs_runtime import checkpoint as ckpt
+    state = ckpt.load(path)
+    return {p: w for layer in state.weights.values() for p, w in layer.items()}

@@ -1,11 +1,11 @@
 """The backward program, built from one vector-Jacobian rule per op.
 
     nodes, grads = backward_nodes(forward, wrt={"fc1.weight", "x"}, seeds=["loss"],
-                                  needs_grad=requires_grad(program, dtypes), shapes=shapes, dtypes=dtypes)
+                                  needs_grad=requires_grad(program, dtypes))
 
 Reverse-mode over the forward node list: for each forward node whose output
 has a gradient, one `vjp` node reads (that gradient, the forward inputs, the
-forward output; only those its rule reads, see Op.saves_inputs) and writes a gradient contribution for each input that needs
+forward output; attrs["reads"] marks those its rule reads, see Op.saves_inputs) and writes a gradient contribution for each input that needs
 one; a value read by several nodes gets its contributions summed by one
 `add_n` node. The seed gradients are named "d:<value>" (inputs of the
 backward program); `grads` maps each value of `wrt` to the name of its
@@ -32,8 +32,8 @@ def requires_grad(program: Program, dtypes: dict[str, str]) -> set[str]:
     return needs
 
 
-def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str], needs_grad: set[str],
-                   shapes: dict[str, tuple], dtypes: dict[str, str]) -> tuple[list[Node], dict[str, str]]:
+def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str],
+                   needs_grad: set[str]) -> tuple[list[Node], dict[str, str]]:
     contributions: dict[str, list[str]] = {seed: [f"d:{seed}"] for seed in seeds}
     nodes: list[Node] = []
     counter = iter(range(1 << 30))
@@ -66,15 +66,13 @@ def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str], needs_g
                 outputs.append("")
         if not any(outputs):
             continue
-        # Only what the rule reads is referenced (and so kept from the forward);
-        # of the rest the executor passes stand-ins of the right shape and dtype.
+        # attrs["reads"]: which of (forward inputs..., output) the rule reads; the
+        # rest only lend their shape and dtype (the executor passes stand-ins), so
+        # the forward need not keep them.
         op = OPS[node.op]
-        saved = [name if i in op.saves_inputs else "" for i, name in enumerate(node.inputs)]
-        attrs = {"of": node.op, "attrs": dict(node.attrs),
-                 "shapes": [list(shapes[v]) for v in (*node.inputs, out)],
-                 "dtypes": [dtypes[v] for v in (*node.inputs, out)]}
-        nodes.append(Node("vjp", (g, *saved, out if op.saves_output else ""), tuple(outputs), attrs,
-                          node.module, node.source))
+        reads = [i in op.saves_inputs for i in range(len(node.inputs))] + [op.saves_output]
+        attrs = {"of": node.op, "attrs": dict(node.attrs), "reads": reads}
+        nodes.append(Node("vjp", (g, *node.inputs, out), tuple(outputs), attrs, node.module, node.source))
     grads = {}
     for value in sorted(wrt):
         name = total(value, "", "")

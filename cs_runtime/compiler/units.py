@@ -88,24 +88,71 @@ def _unit(name, nodes, program, needs, read_later, shapes, dtypes) -> Unit:
     grad_writes = tuple(w for w in writes if w in needs)
     grad_reads_wanted = {r for r in reads if r in needs}
     trainable = {p for p in params if program.params[p].dtype in FLOAT_DTYPES}
-    backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs,
-                                     shapes, dtypes)
+    backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs)
     param_grads = {p: grads[p] for p in params if p in grads}
     input_grads = {r: grads[r] for r in reads if r in grads}
     fwd_values = produced | set(reads)
-    kept = tuple(dict.fromkeys(i for n in backward for i in n.inputs if i in fwd_values))
+    read_by_rules, shape_of = [], []
+    for n in backward:
+        flags = n.attrs.get("reads", [True] * (len(n.inputs) - 1))
+        for value, read in zip(n.inputs[1:], flags):
+            if value in fwd_values:
+                (read_by_rules if read else shape_of).append(value)
+    kept = tuple(dict.fromkeys(read_by_rules))
+    shape_only = tuple(v for v in dict.fromkeys(shape_of) if v not in kept)
     return Unit(name, params, reads, writes, nodes, backward, grad_writes, tuple(input_grads),
-                param_grads, input_grads, kept)
+                param_grads, input_grads, kept, shape_only)
 
 
 def unit_flops(unit: Unit, shapes: dict[str, tuple]) -> tuple[int, int]:
     """(forward FLOPs, backward FLOPs ~ 2x forward for the ops that have a backward)."""
     from cs_runtime.numerics.ops import OPS
     fwd = sum(OPS[n.op].flops([shapes[i] for i in n.inputs], shapes[n.outputs[0]], n.attrs) for n in unit.forward)
-    bwd = sum(2 * OPS[n.attrs["of"]].flops([tuple(s) for s in n.attrs["shapes"][:-1]], tuple(n.attrs["shapes"][-1]),
+    bwd = sum(2 * OPS[n.attrs["of"]].flops([shapes[i] for i in n.inputs[1:-1]], shapes[n.inputs[-1]],
                                            n.attrs["attrs"]) for n in unit.backward if n.op == "vjp")
     return fwd, bwd
 
 
 def kept_bytes(unit: Unit, shapes: dict[str, tuple], dtypes: dict[str, str]) -> int:
     return sum(int(np.prod(shapes[k], dtype=np.int64)) * np.dtype(dtypes[k]).itemsize for k in unit.kept)
+
+
+# ---------------------------------------------------------------- the spec every path runs
+
+UNIT_RULE = "The unit rule:" + __doc__[__doc__.index("The unit rule") + len("The unit rule (shown in compile_report.txt):"):__doc__.index("A parameter read by two units")].strip()
+
+
+def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[str, tuple],
+                 dtypes: dict[str, str], weights: dict[str, np.ndarray]):
+    """A ModelSpec whose layers are the program's units (op "program"), with the
+    starting weights. The batch input is the program's first input, the labels its last."""
+    from cs_runtime.numerics.model import LayerSpec, ModelSpec
+    if len(program.inputs) != 2:
+        raise ValueError(f"model {name}: run() feeds one input and the labels; the program takes "
+                         f"{len(program.inputs)} inputs ({', '.join(program.inputs)})")
+    layers = tuple(LayerSpec(u.name, "program", 0, 0, unit={
+        "unit": u.to_meta(), "param_shapes": {p: list(shapes[p]) for p in u.params}}) for u in units)
+    shared = {"inputs": list(program.inputs), "loss": program.outputs["loss"],
+              "values": {v: [list(shapes[v]), dtypes[v]] for v in shapes},   # at the capture's batch
+              "consts": {k: [list(a.shape), str(a.dtype), np.ascontiguousarray(a).tobytes()]
+                         for k, a in program.consts.items()}}
+    return ModelSpec(name, layers, loss="program", program=shared, initial_weights=dict(weights))
+
+
+def unit_table(spec, shapes: dict[str, tuple], dtypes: dict[str, str]) -> list[dict]:
+    """Per unit: its parameters (count; shared ones named), activations kept (bytes), FLOPs."""
+    from cs_runtime.numerics.program_layer import unit_of
+    readers: dict[str, int] = {}
+    for layer in spec.layers:
+        for p in unit_of(layer).params:
+            readers[p] = readers.get(p, 0) + 1
+    rows = []
+    for layer in spec.layers:
+        unit = unit_of(layer)
+        fwd, bwd = unit_flops(unit, shapes)
+        rows.append({"unit": unit.name, "ops": len(unit.forward),
+                     "params": sum(int(np.prod(shapes[p])) for p in unit.params),
+                     "tied": [p for p in unit.params if readers[p] > 1],
+                     "kept_bytes": kept_bytes(unit, shapes, dtypes), "kept": list(unit.kept),
+                     "fwd_flops": fwd, "bwd_flops": bwd})
+    return rows

@@ -35,11 +35,7 @@ def run_node(node: Node, env: dict) -> None:
 def _run_vjp(node: Node, env: dict) -> None:
     """inputs: (upstream gradient, forward inputs..., forward output)."""
     of = node.attrs["of"]
-    shapes, dtypes = node.attrs["shapes"], node.attrs["dtypes"]
-    # A value the rule does not read arrives as a zero-cost stand-in of its shape and dtype.
     g, *fwd, out = (env[name] if name else None for name in node.inputs)
-    fwd = [x if x is not None else _stand_in(s, d) for x, s, d in zip(fwd + [out], shapes, dtypes)]
-    fwd, out = fwd[:-1], fwd[-1]
     grads = OPS[of].vjp(g, fwd, out, node.attrs.get("attrs", {}))
     for name, grad, x in zip(node.outputs, grads, fwd):
         if name:
@@ -51,18 +47,26 @@ def _stand_in(shape, dtype) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape))
 
 
-def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None) -> dict:
+def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
+              shapes_of: set[str] = frozenset(), shapes: dict | None = None) -> dict:
     """Run the nodes in order, adding their outputs to env (returned). With
     `keep`, values last read by a node and not in `keep` are dropped as the
-    run goes (what a unit's forward need not hold for its backward)."""
+    run goes (what a unit's forward need not hold for its backward); the
+    (shape, dtype) of each value in `shapes_of` is noted in `shapes`."""
     nodes = list(nodes)
     last_use = {}
     if keep is not None:
         for i, node in enumerate(nodes):
             for name in node.inputs:
                 last_use[name] = i
+    for name in shapes_of:
+        if name in env:
+            shapes[name] = (env[name].shape, env[name].dtype)
     for i, node in enumerate(nodes):
         run_node(node, env)
+        for name in node.outputs:
+            if name in shapes_of:
+                shapes[name] = (env[name].shape, env[name].dtype)
         if keep is not None:
             for name in node.inputs:
                 if last_use.get(name) == i and name not in keep:
@@ -74,12 +78,17 @@ def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None) ->
 
 def unit_forward(unit, weights: dict, live: dict) -> dict:
     """Run a unit's forward on its parameters and the live values it reads;
-    add what it writes to `live` and return what its backward keeps."""
+    add what it writes to `live` and return what its backward keeps (the values
+    its rules read, and zero-cost stand-ins of those whose shape is all they need)."""
     env = {p: weights[p] for p in unit.params}
     env.update((r, live[r]) for r in unit.reads)
-    run_nodes(unit.forward, env, keep=set(unit.writes) | set(unit.kept))
+    shapes = {}
+    run_nodes(unit.forward, env, keep=set(unit.writes) | set(unit.kept), shapes_of=set(unit.shape_only),
+              shapes=shapes)
     live.update((w, env[w]) for w in unit.writes)
-    return {k: env[k] for k in unit.kept}
+    cache = {k: env[k] for k in unit.kept}
+    cache.update((k, _stand_in(*shapes[k])) for k in unit.shape_only)
+    return cache
 
 
 def unit_backward(unit, weights: dict, cache: dict, live: dict, dlive: dict) -> dict:

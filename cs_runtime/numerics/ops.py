@@ -458,8 +458,25 @@ def _reshape_shape(shapes, attrs):
     return tuple(target)
 
 
-_register("reshape", lambda i, a: i[0].reshape(_reshape_shape([i[0].shape], a)),
-          lambda g, i, o, a: [g.reshape(i[0].shape)], _reshape_shape, _free)
+def _batch_relative(attrs) -> dict:
+    """A captured shape names the capture's batch size in its leading dim: where
+    the running batch differs, that dim follows it (-1). The batch is the leading
+    dim of every input of a captured program."""
+    shape = list(attrs["shape"])
+    if -1 not in shape[1:]:
+        shape[0] = -1
+    return {**attrs, "shape": shape}
+
+
+def _reshape_forward(inputs, attrs):
+    x = inputs[0]
+    try:
+        return x.reshape(_reshape_shape([x.shape], attrs))
+    except OpError:
+        return x.reshape(_reshape_shape([x.shape], _batch_relative(attrs)))
+
+
+_register("reshape", _reshape_forward, lambda g, i, o, a: [g.reshape(i[0].shape)], _reshape_shape, _free)
 
 
 def _flatten_shape(shapes, attrs):
@@ -514,7 +531,15 @@ def _expand_shape(shapes, attrs):
     return tuple(target)
 
 
-_register("expand", lambda i, a: np.broadcast_to(i[0], _expand_shape([i[0].shape], a)),
+def _expand_forward(inputs, attrs):
+    x = inputs[0]
+    try:
+        return np.broadcast_to(x, _expand_shape([x.shape], attrs))
+    except OpError:
+        return np.broadcast_to(x, _expand_shape([x.shape], _batch_relative(attrs)))
+
+
+_register("expand", _expand_forward,
           lambda g, i, o, a: [unbroadcast(g, i[0].shape)], _expand_shape, _free)
 
 

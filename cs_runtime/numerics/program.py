@@ -208,6 +208,7 @@ class Unit:
     param_grads: dict[str, str]
     input_grads: dict[str, str]
     kept: tuple[str, ...]            # forward values the backward reads (held between the passes)
+    shape_only: tuple[str, ...] = ()  # forward values whose shape alone the backward needs
 
     def to_meta(self) -> dict:
         nodes = lambda ns: [[n.op, list(n.inputs), list(n.outputs), _plain(n.attrs), n.module, n.source]  # noqa
@@ -216,7 +217,7 @@ class Unit:
                 "writes": list(self.writes), "forward": nodes(self.forward), "backward": nodes(self.backward),
                 "grad_writes": list(self.grad_writes), "grad_reads": list(self.grad_reads),
                 "param_grads": dict(self.param_grads), "input_grads": dict(self.input_grads),
-                "kept": list(self.kept)}
+                "kept": list(self.kept), "shape_only": list(self.shape_only)}
 
     @classmethod
     def from_meta(cls, m) -> "Unit":
@@ -226,7 +227,7 @@ class Unit:
             unit = cls(_name(m["name"]), names("params"), names("reads"), names("writes"),
                        [_node(n) for n in m["forward"]], [_node(n) for n in m["backward"]],
                        names("grad_writes"), names("grad_reads"), mapping("param_grads"),
-                       mapping("input_grads"), names("kept"))
+                       mapping("input_grads"), names("kept"), names("shape_only"))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             if isinstance(exc, ProgramError):
                 raise
@@ -239,10 +240,14 @@ class Unit:
         defined = set(self.params) | set(self.reads)
         for node in self.forward:
             _check_node(node, defined, self.name)
+        forward_values = set(defined)
         defined |= {f"d:{v}" for v in self.grad_writes}
         for node in self.backward:
             _check_node(node, defined, self.name)
-        for produced in (*self.writes, *self.kept, *self.param_grads.values(), *self.input_grads.values()):
+        for value in (*self.writes, *self.kept, *self.shape_only):
+            if value not in forward_values:
+                raise ProgramError(f"unit {self.name}: {value!r} is not a value of its forward")
+        for produced in (*self.param_grads.values(), *self.input_grads.values()):
             if produced not in defined:
                 raise ProgramError(f"unit {self.name}: {produced!r} is never defined")
 

@@ -1,0 +1,132 @@
+"""Torch is the oracle: a captured torch model trained on the CPU path (the
+same model_forward / model_loss / model_backward / Optimizer calls
+chief/cpu_executor.py makes) against torch eager on the same module, the
+same batches and the same optimizer; loss at every step and every weight
+after 50 steps within 1e-5 relative (float32)."""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
+F = torch.nn.functional
+
+from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss  # noqa: E402
+from cs_runtime.numerics.optim import Optimizer  # noqa: E402
+from cs_torch.capture import CaptureError, load_into, model_spec  # noqa: E402
+from tests import torch_models  # noqa: E402
+
+STEPS = 50
+LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
+
+
+def _batches(kind, rng, steps, batch):
+    if kind == "mlp":
+        return [(rng.standard_normal((batch, 12)).astype(np.float32), rng.integers(0, 5, batch))
+                for _ in range(steps)]
+    if kind == "cnn":
+        return [(rng.standard_normal((batch, 1, 14, 14)).astype(np.float32), rng.integers(0, 10, batch))
+                for _ in range(steps)]
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(1, 30, (batch, 12))
+        if kind == "bert":
+            lengths = rng.integers(5, 13, batch)
+            ids[np.arange(12)[None, :] >= lengths[:, None]] = 0     # padding at the end
+            labels = np.where(ids == 0, -100, rng.integers(1, 30, (batch, 12)))
+        else:
+            labels = np.roll(ids, -1, axis=1)
+            labels[:, -1] = -1
+        out.append((ids, labels))
+    return out
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return torch_models.MLP(), F.cross_entropy
+    if kind == "cnn":
+        return torch_models.LeNet(), F.cross_entropy
+    if kind == "bert":
+        return torch_models.TinyBert(), torch_models.token_loss
+    from examples.torch_gpt.model import GPT, GPTConfig, gpt_loss
+    return GPT(GPTConfig(vocab_size=30, block_size=12, n_layer=2, n_head=2, n_embd=16)), gpt_loss
+
+
+def _torch_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR[kind], momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=LR[kind])
+    return torch.optim.AdamW(params, lr=LR[kind], weight_decay=0.01)
+
+
+def _ours(kind):
+    return Optimizer(kind, momentum=0.9 if kind == "sgd" else 0.0, weight_decay=0.01 if kind == "adamw" else 0.0)
+
+
+def train_cpu_path(spec, batches, opt_kind):
+    weights = init_weights(spec, seed=0)
+    optimizer = _ours(opt_kind)
+    state = {name: optimizer.init_state(w) for name, w in weights.items()}
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        ctx = ShardContext(0, step, len(x), slice(0, len(x)), True, labels=y)
+        live, caches = model_forward(spec, x, weights, ctx)
+        result = model_loss(spec, live, y, len(x))
+        grads = model_backward(spec, result.delta, caches, weights, step)
+        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR[opt_kind], step, None)
+        losses.append(result.loss)
+    return losses, weights
+
+
+def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32):
+    optimizer = _torch_optimizer(opt_kind, module.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        x = x.astype(dtype) if x.dtype.kind == "f" else x
+        loss = loss_fn(module(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _torch_float_spread(module, loss_fn, batches, opt, reference32) -> dict[str, float]:
+    """Per parameter, how far torch's own float64 run ends from its float32 one."""
+    eager64 = copy.deepcopy(module).double()
+    train_torch(eager64, loss_fn, batches, opt, dtype=np.float64)
+    return {n: float(np.abs(t.detach().numpy() - reference32[n]).max()) for n, t in eager64.state_dict().items()
+            if n in reference32}
+
+
+@pytest.mark.parametrize("kind,opt", [("mlp", "sgd"), ("cnn", "adam"), ("gpt", "adamw"), ("bert", "adam"),
+                                      ("gpt", "sgd")])
+def test_cpu_path_matches_torch_eager(kind, opt):
+    module, loss_fn = _model(kind)
+    batches = _batches(kind, np.random.default_rng(1), STEPS, batch=6)
+    x0, y0 = batches[0]
+    spec = model_spec(kind, module, (torch.from_numpy(x0),), torch.from_numpy(y0), loss_fn)
+    eager = copy.deepcopy(module)
+    ours, weights = train_cpu_path(spec, batches, opt)
+    theirs = train_torch(eager, loss_fn, batches, opt)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    final = {p: w for layer in weights.values() for p, w in layer.items()}
+    reference = {n: t.detach().numpy() for n, t in eager.state_dict().items()}
+    assert set(final) <= set(reference)
+    assert len(final) == len(list(eager.parameters()))
+    spread = _torch_float_spread(module, loss_fn, batches, opt, reference) if opt != "sgd" else {}
+    for name, w in final.items():
+        # Adam turns float32 noise in a gradient that is zero in exact arithmetic (the
+        # attention key bias) into full steps, in torch too: such a tensor is held to
+        # three times torch's own float32-vs-float64 spread (two float32 runs land
+        # anywhere within twice it of each other, give or take).
+        atol = max(1e-5 * float(np.abs(reference[name]).max()), 3 * spread.get(name, 0.0))
+        np.testing.assert_allclose(w, reference[name], rtol=1e-5, atol=atol, err_msg=name)
+    # A tied parameter is held by each unit that reads it: every copy took the same updates.
+    for name in final:
+        copies = [layer[name] for layer in weights.values() if name in layer]
+        assert all(np.array_equal(c, copies[0]) for c in copies), name
+    if kind == "gpt":
+        assert sum("lm_head.weight" in layer for layer in weights.values()) == 2
