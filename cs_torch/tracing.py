@@ -37,7 +37,7 @@ import sys
 import numpy as np
 import torch
 
-from .backends import current_backend, note
+from .backends import current_backend
 from .nn import CsTorchError
 
 # The trace in progress: a _Probe while the step runs eagerly, a _Replay while it is exported.
@@ -80,9 +80,6 @@ def compile(model: torch.nn.Module, backend=None) -> CompiledModel:  # noqa: A00
     if not isinstance(model, torch.nn.Module):
         raise CsTorchError(f"compile: expected a torch.nn.Module, got {type(model).__name__}")
     backend = backend or current_backend()
-    if backend.is_csx:
-        note(f"backend('CSX'): a traced step's program runs in this process on the one executor, unit by unit "
-             f"(the same numbers on any num_csx; num_csx={backend.cluster_config.num_csx} is recorded)")
     return CompiledModel(model, backend)
 
 
@@ -249,12 +246,25 @@ class TracedStep:
         self.effects = [self._effect_spec(e, probe.loss) for e in probe.effects]
         self.training = any(e[0] in ("opt_step", "scaler_step") for e in self.effects)
         fn, non_tensors = self.fn, list(leaves)
+        from .utils.data import current_executor
+        executor = current_executor()
+        pair = executor is not None and executor.on_cluster
+        if pair:   # the CS system streams one input and the labels: the program takes exactly those
+            if len(tensor_leaves) != 2 or len(self.model_arg_leaves) != 1:
+                raise CsTorchError(f"trace: with a CSX backend {self.fn.__name__} takes two tensors, the model's "
+                                   "input and the labels, and calls the compiled model with the first")
+            target_leaf = next(i for i in tensor_leaves if i != self.model_arg_leaves[0])
+            non_tensors[self.model_arg_leaves[0]] = _sentinel(leaves[self.model_arg_leaves[0]])
+        self.input_leaves = self.model_arg_leaves + (([target_leaf]) if pair else tensor_leaves)
 
         def replay_loss(model_output, step_tensors):
             replay = _Replay(model_output)
             values = list(non_tensors)
-            for index, tensor in zip(tensor_leaves, step_tensors):
-                values[index] = tensor
+            if pair:
+                values[target_leaf] = step_tensors
+            else:
+                for index, tensor in zip(tensor_leaves, step_tensors):
+                    values[index] = tensor
             _active["replay"] = replay
             try:
                 with _Patched():
@@ -265,7 +275,8 @@ class TracedStep:
                 replay.loss = next(v for v in _flat_values(result) if isinstance(v, torch.Tensor))
             return replay.loss
 
-        example = tuple(leaves[i].detach().clone() for i in tensor_leaves)
+        example = leaves[target_leaf].detach().clone() if pair else \
+            tuple(leaves[i].detach().clone() for i in tensor_leaves)
         was_training = model.training
         # An eval step (often under torch.no_grad()) is exported with grad off, so that its
         # no_grad is no change of mode and leaves nothing in the graph.
@@ -277,6 +288,10 @@ class TracedStep:
             raise CsTorchError(f"trace: {exc}") from None
         finally:
             model.train(was_training)
+        if pair and any(_is_sentinel(c) for c in captured.program.consts.values()):
+            raise CsTorchError(f"trace: {self.fn.__name__} uses the model's input outside the model; on the CS "
+                               "system the step's loss may read the model's output and the labels only")
+        self.captured = captured
         self.engine = StepEngine(captured, model)
         program = captured.program
         print(f"cs_torch: compiled {self.fn.__name__}: {len(program.nodes)} ops, {len(program.params)} parameters, "
@@ -296,21 +311,40 @@ class TracedStep:
 
     # ------------------------------------------------------------ one step
     def _run(self, leaves):
-        arrays = [_host(leaves[i]) for i in self.model_arg_leaves] + [_host(leaves[i]) for i in self.tensor_leaves]
+        run = self._cluster_run()
+        if run is not None:
+            loss, applied = run.step()   # the batch is the workers'; the arguments are this step's copy
+            return self._effects(loss, {}, cluster_applied=applied)
+        arrays = [_host(leaves[i]) for i in self.input_leaves]
         scaler = next((e[1] for e in self.effects if e[0] == "scaler_step"), None)
         if self.training:
             seed = scaler.scale_value() if scaler is not None else 1.0
             loss, grads = self.engine.train(arrays, seed)
         else:
             loss, grads = self.engine.evaluate(arrays), {}
-        loss_tensor = torch.tensor(loss, dtype=torch.float32)
+        return self._effects(loss, grads)
+
+    def _cluster_run(self):
+        from .utils.data import current_executor
+        executor = current_executor()
+        if executor is None or not executor.on_cluster:
+            if self.compiled.backend.is_csx:
+                raise CsTorchError(f"trace: with a CSX backend, call {self.fn.__name__} inside a loop over a "
+                                   "cstorch.utils.data.DataExecutor (its input workers feed the CS system)")
+            return None
+        return executor.cluster_run(self)
+
+    def _effects(self, loss: float, grads: dict, cluster_applied: bool | None = None):
+        """The step's recorded effects, in order, with its values. On the CS system MemoryX
+        has applied the update already (cluster_applied says whether it did)."""
         from . import summary
-        found_inf = False
+        loss_tensor = torch.tensor(loss, dtype=torch.float32)
+        found_inf = cluster_applied is False
         for effect in self.effects:
             kind = effect[0]
-            if kind == "opt_step":
+            if kind == "opt_step" and cluster_applied is None:
                 effect[1].apply(grads)
-            elif kind == "scaler_step":
+            elif kind == "scaler_step" and cluster_applied is None:
                 found_inf = effect[1].step_with(effect[2], grads)
             elif kind == "scaler_update":
                 effect[1].update_with(found_inf)
@@ -321,6 +355,21 @@ class TracedStep:
             elif kind == "summary":
                 summary.write_scalar(effect[1], _materialize(effect[2], loss_tensor))
         return _materialize(self.returned, loss_tensor)
+
+
+_SENTINEL_INT = -987654321
+
+
+def _sentinel(t: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the model's input in the replay: if the loss reads it, it shows up in the
+    program's constants (and the step is refused), never silently baked in."""
+    return torch.full_like(t, float("nan") if t.is_floating_point() else _SENTINEL_INT)
+
+
+def _is_sentinel(array: np.ndarray) -> bool:
+    if np.issubdtype(array.dtype, np.floating):
+        return bool(np.isnan(array).any())
+    return bool(np.issubdtype(array.dtype, np.integer) and (array == _SENTINEL_INT).any())
 
 
 def _flat_values(obj):
@@ -376,6 +425,8 @@ def checkpoint_closure(fn):
                                f"checkpoint step (checkpoint_steps={executor.checkpoint_steps})")
         if probing() is not None or replaying() is not None:
             raise CsTorchError(f"checkpoint_closure {fn.__name__}: call it outside the traced step")
+        if executor is not None:
+            executor.sync_weights()   # on the CS system: the trained weights into the module first
         return fn(*args, **kwargs)
     return closure
 

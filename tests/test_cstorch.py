@@ -24,14 +24,10 @@ def fresh_backend(tmp_path, monkeypatch):
     backends.reset_backend()
 
 
-def batches(loader, steps):
-    out = []
-    while len(out) < steps:
-        for batch in loader:
-            out.append(batch)
-            if len(out) == steps:
-                break
-    return out
+def batches(input_fn, *args, steps=None):
+    """The batches a DataExecutor's loop got: with a CSX backend those the input workers streamed."""
+    loader = cstorch.utils.data.DataLoader(input_fn, *args)
+    return list(cstorch.utils.data.DataExecutor(loader, num_steps=steps))
 
 
 def assert_close_losses(got, want):
@@ -46,9 +42,9 @@ def assert_same_weights(model, ref, rel=1e-4):
         assert float((a - b).abs().max()) <= rel * scale, name
 
 
-def eager_train(model, optimizer, loader, steps, loss_of, scheduler=None):
+def eager_train(model, optimizer, data, loss_of, scheduler=None):
     losses = []
-    for x, y in batches(loader, steps):
+    for x, y in data:
         optimizer.zero_grad()
         loss = loss_of(model(x), y)
         loss.backward()
@@ -65,12 +61,12 @@ def test_mlp_example_matches_torch_eager(num_csx):
     losses, eval_losses, model = mlp.main(steps=24, num_csx=num_csx, log=lambda *a: None)
     torch.manual_seed(1)
     ref = mlp.MLP()
-    opt = torch.optim.SGD(ref.parameters(), 0.05, momentum=0.9, nesterov=True)
+    opt = torch.optim.SGD(ref.parameters(), 0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    assert_close_losses(losses, eager_train(ref, opt, mlp.input_fn(32, "train"), 24, loss_fn))
+    assert_close_losses(losses, eager_train(ref, opt, batches(mlp.input_fn, 32, "train", steps=24), loss_fn))
     assert_same_weights(model, ref)
     with torch.no_grad():
-        want = [loss_fn(ref(x), y).item() for x, y in mlp.input_fn(32, "eval")]
+        want = [loss_fn(ref(x), y).item() for x, y in batches(mlp.input_fn, 32, "eval")]
     assert_close_losses(eval_losses, want)
 
 
@@ -80,7 +76,8 @@ def test_cnn_example_matches_torch_eager_and_checkpoints_load(num_csx, tmp_path)
     torch.manual_seed(2)
     ref = cnn.CNN()
     opt = torch.optim.Adam(ref.parameters(), 2e-3, eps=1e-8)
-    assert_close_losses(losses, eager_train(ref, opt, cnn.input_fn(16), 12, torch.nn.CrossEntropyLoss()))
+    assert_close_losses(losses, eager_train(ref, opt, batches(cnn.input_fn, 16, steps=12),
+                                            torch.nn.CrossEntropyLoss()))
     assert_same_weights(model, ref)
     saved = sorted(p.name for p in (tmp_path / "cnn").iterdir())
     assert saved == ["checkpoint_10.mdl", "checkpoint_12.mdl"]
@@ -99,7 +96,7 @@ def test_gpt2_example_with_warmup_matches_torch_eager(num_csx, tmp_path):
     ref = gpt2.GPT2()
     opt = torch.optim.AdamW(ref.parameters(), 3e-3, eps=1e-8, weight_decay=0.01)
     sched = gpt2.schedule(opt, warmup=steps // 4, total=steps)   # cstorch's schedules drive torch's optimizer
-    want = eager_train(ref, opt, gpt2.input_fn(8), steps,
+    want = eager_train(ref, opt, batches(gpt2.input_fn, 8, steps=steps),
                        lambda logits, y: torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
                                                                            y.reshape(-1)), sched)
     assert_close_losses(losses, want)
@@ -115,7 +112,7 @@ def test_cbtorch_example_matches_torch_eager(num_csx):
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     loader = mlp.input_fn(32, "train")
-    assert_close_losses(losses, eager_train(ref, opt, loader, 2 * len(loader), loss_fn))
+    assert_close_losses(losses, eager_train(ref, opt, [b for _ in range(2) for b in loader], loss_fn))
     assert_same_weights(model, ref)
     with torch.no_grad():
         assert_close_losses(eval_losses, [loss_fn(ref(x), y).item() for x, y in mlp.input_fn(32, "eval")])

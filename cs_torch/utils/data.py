@@ -8,14 +8,18 @@
     for step, batch in enumerate(executor, start=1):
         loss = training_step(*batch)
 
-`input_fn` returns a torch DataLoader (or any iterable of batches). The
-executor iterates it, epoch after epoch, for num_steps batches (one epoch
-when num_steps is None), and knows which steps are checkpoint steps.
-Batches are made in this process: the traced step's program runs here on
-the one executor (see docs/cstorch.md for what a CSX backend does).
+`input_fn` returns a torch DataLoader. With a CPU backend the executor
+iterates it here, epoch after epoch, for num_steps batches (one epoch when
+num_steps is None). With a CSX backend the loop is one job of the CS system
+(cs_torch/cluster_step.py): its input workers call input_fn themselves and
+stream the WSEs the global batches of the project's batch plan (a pure
+function of the step, shuffled when the torch loader shuffles); the loop
+gets the same batches, made here from the same data set. input_fn must then
+be a top-level function with JSON arguments (the workers import it by name).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from ..backends import ClusterConfig, current_backend, note
@@ -95,6 +99,50 @@ class DataExecutor:
         if profiler_activities:
             note("DataExecutor: profiler_activities is not honoured (see docs/running.md for traces)")
         self.user_iteration = 0
+        self.on_cluster = False
+        self._runs: dict = {}
+
+    # ------------------------------------------------------------ the CS system (CSX backend)
+    def cluster_run(self, traced):
+        """The job that runs this traced step for this loop (started on its first step)."""
+        from ..cluster_step import ClusterRun
+        run = self._runs.get(traced)
+        if run is None:
+            if self._runs:
+                raise CsTorchError("DataExecutor: one traced step per loop on the CS system (a loop is one job)")
+            run = self._runs[traced] = ClusterRun(traced, self)
+        return run
+
+    def worker_batch(self, index: int):
+        from ..data import Batch
+        return Batch(self._worker_loader, index)
+
+    def _plan_batches(self):
+        """The global batches the input workers stream, as torch tensors, step after step."""
+        import torch
+        from cs_runtime.data.inputs import InputStream, fetch
+        from .. import session as session_mod
+        from ..cluster_step import arrays_of, worker_loader
+        seed = session_mod._seed
+        self._worker_loader = worker_loader(self.dataloader, seed)
+        section = type("Section", (), {"batch_size": self._worker_loader.batch_size,
+                                       "shuffle": self._worker_loader.shuffle,
+                                       "drop_last_batch": self._worker_loader.drop_last,
+                                       "seed": lambda _self, run_seed: seed})()
+        stream = InputStream.build("train", arrays_of(self.dataloader.loader), section, seed)
+        for step in itertools.count():
+            x, y = fetch(stream.dataset, stream.plan.global_indices(step))
+            yield torch.from_numpy(x), torch.from_numpy(y)
+
+    def sync_weights(self) -> None:
+        """The weights (and optimizer state) of this loop's jobs into the torch module."""
+        for run in self._runs.values():
+            run.sync()
+
+    def _finish_runs(self, exc) -> None:
+        runs, self._runs = list(self._runs.values()), {}
+        for run in runs:
+            run.finish(exc)
 
     @property
     def total_steps(self) -> int:
@@ -118,19 +166,34 @@ class DataExecutor:
     def __iter__(self):
         total = self.total_steps
         self.user_iteration = 0
+        self.on_cluster = self.backend.is_csx and not (self.backend.compile_only or self.backend.validate_only)
         _current.append(self)
+        exc = None
         try:
-            while self.user_iteration < total:
-                produced = False
-                for batch in self.dataloader:
-                    produced = True
-                    self.user_iteration += 1
-                    yield batch
-                    if self.user_iteration >= total:
-                        break
-                if not produced:
-                    raise CsTorchError("DataExecutor: the data loader produced no batch")
+            source = self._plan_batches() if self.on_cluster else self._epochs()
+            for batch in source:
+                self.user_iteration += 1
+                yield batch
+                if self.user_iteration >= total:
+                    break
+        except GeneratorExit:   # the loop was left (break, or an exception between steps): steps done are kept
+            raise
+        except BaseException as error:
+            exc = error
+            raise
         finally:
             _current.remove(self)
-            if self.writer is not None:
-                self.writer.flush()
+            try:
+                self._finish_runs(exc)   # every process of the job stops, however the loop ended
+            finally:
+                if self.writer is not None:
+                    self.writer.flush()
+
+    def _epochs(self):
+        while True:
+            produced = False
+            for batch in self.dataloader:
+                produced = True
+                yield batch
+            if not produced:
+                raise CsTorchError("DataExecutor: the data loader produced no batch")
