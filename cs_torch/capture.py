@@ -67,8 +67,10 @@ class _WithLoss(torch.nn.Module):
 def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn) -> Captured:
     """The program of `loss_fn(model(*example_inputs), example_target)` at these shapes."""
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
+    examples = tuple(t.clone() for t in (*inputs, example_target))
     try:
-        exported = torch.export.export(_WithLoss(model, loss_fn), (*inputs, example_target))
+        exported = torch.export.export(_WithLoss(model, loss_fn), examples)
     except Exception as exc:  # torch raises many types; the user needs the one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export could not trace the model: {first}") from exc

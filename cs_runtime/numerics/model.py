@@ -104,6 +104,15 @@ class ModelSpec:
             d["program"] = self.program
         return d
 
+    def describe(self) -> dict:
+        """What a checkpoint records of the model (JSON): to_dict, or for a compiled
+        program its units' names and parameter shapes (the program is the run's, not the file's)."""
+        if self.program is None:
+            return self.to_dict()
+        return {"name": self.name, "loss": self.loss, "precision": self.precision,
+                "units": [{"name": l.name, "params": {p: list(s) for p, s in l.param_shapes().items()}}
+                          for l in self.layers]}
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])

@@ -76,6 +76,19 @@ def loss(spec, live: dict, rows: int, global_batch: int):
     return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value)
 
 
+def has_tied(spec) -> bool:
+    """Whether a parameter is read by more than one layer of the spec."""
+    if spec.program is None:
+        return False
+    seen: set[str] = set()
+    for layer in spec.layers:
+        names = set(param_shapes(layer))
+        if names & seen:
+            return True
+        seen |= names
+    return False
+
+
 def tie_grads(spec, grads: list[dict]) -> list[dict]:
     """Every copy of a parameter read by several layers gets the sum of their gradients."""
     owners: dict[str, list[int]] = {}
