@@ -276,7 +276,7 @@ class TracedStep:
             return replay.loss
 
         example = leaves[target_leaf].detach().clone() if pair else \
-            tuple(leaves[i].detach().clone() for i in tensor_leaves)
+            _Tensors(leaves[i].detach().clone() for i in tensor_leaves)
         was_training = model.training
         # An eval step (often under torch.no_grad()) is exported with grad off, so that its
         # no_grad is no change of mode and leaves nothing in the graph.
@@ -355,6 +355,13 @@ class TracedStep:
             elif kind == "summary":
                 summary.write_scalar(effect[1], _materialize(effect[2], loss_tensor))
         return _materialize(self.returned, loss_tensor)
+
+
+class _Tensors(tuple):
+    """Every tensor of the step, passed to capture as its target (capture copies it with clone())."""
+
+    def clone(self):
+        return tuple(t.clone() for t in self)
 
 
 _SENTINEL_INT = -987654321
