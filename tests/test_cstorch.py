@@ -1,5 +1,7 @@
 """The Cerebras PyTorch API (2.x: import cs_torch as cstorch; 1.x: cs_torch.cbtorch) against torch eager."""
 import copy
+import os
+import signal
 import subprocess
 import sys
 
@@ -336,3 +338,58 @@ def test_tied_gradients_are_unscaled_once_per_layer():
     grads = tie_grads(spec, [{"wte": np.full(3, 2.0, np.float32)}, {"wte": np.full(3, 6.0, np.float32)}])
     assert unscale_and_check(grads, 4.0)
     assert [float(g["wte"][0]) for g in grads] == [2.0, 2.0]   # (2 + 6) / 4 in both layers
+
+
+# ---------------------------------------------------------------- lifecycle on the CS system
+def _small_csx_loop(on_step):
+    """A two-layer MLP trained on the CS system (1 WSE); on_step(step) runs after each step."""
+    cstorch.backend("CSX")
+    model = mlp.MLP(hidden=16)
+    compiled = cstorch.compile(model)
+    opt = cstorch.optim.SGD(model.parameters(), 0.05)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    for i, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32),
+                                                               num_steps=1000), start=1):
+        step(x, y)
+        on_step(i)
+
+
+def _job_processes():
+    from tests.test_api import job_processes
+    return job_processes(os.getpid())
+
+
+def test_a_dead_wse_in_a_cstorch_loop_raises_one_error_and_stops_the_job():
+    from tests.cluster_utils import alive
+    seen = {}
+
+    def kill_wse(i):
+        if i == 2:
+            seen["procs"] = _job_processes()
+            os.kill(next(pid for pid, args in seen["procs"] if "-m wse" in args), signal.SIGKILL)
+    with pytest.raises(cstorch.JobFailed, match=r"wse 0 on \S+ \(pid \d+\) exited with signal SIGKILL"):
+        _small_csx_loop(kill_wse)
+    assert len(seen["procs"]) == 4   # memoryx, swarmx, the WSE, the input worker
+    assert [pid for pid, _ in seen["procs"] if alive(pid)] == []
+
+
+def test_an_exception_in_a_cstorch_loop_stops_every_process():
+    from tests.cluster_utils import alive
+    seen = {}
+
+    def boom(i):
+        if i == 2:
+            seen["procs"] = _job_processes()
+            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        _small_csx_loop(boom)
+    assert len(seen["procs"]) == 4
+    assert [pid for pid, _ in seen["procs"] if alive(pid)] == []
+    assert _job_processes() == []
