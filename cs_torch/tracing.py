@@ -22,10 +22,12 @@ How a step is captured, once, on its first call:
    of the step as its loss function (the model's output fed in, every
    tensor argument of the step a program input), so whatever the step
    computes between the model and `backward()` is part of the program.
-3. Every call (the first included) then runs the program on the one
-   executor, unit by unit, and does the recorded effects in their order
-   with the values it computed: the optimizer applies the gradients, the
-   closures get the loss as a host tensor.
+3. Every call (the first included) then runs the program -- with a CSX
+   backend as a job of the CS system (cluster_step.py: MemoryX applies the
+   update), with a CPU backend here on the one executor, unit by unit --
+   and does the recorded effects in their order with the values it
+   computed: the optimizer applies the gradients (CPU), the schedulers
+   step, the closures get the loss as a host tensor.
 
 What a step may return or hand a closure: the loss, or plain Python values.
 """
