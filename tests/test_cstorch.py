@@ -94,15 +94,25 @@ def test_cnn_example_matches_torch_eager_and_checkpoints_load(num_csx, tmp_path)
 def test_gpt2_example_with_warmup_matches_torch_eager(num_csx, tmp_path):
     steps = 12
     losses, model = gpt2.main(steps=steps, num_csx=num_csx, model_dir=str(tmp_path / "g"), log=lambda *a: None)
-    torch.manual_seed(3)
-    ref = gpt2.GPT2()
-    opt = torch.optim.AdamW(ref.parameters(), 3e-3, eps=1e-8, weight_decay=0.01)
-    sched = gpt2.schedule(opt, warmup=steps // 4, total=steps)   # cstorch's schedules drive torch's optimizer
-    want = eager_train(ref, opt, batches(gpt2.input_fn, 8, steps=steps),
-                       lambda logits, y: torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
-                                                                           y.reshape(-1)), sched)
+    data = batches(gpt2.input_fn, 8, steps=steps)
+
+    def eager(dtype):
+        torch.manual_seed(3)
+        ref = gpt2.GPT2().to(dtype)
+        opt = torch.optim.AdamW(ref.parameters(), 3e-3, eps=1e-8, weight_decay=0.01)
+        sched = gpt2.schedule(opt, warmup=steps // 4, total=steps)   # cstorch's schedules drive torch's AdamW
+        lm_loss = lambda logits, y: torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),  # noqa
+                                                                      y.reshape(-1))
+        return ref, eager_train(ref, opt, data, lm_loss, sched)
+    ref, want = eager(torch.float32)
     assert_close_losses(losses, want)
-    assert_same_weights(model, ref, rel=1e-3)   # AdamW turns float32 noise into steps (docs/cstorch.md)
+    # AdamW turns float32 noise in a gradient that is zero in exact arithmetic (the attention's key
+    # bias) into whole steps, in torch too: such a tensor is held to torch's own float32-vs-float64 spread.
+    ref64, _ = eager(torch.float64)
+    for (name, a), (_, b), (_, c) in zip(model.state_dict().items(), ref.state_dict().items(),
+                                         ref64.state_dict().items()):
+        spread = float((b.double() - c).abs().max())
+        assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) + 2 * spread, name
     assert list((tmp_path / "g" / "train").iterdir()), "no TensorBoard events written"
 
 
