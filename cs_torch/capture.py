@@ -182,9 +182,9 @@ class _Lowering:
     def error(self, what: str) -> CaptureError:
         node = self.fx_node
         where = _module_path(node) or "<root>"
-        target = getattr(node.target, "__name__", str(node.target))
+        target = str(node.target)
         line = _source(node)
-        return CaptureError(f"module {where}: {what} (op {target}{', at ' + line if line else ''})")
+        return CaptureError(f"module {where}: op {target}{' at ' + line if line else ''}: {what}")
 
     def _is_const(self, arg) -> bool:
         if isinstance(arg, torch.fx.Node):
@@ -217,7 +217,7 @@ class _Lowering:
         packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
         lower = _LOWER.get(packet)
         if lower is None:
-            raise self.error("op not supported")
+            raise self.error("not in the op set (docs/torch.md lists the supported ops)")
         result = lower(self, node, *node.args, **node.kwargs)
         self.names[node] = result
 

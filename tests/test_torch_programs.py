@@ -130,3 +130,85 @@ def test_cpu_path_matches_torch_eager(kind, opt):
         assert all(np.array_equal(c, copies[0]) for c in copies), name
     if kind == "gpt":
         assert sum("lm_head.weight" in layer for layer in weights.values()) == 2
+
+
+class _Cumulative(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), dim=1)
+
+
+def test_unsupported_op_fails_at_capture_naming_module_op_and_line():
+    with pytest.raises(CaptureError) as info:
+        model_spec("bad", _Cumulative(), (torch.zeros(2, 4),), torch.zeros(2, dtype=torch.long), F.cross_entropy)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("module <root>: ") and "aten.cumsum" in message, message
+    assert "test_torch_programs.py:" in message, message
+
+
+def test_validate_only_reports_an_unsupported_op_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import torch\nimport torch.nn.functional as F\n"
+        "from cs_runtime.data.mnist import load_mnist\nfrom cs_runtime.runner import run\n"
+        "from cs_torch.capture import model_spec\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.head = torch.nn.Linear(784, 10)\n"
+        "    def forward(self, x):\n        return torch.cumsum(self.head(x), dim=1)\n"
+        "def model_fn(params):\n"
+        "    return model_spec('m', M(), (torch.zeros(8, 784),), torch.zeros(8, dtype=torch.long), F.cross_entropy)\n"
+        "run(model_fn, lambda p: load_mnist(None, 'train'))\n")
+    params = tmp_path / "params.yaml"
+    params.write_text("train_input:\n  batch_size: 8\n")
+    result = subprocess.run([sys.executable, str(script), "--mode", "train", "--params", str(params), "--model_dir",
+                             str(tmp_path / "m"), "--validate_only"], capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parent.parent)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "module <root>" in errors[0] and "aten.cumsum" in errors[0] and "run.py:11" in errors[0], errors
+
+
+def test_program_crosses_the_wire_as_data_and_is_validated():
+    import msgpack
+    from cs_runtime.numerics.model import ModelSpec
+    from cs_runtime.numerics.program import ProgramError, Unit
+    module, loss_fn = _model("gpt")
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    spec = model_spec("gpt", module, (ids,), ids, loss_fn)
+    wire = msgpack.packb(spec.to_dict(), use_bin_type=True)
+    back = ModelSpec.from_dict(msgpack.unpackb(wire, raw=False))
+    assert [l.param_shapes() for l in back.layers] == [l.param_shapes() for l in spec.layers]
+    x = np.random.default_rng(0).integers(0, 30, (2, 12))
+    weights = init_weights(spec, 0)
+    for s in (spec, back):
+        ctx = ShardContext(0, 0, 2, slice(0, 2), True, labels=x)
+        live, _ = model_forward(s, x, weights, ctx)
+        assert np.isfinite(model_loss(s, live, x, 2).loss)
+    meta = spec.layers[2].unit["unit"]
+    for broken in ({**meta, "forward": [["os.system", ["x"], ["y"], {}, "", ""]]},
+                   {**meta, "forward": meta["forward"][1:]},
+                   {**meta, "forward": [[*meta["forward"][0][:3], {"attrs": object()}, "", ""]]}):
+        with pytest.raises(ProgramError):
+            Unit.from_meta(broken)
+
+
+def test_a_torch_state_dict_starts_a_run_and_weights_load_back():
+    module, loss_fn = _model("gpt")
+    other, _ = _model("gpt")
+    torch.nn.init.normal_(other.transformer.wpe.weight)
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    spec = model_spec("gpt", module, (ids,), ids, loss_fn, state_dict=other.state_dict())
+    weights = init_weights(spec, 0)
+    assert np.array_equal(weights["transformer.wpe"]["transformer.wpe.weight"],
+                          other.transformer.wpe.weight.detach().numpy())
+    fresh, _ = _model("gpt")
+    load_into(fresh, {p: w for layer in weights.values() for p, w in layer.items()},
+              {"transformer.wte.weight": "lm_head.weight"})
+    for name, t in other.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name

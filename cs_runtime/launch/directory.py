@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 5.0     # a peer silent this long is declared hung
+# A peer that said it is leaving (its work done, the process exiting) may take this
+# long to exit before it counts as hung: an interpreter with torch loaded takes
+# seconds to tear down on a busy machine.
+LEAVING_GRACE = 60.0
 REGISTER_TIMEOUT = 120.0    # generous: a cold start imports numpy, zmq, ...
 DIRECTORY_MAX_FRAME = 1024 * 1024
 
@@ -41,6 +45,7 @@ class Peer:
     pid: int
     endpoints: dict
     last_seen: float = field(default_factory=time.monotonic)
+    leaving: bool = False
 
     def as_dict(self) -> dict:
         return {"role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
@@ -95,6 +100,7 @@ class DirectoryServer:
         peer = self.peers.get((msg.meta["role"], msg.meta["rank"]))
         if peer is not None:
             peer.last_seen = time.monotonic()
+            peer.leaving = bool(msg.meta.get("leaving", False))
         self._send(identity, self.status())
 
     def status(self) -> Message:
@@ -123,7 +129,8 @@ class DirectoryServer:
 
     def silent_peers(self, timeout: float = HEARTBEAT_TIMEOUT) -> list[Peer]:
         now = time.monotonic()
-        return [p for p in self.peers.values() if now - p.last_seen > timeout]
+        return [p for p in self.peers.values()
+                if now - p.last_seen > (max(timeout, LEAVING_GRACE) if p.leaving else timeout)]
 
     def close(self) -> None:
         self.endpoint.close()
@@ -198,6 +205,7 @@ class Heartbeat(threading.Thread):
         self.ctx, self.address, self.role, self.rank, self.job = ctx, address, role, rank, job
         self.on_failure = on_failure or _exit_now
         self.stopped = threading.Event()
+        self.said_leaving = threading.Event()
 
     def run(self) -> None:
         endpoint = Endpoint(self.ctx, zmq.DEALER, "heartbeat", self.job).connect(self.address)
@@ -218,8 +226,15 @@ class Heartbeat(threading.Thread):
                 if time.monotonic() - last_answer > HEARTBEAT_TIMEOUT * 2:
                     return self.on_failure(f"directory at {self.address} stopped answering")
                 self.stopped.wait(HEARTBEAT_INTERVAL / 2)
+            # The last heartbeat says this process is leaving, so the time it takes
+            # to exit is not mistaken for a hang.
+            endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank, "leaving": True}))
+            endpoint.recv(int(HEARTBEAT_INTERVAL * 1000))
         finally:
+            self.said_leaving.set()
             endpoint.close()
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.is_alive():
+            self.said_leaving.wait(HEARTBEAT_TIMEOUT)
