@@ -152,7 +152,9 @@ class CompiledModule(torch.nn.Module):
 def module(model: torch.nn.Module, device=None) -> CompiledModule:
     if not isinstance(model, torch.nn.Module):
         raise CsTorchError(f"cbtorch.module: expected a torch.nn.Module, got {type(model).__name__}")
-    current_backend()
+    if current_backend().is_csx:
+        note("cbtorch.module: a 1.x model's program runs in this process, not on the CS system (a 1.x loop is "
+             "not one function, so its loss cannot be captured into the program; the 2.x API runs there)")
     return CompiledModule(model)
 
 

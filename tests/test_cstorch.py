@@ -403,3 +403,44 @@ def test_an_exception_in_a_cstorch_loop_stops_every_process():
     assert len(seen["procs"]) == 4
     assert [pid for pid, _ in seen["procs"] if alive(pid)] == []
     assert _job_processes() == []
+
+
+def test_ctrl_c_in_a_cstorch_script_stops_every_process(tmp_path):
+    from tests.cluster_utils import REPO, alive, kill_tree
+    from tests.test_api import job_processes
+    cmd = [sys.executable, str(REPO / "examples" / "cstorch" / "mlp.py"), "--steps", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 10:"):
+                break
+        procs = job_processes(proc.pid)
+        assert len(procs) == 4, procs     # the script's input_fn is imported by the worker from __main__'s file
+        proc.send_signal(signal.SIGINT)
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) != 0
+        assert "KeyboardInterrupt" in output
+        assert [pid for pid, _ in procs if alive(pid)] == []
+    finally:
+        kill_tree(proc)
+
+
+@pytest.mark.parametrize("flag", ["compile_only", "validate_only"])
+def test_compile_only_captures_and_runs_no_step(flag, capsys):
+    cstorch.backend("CSX", **{flag: True})
+    model = mlp.MLP()
+    before = copy.deepcopy(model.state_dict())
+    compiled = cstorch.compile(model)
+    opt = cstorch.optim.SGD(model.parameters(), 0.1)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32), num_steps=50)
+    results = [step(x, y) for x, y in executor]
+    assert results == [None]                     # one batch, captured, nothing run
+    assert "compiled step: 6 ops, 6 parameters, 3 weight-streaming units" in capsys.readouterr().err
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -12,7 +12,7 @@ from examples.cstorch.mlp import MLP, input_fn
 
 def main(epochs=2, num_csx=1, batch_size=32, log=print):
     torch.manual_seed(1)
-    cbtorch.initialize(cs_ip="localhost:9000", compile_dir="compile", num_csx=num_csx)
+    cbtorch.initialize(compile_dir="compile", num_csx=num_csx)
     device = cbtorch.device()
     model = cbtorch.module(MLP(), device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
