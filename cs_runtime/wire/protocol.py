@@ -280,6 +280,10 @@ def _fields_typed(layer) -> bool:
     """Every field of a LayerSpec of the type it is declared with (sizes never negative)."""
     for f in dataclasses.fields(layer):
         value = getattr(layer, f.name)
+        if f.name == "unit":   # a compiled program's unit: validated by ModelSpec.from_dict (Unit.from_meta)
+            if value is not None and not isinstance(value, dict):
+                return False
+            continue
         if not (_is(value, _FIELD_TYPES[f.type]) if f.type != "bool" else isinstance(value, bool)):
             return False
         if f.type == "int" and f.name != "pad_id" and value < 0:
