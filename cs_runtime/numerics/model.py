@@ -118,9 +118,8 @@ class ModelSpec:
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])
         spec = cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
                    precision=str(d.get("precision", "float32")), program=d.get("program"))
-        for layer in spec.layers:
-            if layer.op == "program":
-                program_layer.unit_of(layer)   # validated as it arrives, before any step
+        if spec.program is not None:
+            program_layer.check(spec)   # validated as it arrives, before any step
         return spec
 
     @property

@@ -36,6 +36,24 @@ def unit_of(layer) -> Unit:
     return cached[1]
 
 
+def check(spec) -> None:
+    """A program spec from the wire: its shared data well formed and every layer's unit valid."""
+    shared = spec.program
+    if not (isinstance(shared, dict) and isinstance(shared.get("inputs"), list) and len(shared["inputs"]) == 2
+            and all(isinstance(n, str) for n in shared["inputs"]) and isinstance(shared.get("loss"), str)
+            and isinstance(shared.get("consts"), dict) and isinstance(shared.get("values", {}), dict)):
+        raise ProgramError(f"model {spec.name}: malformed program data")
+    shared_values(spec)
+    for layer in spec.layers:
+        if layer.op != "program":
+            raise ProgramError(f"model {spec.name}: layer {layer.name} is not a program unit")
+        unit_of(layer)
+        shapes = layer.unit.get("param_shapes")
+        if not (isinstance(shapes, dict) and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
+                                                for s in shapes.values())):
+            raise ProgramError(f"layer {layer.name}: malformed parameter shapes")
+
+
 def param_shapes(layer) -> dict[str, tuple[int, ...]]:
     return {name: tuple(int(d) for d in shape) for name, shape in layer.unit["param_shapes"].items()}
 

@@ -280,7 +280,7 @@ def _fields_typed(layer) -> bool:
     """Every field of a LayerSpec of the type it is declared with (sizes never negative)."""
     for f in dataclasses.fields(layer):
         value = getattr(layer, f.name)
-        if f.type == "dict | None":   # a program layer's unit: ModelSpec.from_dict validated it
+        if f.name == "unit":   # a compiled program's unit: validated by ModelSpec.from_dict (Unit.from_meta)
             if value is not None and not isinstance(value, dict):
                 return False
             continue
