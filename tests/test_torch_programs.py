@@ -232,3 +232,23 @@ def test_units_follow_the_rule_and_the_report_shows_them():
     block = rows["transformer.h.0"].split()
     assert int(block[2].replace(",", "")) == sum(p.numel() for p in module.transformer.h[0].parameters())
     assert float(block[4]) > 0   # forward MFLOP of a block
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_eval_counts_right_predictions_of_the_counted_labels(kind):
+    module, loss_fn = _model(kind)
+    x, y = _batches(kind, np.random.default_rng(3), 1, batch=6)[0]
+    spec = model_spec(kind, module, (torch.from_numpy(x),), torch.from_numpy(y), loss_fn)
+    ctx = ShardContext(0, 0, 6, slice(0, 6), False, labels=y)
+    live, _ = model_forward(spec, x, init_weights(spec, 0), ctx)
+    result = model_loss(spec, live, y, 6)
+    with torch.no_grad():
+        logits = module(torch.from_numpy(x)).reshape(-1, 30 if kind == "gpt" else 5).numpy()
+    flat = y.reshape(-1)
+    counted = flat != (-1 if kind == "gpt" else -100)
+    assert result.count == int(counted.sum())
+    assert counted.all() == (kind == "mlp")   # the GPT's last position has no next token
+    assert result.correct == int(((logits.argmax(-1) == flat) & counted).sum())
+    assert result.loss_sum == pytest.approx(float(loss_fn(torch.from_numpy(logits.reshape(*y.shape, -1)
+                                                                             if kind == "gpt" else logits),
+                                                          torch.from_numpy(y))) * result.count, rel=1e-5)
