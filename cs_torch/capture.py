@@ -132,7 +132,12 @@ class _Lowering:
                 loss = self._value(out)
         names = [*(f"input{i}" for i in range(len(user_inputs) - 1)), "target"]
         rename = dict(zip(user_inputs, names))
-        program = _renamed(Program(self.params, self.inputs, self.consts, self.nodes, {"loss": loss}), rename)
+        outputs = {"loss": loss}
+        last = self.nodes[-1] if self.nodes else None
+        if last is not None and last.outputs[0] == loss and last.op == "cross_entropy":
+            # The scores a classification loss reads: eval counts the predictions they get right.
+            outputs["logits"] = last.inputs[0]
+        program = _renamed(Program(self.params, self.inputs, self.consts, self.nodes, outputs), rename)
         program.validate()
         shapes, dtypes = infer_values(program)
         if shapes[program.outputs["loss"]] != ():

@@ -212,3 +212,43 @@ def test_a_torch_state_dict_starts_a_run_and_weights_load_back():
               {"transformer.wte.weight": "lm_head.weight"})
     for name, t in other.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], t), name
+
+
+def test_units_follow_the_rule_and_the_report_shows_them():
+    from cs_runtime.compiler import program_report
+    module, loss_fn = _model("gpt")
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    spec = model_spec("gpt", module, (ids,), ids, loss_fn)
+    assert [l.name for l in spec.layers] == ["transformer.wte", "transformer.wpe", "transformer.h.0",
+                                             "transformer.h.1", "transformer.ln_f", "lm_head"]
+    holders = [l.name for l in spec.layers if "lm_head.weight" in l.param_shapes()]
+    assert holders == ["transformer.wte", "lm_head"]
+    values = spec.program["values"]
+    shapes, dtypes = {k: tuple(v[0]) for k, v in values.items()}, {k: v[1] for k, v in values.items()}
+    text = program_report.render(spec, shapes, dtypes, 2)
+    assert "The unit rule:" in text and "ModuleList or Sequential" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("transformer.", "lm_head "))}
+    assert rows["lm_head"].rstrip().endswith("lm_head.weight")
+    block = rows["transformer.h.0"].split()
+    assert int(block[2].replace(",", "")) == sum(p.numel() for p in module.transformer.h[0].parameters())
+    assert float(block[4]) > 0   # forward MFLOP of a block
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_eval_counts_right_predictions_of_the_counted_labels(kind):
+    module, loss_fn = _model(kind)
+    x, y = _batches(kind, np.random.default_rng(3), 1, batch=6)[0]
+    spec = model_spec(kind, module, (torch.from_numpy(x),), torch.from_numpy(y), loss_fn)
+    ctx = ShardContext(0, 0, 6, slice(0, 6), False, labels=y)
+    live, _ = model_forward(spec, x, init_weights(spec, 0), ctx)
+    result = model_loss(spec, live, y, 6)
+    with torch.no_grad():
+        logits = module(torch.from_numpy(x)).reshape(-1, 30 if kind == "gpt" else 5).numpy()
+    flat = y.reshape(-1)
+    counted = flat != (-1 if kind == "gpt" else -100)
+    assert result.count == int(counted.sum())
+    assert counted.all() == (kind == "mlp")   # the GPT's last position has no next token
+    assert result.correct == int(((logits.argmax(-1) == flat) & counted).sum())
+    assert result.loss_sum == pytest.approx(float(loss_fn(torch.from_numpy(logits.reshape(*y.shape, -1)
+                                                                             if kind == "gpt" else logits),
+                                                          torch.from_numpy(y))) * result.count, rel=1e-5)

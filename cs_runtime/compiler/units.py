@@ -133,10 +133,19 @@ def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[st
     layers = tuple(LayerSpec(u.name, "program", 0, 0, unit={
         "unit": u.to_meta(), "param_shapes": {p: list(shapes[p]) for p in u.params}}) for u in units)
     shared = {"inputs": list(program.inputs), "loss": program.outputs["loss"],
+              # A classification loss's scores, and its ignored label: what eval's accuracy counts
+              "logits": program.outputs.get("logits", ""),
+              "ignore_index": _ignore_index(program),
               "values": {v: [list(shapes[v]), dtypes[v]] for v in shapes},   # at the capture's batch
               "consts": {k: [list(a.shape), str(a.dtype), np.ascontiguousarray(a).tobytes()]
                          for k, a in program.consts.items()}}
     return ModelSpec(name, layers, loss="program", program=shared, initial_weights=dict(weights))
+
+
+def _ignore_index(program: Program) -> int:
+    loss = program.outputs["loss"]
+    node = next((n for n in program.nodes if n.outputs[0] == loss), None)
+    return int(node.attrs.get("ignore_index", -100)) if node is not None else -100
 
 
 def unit_table(spec, shapes: dict[str, tuple], dtypes: dict[str, str]) -> list[dict]:

@@ -381,8 +381,8 @@ def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_b
     model the mean over each sample's labelled tokens, and eval counts tokens.
     A compiled program computed its loss already (`logits` are its live values)."""
     if spec.program is not None:
-        share, delta, value = program_layer.loss(spec, logits, len(labels), global_batch)
-        return LossResult(share, delta, 0, value * len(labels), len(labels))
+        share, delta, value, correct, count = program_layer.loss(spec, logits, labels, global_batch)
+        return LossResult(share, delta, correct, value * count, count)
     if logits.ndim == 2:
         loss, delta, correct = softmax_cross_entropy(logits, labels, global_batch)
         return LossResult(loss, delta, correct, loss * global_batch, len(labels))

@@ -40,6 +40,7 @@ def check(spec) -> None:
     """A program spec from the wire: its shared data well formed and every layer's unit valid."""
     shared = spec.program
     if not (isinstance(shared, dict) and isinstance(shared.get("inputs"), list) and len(shared["inputs"]) == 2
+            and isinstance(shared.get("logits", ""), str) and isinstance(shared.get("ignore_index", -100), int)
             and all(isinstance(n, str) for n in shared["inputs"]) and isinstance(shared.get("loss"), str)
             and isinstance(shared.get("consts"), dict) and isinstance(shared.get("values", {}), dict)):
         raise ProgramError(f"model {spec.name}: malformed program data")
@@ -86,12 +87,22 @@ def backward(spec, index: int, delta: dict, cache, weights: dict):
     return (dlive if index > 0 else None), grads
 
 
-def loss(spec, live: dict, rows: int, global_batch: int):
-    """(this shard's share of the global mean, the delta that starts backward, the shard's loss)."""
+def loss(spec, live: dict, labels: np.ndarray, global_batch: int):
+    """(this shard's share of the global mean, the delta that starts backward, the
+    shard's loss, predictions right, labels counted). With a classification loss the
+    counts are of its scores' argmax against the labels it does not ignore; else of rows."""
     name = spec.program["loss"]
     value = live[name]
+    rows = len(labels)
     weight = rows / global_batch
-    return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value)
+    correct, count = 0, rows
+    logits = live.get(spec.program.get("logits") or "")
+    if logits is not None and logits.ndim and logits.size // logits.shape[-1] == labels.size:
+        flat = labels.reshape(-1)
+        counted = flat != spec.program.get("ignore_index", -100)
+        scores = logits.reshape(-1, logits.shape[-1])
+        correct, count = int(((scores.argmax(axis=-1) == flat) & counted).sum()), int(counted.sum())
+    return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value), correct, count
 
 
 def has_tied(spec) -> bool:
