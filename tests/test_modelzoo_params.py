@@ -363,6 +363,15 @@ def test_no_weight_decay_of_biases_and_norm_gains() -> None:
         assert np.allclose(w["bias"], 1.0 if exclude else 0.95) and np.allclose(w["ln_gain"], w["bias"])
 
 
+def test_norm_weights_of_captured_torch_models_are_not_decayed_either() -> None:
+    opt = Optimizer("adamw", weight_decay=0.1, exclude_bias_and_norm=True)
+    spared = ["blocks.0.ln_1.weight", "ln_f.weight", "norm.weight", "bn1.weight", "layernorm.weight", "ln1_gain",
+              "h.0.attn.c_attn.bias"]
+    decayed = ["weight", "h.0.attn.c_attn.weight", "tokens", "decoder_weight", "fc_weight", "lnx"]
+    assert [opt.decay_of(n) for n in spared] == [0.0] * len(spared)
+    assert [opt.decay_of(n) for n in decayed] == [0.1] * len(decayed)
+
+
 def test_max_predictions_per_seq_caps_the_masked_tokens() -> None:
     tokens = load_corpus(None, "train")
     capped = BertDataset(tokens, 64, 0.3, seed=1, max_predictions=3).get(np.arange(16))[1]

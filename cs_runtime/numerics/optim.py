@@ -5,20 +5,26 @@ or the WSE in pipelined mode). PyTorch semantics, so results are familiar:
 - adam:  g += wd * w;  bias-corrected first/second moments
 - adamw: w *= 1 - lr * wd (decoupled), then adam without the wd term
 - max_gradient_norm: clip by the global norm over every layer (clip_grad_norm_)
-- exclude_bias_and_norm: no weight decay of biases and normalisation gains and
-  biases (parameter names ending in "bias" or "gain"), as the model zoo groups them
+- exclude_bias_and_norm: no weight decay of biases and normalisation weights
+  (names ending in "bias" or "gain", or a torch norm layer's "weight"), as the
+  model zoo groups them
 
 Updates are in place (out=) so a step allocates no weight-sized temporaries.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
 from cs_runtime import spans
 from cs_runtime.numerics.precision import unscale_and_check
 
+# A normalisation layer's weight in a captured torch model's state_dict names
+# (ln_1.weight, norm.weight, layernorm.weight, bn1.weight); this project's own
+# layers call theirs *_gain.
+NORM_WEIGHT = re.compile(r"(^|[._])(ln|bn|norm|layer_?norm|batch_?norm)[^.]*\.weight$", re.IGNORECASE)
 UPDATE_CHUNK = 1 << 15   # elements of a parameter updated at a time (128 KB per array: in L2 cache)
 
 
@@ -78,7 +84,7 @@ class Optimizer:
 
     def decay_of(self, name: str) -> float:
         """The weight decay of the parameter called `name`."""
-        if self.exclude_bias_and_norm and name.endswith(("bias", "gain")):
+        if self.exclude_bias_and_norm and (name.endswith(("bias", "gain")) or NORM_WEIGHT.search(name)):
             return 0.0
         return self.weight_decay
 
