@@ -127,6 +127,7 @@ def tie_grads(spec, grads: list[dict]) -> list[dict]:
     for name, layers in owners.items():
         if len(layers) > 1:
             total = sum(np.asarray(grads[i][name], dtype=np.float32) for i in layers)
-            for i in layers:
-                grads[i] = {**grads[i], name: total}
+            for n, i in enumerate(layers):
+                # each layer its own copy: a later in-place step (unscaling) must touch each once
+                grads[i] = {**grads[i], name: total if n == 0 else total.copy()}
     return grads
