@@ -108,6 +108,8 @@ def manual_seed(seed: int) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise CsTorchError(f"manual_seed: seed must be a non-negative integer, got {seed!r}")
     _seed = seed
+    if "torch" in sys.modules:   # a torch model's initial weights (the 2.x API); torch stays optional
+        sys.modules["torch"].manual_seed(seed)
 
 
 class Module:
@@ -152,7 +154,7 @@ def model_section(spec: ModelSpec) -> dict:
             or len({(l.activation, l.dropout) for l in hidden}) != 1 or layers[-1].dropout:
         return {}
     return {"input_size": layers[0].in_features, "hidden_sizes": [l.out_features for l in hidden],
-            "num_classes": layers[-1].out_features, "activation": hidden[0].activation,
+            "num_classes": layers[-1].out_features, "activation_fn": hidden[0].activation,
             "dropout": hidden[0].dropout}
 
 

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 5.0     # a peer silent this long is declared hung
+# A peer that said it is leaving (its work done, the process exiting) may take this
+# long to exit before it counts as hung: an interpreter with torch loaded takes
+# seconds to tear down on a busy machine.
+LEAVING_GRACE = 60.0
 REGISTER_TIMEOUT = 120.0    # generous: a cold start imports numpy, zmq, ...
 REGISTER_PER_TASK_S = 0.25  # and more per task: a launcher starts its tasks one after another
 SERVE_BATCH = 256           # messages handled per serve_once before the owner's loop runs again
@@ -44,6 +48,7 @@ class Peer:
     endpoints: dict
     last_seen: float = field(default_factory=time.monotonic)
     beating: bool = False   # its heartbeats have started (a busy start may delay the first)
+    leaving: bool = False   # its last heartbeat said it is exiting
 
     def as_dict(self) -> dict:
         return {"role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
@@ -116,6 +121,7 @@ class DirectoryServer:
         peer = self.peers.get((msg.meta["role"], msg.meta["rank"]))
         if peer is not None:
             peer.last_seen, peer.beating = time.monotonic(), True
+            peer.leaving = bool(msg.meta.get("leaving", False))
         self._send(identity, self.status())
 
     def status(self) -> Message:
@@ -149,7 +155,13 @@ class DirectoryServer:
         once wait for their connections' handshakes)."""
         now = time.monotonic()
         first_timeout = timeout if first_timeout is None else first_timeout
-        return [p for p in self.peers.values() if now - p.last_seen > (timeout if p.beating else first_timeout)]
+        return [p for p in self.peers.values() if now - p.last_seen > self._allowance(p, timeout, first_timeout)]
+
+    @staticmethod
+    def _allowance(peer: Peer, timeout: float, first_timeout: float) -> float:
+        if peer.leaving:
+            return max(timeout, LEAVING_GRACE)
+        return timeout if peer.beating else first_timeout
 
     def close(self) -> None:
         self.endpoint.close()
@@ -221,6 +233,7 @@ class Heartbeat(threading.Thread):
         self.ctx, self.address, self.role, self.rank, self.job = ctx, address, role, rank, job
         self.on_failure = on_failure or _exit_now
         self.stopped = threading.Event()
+        self.said_leaving = threading.Event()
 
     def run(self) -> None:
         endpoint = Endpoint(self.ctx, zmq.DEALER, "heartbeat", self.job).connect(self.address)
@@ -243,8 +256,15 @@ class Heartbeat(threading.Thread):
                     return self.on_failure(f"directory at {self.address} stopped answering")
                 next_beat = max(next_beat, time.monotonic())  # late (a stall): beat now, no burst of beats
                 self.stopped.wait(max(0.0, next_beat - time.monotonic()))
+            # The last heartbeat says this process is leaving, so the time it takes
+            # to exit is not mistaken for a hang.
+            endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank, "leaving": True}))
+            endpoint.recv(int(HEARTBEAT_INTERVAL * 1000))
         finally:
+            self.said_leaving.set()
             endpoint.close()
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.is_alive():
+            self.said_leaving.wait(HEARTBEAT_TIMEOUT)
