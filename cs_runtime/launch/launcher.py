@@ -114,9 +114,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 class JobFailed(Exception):
-    def __init__(self, reason: str, retryable: bool = True):
+    """`code`: the launcher's exit code (EXIT_BAD_INPUT when a process said its input is bad)."""
+
+    def __init__(self, reason: str, retryable: bool = True, code: int = 1):
         super().__init__(reason)
-        self.retryable = retryable
+        self.retryable, self.code = retryable, code
 
 
 class Supervisor:
@@ -139,7 +141,7 @@ class Supervisor:
         self.interrupted = f"interrupted by {signal.Signals(signum).name}"
 
     def run(self, extra_check=None) -> int:
-        """Serve until the finisher exits 0 (returns 0) or anything fails (returns 1)."""
+        """Serve until the finisher exits 0 (returns 0) or anything fails (returns the failure's code)."""
         try:
             while True:
                 self.directory.serve_once(100)
@@ -154,7 +156,7 @@ class Supervisor:
             self.directory.failure = str(failure)
             self._drain_status(1.0)
             print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
-            return 1
+            return failure.code
         finally:
             self.group.stop_all()
             self.directory.close()
@@ -167,10 +169,14 @@ class Supervisor:
             raise JobFailed(self.interrupted, retryable=False)
         # A process killed by a signal is the cause; exits with an error code
         # seen at the same time are usually its peers reacting to it.
-        failed = sorted((rc for rc in self.group.exited() if rc[1] != 0), key=lambda t: t[1] >= 0)
+        # Bad input next: it is what the other exits react to, and it must not be restarted.
+        failed = sorted((rc for rc in self.group.exited() if rc[1] != 0),
+                        key=lambda t: (t[1] >= 0, t[1] != EXIT_BAD_INPUT))
         if failed:
             task, rc = failed[0]
-            raise JobFailed(f"{task.label} exited with {describe_exit(rc)}", retryable=rc != EXIT_BAD_INPUT)
+            bad_input = rc == EXIT_BAD_INPUT
+            raise JobFailed(f"{task.label} exited with {describe_exit(rc)}", retryable=not bad_input,
+                            code=EXIT_BAD_INPUT if bad_input else 1)
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
             if (peer.role, peer.rank) in {(t.role, t.rank) for t, _ in self.group.exited()}:
                 continue  # exited cleanly (a worker that finished its plan)
@@ -203,4 +209,6 @@ def describe_exit(rc: int) -> str:
             return f"signal {signal.Signals(-rc).name}"
         except ValueError:
             return f"signal {-rc}"
+    if rc == EXIT_BAD_INPUT:
+        return f"exit code {rc} (bad input, named in its line above; not restarted)"
     return f"exit code {rc}"
