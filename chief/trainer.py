@@ -97,22 +97,13 @@ class Trainer:
 
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
-        path = self.args.checkpoint_path
-        restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
-        if restarted and ckpt.latest(self.model_dir) is not None:
-            # A restarted job goes on from where it got to, not from where it began.
-            path = None
-        if path is None:
-            found = ckpt.latest(self.model_dir)
-            if found is not None:
-                log.info("Found checkpoint %s in model_dir: resuming from it", found)
-                path = found
         optimizer = Optimizer(**optimizer_spec(self.params))
-        if path is None:
+        found = self.checkpoint_to_resume()
+        if found is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
             return ckpt.Checkpoint(0, 0, weights, opt_state, {})
-        state = ckpt.load(path)
+        state, path = found
         expected = {l.name: l.param_shapes() for l in self.spec.layers}
         ckpt.check_compatible(state, expected, path)
         for layer, params in state.weights.items():
@@ -125,6 +116,23 @@ class Trainer:
             self.scaler.load_state_dict(state.meta["loss_scaler"])
         log.info("Restored checkpoint %s at global step %d", path, state.global_step)
         return state
+
+    def checkpoint_to_resume(self) -> tuple[ckpt.Checkpoint, Path] | None:
+        """--checkpoint_path, else (and always on a restart) the newest checkpoint
+        in model_dir that loads; each newer one skipped is said, with why."""
+        path = self.args.checkpoint_path
+        restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
+        if path is not None and not (restarted and ckpt.latest(self.model_dir) is not None):
+            return ckpt.load(path), Path(path)
+        # A restarted job goes on from where it got to, not from where it began.
+        found = ckpt.load_newest(self.model_dir)
+        if found is None:
+            return None
+        state, path, skipped = found
+        for reason in skipped:
+            log.warning("skipping %s; resuming from an older one", reason)
+        log.info("Found checkpoint %s in model_dir: resuming from it", path)
+        return state, path
 
     # ------------------------------------------------------------ the run
     def run(self) -> None:

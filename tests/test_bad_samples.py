@@ -181,4 +181,4 @@ def test_the_cs_system_names_the_worker_step_and_sample_and_never_restarts(tmp_p
         assert re.search(rf"wse1 ERROR bad input from input worker 1: train step {BAD_STEP + 1}, "
                          rf"sample {BAD_ROW} of the global batch: {re.escape(why)}$", bad[0]), bad[0]
     failed = [l for l in out.splitlines() if "job failed" in l]
-    assert len(failed) == 1 and "exited with exit code 2 (bad input" in failed[0], out[-3000:]
+    assert len(failed) == 1 and "exited with exit code 2 (its line above says why" in failed[0], out[-3000:]

@@ -210,5 +210,5 @@ def describe_exit(rc: int) -> str:
         except ValueError:
             return f"signal {-rc}"
     if rc == EXIT_BAD_INPUT:
-        return f"exit code {rc} (bad input, named in its line above; not restarted)"
+        return f"exit code {rc} (its line above says why; a restart would fail alike)"
     return f"exit code {rc}"
