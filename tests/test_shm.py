@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cs_runtime.wire import shm
-from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode
+from cs_runtime.wire.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import (
     FC_MNIST,
     assert_matches_oracle,
@@ -93,7 +93,7 @@ def test_without_shared_memory_arrays_go_as_frames_and_references_are_refused(tw
 
 
 def reference(name: str, offset: int = 0, shape=(4,)) -> list:
-    header = {"t": "weights", "v": 1, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
+    header = {"t": "weights", "v": PROTOCOL_VERSION, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
               "arrays": [["weight", "float32", list(shape), name, offset]]}
     import msgpack
     return [msgpack.packb(header)]
@@ -178,7 +178,7 @@ def test_fuzz_shared_memory_references_give_an_array_in_bounds_or_a_protocol_err
     """A reference to anything (look-alikes, bounds, dtypes, shapes) never blocks, never raises
     anything but ProtocolError, and what it gives lies inside the one real segment."""
     import msgpack
-    header = {"t": "weights", "v": 1, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
+    header = {"t": "weights", "v": PROTOCOL_VERSION, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
               "arrays": [["weight", dtype, shape, name, offset]]}
     try:
         got = decode([msgpack.packb(header)], shm.Segments(lookalikes, job="job1")).arrays["weight"]

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 import zmq
 
 from cs_runtime.wire.protocol import Message, Msg
-from cs_runtime.wire.transport import Endpoint, host_name
+from cs_runtime.wire.transport import CONTROL_MAX_FRAME, Endpoint, host_name
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 5.0     # a peer silent this long is declared hung
 REGISTER_TIMEOUT = 120.0    # generous: a cold start imports numpy, zmq, ...
-DIRECTORY_MAX_FRAME = 1024 * 1024
+DIRECTORY_MAX_FRAME = CONTROL_MAX_FRAME   # headers only: no array ever comes here
 
 
 @dataclass

@@ -4,20 +4,36 @@ Everything between processes goes through `Endpoint.send` / `Endpoint.recv`,
 which use the wire protocol in `protocol.py`. Sockets are made with LINGER 0
 (so shutdown never hangs on unsent data) and unlimited high-water marks
 (our messages are few and MB-sized; dropping one would corrupt a step).
+
+What a peer without the job's keys can cost a process: libzmq buffers each
+ZMTP frame up to MAXMSGSIZE even during the CURVE handshake, before the peer
+has proven anything. No frame of the protocol exceeds MAX_FRAME_BYTES (big
+arrays are split), so that is every socket's MAXMSGSIZE (64 KB on sockets
+that carry no arrays); a connection that has not finished its handshake
+within HANDSHAKE_IVL_MS is closed; and a process that binds raises its
+descriptor limit to the hard limit, so held connections cannot starve it of
+files for a checkpoint. Together: about 1 MB per connection, for 2 s.
 """
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket as pysocket
 from collections import Counter
 
 import zmq
 
 from cs_runtime.wire import auth
-from cs_runtime.wire.protocol import MAX_ARRAY_BYTES, Message, ProtocolError, array_bytes, decode, encode
+from cs_runtime.wire.protocol import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, array_bytes, decode, encode
 
 log = logging.getLogger(__name__)
+
+# Sockets that carry only headers (directory, front door): no frame is bigger.
+CONTROL_MAX_FRAME = MAX_HEADER_BYTES
+# A CURVE handshake takes milliseconds; libzmq's default gives a stranger 30 s.
+HANDSHAKE_IVL_MS = 2000
+LISTEN_BACKLOG = 64     # connections the kernel queues before libzmq accepts them
 
 
 def bind_host() -> str:
@@ -52,6 +68,17 @@ def host_name() -> str:
     return os.environ.get("CS_HOST_NAME") or pysocket.gethostname()
 
 
+def raise_descriptor_limit() -> None:
+    """Soft descriptor limit up to the hard one (as Ray and torchrun's agents do): a
+    process that accepts connections must still open its checkpoint files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass   # a hard limit of RLIM_INFINITY on some systems: keep what we have
+
+
 class PortInUse(OSError):
     pass
 
@@ -64,14 +91,16 @@ class Endpoint:
     """
 
     def __init__(self, ctx: zmq.Context, kind: int, name: str, job: str = "",
-                 max_frame_bytes: int = MAX_ARRAY_BYTES, keys: "auth.JobKeys | None" = None,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, keys: "auth.JobKeys | None" = None,
                  any_client: bool = False):
         self.ctx = ctx
         self.keys, self.any_client = keys, any_client   # None: the job's keys from the environment
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
-        # ZeroMQ drops a peer that sends a bigger frame before allocating it.
+        # ZeroMQ drops a peer that sends a bigger frame before allocating it,
+        # authenticated or not (handshake commands are frames too).
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         if kind == zmq.ROUTER:
@@ -95,6 +124,8 @@ class Endpoint:
     def bind(self, host: str | None = None, port: int = 0) -> str:
         """Bind on `host` (default: bind_host()) at `port` (0: any free one); the address."""
         host = host or bind_host()
+        raise_descriptor_limit()
+        self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         auth.secure_server(self.ctx, self.sock, host, self.keys, self.any_client)
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
