@@ -468,6 +468,28 @@ def test_endpoint_round_trip_over_tcp_zero_copy(ctx):
         server.close()
 
 
+def test_endpoint_carries_arrays_of_many_frames_under_curve_within_the_frame_cap(ctx):
+    """Each frame, CURVE's wrapping included, fits the socket's MAXMSGSIZE (else libzmq
+    drops the connection silently and the message never comes)."""
+    from cs_runtime.wire import auth
+    folder = auth.create_job_dir()
+    keys = auth.load_keys(str(folder))
+    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1", keys=keys)
+    client = Endpoint(ctx, zmq.DEALER, "client", job="job1", keys=keys)
+    try:
+        client.connect(server.bind("127.0.0.1"))
+        big = np.random.default_rng(2).standard_normal(protocol.MAX_FRAME_BYTES // 4 * 3 - 5).astype(np.float32)
+        client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
+        got = server.recv(timeout_ms=5000)
+        assert got is not None, "the split array never arrived"
+        np.testing.assert_array_equal(got[1].arrays["weight"], big)
+    finally:
+        client.close()
+        server.close()
+        auth.stop_authenticator(ctx)
+        auth.remove_job_dir(folder)
+
+
 def test_endpoint_recv_times_out(ctx):
     ep = Endpoint(ctx, zmq.PULL, "idle")
     try:

@@ -34,6 +34,9 @@ CONTROL_MAX_FRAME = MAX_HEADER_BYTES
 # A CURVE handshake takes milliseconds; libzmq's default gives a stranger 30 s.
 HANDSHAKE_IVL_MS = 2000
 LISTEN_BACKLOG = 64     # connections the kernel queues before libzmq accepts them
+# CURVE wraps each frame in a MESSAGE command (name, nonce, flags, MAC: 33 bytes),
+# and MAXMSGSIZE counts the wrapped frame.
+CURVE_FRAME_OVERHEAD = 256
 
 
 def bind_host() -> str:
@@ -99,7 +102,7 @@ class Endpoint:
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a peer that sends a bigger frame before allocating it,
         # authenticated or not (handshake commands are frames too).
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + CURVE_FRAME_OVERHEAD)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
