@@ -213,7 +213,10 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # "norms": whether TRAIN_STEP wants the step's gradient norms back (default
 # yes; the chief asks only on the steps it logs: they cost a pass over every gradient).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
-                                 "layer_grad_norms": list, "norms": bool}
+                                 "layer_grad_norms": list, "norms": bool,
+                                 # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
+                                 # `after` of the next page (absent on the last page)
+                                 "after": int, "next": int}
 
 
 @dataclass

@@ -95,7 +95,7 @@ class Endpoint:
 
     def __init__(self, ctx: zmq.Context, kind: int, name: str, job: str = "",
                  max_frame_bytes: int = MAX_FRAME_BYTES, keys: "auth.JobKeys | None" = None,
-                 any_client: bool = False):
+                 any_client: bool | frozenset = False):
         self.ctx = ctx
         self.keys, self.any_client = keys, any_client   # None: the job's keys from the environment
         self.sock = ctx.socket(kind)
@@ -118,6 +118,7 @@ class Endpoint:
         self.sent_by_type: Counter = Counter()
         self._warned_senders: set = set()
         self.segments = None      # shm.Segments: big arrays by reference, same host only
+        self.last_user = ""       # the CURVE public key (Z85) of the peer that sent the last message
 
     def share_memory(self, segments) -> "Endpoint":
         """Send arrays that lie in a shared segment by reference, and accept such references."""
@@ -166,6 +167,9 @@ class Endpoint:
         try:
             self.sock.send_multipart([identity, *frames] if self.is_router else frames, copy=False)
             return True
+        except zmq.Again:
+            self.warn_once(identity, f"{what} not delivered: the peer does not read its answers")
+            return False
         except zmq.error.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -182,7 +186,19 @@ class Endpoint:
         identity = None
         if self.is_router:
             identity, frames = frames[0].bytes, frames[1:]
+        try:   # the ZAP handler's User-Id: the client's public key (CURVE only)
+            self.last_user = frames[0].get("User-Id") if frames else ""
+        except zmq.ZMQError:
+            self.last_user = ""
         return identity, frames
+
+    def bound_queues(self, per_peer: int) -> "Endpoint":
+        """At most `per_peer` messages queued for, and from, each peer; an answer to a
+        peer that does not read is dropped, never queued without bound (a front door)."""
+        for option in (zmq.SNDHWM, zmq.RCVHWM):
+            self.sock.setsockopt(option, per_peer)
+        self.sock.setsockopt(zmq.SNDTIMEO, 0)
+        return self
 
     def recv(self, timeout_ms: int | None = None):
         """Next valid message as (identity, Message), or None on timeout.
