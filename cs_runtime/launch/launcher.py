@@ -154,8 +154,9 @@ class Supervisor:
         except JobFailed as failure:
             self.failure = failure
             self.directory.failure = str(failure)
-            self._drain_status(1.0)
+            # The line first (the fault is known now), then a moment for remote processes to hear.
             print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
+            self._drain_status(1.0)
             return failure.code
         finally:
             self.group.stop_all()

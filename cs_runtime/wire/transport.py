@@ -168,14 +168,14 @@ class Endpoint:
             self.sock.send_multipart([identity, *frames] if self.is_router else frames, copy=False)
             return True
         except zmq.Again:
-            self.warn_once(identity, f"{what} not delivered: the peer does not read its answers")
+            self.note_undelivered(identity, what, "the peer does not read its answers")
             return False
         except zmq.error.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
         # The peer is gone. The launcher notices and stops the job; dying here
         # too would only hide which process failed first.
-        self.warn_once(identity, f"{what} not delivered: peer has disconnected")
+        self.note_undelivered(identity, what, "the peer has disconnected")
         return False
 
     def recv_raw(self, timeout_ms: int | None = None):
@@ -226,6 +226,14 @@ class Endpoint:
             return None
         self.bytes_received += array_bytes(msg)
         return msg
+
+    def note_undelivered(self, identity, what: str, why: str) -> None:
+        """Once per peer: a message of ours did not go out. Not a bad message (nothing
+        was received), and usually the peer is simply done: an INFO line, not a warning."""
+        peer = ("undelivered", identity.hex() if identity else "peer")
+        if peer not in self._warned_senders:
+            self._warned_senders.add(peer)
+            log.info("%s: %s to %s not delivered: %s", self.name, what, peer[1], why)
 
     def warn_once(self, identity, reason: str) -> None:
         sender = identity.hex() if identity else "peer"
