@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cs_runtime.wire import auth
+from cs_runtime.flags import add_flag
 from cs_runtime.service import setup_logging
+from cs_runtime.wire import auth
 from cs_runtime.wire.transport import PortInUse
 
 
@@ -36,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          ("turn_timeout", dict(type=float, default=None, metavar="S",
                                                help="a job whose chief has not arrived S seconds after its turn "
                                                     "came fails, and the next job goes (default 120)"))):
-        serve.add_argument(*dict.fromkeys([f"--{flag}", f"--{flag.replace('_', '-')}"]), dest=flag, **kwargs)
+        add_flag(serve, flag, **kwargs)
     ns = parser.parse_args(argv)
     if ns.num_csx < 1:
         parser.error("--num_csx must be at least 1")

@@ -113,8 +113,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-class JobFailed(Exception):
-    """`code`: the launcher's exit code (EXIT_BAD_INPUT when a process said its input is bad)."""
+class JobFailed(RuntimeError):
+    """A process of the job failed or stopped answering, or the job was interrupted or ended by
+    its CS system; the message names which. The supervisor raises it (a restart may help unless
+    `retryable` is False); cs_torch.Session raises it from the step that met it. `code`: the
+    launcher's exit code (EXIT_BAD_INPUT when a process said its input is bad)."""
 
     def __init__(self, reason: str, retryable: bool = True, code: int = 1):
         super().__init__(reason)

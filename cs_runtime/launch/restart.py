@@ -16,9 +16,10 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from cs_runtime import env
 from cs_runtime.service import EXIT_BAD_INPUT  # a process's "bad input, do not restart" exit
 
-RESTART_ENV = "CS_RESTART"   # the restart number, set for the job's processes
+RESTART_ENV = env.RESTART.name   # the restart number, set for the job's processes
 
 
 @dataclass

@@ -24,6 +24,7 @@ from collections import Counter
 
 import zmq
 
+from cs_runtime import env
 from cs_runtime.wire import auth
 from cs_runtime.wire.protocol import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, array_bytes, decode, encode
 
@@ -41,7 +42,7 @@ CURVE_FRAME_OVERHEAD = 256
 
 def bind_host() -> str:
     """Interface services bind to: loopback unless the launcher says otherwise."""
-    return os.environ.get("CS_BIND_HOST", "127.0.0.1")
+    return env.BIND_HOST.get()
 
 
 def source_address_towards(host: str) -> str:
@@ -68,7 +69,7 @@ def host_of(address: str) -> str:
 
 
 def host_name() -> str:
-    return os.environ.get("CS_HOST_NAME") or pysocket.gethostname()
+    return env.HOST_NAME.get() or pysocket.gethostname()
 
 
 def raise_descriptor_limit() -> None:
