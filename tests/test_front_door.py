@@ -215,6 +215,13 @@ def test_only_listed_keys_get_in_and_the_user_is_the_keys_not_the_claim(system_f
     assert refused.returncode == 1 and refused.stderr.startswith("csctl: ") and len(refused.stderr.splitlines()) == 1
 
 
+def test_a_key_with_a_hash_in_it_is_a_key_not_a_comment(tmp_path):
+    path = tmp_path / "clients"
+    key = "abc#" + "x" * 36
+    path.write_text(f"# the team\n  # indented comment\nalice {key}\n")
+    assert read_clients(str(path)) == {key: "alice"}
+
+
 @pytest.mark.parametrize("text, why", [("alice short-key\n", "line 1: expected USER PUBLIC_KEY"),
                                        ("al ice " + "x" * 40 + "\n", "line 1: expected USER PUBLIC_KEY"),
                                        ("bad/name " + "x" * 40 + "\n", "line 1: expected USER PUBLIC_KEY")])

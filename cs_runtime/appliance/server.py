@@ -80,15 +80,16 @@ ROLES = (("memoryx", 1), ("swarmx", 1))   # per job, with one WSE per system
 
 
 def read_clients(path: str) -> dict[str, str]:
-    """`--clients FILE`: one `USER PUBLIC_KEY` a line (the key as `csctl key` prints it); {key: user}."""
+    """`--clients FILE`: one `USER PUBLIC_KEY` a line (the key as `csctl key` prints it), lines
+    starting with '#' are comments; {key: user}."""
     clients = {}
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--clients {path}: {exc}") from None
     for number, line in enumerate(lines, 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
+        words = line.split()
+        if not words or words[0].startswith("#"):   # a comment line ('#' is also a Z85 digit)
             continue
         if len(words) != 2 or len(words[1]) != 40 or not USER_NAME.match(words[0]):
             raise ValueError(f"--clients {path}, line {number}: expected USER PUBLIC_KEY (a 40-character Z85 key)")
