@@ -128,12 +128,6 @@ def find_system_key(port: int) -> bytes | None:
     return None
 
 
-def client_keys(server_public: bytes) -> JobKeys:
-    """A fresh client key pair for talking to a CS system's front door (whose public key is given)."""
-    public, secret = zmq.curve_keypair()
-    return JobKeys(Path(), server_public, b"", public, secret)
-
-
 def remove_stale_job_dirs(prefix: str = JOB_DIR_PREFIX) -> None:
     """Folders left by a launcher that was killed with SIGKILL (its cleanup never ran)."""
     for folder in Path(tempfile.gettempdir()).glob(prefix + "*"):
