@@ -24,7 +24,7 @@ class FakeDirectory:
     def serve_once(self, timeout_ms: int) -> None:
         self.served += 1
 
-    def silent_peers(self, timeout: float) -> list:
+    def silent_peers(self, timeout: float, **_) -> list:
         return []
 
     def close(self) -> None:
@@ -37,7 +37,8 @@ class FakeGroup:
     def __init__(self, directory: FakeDirectory):
         self.directory = directory
         proc = SimpleNamespace(pid=4242, poll=lambda: None)
-        self.task = SimpleNamespace(role="wse", rank=0, label="wse 0 on here (pid 4242)", proc=proc)
+        self.task = SimpleNamespace(role="wse", rank=0, label="wse 0 on here (pid 4242)", proc=proc,
+                                    ended_how=lambda rc: "exited with signal SIGKILL")
         self.tasks = [self.task]
         self.stopped = False
 
