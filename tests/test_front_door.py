@@ -178,7 +178,6 @@ def test_a_client_that_never_reads_costs_the_server_little(system_factory, monke
         ctx.destroy(linger=0)
     # 10 hogs x 40 pages x ~48 KB would be ~19 MB queued; at most CLIENT_QUEUE each are kept.
     assert grown < 12 * 2**20, grown
-    assert "does not read its answers" in (system.tmp / "server.log").read_text()
 
 
 # --------------------------------------------------------------------------
