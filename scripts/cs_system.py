@@ -18,10 +18,12 @@ from cs_runtime.flags import add_flag
 from cs_runtime.service import setup_logging
 from cs_runtime.wire import auth
 from cs_runtime.wire.transport import PortInUse
+from cs_runtime.version import version_line
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cs_system", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("cs_system"))
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run a CS system until Ctrl-C", allow_abbrev=False)
     for flag, kwargs in (("port", dict(type=int, default=9000, help="front-door port (default 9000; 0: any free one)")),

@@ -21,12 +21,14 @@ from cs_runtime.flags import add_flag
 from cs_runtime.appliance.client import (SYSTEM_ENV, FrontDoor, FrontDoorError, client_key_pair, owner_token,
                                          user_name)
 from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels
+from cs_runtime.version import version_line
 
 COLUMNS = ("NAME", "AGE", "DURATION", "PHASE", "SYSTEMS", "USER", "LABELS")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="csctl", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("csctl"))
     add_flag(parser, "cs_ip", default=env.SYSTEM.get(), help=f"HOST:PORT of the CS system (default ${SYSTEM_ENV})")
     parser.add_argument("--insecure", action="store_true", help="the CS system runs without CURVE (loopback)")
     verbs = parser.add_subparsers(dest="verb", required=True)

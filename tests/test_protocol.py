@@ -276,7 +276,8 @@ def test_reject_wrong_typed_meta_field(mtype, key, value):
 
 
 def test_load_model_settings_round_trip_and_parse_to_the_same_settings():
-    settings = JobSettings(mlp_spec("m", [4, 3, 2], "tanh", 0.1), {"kind": "adam", "betas": [0.8, 0.99]}, seed=5,
+    settings = JobSettings(mlp_spec("m", [4, 3, 2], "tanh", 0.1),
+                           {"kind": "adam", "betas": [0.8, 0.99], "exclude_bias_and_norm": True}, seed=5,
                            execution_strategy="pipelined", replicas=2, max_gradient_norm=1.5,
                            loss_scaling="dynamic", trace=True)
     out = decode(encode(Message(Msg.LOAD_MODEL, meta={"spec": settings.to_meta()})))
@@ -288,6 +289,7 @@ def test_load_model_settings_round_trip_and_parse_to_the_same_settings():
     ("seed", "1"), ("seed", True), ("replicas", 0), ("execution_strategy", None), ("loss_scaling", "x"),
     ("max_gradient_norm", -1.0), ("trace", 1), ("optimizer", {"kind": "rmsprop"}),
     ("optimizer", {"kind": "sgd", "lr": 0.1}), ("optimizer", {"kind": "adam", "betas": [0.9]}),
+    ("optimizer", {"kind": "adamw", "exclude_bias_and_norm": 1}),
     ("model", {"name": "m"}), ("model", {"name": "m", "layers": [{"name": "fc0", "op": "dense"}]}),
     ("model", {"name": "m", "layers": [{"name": "fc0", "op": "dense", "in_features": "4", "out_features": 2}]}),
     ("model", {"name": "m", "layers": [{"name": "fc0", "op": "dense", "in_features": -4, "out_features": 2}]}),

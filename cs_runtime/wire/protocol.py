@@ -270,8 +270,9 @@ class JobSettings:
             raise bad("model")
         optimizer = meta.get("optimizer")
         if not (isinstance(optimizer, dict) and optimizer.get("kind") in OPTIMIZER_KINDS
-                and set(optimizer) <= {"kind", "momentum", "weight_decay", "betas", "eps"}
+                and set(optimizer) <= {"kind", "momentum", "weight_decay", "betas", "eps", "exclude_bias_and_norm"}
                 and all(_is(optimizer[k], _NUM) for k in ("momentum", "weight_decay", "eps") if k in optimizer)
+                and isinstance(optimizer.get("exclude_bias_and_norm", False), bool)
                 and _is_pair(optimizer.get("betas", [0.9, 0.999]))):
             raise bad("optimizer")
         checks = {"seed": lambda v: _is(v, int),
