@@ -224,6 +224,8 @@ def preflight(ns: argparse.Namespace, layout: Layout) -> FrontDoor | None:
               file=sys.stderr, flush=True)
     if layout.launcher == "ssh":
         remote.preflight(layout.placement, ns.ssh_options)
+    elif layout.launcher == "slurm":
+        remote.require_srun()  # before the services start, not after
     if not ns.cs_ip:
         return None
     try:

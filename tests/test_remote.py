@@ -87,7 +87,8 @@ def test_bind_address_is_loopback_only_for_this_host():
         remote.bind_address_for(["no-such-host.invalid"])
 
 
-def test_slurm_shape_from_flags_then_allocation(monkeypatch):
+def test_slurm_shape_from_flags_then_allocation(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun: shape and argv need none
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x3)")
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
@@ -96,6 +97,16 @@ def test_slurm_shape_from_flags_then_allocation(monkeypatch):
     argv = remote.srun_argv(remote.SlurmShape(3, 2, 1), "job", ["python", "run.py"])
     assert "--kill-on-bad-exit=1" in argv and "--nodes=3" in argv and "--ntasks=6" in argv
     assert argv[-4:] == ["--slurm", "--", "python", "run.py"]
+
+
+def test_without_srun_the_slurm_launcher_stops_before_anything_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    ns = csrun_wse.parse_args(["--total-nodes", "1", "--tasks-per-node", "2", "python", "run.py"])
+    layout = csrun_wse.plan_layout(ns)
+    assert layout.launcher == "slurm"
+    with pytest.raises(SystemExit, match=r"^csrun_wse: srun not found on PATH \(install Slurm's client"):
+        csrun_wse.preflight(ns, layout)
 
 
 # ------------------------------------------------------------------ the task wrapper

@@ -302,8 +302,12 @@ def slurm_bind_address() -> str:
     return bind_address_for(nodes or [socket.gethostname()])
 
 
-def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
+def require_srun() -> None:
     require("srun", "Slurm's client, e.g. slurm-client")
+
+
+def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
+    """The srun command line; building it needs no srun (the launcher checks before it runs one)."""
     return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}",
             f"--ntasks-per-node={shape.tasks_per_node}", f"--cpus-per-task={shape.cpus_per_task}",
             "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
@@ -312,6 +316,7 @@ def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
 
 def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: SlurmShape, env: dict,
                      command: list[str], job: str) -> None:
+    require_srun()
     carrier = spawn(srun_argv(shape, job, command), env, stdin=subprocess.DEVNULL)
     for index in range(shape.tasks):
         role, rank = role_of_task(index)
