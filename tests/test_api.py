@@ -19,6 +19,8 @@ from cs_runtime.wire.auth import KEYS_ENV
 from examples.fc_mnist.train_cstorch import eval_input_fn, train_input_fn
 from tests.cluster_utils import REPO, alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 EXAMPLE = str(REPO / "examples" / "fc_mnist" / "train_cstorch.py")
 # tests/cluster_utils.SMALL_PARAMS, the oracle's configuration, as the example's flags.
 ORACLE_FLAGS = ["--batch_size", "64", "--hidden", "64", "32", "--dropout", "0.1", "--lr", "0.01",

@@ -7,7 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.cluster_utils import FC_MNIST, assert_matches_oracle, kill_tree, tool
+
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
 
 JOB_MARKERS = ("cs_runtime.launch.task", "-m chief", "-m worker")
 

@@ -110,6 +110,7 @@ def test_without_srun_the_slurm_launcher_stops_before_anything_starts(monkeypatc
 
 
 # ------------------------------------------------------------------ the task wrapper
+@pytest.mark.cluster
 def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_path):
     ctx = zmq.Context()
     directory = DirectoryServer(ctx, "job-w", {"worker": 1})
@@ -143,6 +144,7 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
         ctx.destroy(linger=0)
 
 
+@pytest.mark.cluster
 def test_task_wrapper_refuses_a_bad_task_description():
     result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], input=b'{"role": 1}\n',
                             capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
