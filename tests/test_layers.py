@@ -24,13 +24,15 @@ PACKAGES = ("cs_runtime", "chief", "worker", "wse", "cs_torch", "scripts", "exam
 # Bottom first. A module may import modules of its own layer and of the layers
 # below; which unit a module belongs to is its longest matching name prefix.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # Settings, the maths and the data sets: no project imports from higher up.
-    # `cs_runtime` itself is the package's empty __init__.
-    ("cs_runtime", "cs_runtime.config", "cs_runtime.numerics", "cs_runtime.data"),
+    # What any process needs before it talks to anyone: params, the CS_*
+    # variables, flag spelling, the span recorder (the kernels record spans),
+    # the maths, the data sets. `cs_runtime` itself is the package's __init__.
+    ("cs_runtime", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
+     "cs_runtime.numerics", "cs_runtime.data"),
     # Bytes between processes: the protocol, transport, shared memory, keys.
     ("cs_runtime.wire",),
-    # What a process of any role uses: its timeline, checkpoints, the compiler,
-    # the job's typed arguments (cs_runtime.run_args, to come).
+    # What a process of any role uses: sending its timeline, checkpoints, the
+    # compiler, the arguments every role is handed (run_args).
     ("cs_runtime.trace", "cs_runtime.checkpoint", "cs_runtime.compiler", "cs_runtime.run_args"),
     # Starting and joining a job: the launcher and its directory, the shared CS
     # system, and the service roles. `service` sits here, not a layer lower,
@@ -39,9 +41,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "cs_runtime.memoryx", "cs_runtime.swarmx"),
     # The roles that run the user's script, and the WSE.
     ("chief", "worker", "wse"),
-    # Running a user's script in-process (runner) and the torch front end.
+    # The entry point a model's run.py calls (runner: it hands over to the role
+    # CS_ROLE names, importing it by name) and the torch front end.
     ("cs_runtime.runner", "cs_torch"),
-    # Command lines and the user's code: nothing imports them.
+    # Command lines and the user's code: nothing below imports them.
     ("scripts", "examples"),
 )
 
@@ -50,35 +53,10 @@ ROLES = frozenset({"cs_runtime.memoryx", "cs_runtime.swarmx", "chief", "worker",
 
 # (importer, imported) -> why it is still there. Delete an entry with the edge.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # RunArgs/UserFunctions live in the runner, which drives chief, worker and
-    # wse: the 8-file cycle, being removed by moving them to cs_runtime.run_args.
-    ("chief.compile", "cs_runtime.runner"): "RunArgs/UserFunctions (runner cycle)",
-    ("chief.cpu_executor", "cs_runtime.runner"): "RunArgs/UserFunctions (runner cycle)",
-    ("chief.trainer", "cs_runtime.runner"): "RunArgs/UserFunctions (runner cycle)",
-    ("worker.input_worker", "cs_runtime.runner"): "RunArgs/UserFunctions (runner cycle)",
-    ("worker.probe", "cs_runtime.runner"): "RunArgs/UserFunctions (runner cycle)",
-    ("wse.probe", "cs_runtime.runner"): "RunArgs/UserFunctions (runner cycle)",
-    # The function-level imports that work around that cycle inside chief.
-    ("chief.trainer", "chief.cluster_executor"): "function-level workaround of the runner cycle",
-    ("chief.cluster_executor", "chief.trainer"): "function-level workaround of the runner cycle",
-    ("chief.trainer", "chief.cpu_executor"): "function-level workaround of the runner cycle",
-    ("chief.cpu_executor", "chief.trainer"): "function-level workaround of the runner cycle",
-    # pack_state flattens weights and optimizer state; it belongs with the one
-    # flatten/unflatten shared by checkpoints and the wire, not in MemoryX.
-    ("chief.cluster_executor", "cs_runtime.memoryx.server"): "pack_state, to move below the roles",
-    ("wse.pipelined", "cs_runtime.memoryx.server"): "pack_state, to move below the roles",
-    # The torch front end re-parses csrun_wse's flags; the orchestration is
-    # moving into cs_runtime.launch as a library it calls directly.
-    ("cs_torch.session", "scripts.csrun_wse"): "job orchestration still in the CLI",
-    # Not yet being removed by anyone:
-    # the kernels record timeline spans; trace's recorder belongs at the bottom
-    # and only its TRACE reply (with the span limits) on the wire layer.
-    ("cs_runtime.numerics.model", "cs_runtime.trace"): "span recorder above the maths",
-    ("cs_runtime.numerics.optim", "cs_runtime.trace"): "span recorder above the maths",
-    # the chief runs the user's script with the worker's helper; the WSE probe
-    # compiles and measures with the chief's and the worker's code. Shared
-    # code for running a user's script belongs below the roles.
-    ("chief.__main__", "worker.__main__"): "run_script_as shared by role entry points",
+    # Code for running a user's script that belongs below the roles: the
+    # chief runs its script with the worker's helper; the WSE probe compiles
+    # and measures with the chief's and the worker's code.
+    ("chief.__main__", "worker.__main__"): "run_script_as shared by the role entry points",
     ("wse.probe", "chief.compile"): "the probe compiles with the chief's code",
     ("wse.probe", "chief.trainer"): "the probe builds the chief's model spec",
     ("wse.probe", "worker.probe"): "the probes share their output helper",

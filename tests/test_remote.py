@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from chief.input_monitor import InputMonitor
-from cs_runtime.launch import remote
+from cs_runtime.launch import job, remote
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.wire.transport import source_address_towards
@@ -102,11 +102,10 @@ def test_slurm_shape_from_flags_then_allocation(monkeypatch, tmp_path):
 def test_without_srun_the_slurm_launcher_stops_before_anything_starts(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
-    ns = csrun_wse.parse_args(["--total-nodes", "1", "--tasks-per-node", "2", "python", "run.py"])
-    layout = csrun_wse.plan_layout(ns)
-    assert layout.launcher == "slurm"
+    options = csrun_wse.parse_args(["--total-nodes", "1", "--tasks-per-node", "2", "python", "run.py"])
+    assert options.launcher == "slurm"
     with pytest.raises(SystemExit, match=r"^csrun_wse: srun not found on PATH \(install Slurm's client"):
-        csrun_wse.preflight(ns, layout)
+        job.plan_layout(options)
 
 
 # ------------------------------------------------------------------ the task wrapper
