@@ -115,7 +115,10 @@ def test_an_exception_in_the_loop_stops_every_process_and_keeps_the_steps(tmp_pa
 def test_ctrl_c_stops_every_process(tmp_path):
     cmd = [sys.executable, EXAMPLE, *ORACLE_FLAGS, "--steps", "100000", "--log_steps", "5",
            "--model_dir", str(tmp_path / "m")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    # Ctrl-C as at a terminal: the script gets SIGINT's default even where pytest was started
+    # with it ignored (a background job of a non-interactive shell), else Python ignores it too.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if line.startswith("step 10:"):
