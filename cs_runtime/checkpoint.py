@@ -8,7 +8,9 @@ Readable without this package:
     int(ck["global_step"]), json.loads(str(ck["meta"]))  # meta: model spec, params, input position
 
 Keys: `model/<layer>/<param>` (float32 weights), `optimizer/<layer>/<param>/<slot>`
-(optimizer state), `global_step` (int64: steps completed), `input_step` (int64:
+(optimizer state; Adam's `step` slot is a float32 scalar, the updates applied,
+which skipped loss-scaling steps do not advance; a checkpoint without it
+resumes counting from its global step), `global_step` (int64: steps completed), `input_step` (int64:
 the next global batch the input pipeline produces; batches are a pure function
 of the step, so this is the whole input position), `meta` (JSON text).
 

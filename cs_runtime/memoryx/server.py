@@ -57,10 +57,10 @@ def unpack_state(spec: ModelSpec, optimizer: Optimizer, arrays: dict) -> tuple[d
             key = f"{layer.name}/{pname}"
             if key not in arrays or tuple(arrays[key].shape) != shape:
                 raise ValueError(f"weights for {key} missing or not of shape {shape}")
-            weights[layer.name][pname] = np.array(arrays[key], dtype=np.float32)
+            weights[layer.name][pname] = w = np.array(arrays[key], dtype=np.float32)
             opt_state[layer.name][pname] = {
-                slot: np.array(arrays.get(f"opt/{key}/{slot}", np.zeros(shape)), dtype=np.float32)
-                for slot in optimizer.slot_names()}
+                slot: np.array(arrays[f"opt/{key}/{slot}"], dtype=np.float32) if f"opt/{key}/{slot}" in arrays
+                else optimizer.new_slot(slot, w) for slot in optimizer.slot_names()}
     return weights, opt_state
 
 
@@ -201,7 +201,7 @@ class MemoryX:
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:
         name = self.spec.layers[index].name
         with trace.span("update", step=step, layer=index):
-            self.optimizer.update(self.weights[name], grads, self.opt_state[name], lr, step)
+            self.optimizer.update(self.weights[name], grads, self.opt_state[name], lr)
 
 
 def main(penv: ProcessEnv, ctx: zmq.Context) -> None:
