@@ -133,7 +133,7 @@ class ModelConfig(_Section):
     hidden_sizes: Optional[Annotated[list[PosInt], Field(min_length=1)]] = None
     depth: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     hidden_size: Optional[PosInt] = None
-    activation: Literal["relu", "tanh", "sigmoid", "gelu"] = "relu"
+    activation: Literal["relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh"] = "relu"  # gelu: exact
     dropout: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.0
     input_size: PosInt = 784
     num_classes: Annotated[StrictInt, Field(ge=2)] = 10

@@ -106,3 +106,63 @@ def test_the_step_count_survives_a_checkpoint(tmp_path):
     got, _, _, _ = run_ours("adamw", 0.01, STEPS - 13, back.opt_state, back.weights["fc"], scaler, first=13)
     for name in want:
         assert rel(got[name], want[name]) <= ADAM_RTOL, name
+
+
+# --------------------------------------------------------------------------
+# GELU: exact and tanh, forward and gradient
+# --------------------------------------------------------------------------
+
+# float32 both sides. Relative 1e-6 (a few ulp) where the value is not tiny; absolute
+# 2**-23 * 10 for |x| <= 10 because torch's float32 exact GELU computes
+# 0.5 * x * (1 + erf(x / sqrt 2)), whose 1 + erf cancels for x < -3 (it is 0 below
+# about -5.4, where the true value is -3e-8): there torch, not ours, is off.
+# Ours is checked against float64 erfc separately, to 3e-7 relative everywhere.
+# The tanh form's derivative has 1 - tanh^2 cancel alike in float32 (both sides),
+# times up to ~11 near x = -5.4 before tanh saturates: hence twice the slack.
+GELU_RTOL, GELU_ATOL, GELU_GRAD_ATOL = 1e-6, 2.0 ** -23 * 10, 2.0 ** -23 * 20
+
+
+@pytest.mark.parametrize("kind,approximate", [("gelu", "none"), ("gelu_new", "tanh"), ("gelu_tanh", "tanh")])
+def test_gelu_forward_and_gradient_equal_torch(kind, approximate):
+    from cs_runtime.numerics.model import activate, activation_grad
+    x = np.concatenate([np.linspace(-10, 10, 4001), np.random.default_rng(0).standard_normal(4000) * 3])
+    x = x.astype(np.float32)
+    t = torch.from_numpy(x.copy()).requires_grad_(True)
+    y = torch.nn.functional.gelu(t, approximate=approximate)
+    y.backward(torch.ones_like(y))
+    got = activate(kind, x)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, y.detach().numpy(), rtol=GELU_RTOL, atol=GELU_ATOL)
+    np.testing.assert_allclose(activation_grad(kind, x, None), t.grad.numpy(), rtol=GELU_RTOL, atol=GELU_GRAD_ATOL)
+
+
+def test_exact_gelu_against_float64_erfc():
+    """Ours is accurate in both tails, where float32 1 + erf would cancel."""
+    import math
+    from cs_runtime.numerics.model import activate
+    x = np.linspace(-12, 12, 2401).astype(np.float32)
+    want = np.array([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in x.astype(np.float64)])
+    np.testing.assert_allclose(activate("gelu", x), want, rtol=3e-7, atol=1e-38)
+
+
+def test_exact_and_tanh_gelu_are_told_apart():
+    """The two differ by far more than the tolerance, so each test above pins one."""
+    from cs_runtime.numerics.model import activate
+    x = torch.linspace(-4, 4, 801)
+    exact = activate("gelu", x.numpy())
+    np.testing.assert_allclose(exact, torch.nn.functional.gelu(x).numpy(), rtol=GELU_RTOL, atol=GELU_ATOL)
+    assert np.abs(exact - torch.nn.functional.gelu(x, approximate="tanh").numpy()).max() > 1e-4
+
+
+def test_each_model_uses_its_references_gelu():
+    from cs_runtime.numerics.model import transformer_spec
+    import cs_torch.nn as cnn
+    shape = dict(vocab_size=50, max_len=8, hidden_size=8, num_layers=1, num_heads=2, ffn_features=16,
+                 dropout=0.0, attn_dropout=0.0, eps=1e-5)
+    gpt2 = transformer_spec("g", style="gpt2", **shape)
+    bert = transformer_spec("b", style="bert", **shape)
+    assert [l.activation for l in gpt2.layers[1:]] == ["gelu_new", "none"]   # HF GPT-2: gelu_new
+    assert [l.activation for l in bert.layers[1:]] == ["gelu", "gelu"]       # HF BERT: hidden_act gelu (erf)
+    assert cnn.GELU().kind == "gelu" and cnn.GELU(approximate="tanh").kind == "gelu_tanh"
+    with pytest.raises(cnn.CsTorchError, match="approximate"):
+        cnn.GELU(approximate="erf")

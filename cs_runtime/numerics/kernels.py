@@ -86,17 +86,62 @@ def dense_backward(dy: np.ndarray, x: np.ndarray, weight: np.ndarray, need_dx: b
     return dx, x2.T @ dy2, dy2.sum(axis=0)
 
 
-_C = 0.7978845608  # sqrt(2 / pi)
+# GELU, x * Phi(x), in two forms (as torch and the model zoo name them):
+# "gelu" is exact (erf; torch's nn.GELU() default, HF BERT's hidden_act), and
+# "gelu_new" / "gelu_tanh" is the tanh approximation (GPT-2's gelu_new, torch's
+# GELU(approximate="tanh")). They differ by up to 1e-3 (around |x| = 2).
+
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+# erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z/2), z >= 0: a Chebyshev fit with
+# relative error below 1.2e-7 everywhere (Numerical Recipes' erfcc). numpy has
+# no erf, and scipy is no dependency; float32 keeps 6e-8, so this is ~2 ulp.
+_ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+         0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+
+
+def _erfc_nonnegative(z: np.ndarray) -> np.ndarray:
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = np.zeros_like(z)
+    for c in _ERFC[:0:-1]:
+        poly = (poly + c) * t
+    return t * np.exp(-z * z + _ERFC[0] + poly)
+
+
+def normal_cdf(x: np.ndarray) -> np.ndarray:
+    """Phi(x) in float64, relatively accurate in both tails (no 1 - erf cancellation)."""
+    x = np.asarray(x, dtype=np.float64)
+    tail = 0.5 * _erfc_nonnegative(np.abs(x) * _SQRT_HALF)
+    return np.where(x < 0, tail, 1.0 - tail)
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
-    # tanh approximation, as in GPT-2 and BERT's reference code
-    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * (x * x * x))))
+    """Exact GELU: x * Phi(x) (evaluated in float64, returned in x's dtype)."""
+    return (x * normal_cdf(x)).astype(x.dtype, copy=False)
 
 
 def gelu_grad(x: np.ndarray) -> np.ndarray:
+    """d/dx x * Phi(x) = Phi(x) + x * phi(x)."""
+    x64 = np.asarray(x, dtype=np.float64)
+    return (normal_cdf(x64) + x64 * _INV_SQRT_2PI * np.exp(-0.5 * x64 * x64)).astype(x.dtype, copy=False)
+
+
+_C = 0.7978845608  # sqrt(2 / pi)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (GPT-2's gelu_new)."""
+    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * (x * x * x))))
+
+
+def gelu_tanh_grad(x: np.ndarray) -> np.ndarray:
     t = np.tanh(_C * (x + 0.044715 * (x * x * x)))
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
+
+
+# activation name -> (forward, derivative from the pre-activation)
+GELUS = {"gelu": (gelu, gelu_grad), "gelu_new": (gelu_tanh, gelu_tanh_grad),
+         "gelu_tanh": (gelu_tanh, gelu_tanh_grad)}
 
 
 def residual_forward(x: np.ndarray, branch: np.ndarray) -> np.ndarray:

@@ -31,7 +31,8 @@ from cs_runtime import trace
 from cs_runtime.numerics.precision import FORMATS, quantize
 from cs_runtime.numerics.transformer import LAYER_OPS, init_param
 
-ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
+ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none")
+GELU_KINDS = tuple(kernels.GELUS)   # gelu is exact (erf); gelu_new and gelu_tanh the tanh approximation
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class LayerSpec:
     The transformer ops (cs_runtime/numerics/transformer.py) use the fields after
     `dropout`: "embedding" maps in_features (vocabulary) ids to out_features
     (model width); "transformer_block" keeps the width; "lm_head" maps the
-    width to out_features (vocabulary) logits."""
+    width to out_features (vocabulary) logits. `activation` of a
+    transformer_block is its MLP's GELU; of an lm_head, BERT's transform's
+    (none: GPT-2's head has no transform)."""
     name: str
     op: str
     in_features: int
@@ -118,22 +121,29 @@ def mlp_spec(name: str, sizes: list[int], activation: str, dropout: float) -> Mo
 
 def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hidden_size: int,
                      num_layers: int, num_heads: int, ffn_features: int, dropout: float, attn_dropout: float,
-                     eps: float, pad_id: int = -1) -> ModelSpec:
+                     eps: float, pad_id: int = -1, activation: str | None = None) -> ModelSpec:
     """GPT-2 (style "gpt2": causal, pre-norm) or BERT (style "bert": bidirectional,
-    post-norm, padding mask, MLM transform in the head): embedding, blocks, head."""
+    post-norm, padding mask, MLM transform in the head): embedding, blocks, head.
+
+    `activation`: the GELU of the MLPs (and BERT's head transform); by default
+    what each reference uses: gelu_new (tanh) for GPT-2, gelu (exact erf) for
+    BERT, as in HF transformers and the model zoo."""
     if style not in ("gpt2", "bert"):
         raise ValueError(f"unknown transformer style {style!r}; expected gpt2 or bert")
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
     gpt = style == "gpt2"
+    activation = activation or ("gelu_new" if gpt else "gelu")
+    if activation not in GELU_KINDS:
+        raise ValueError(f"transformer activation {activation!r} is not one of {', '.join(GELU_KINDS)}")
     norm = "pre" if gpt else "post"
     layers = [LayerSpec("embed", "embedding", vocab_size, hidden_size, dropout=dropout, max_len=max_len,
                         norm=norm, eps=eps, pad_id=pad_id)]
     for i in range(num_layers):
-        layers.append(LayerSpec(f"block{i}", "transformer_block", hidden_size, hidden_size, dropout=dropout,
+        layers.append(LayerSpec(f"block{i}", "transformer_block", hidden_size, hidden_size, activation, dropout,
                                 num_heads=num_heads, ffn_features=ffn_features, causal=gpt, norm=norm,
                                 attn_dropout=attn_dropout, eps=eps))
-    layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else "gelu",
+    layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else activation,
                             eps=eps))
     return ModelSpec(name, tuple(layers))
 
@@ -158,9 +168,6 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]
 
 # ---------------------------------------------------------------- activations
 
-_gelu, _gelu_grad = kernels.gelu, kernels.gelu_grad
-
-
 def activate(kind: str, z: np.ndarray) -> np.ndarray:
     if kind == "relu":
         return np.maximum(z, 0.0)
@@ -168,21 +175,21 @@ def activate(kind: str, z: np.ndarray) -> np.ndarray:
         return np.tanh(z)
     if kind == "sigmoid":
         return 1.0 / (1.0 + np.exp(-z))
-    if kind == "gelu":
-        return _gelu(z)
+    if kind in kernels.GELUS:
+        return kernels.GELUS[kind][0](z)
     return z
 
 
 def activation_grad(kind: str, z: np.ndarray | None, a: np.ndarray | None) -> np.ndarray:
-    """d act / d z of tanh and sigmoid (from the activation a) and gelu (from the
-    pre-activation z). relu's is read off the layer's output in dense_backward,
+    """d act / d z of tanh and sigmoid (from the activation a) and the GELUs (from
+    the pre-activation z). relu's is read off the layer's output in dense_backward,
     and "none" has no factor to apply."""
     if kind == "tanh":
         return 1.0 - a * a
     if kind == "sigmoid":
         return a * (1.0 - a)
-    if kind == "gelu":
-        return _gelu_grad(z).astype(z.dtype)
+    if kind in kernels.GELUS:
+        return kernels.GELUS[kind][1](z).astype(z.dtype, copy=False)
     raise ValueError(f"activation_grad: no derivative table entry for {kind!r}")
 
 
@@ -208,7 +215,7 @@ def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
 class DenseCache:
     x: np.ndarray              # the matmul input (rounded, in mixed precision)
     out: np.ndarray            # the layer's output, after activation and dropout
-    z: np.ndarray | None       # pre-activation, kept where the derivative needs it (gelu)
+    z: np.ndarray | None       # pre-activation, kept where the derivative needs it (the GELUs)
     a: np.ndarray | None       # activation before dropout (tanh, sigmoid: the derivative is a function of it)
     mask: np.ndarray | None
 
@@ -230,7 +237,7 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
         return out, DenseCache(x, out, None, None, mask)
     a = activate(layer.activation, z)
     out = a * mask if mask is not None else a
-    return out, DenseCache(x, out, z if layer.activation == "gelu" else None, a, mask)
+    return out, DenseCache(x, out, z if layer.activation in GELU_KINDS else None, a, mask)
 
 
 def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
