@@ -47,7 +47,7 @@ class CpuExecutor:
             shard = self.streams[stream].shard(step)
         ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train)
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
-        return model_loss(self.spec, logits, shard.y, shard.global_batch), caches, shard
+        return model_loss(self.spec, logits, shard.y, shard.global_batch, shard.label_count), caches, shard
 
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
                    norms: bool = True) -> tuple[float, float, bool]:

@@ -166,3 +166,90 @@ def test_each_model_uses_its_references_gelu():
     assert cnn.GELU().kind == "gelu" and cnn.GELU(approximate="tanh").kind == "gelu_tanh"
     with pytest.raises(cnn.CsTorchError, match="approximate"):
         cnn.GELU(approximate="erf")
+
+
+# --------------------------------------------------------------------------
+# The MLM loss: the model zoo's definition (BertPretrainModelLoss) and HF's
+# --------------------------------------------------------------------------
+
+MLM_RTOL = 1e-6   # float32 logits; the loss sums in float64 here, in float32 in torch
+
+
+def mlm_problem(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    batch, seq, vocab = 6, 10, 17
+    logits = rng.standard_normal((batch, seq, vocab)).astype(np.float32) * 2
+    labels = rng.integers(0, vocab, size=(batch, seq))
+    masked = rng.random((batch, seq)) < 0.3
+    masked[0] = False                      # a sample with nothing masked
+    masked[1, :8] = True                   # and one with most of it masked
+    labels = np.where(masked, labels, -100)
+    return logits, labels
+
+
+def modelzoo_mlm_loss(logits, labels, mlm_loss_weight=1.0, precomputed=False):
+    """The model zoo's BERT MLM loss, written from its definition: per-token cross
+    entropy times the mask weights [times mlm_loss_scale = batch / masked tokens,
+    which its data loader precomputes], summed, / batch size [times mlm_loss_weight
+    when no scale is given]. Returns (loss, d loss / d logits)."""
+    t = torch.from_numpy(logits.copy()).requires_grad_(True)
+    lab = torch.from_numpy(labels)
+    weights = (lab != -100).to(t.dtype)
+    batch = lab.shape[0]
+    if precomputed:
+        weights = weights * (batch / weights.sum())
+    per_token = torch.nn.functional.cross_entropy(t.reshape(-1, t.shape[-1]), lab.reshape(-1).clamp(min=0),
+                                                  reduction="none")
+    loss = (per_token * weights.reshape(-1)).sum() / batch
+    if not precomputed:
+        loss = loss * mlm_loss_weight
+    loss.backward()
+    return float(loss.detach()), t.grad.numpy()
+
+
+def ours(logits, labels, scaling, weight=1.0, shards=1):
+    """Our loss and gradient, the batch split over `shards` WSEs as the cluster splits it."""
+    from cs_runtime.data.mnist import shard_rows
+    from cs_runtime.numerics.model import ModelSpec, model_loss
+    spec = ModelSpec("bert", (), loss_scaling=scaling, loss_weight=weight)
+    count = int((labels != -100).sum())
+    loss, grads = 0.0, []
+    for rank in range(shards):
+        rows = shard_rows(len(labels), rank, shards)
+        part = model_loss(spec, logits[rows], labels[rows], len(labels), count)
+        loss += part.loss
+        grads.append(part.delta)
+    return loss, np.concatenate(grads)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("weight", [1.0, 0.058])
+def test_mlm_loss_batch_size_scaling_is_the_model_zoos(shards, weight):
+    logits, labels = mlm_problem()
+    want, want_grad = modelzoo_mlm_loss(logits, labels, mlm_loss_weight=weight)
+    got, grad = ours(logits, labels, "batch_size", weight, shards)
+    assert abs(got - want) <= MLM_RTOL * want
+    np.testing.assert_allclose(grad, want_grad, rtol=MLM_RTOL, atol=MLM_RTOL * np.abs(want_grad).max())
+
+
+@pytest.mark.parametrize("scaling", ["num_masked", "precomputed_num_masked"])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_mlm_loss_num_masked_scaling_is_the_model_zoos_and_hfs(scaling, shards):
+    logits, labels = mlm_problem(1)
+    want, want_grad = modelzoo_mlm_loss(logits, labels, precomputed=True)
+    t = torch.from_numpy(logits.copy())
+    hf = float(torch.nn.functional.cross_entropy(t.reshape(-1, t.shape[-1]), torch.from_numpy(labels).reshape(-1)))
+    assert abs(want - hf) <= MLM_RTOL * hf          # the same definition: the mean over every masked token
+    got, grad = ours(logits, labels, scaling, shards=shards)
+    assert abs(got - want) <= MLM_RTOL * want
+    np.testing.assert_allclose(grad, want_grad, rtol=MLM_RTOL, atol=MLM_RTOL * np.abs(want_grad).max())
+
+
+def test_bert_defaults_to_the_model_zoos_normaliser_and_gpt2_to_num_tokens():
+    from cs_runtime.numerics.model import transformer_spec
+    shape = dict(vocab_size=50, max_len=8, hidden_size=8, num_layers=1, num_heads=2, ffn_features=16,
+                 dropout=0.0, attn_dropout=0.0, eps=1e-5)
+    bert = transformer_spec("b", style="bert", **shape)
+    assert (bert.loss_scaling, bert.loss_weight) == ("batch_size", 1.0)   # BertForPreTrainingModel's defaults
+    assert transformer_spec("g", style="gpt2", **shape).loss_scaling == "num_tokens"
+    assert transformer_spec("b", style="bert", loss_scaling="num_masked", **shape).loss_scaling == "num_masked"

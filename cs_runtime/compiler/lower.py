@@ -169,6 +169,7 @@ def lower(spec: ModelSpec) -> Graph:
     if spec.loss not in LOSSES:
         raise CompileError(f"model {spec.name}: unsupported loss {spec.loss!r}; supported: {', '.join(LOSSES)}")
     labels = g.add("input", name=LABELS, shape=g.node(x).shape[:-1], dtype="int32")
-    g.output = g.add(spec.loss, (x, labels), name="loss", layer="loss", layer_op=spec.loss)
+    g.output = g.add(spec.loss, (x, labels), name="loss", layer="loss", layer_op=spec.loss,
+                     loss_scaling=spec.loss_scaling, loss_weight=float(spec.loss_weight))
     validate(g)
     return g

@@ -318,12 +318,33 @@ def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
 
 # ---------------------------------------------------------------- loss
 
-def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, global_batch: int):
+# How a token model's summed loss is normalised (the model zoo's choices):
+# "batch_size": loss_weight * sum / samples in the global batch (BERT's default:
+#   mlm_loss_weight, 1.0 unless set; model-zoo configs set ~1/masked tokens per sample);
+# "num_tokens" / "num_masked": sum / labelled tokens in the global batch (GPT-2's
+#   default; HF's mean over every masked token of the batch);
+# "precomputed_num_masked": the same count, which the model zoo's data loader
+#   computes. Here the input pipeline always counts it: a WSE sees only its rows.
+TOKEN_LOSS_SCALINGS = ("batch_size", "num_tokens", "num_masked", "precomputed_num_masked")
+
+
+def token_loss_weight(scaling: str, loss_weight: float, global_batch: int, label_count: int | None) -> float:
+    """The factor every labelled token's loss is multiplied by."""
+    if scaling == "batch_size":
+        return loss_weight / global_batch
+    if scaling not in TOKEN_LOSS_SCALINGS:
+        raise ValueError(f"unknown loss scaling {scaling!r}; expected one of {', '.join(TOKEN_LOSS_SCALINGS)}")
+    if label_count is None:
+        raise ValueError(f"loss scaling {scaling} needs the number of labelled tokens in the global batch")
+    return 1.0 / max(label_count, 1)
+
+
+def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, token_weight: float):
     """Softmax cross-entropy of [B, T, C] logits, labels == IGNORE_INDEX left out.
 
-    Each sample's loss is the mean over its counted tokens; the shard's loss
-    is the sum of those over its rows / global_batch, so the shards of a
-    global batch add up to its mean whatever the split (as for a classifier).
+    The loss is the sum of every labelled token's loss times `token_weight`
+    (token_loss_weight: one factor for the whole global batch), so the shards
+    of a global batch add up to its loss whatever the split.
     Returns (loss, dlogits, correct, loss_sum, count): loss_sum is the float64
     sum of every counted token's loss and count their number (for eval).
     """
@@ -338,8 +359,7 @@ def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, global_batch: in
     denom = exp.sum(axis=1, keepdims=True)
     rows = np.arange(len(lab))
     token_loss = (np.log(denom[:, 0]) - shifted[rows, safe]).astype(np.float64)
-    per_sample = counted.reshape(labels.shape).sum(axis=-1, keepdims=True)
-    weight = (counted.reshape(labels.shape) / np.maximum(per_sample, 1) / global_batch).reshape(-1)
+    weight = counted * token_weight
     loss = float((token_loss * weight).sum())
     dlogits = exp / denom
     dlogits[rows, safe] -= 1.0

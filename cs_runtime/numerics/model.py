@@ -80,8 +80,13 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     loss: str = "softmax_cross_entropy"
     precision: str = "float32"   # the format of matmul inputs and weight gradients
+    loss_scaling: str = "num_tokens"   # token models: kernels.TOKEN_LOSS_SCALINGS
+    loss_weight: float = 1.0           # token models, with loss_scaling batch_size
 
     def __post_init__(self):
+        if self.loss_scaling not in kernels.TOKEN_LOSS_SCALINGS:
+            raise ValueError(f"unknown loss_scaling {self.loss_scaling!r}; expected one of "
+                             f"{', '.join(kernels.TOKEN_LOSS_SCALINGS)}")
         if self.precision not in FORMATS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {sorted(FORMATS)}")
         transformer = [l for l in self.layers if l.op in LAYER_OPS]
@@ -91,13 +96,15 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "loss": self.loss, "precision": self.precision,
+                "loss_scaling": self.loss_scaling, "loss_weight": self.loss_weight,
                 "layers": [l.to_dict() for l in self.layers]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])
         return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
-                   precision=str(d.get("precision", "float32")))
+                   precision=str(d.get("precision", "float32")),
+                   loss_scaling=str(d.get("loss_scaling", "num_tokens")), loss_weight=float(d.get("loss_weight", 1.0)))
 
     @property
     def token_model(self) -> bool:
@@ -121,13 +128,18 @@ def mlp_spec(name: str, sizes: list[int], activation: str, dropout: float) -> Mo
 
 def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hidden_size: int,
                      num_layers: int, num_heads: int, ffn_features: int, dropout: float, attn_dropout: float,
-                     eps: float, pad_id: int = -1, activation: str | None = None) -> ModelSpec:
+                     eps: float, pad_id: int = -1, activation: str | None = None,
+                     loss_scaling: str | None = None, loss_weight: float = 1.0) -> ModelSpec:
     """GPT-2 (style "gpt2": causal, pre-norm) or BERT (style "bert": bidirectional,
     post-norm, padding mask, MLM transform in the head): embedding, blocks, head.
 
     `activation`: the GELU of the MLPs (and BERT's head transform); by default
     what each reference uses: gelu_new (tanh) for GPT-2, gelu (exact erf) for
-    BERT, as in HF transformers and the model zoo."""
+    BERT, as in HF transformers and the model zoo.
+
+    `loss_scaling` / `loss_weight`: the loss's normaliser (kernels.TOKEN_LOSS_SCALINGS);
+    by default the model zoo's: num_tokens for GPT-2, batch_size (times
+    loss_weight, the model zoo's mlm_loss_weight) for BERT."""
     if style not in ("gpt2", "bert"):
         raise ValueError(f"unknown transformer style {style!r}; expected gpt2 or bert")
     if hidden_size % num_heads:
@@ -145,7 +157,8 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
                                 attn_dropout=attn_dropout, eps=eps))
     layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else activation,
                             eps=eps))
-    return ModelSpec(name, tuple(layers))
+    return ModelSpec(name, tuple(layers), loss_scaling=loss_scaling or ("num_tokens" if gpt else "batch_size"),
+                     loss_weight=float(loss_weight))
 
 
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]:
@@ -346,10 +359,14 @@ class LossResult:
     count: int           # samples or counted tokens behind loss_sum
 
 
-def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_batch: int) -> LossResult:
-    """The model's loss on one shard: per sample for a classifier; for a token
-    model the mean over each sample's labelled tokens, and eval counts tokens."""
+def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_batch: int,
+               label_count: int | None = None) -> LossResult:
+    """The model's loss on one shard: the mean over samples for a classifier; for
+    a token model the labelled tokens' summed loss normalised as
+    `spec.loss_scaling` says (`label_count`: labelled tokens in the global batch).
+    Eval reports the mean per sample, or per labelled token."""
     if logits.ndim == 2:
         loss, delta, correct = softmax_cross_entropy(logits, labels, global_batch)
         return LossResult(loss, delta, correct, loss * global_batch, len(labels))
-    return LossResult(*kernels.token_cross_entropy(logits, labels, global_batch))
+    weight = kernels.token_loss_weight(spec.loss_scaling, spec.loss_weight, global_batch, label_count)
+    return LossResult(*kernels.token_cross_entropy(logits, labels, weight))
