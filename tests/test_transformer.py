@@ -247,3 +247,16 @@ def test_examples_name_a_bad_params_key(style):
     spec = model_fn(params_from_dict({"model": {"model_type": style}}))
     assert [l.op for l in spec.layers] == ["embedding", "transformer_block", "transformer_block", "lm_head"]
     assert spec.layers[1].causal == (style == "gpt2")
+
+
+def test_gpt2_init_scales_residual_projections_by_depth_and_bert_does_not():
+    shape = dict(vocab_size=50, max_len=8, hidden_size=64, num_heads=2, ffn_features=256,
+                 dropout=0.0, attn_dropout=0.0, eps=1e-5)
+    for layers in (2, 8):
+        gpt = init_weights(transformer_spec("g", style="gpt2", num_layers=layers, **shape), 0)
+        bert = init_weights(transformer_spec("b", style="bert", num_layers=layers, **shape), 0)
+        for name in ("proj_weight", "out_weight"):
+            want = 0.02 / np.sqrt(2 * layers)
+            assert abs(gpt["block0"][name].std() / want - 1) < 0.05, (layers, name)
+            assert abs(bert["block0"][name].std() / 0.02 - 1) < 0.05, (layers, name)
+        assert abs(gpt["block0"]["qkv_weight"].std() / 0.02 - 1) < 0.05   # the others keep 0.02

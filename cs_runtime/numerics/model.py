@@ -29,7 +29,7 @@ import numpy as np
 from cs_runtime.numerics import kernels
 from cs_runtime import trace
 from cs_runtime.numerics.precision import FORMATS, quantize
-from cs_runtime.numerics.transformer import LAYER_OPS, init_param
+from cs_runtime.numerics.transformer import LAYER_OPS, init_param, init_std
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none")
 GELU_KINDS = tuple(kernels.GELUS)   # gelu is exact (erf); gelu_new and gelu_tanh the tanh approximation
@@ -163,12 +163,14 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
 
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]:
     """Dense: PyTorch-style uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)); transformer layers:
-    GPT-2/BERT style (transformer.init_param). Deterministic in seed."""
+    GPT-2/BERT style (transformer.init_param; GPT-2 scales its residual projections by
+    1/sqrt(2 n_layer), transformer.init_std). Deterministic in seed."""
     weights = {}
+    num_blocks = sum(layer.op == "transformer_block" for layer in spec.layers)
     for i, layer in enumerate(spec.layers):
         rng = np.random.default_rng([seed, 7919, i])
         if layer.op in LAYER_OPS:
-            weights[layer.name] = {name: init_param(name, shape, rng)
+            weights[layer.name] = {name: init_param(name, shape, rng, init_std(layer, name, num_blocks))
                                    for name, shape in layer.param_shapes().items()}
             continue
         bound = 1.0 / np.sqrt(layer.in_features)

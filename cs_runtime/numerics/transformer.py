@@ -54,13 +54,26 @@ def head_shapes(layer) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_param(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """GPT-2 / BERT init: N(0, 0.02) matrices and embeddings, zero biases, unit gains."""
+INIT_STD = 0.02                                  # initializer_range of GPT-2 and BERT
+RESIDUAL_PROJECTIONS = ("proj_weight", "out_weight")  # the matrices whose output joins a residual sum
+
+
+def init_param(name: str, shape: tuple[int, ...], rng: np.random.Generator, std: float = INIT_STD) -> np.ndarray:
+    """GPT-2 / BERT init: N(0, std) matrices and embeddings, zero biases, unit gains."""
     if name.endswith("gain"):
         return np.ones(shape, np.float32)
     if name.endswith("bias"):
         return np.zeros(shape, np.float32)
-    return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def init_std(layer, name: str, num_blocks: int) -> float:
+    """GPT-2 (pre-norm blocks) scales the residual projections by 1/sqrt(2 n_layer),
+    two residual sums per block adding up along the depth (HF's c_proj, the model
+    zoo's output_layer_initializer); BERT keeps 0.02 everywhere."""
+    if layer.op == "transformer_block" and layer.norm == "pre" and name in RESIDUAL_PROJECTIONS:
+        return INIT_STD / np.sqrt(2.0 * num_blocks)
+    return INIT_STD
 
 
 # ---------------------------------------------------------------- dropout
