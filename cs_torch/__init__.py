@@ -17,7 +17,7 @@ Cerebras' PyTorch integration (cerebras.pytorch). No torch needed.
             for step, batch in enumerate(loader):
                 loss = session.step(batch)
 
-See examples/fc_mnist/train_cstorch.py and the README ("Your own training loop").
+See examples/fc_mnist/train_cstorch.py and docs/cs_torch.md.
 """
 from . import nn, optim
 from .data import Batch, DataLoader
