@@ -374,7 +374,7 @@ def test_n_wses_in_16_bits_equal_one_wse_within_the_rounding_bound(tmp_path, fmt
     float32 sum of r(G_i), each WSE's partial rounded once. Elementwise
     |sum r(G_i) - r(G)| <= U * (sum |G_i| + |G|)
     (+ (N + 1) * TINY where gradients underflow, and float32 rounding), the bound
-    docs/numerics.md states; and the sum is exactly the rank-order float32 sum."""
+    docs/design.md states; and the sum is exactly the rank-order float32 sum."""
     lr, n = 0.5, 3
     params = write_params(tmp_path, model={"mixed_precision": True, "fp16_type": fmt, "dropout": 0.0},
                           optimizer={"optimizer_type": "sgd", "learning_rate": lr, "momentum": 0.0},

@@ -1,6 +1,6 @@
 """The numerics checked against PyTorch itself (not against the project's own
 oracle): Adam/AdamW under torch's GradScaler with skipped steps, exact and
-tanh GELU, the MLM loss. docs/numerics.md gives each tolerance and why.
+tanh GELU, the MLM loss. docs/design.md (the oracle) gives each tolerance and why.
 
     python -m pytest tests/test_torch_numerics.py -q
 """

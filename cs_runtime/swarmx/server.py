@@ -6,7 +6,7 @@ arrays again (zero-copy). Gradients, losses, eval results and acks from the
 WSEs are summed once all N have arrived, in rank order so the sum does not
 depend on which WSE was faster, and handed up: gradients to MemoryX,
 everything else to the chief. Sums are float32: 16-bit gradients come in at
-half the bytes and their sum goes on unrounded (docs/numerics.md).
+half the bytes and their sum goes on unrounded (docs/design.md, mixed precision).
 
     python -m cs_runtime.swarmx      (started by csrun_wse or the appliance)
 """
