@@ -92,9 +92,12 @@ def assert_matches(model_dir, oracle, stdout: str) -> None:
 # ---------------------------------------------------------------- whole jobs
 
 def test_oracle_learns(lm_oracle):
-    _, _, losses, _, final_eval = lm_oracle
-    assert losses[0] > 5.0 and losses[-5:].mean() < losses[0] - 0.5  # ln(260) = 5.56 at the start
-    assert final_eval < losses[0]
+    style, _, losses, _, final_eval = lm_oracle
+    # eval is the mean loss per predicted token whatever the training loss's
+    # normaliser: ln(260) = 5.56 untrained
+    assert final_eval < np.log(260) - 1.0
+    if style == "gpt2":   # its training loss is per token too (num_tokens); BERT's is per sample
+        assert losses[0] > 5.0 and losses[-5:].mean() < losses[0] - 0.5
 
 
 def test_weight_streaming_chosen_for_a_model_over_wafer_memory_equals_oracle(tmp_path, lm_oracle):
