@@ -319,3 +319,27 @@ def test_kill_9_before_pruning_keeps_every_checkpoint(tmp_path):
     assert_same(load(latest(tmp_path)), make_checkpoint(step=30, seed=3))
     save(tmp_path, make_checkpoint(step=40), max_checkpoints=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+
+
+def test_an_adam_checkpoint_without_step_counts_resumes_as_it_would_have(tmp_path):
+    """Checkpoints written before Adam's step count was state lack the `step`
+    slots; every step counted then, so the count goes on from the global step
+    and the resumed run equals the uninterrupted one bit for bit."""
+    from tests.cluster_utils import final_weights, run_cpu, write_params
+    params = write_params(tmp_path, optimizer={"optimizer_type": "adamw", "learning_rate": 0.001,
+                                               "weight_decay": 0.01},
+                          runconfig={"max_steps": 20, "checkpoint_steps": 10, "log_steps": 10})
+    full = run_cpu(params, tmp_path / "full")
+    assert full.returncode == 0, full.stdout + full.stderr
+    with np.load(tmp_path / "full" / "checkpoint_10.npz") as ck:
+        arrays = {k: ck[k] for k in ck.files}
+    assert float(arrays["optimizer/fc0/weight/step"]) == 10
+    old = {k: v for k, v in arrays.items() if not k.endswith("/step")}
+    np.savez(tmp_path / "old_10.npz", **old)
+    resumed = run_cpu(params, tmp_path / "resumed", "train", "--checkpoint_path", str(tmp_path / "old_10.npz"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    want, got = final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    with np.load(tmp_path / "resumed" / "checkpoint_20.npz") as ck:
+        assert float(ck["optimizer/fc0/weight/step"]) == 20     # and it is saved from now on
