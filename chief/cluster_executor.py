@@ -14,12 +14,12 @@ import zmq
 
 from chief.input_monitor import InputMonitor
 from cs_runtime import trace
+from cs_runtime.checkpoint import flatten, unflatten_for
 from cs_runtime.wire.auth import stop_authenticator
 from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
-from cs_runtime.memoryx.server import pack_state, unpack_state
 from cs_runtime.numerics.optim import Optimizer
-from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.protocol import JobSettings, Message, Msg
 from cs_runtime.service import ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 
@@ -62,11 +62,10 @@ class ClusterExecutor:
         """penv: the job (default: this process's environment). exit_on_failure=False (a chief
         inside a user's process, cs_torch.Session): a failed job raises ServiceError from the
         waiting call instead of ending the process."""
-        from chief.trainer import optimizer_spec
         self.args, self.fns, self.spec, self.params = args, fns, spec, args.params
         self.penv = penv or ProcessEnv.from_environ("chief")
         self.failure = ""
-        self.opt_spec = optimizer_spec(self.params)
+        self.opt_spec = self.params.optimizer.optimizer_spec()
         self.ctx = zmq.Context()
         self.workers = Endpoint(self.ctx, zmq.ROUTER, "chief", self.penv.job)
         # Kept: its socket closes with LINGER 0 when collected, which can drop the REGISTER not yet sent
@@ -165,12 +164,11 @@ class ClusterExecutor:
         return self._eval_steps
 
     def load(self, weights, opt_state, phases) -> None:
-        spec = {"model": self.spec.to_dict(), "optimizer": self.opt_spec,
-                "max_gradient_norm": self.params.optimizer.max_gradient_norm,
-                "seed": self.params.runconfig.seed, "execution_strategy": self.strategy,
-                "replicas": self.replicas, "loss_scaling": self.params.optimizer.loss_scaling_mode(),
-                "trace": trace.RECORDER.enabled}
-        state = pack_state(self.spec, weights, opt_state)
+        settings = JobSettings(self.spec, self.opt_spec, self.params.runconfig.seed, self.strategy, self.replicas,
+                               self.params.optimizer.max_gradient_norm,
+                               self.params.optimizer.loss_scaling_mode(), trace.RECORDER.enabled)
+        spec = settings.to_meta()
+        state = flatten(weights, opt_state)
         if self.pipelined:
             # Every weight goes to the wafer once, here, and stays there.
             self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec}, arrays=state))
@@ -231,7 +229,7 @@ class ClusterExecutor:
         holder = self.swarmx if self.pipelined else self.memoryx  # who has the weights
         holder.send(Message(Msg.GET_STATE))
         msg = self.wait(holder, Msg.STATE)
-        return unpack_state(self.spec, Optimizer(**self.opt_spec), msg.arrays)
+        return unflatten_for(self.spec, Optimizer(**self.opt_spec), msg.arrays)
 
     def collect_traces(self) -> list[trace.ProcessTrace]:
         """Every process's spans, each with its clock offset from the GET_TRACE round trip.

@@ -29,7 +29,7 @@ from cs_runtime.compiler.planner import make_plan, strategy_for, target_from_env
 from cs_runtime.compiler.report import write_outputs
 from cs_runtime.compiler.rewrites import optimize
 from cs_runtime.numerics.model import ModelSpec
-from cs_runtime.runner import RunArgs
+from cs_runtime.run_args import RunArgs
 
 __all__ = ["CompileError", "compile_model"]
 

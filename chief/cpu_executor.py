@@ -11,7 +11,7 @@ from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import scaled
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, UserFunctions
 
 
 def build_streams(args: RunArgs, fns: UserFunctions) -> dict[str, InputStream]:
@@ -26,10 +26,9 @@ class CpuExecutor:
     device = "CPU"
 
     def __init__(self, args: RunArgs, fns: UserFunctions, spec):
-        from chief.trainer import optimizer_spec
         self.spec, self.params = spec, args.params
         self.streams = build_streams(args, fns)
-        self.optimizer = Optimizer(**optimizer_spec(self.params))
+        self.optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
         self.max_norm = self.params.optimizer.max_gradient_norm
         self.skip_nonfinite = self.params.optimizer.loss_scaling_mode() != "none"
         self.layer_grad_norms: list[float] = []   # of the last training step, for TensorBoard

@@ -11,20 +11,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
 import yaml
 
+from chief.cluster_executor import ClusterExecutor
+from chief.compile import compile_model
+from chief.cpu_executor import CpuExecutor
 from cs_runtime import checkpoint as ckpt
+from cs_runtime import env
 from cs_runtime import trace
 from cs_runtime.config import Params
 from cs_runtime.numerics.model import ModelSpec, init_weights
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import LossScaler
-from cs_runtime.launch.restart import EXIT_BAD_INPUT, RESTART_ENV
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.launch.restart import EXIT_BAD_INPUT
+from cs_runtime.run_args import RunArgs, UserFunctions
 
 log = logging.getLogger("chief")
 
@@ -33,11 +36,20 @@ class RunError(Exception):
     """A user-facing failure: printed as one line, exit code 1."""
 
 
+def run_on_cpu(args: RunArgs, fns: UserFunctions) -> int:
+    """The chief of `python run.py` / csrun_cpu: the whole model in this process."""
+    return run_chief(args, fns, on_cluster=False)
+
+
+def run_on_cluster(args: RunArgs, fns: UserFunctions) -> int:
+    """Task 0 of csrun_wse: drive the CS system's services."""
+    return run_chief(args, fns, on_cluster=True)
+
+
 def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
     trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
         spec = build_spec(args, fns)
-        from chief.compile import compile_model
         compiled = compile_model(spec, args)
         if args.validate_only or args.compile_only:
             return 0
@@ -64,16 +76,8 @@ def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
 
 def make_executor(args, fns, spec, compiled, on_cluster: bool):
     if on_cluster:
-        from chief.cluster_executor import ClusterExecutor
         return ClusterExecutor(args, fns, spec, compiled)
-    from chief.cpu_executor import CpuExecutor
     return CpuExecutor(args, fns, spec)
-
-
-def optimizer_spec(params: Params) -> dict:
-    o = params.optimizer
-    return {"kind": o.optimizer_type, "momentum": o.momentum, "weight_decay": o.weight_decay,
-            "betas": list(o.betas), "eps": o.eps}
 
 
 def make_loss_scaler(params: Params) -> LossScaler:
@@ -97,7 +101,7 @@ class Trainer:
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
         path = self.args.checkpoint_path
-        restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
+        restarted = env.RESTART.get() > 0
         if restarted and ckpt.latest(self.model_dir) is not None:
             # A restarted job goes on from where it got to, not from where it began.
             path = None
@@ -106,7 +110,7 @@ class Trainer:
             if found is not None:
                 log.info("Found checkpoint %s in model_dir: resuming from it", found)
                 path = found
-        optimizer = Optimizer(**optimizer_spec(self.params))
+        optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
         if path is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}

@@ -14,6 +14,10 @@ resumes counting from its global step), `global_step` (int64: steps completed), 
 the next global batch the input pipeline produces; batches are a pure function
 of the step, so this is the whole input position), `meta` (JSON text).
 
+`flatten` / `unflatten` are the one mapping between nested weights and
+optimizer state and these flat keys: the checkpoint file and the wire
+(LOAD_MODEL, STATE) use it alike.
+
 Writes are atomic: the archive is written to a temporary file in the same
 folder, fsynced, then renamed; a crash leaves at most a `.tmp` file, never a
 broken `checkpoint_<step>.npz`, and the next save removes such leftovers (one
@@ -32,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.numerics.model import ModelSpec
+
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)\.npz$")
 
 
@@ -48,16 +54,54 @@ class Checkpoint:
     meta: dict
 
 
+def flatten(weights: dict, opt_state: dict) -> dict[str, np.ndarray]:
+    """{model/<layer>/<param>: weight, optimizer/<layer>/<param>/<slot>: state}, layer by layer."""
+    arrays = {}
+    for layer, params in weights.items():
+        for pname, w in params.items():
+            arrays[f"model/{layer}/{pname}"] = w
+            for slot, value in opt_state.get(layer, {}).get(pname, {}).items():
+                arrays[f"optimizer/{layer}/{pname}/{slot}"] = value
+    return arrays
+
+
+def unflatten(arrays: dict) -> tuple[dict, dict]:
+    """Inverse of flatten: (weights, opt_state); keys of another shape are ignored."""
+    weights: dict = {}
+    opt_state: dict = {}
+    for key, value in arrays.items():
+        parts = key.split("/")
+        if parts[0] == "model" and len(parts) == 3:
+            weights.setdefault(parts[1], {})[parts[2]] = value
+        elif parts[0] == "optimizer" and len(parts) == 4:
+            opt_state.setdefault(parts[1], {}).setdefault(parts[2], {})[parts[3]] = value
+    return weights, opt_state
+
+
+def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]:
+    """unflatten, checked against the model: every weight of `spec` with its shape (ValueError
+    naming the first that is not), every slot of `optimizer` (numerics.optim.Optimizer; a new
+    slot where absent). float32 copies, so the result is writable and owns its memory."""
+    weights, opt_state = {}, {}
+    for layer in spec.layers:
+        weights[layer.name], opt_state[layer.name] = {}, {}
+        for pname, shape in layer.param_shapes().items():
+            key = f"model/{layer.name}/{pname}"
+            if key not in arrays or tuple(arrays[key].shape) != shape:
+                raise ValueError(f"weights for {layer.name}/{pname} missing or not of shape {shape}")
+            weights[layer.name][pname] = w = np.array(arrays[key], dtype=np.float32)
+            slots = {f"optimizer/{layer.name}/{pname}/{slot}": slot for slot in optimizer.slot_names()}
+            opt_state[layer.name][pname] = {
+                slot: np.array(arrays[key], dtype=np.float32) if key in arrays else optimizer.new_slot(slot, w)
+                for key, slot in slots.items()}
+    return weights, opt_state
+
+
 def save(model_dir: str | Path, ck: Checkpoint, max_checkpoints: int | None = None) -> Path:
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     arrays = {"global_step": np.int64(ck.global_step), "input_step": np.int64(ck.input_step),
-              "meta": np.array(json.dumps(ck.meta))}
-    for layer, params in ck.weights.items():
-        for pname, w in params.items():
-            arrays[f"model/{layer}/{pname}"] = w
-            for slot, value in ck.opt_state.get(layer, {}).get(pname, {}).items():
-                arrays[f"optimizer/{layer}/{pname}/{slot}"] = value
+              "meta": np.array(json.dumps(ck.meta)), **flatten(ck.weights, ck.opt_state)}
     final = model_dir / f"checkpoint_{ck.global_step}.npz"
     remove_leftovers(model_dir)
     fd, tmp = tempfile.mkstemp(prefix=f".checkpoint_{ck.global_step}.", suffix=".tmp", dir=model_dir)
@@ -126,14 +170,7 @@ def load(path: str | Path) -> Checkpoint:
     # A truncated or bit-flipped archive raises BadZipFile or EOFError, not OSError.
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"checkpoint {path} is not readable: {exc}") from None
-    weights: dict = {}
-    opt_state: dict = {}
-    for key, value in data.items():
-        parts = key.split("/")
-        if parts[0] == "model" and len(parts) == 3:
-            weights.setdefault(parts[1], {})[parts[2]] = value
-        elif parts[0] == "optimizer" and len(parts) == 4:
-            opt_state.setdefault(parts[1], {}).setdefault(parts[2], {})[parts[3]] = value
+    weights, opt_state = unflatten(data)
     return Checkpoint(global_step, input_step, weights, opt_state, meta)
 
 

@@ -312,6 +312,11 @@ class OptimizerConfig(_Section):
             raise ValueError("initial_loss_scale must lie within [min_loss_scale, max_loss_scale]")
         return self
 
+    def optimizer_spec(self) -> dict:
+        """The keyword arguments of cs_runtime.numerics.optim.Optimizer (sent to MemoryX as they are)."""
+        return {"kind": self.optimizer_type, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                "betas": list(self.betas), "eps": self.eps}
+
     def loss_scaling_mode(self) -> str:
         """none, static or dynamic (LossScaler's modes)."""
         if self.loss_scaling_factor == "dynamic":

@@ -9,78 +9,37 @@ the role the launcher gave it (environment CS_ROLE):
 - chief (`csrun_wse` task 0): compile, then drive the CS system;
 - worker (`csrun_wse` other tasks): stream its shard of the input;
 - input_probe / wse_probe (`cs_input_analyzer`): measure input and WSE rates.
+
+The roles live above cs_runtime (chief/, worker/, wse/): each is imported by
+name from ROLE_ENTRY_POINTS, so no import of this package points up.
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import os
+import importlib
 import sys
-from dataclasses import dataclass
-from typing import Callable
 
-from cs_runtime.config import Params, ParamsError, load_params
-from cs_runtime.numerics.model import ModelSpec
+from cs_runtime import env
+from cs_runtime.run_args import RunArgs, UserFunctions, parse_args
+from cs_runtime.service import setup_logging
 
-MODES = ("train", "eval", "train_and_eval", "validate_only", "compile_only")
+__all__ = ["RunArgs", "UserFunctions", "run"]
 
-
-@dataclass
-class RunArgs:
-    mode: str
-    params_path: str
-    params: Params
-    model_dir: str
-    checkpoint_path: str | None
-    validate_only: bool
-    compile_only: bool
-    multireplica: bool = False
-
-
-@dataclass
-class UserFunctions:
-    model_fn: Callable[[Params], ModelSpec]
-    train_input_fn: Callable[[Params], object]
-    eval_input_fn: Callable[[Params], object] | None
-
-
-def parse_args(argv: list[str] | None = None) -> RunArgs:
-    parser = argparse.ArgumentParser(description="Train or evaluate a model on the emulated CS system.")
-    parser.add_argument("--mode", choices=MODES, required=True)
-    parser.add_argument("--params", required=True, help="params.yaml")
-    parser.add_argument("--model_dir", default="model_dir", help="checkpoints, logs, compile output")
-    parser.add_argument("--checkpoint_path", default=None, help="resume from this checkpoint")
-    parser.add_argument("--validate_only", action="store_true", help="check the model compiles; run nothing")
-    parser.add_argument("--compile_only", action="store_true", help="compile and write the report; run nothing")
-    parser.add_argument("--multireplica", action="store_true",
-                        help="layer pipelined: several copies of a small model on one WSE")
-    ns = parser.parse_args(argv)
-    try:
-        params = load_params(ns.params)
-    except ParamsError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    validate_only = ns.validate_only or ns.mode == "validate_only"
-    compile_only = ns.compile_only or ns.mode == "compile_only"
-    mode = "train" if ns.mode in ("validate_only", "compile_only") else ns.mode
-    return RunArgs(mode, ns.params, params, ns.model_dir, ns.checkpoint_path, validate_only, compile_only,
-                   ns.multireplica)
+# CS_ROLE -> (module, function(args, fns) -> exit code or None); any other role runs the CPU path.
+ROLE_ENTRY_POINTS = {
+    "": ("chief.trainer", "run_on_cpu"),
+    "chief": ("chief.trainer", "run_on_cluster"),
+    "worker": ("worker.input_worker", "serve_inputs"),
+    "input_probe": ("worker.probe", "measure_input"),
+    "wse_probe": ("wse.probe", "measure_consumption"),
+}
 
 
 def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     fns = UserFunctions(model_fn, train_input_fn, eval_input_fn)
-    role = os.environ.get("CS_ROLE", "")
-    logging.basicConfig(level=os.environ.get("CS_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {role or 'cpu'} %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    if role == "worker":
-        from worker.input_worker import serve_inputs
-        serve_inputs(args, fns)
-    elif role == "input_probe":  # cs_input_analyzer
-        from worker.probe import measure_input
-        measure_input(args, fns)
-    elif role == "wse_probe":
-        from wse.probe import measure_consumption
-        measure_consumption(args, fns)
-    else:
-        from chief.trainer import run_chief
-        sys.exit(run_chief(args, fns, on_cluster=role == "chief"))
+    role = env.ROLE.get()
+    setup_logging(role or "cpu")
+    module, function = ROLE_ENTRY_POINTS.get(role, ROLE_ENTRY_POINTS[""])
+    code = getattr(importlib.import_module(module), function)(args, fns)
+    if code is not None:
+        sys.exit(code)

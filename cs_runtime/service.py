@@ -2,15 +2,10 @@
 launcher sets, logging, and a main wrapper that turns any error into one
 logged line and a non-zero exit.
 
-Environment (set by csrun_wse / the appliance, read here only):
-    CS_JOB_ID      job id, stamped on every message
-    CS_ROLE        chief | worker | memoryx | swarmx | wse
-    CS_RANK        rank within the role
-    CS_RENDEZVOUS  the job's directory (chief and workers register there)
-    CS_IP          the CS system's directory (MemoryX, SwarmX, WSEs)
-    CS_NUM_CSX     WSEs of the job
-    CS_NUM_WORKERS input workers of the job (on all hosts)
-    CS_BIND_HOST   the address this process binds (set per host by the launcher)
+The identity comes from the environment csrun_wse or the CS system sets
+(cs_runtime/env.py: CS_JOB_ID, CS_ROLE, CS_RANK, CS_RENDEZVOUS, CS_IP,
+CS_NUM_CSX, CS_NUM_WORKERS); `setup_logging` is every process's one logging
+set-up (CS_LOG_LEVEL).
 """
 from __future__ import annotations
 
@@ -22,6 +17,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from cs_runtime import env
+from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.wire.auth import stop_authenticator
 
 ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
@@ -29,9 +26,8 @@ ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
 # A CS system (cs_runtime/appliance/server.py) starts its services ahead of time with
 # AWAIT_JOB_ENV set: each imports what it needs, then waits for the one job it
 # will serve, given as one JSON line on stdin (the variables below, nothing else).
-AWAIT_JOB_ENV = "CS_AWAIT_JOB"
-ASSIGNED_VARS = ("CS_JOB_ID", "CS_IP", "CS_ROLE", "CS_RANK", "CS_NUM_CSX", "CS_KEYS_DIR", "CS_SHM_DIR",
-                 "CS_BIND_HOST")
+AWAIT_JOB_ENV = env.AWAIT_JOB.name
+ASSIGNED_VARS = env.SERVICE_VARS
 
 
 @dataclass(frozen=True)
@@ -46,18 +42,20 @@ class ProcessEnv:
 
     @classmethod
     def from_environ(cls, role: str | None = None) -> "ProcessEnv":
-        env = os.environ
-        missing = [k for k in ("CS_JOB_ID", "CS_IP") if not env.get(k)]
+        missing = [v.name for v in (env.JOB_ID, env.IP) if not v.is_set()]
         if missing:
             raise SystemExit(f"{role or 'process'}: {', '.join(missing)} not set; start jobs with csrun_wse")
-        return cls(job=env["CS_JOB_ID"], role=role or env.get("CS_ROLE", ""),
-                   rank=int(env.get("CS_RANK", "0")), rendezvous=env.get("CS_RENDEZVOUS", env["CS_IP"]),
-                   cs_ip=env["CS_IP"], num_csx=int(env.get("CS_NUM_CSX", "1")),
-                   num_workers=int(env.get("CS_NUM_WORKERS", "1")))
+        try:
+            return cls(job=env.JOB_ID.get(), role=role or env.ROLE.get(), rank=env.RANK.get(),
+                       rendezvous=env.RENDEZVOUS.get() or env.IP.get(), cs_ip=env.IP.get(),
+                       num_csx=env.NUM_CSX.get(), num_workers=env.NUM_WORKERS.get())
+        except env.EnvError as exc:
+            raise SystemExit(f"{role or 'process'}: {exc}") from None
 
 
 def setup_logging(role: str, rank: int | None = None) -> None:
-    level = os.environ.get("CS_LOG_LEVEL", "INFO").upper()
+    """Log lines to stderr as `12:00:00 wse0 INFO ...`, at CS_LOG_LEVEL (every process, every role)."""
+    level = env.LOG_LEVEL.get()
     name = role if rank is None else f"{role}{rank}"
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
@@ -69,7 +67,6 @@ def join_cs_system(penv: ProcessEnv, ctx: zmq.Context, endpoints: dict):
     Keep the returned client alive: its socket closes with LINGER 0 when it is
     garbage collected, which would drop a REGISTER not yet sent.
     """
-    from cs_runtime.launch.directory import DirectoryClient
     directory = DirectoryClient(ctx, penv.cs_ip, penv.role, penv.rank, penv.job)
     directory.register(endpoints)
     directory.start_heartbeats()
@@ -93,7 +90,8 @@ def take_assignment() -> None:
 
 def service_main(role: str, body) -> None:
     """Run `body(penv, ctx)` as the process `role`; exit non-zero on any error."""
-    if os.environ.pop(AWAIT_JOB_ENV, None):
+    if env.AWAIT_JOB.get():
+        os.environ.pop(AWAIT_JOB_ENV)
         take_assignment()
     penv = ProcessEnv.from_environ(role)
     setup_logging(role, penv.rank)

@@ -34,89 +34,25 @@ from pathlib import Path
 
 import numpy as np
 
-from cs_runtime.wire.protocol import MAX_SPAN_NAME_CHARS, MAX_SPAN_NAMES, MAX_SPANS, Message, Msg
+from cs_runtime import spans
+from cs_runtime.wire.protocol import MAX_SPAN_NAME_CHARS, MAX_SPAN_NAMES, Message, Msg
 
-TRACE_ENV = "CS_TRACE"
-
-now_ns = time.monotonic_ns   # CLOCK_MONOTONIC on Linux: one clock for every process of a host
-
-
-class Recorder:
-    """The process's spans, in the order they ended."""
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self.spans: list[tuple] = []
-        self.dropped = 0
-
-    def reset(self, enabled: bool) -> None:
-        """Start a job's recording (or stop recording), forgetting earlier spans."""
-        self.enabled, self.spans, self.dropped = bool(enabled), [], 0
-
-    def add(self, name: str, start_ns: int, end_ns: int, step: int = -1, layer: int = -1) -> None:
-        if len(self.spans) >= MAX_SPANS:
-            self.dropped += 1
-            return
-        self.spans.append((name, start_ns, end_ns - start_ns, step, layer))
-
-    def take(self) -> list[tuple]:
-        spans, self.spans = self.spans, []
-        return spans
-
-
-RECORDER = Recorder()
-
-
-class _Span:
-    __slots__ = ("name", "step", "layer", "start")
-
-    def __init__(self, name: str, step: int, layer: int):
-        self.name, self.step, self.layer = name, step, layer
-
-    def __enter__(self):
-        self.start = now_ns()
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        RECORDER.add(self.name, self.start, now_ns(), self.step, self.layer)
-        return False
-
-
-class _NoSpan:
-    __slots__ = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-_NO_SPAN = _NoSpan()
-
-
-def span(name: str, step: int = -1, layer: int = -1):
-    """Context manager recording `name` (with the step and layer) when tracing is on."""
-    if not RECORDER.enabled:
-        return _NO_SPAN
-    return _Span(name, step, layer)
-
-
-def enabled_from_env() -> bool:
-    return os.environ.get(TRACE_ENV, "") not in ("", "0")
+# The recorder (RECORDER, span, now_ns) is spans.py's, named here too: the timeline's one API.
+TRACE_ENV, MAX_SPANS, RECORDER, Recorder, now_ns, span, enabled_from_env = (
+    spans.TRACE_ENV, spans.MAX_SPANS, spans.RECORDER, spans.Recorder, spans.now_ns, spans.span, spans.enabled_from_env)
 
 
 # ---------------------------------------------------------------- on the wire
-def pack_spans(spans: list[tuple]) -> tuple[list[str], dict[str, np.ndarray]]:
+def pack_spans(recorded: list[tuple]) -> tuple[list[str], dict[str, np.ndarray]]:
     """(span names, arrays) for a TRACE message: names travel once, spans as int arrays."""
     names: dict[str, int] = {}
     ids = []
-    for s in spans:
+    for s in recorded:
         name = s[0][:MAX_SPAN_NAME_CHARS]
         if name not in names and len(names) >= MAX_SPAN_NAMES - 1:
             name = "other"       # one name kept free for the rest
         ids.append(names.setdefault(name, len(names)))
-    columns = list(zip(*spans)) if spans else [(), (), (), (), ()]
+    columns = list(zip(*recorded)) if recorded else [(), (), (), (), ()]
     arrays = {"name": np.array(ids, dtype=np.int32),
               "start_ns": np.array(columns[1], dtype=np.int64),
               "dur_ns": np.array(columns[2], dtype=np.int64),

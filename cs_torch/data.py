@@ -28,11 +28,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cs_runtime import env
 from cs_runtime.data.inputs import dataset_len
 
 from .nn import CsTorchError
 
-INPUT_ENV = "CS_TORCH_INPUT"  # the input workers' instructions (JSON), see cs_torch/input_worker.py
+INPUT_ENV = env.TORCH_INPUT.name  # the input workers' instructions (JSON), see cs_torch/input_worker.py
 
 
 @dataclass(frozen=True)

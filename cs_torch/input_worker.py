@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
-import os
 import runpy
 import sys
 from pathlib import Path
 
+from cs_runtime import env
 from cs_runtime.config import params_from_dict
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.service import setup_logging
+from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_torch.data import INPUT_ENV
 
 SCRIPT_RUN_NAME = "__cs_torch_input__"
@@ -38,10 +38,8 @@ def load_function(spec: dict):
 
 
 def main() -> None:
-    role = os.environ.get("CS_ROLE", "worker")
-    logging.basicConfig(level=os.environ.get("CS_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {role} %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    spec = json.loads(os.environ[INPUT_ENV])
+    setup_logging(env.ROLE.get() or "worker")
+    spec = json.loads(env.TORCH_INPUT.get())
     fn = load_function(spec["input"])
     args, kwargs = spec["input"]["args"], spec["input"]["kwargs"]
     params = params_from_dict(spec["params"], "cs_torch session")

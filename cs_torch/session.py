@@ -6,15 +6,15 @@
             loss = session.step(batch)
 
 A Session is one job, set up exactly as csrun_wse sets one up
-(scripts/csrun_wse.py: job_keys, preflight, start_job): entering the `with`
-block starts the job's directory and, without cs_ip, its CS system (MemoryX,
-SwarmX, the WSEs) on this machine; with cs_ip the job uses the running CS
-system there. The chief runs in your process: the first `step` compiles the
+(cs_runtime.launch.job: job_keys, check_insecure_and_ssh_hosts, open_front_door,
+start_job): entering the `with` block starts the job's directory and,
+without cs_ip, its CS system (MemoryX, SwarmX, the WSEs) on this machine;
+with cs_ip the job uses the running CS system there. The chief runs in your process: the first `step` compiles the
 model (chief.compile, reusing the artifact in model_dir), starts the input
 workers for the batch's loader, loads the weights (from the latest checkpoint
 in model_dir, if any) and from then on each `step` is one training (or eval)
 step driven by chief.cluster_executor.ClusterExecutor, the same code
-csrun_wse's chief runs. csrun_wse's supervisor (cs_runtime.launcher) watches
+csrun_wse's chief runs. csrun_wse's supervisor (cs_runtime.launch.launcher) watches
 the job's processes from a thread of your process: if one fails, the next
 `step` raises JobFailed naming it.
 
@@ -44,9 +44,11 @@ from cs_runtime.config import ParamsError, params_from_dict
 from cs_runtime.appliance.client import FrontDoorError, split_address
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.wire.protocol import ENDED_PHASES
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.launch import job as launch
+from cs_runtime.launch.job import JobOptions
+from cs_runtime.launch.launcher import JobFailed, with_threads
+from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
-from scripts import csrun_wse
 
 from .data import INPUT_ENV, Batch, DataLoader
 from .nn import CrossEntropyLoss, CsTorchError, Sequential
@@ -62,10 +64,6 @@ PLAN_STOP = 2 ** 62
 SUPERVISOR_JOIN_S = 30.0
 
 
-class JobFailed(RuntimeError):
-    """A process of the Session's job failed; the message names it."""
-
-
 # ------------------------------------------------------------------ set-up
 @dataclass(frozen=True)
 class Backend:
@@ -76,14 +74,11 @@ class Backend:
     insecure: bool = False
     no_shm: bool = False
 
-    def launcher_args(self):
-        """The csrun_wse namespace of these settings (its flags, its checks)."""
-        flags = ["--launcher", "local", "--num_csx", str(self.num_csx),
-                 "--num_workers_per_csx", str(self.num_workers_per_csx)]
-        flags += ["--cs_ip", self.cs_ip] if self.cs_ip else []
-        flags += ["--insecure"] if self.insecure else []
-        flags += ["--no_shm"] if self.no_shm else []
-        return csrun_wse.parse_args([*flags, sys.executable, "-m", "cs_torch.input_worker"])
+    def job_options(self) -> JobOptions:
+        """A Session's job: on this machine, its input workers cs_torch's own."""
+        return JobOptions(command=[sys.executable, "-m", "cs_torch.input_worker"], launcher="local",
+                          num_csx=self.num_csx, num_workers_per_csx=self.num_workers_per_csx,
+                          cs_ip=self.cs_ip, insecure=self.insecure, no_shm=self.no_shm)
 
 
 _backend = Backend()
@@ -221,30 +216,31 @@ class Session:
         return self
 
     def _start_job(self) -> None:
-        ns = self.backend.launcher_args()
-        self.layout = csrun_wse.plan_layout(ns)
-        self._stack.enter_context(csrun_wse.job_keys(ns))
+        options = self.backend.job_options()
+        self.layout = launch.plan_layout(options)
+        self._stack.enter_context(launch.job_keys(options.insecure))
         try:
-            door = csrun_wse.preflight(ns, self.layout)
-        except SystemExit as exc:
+            launch.check_insecure_and_ssh_hosts(options, self.layout)
+            door = launch.open_front_door(options)
+        except SystemExit as exc:   # launch.LaunchError: one line
             raise CsTorchError(str(exc)) from None
         self._catch_sigterm()
         job = cs_ip = check = None
         if door is not None:   # a shared CS system: queue there, then run on the directory it makes
             self._stack.callback(door.close)
-            job, cs_ip, check = self._wait_turn(ns, door)
-        self.job = csrun_wse.start_job(ns, self.layout, attempt=0, tasks=False, handle_signals=False,
-                                       job=job, cs_ip=cs_ip)
-        self.ns = ns
+            job, cs_ip, check = self._wait_turn(options, door)
+        self.job = launch.start_job(options, self.layout, attempt=0, tasks=False, handle_signals=False,
+                                    job=job, cs_ip=cs_ip)
+        self.options = options
         self.supervisor_thread = threading.Thread(target=self.job.supervisor.run, args=(check,),
                                                   name="cs_torch-supervisor", daemon=True)
         self.supervisor_thread.start()
 
-    def _wait_turn(self, ns, door) -> tuple:
+    def _wait_turn(self, options: JobOptions, door) -> tuple:
         """Submit to the CS system at cs_ip and wait for this job's turn:
         (job id, the job's directory there, a supervisor check that follows its phase)."""
         try:
-            submitted = csrun_wse.submit(ns, door)
+            submitted = launch.submit(options, door)
         except SystemExit as exc:
             raise CsTorchError(str(exc)) from None
         try:
@@ -257,7 +253,7 @@ class Session:
             raise CsTorchError(f"{submitted.name} {state['phase']}: {state['reason']}")
         self._submitted = submitted
         self._stack.callback(self._report_done)   # once every process has stopped, before the door closes
-        return state["job"], state["cs_ip"], csrun_wse.follower(submitted)
+        return state["job"], state["cs_ip"], launch.follower(submitted)
 
     def _report_done(self) -> None:
         """How the job ended, for the shared CS system's list (and to free its systems)."""
@@ -328,7 +324,7 @@ class Session:
         args = RunArgs(self.mode, "<cs_torch>", params, self.model_dir, self.checkpoint_path, False, False)
         compiled = compile_model(self.model.spec, args)
         env, job = self.job.env, self.job
-        penv = ProcessEnv(job.id, "chief", 0, job.directory.address, env["CS_IP"], self.ns.num_csx,
+        penv = ProcessEnv(job.id, "chief", 0, job.directory.address, env["CS_IP"], self.options.num_csx,
                           self.layout.num_workers)
         self.executor = ClusterExecutor(args, UserFunctions(None, None, None), self.model.spec, compiled,
                                         penv=penv, exit_on_failure=False)
@@ -344,11 +340,11 @@ class Session:
     def _start_workers(self, loader: DataLoader, params) -> None:
         spec = {"input": loader.worker_spec(), "params": params.to_dict(), "mode": self.mode,
                 "model_dir": self.model_dir}
-        env = {**csrun_wse.with_threads(self.job.env, 1), INPUT_ENV: json.dumps(spec)}
+        env = {**with_threads(self.job.env, 1), INPUT_ENV: json.dumps(spec)}
         # The supervisor's registration deadline counts from now: the loop may begin long after the block.
         self.job.supervisor.started = time.monotonic()
         for rank in range(self.layout.num_workers):
-            self.job.group.start("worker", rank, self.ns.command,
+            self.job.group.start("worker", rank, self.options.command,
                                  {**env, "CS_ROLE": "worker", "CS_RANK": str(rank)})
 
     # -------------------------------------------------------------- steps

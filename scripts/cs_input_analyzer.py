@@ -14,6 +14,7 @@ and writes everything it measured to a YAML report (--report).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from cs_runtime.flags import add_flag
+
 HEADROOM = 1.2            # input must outrun the WSE by this factor: a worker's rate varies
 PROBE_START_TIMEOUT_S = 300
 
@@ -32,10 +35,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cs_input_analyzer", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     cpus = os.cpu_count() or 1
-
-    def flag(name: str, **kwargs):
-        parser.add_argument(*dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]), dest=name, **kwargs)
-
+    flag = functools.partial(add_flag, parser)
     flag("available_nodes", type=int, default=1, help="nodes you can use for input (default 1)")
     flag("cpus_per_node", type=int, default=cpus, help=f"CPUs per node (default this machine's: {cpus})")
     flag("max_workers", type=int, default=min(4, cpus), help="measure 1..k workers here (default min(4, CPUs))")

@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cs_runtime.wire import auth
+from cs_runtime.flags import add_flag
 from cs_runtime.service import setup_logging
+from cs_runtime.wire import auth
 from cs_runtime.wire.transport import PortInUse
 
 
@@ -30,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                             "machine to take jobs from other hosts)")),
                          ("insecure", dict(action="store_true", help="no CURVE (loopback only)")),
                          ("no_shm", dict(action="store_true", help="stream weights over tcp, not shared memory"))):
-        serve.add_argument(*dict.fromkeys([f"--{flag}", f"--{flag.replace('_', '-')}"]), dest=flag, **kwargs)
+        add_flag(serve, flag, **kwargs)
     ns = parser.parse_args(argv)
     if ns.num_csx < 1:
         parser.error("--num_csx must be at least 1")

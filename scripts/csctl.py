@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from cs_runtime import env
+from cs_runtime.flags import add_flag
 from cs_runtime.appliance.client import SYSTEM_ENV, FrontDoor, FrontDoorError, owner_token
 from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels
 
@@ -23,8 +25,7 @@ COLUMNS = ("NAME", "AGE", "DURATION", "PHASE", "SYSTEMS", "USER", "LABELS")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="csctl", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--cs_ip", "--cs-ip", dest="cs_ip", default=os.environ.get(SYSTEM_ENV),
-                        help=f"HOST:PORT of the CS system (default ${SYSTEM_ENV})")
+    add_flag(parser, "cs_ip", default=env.SYSTEM.get(), help=f"HOST:PORT of the CS system (default ${SYSTEM_ENV})")
     parser.add_argument("--insecure", action="store_true", help="the CS system runs without CURVE (loopback)")
     verbs = parser.add_subparsers(dest="verb", required=True)
     get = verbs.add_parser("get", help="list jobs")

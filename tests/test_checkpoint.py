@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from cs_runtime import checkpoint
+from cs_runtime.numerics.model import mlp_spec
+from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -57,6 +59,29 @@ def files_in(path) -> list[str]:
 # --------------------------------------------------------------------------
 # round trip and format
 # --------------------------------------------------------------------------
+
+def test_flatten_is_the_archive_layout_and_unflatten_its_inverse():
+    """One key scheme for the file and the wire (LOAD_MODEL, STATE)."""
+    ck = make_checkpoint()
+    flat = checkpoint.flatten(ck.weights, ck.opt_state)
+    assert set(flat) == {f"model/{l}/{p}" for l in ck.weights for p in ck.weights[l]} | {
+        f"optimizer/{l}/{p}/{s}" for l in ck.opt_state for p in ck.opt_state[l] for s in ck.opt_state[l][p]}
+    weights, opt_state = checkpoint.unflatten(flat)
+    assert_same(ck, Checkpoint(ck.global_step, ck.input_step, weights, opt_state, ck.meta))
+
+
+def test_unflatten_for_checks_the_model_and_fills_missing_slots():
+    ck = make_checkpoint()
+    spec = mlp_spec("fc", [4, 3, 2], "relu", 0.0)
+    flat = checkpoint.flatten(ck.weights, {})   # weights only: the slots start at zero
+    weights, opt_state = checkpoint.unflatten_for(spec, Optimizer("sgd", momentum=0.9), flat)
+    np.testing.assert_array_equal(weights["fc1"]["weight"], ck.weights["fc1"]["weight"])
+    assert weights["fc1"]["weight"].flags.writeable
+    assert not opt_state["fc0"]["bias"]["momentum"].any() and opt_state["fc0"]["bias"]["momentum"].shape == (3,)
+    del flat["model/fc1/bias"]
+    with pytest.raises(ValueError, match="fc1/bias missing or not of shape"):
+        checkpoint.unflatten_for(spec, Optimizer("sgd"), flat)
+
 
 def test_save_load_round_trip(tmp_path):
     ck = make_checkpoint(step=200)

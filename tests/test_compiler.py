@@ -31,7 +31,7 @@ from cs_runtime.compiler.report import OVERALL_FIELDS, render_report, render_svg
 from cs_runtime.compiler.rewrites import drop_dead, drop_noops, fold_constants, fuse_dense, optimize
 from cs_runtime.config import params_from_dict
 from cs_runtime.numerics.model import LayerSpec, ModelSpec, mlp_spec
-from cs_runtime.runner import RunArgs
+from cs_runtime.run_args import RunArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 FC_PARAMS = ROOT / "examples/fc_mnist/configs/params.yaml"

@@ -28,6 +28,7 @@ from cs_runtime.wire.protocol import (
     META_SCHEMA,
     PROTOCOL_VERSION,
     ZERO_COPY_THRESHOLD,
+    JobSettings,
     Message,
     Msg,
     ProtocolError,
@@ -36,6 +37,7 @@ from cs_runtime.wire.protocol import (
     decode,
     encode,
 )
+from cs_runtime.numerics.model import mlp_spec
 from cs_runtime.wire.transport import Endpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,8 +59,14 @@ FRONT_DOOR_SAMPLES = {"name": "wsjob-1", "owner": "ab" * 32, "labels": {"k": "v"
                       "user": "u", "num_csx": 1}
 
 
+# LOAD_MODEL's spec is the job's settings (protocol.JobSettings), checked field by field.
+SETTINGS = JobSettings(mlp_spec("m", [4, 3, 2], "relu", 0.0), {"kind": "sgd", "momentum": 0.9}, seed=1)
+
+
 def minimal_meta(mtype: Msg) -> dict:
     meta = {key: _sample_value(typ) for key, typ in META_SCHEMA[mtype].items()}
+    if mtype == Msg.LOAD_MODEL:
+        meta["spec"] = SETTINGS.to_meta()
     if mtype in FRONT_DOOR:
         meta.update({k: v for k, v in FRONT_DOOR_SAMPLES.items() if k in meta})
     return meta
@@ -242,6 +250,35 @@ def test_reject_wrong_typed_meta_field(mtype, key, value):
     meta = minimal_meta(mtype)
     meta[key] = value
     reject([pack(header(mtype, meta=meta))], mtype.value, repr(key), "wrong type")
+
+
+def test_load_model_settings_round_trip_and_parse_to_the_same_settings():
+    settings = JobSettings(mlp_spec("m", [4, 3, 2], "tanh", 0.1), {"kind": "adam", "betas": [0.8, 0.99]}, seed=5,
+                           execution_strategy="pipelined", replicas=2, max_gradient_norm=1.5,
+                           loss_scaling="dynamic", trace=True)
+    out = decode(encode(Message(Msg.LOAD_MODEL, meta={"spec": settings.to_meta()})))
+    assert JobSettings.from_meta(out.meta["spec"]) == settings
+    assert settings.pipelined and settings.skips_nonfinite
+
+
+@pytest.mark.parametrize("key,value", [
+    ("seed", "1"), ("seed", True), ("replicas", 0), ("execution_strategy", None), ("loss_scaling", "x"),
+    ("max_gradient_norm", -1.0), ("trace", 1), ("optimizer", {"kind": "rmsprop"}),
+    ("optimizer", {"kind": "sgd", "lr": 0.1}), ("optimizer", {"kind": "adam", "betas": [0.9]}),
+    ("model", {"name": "m"}), ("model", {"name": "m", "layers": [{"name": "fc0", "op": "dense"}]}),
+    ("model", {"name": "m", "layers": [{"name": "fc0", "op": "dense", "in_features": "4", "out_features": 2}]}),
+    ("model", {"name": "m", "layers": [{"name": "fc0", "op": "dense", "in_features": -4, "out_features": 2}]}),
+])
+def test_reject_load_model_settings_naming_the_field(key, value):
+    meta = {"spec": {**SETTINGS.to_meta(), key: value}}
+    reject([pack(header(Msg.LOAD_MODEL, meta=meta))], "load_model", repr(key))
+
+
+def test_load_model_settings_defaults_fill_what_is_absent():
+    spec = {"model": SETTINGS.model.to_dict(), "optimizer": {"kind": "sgd"}, "seed": 3}
+    settings = JobSettings.from_meta(decode([pack(header(Msg.LOAD_MODEL, meta={"spec": spec}))]).meta["spec"])
+    assert (settings.execution_strategy, settings.replicas, settings.max_gradient_norm, settings.loss_scaling,
+            settings.trace) == ("weight_streaming", 1, None, "none", False)
 
 
 def test_numeric_meta_accepts_int_and_float():

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from cs_runtime import trace
+from cs_runtime import spans, trace
 from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import FC_MNIST, assert_matches_oracle, run_cpu, run_wse, tool, write_params
 
@@ -47,7 +47,7 @@ def test_span_is_recorded_when_its_body_raises(recorder):
 
 
 def test_recorder_caps_its_spans(recorder, monkeypatch):
-    monkeypatch.setattr(trace, "MAX_SPANS", 3)
+    monkeypatch.setattr(spans, "MAX_SPANS", 3)   # the recorder's module
     for i in range(5):
         recorder.add("s", i, i + 1)
     assert len(recorder.spans) == 3 and recorder.dropped == 2

@@ -27,7 +27,7 @@ from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.precision import encode_arrays
 from cs_runtime.wire.protocol import Message, Msg
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
 from cs_runtime.wire.transport import Endpoint, host_name
 

@@ -10,13 +10,13 @@ seconds and prints `PROBE {json}` with what it measured.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
+from cs_runtime import env
 from cs_runtime.data.mnist import worker_steps
 from cs_runtime.data.inputs import InputStream
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, UserFunctions
 
 
 def say(kind: str, payload: dict | None = None) -> None:
@@ -24,8 +24,7 @@ def say(kind: str, payload: dict | None = None) -> None:
 
 
 def measure_input(args: RunArgs, fns: UserFunctions) -> None:
-    rank, workers = int(os.environ["CS_PROBE_RANK"]), int(os.environ["CS_PROBE_WORKERS"])
-    seconds = float(os.environ["CS_PROBE_SECONDS"])
+    rank, workers, seconds = env.PROBE_RANK.get(), env.PROBE_WORKERS.get(), env.PROBE_SECONDS.get()
     p = args.params
     stream = InputStream.build("train", fns.train_input_fn(p), p.train_input, p.runconfig.seed)
     steps = iter(worker_steps(0, 1 << 40, rank, workers))

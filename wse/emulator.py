@@ -29,7 +29,7 @@ from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.numerics.precision import encode_arrays, scaled, wire_dtype
-from cs_runtime.wire.protocol import Message, Msg, float_arrays
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
@@ -194,14 +194,16 @@ class WSE:
         self.up.send(Message(Msg.HELLO, meta={"role": "wse", "rank": self.penv.rank}))
 
     def make_executor(self, msg: Message):
-        config = msg.meta["spec"]
-        spec = ModelSpec.from_dict(config["model"])
-        if config.get("execution_strategy") == "pipelined":
-            return PipelinedExecutor(spec, config, msg.arrays, self.up, self.inputs)
+        """The executor of LOAD_MODEL's settings; the timeline recorder set as they say."""
+        settings = JobSettings.from_meta(msg.meta["spec"])
+        trace.RECORDER.reset(settings.trace)
+        spec = settings.model
+        if settings.pipelined:
+            return PipelinedExecutor(settings, msg.arrays, self.up, self.inputs)
         shapes = [s for layer in spec.layers for s in layer.param_shapes().values()]
         self.arena = shm.new_arena(self.penv.job, f"wse{self.penv.rank}",
                                    shm.arena_bytes(shapes, wire_dtype(spec.precision).itemsize))
-        return WeightStreamingExecutor(spec, int(config["seed"]), self.up, self.inputs, self.arena)
+        return WeightStreamingExecutor(spec, settings.seed, self.up, self.inputs, self.arena)
 
     def serve(self) -> None:
         while True:
@@ -213,7 +215,6 @@ class WSE:
             received_ns = trace.now_ns()
             self.up.send(trace.reply(msg, "wse", self.penv.rank, received_ns), share=False)
         elif msg.type == Msg.LOAD_MODEL:
-            trace.RECORDER.reset(bool(msg.meta["spec"].get("trace")))
             self.executor = self.make_executor(msg)
             self.up.send(Message(Msg.ACK, meta={"what": "load_model"}))
         elif msg.type == Msg.WEIGHTS and isinstance(self.executor, WeightStreamingExecutor):

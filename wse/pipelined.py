@@ -20,22 +20,22 @@ from __future__ import annotations
 
 
 from cs_runtime.data.mnist import shard_rows
-from cs_runtime.memoryx.server import pack_state, unpack_state
-from cs_runtime.numerics.model import ModelSpec, ShardContext, model_backward, model_forward, model_loss
+from cs_runtime.checkpoint import flatten, unflatten_for
+from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import scaled
-from cs_runtime.wire.protocol import Message, Msg, float_arrays
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 
 
 class PipelinedExecutor:
-    def __init__(self, spec: ModelSpec, config: dict, arrays: dict, up, inputs):
-        self.spec, self.up, self.inputs = spec, up, inputs
-        self.seed = int(config["seed"])
-        self.replicas = max(1, int(config.get("replicas", 1)))
-        self.max_norm = config.get("max_gradient_norm")
-        self.skip_nonfinite = config.get("loss_scaling", "none") != "none"
-        self.optimizer = Optimizer(**config["optimizer"])
-        self.weights, self.opt_state = unpack_state(spec, self.optimizer, arrays)
+    def __init__(self, settings: JobSettings, arrays: dict, up, inputs):
+        self.spec, self.up, self.inputs = settings.model, up, inputs
+        self.seed = settings.seed
+        self.replicas = settings.replicas
+        self.max_norm = settings.max_gradient_norm
+        self.skip_nonfinite = settings.skips_nonfinite
+        self.optimizer = Optimizer(**settings.optimizer)
+        self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, arrays)
 
     def handle(self, msg: Message) -> bool:
         """Handle a step-level message; False if it is not one of ours."""
@@ -46,7 +46,7 @@ class PipelinedExecutor:
             self.eval_step(msg.step)
         elif msg.type == Msg.GET_STATE:
             self.up.send(Message(Msg.STATE, step=msg.step,
-                                 arrays=pack_state(self.spec, self.weights, self.opt_state)))
+                                 arrays=flatten(self.weights, self.opt_state)))
         else:
             return False
         return True

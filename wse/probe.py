@@ -10,26 +10,26 @@ weight-streaming cluster consumes: enough workers for it are enough.
 """
 from __future__ import annotations
 
-import os
 import time
 
 from chief.compile import compile_model
-from chief.trainer import build_spec, optimizer_spec
+from chief.trainer import build_spec
+from cs_runtime import env
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, softmax_cross_entropy
 from cs_runtime.numerics.optim import Optimizer
-from cs_runtime.runner import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, UserFunctions
 from worker.probe import say
 
 
 def measure_consumption(args: RunArgs, fns: UserFunctions) -> None:
-    seconds, num_csx = float(os.environ["CS_PROBE_SECONDS"]), int(os.environ.get("CS_NUM_CSX", "1"))
+    seconds, num_csx = env.PROBE_SECONDS.get(), env.NUM_CSX.get()
     spec = build_spec(args, fns)
     plan = compile_model(spec, args)
     p = args.params
     stream = InputStream.build("train", fns.train_input_fn(p), p.train_input, p.runconfig.seed)
     shard = stream.shards(0, num_csx)[0]
-    optimizer = Optimizer(**optimizer_spec(p))
+    optimizer = Optimizer(**p.optimizer.optimizer_spec())
     weights = init_weights(spec, p.runconfig.seed)
     opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
     names = [layer.name for layer in spec.layers]

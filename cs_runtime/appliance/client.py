@@ -24,15 +24,16 @@ from pathlib import Path
 
 import zmq
 
+from cs_runtime import env
 from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME
-from cs_runtime.launch.preflight import PreflightError, check_reachable, check_tcp
+from cs_runtime.launch.reachability import UnreachableError, check_reachable, check_tcp
 from cs_runtime.wire.protocol import Message, Msg
 from cs_runtime.wire.transport import Endpoint
 
-USER_DIR_ENV = "CS_USER_DIR"
-SYSTEM_ENV = "CS_SYSTEM"          # HOST:PORT of the CS system, for csctl
-SYSTEM_KEY_ENV = "CS_SYSTEM_KEY"
+USER_DIR_ENV = env.USER_DIR.name
+SYSTEM_ENV = env.SYSTEM.name          # HOST:PORT of the CS system, for csctl
+SYSTEM_KEY_ENV = env.SYSTEM_KEY.name
 TOKEN_FILE = "owner.token"
 REQUEST_TIMEOUT_S = 5.0
 
@@ -49,7 +50,7 @@ def split_address(text: str, what: str = "--cs_ip") -> tuple[str, int]:
 
 
 def user_dir() -> Path:
-    return Path(os.environ.get(USER_DIR_ENV) or Path.home() / ".cs_emulator")
+    return Path(env.USER_DIR.get() or Path.home() / ".cs_emulator")
 
 
 def owner_token() -> str:
@@ -79,7 +80,7 @@ def user_name() -> str:
 
 
 def system_public_key(host: str, port: int) -> bytes:
-    given = os.environ.get(SYSTEM_KEY_ENV, "").strip()
+    given = env.SYSTEM_KEY.get()
     if given:
         if len(given) == 40 and not os.path.exists(given):
             return given.encode()
@@ -115,7 +116,7 @@ class FrontDoor:
             check_tcp(host, port, what)
             keys = None if insecure else auth.client_keys(system_public_key(host, port))
             check_reachable(host, port, what, keys=keys, insecure=insecure)
-        except PreflightError as exc:
+        except UnreachableError as exc:
             raise FrontDoorError(str(exc)) from None
         return cls(host, port, keys)
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import zmq
 
+from cs_runtime import env as cs_env
 from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
 from cs_runtime.launch.launcher import SERVICE_MODULES, ProcessGroup, Task, describe_exit, spawn, with_threads
@@ -71,7 +72,8 @@ def owner_hash(token: str) -> str:
 
 
 @dataclass
-class Job:
+class JobRecord:
+    """The CS system's record of one submitted job, from QUEUED to its end (a row of csctl get jobs)."""
     number: int
     user: str
     owner: str              # SHA-256 of the submitter's owner credential
@@ -118,7 +120,7 @@ class ServicePool:
         self.idle: dict[str, list[subprocess.Popen]] = {role: [] for role in SERVICE_MODULES}
         # The WSEs split the cores between the systems; every other service gets one BLAS thread.
         self.wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CS_") or k == "CS_LOG_LEVEL"}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CS_") or k == cs_env.LOG_LEVEL.name}
         self.env.update({AWAIT_JOB_ENV: "1", "PYTHONUNBUFFERED": "1"})
         self.not_before: dict[str, float] = {}
 
@@ -164,7 +166,7 @@ class ServicePool:
 class JobRuntime:
     """One running job on the CS system: its directory, its service processes, its keys."""
 
-    def __init__(self, job: Job, host: str, pool: ServicePool, shm_dir: str | None):
+    def __init__(self, job: JobRecord, host: str, pool: ServicePool, shm_dir: str | None):
         self.job, self.shm_dir = job, shm_dir
         self.ctx = zmq.Context()     # its own ZAP handler, admitting only this job's keys
         self.keys_dir = auth.write_job_dir(job.keys) if job.keys else None
@@ -244,7 +246,7 @@ class CSSystem:
             auth.write_system_port(self.keys_dir, self.port)
         self.public_key = keys.server_public.decode() if keys else ""
         self.where = f"{host}:{self.port}"
-        self.jobs: list[Job] = []
+        self.jobs: list[JobRecord] = []
         self.submitted = 0     # jobs are numbered 1, 2, ... in submission order
         self.free = set(range(num_csx))
         self.pool = ServicePool(num_csx)
@@ -274,7 +276,7 @@ class CSSystem:
         self.schedule()
         self.pool.refill({"memoryx": 1, "swarmx": 1, "wse": self.num_csx})
 
-    def running(self) -> list[Job]:
+    def running(self) -> list[JobRecord]:
         return [j for j in self.jobs if j.runtime is not None]
 
     def serve_front_door(self) -> None:
@@ -290,7 +292,7 @@ class CSSystem:
             answer.step = msg.step        # the client matches answers to requests by it
             self.front.send(answer, identity)
 
-    def watch(self, job: Job) -> None:
+    def watch(self, job: JobRecord) -> None:
         failure = job.runtime.failure()
         if failure:
             self.end(job, "FAILED", failure)
@@ -322,7 +324,7 @@ class CSSystem:
             job.services = [{"role": t.role, "rank": t.rank, "pid": t.proc.pid} for t in job.runtime.group.tasks]
             log.info("%s (%s) started on %s", job.name, job.user, ",".join(f"cs{i}" for i in job.systems))
 
-    def end(self, job: Job, phase: str, reason: str = "") -> None:
+    def end(self, job: JobRecord, phase: str, reason: str = "") -> None:
         if job.over:
             return
         runtime, job.runtime = job.runtime, None
@@ -364,7 +366,7 @@ class CSSystem:
             return Message(Msg.ACK, meta={"what": "label"})
         return self.job_state(job)
 
-    def submit(self, m: dict) -> Job:
+    def submit(self, m: dict) -> JobRecord:
         if m["num_csx"] > self.num_csx:
             raise Refused(f"the job asks for {m['num_csx']} CS systems; the CS system at {self.where} "
                           f"has {self.num_csx}")
@@ -374,12 +376,12 @@ class CSSystem:
             raise Refused("this CS system runs " + ("--insecure: submit with --insecure" if self.insecure
                                                      else "with CURVE: submit without --insecure"))
         self.submitted += 1
-        job = Job(self.submitted, m["user"], owner_hash(m["owner"]), m["num_csx"], dict(m["labels"]), dict(m["keys"]))
+        job = JobRecord(self.submitted, m["user"], owner_hash(m["owner"]), m["num_csx"], dict(m["labels"]), dict(m["keys"]))
         self.jobs.append(job)
         log.info("%s (%s, %d system(s)) queued at position %d", job.name, job.user, job.num_csx, self.position(job))
         return job
 
-    def owned(self, name: str, owner: str, verb: str) -> Job:
+    def owned(self, name: str, owner: str, verb: str) -> JobRecord:
         job = next((j for j in self.jobs if j.name == name), None)
         if job is None:
             raise Refused(f"no job {name} on {self.where}")
@@ -388,11 +390,11 @@ class CSSystem:
                           "(this request does not carry the owner credential it was submitted with)")
         return job
 
-    def position(self, job: Job) -> int:
+    def position(self, job: JobRecord) -> int:
         queued = [j for j in self.jobs if j.phase == "QUEUED"]
         return queued.index(job) + 1 if job in queued else 0
 
-    def job_state(self, job: Job) -> Message:
+    def job_state(self, job: JobRecord) -> Message:
         return Message(Msg.JOB_STATE, meta={
             "name": job.name, "job": job.run_id, "phase": job.phase, "reason": job.reason,
             "cs_ip": job.runtime.directory.address if job.runtime else "", "position": self.position(job),

@@ -21,10 +21,10 @@ All times come from cs_runtime/compiler/hardware.py.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
+from cs_runtime import env as cs_env
 from cs_runtime.config import Params
 from cs_runtime.compiler.hardware import WSE2, Wafer
 from cs_runtime.numerics.precision import wire_dtype
@@ -50,15 +50,13 @@ class Target:
         return {"device": self.device, "num_csx": self.num_csx}
 
 
-def target_from_env(env: Mapping[str, str] = os.environ) -> Target:
-    """CS_TARGET (cpu | wse, set by csrun_cpu / csrun_wse) and, for wse, CS_NUM_CSX."""
-    on = env.get("CS_TARGET", "cpu") or "cpu"
-    if on not in ("cpu", "wse"):
-        raise CompileError(f"CS_TARGET={on!r}: expected cpu or wse")
-    raw = env.get("CS_NUM_CSX", "1") if on == "wse" else "1"
-    if not raw.isdigit() or int(raw) < 1:
-        raise CompileError(f"CS_NUM_CSX={raw!r}: expected a positive int")
-    return Target(num_csx=int(raw), compiled_on=on)
+def target_from_env(env: Mapping[str, str] | None = None) -> Target:
+    """CS_TARGET (cpu | wse, set by csrun_cpu / csrun_wse) and, for wse, CS_NUM_CSX (default: os.environ)."""
+    try:
+        on = cs_env.TARGET.get(env)
+        return Target(num_csx=cs_env.NUM_CSX.get(env) if on == "wse" else 1, compiled_on=on)
+    except cs_env.EnvError as exc:
+        raise CompileError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- kernel costs

@@ -1,9 +1,10 @@
 """Starting and supervising a job's processes.
 
-    launcher.py   spawn, process groups, the supervisor that stops everything on a failure
-    remote.py     the SSH and srun back-ends
-    task.py       python -m cs_runtime.launch.task: the per-host task wrapper
-    directory.py  the job's directory: registration and heartbeats of every process
-    restart.py    --max_restarts: run a job again from its latest checkpoint
-    preflight.py  reachability and handshake checks before a job starts
+    job.py           a job as a library: JobOptions -> layout, keys, CS system, tasks, supervision
+    launcher.py      spawn, process groups, the supervisor that stops everything on a failure
+    remote.py        the SSH and srun back-ends
+    task.py          python -m cs_runtime.launch.task: the per-host task wrapper
+    directory.py     the job's directory: registration and heartbeats of every process
+    restart.py       --max_restarts: run a job again from its latest checkpoint
+    reachability.py  an address answers: TCP, then a ZeroMQ handshake with the job's keys
 """

@@ -1,4 +1,4 @@
-"""Cluster directory and liveness.
+"""The job's directory and liveness.
 
 Every process of a job registers with a directory (REGISTER: role, rank, host,
 pid, the addresses it bound), asks it where its peers are (LOOKUP, answered

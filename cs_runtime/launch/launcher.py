@@ -113,7 +113,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-class JobFailed(Exception):
+class JobFailed(RuntimeError):
+    """A process of the job failed or stopped answering, or the job was interrupted or ended by
+    its CS system; the message names which. The supervisor raises it (a restart may help unless
+    `retryable` is False); cs_torch.Session raises it from the step that met it."""
+
     def __init__(self, reason: str, retryable: bool = True):
         super().__init__(reason)
         self.retryable = retryable

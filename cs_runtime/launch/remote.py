@@ -36,7 +36,7 @@ from cs_runtime.launch.task import role_argv, role_of_task
 from cs_runtime.wire.transport import source_address_towards
 
 DEFAULT_SSH_OPTIONS = "-o BatchMode=yes -o ConnectTimeout=10"
-PREFLIGHT_TIMEOUT_S = 20.0
+SSH_CHECK_TIMEOUT_S = 20.0
 # Not passed to remote hosts: they describe the launcher's own terminal and login.
 HOST_LOCAL_VARS = {"PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "DISPLAY", "XAUTHORITY", "TERM", "COLUMNS",
                    "LINES", "SSH_AUTH_SOCK", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AGENT_PID"}
@@ -212,7 +212,7 @@ def ssh_base(options: str, host: str) -> list[str]:
     return ["ssh", *shlex.split(options), host]
 
 
-def preflight(hosts: list[str], options: str, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
+def check_ssh_hosts(hosts: list[str], options: str, timeout: float = SSH_CHECK_TIMEOUT_S) -> None:
     """Every host must answer `ssh HOST true`; the error names each one that does not."""
     require("ssh", "openssh-client")
     probes = {h: subprocess.Popen([*ssh_base(options, h), "true"], stdin=subprocess.DEVNULL,

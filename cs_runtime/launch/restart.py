@@ -15,7 +15,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-RESTART_ENV = "CS_RESTART"   # the restart number, set for the job's processes
+from cs_runtime import env
+
+RESTART_ENV = env.RESTART.name   # the restart number, set for the job's processes
 # A process exits with this when its input is bad (params, data, checkpoint):
 # the job fails at once and is never restarted, since a restart would fail alike.
 EXIT_BAD_INPUT = 2

@@ -24,9 +24,11 @@ import subprocess
 import sys
 import threading
 
+from cs_runtime import env as cs_env
+
 STOP_GRACE_S = 3.0
 # Per-process identity: never passed from the launcher's environment.
-LOCAL_VARS = ("CS_BIND_HOST", "CS_HOST_NAME", "CS_ROLE", "CS_RANK")
+LOCAL_VARS = cs_env.PROCESS_VARS
 
 
 def role_argv(command: list[str], role: str) -> list[str]:

@@ -25,43 +25,17 @@ import math
 import numpy as np
 import zmq
 
+from cs_runtime.checkpoint import flatten, unflatten_for
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, to_bits, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import Message, Msg, float_arrays
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv, join_cs_system, service_main
 from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("memoryx")
-
-
-def pack_state(spec: ModelSpec, weights: dict, opt_state: dict) -> dict[str, np.ndarray]:
-    """Flat {name: array} of weights ('fc0/weight') and slots ('opt/fc0/weight/exp_avg')."""
-    arrays = {}
-    for layer in spec.layers:
-        for pname, w in weights[layer.name].items():
-            arrays[f"{layer.name}/{pname}"] = w
-            for slot, value in opt_state[layer.name][pname].items():
-                arrays[f"opt/{layer.name}/{pname}/{slot}"] = value
-    return arrays
-
-
-def unpack_state(spec: ModelSpec, optimizer: Optimizer, arrays: dict) -> tuple[dict, dict]:
-    """Inverse of pack_state; copies so the result is writable and owns its memory."""
-    weights, opt_state = {}, {}
-    for layer in spec.layers:
-        weights[layer.name], opt_state[layer.name] = {}, {}
-        for pname, shape in layer.param_shapes().items():
-            key = f"{layer.name}/{pname}"
-            if key not in arrays or tuple(arrays[key].shape) != shape:
-                raise ValueError(f"weights for {key} missing or not of shape {shape}")
-            weights[layer.name][pname] = w = np.array(arrays[key], dtype=np.float32)
-            opt_state[layer.name][pname] = {
-                slot: np.array(arrays[f"opt/{key}/{slot}"], dtype=np.float32) if f"opt/{key}/{slot}" in arrays
-                else optimizer.new_slot(slot, w) for slot in optimizer.slot_names()}
-    return weights, opt_state
 
 
 class MemoryX:
@@ -96,7 +70,7 @@ class MemoryX:
             self.stream_weights(msg.step, "eval", range(len(self.spec.layers)), self.wire_weights())
         elif msg.type == Msg.GET_STATE:
             state = Message(Msg.STATE, step=msg.step,
-                            arrays=pack_state(self.spec, self.weights, self.opt_state))
+                            arrays=flatten(self.weights, self.opt_state))
             self.router.send(state, identity, share=False)   # to the chief, which may be on another host
         elif msg.type == Msg.GET_TRACE:
             self.router.send(trace.reply(msg, "memoryx", self.penv.rank, received_ns), identity, share=False)
@@ -109,13 +83,13 @@ class MemoryX:
             self.router.warn_once(identity, f"unexpected {msg.type.value}")
 
     def load_model(self, msg: Message) -> None:
-        cfg = msg.meta["spec"]
-        self.spec = ModelSpec.from_dict(cfg["model"])
-        self.optimizer = Optimizer(**cfg["optimizer"])
-        self.max_norm = cfg.get("max_gradient_norm")
-        self.skip_nonfinite = cfg.get("loss_scaling", "none") != "none"
-        trace.RECORDER.reset(bool(cfg.get("trace")))
-        self.weights, self.opt_state = unpack_state(self.spec, self.optimizer, msg.arrays)
+        settings = JobSettings.from_meta(msg.meta["spec"])
+        self.spec = settings.model
+        self.optimizer = Optimizer(**settings.optimizer)
+        self.max_norm = settings.max_gradient_norm
+        self.skip_nonfinite = settings.skips_nonfinite
+        trace.RECORDER.reset(settings.trace)
+        self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, msg.arrays)
         self.share_weights()
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
                  self.spec.num_params())

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from cs_runtime.numerics import kernels
-from cs_runtime import trace
+from cs_runtime import spans
 from cs_runtime.numerics.precision import FORMATS, quantize
 from cs_runtime.numerics.transformer import LAYER_OPS, init_param, init_std
 
@@ -325,7 +325,7 @@ def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardConte
     caches = []
     name = "fwd" if ctx.train else "eval_fwd"
     for index, layer in enumerate(spec.layers):
-        with trace.span(name, step=ctx.step, layer=index):
+        with spans.span(name, step=ctx.step, layer=index):
             x, cache = layer_forward(spec, index, x, weights[layer.name], ctx)
         caches.append(cache)
     return x, caches
@@ -346,7 +346,7 @@ def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: di
     """Every layer in reverse: the weight gradients of each layer, in layer order."""
     grads: list = [None] * len(spec.layers)
     for index in reversed(range(len(spec.layers))):
-        with trace.span("bwd", step=step, layer=index):
+        with spans.span("bwd", step=step, layer=index):
             delta, grads[index] = layer_backward(spec, index, delta, caches[index],
                                                  weights[spec.layers[index].name])
     return grads

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from cs_runtime import trace
+from cs_runtime import spans
 from cs_runtime.numerics.precision import unscale_and_check
 
 UPDATE_CHUNK = 1 << 15   # elements of a parameter updated at a time (128 KB per array: in L2 cache)
@@ -98,7 +98,7 @@ class Optimizer:
             return norm, False, per_layer
         factor = clip_factor(norm, max_norm)
         for index, (name, layer_grads) in enumerate(zip(layer_names, grads)):
-            with trace.span("update", step=step, layer=index):
+            with spans.span("update", step=step, layer=index):
                 self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr)
         return norm, True, per_layer
 

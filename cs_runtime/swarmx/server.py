@@ -19,8 +19,7 @@ import zmq
 
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.numerics.model import ModelSpec
-from cs_runtime.wire.protocol import Message, Msg, float_arrays
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv, join_cs_system, service_main
 from cs_runtime.wire.transport import Endpoint
 
@@ -121,8 +120,9 @@ class SwarmX:
             self.router.send(trace.reply(msg, "swarmx", self.penv.rank, received_ns), self.chief, share=False)
         elif identity == self.chief and msg.type in BROADCAST:
             if msg.type == Msg.LOAD_MODEL:
-                self.prepare_sums(msg.meta["spec"])
-                trace.RECORDER.reset(bool(msg.meta["spec"].get("trace")))
+                settings = JobSettings.from_meta(msg.meta["spec"])
+                self.prepare_sums(settings)
+                trace.RECORDER.reset(settings.trace)
             if msg.type == Msg.JOB_END:
                 trace.RECORDER.reset(False)
                 if self.segments is not None:
@@ -158,13 +158,13 @@ class SwarmX:
         for rank in range(self.num_wse):
             self.router.forward(frames, self.wse[rank])
 
-    def prepare_sums(self, config: dict) -> None:
+    def prepare_sums(self, settings: JobSettings) -> None:
         """Weight streaming with several WSEs on one host: buffers in shared memory
         for the summed gradients, so they reach MemoryX by reference, not over tcp."""
         self.release_sums()
-        if self.segments is None or self.num_wse < 2 or config.get("execution_strategy") == "pipelined":
+        if self.segments is None or self.num_wse < 2 or settings.pipelined:
             return
-        spec = ModelSpec.from_dict(config["model"])
+        spec = settings.model
         shapes = {(i, name): shape for i, layer in enumerate(spec.layers)
                   for name, shape in layer.param_shapes().items()}
         dtype = np.dtype(np.float32)   # sums stay float32, whatever the gradients' format

@@ -33,9 +33,11 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from cs_runtime import env
+
 log = logging.getLogger(__name__)
 
-KEYS_ENV = "CS_KEYS_DIR"
+KEYS_ENV = env.KEYS_DIR.name
 JOB_DIR_PREFIX = "csjob-"
 SYSTEM_DIR_PREFIX = "cssys-"  # a CS system's front-door keys (cs_system serve)
 PORT_FILE = "port"             # in a CS system's folder: the port of its front door
@@ -175,7 +177,7 @@ def load_keys(folder: str) -> JobKeys:
 
 def job_keys() -> JobKeys | None:
     """This process's job keys, or None when the job runs without CURVE."""
-    folder = os.environ.get(KEYS_ENV)
+    folder = env.KEYS_DIR.get()
     return load_keys(folder) if folder else None
 
 

@@ -21,6 +21,7 @@ This is the only module that defines message types; nothing else invents one.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
@@ -30,6 +31,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
 PROTOCOL_VERSION = 1
@@ -45,7 +48,6 @@ MAX_DIMS = 8
 ALLOWED_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"}
 
 # TRACE messages (cs_runtime/trace.py): spans as parallel 1-D arrays, names once.
-MAX_SPANS = 500_000
 MAX_SPAN_NAMES = 256
 MAX_SPAN_NAME_CHARS = 64
 SPAN_ARRAYS = {"name": "int32", "start_ns": "int64", "dur_ns": "int64", "step": "int64", "layer": "int64"}
@@ -59,7 +61,7 @@ class ProtocolError(ValueError):
 
 
 class Msg(str, enum.Enum):
-    # cluster directory, liveness
+    # the directory (launch/directory.py), liveness
     REGISTER = "register"        # process -> directory: role, rank, host, pid, endpoints
     LOOKUP = "lookup"            # process -> directory: wants the directory
     DIRECTORY = "directory"      # directory -> process: every registered process
@@ -197,12 +199,96 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # storage (cs_runtime/numerics/precision.py: float16, or uint16 bit patterns); without
 # it they are plain float32 (or whatever dtype they state).
 # "layer_grad_norms": each layer's gradient norm, in layer order (STEP_DONE, and LOSS in pipelined mode).
-# "trace": record a timeline for this job (LOAD_MODEL's spec).
 # "norms": whether TRAIN_STEP wants the step's gradient norms back (default
 # yes; the chief asks only on the steps it logs: they cost a pass over every gradient).
 # "label_count": labelled targets in the whole global batch (BATCH; a token loss's normaliser).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
                                  "layer_grad_norms": list, "norms": bool, "label_count": int}
+
+
+# ------------------------------------------------------------ LOAD_MODEL
+STRATEGIES = ("weight_streaming", "pipelined")
+LOSS_SCALING = ("none", "static", "dynamic")
+OPTIMIZER_KINDS = ("sgd", "adam", "adamw")
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """What the chief tells MemoryX, SwarmX and every WSE at LOAD_MODEL (meta "spec"):
+    the model, the learning rule, and how the job trains. Parsed only by from_meta."""
+    model: ModelSpec
+    optimizer: dict                    # numerics.optim.Optimizer's keyword arguments
+    seed: int                          # runconfig.seed: dropout masks
+    execution_strategy: str = "weight_streaming"
+    replicas: int = 1                  # pipelined: copies of the model on one WSE
+    max_gradient_norm: float | None = None   # None: no clipping
+    loss_scaling: str = "none"         # none, static or dynamic: whether overflowed steps are skipped
+    trace: bool = False                # record a timeline (csrun_wse --trace)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.execution_strategy == "pipelined"
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        """With loss scaling a step whose gradients overflowed is skipped whole."""
+        return self.loss_scaling != "none"
+
+    def to_meta(self) -> dict:
+        return {"model": self.model.to_dict(), "optimizer": dict(self.optimizer), "seed": self.seed,
+                "execution_strategy": self.execution_strategy, "replicas": self.replicas,
+                "max_gradient_norm": self.max_gradient_norm, "loss_scaling": self.loss_scaling,
+                "trace": self.trace}
+
+    @classmethod
+    def from_meta(cls, meta) -> "JobSettings":
+        """The settings in a LOAD_MODEL's meta "spec"; ProtocolError naming the first bad field."""
+        def bad(field_name: str):
+            return ProtocolError(f"load_model: spec field {field_name!r} missing or invalid")
+        if not isinstance(meta, dict):
+            raise bad("spec")
+        try:
+            model = ModelSpec.from_dict(meta["model"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise bad("model") from None
+        if not all(_fields_typed(layer) for layer in model.layers):
+            raise bad("model")
+        optimizer = meta.get("optimizer")
+        if not (isinstance(optimizer, dict) and optimizer.get("kind") in OPTIMIZER_KINDS
+                and set(optimizer) <= {"kind", "momentum", "weight_decay", "betas", "eps"}
+                and all(_is(optimizer[k], _NUM) for k in ("momentum", "weight_decay", "eps") if k in optimizer)
+                and _is_pair(optimizer.get("betas", [0.9, 0.999]))):
+            raise bad("optimizer")
+        checks = {"seed": lambda v: _is(v, int),
+                  "execution_strategy": lambda v: v in STRATEGIES,
+                  "replicas": lambda v: _is(v, int) and v >= 1,
+                  "max_gradient_norm": lambda v: v is None or _is(v, _NUM) and v > 0,
+                  "loss_scaling": lambda v: v in LOSS_SCALING,
+                  "trace": lambda v: isinstance(v, bool)}
+        fields = {"seed": meta.get("seed")}
+        fields.update({k: meta[k] for k in checks if k in meta and k != "seed"})
+        for key, value in fields.items():
+            if not checks[key](value):
+                raise bad(key)
+        return cls(model, optimizer, **fields)
+
+
+_FIELD_TYPES = {"str": str, "int": int, "float": _NUM, "bool": bool}
+
+
+def _fields_typed(layer) -> bool:
+    """Every field of a LayerSpec of the type it is declared with (sizes never negative)."""
+    for f in dataclasses.fields(layer):
+        value = getattr(layer, f.name)
+        if not (_is(value, _FIELD_TYPES[f.type]) if f.type != "bool" else isinstance(value, bool)):
+            return False
+        if f.type == "int" and f.name != "pad_id" and value < 0:
+            return False
+    return True
+
+
+def _is_pair(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(_is(v, _NUM) for v in value)
 
 
 @dataclass
@@ -268,6 +354,8 @@ def decode(frames: list, segments=None) -> Message:
         arrays[name] = arr
     if mtype == Msg.TRACE:
         _check_trace(header["meta"], arrays)
+    if mtype == Msg.LOAD_MODEL:
+        JobSettings.from_meta(header["meta"]["spec"])
     return Message(mtype, header["job"], header["step"], header["layer"], header["meta"], arrays)
 
 

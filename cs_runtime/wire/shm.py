@@ -34,9 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime import env
 from cs_runtime.wire.auth import pid_alive  # also how stale key folders are found
 
-SHM_ENV = "CS_SHM_DIR"
+SHM_ENV = env.SHM_DIR.name
 SEGMENT_NAME = re.compile(r"^cs-[A-Za-z0-9_.-]{1,120}$")
 LAUNCHER_SUFFIX = re.compile(r"-l(\d+)$")
 ALIGN = 64          # bytes: every array starts on a cache line
@@ -58,7 +59,7 @@ def process_segments() -> "Segments | None":
     if folder is None:
         return None
     if _process_segments is None:
-        _process_segments = Segments(folder, os.environ.get("CS_JOB_ID", ""))
+        _process_segments = Segments(folder, env.JOB_ID.get())
     return _process_segments
 
 
@@ -82,7 +83,7 @@ def arena_bytes(shapes, itemsize: int) -> int:
 
 def shm_dir() -> Path | None:
     """Where this job's segments live, or None when the job does not share memory."""
-    value = os.environ.get(SHM_ENV)
+    value = env.SHM_DIR.get()
     return Path(value) if value else None
 
 

@@ -14,6 +14,7 @@ from collections import Counter
 
 import zmq
 
+from cs_runtime import env
 from cs_runtime.wire import auth
 from cs_runtime.wire.protocol import MAX_ARRAY_BYTES, Message, ProtocolError, array_bytes, decode, encode
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def bind_host() -> str:
     """Interface services bind to: loopback unless the launcher says otherwise."""
-    return os.environ.get("CS_BIND_HOST", "127.0.0.1")
+    return env.BIND_HOST.get()
 
 
 def source_address_towards(host: str) -> str:
@@ -49,7 +50,7 @@ def host_of(address: str) -> str:
 
 
 def host_name() -> str:
-    return os.environ.get("CS_HOST_NAME") or pysocket.gethostname()
+    return env.HOST_NAME.get() or pysocket.gethostname()
 
 
 class PortInUse(OSError):

@@ -1,5 +1,8 @@
-"""Checks the launcher makes before it starts a single process, so a wrong
-address fails in seconds with one line instead of a long wait for peers."""
+"""Whether an address answers: a TCP connection, then a ZeroMQ handshake with the job's keys.
+
+Checked before a job starts a single process (the CS system's front door at
+--cs_ip), so a wrong address fails in seconds with one line instead of a long
+wait for peers."""
 from __future__ import annotations
 
 import socket
@@ -15,8 +18,8 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-class PreflightError(RuntimeError):
-    pass
+class UnreachableError(RuntimeError):
+    """host:port did not answer, or refused the handshake; the message names it."""
 
 
 def check_reachable(host: str, port: int, what: str, timeout: float = CONNECT_TIMEOUT_S,
@@ -36,9 +39,9 @@ def check_tcp(host: str, port: int, what: str, timeout: float = CONNECT_TIMEOUT_
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except socket.timeout:
-        raise PreflightError(f"{what} {host}:{port} is unreachable (no answer within {timeout:.0f} s)") from None
+        raise UnreachableError(f"{what} {host}:{port} is unreachable (no answer within {timeout:.0f} s)") from None
     except OSError as exc:
-        raise PreflightError(f"{what} {host}:{port} is unreachable ({exc.strerror or exc})") from None
+        raise UnreachableError(f"{what} {host}:{port} is unreachable ({exc.strerror or exc})") from None
 
 
 def _check_handshake(host: str, port: int, what: str, timeout: float, keys, insecure: bool) -> None:
@@ -56,8 +59,8 @@ def _check_handshake(host: str, port: int, what: str, timeout: float, keys, inse
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 return
             if event & HANDSHAKE_FAILED:
-                raise PreflightError(f"{what} {host}:{port} refused this job's handshake "
+                raise UnreachableError(f"{what} {host}:{port} refused this job's handshake "
                                      f"(not a CS system, or other CURVE keys / --insecure on one side only)")
-        raise PreflightError(f"{what} {host}:{port} is unreachable (no ZeroMQ handshake within {timeout:.0f} s)")
+        raise UnreachableError(f"{what} {host}:{port} is unreachable (no ZeroMQ handshake within {timeout:.0f} s)")
     finally:
         ctx.destroy(linger=0)

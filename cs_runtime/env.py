@@ -1,0 +1,140 @@
+"""Every CS_* environment variable: its name, default, parser and meaning, in one table.
+
+    from cs_runtime import env
+    rank = env.RANK.get()          # 0 when unset; EnvError naming CS_RANK when not a count
+
+A variable unset or empty reads as its default. Who sets them: csrun_wse and
+the CS system for the job's processes (scope "job": the same in every
+process of a job; "process": this process's own place in it), the user
+("user"), or one program for its own children ("internal").
+`python -m cs_runtime.env` prints the table (docs: environment variables).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+
+class EnvError(ValueError):
+    """A variable's value does not parse; the message names the variable."""
+
+
+def text(raw: str) -> str:
+    return raw
+
+
+def count(raw: str) -> int:
+    """0, 1, 2, ..."""
+    if not raw.isdigit():
+        raise ValueError("expected a non-negative int")
+    return int(raw)
+
+
+def positive(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError("expected a positive int")
+    return int(raw)
+
+
+def seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ValueError("expected a positive number of seconds")
+    return value
+
+
+def switch(raw: str) -> bool:
+    """On unless "0" (unset and empty are the default)."""
+    return raw != "0"
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in allowed:
+            raise ValueError(f"expected {' or '.join(allowed)}")
+        return raw
+    parse.__name__ = " or ".join(allowed)
+    return parse
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    meaning: str
+    scope: str = "user"      # job | process | user | internal
+    service: bool = False    # a CS system hands it to the service process it assigns to a job
+
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
+        raw = (os.environ if environ is None else environ).get(self.name, "")
+        if raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise EnvError(f"{self.name}={raw[:60]!r}: {exc}") from None
+
+    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
+        return (os.environ if environ is None else environ).get(self.name, "") != ""
+
+
+# ---------------------------------------------------------------- a job's processes
+JOB_ID = Var("CS_JOB_ID", "", text, "the job's id, stamped on every message", "job", service=True)
+IP = Var("CS_IP", "", text, "the CS system's directory (MemoryX, SwarmX, WSEs register there)", "job", service=True)
+RENDEZVOUS = Var("CS_RENDEZVOUS", "", text, "the job's directory (chief and workers; default CS_IP)", "job")
+TARGET = Var("CS_TARGET", "cpu", choice("cpu", "wse"), "what the chief compiles for (csrun_cpu, csrun_wse)", "job")
+NUM_CSX = Var("CS_NUM_CSX", 1, positive, "WSEs of the job", "job", service=True)
+NUM_WORKERS = Var("CS_NUM_WORKERS", 1, positive, "input workers of the job, on all hosts", "job")
+KEYS_DIR = Var("CS_KEYS_DIR", "", text, "folder of the job's CURVE keys (wire/auth.py); unset: no CURVE",
+               "job", service=True)
+SHM_DIR = Var("CS_SHM_DIR", "", text, "folder of the job's shared-memory segments (wire/shm.py); unset: tcp",
+              "job", service=True)
+RESTART = Var("CS_RESTART", 0, count, "the job's restart number (--max_restarts): resume from model_dir", "job")
+TRACE = Var("CS_TRACE", False, switch, "1: record a timeline (--trace)", "job")
+ROLE = Var("CS_ROLE", "", text, "chief | worker | memoryx | swarmx | wse | input_probe | wse_probe; unset: CPU",
+           "process", service=True)
+RANK = Var("CS_RANK", 0, count, "rank within the role", "process", service=True)
+HOST_NAME = Var("CS_HOST_NAME", "", text, "this host's name as the job knows it (default: hostname)", "process")
+BIND_HOST = Var("CS_BIND_HOST", "127.0.0.1", text, "the address this process binds", "process", service=True)
+
+# ---------------------------------------------------------------- set by the user
+LOG_LEVEL = Var("CS_LOG_LEVEL", "INFO", str.upper, "logging level of every process (DEBUG, INFO, ...)")
+SYSTEM = Var("CS_SYSTEM", "", text, "HOST:PORT of the CS system csctl talks to (its --cs_ip)")
+SYSTEM_KEY = Var("CS_SYSTEM_KEY", "", str.strip, "the CS system's front-door public key (Z85), if not fetched")
+USER_DIR = Var("CS_USER_DIR", "", text, "folder of the owner credential (default ~/.cs_emulator)")
+
+# ---------------------------------------------------------------- one program to its children
+AWAIT_JOB = Var("CS_AWAIT_JOB", False, switch, "a pooled service: wait for the job on stdin (CS system)",
+                "internal")
+PROBE_SECONDS = Var("CS_PROBE_SECONDS", 3.0, seconds, "how long a probe measures (cs_input_analyzer)", "internal")
+PROBE_RANK = Var("CS_PROBE_RANK", 0, count, "an input probe's rank (cs_input_analyzer)", "internal")
+PROBE_WORKERS = Var("CS_PROBE_WORKERS", 1, positive, "input probes measured together (cs_input_analyzer)",
+                    "internal")
+TORCH_INPUT = Var("CS_TORCH_INPUT", "", text, "a cs_torch input worker's instructions (JSON)", "internal")
+
+ALL: tuple[Var, ...] = tuple(v for v in globals().values() if isinstance(v, Var))
+# A process's place in a job: set by the launcher, never inherited from the launcher's own environment.
+JOB_VARS = tuple(v.name for v in ALL if v.scope in ("job", "process"))
+# This process's own identity within the job: set per process, never passed on to another.
+PROCESS_VARS = tuple(v.name for v in ALL if v.scope == "process")
+# What a CS system may assign a pooled service process (cs_runtime/service.py).
+SERVICE_VARS = tuple(v.name for v in ALL if v.service)
+
+
+def table() -> str:
+    """The variables as a markdown table."""
+    rows = ["| variable | default | parsed as | set by | meaning |", "|---|---|---|---|---|"]
+    for v in ALL:
+        default = "" if v.default in ("", None) else f"`{v.default}`"
+        rows.append(f"| `{v.name}` | {default} | {v.parse.__name__} | {v.scope} | {v.meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table() + "\n")
