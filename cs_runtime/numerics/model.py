@@ -7,8 +7,10 @@ of the batch (data-parallel shards) and the summation order of gradients
 across WSEs differ.
 
 Conventions that make data parallel equal the oracle:
-- losses and gradients are scaled by 1/global_batch on every shard, so the sum
-  over shards (SwarmX's reduce) is the mean over the global batch;
+- losses and gradients are scaled by one factor for the whole global batch on
+  every shard (1/global_batch; a token model's normaliser, from the global
+  batch's label count), so the sum over shards (SwarmX's reduce) is the
+  global batch's loss;
 - the dropout mask of step s, layer l is drawn for the whole global batch from
   a generator seeded by (seed, s, l) and each shard takes its own rows, so a
   sample gets the same mask whichever WSE holds it.
