@@ -44,6 +44,8 @@ def say(message: str) -> None:
 
 def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
     """Validate, then compile or reuse; returns the plan (with "execution_strategy")."""
+    if spec.program is not None:
+        return compile_program(spec, args)
     start = time.perf_counter()
     graph = lower(spec)
     if args.validate_only:
@@ -102,3 +104,28 @@ def summarize(plan: dict[str, Any], report: Path) -> None:
         f"({plan['strategy_reason']})")
     say(f"estimated {est['samples_per_s']:,.0f} samples/s, {est['active_pes_pct']:.1f}% of PEs active, "
         f"{est['compute_utilization_pct']:.2f}% compute utilization; report: {report}")
+
+
+def compile_program(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
+    """A captured program was validated and compiled (autodiff, units) when it was
+    captured; here it is reported. Every path runs it as weight-streaming units."""
+    from cs_runtime.compiler import program_report
+    values = spec.program["values"]
+    shapes = {k: tuple(v[0]) for k, v in values.items()}
+    dtypes = {k: v[1] for k, v in values.items()}
+    batch = shapes[spec.program["inputs"][0]][0] if shapes[spec.program["inputs"][0]] else 1
+    ops = sorted({n[0] for layer in spec.layers for n in layer.unit["unit"]["forward"]})
+    say(f"{spec.name}: a compiled program of {len(spec.layers)} weight-streaming units, "
+        f"{spec.num_params():,} parameters, ops: {', '.join(ops)}")
+    strategy = args.params.runconfig.execution_strategy or "weight_streaming"
+    if args.validate_only:
+        say(f"validate_only: {spec.name} is valid; nothing was compiled or run")
+        return {"execution_strategy": strategy, "strategy_reason": "compiled program", "validated_only": True}
+    listing = "\n".join(f"# unit {layer.name}\n" + "\n".join(
+        f"{', '.join(n[2])} = {n[0]}({', '.join(n[1])}) {n[3] or ''}  # {n[4]} {n[5]}"
+        for n in layer.unit["unit"]["forward"]) for layer in spec.layers)
+    report = program_report.write(args.model_dir, spec, shapes, dtypes, batch, listing + "\n")
+    say(f"report: {report}")
+    if args.compile_only:
+        say("compile_only: done; nothing was run")
+    return {"execution_strategy": strategy, "strategy_reason": "compiled program", "model": spec.name}

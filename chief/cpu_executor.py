@@ -44,7 +44,8 @@ class CpuExecutor:
     def forward(self, stream: str, step: int, train: bool):
         with trace.span("make_batch", step=step):
             shard = self.streams[stream].shard(step)
-        ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train)
+        ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train,
+                           labels=shard.y)
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
         return model_loss(self.spec, logits, shard.y, shard.global_batch, shard.label_count), caches, shard
 

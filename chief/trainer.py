@@ -229,7 +229,7 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         weights, opt_state = self.executor.state()
-        meta = {"model": self.spec.to_dict(), "params": self.params.to_dict(),
+        meta = {"model": self.spec.describe(), "params": self.params.to_dict(),
                 "device": self.executor.device, "loss_scaler": self.scaler.state_dict()}
         state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)
         path = ckpt.save(self.model_dir, state, self.rc.max_checkpoints)

@@ -93,6 +93,8 @@ NUM_CSX = Var("CS_NUM_CSX", 1, positive, "WSEs of the job", "job", service=True)
 NUM_WORKERS = Var("CS_NUM_WORKERS", 1, positive, "input workers of the job, on all hosts", "job")
 KEYS_DIR = Var("CS_KEYS_DIR", "", text, "folder of the job's CURVE keys (wire/auth.py); unset: no CURVE",
                "job", service=True)
+JOB_KEYS = Var("CS_JOB_KEYS", "", text, "the job's CURVE keys as JSON text, for an srun step: the task wrapper "
+               "writes them into a folder of its node and sets CS_KEYS_DIR (launch/task.py)", "job")
 SHM_DIR = Var("CS_SHM_DIR", "", text, "folder of the job's shared-memory segments (wire/shm.py); unset: tcp",
               "job", service=True)
 RESTART = Var("CS_RESTART", 0, count, "the job's restart number (--max_restarts): resume from model_dir", "job")

@@ -18,11 +18,33 @@ Cerebras' PyTorch integration (cerebras.pytorch). No torch needed.
                 loss = session.step(batch)
 
 See examples/fc_mnist/train_cstorch.py and docs/cs_torch.md.
+
+The Cerebras PyTorch 2.x API for torch.nn.Modules (backend, compile, trace,
+step_closure, checkpoint_closure, save, load, utils.data, optim with
+lr_scheduler, amp, summarize_scalar) is here too, imported on first use so
+that this package needs torch only when a torch model is brought; see
+docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
 """
+import importlib
 from . import nn, optim
 from .data import Batch, DataLoader
 from .nn import CsTorchError
 from .session import JobFailed, Module, Session, dataloader, initialize, manual_seed, module
+
+# The 2.x names, each from the module that holds it; loaded on first use (they need torch).
+_LAZY = {"backend": "backends", "current_backend": "backends", "compile": "tracing", "trace": "tracing",
+         "step_closure": "tracing", "checkpoint_closure": "tracing", "save": "saving", "load": "saving",
+         "summarize_scalar": "summary"}
+_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'cs_torch' has no attribute {name!r}")
+
 
 __all__ = ["Batch", "CsTorchError", "DataLoader", "JobFailed", "Module", "Session", "dataloader", "initialize",
            "manual_seed", "module", "nn", "optim"]

@@ -5,10 +5,40 @@
 
 Each becomes the `optimizer` section of a params.yaml, so the CS system and
 the CPU path apply exactly the rule a csrun_wse run with those params does.
+
+Given the parameters of a torch.nn.Module (the 2.x API), the same names
+make the optimizers of cs_torch/optimizers.py instead: torch's signatures
+(positional lr), nesterov, state_dict(); `optim.lr_scheduler` holds the
+learning-rate schedules.
 """
 from __future__ import annotations
 
+import sys
+
+from . import lr_scheduler  # noqa: F401 (cstorch.optim.lr_scheduler)
 from .nn import CsTorchError
+
+
+def _torch_params(params):
+    """params as a list when they are torch tensors or param-group dicts (the 2.x API), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or params is None or isinstance(params, (str, bytes)):
+        return None
+    items = list(params) if not isinstance(params, list) else params
+    if items and all(isinstance(p, (torch.Tensor, dict)) for p in items):
+        return items
+    return None
+
+
+class _Dispatch:
+    """SGD(model.parameters(), 0.01): a torch module's optimizer (cs_torch/optimizers.py)."""
+
+    def __new__(cls, params=None, *args, **kwargs):
+        items = _torch_params(params)
+        if items is not None:
+            from . import optimizers
+            return getattr(optimizers, cls.__name__)(items, *args, **kwargs)
+        return super().__new__(cls)
 
 
 class Optimizer:
@@ -26,7 +56,7 @@ class Optimizer:
         return f"{type(self).__name__}({self.section})"
 
 
-class SGD(Optimizer):
+class SGD(_Dispatch, Optimizer):
     kind = "sgd"
 
     def __init__(self, params=None, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
@@ -37,7 +67,7 @@ class SGD(Optimizer):
                          momentum=float(momentum))
 
 
-class Adam(Optimizer):
+class Adam(_Dispatch, Optimizer):
     kind = "adam"
 
     def __init__(self, params=None, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

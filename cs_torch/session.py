@@ -108,6 +108,8 @@ def manual_seed(seed: int) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise CsTorchError(f"manual_seed: seed must be a non-negative integer, got {seed!r}")
     _seed = seed
+    if "torch" in sys.modules:   # a torch model's initial weights (the 2.x API); torch stays optional
+        sys.modules["torch"].manual_seed(seed)
 
 
 class Module:

@@ -16,7 +16,10 @@ and gradients stream in 16 bits. Then the input-bound rows: FC-MNIST with an
 expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
 one WSE fed by 1, 2 and 4 input workers, with the ratio to 1 worker
 (`--rows input` runs only these; they need about 4 free cores to scale).
-`--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
+`--rows torch_gpt` times a traced GPT-2 (examples/torch_gpt/model.py, 4 layers
+x 256 wide, sequence 128, AdamW) on the CPU path's calls against torch eager
+CPU training the same module on the same batches, in this process; the ratio
+is ours / torch's samples/sec (needs torch). `--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
 weight streaming) and the CPU path, each with --trace off and on, alternated
 --repeats times; the median of each, and on / off. For each: samples/sec (from
 the chief's progress lines, every 2 steps, leaving out the first 2 steps as the
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
-    parser.add_argument("--rows", choices=("all", "model", "input", "trace"), default="all")
+    parser.add_argument("--rows", choices=("all", "model", "input", "trace", "torch_gpt"), default="all")
     parser.add_argument("--repeats", type=int, default=3, help="--rows trace: runs of each row (default 3)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                        "--trace off", result["trace_rows"])
             result["span_cost"] = span_cost(tmp / "ws_1wse_on0", steps, preset["batch_size"],
                                             result["trace_rows"][0]["samples_per_sec"])
+        if args.rows in ("all", "torch_gpt"):
+            result["torch_gpt_rows"] = torch_gpt_rows(args.steps or 6)
         if args.rows in ("all", "input"):
             result["input_rows"] = input_rows(tmp, preset, args.input_steps)
             print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
@@ -281,6 +286,62 @@ def span_cost(traced_dir: Path, steps: int, batch: int, rate_off: float) -> dict
           f"(all processes); off: {result['off_fraction_of_step'] * 100:.4f}% of a step's "
           f"{step_ns / 1e6:.2f} ms (summed over processes, an upper bound)")
     return result
+
+
+def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
+    """A traced GPT-2 (4 x 256, sequence 128) on the CPU path's calls vs torch eager, same module and batches."""
+    try:
+        import torch
+    except ImportError:
+        print("bench: torch_gpt skipped: torch is not installed")
+        return []
+    import copy
+    import time
+
+    import numpy as np
+
+    if str(REPO) not in sys.path:   # examples/ is not an installed package
+        sys.path.insert(0, str(REPO))
+
+    from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss
+    from cs_runtime.numerics.optim import Optimizer
+    from cs_torch.capture import model_spec
+    from examples.torch_gpt.model import GPT, GPTConfig, gpt_loss
+    torch.manual_seed(0)
+    module = GPT(GPTConfig(vocab_size=260, block_size=seq, n_layer=4, n_head=4, n_embd=256))
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 260, (batch, seq)), rng.integers(0, 260, (batch, seq))) for _ in range(steps + 1)]
+    ids = torch.from_numpy(batches[0][0])
+    spec = model_spec("torch_gpt_bench", copy.deepcopy(module), (ids,), ids, gpt_loss)
+    weights, optimizer = init_weights(spec, 0), Optimizer("adamw", weight_decay=0.01)
+    state = {name: optimizer.init_state(w) for name, w in weights.items()}
+    names = [layer.name for layer in spec.layers]
+
+    def ours(step, x, y):
+        ctx = ShardContext(0, step, batch, slice(0, batch), True, labels=y)
+        live, caches = model_forward(spec, x, weights, ctx)
+        result = model_loss(spec, live, y, batch)
+        optimizer.update_model(names, weights, model_backward(spec, result.delta, caches, weights, step), state,
+                               1e-3, step, None, need_norms=False)
+
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def theirs(step, x, y):
+        opt.zero_grad()
+        gpt_loss(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        opt.step()
+
+    rows = []
+    for name, fn in (("torch_eager_gpt", theirs), ("traced_gpt_cpu_path", ours)):
+        fn(0, *batches[0])                                   # warm-up, left out
+        start = time.perf_counter()
+        for step, (x, y) in enumerate(batches[1:], start=1):
+            fn(step, x, y)
+        rows.append({"name": name, "samples_per_sec": steps * batch / (time.perf_counter() - start)})
+    for row in rows:
+        row["ratio"] = row["samples_per_sec"] / rows[0]["samples_per_sec"]
+    print_rows(f"traced GPT-2 4 x 256, sequence {seq}, batch {batch}, AdamW, {steps} steps", "torch eager", rows)
+    return rows
 
 
 def print_rows(title: str, baseline: str, rows: list[dict]) -> None:

@@ -47,17 +47,24 @@ def parse_args(argv: list[str]) -> JobOptions:
     add_flag(parser, "cs_ip", default=None, help="HOST:PORT of a running CS system (default: start one)")
     add_flag(parser, "hostfile", default=None, help="run the tasks over SSH on these hosts ('HOST [slots=N]' a line)")
     parser.add_argument("-H", "--hosts", default=None, help="run the tasks over SSH on h1,h2,... (one slot each)")
-    add_flag(parser, "ssh_options", default=remote.DEFAULT_SSH_OPTIONS,
-             help=f"options for ssh, e.g. --ssh_options='-p 2222' (default {remote.DEFAULT_SSH_OPTIONS!r})")
+    add_flag(parser, "ssh_options", default="",
+             help=f"options for ssh, e.g. --ssh_options='-p 2222', added to (and overriding) the defaults "
+                  f"{remote.DEFAULT_SSH_OPTIONS!r}")
     add_flag(parser, "total_nodes", type=int, default=None, help="nodes (Slurm: srun -N; SSH: the first N hosts)")
     add_flag(parser, "tasks_per_node", type=int, default=None,
              help="tasks per node (Slurm: default from the allocation, else 2; SSH: default the slots)")
     add_flag(parser, "cpus_per_task", type=int, default=None, help="CPUs per task (Slurm; default 1)")
+    add_flag(parser, "services_node", default=None, metavar="NODE",
+             help="inside a Slurm allocation: the node that runs MemoryX, SwarmX and the WSEs "
+                  "(default the allocation's first)")
     add_flag(parser, "launcher", choices=("auto", "local", "ssh", "slurm"), default="auto",
              help="auto (default): ssh with --hostfile/-H; slurm inside an allocation or with "
                   "--total-nodes/--tasks-per-node/--cpus-per-task; else local")
     add_flag(parser, "max_restarts", type=int, default=0,
              help="restart a failed job from its latest checkpoint up to K times (default 0)")
+    add_flag(parser, "bind_address", default=None, metavar="ADDRESS",
+             help="the address of this machine the job's directory and services bind (default: the one "
+                  "this machine uses to reach the task hosts; loopback for a job on this machine only)")
     add_flag(parser, "port", type=int, default=0,
              help="port of the job's directory, the address every process registers at (default: any free port)")
     add_flag(parser, "insecure", action="store_true",
@@ -93,7 +100,7 @@ def parse_args(argv: list[str]) -> JobOptions:
         launcher=choose_launcher(ns, parser), hostfile=ns.hostfile, hosts=ns.hosts, ssh_options=ns.ssh_options,
         total_nodes=ns.total_nodes, tasks_per_node=ns.tasks_per_node, cpus_per_task=ns.cpus_per_task,
         max_restarts=ns.max_restarts, port=ns.port, insecure=ns.insecure, no_shm=ns.no_shm,
-        job_labels=ns.job_labels, trace=ns.trace)
+        job_labels=ns.job_labels, trace=ns.trace, bind_address=ns.bind_address, services_node=ns.services_node)
 
 
 def choose_launcher(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -115,6 +122,8 @@ def choose_launcher(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                      "is an input worker (set the tasks with --tasks-per-node or slots=N)")
     if launcher == "ssh" and ns.cpus_per_task is not None:
         parser.error("--cpus-per-task is for Slurm; over SSH give each host the slots it can run")
+    if ns.services_node is not None and not (launcher == "slurm" and remote.in_allocation()):
+        parser.error("--services-node is for jobs inside a Slurm allocation")
     if launcher == "local" and slurm_flags:
         parser.error("--total-nodes, --tasks-per-node and --cpus-per-task need SSH hosts or Slurm")
     return launcher
@@ -123,7 +132,12 @@ def choose_launcher(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
-    sys.exit(job.run(options))
+    try:
+        code = job.run(options)
+    except KeyboardInterrupt:  # Ctrl-C before the job's supervisor took the signal over
+        job.say("interrupted by SIGINT")
+        code = 130
+    sys.exit(code)
 
 
 if __name__ == "__main__":

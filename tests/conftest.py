@@ -29,6 +29,21 @@ def netns_hosts(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def isolated_hosts(tmp_path_factory):
+    """Two more hosts, each with a /tmp of its own in which only the tests' folders are seen."""
+    from tests.netns_hosts import NetnsHosts, missing_requirement
+    why = missing_requirement()
+    if why:
+        pytest.skip(f"SSH hosts in network namespaces: {why}")
+    hosts = NetnsHosts.start(tmp_path_factory.mktemp("isolated"), count=2, private_tmp=(0, 1),
+                             keep=tmp_path_factory.getbasetemp(), tag="i")
+    try:
+        yield hosts
+    finally:
+        hosts.stop()
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A one-node Slurm cluster (munged, slurmctld, slurmd), torn down at the end."""
     from tests.slurm_cluster import SlurmCluster, missing_requirement

@@ -13,10 +13,15 @@ host key, an authorized_keys file with a key made for this run): nothing in
 /etc or ~/.ssh is touched. `stop` undoes everything, also after a failed
 start: it kills every process left in the namespaces, deletes them and the
 bridge.
+
+`private_tmp=(i, ...)`: those hosts get a /tmp of their own (sshd starts in a
+mount namespace with a fresh tmpfs there) in which only `keep` (the tests'
+folders) is seen: like a cluster node whose /tmp is not the launcher's.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -78,14 +83,15 @@ class NetnsHosts:
                 f"-o LogLevel=ERROR -o ConnectTimeout=5 -i {self.tmp / 'id_ed25519'}")
 
     @classmethod
-    def start(cls, tmp: Path, count: int = 2) -> "NetnsHosts":
+    def start(cls, tmp: Path, count: int = 2, private_tmp: tuple[int, ...] = (), keep: Path | None = None,
+              tag: str = "") -> "NetnsHosts":
         pid = os.getpid()
-        hosts = cls(tmp, f"cs{pid}")
+        hosts = cls(tmp, f"cs{pid}{tag}")
         try:
             hosts.make_network(count)
             hosts.make_keys()
             for index in range(count):
-                hosts.start_sshd(index)
+                hosts.start_sshd(index, keep or tmp if index in private_tmp else None)
             for address in hosts.addresses:
                 wait_for_port(address, 22)
         except BaseException:
@@ -119,7 +125,7 @@ class NetnsHosts:
         shutil.copy(self.tmp / "id_ed25519.pub", self.tmp / "authorized_keys")
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
 
-    def start_sshd(self, index: int) -> None:
+    def start_sshd(self, index: int, private_tmp_keeping: Path | None = None) -> None:
         pidfile = self.tmp / f"sshd{index}.pid"
         config = self.tmp / f"sshd{index}.conf"
         config.write_text("\n".join([
@@ -128,8 +134,18 @@ class NetnsHosts:
             "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
             "StrictModes no", "UsePAM no", "PrintMotd no", ""]))
         self.sshd_pidfiles.append(pidfile)
-        sh("ip", "netns", "exec", self.namespaces[index], SSHD, "-f", str(config),
-           "-E", str(self.tmp / f"sshd{index}.log"))
+        sshd = [SSHD, "-f", str(config), "-E", str(self.tmp / f"sshd{index}.log")]
+        if private_tmp_keeping is None:
+            sh("ip", "netns", "exec", self.namespaces[index], *sshd)
+            return
+        # A fresh tmpfs on /tmp, then `keep` bound back in through a descriptor opened before
+        # (--no-canonicalize: the path would name the new, empty folder).
+        keep = shlex.quote(str(private_tmp_keeping))
+        script = (f"exec 3<{keep} && mount -t tmpfs cs-private-tmp /tmp && mkdir -p {keep} && "
+                  f"mount --no-canonicalize --bind /proc/$$/fd/3 {keep} && exec 3<&- && "
+                  f"exec {' '.join(shlex.quote(a) for a in sshd)}")
+        sh("ip", "netns", "exec", self.namespaces[index], "unshare", "--mount", "--propagation", "private",
+           "sh", "-c", script)
 
     def pids(self, namespace: str) -> list[int]:
         out = sh("ip", "netns", "pids", namespace, check=False).stdout

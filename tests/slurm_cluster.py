@@ -12,6 +12,7 @@ not collide. `stop` ends the daemons (also after a failed start).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -146,6 +147,17 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Slurm job {job_id} still {fields.get('JobState')} after {timeout:.0f} s")
             time.sleep(0.25)  # polling Slurm's job state: there is nothing to wait on
+
+    def step_ends(self, job_id: str) -> dict[str, str]:
+        """{step: 'CANCELLED' or 'done'} for the steps slurmd ran of this job, from its log
+        (this cluster has no accounting database for sacct to ask)."""
+        log = (self.tmp / "log" / "slurmd.log").read_text()
+        ends = {}
+        for step in re.findall(rf"launch task StepId={job_id}\.(\d+) ", log):
+            cancelled = re.search(rf"\*\*\* STEP {job_id}\.{step} ON \S+ CANCELLED", log)
+            done = f"[{job_id}.{step}] done with job" in log
+            ends[step] = "CANCELLED" if cancelled else "done" if done else "running"
+        return ends
 
     def stop(self) -> None:
         if len(self.daemons) == 3 and self.daemons[1].poll() is None:  # jobs a failed test left

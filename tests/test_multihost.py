@@ -2,10 +2,12 @@
 on a one-node Slurm cluster (fixtures in conftest.py; they skip where root or the binaries are missing)."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.cluster_utils import FC_MNIST, assert_matches_oracle, kill_tree, tool
 
@@ -132,6 +134,9 @@ def test_srun_tasks_train_like_the_oracle(tmp_path, oracle, slurm_cluster):
     assert "CANCELLED" not in result.stderr and "srun: error" not in result.stderr  # a clean end of the step
     assert_matches_oracle(tmp_path / "m", oracle)
     assert slurm_leftovers(str(tmp_path)) == []
+    job_id = re.search(r"srun: job (\d+) ", result.stderr)
+    if job_id:  # srun made its own allocation: its one step ended by itself
+        assert steps_when_ended(slurm_cluster, job_id.group(1)) == {"0": "done"}
 
 
 def test_sbatch_script_runs_csrun_wse_inside_the_allocation(tmp_path, oracle, slurm_cluster):
@@ -149,3 +154,230 @@ def test_sbatch_script_runs_csrun_wse_inside_the_allocation(tmp_path, oracle, sl
     assert "1 input worker(s), tasks with srun (1 node(s) x 2 task(s) x 1 cpu(s))" in out, out[-3000:]
     assert_matches_oracle(tmp_path / "m", oracle)
     assert slurm_leftovers(str(tmp_path)) == []
+
+
+def steps_when_ended(cluster, job_id: str, timeout: float = 15.0) -> dict[str, str]:
+    """The job's steps as slurmd logged their ends, once none is still running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ends = cluster.step_ends(job_id)
+        if "running" not in ends.values() or time.monotonic() > deadline:
+            return ends
+        time.sleep(0.2)  # polling slurmd's log: there is nothing to wait on
+
+
+def test_salloc_n3_runs_three_tasks_and_the_services_as_steps_that_complete(tmp_path, oracle, slurm_cluster):
+    import socket
+    cmd = ["salloc", "-n3", *train_command(oracle[0], tmp_path / "m")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=slurm_cluster.env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # -n3 alone: three tasks (the chief and two input workers), not the old default of two per node;
+    # MemoryX, SwarmX and the WSE on the allocation's first node, as a step of the allocation
+    assert (f"2 input worker(s), tasks with srun (1 node(s) x 3 task(s) x 1 cpu(s)), services on "
+            f"{socket.gethostname()} (srun)") in result.stderr
+    assert_matches_oracle(tmp_path / "m", oracle)
+    job_id = re.search(r"Granted job allocation (\d+)", result.stderr).group(1)
+    # two steps (services, tasks); csrun_wse waited for both: each ended by itself, none cancelled
+    assert steps_when_ended(slurm_cluster, job_id) == {"0": "done", "1": "done"}, result.stderr[-2000:]
+    assert slurm_leftovers(str(tmp_path)) == []
+
+
+def test_services_node_must_be_a_node_of_the_allocation(tmp_path, oracle, slurm_cluster):
+    cmd = ["salloc", "-n3", *train_command(oracle[0], tmp_path / "m", "--services-node", "no-such-node")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=slurm_cluster.env)
+    assert result.returncode != 0
+    ours = [l for l in result.stderr.splitlines() if l.startswith("csrun_wse:")]
+    assert len(ours) == 1 and "--services-node no-such-node is not a node of the allocation" in ours[0], \
+        result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_shape_the_allocation_cannot_hold_is_one_line_before_anything_starts(tmp_path, oracle, slurm_cluster):
+    cmd = ["salloc", "-n3", *train_command(oracle[0], tmp_path / "m", "--tasks-per-node", "4")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=slurm_cluster.env)
+    assert result.returncode != 0
+    ours = [l for l in result.stderr.splitlines() if l.startswith("csrun_wse:")]
+    assert len(ours) == 1 and "4 task(s) x 1 cpu(s) on node 0 of the allocation, which holds 3 CPU(s)" in ours[0], \
+        result.stderr
+    job_id = re.search(r"Granted job allocation (\d+)", result.stderr).group(1)
+    assert slurm_cluster.step_ends(job_id) == {}  # no step was started
+    assert not (tmp_path / "m").exists()
+
+
+def test_ctrl_c_stops_the_srun_job_and_exits_130(tmp_path, slurm_cluster):
+    import signal
+    from tests.cluster_utils import write_params
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "--total-nodes", "1", "--tasks-per-node", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=slurm_cluster.env)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) == 130, output[-3000:]
+        assert "job failed: interrupted by SIGINT" in output
+        assert slurm_leftovers(str(tmp_path)) == []
+    finally:
+        kill_tree(proc)
+
+
+# ------------------------------------------------------------------ hosts without this machine's /tmp
+def ssh(hosts, host: str, command: str) -> subprocess.CompletedProcess:
+    import shlex
+    return subprocess.run(["ssh", *shlex.split(hosts.ssh_options), host, command], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_keys_reach_hosts_that_do_not_share_this_machines_tmp(tmp_path, oracle, isolated_hosts):
+    import tempfile
+    h0, h1 = isolated_hosts.addresses
+    with tempfile.NamedTemporaryFile(prefix="cs-only-here-") as only_here:  # in this machine's /tmp
+        assert ssh(isolated_hosts, h0, f"test -e {only_here.name}").returncode == 1  # not seen there
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1},{h1}",
+                                          "--ssh_options", isolated_hosts.ssh_options),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_matches_oracle(tmp_path / "m", oracle)
+    assert leftovers(isolated_hosts) == []
+    for host in (h0, h1):  # each task wrapper removed the keys it wrote there
+        assert ssh(isolated_hosts, host, "ls /tmp").stdout.split() == [tmp_path.parents[1].name], host
+
+
+def test_preflight_names_the_hosts_that_cannot_start_tasks(tmp_path, oracle, isolated_hosts):
+    import tempfile
+    h0, h1 = isolated_hosts.addresses
+    with tempfile.TemporaryDirectory(prefix="cs-only-here-") as here:  # the working folder, not on the hosts
+        result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1}",
+                                              "--ssh_options", isolated_hosts.ssh_options),
+                                capture_output=True, text=True, timeout=120, cwd=here)
+    assert result.returncode != 0
+    lines = [l for l in result.stderr.splitlines() if l.startswith("csrun_wse:")]
+    assert len(lines) == 1 and "host(s) that cannot start the job's tasks: " in lines[0], result.stderr
+    assert all(f"{h} (" in lines[0] for h in (h0, h1)) and lines[0].count(here) == 2, lines[0]
+    assert not (tmp_path / "m").exists()
+
+
+def test_loopback_bind_is_refused_for_tasks_on_other_hosts(tmp_path, oracle, isolated_hosts):
+    h0, h1 = isolated_hosts.addresses
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1}", "--bind_address",
+                                          "127.0.0.1", "--ssh_options", isolated_hosts.ssh_options),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert f"csrun_wse: the job's services would bind 127.0.0.1 (loopback), which its tasks on {h0}, {h1} " \
+           "cannot reach" in result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_bind_address_sets_where_the_services_listen(tmp_path, oracle, isolated_hosts):
+    h0, h1 = isolated_hosts.addresses
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", f"{h0},{h1}", "--bind_address",
+                                          isolated_hosts.gateway, "--ssh_options", isolated_hosts.ssh_options),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"WSE 0 ready, input at tcp://{isolated_hosts.gateway}:" in result.stderr
+    assert_matches_oracle(tmp_path / "m", oracle)
+    assert leftovers(isolated_hosts) == []
+
+
+# ------------------------------------------------------------------ SSH at scale
+def sshd_sessions(hosts, index: int) -> list[int]:
+    """The sshd processes serving a connection on host `index` (not its listener)."""
+    listener = int(hosts.sshd_pidfiles[index].read_text().split()[0])
+    return [pid for pid in hosts.pids(hosts.namespaces[index])
+            if pid != listener and Path(f"/proc/{pid}/comm").exists()
+            and Path(f"/proc/{pid}/comm").read_text().strip() == "sshd"]
+
+
+def test_24_tasks_on_one_host_start_over_one_ssh_connection(tmp_path, oracle, netns_hosts):
+    h0, _ = netns_hosts.addresses
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{h0} slots=24\n")
+    proc = subprocess.Popen(train_command(oracle[0], tmp_path / "m", "--hostfile", str(hostfile),
+                                          "--ssh_options", netns_hosts.ssh_options),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        # 24 tasks, one connection: sshd's MaxStartups (10 by default) never sees more than one
+        sessions = sshd_sessions(netns_hosts, 0)
+        workers = [pid for pid, cmd in netns_hosts.job_processes() if "-m worker" in cmd]
+        output = proc.stdout.read()
+        assert proc.wait(timeout=300) == 0, output[-3000:]
+        assert 1 <= len(sessions) <= 2, sessions  # the privileged monitor and its session child
+        assert len(workers) == 23
+        assert_matches_oracle(tmp_path / "m", oracle)
+        assert leftovers(netns_hosts) == []
+    finally:
+        kill_tree(proc)
+
+
+def test_ssh_config_alias_is_resolved_by_ssh(tmp_path, oracle, isolated_hosts):
+    h0, h1 = isolated_hosts.addresses
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host cs-alias-a\n  HostName {h0}\nHost cs-alias-b\n  HostName {h1}\n")
+    options = isolated_hosts.ssh_options.replace("-F /dev/null", f"-F {config}")
+    result = subprocess.run(train_command(oracle[0], tmp_path / "m", "-H", "cs-alias-a,cs-alias-b",
+                                          "--ssh_options", options),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "task hosts: cs-alias-a cs-alias-b" in result.stderr
+    assert f"WSE 0 ready, input at tcp://{isolated_hosts.gateway}:" in result.stderr  # the bridge, not loopback
+    assert_matches_oracle(tmp_path / "m", oracle)
+    assert leftovers(isolated_hosts) == []
+
+
+def test_a_lost_ssh_connection_is_reported_as_such(tmp_path, netns_hosts):
+    import signal
+    from tests.cluster_utils import write_params
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    h0, h1 = netns_hosts.addresses
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1}",
+                                          "--ssh_options", netns_hosts.ssh_options),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        for pid in sshd_sessions(netns_hosts, 1):
+            os.kill(pid, signal.SIGKILL)  # the connection to h1 drops
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) == 1
+        failed = [l for l in output.splitlines() if "job failed" in l]
+        assert len(failed) == 1 and f"lost its ssh connection to {h1}" in failed[0], output[-3000:]
+        assert "SIGTERM" not in failed[0]
+        assert wait_for_exit([pid for pid, _ in leftovers(netns_hosts)], timeout=30) == []
+    finally:
+        kill_tree(proc)
+
+
+def test_a_dead_host_mid_run_is_named_and_nothing_is_left(tmp_path, netns_hosts):
+    from tests.cluster_utils import write_params
+    from tests.netns_hosts import sh
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    h0, h1 = netns_hosts.addresses
+    link = f"{netns_hosts.tag}v1"   # host 1's cable into the bridge
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1},{h1}",
+                                          "--ssh_options", netns_hosts.ssh_options),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "| Train" in line:
+                break
+        on_h1 = [pid for pid, _ in leftovers(netns_hosts) if pid in netns_hosts.pids(netns_hosts.namespaces[1])]
+        sh("ip", "link", "set", link, "down")
+        t0 = time.monotonic()
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) == 1
+        failed = [l for l in output.splitlines() if "job failed" in l]
+        assert len(failed) == 1 and re.search(rf"worker [01] on {re.escape(h1)} \(pid \d+\) stopped answering",
+                                              failed[0]), output[-3000:]
+        assert time.monotonic() - t0 < 30
+        # cut off, host 1's processes hear nothing from the directory and stop by themselves
+        assert wait_for_exit(on_h1, timeout=40) == []
+        assert leftovers(netns_hosts) == []
+    finally:
+        sh("ip", "link", "set", link, "up")
+        kill_tree(proc)

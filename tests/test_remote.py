@@ -39,6 +39,7 @@ def test_dash_and_underscore_spellings_are_the_same_flag():
     (["--launcher", "local", "--tasks-per-node", "2", "python", "r.py"], "need SSH hosts or Slurm"),
     (["--tasks-per-node", "0", "python", "r.py"], "--tasks_per_node must be at least 1"),
     (["-H", "h1,h2", "--cpus-per-task", "2", "python", "r.py"], "--cpus-per-task is for Slurm"),
+    (["--tasks-per-node", "2", "--services-node", "n1", "python", "r.py"], "--services-node is for jobs inside"),
 ])
 def test_bad_flags_are_errors_that_say_what(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -87,15 +88,88 @@ def test_bind_address_is_loopback_only_for_this_host():
         remote.bind_address_for(["no-such-host.invalid"])
 
 
-def test_slurm_shape_from_flags_then_allocation(monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "3")
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x3)")
+def allocation(monkeypatch, tasks_per_node: str, cpus_per_node: str, nodes: int, **more: str) -> None:
+    """The environment salloc/sbatch give a job (as Slurm 22.05 sets it)."""
+    for name in ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", str(nodes))
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", tasks_per_node)
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", cpus_per_node)
+    for name, value in more.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_ssh_options_add_to_the_defaults_and_override_what_they_name():
+    argv = remote.ssh_base("-p 2222 -o ConnectTimeout=3", "h1")
+    # ssh keeps the first value of each option: the user's come first
+    assert argv[:5] == ["ssh", "-p", "2222", "-o", "ConnectTimeout=3"] and argv[-1] == "h1"
+    assert "BatchMode=yes" in argv and argv.index("ConnectTimeout=3") < argv.index("ConnectTimeout=10")
+
+
+def test_services_step_roles_then_the_tasks():
+    from cs_runtime.launch.task import role_of_service
+    assert [role_of_service(i) for i in range(4)] == [("memoryx", 0), ("swarmx", 0), ("wse", 0), ("wse", 1)]
+
+
+def test_slurm_counts_expand_and_compress():
+    assert remote.expand_counts("2(x3),1", "X") == [2, 2, 2, 1]
+    assert remote.expand_counts("4", "X") == [4]
+    assert remote.compress_counts([2, 2, 2, 1]) == "2(x3),1"
+    with pytest.raises(SystemExit, match=r"X='2\(3\)': expected counts like"):
+        remote.expand_counts("2(3)", "X")
+
+
+def test_slurm_shape_outside_an_allocation_from_flags_else_two_tasks(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    assert remote.slurm_shape(None, None, None) == remote.SlurmShape(3, 2, 1)
-    assert remote.slurm_shape(2, 4, 2).tasks == 8
-    argv = remote.srun_argv(remote.SlurmShape(3, 2, 1), "job", ["python", "run.py"])
+    assert remote.slurm_shape(None, None, None) == remote.SlurmShape([2], 1)
+    assert remote.slurm_shape(2, 4, 2) == remote.SlurmShape([4, 4], 2)
+    argv = remote.srun_argv(remote.SlurmShape([2, 2, 2], 1), "job", ["python", "run.py"])
     assert "--kill-on-bad-exit=1" in argv and "--nodes=3" in argv and "--ntasks=6" in argv
-    assert argv[-4:] == ["--slurm", "--", "python", "run.py"]
+    assert "--ntasks-per-node=2" in argv and argv[-4:] == ["--slurm", "--", "python", "run.py"]
+
+
+@pytest.mark.parametrize("asked, tasks, cpus, nodes, shape", [
+    ("salloc -n3", "3", "3", 1, [3]),
+    ("salloc -N3 -n3", "1(x3)", "1(x3)", 3, [1, 1, 1]),
+    ("salloc -n7 over 4 nodes", "2(x3),1", "2(x3),1", 4, [2, 2, 2, 1]),
+    ("salloc -N2 --ntasks-per-node=2", "2(x2)", "2(x2)", 2, [2, 2]),
+])
+def test_slurm_shape_is_the_allocation_however_it_was_asked(monkeypatch, asked, tasks, cpus, nodes, shape):
+    allocation(monkeypatch, tasks, cpus, nodes)
+    assert remote.slurm_shape(None, None, None).per_node == shape, asked
+
+
+def test_slurm_uneven_shape_lets_srun_lay_it_out_and_says_so(monkeypatch):
+    allocation(monkeypatch, "2(x3),1", "2(x3),1", 4)
+    shape = remote.slurm_shape(None, None, None)
+    assert shape.describe() == "4 node(s) x 2(x3),1 task(s) x 1 cpu(s)"
+    argv = remote.srun_argv(shape, "job", ["python", "run.py"])
+    assert "--ntasks=7" in argv and "--nodes=4" in argv and not any("per-node" in a for a in argv)
+
+
+def test_slurm_only_ntasks_is_laid_out_in_blocks(monkeypatch):
+    allocation(monkeypatch, "", "4(x2)", 2, SLURM_NTASKS="5")
+    assert remote.slurm_shape(None, None, None).per_node == [3, 2]
+
+
+def test_slurm_flags_choose_inside_the_allocation(monkeypatch):
+    allocation(monkeypatch, "2(x3)", "4(x3)", 3, SLURM_CPUS_PER_TASK="2")
+    assert remote.slurm_shape(2, None, None) == remote.SlurmShape([2, 2], 2)
+    assert remote.slurm_shape(None, 4, 1) == remote.SlurmShape([4, 4, 4], 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ((4, None, None), r"--total-nodes 4 but the allocation has 3 node\(s\)"),
+    ((None, 3, 2), r"3 task\(s\) x 2 cpu\(s\) on node 0 of the allocation, which holds 4 CPU\(s\)"),
+    ((1, 1, None), r"1 task\(s\) \(1 node\(s\) x 1 task\(s\) x 1 cpu\(s\)\): a job needs at least 2"),
+])
+def test_slurm_shape_the_allocation_cannot_hold_is_one_line(monkeypatch, flags, message):
+    allocation(monkeypatch, "2(x3)", "4(x3)", 3)
+    with pytest.raises(SystemExit, match=message) as err:
+        remote.slurm_shape(*flags)
+    assert "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------ the task wrapper
@@ -104,7 +178,7 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
     directory = DirectoryServer(ctx, "job-w", {"worker": 1})
     pidfile = tmp_path / "child.pid"
     child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
-    spec = {"role": "worker", "rank": 0, "host": "hostA", "argv": [sys.executable, "-c", child],
+    spec = {"host": "hostA", "tasks": [{"role": "worker", "rank": 0, "argv": [sys.executable, "-c", child]}],
             "env": {**os.environ, "CS_JOB_ID": "job-w", "CS_RENDEZVOUS": directory.address,
                     "PYTHONPATH": str(REPO)}}
     wrapper = subprocess.Popen([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], stdin=subprocess.PIPE,
@@ -132,11 +206,35 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
         ctx.destroy(linger=0)
 
 
-def test_task_wrapper_refuses_a_bad_task_description():
-    result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], input=b'{"role": 1}\n',
+@pytest.mark.parametrize("sent, answer", [
+    ({"keys": None}, "ok"),
+    ({"keys": {"server_public": "x"}}, "the job's keys must be server_public, server_secret, client_public"),
+])
+def test_task_wrapper_check_keeps_the_keys_or_says_why_not(sent, answer, tmp_path):
+    from cs_runtime.wire import auth
+    if sent["keys"] is None:  # fresh keys, as the launcher sends them
+        folder = auth.create_job_dir()
+        sent = {"keys": auth.key_strings(auth.load_keys(str(folder)))}
+        auth.remove_job_dir(folder)
+    result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--check"], input=json.dumps(sent) + "\n",
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
+    assert answer in (result.stdout + result.stderr), result.stderr
+    assert (result.returncode == 0) == (answer == "ok")
+    assert list(tmp_path.iterdir()) == []  # the check leaves nothing
+
+
+@pytest.mark.parametrize("sent, message", [
+    (b'{"role": 1}\n', b"task description needs host, env, tasks"),
+    (b'{"host": "h", "env": {}, "tasks": [{"role": "chief", "rank": "0", "argv": ["x"]}]}\n',
+     b"each task needs role, rank and argv (strings)"),
+    (b'{"host": "h", "env": {}, "tasks": []}\n', b"no tasks in the description"),
+])
+def test_task_wrapper_refuses_a_bad_task_description(sent, message):
+    result = subprocess.run([sys.executable, "-m", "cs_runtime.launch.task", "--ssh"], input=sent,
                             capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert result.returncode != 0
-    assert b"task description needs role, rank, host, env, argv" in result.stderr
+    assert message in result.stderr
 
 
 # ------------------------------------------------------------------ input shards and the monitor

@@ -125,7 +125,7 @@ class WeightStreamingExecutor:
         arrays = float_arrays(batch)
         self.x, self.labels = arrays["x"], arrays["y"]
         self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
-                                slice(int(meta["row_start"]), int(meta["row_stop"])), train)
+                                slice(int(meta["row_start"]), int(meta["row_stop"])), train, labels=self.labels)
         self.label_count = meta.get("label_count")
 
     def finish_forward(self, step: int, train: bool) -> None:

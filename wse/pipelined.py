@@ -58,8 +58,9 @@ class PipelinedExecutor:
         for r in range(self.replicas):
             part = shard_rows(stop - start, r, self.replicas)
             rows = slice(start + part.start, start + part.stop)
-            ctx = ShardContext(self.seed, batch.step, int(meta["global_batch"]), rows, train)
             arrays = float_arrays(batch)
+            ctx = ShardContext(self.seed, batch.step, int(meta["global_batch"]), rows, train,
+                               labels=arrays["y"][part])
             yield arrays["x"][part], arrays["y"][part], ctx
 
     def train_step(self, step: int, lr: float, loss_scale: float, norms: bool = True) -> None:

@@ -29,7 +29,13 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 5.0     # a peer silent this long is declared hung
+# A peer that said it is leaving (its work done, the process exiting) may take this
+# long to exit before it counts as hung: an interpreter with torch loaded takes
+# seconds to tear down on a busy machine.
+LEAVING_GRACE = 60.0
 REGISTER_TIMEOUT = 120.0    # generous: a cold start imports numpy, zmq, ...
+REGISTER_PER_TASK_S = 0.25  # and more per task: a launcher starts its tasks one after another
+SERVE_BATCH = 256           # messages handled per serve_once before the owner's loop runs again
 DIRECTORY_MAX_FRAME = 1024 * 1024
 
 
@@ -41,6 +47,8 @@ class Peer:
     pid: int
     endpoints: dict
     last_seen: float = field(default_factory=time.monotonic)
+    beating: bool = False   # its heartbeats have started (a busy start may delay the first)
+    leaving: bool = False   # its last heartbeat said it is exiting
 
     def as_dict(self) -> dict:
         return {"role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
@@ -48,7 +56,11 @@ class Peer:
 
 
 class DirectoryServer:
-    """The ROUTER side. Driven by its owner's loop through `serve_once`."""
+    """The ROUTER side. Driven by its owner's loop through `serve_once`.
+
+    Built for a thousand tasks heartbeating twice a second: a heartbeat costs a
+    dictionary look-up and one prepared answer; lookups are answered when a
+    registration completes what they wait for, never re-checked per message."""
 
     def __init__(self, ctx: zmq.Context, job: str, expected: dict[str, int], host: str | None = None,
                  port: int = 0, keys=None):
@@ -58,62 +70,78 @@ class DirectoryServer:
         self.address = self.endpoint.bind(host, port)
         self.expected = dict(expected)
         self.peers: dict[tuple[str, int], Peer] = {}
-        self.pending: list[tuple[bytes, list]] = []
+        self.by_role: dict[str, dict[int, Peer]] = {}
+        self.pending: dict[tuple[str, ...], list[bytes]] = {}   # roles asked for -> who asked
         self.failure: str = ""
         self.done = False  # the job has finished: heartbeat answers tell every process to exit 0
         # (role, rank) -> EXITED meta, for tasks the launcher cannot wait for itself (srun)
         self.exits: dict[tuple[str, int], dict] = {}
         # The role sets asked for: the chief, once it has compiled, asks for MemoryX and SwarmX together.
         self.lookups: set[frozenset] = set()
+        self._status: tuple[tuple[str, bool], Message] | None = None
 
-    def serve_once(self, timeout_ms: int) -> None:
+    def serve_once(self, timeout_ms: int, batch: int = SERVE_BATCH) -> int:
+        """Handle the messages waiting (up to `batch`), waiting up to timeout_ms for the first; how many."""
         got = self.endpoint.recv(timeout_ms)
-        if got is None:
-            return
-        identity, msg = got
-        if msg.type == Msg.REGISTER:
+        handled = 0
+        while got is not None:
+            self._handle(*got)
+            handled += 1
+            if handled >= batch:
+                break
+            got = self.endpoint.recv(0)
+        return handled
+
+    def _handle(self, identity: bytes, msg: Message) -> None:
+        if msg.type == Msg.HEARTBEAT:  # by far the most frequent: first
+            self._heartbeat(identity, msg)
+        elif msg.type == Msg.REGISTER:
             self._register(msg)
         elif msg.type == Msg.LOOKUP:
-            self.lookups.add(frozenset(str(r) for r in msg.meta["roles"]))
-            self.pending.append((identity, [str(r) for r in msg.meta["roles"]]))
-        elif msg.type == Msg.HEARTBEAT:
-            self._heartbeat(identity, msg)
+            roles = tuple(sorted(str(r) for r in msg.meta["roles"]))
+            self.lookups.add(frozenset(roles))
+            self.pending.setdefault(roles, []).append(identity)
+            self._answer_lookups(roles)
         elif msg.type == Msg.EXITED:
             self.exits[(msg.meta["role"], msg.meta["rank"])] = dict(msg.meta)
             self._send(identity, self.status())
         else:
             self.endpoint.warn_once(identity, f"unexpected {msg.type.value} at the directory")
-        self._answer_lookups()
 
     def _register(self, msg: Message) -> None:
         m = msg.meta
         peer = Peer(m["role"], m["rank"], m["host"], m["pid"], m["endpoints"])
         self.peers[(peer.role, peer.rank)] = peer
+        self.by_role.setdefault(peer.role, {})[peer.rank] = peer
         log.debug("registered %s %d on %s", peer.role, peer.rank, peer.host)
+        for roles in [r for r in self.pending if peer.role in r]:
+            self._answer_lookups(roles)
 
     def _heartbeat(self, identity: bytes, msg: Message) -> None:
         peer = self.peers.get((msg.meta["role"], msg.meta["rank"]))
         if peer is not None:
-            peer.last_seen = time.monotonic()
+            peer.last_seen, peer.beating = time.monotonic(), True
+            peer.leaving = bool(msg.meta.get("leaving", False))
         self._send(identity, self.status())
 
     def status(self) -> Message:
-        return Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure,
-                                         "done": self.done and not self.failure})
+        """The answer to every heartbeat, made once per change of the job's state."""
+        state = (self.failure, self.done)
+        if self._status is None or self._status[0] != state:
+            self._status = (state, Message(Msg.STATUS, meta={"ok": not self.failure, "reason": self.failure,
+                                                             "done": self.done and not self.failure}))
+        return self._status[1]
 
-    def _answer_lookups(self) -> None:
-        still = []
-        for identity, roles in self.pending:
-            if all(self._complete(role) for role in roles):
-                peers = [p.as_dict() for p in self.peers.values() if p.role in roles]
-                self._send(identity, Message(Msg.DIRECTORY, meta={"peers": peers}))
-            else:
-                still.append((identity, roles))
-        self.pending = still
+    def _answer_lookups(self, roles: tuple[str, ...]) -> None:
+        if not all(self._complete(role) for role in roles):
+            return
+        peers = [p.as_dict() for role in roles for p in self.by_role.get(role, {}).values()]
+        answer = Message(Msg.DIRECTORY, meta={"peers": peers})
+        for identity in self.pending.pop(roles, []):
+            self._send(identity, answer)
 
     def _complete(self, role: str) -> bool:
-        have = sum(1 for (r, _) in self.peers if r == role)
-        return have >= self.expected.get(role, 0) and role in self.expected
+        return role in self.expected and len(self.by_role.get(role, ())) >= self.expected[role]
 
     def _send(self, identity: bytes, msg: Message) -> None:
         try:
@@ -121,12 +149,27 @@ class DirectoryServer:
         except zmq.ZMQError:
             pass  # the asker is gone; nothing to answer
 
-    def silent_peers(self, timeout: float = HEARTBEAT_TIMEOUT) -> list[Peer]:
+    def silent_peers(self, timeout: float = HEARTBEAT_TIMEOUT, first_timeout: float | None = None) -> list[Peer]:
+        """Peers whose heartbeats stopped for `timeout` s; with first_timeout, a peer whose first
+        heartbeat has not come gets that long after registering (a thousand tasks starting at
+        once wait for their connections' handshakes)."""
         now = time.monotonic()
-        return [p for p in self.peers.values() if now - p.last_seen > timeout]
+        first_timeout = timeout if first_timeout is None else first_timeout
+        return [p for p in self.peers.values() if now - p.last_seen > self._allowance(p, timeout, first_timeout)]
+
+    @staticmethod
+    def _allowance(peer: Peer, timeout: float, first_timeout: float) -> float:
+        if peer.leaving:
+            return max(timeout, LEAVING_GRACE)
+        return timeout if peer.beating else first_timeout
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def register_timeout(tasks: int) -> float:
+    """How long the launcher waits for `tasks` processes to register: longer for a bigger job."""
+    return REGISTER_TIMEOUT + REGISTER_PER_TASK_S * tasks
 
 
 class DirectoryClient:
@@ -154,14 +197,6 @@ class DirectoryClient:
         for peer in got[1].meta["peers"]:
             by_role[peer["role"]].append(peer)
         return {r: sorted(p, key=lambda p: p["rank"]) for r, p in by_role.items()}
-
-    def report_exit(self, host: str, pid: int, code: int, timeout_ms: int = 2000) -> None:
-        """Tell the launcher how this task ended (it cannot see the exit code through srun)."""
-        meta = {"role": self.role, "rank": self.rank, "host": host, "pid": pid, "code": code}
-        self.endpoint.send(Message(Msg.EXITED, meta=meta))
-        got = self.endpoint.recv(timeout_ms)  # the answer says it arrived (LINGER 0 would drop it)
-        while got is not None and got[1].type != Msg.STATUS:
-            got = self.endpoint.recv(timeout_ms)
 
     def start_heartbeats(self, on_failure=None) -> "Heartbeat":
         beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure)
@@ -198,14 +233,16 @@ class Heartbeat(threading.Thread):
         self.ctx, self.address, self.role, self.rank, self.job = ctx, address, role, rank, job
         self.on_failure = on_failure or _exit_now
         self.stopped = threading.Event()
+        self.said_leaving = threading.Event()
 
     def run(self) -> None:
         endpoint = Endpoint(self.ctx, zmq.DEALER, "heartbeat", self.job).connect(self.address)
-        last_answer = time.monotonic()
+        last_answer = next_beat = time.monotonic()
         try:
             while not self.stopped.is_set():
                 endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank}))
-                got = endpoint.recv(int(HEARTBEAT_INTERVAL * 1000))
+                next_beat += HEARTBEAT_INTERVAL  # a fixed period: the answer's delay does not add to it
+                got = endpoint.recv(max(0, int((next_beat - time.monotonic()) * 1000)))
                 while got is not None:
                     last_answer = time.monotonic()
                     if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
@@ -217,9 +254,17 @@ class Heartbeat(threading.Thread):
                     got = endpoint.recv(0)
                 if time.monotonic() - last_answer > HEARTBEAT_TIMEOUT * 2:
                     return self.on_failure(f"directory at {self.address} stopped answering")
-                self.stopped.wait(HEARTBEAT_INTERVAL / 2)
+                next_beat = max(next_beat, time.monotonic())  # late (a stall): beat now, no burst of beats
+                self.stopped.wait(max(0.0, next_beat - time.monotonic()))
+            # The last heartbeat says this process is leaving, so the time it takes
+            # to exit is not mistaken for a hang.
+            endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank, "leaving": True}))
+            endpoint.recv(int(HEARTBEAT_INTERVAL * 1000))
         finally:
+            self.said_leaving.set()
             endpoint.close()
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.is_alive():
+            self.said_leaving.wait(HEARTBEAT_TIMEOUT)

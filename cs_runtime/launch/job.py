@@ -28,7 +28,8 @@ from cs_runtime import env as cs_env
 from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.launch import remote
 from cs_runtime.launch.directory import DirectoryServer
-from cs_runtime.launch.launcher import SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, with_threads
+from cs_runtime.launch.launcher import (SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, check_file_limit,
+                                       with_threads)
 from cs_runtime.launch.remote import LaunchError
 from cs_runtime.launch.restart import RESTART_ENV, Outcome, run_with_restarts
 from cs_runtime.launch.task import role_argv
@@ -55,7 +56,7 @@ class JobOptions:
     launcher: str = "local"                   # local, ssh or slurm
     hostfile: str | None = None               # ssh: 'HOST [slots=N]' a line
     hosts: str | None = None                  # ssh: h1,h2,... (one slot each)
-    ssh_options: str = remote.DEFAULT_SSH_OPTIONS
+    ssh_options: str = ""                     # added to remote.DEFAULT_SSH_OPTIONS
     total_nodes: int | None = None
     tasks_per_node: int | None = None
     cpus_per_task: int | None = None          # Slurm
@@ -65,6 +66,8 @@ class JobOptions:
     no_shm: bool = False                      # weights over tcp even between local processes
     job_labels: dict[str, str] = field(default_factory=dict)   # with cs_ip: shown by csctl
     trace: bool = False                       # a timeline of every process (model_dir/trace.json)
+    bind_address: str | None = None           # what the directory and services bind (None: chosen)
+    services_node: str | None = None          # inside a Slurm allocation: where the services run
 
 
 @dataclass
@@ -75,17 +78,35 @@ class Layout:
     bind: str = "127.0.0.1"
     placement: list[str] | None = None          # SSH: the host of each task
     shape: remote.SlurmShape | None = None      # Slurm: nodes x tasks x cpus
+    services_node: str | None = None            # inside an allocation: where the services run
 
 
 def plan_layout(options: JobOptions) -> Layout:
+    """Where the tasks run and what the job binds: --bind_address, else the address this machine
+    reaches the hosts by; loopback is refused for tasks on other hosts."""
+    layout = place_tasks(options)
+    if options.bind_address:
+        layout.bind = remote.local_address(options.bind_address)
+    elsewhere = []
+    if layout.launcher == "ssh":
+        elsewhere = remote.hosts_elsewhere(layout.placement, options.ssh_options)
+    elif layout.launcher == "slurm" and layout.shape.nodes > 1:
+        elsewhere = [f"{layout.shape.nodes} Slurm nodes"]
+    remote.refuse_loopback_across_hosts(layout.bind, elsewhere)
+    return layout
+
+
+def place_tasks(options: JobOptions) -> Layout:
     if options.launcher == "ssh":
         hosts = (remote.parse_hostfile(options.hostfile) if options.hostfile
                  else remote.parse_host_list(options.hosts))
         placement = remote.place_tasks(hosts, options.tasks_per_node, options.total_nodes)
-        return Layout("ssh", len(placement) - 1, remote.bind_address_for(placement), placement=placement)
+        return Layout("ssh", len(placement) - 1, remote.bind_address_for(placement, options.ssh_options),
+                      placement=placement)
     if options.launcher == "slurm":
         shape = remote.slurm_shape(options.total_nodes, options.tasks_per_node, options.cpus_per_task)
-        return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape)
+        node = remote.services_node(options.services_node) if remote.in_allocation() else None
+        return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape, services_node=node)
     # One machine: loopback, unless the user exported CS_BIND_HOST (e.g. for a --cs_ip elsewhere).
     return Layout("local", options.num_csx * (options.num_workers_per_csx or 1),
                   cs_env.BIND_HOST.get())
@@ -95,8 +116,8 @@ def describe(layout: Layout) -> str:
     if layout.launcher == "ssh":
         return f"over SSH (task hosts: {' '.join(layout.placement)})"
     if layout.launcher == "slurm":
-        s = layout.shape
-        return f"with srun ({s.nodes} node(s) x {s.tasks_per_node} task(s) x {s.cpus_per_task} cpu(s))"
+        services = f", services on {layout.services_node} (srun)" if layout.services_node else ""
+        return f"with srun ({layout.shape.describe()}){services}"
     return "on this machine"
 
 
@@ -143,7 +164,8 @@ def start_tasks(group: ProcessGroup, directory: DirectoryServer, layout: Layout,
 
 def check_insecure_and_ssh_hosts(options: JobOptions, layout: Layout) -> None:
     """Fail in seconds, with one line, on what would otherwise fail late or unsafely:
-    --insecure off loopback, and SSH hosts that do not answer."""
+    --insecure off loopback, too few open files allowed, and SSH hosts that cannot start tasks."""
+    check_file_limit(layout.num_workers + 1 + options.num_csx + 2)  # tasks, WSEs, MemoryX, SwarmX
     if options.insecure:
         outside = [h for h in [layout.bind] if not auth.is_loopback(h)]
         if outside:
@@ -207,12 +229,15 @@ def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = T
     log.info("job %s: %d WSE(s), %d input worker(s), tasks %s", job, options.num_csx, layout.num_workers,
              describe(layout))
     supervisor = Supervisor(directory, group, finisher_role="chief", handle_signals=handle_signals)
-    shm_dir = None if cs_ip or options.no_shm or not os.path.isdir(SHM_DIR) else SHM_DIR
+    # Services started as an srun step share memory on their node, not with this host: tcp.
+    shm_dir = None if cs_ip or options.no_shm or layout.services_node or not os.path.isdir(SHM_DIR) else SHM_DIR
     started = StartedJob(job, ctx, directory, group, supervisor, env, shm_dir)
     if shm_dir:
         remove_orphaned_segments(Path(shm_dir))
     try:
-        if cs_ip is None:
+        if cs_ip is None and layout.services_node:  # inside an allocation: a step on one of its nodes
+            remote.start_srun_services(group, directory, layout.services_node, env, options.num_csx, job)
+        elif cs_ip is None:
             start_services(group, env, options.num_csx, shm_dir)
         if tasks:
             start_tasks(group, directory, layout, env, options, job)

@@ -19,13 +19,15 @@ import sys
 import time
 from dataclasses import dataclass
 
-from cs_runtime.launch.directory import HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
+from cs_runtime.launch.directory import HEARTBEAT_TIMEOUT, DirectoryServer, register_timeout
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
 from cs_runtime.wire.transport import host_name
 
 log = logging.getLogger(__name__)
 
 FINISH_GRACE_S = 3.0  # after the chief's exit 0, how long the others get to exit by themselves
+CHECK_INTERVAL_S = 0.2  # how often the supervisor looks at every task (exit codes, heartbeats)
+CARRIER_GRACE_S = 10.0  # after its tasks, how long a carrier (srun, ssh) gets to end by itself
 
 PR_SET_PDEATHSIG = 1
 
@@ -69,10 +71,37 @@ class Task:
     def kill(self) -> None:
         _signal_group(self.proc, signal.SIGKILL)
 
+    def settle(self, timeout: float) -> None:
+        """Wait for whatever carries the task once the task itself has ended (nothing, here)."""
+
+    def ended_how(self, rc: int) -> str:
+        """How the task ended, for the launcher's one line."""
+        return f"exited with {describe_exit(rc)}"
+
 
 def spawn(argv: list[str], env: dict[str, str], **popen_args) -> subprocess.Popen:
     """A child in its own session that dies with the launcher."""
     return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent, **popen_args)
+
+
+# What the launcher holds open per task: two connections to its directory (the task's
+# client and its heartbeat) and, over SSH, the pipe to the host's carrier; with room to spare.
+FDS_PER_TASK = 4
+FDS_BASE = 256    # the launcher's own: the Python runtime, ZeroMQ's threads, the services' sockets
+
+
+def check_file_limit(tasks: int) -> None:
+    """Raise the soft RLIMIT_NOFILE to what `tasks` need (up to the hard limit), or say
+    in one line that it cannot be, before a single process starts."""
+    import resource
+    need = FDS_BASE + FDS_PER_TASK * tasks
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise SystemExit(f"csrun_wse: {tasks} task(s) need about {need} open files here but the limit is "
+                         f"{soft} (hard limit {hard}); raise it (ulimit -n {need}) or run fewer tasks")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 class ProcessGroup:
@@ -104,6 +133,8 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 task.kill()
                 task.proc.wait()
+        for task in self.tasks:  # srun ends its step COMPLETED only when nobody has to kill it
+            task.settle(max(0.0, deadline - time.monotonic()) + CARRIER_GRACE_S)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -132,6 +163,7 @@ class Supervisor:
         self.finisher_role = finisher_role  # the role whose exit 0 ends the job (the chief)
         self.started = time.monotonic()
         self.interrupted = ""
+        self.signal = 0  # the signal that interrupted the launcher: its exit code is then 128 + it
         self.failure: JobFailed | None = None
         # Set when the chief runs in the launcher's own process (cs_torch.Session): it ends the job.
         self.finish_requested = False
@@ -141,16 +173,23 @@ class Supervisor:
 
     def _on_signal(self, signum, _frame) -> None:
         self.interrupted = f"interrupted by {signal.Signals(signum).name}"
+        self.signal = signum
 
     def run(self, extra_check=None) -> int:
-        """Serve until the finisher exits 0 (returns 0) or anything fails (returns 1)."""
+        """Serve until the finisher exits 0 (returns 0) or anything fails (returns 1; 128 + N
+        when signal N interrupted the launcher: 130 for Ctrl-C, as a shell reports it)."""
+        next_check = 0.0
         try:
             while True:
                 self.directory.serve_once(100)
-                if self._finished():
+                if time.monotonic() < next_check:
+                    continue  # heartbeats first: the checks below look at every task
+                next_check = time.monotonic() + CHECK_INTERVAL_S
+                exited = self.group.exited()
+                if self._finished(exited):
                     self._let_finish(FINISH_GRACE_S)
                     return 0
-                self._check()
+                self._check(exited)
                 if extra_check is not None:
                     extra_check()
         except JobFailed as failure:
@@ -158,33 +197,35 @@ class Supervisor:
             self.directory.failure = str(failure)
             self._drain_status(1.0)
             print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
-            return 1
+            return 128 + self.signal if self.signal else 1
         finally:
             self.group.stop_all()
             self.directory.close()
 
-    def _finished(self) -> bool:
-        return self.finish_requested or any(t.role == self.finisher_role and rc == 0 for t, rc in self.group.exited())
+    def _finished(self, exited: list[tuple[Task, int]]) -> bool:
+        return self.finish_requested or any(t.role == self.finisher_role and rc == 0 for t, rc in exited)
 
-    def _check(self) -> None:
+    def _check(self, exited: list[tuple[Task, int]]) -> None:
         if self.interrupted:
             raise JobFailed(self.interrupted, retryable=False)
         # A process killed by a signal is the cause; exits with an error code
         # seen at the same time are usually its peers reacting to it.
-        failed = sorted((rc for rc in self.group.exited() if rc[1] != 0), key=lambda t: t[1] >= 0)
+        failed = sorted((rc for rc in exited if rc[1] != 0), key=lambda t: t[1] >= 0)
         if failed:
             task, rc = failed[0]
-            raise JobFailed(f"{task.label} exited with {describe_exit(rc)}", retryable=rc != EXIT_BAD_INPUT)
-        for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
-            if (peer.role, peer.rank) in {(t.role, t.rank) for t, _ in self.group.exited()}:
+            raise JobFailed(f"{task.label} {task.ended_how(rc)}", retryable=rc != EXIT_BAD_INPUT)
+        ended = {(t.role, t.rank) for t, _ in exited}
+        timeout = register_timeout(len(self.group.tasks))
+        for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT, first_timeout=timeout):
+            if (peer.role, peer.rank) in ended:
                 continue  # exited cleanly (a worker that finished its plan)
             raise JobFailed(f"{peer.role} {peer.rank} on {peer.host} (pid {peer.pid}) stopped "
                             f"answering (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)")
-        if time.monotonic() - self.started > REGISTER_TIMEOUT:
-            registered = set(self.directory.peers)
+        if time.monotonic() - self.started > timeout:
+            registered = self.directory.peers
             for task in self.group.tasks:
-                if (task.role, task.rank) not in registered and task.proc.poll() is None:
-                    raise JobFailed(f"{task.label} did not register within {REGISTER_TIMEOUT:.0f} s")
+                if (task.role, task.rank) not in registered and (task.role, task.rank) not in ended:
+                    raise JobFailed(f"{task.label} did not register within {timeout:.0f} s")
 
     def _let_finish(self, seconds: float) -> None:
         """The chief is done: heartbeat answers now say so and every process exits 0

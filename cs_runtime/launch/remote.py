@@ -18,6 +18,7 @@ address this machine uses to reach the hosts, never loopback across hosts.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -30,13 +31,18 @@ import sys
 import time
 from dataclasses import dataclass
 
+import zmq
+
 from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.wire import auth
 from cs_runtime.launch.launcher import ProcessGroup, Task, _signal_group, spawn
-from cs_runtime.launch.task import role_argv, role_of_task
+from cs_runtime.launch.task import role_argv, role_of_service, role_of_task
 from cs_runtime.wire.transport import source_address_towards
 
-DEFAULT_SSH_OPTIONS = "-o BatchMode=yes -o ConnectTimeout=10"
+# No password prompts; a host that does not answer, or stops answering, fails in seconds.
+DEFAULT_SSH_OPTIONS = "-o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 -o ServerAliveCountMax=3"
 SSH_CHECK_TIMEOUT_S = 20.0
+SSH_FAILED = 255   # ssh's exit code for its own errors (connection refused, lost, ...)
 # Not passed to remote hosts: they describe the launcher's own terminal and login.
 HOST_LOCAL_VARS = {"PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "DISPLAY", "XAUTHORITY", "TERM", "COLUMNS",
                    "LINES", "SSH_AUTH_SOCK", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AGENT_PID"}
@@ -111,26 +117,74 @@ def place_tasks(hosts: list[Host], tasks_per_node: int | None, total_nodes: int 
     return placement
 
 
-def bind_address_for(hosts: list[str]) -> str:
+def ssh_hostname(host: str, options: str = "") -> str:
+    """The name ssh connects to for `host`: itself, or what an ssh_config alias says (`ssh -G`)."""
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET)
+        return host
+    except socket.gaierror:
+        pass
+    if shutil.which("ssh") is None:
+        return host
+    out = subprocess.run([*ssh_base(options, host)[:-1], "-G", host], capture_output=True, text=True, timeout=10)
+    names = [line.split(None, 1)[1] for line in out.stdout.splitlines() if line.startswith("hostname ")]
+    return names[0].strip() if out.returncode == 0 and names else host
+
+
+def bind_address_for(hosts: list[str], options: str = "") -> str:
     """The address to bind here so every host can reach us (loopback if all hosts are this one)."""
     addresses = []
     for host in dict.fromkeys(hosts):
         try:
-            addresses.append(source_address_towards(host))
+            addresses.append(source_address_towards(ssh_hostname(host, options)))
         except ValueError as exc:
-            raise LaunchError(str(exc)) from None
+            raise LaunchError(f"{exc} (nor through ssh_config)") from None
     real = [a for a in addresses if not a.startswith("127.")]
     return real[0] if real else "127.0.0.1"
 
 
+def local_address(address: str) -> str:
+    """--bind_address: an IPv4 address (or name) of this machine, which the job's sockets bind."""
+    try:
+        resolved = socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+        with socket.socket() as probe:
+            probe.bind((resolved, 0))
+    except (socket.gaierror, IndexError):
+        raise LaunchError(f"--bind_address {address}: does not resolve to an IPv4 address") from None
+    except OSError as exc:
+        raise LaunchError(f"--bind_address {address}: not an address of this machine ({exc.strerror})") from None
+    return resolved
+
+
+def refuse_loopback_across_hosts(bind: str, elsewhere: list[str]) -> None:
+    """A job whose tasks run on other hosts cannot reach sockets bound to loopback: say so now,
+    not as a registration timeout later."""
+    if elsewhere and bind.startswith("127."):
+        raise LaunchError(f"the job's services would bind {bind} (loopback), which its tasks on "
+                          f"{', '.join(elsewhere)} cannot reach; give --bind_address with an address of "
+                          "this machine those hosts reach")
+
+
+def hosts_elsewhere(hosts: list[str], options: str = "") -> list[str]:
+    """The hosts this machine does not reach over loopback."""
+    elsewhere = []
+    for host in dict.fromkeys(hosts):
+        try:
+            if not source_address_towards(ssh_hostname(host, options)).startswith("127."):
+                elsewhere.append(host)
+        except ValueError:
+            elsewhere.append(host)  # ssh may know it (an ssh_config alias): surely not this machine's loopback
+    return elsewhere
+
+
 # ---------------------------------------------------------------- tasks seen through a carrier
 class CarriedProcess:
-    """A task's process as the launcher sees it: through its carrier (its own ssh
-    client, or the one srun all tasks share) and the exit code its wrapper reported."""
+    """A task's process as the launcher sees it: through its carrier (the ssh client of its
+    host, or the srun of the step), which its host's other tasks share, and the exit code
+    its wrapper reported."""
 
-    def __init__(self, carrier: subprocess.Popen, directory: DirectoryServer, role: str, rank: int,
-                 shared: bool = False):
-        self.carrier, self.directory, self.key, self.shared = carrier, directory, (role, rank), shared
+    def __init__(self, carrier: subprocess.Popen, directory: DirectoryServer, role: str, rank: int):
+        self.carrier, self.directory, self.key = carrier, directory, (role, rank)
 
     @property
     def pid(self) -> int:
@@ -138,11 +192,6 @@ class CarriedProcess:
 
     def poll(self) -> int | None:
         report = self.directory.exits.get(self.key)
-        if not self.shared:
-            # Its own carrier ends right after the task: wait for that, so nothing
-            # of the task is left when the launcher returns; the report has the true code.
-            code = self.carrier.poll()
-            return code if code is None or report is None else int(report["code"])
         return int(report["code"]) if report is not None else self.carrier.poll()
 
     @property
@@ -150,7 +199,16 @@ class CarriedProcess:
         return self.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        return self.carrier.wait(timeout)
+        """Until the task has ended (reported, or its carrier gone)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.carrier.args, timeout)
+            try:  # the report comes through the directory, which the launcher's loop serves
+                self.directory.serve_once(50)
+            except zmq.ZMQError:  # closed: only the carrier's end can tell now
+                return self.carrier.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return code
 
 
 class RemoteTask(Task):
@@ -173,10 +231,25 @@ class RemoteTask(Task):
     def carrier(self) -> str:
         return "its carrier"
 
+    def settle(self, timeout: float) -> None:
+        carrier = self.proc.carrier
+        try:
+            carrier.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            carrier.wait()
+
 
 class SshTask(RemoteTask):
     def carrier(self) -> str:
         return f"ssh to {self.host}"
+
+    def ended_how(self, rc: int) -> str:
+        carrier = self.proc.carrier
+        if carrier.poll() == SSH_FAILED and not carrier.stdin.closed:  # ssh ended, not asked to
+            # Its wrapper then stops the host's tasks, which would otherwise read as a SIGTERM.
+            return f"lost its ssh connection to {self.host} (ssh exited with code {SSH_FAILED})"
+        return super().ended_how(rc)
 
     def request_stop(self) -> None:
         # EOF on the far side's stdin: its wrapper stops the task and ssh exits.
@@ -209,65 +282,97 @@ def require(program: str, package: str) -> None:
 
 
 def ssh_base(options: str, host: str) -> list[str]:
-    return ["ssh", *shlex.split(options), host]
+    """The user's --ssh_options first: for each option ssh keeps the first value it is given,
+    so they add to the defaults and override those they name."""
+    return ["ssh", *shlex.split(options), *shlex.split(DEFAULT_SSH_OPTIONS), host]
+
+
+def task_shell(env: dict[str, str], mode: str) -> str:
+    """What ssh runs on a host: the task wrapper, in this working folder, with this PYTHONPATH."""
+    return (f"cd {shlex.quote(os.getcwd())} && exec env PYTHONPATH={shlex.quote(env.get('PYTHONPATH', ''))} "
+            f"{shlex.quote(sys.executable)} -m cs_runtime.launch.task {mode}")
 
 
 def check_ssh_hosts(hosts: list[str], options: str, timeout: float = SSH_CHECK_TIMEOUT_S) -> None:
-    """Every host must answer `ssh HOST true`; the error names each one that does not."""
+    """Every host must answer over ssh, start the task wrapper in this working folder and keep
+    the job's keys (sent as a task's are); the error names each host that cannot, and why."""
     require("ssh", "openssh-client")
-    probes = {h: subprocess.Popen([*ssh_base(options, h), "true"], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    keys = auth.job_keys()
+    check = (json.dumps({"keys": auth.key_strings(keys) if keys else None}) + "\n").encode()
+    probes = {h: subprocess.Popen([*ssh_base(options, h), task_shell(dict(os.environ), "--check")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
               for h in dict.fromkeys(hosts)}
     deadline = time.monotonic() + timeout
-    failed = []
+    unreachable, unready = [], []
     for host, probe in probes.items():
         try:
-            _, err = probe.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            if probe.returncode != 0:
-                failed.append(f"{host} ({(err.strip().splitlines() or ['exit code %d' % probe.returncode])[-1]})")
+            out, err = probe.communicate(check, timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             probe.kill()
             probe.communicate()
-            failed.append(f"{host} (no answer within {timeout:.0f} s)")
-    if failed:
-        raise LaunchError(f"host(s) not reachable over SSH: {'; '.join(failed)}")
+            unreachable.append(f"{host} (no answer within {timeout:.0f} s)")
+            continue
+        last = (err.decode(errors="replace").strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        if probe.returncode == SSH_FAILED:  # ssh's own failure: the host was not reached
+            unreachable.append(f"{host} ({last})")
+        elif probe.returncode != 0 or out.strip() != b"ok":
+            unready.append(f"{host} ({last})")
+    problems = ([f"host(s) not reachable over SSH: {'; '.join(unreachable)}"] if unreachable else []) + \
+               ([f"host(s) that cannot start the job's tasks: {'; '.join(unready)}"] if unready else [])
+    if problems:
+        raise LaunchError(". ".join(problems))
 
 
 def remote_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in HOST_LOCAL_VARS}
+    """What a task on another host inherits: not the launcher's own terminal, login or key folder."""
+    return {k: v for k, v in env.items() if k not in HOST_LOCAL_VARS and k != auth.KEYS_ENV}
 
 
 def start_ssh_tasks(group: ProcessGroup, directory: DirectoryServer, placement: list[str], env: dict,
                     command: list[str], options: str) -> None:
-    cwd = os.getcwd()
-    pythonpath = env.get("PYTHONPATH", "")
-    shell = (f"cd {shlex.quote(cwd)} && exec env PYTHONPATH={shlex.quote(pythonpath)} "
-             f"{shlex.quote(sys.executable)} -m cs_runtime.launch.task --ssh")
+    """One ssh connection per host: its wrapper starts all of that host's tasks."""
+    shell = task_shell(env, "--ssh")
+    keys = auth.job_keys()
+    by_host: dict[str, list[tuple[str, int]]] = {}
     for index, host in enumerate(placement):
-        role, rank = role_of_task(index)
+        by_host.setdefault(host, []).append(role_of_task(index))
+    for host, tasks in by_host.items():
         carrier = spawn([*ssh_base(options, host), shell], env, stdin=subprocess.PIPE)
-        spec = {"role": role, "rank": rank, "host": host, "env": remote_env(env),
-                "argv": role_argv(command, role)}
+        spec = {"host": host, "env": remote_env(env), "keys": auth.key_strings(keys) if keys else None,
+                "tasks": [{"role": role, "rank": rank, "argv": role_argv(command, role)} for role, rank in tasks]}
         try:
             carrier.stdin.write((json.dumps(spec) + "\n").encode())
             carrier.stdin.flush()
         except BrokenPipeError:
             pass  # ssh already failed; the supervisor reports its exit code
-        task = SshTask(role, rank, host, CarriedProcess(carrier, directory, role, rank))
-        task.directory = directory
-        group.add(task)
+        for role, rank in tasks:
+            task = SshTask(role, rank, host, CarriedProcess(carrier, directory, role, rank))
+            task.directory = directory
+            group.add(task)
 
 
 # ---------------------------------------------------------------- Slurm
 @dataclass
 class SlurmShape:
-    nodes: int
-    tasks_per_node: int
+    per_node: list[int]     # tasks on each node, in node order (task 0, the chief, on the first)
     cpus_per_task: int
 
     @property
+    def nodes(self) -> int:
+        return len(self.per_node)
+
+    @property
     def tasks(self) -> int:
-        return self.nodes * self.tasks_per_node
+        return sum(self.per_node)
+
+    @property
+    def tasks_per_node(self) -> int | None:
+        """The count every node runs, None when they differ."""
+        return self.per_node[0] if len(set(self.per_node)) == 1 else None
+
+    def describe(self) -> str:
+        per_node = self.tasks_per_node or compress_counts(self.per_node)
+        return f"{self.nodes} node(s) x {per_node} task(s) x {self.cpus_per_task} cpu(s)"
 
 
 def in_allocation() -> bool:
@@ -275,46 +380,132 @@ def in_allocation() -> bool:
 
 
 def slurm_shape(total_nodes: int | None, tasks_per_node: int | None, cpus_per_task: int | None) -> SlurmShape:
-    """Flags first, then what the allocation says, then 1 node x 2 tasks x 1 cpu."""
+    """Flags first, then the allocation as it was asked for (-n, -N, --ntasks-per-node: Slurm
+    sums them up in SLURM_TASKS_PER_NODE, as srun itself reads them); outside an
+    allocation 1 node x 2 tasks x 1 cpu. A shape the allocation cannot hold is an error."""
     env = os.environ
-    shape = SlurmShape(total_nodes or _leading_int(env.get("SLURM_JOB_NUM_NODES")) or 1,
-                       tasks_per_node or _leading_int(env.get("SLURM_NTASKS_PER_NODE")) or 2,
-                       cpus_per_task or _leading_int(env.get("SLURM_CPUS_PER_TASK")) or 1)
+    cpus = cpus_per_task or _leading_int(env.get("SLURM_CPUS_PER_TASK")) or 1
+    if in_allocation():
+        per_node = allocation_shape(total_nodes, tasks_per_node, cpus)
+    else:
+        per_node = [tasks_per_node or 2] * (total_nodes or 1)
+    shape = SlurmShape(per_node, cpus)
     if shape.tasks < 2:
-        raise LaunchError(f"{shape.tasks} task(s): a job needs at least 2 (the chief and one input worker); "
-                          "raise --tasks-per-node or --total-nodes")
+        raise LaunchError(f"{shape.tasks} task(s) ({shape.describe()}): a job needs at least 2 (the chief and one "
+                          "input worker); ask the allocation for more (e.g. salloc -n 3) or give --tasks-per-node")
     return shape
 
 
+def allocation_shape(total_nodes: int | None, tasks_per_node: int | None, cpus: int) -> list[int]:
+    """Tasks per node inside this allocation, checked against the CPUs it holds on each node."""
+    env = os.environ
+    nodes = _leading_int(env.get("SLURM_JOB_NUM_NODES")) or 1
+    given = expand_counts(env.get("SLURM_TASKS_PER_NODE", ""), "SLURM_TASKS_PER_NODE")
+    if not given:  # older Slurm: only the total, laid out in blocks as srun does
+        total = _leading_int(env.get("SLURM_NTASKS")) or nodes
+        given = [total // nodes + (i < total % nodes) for i in range(nodes)]
+    if total_nodes is not None and total_nodes > len(given):
+        raise LaunchError(f"--total-nodes {total_nodes} but the allocation has {len(given)} node(s) "
+                          f"(SLURM_JOB_NUM_NODES={nodes})")
+    per_node = [tasks_per_node] * (total_nodes or len(given)) if tasks_per_node else given[:total_nodes]
+    held = expand_counts(env.get("SLURM_JOB_CPUS_PER_NODE", ""), "SLURM_JOB_CPUS_PER_NODE")
+    for node, (tasks, cpus_held) in enumerate(zip(per_node, held)):
+        if tasks * cpus > cpus_held:
+            raise LaunchError(f"{tasks} task(s) x {cpus} cpu(s) on node {node} of the allocation, which holds "
+                              f"{cpus_held} CPU(s) there (SLURM_JOB_CPUS_PER_NODE={env['SLURM_JOB_CPUS_PER_NODE']}); "
+                              "ask the allocation for more (salloc -n / --ntasks-per-node) or fewer tasks")
+    return per_node
+
+
+def expand_counts(value: str, name: str) -> list[int]:
+    """Slurm's compressed per-node counts: '2(x3),1' -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in filter(None, value.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise LaunchError(f"{name}={value!r}: expected counts like '2(x3),1'")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def compress_counts(counts: list[int]) -> str:
+    """[2, 2, 2, 1] -> '2(x3),1'."""
+    parts: list[str] = []
+    for value, run in ((v, len(list(g))) for v, g in itertools.groupby(counts)):
+        parts.append(f"{value}(x{run})" if run > 1 else str(value))
+    return ",".join(parts)
+
+
 def _leading_int(value: str | None) -> int | None:
-    """'2(x3)' -> 2 (Slurm's compressed per-node counts)."""
+    """'2(x3)' -> 2."""
     match = re.match(r"\d+", value or "")
     return int(match.group()) if match else None
 
 
+def allocation_nodes() -> list[str]:
+    """The allocation's node names, in order (empty outside one)."""
+    if not os.environ.get("SLURM_JOB_NODELIST") or shutil.which("scontrol") is None:
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                         capture_output=True, text=True)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def services_node(asked: str | None) -> str:
+    """Where the services run inside the allocation: --services-node, else its first node."""
+    nodes = allocation_nodes()
+    if asked is not None and nodes and asked not in nodes:
+        raise LaunchError(f"--services-node {asked} is not a node of the allocation ({', '.join(nodes)})")
+    return asked or (nodes[0] if nodes else socket.gethostname())
+
+
 def slurm_bind_address() -> str:
     """Reachable from every node of the allocation; this host's address otherwise."""
-    nodes = []
-    if os.environ.get("SLURM_JOB_NODELIST"):
-        out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                             capture_output=True, text=True)
-        nodes = out.stdout.split() if out.returncode == 0 else []
-    return bind_address_for(nodes or [socket.gethostname()])
+    return bind_address_for(allocation_nodes() or [socket.gethostname()])
 
 
 def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
     require("srun", "Slurm's client, e.g. slurm-client")
-    return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}",
-            f"--ntasks-per-node={shape.tasks_per_node}", f"--cpus-per-task={shape.cpus_per_task}",
-            "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
+    # Uneven counts (an allocation of '2(x3),1'): srun lays the tasks out over the allocation as it was made.
+    per_node = [f"--ntasks-per-node={shape.tasks_per_node}"] if shape.tasks_per_node else []
+    return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}", *per_node,
+            f"--cpus-per-task={shape.cpus_per_task}",
+            "--kill-on-bad-exit=1", "--overlap",  # beside the services' step, on the same CPUs
+            f"--chdir={os.getcwd()}", "--export=ALL", f"--job-name={job}",
             sys.executable, "-m", "cs_runtime.launch.task", "--slurm", "--", *command]
+
+
+def srun_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of an srun step: the job's keys as text instead of the launcher's key folder."""
+    keys = auth.job_keys()
+    env = {k: v for k, v in env.items() if k != auth.KEYS_ENV}
+    if keys is not None:  # srun's environment carries them to each node's task wrapper
+        env[auth.KEYS_TEXT_ENV] = json.dumps(auth.key_strings(keys))
+    return env
+
+
+def start_srun_services(group: ProcessGroup, directory: DirectoryServer, node: str, env: dict, num_csx: int,
+                        job: str) -> None:
+    """MemoryX, SwarmX and the WSEs as a step of the allocation on `node`, beside the tasks' step
+    (--overlap: they share its CPUs; --overcommit: more services than CPUs held there is fine)."""
+    require("srun", "Slurm's client, e.g. slurm-client")
+    count = 2 + num_csx
+    argv = ["srun", "--nodes=1", f"--ntasks={count}", f"--nodelist={node}", "--overlap", "--overcommit",
+            "--cpus-per-task=1", "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL",
+            f"--job-name={job}-services", sys.executable, "-m", "cs_runtime.launch.task", "--slurm-services"]
+    carrier = spawn(argv, srun_env(env), stdin=subprocess.DEVNULL)
+    for index in range(count):
+        role, rank = role_of_service(index)
+        task = SrunTask(role, rank, node, CarriedProcess(carrier, directory, role, rank))
+        task.directory = directory
+        group.add(task)
 
 
 def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: SlurmShape, env: dict,
                      command: list[str], job: str) -> None:
-    carrier = spawn(srun_argv(shape, job, command), env, stdin=subprocess.DEVNULL)
+    carrier = spawn(srun_argv(shape, job, command), srun_env(env), stdin=subprocess.DEVNULL)
     for index in range(shape.tasks):
         role, rank = role_of_task(index)
-        task = SrunTask(role, rank, "slurm", CarriedProcess(carrier, directory, role, rank, shared=True))
+        task = SrunTask(role, rank, "slurm", CarriedProcess(carrier, directory, role, rank))
         task.directory = directory
         group.add(task)

@@ -1,16 +1,28 @@
-"""One task of a job on its host: `python -m cs_runtime.launch.task` (started by csrun_wse).
+"""A job's tasks on one host: `python -m cs_runtime.launch.task` (started by csrun_wse).
 
-    ssh HOST 'cd DIR && python -m cs_runtime.launch.task --ssh'      # the task arrives as one JSON line on stdin
+    ssh HOST 'cd DIR && python -m cs_runtime.launch.task --ssh'      # the host's tasks: one JSON line on stdin
     srun ... python -m cs_runtime.launch.task --slurm -- python run.py ARGS...
+    srun ... python -m cs_runtime.launch.task --slurm-services      # MemoryX, SwarmX, the WSEs in an allocation
+    ssh HOST 'cd DIR && python -m cs_runtime.launch.task --check'    # the launcher's pre-flight
 
-The wrapper gives the task its identity (role, rank, and the address to bind:
-the one this host uses to reach the launcher, so peers on other hosts can
-connect; loopback only when the launcher is on this host), starts it as a
-child in its own session, and stops that child when the job goes away:
-over SSH when stdin closes (the ssh client ended: job over, launcher killed,
-connection lost), and on SIGTERM / SIGHUP / SIGINT (how srun ends a step).
-It then reports the exit code to the job's directory (EXITED): through srun
-or ssh the launcher sees only one carrier process, not each task.
+The job's CURVE keys come with the task, never by a path into the launcher's
+file system: in the JSON description over ssh ("keys"), in CS_JOB_KEYS under
+srun. The wrapper writes them into a private folder of this host (0700, files
+0600), gives the task that folder (CS_KEYS_DIR), and removes it at the end.
+`--check` reads {"keys": ...} the same way, writes and reads them back, and
+prints "ok": so a host that could not start a task fails the pre-flight instead.
+
+Over SSH one wrapper (one ssh connection) starts every task of its host, so
+sshd's MaxStartups and MaxSessions never see more than one connection per host
+per job; under srun each task has its own. The wrapper gives each task its
+identity (role, rank, and the address to bind: the one this host uses to reach
+the launcher, so peers on other hosts can connect; loopback only when the
+launcher is on this host), starts it as a child in its own session, and stops
+its tasks when the job goes away: over SSH when stdin closes (the ssh client
+ended: job over, launcher killed, connection lost), and on SIGTERM / SIGHUP /
+SIGINT (how srun ends a step). It reports each exit code to the job's
+directory (EXITED) as it happens: the launcher sees only the carrier (ssh,
+srun), not each task.
 
 Task 0 is the chief, task i > 0 input worker i - 1 (under srun: SLURM_PROCID).
 """
@@ -23,6 +35,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 from cs_runtime import env as cs_env
 
@@ -45,6 +59,19 @@ def role_of_task(task: int) -> tuple[str, int]:
     return ("chief", 0) if task == 0 else ("worker", task - 1)
 
 
+def role_of_service(task: int) -> tuple[str, int]:
+    """The services' step: task 0 MemoryX, 1 SwarmX, 2.. WSE 0.."""
+    return ("memoryx", 0) if task == 0 else ("swarmx", 0) if task == 1 else ("wse", task - 2)
+
+
+def service_argv(role: str, base: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A service's command, and its environment: a WSE gets the node's cores divided between the WSEs."""
+    from cs_runtime.launch.launcher import SERVICE_MODULES, with_threads
+    wses = int(base.get("CS_NUM_CSX", "1"))
+    threads = max(1, (os.cpu_count() or 1) // wses) if role == "wse" else 1
+    return [sys.executable, "-m", SERVICE_MODULES[role]], with_threads(base, threads)
+
+
 def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str, str]:
     from cs_runtime.wire.transport import host_of, source_address_towards
     env = {k: v for k, v in base.items() if k not in LOCAL_VARS}
@@ -53,8 +80,7 @@ def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str,
     return env
 
 
-def read_ssh_spec() -> dict:
-    """The task csrun_wse sent: {"role", "rank", "host", "env", "argv"}, checked before use."""
+def read_stdin_json() -> object:
     line = b""
     while not line.endswith(b"\n"):  # byte by byte: nothing after the line may be buffered away
         byte = os.read(0, 1)
@@ -62,15 +88,27 @@ def read_ssh_spec() -> dict:
             break
         line += byte
     try:
-        spec = json.loads(line)
+        return json.loads(line)
     except ValueError:
         raise SystemExit("cs_runtime.launch.task: stdin did not start with a JSON task description") from None
-    types = {"role": str, "rank": int, "host": str, "env": dict, "argv": list}
+
+
+def read_ssh_spec() -> dict:
+    """The host's tasks csrun_wse sent, checked before use:
+    {"host", "env", "keys", "tasks": [{"role", "rank", "argv"}, ...]}."""
+    spec = read_stdin_json()
+    types = {"host": str, "env": dict, "tasks": list}
     if not isinstance(spec, dict) or any(not isinstance(spec.get(k), t) for k, t in types.items()):
         raise SystemExit(f"cs_runtime.launch.task: task description needs {', '.join(types)}")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec["env"].items()) \
-            or not spec["argv"] or not all(isinstance(a, str) for a in spec["argv"]):
-        raise SystemExit("cs_runtime.launch.task: env and argv must be strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in spec["env"].items()):
+        raise SystemExit("cs_runtime.launch.task: env must map strings to strings")
+    task_types = {"role": str, "rank": int, "argv": list}
+    for task in spec["tasks"]:
+        if not isinstance(task, dict) or any(not isinstance(task.get(k), t) for k, t in task_types.items()) \
+                or not task["argv"] or not all(isinstance(a, str) for a in task["argv"]):
+            raise SystemExit("cs_runtime.launch.task: each task needs role, rank and argv (strings)")
+    if not spec["tasks"]:
+        raise SystemExit("cs_runtime.launch.task: no tasks in the description")
     return spec
 
 
@@ -85,25 +123,71 @@ def watch_stdin(stop: threading.Event) -> None:
     threading.Thread(target=read_to_eof, name="stdin-eof", daemon=True).start()
 
 
-def run_child(argv: list[str], env: dict[str, str], stop: threading.Event) -> tuple[int, int]:
-    """(pid, exit code) of the task, stopped early if `stop` is set."""
+def run_tasks(tasks: list[tuple[str, int, list[str]]], base: dict[str, str], host: str,
+              stop: threading.Event) -> list[int]:
+    """Start every task, report each exit as it happens, stop the rest when `stop` is set; the codes."""
     from cs_runtime.launch.launcher import spawn
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    child = spawn(argv, env, stdin=subprocess.DEVNULL)
-    while child.poll() is None:
-        if stop.wait(0.2):
-            return child.pid, stop_child(child)
-    return child.pid, child.returncode
-
-
-def stop_child(child: subprocess.Popen) -> int:
-    _killpg(child.pid, signal.SIGTERM)
+    reporter = ExitReporter(base)
+    live = [(role, rank, spawn(argv, task_env(base, role, rank, host), stdin=subprocess.DEVNULL))
+            for role, rank, argv in tasks]
+    codes = []
     try:
-        return child.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        _killpg(child.pid, signal.SIGKILL)
-        return child.wait()
+        while live:
+            if stop.wait(0.2):
+                stop_children([child for _, _, child in live])
+            ended = [(role, rank, child) for role, rank, child in live if child.poll() is not None]
+            if ended:
+                reporter.report(host, [(role, rank, child.pid, child.returncode) for role, rank, child in ended],
+                                timeout_ms=1000 if stop.is_set() else 2000)
+                codes += [child.returncode for _, _, child in ended]
+                live = [task for task in live if task[2].returncode is None]
+    finally:
+        reporter.close()
+    return codes
+
+
+def stop_children(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        _killpg(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+class ExitReporter:
+    """Tells the job's directory how each task ended (through ssh or srun the launcher cannot see it)."""
+
+    def __init__(self, env: dict[str, str]):
+        import zmq
+        from cs_runtime.wire.auth import KEYS_ENV
+        from cs_runtime.wire.transport import Endpoint
+        if KEYS_ENV in env:  # the job's keys are the ones this wrapper wrote
+            os.environ[KEYS_ENV] = env[KEYS_ENV]
+        self.ctx = zmq.Context()
+        self.endpoint = Endpoint(self.ctx, zmq.DEALER, "task-wrapper", env["CS_JOB_ID"]).connect(env["CS_RENDEZVOUS"])
+
+    def report(self, host: str, exits: list[tuple[str, int, int, int]], timeout_ms: int) -> None:
+        from cs_runtime.wire.protocol import Message, Msg
+        for role, rank, pid, code in exits:
+            self.endpoint.send(Message(Msg.EXITED, meta={"role": role, "rank": rank, "host": host, "pid": pid,
+                                                         "code": code}))
+        # Each is answered: wait for that (LINGER 0 would drop what is not yet sent), not past the deadline.
+        deadline, answers = time.monotonic() + timeout_ms / 1000, 0
+        while answers < len(exits):
+            got = self.endpoint.recv(max(0, int((deadline - time.monotonic()) * 1000)))
+            if got is None:
+                return
+            answers += got[1].type == Msg.STATUS
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.ctx.destroy(linger=0)
 
 
 def _killpg(pid: int, sig: int) -> None:
@@ -113,18 +197,43 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
-def report_exit(env: dict[str, str], role: str, rank: int, host: str, pid: int, code: int) -> None:
-    import zmq
-    from cs_runtime.wire.auth import KEYS_ENV
-    from cs_runtime.launch.directory import DirectoryClient
-    if KEYS_ENV in env:  # over ssh the job's keys came with the task's environment, not ours
-        os.environ[KEYS_ENV] = env[KEYS_ENV]
-    ctx = zmq.Context()
+def write_keys(keys: object | None) -> str | None:
+    """The job's keys, sent as text, in a private folder of this host; its path (None: no keys)."""
+    if keys is None:
+        return None
+    from cs_runtime.wire import auth
     try:
-        client = DirectoryClient(ctx, env["CS_RENDEZVOUS"], role, rank, env["CS_JOB_ID"])
-        client.report_exit(host, pid, code)
-    finally:
-        ctx.destroy(linger=0)
+        folder = auth.write_job_dir(auth.keys_from_text(keys))
+        auth.load_keys(str(folder))  # what every process of the task will do first
+    except (auth.AuthError, OSError) as exc:
+        raise SystemExit(f"cs_runtime.launch.task: cannot keep the job's keys on this host: {exc}") from None
+    return str(folder)
+
+
+def task_keys(env: dict[str, str], sent: object | None) -> str | None:
+    """Write the keys the task came with; the task's environment then names that folder."""
+    from cs_runtime.wire.auth import KEYS_ENV, KEYS_TEXT_ENV
+    text = env.pop(KEYS_TEXT_ENV, None)
+    if sent is None and text is not None:
+        try:
+            sent = json.loads(text)
+        except ValueError:
+            raise SystemExit(f"cs_runtime.launch.task: {KEYS_TEXT_ENV} is not JSON") from None
+    env.pop(KEYS_ENV, None)  # a folder on the launcher's host means nothing here
+    folder = write_keys(sent)
+    if folder is not None:
+        env[KEYS_ENV] = folder
+    return folder
+
+
+def check_host() -> None:
+    """The pre-flight: this host can start a task (python, the code, the working folder) and keep the keys."""
+    sent = read_stdin_json()
+    folder = write_keys(sent.get("keys") if isinstance(sent, dict) else None)
+    if folder is not None:
+        from cs_runtime.wire.auth import remove_job_dir
+        remove_job_dir(Path(folder))
+    print("ok", flush=True)
 
 
 def exit_status(code: int) -> int:
@@ -134,20 +243,34 @@ def exit_status(code: int) -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     stop = threading.Event()
+    sent_keys = None
+    if argv[:1] == ["--check"]:
+        return check_host()
     if argv[:1] == ["--ssh"]:
         spec = read_ssh_spec()
-        role, rank, host, base, command = spec["role"], spec["rank"], spec["host"], spec["env"], spec["argv"]
+        host, base, sent_keys = spec["host"], dict(spec["env"]), spec.get("keys")
+        tasks = [(t["role"], t["rank"], t["argv"]) for t in spec["tasks"]]
         watch_stdin(stop)
     elif argv[:2] == ["--slurm", "--"] and len(argv) > 2:
         role, rank = role_of_task(int(os.environ["SLURM_PROCID"]))
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        base, command = dict(os.environ), role_argv(argv[2:], role)
+        base, tasks = dict(os.environ), [(role, rank, role_argv(argv[2:], role))]
+    elif argv == ["--slurm-services"]:
+        role, rank = role_of_service(int(os.environ["SLURM_PROCID"]))
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        command, base = service_argv(role, dict(os.environ))
+        tasks = [(role, rank, command)]
     else:
-        raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND...")
-    env = task_env(base, role, rank, host)
-    pid, code = run_child(command, env, stop)
-    report_exit(env, role, rank, host, pid, code)
-    sys.exit(exit_status(code))
+        raise SystemExit("usage: python -m cs_runtime.launch.task --ssh | --slurm -- COMMAND... | --slurm-services"
+                         " | --check")
+    folder = task_keys(base, sent_keys)
+    try:
+        codes = run_tasks(tasks, base, host, stop)
+    finally:
+        if folder is not None:
+            from cs_runtime.wire.auth import remove_job_dir
+            remove_job_dir(Path(folder))
+    sys.exit(exit_status(next((c for c in codes if c != 0), 0)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 
 from cs_runtime.checkpoint import flatten, unflatten_for
+from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, to_bits, wire_dtype
@@ -143,8 +144,9 @@ class MemoryX:
         # Weights sent zero-copy must not change until they have left: a layer's
         # gradients only arrive after every WSE received its backward weights.
         self.stream_weights(step, "bwd", reversed(range(n)), wire)
-        # Without clipping or loss scaling each layer is updated as its gradients land.
-        at_once = not (self.max_norm or self.skip_nonfinite)
+        # Without clipping or loss scaling each layer is updated as its gradients land;
+        # a parameter two layers read (tied) waits for both and takes their sum.
+        at_once = not (self.max_norm or self.skip_nonfinite or program_layer.has_tied(self.spec))
         grads, squares = {}, {}
         while len(grads) < n:
             identity, msg = self.router.recv()
@@ -161,6 +163,8 @@ class MemoryX:
             applied = True
             norm, layer_norms = norms_of(squares[i] for i in range(n)) if norms else (math.nan, [])
         else:
+            if self.spec.program is not None:
+                ordered = program_layer.tie_grads(self.spec, ordered)
             names = [layer.name for layer in self.spec.layers]
             norm, applied, layer_norms = self.optimizer.update_model(
                 names, self.weights, ordered, self.opt_state, lr, step, self.max_norm, loss_scale,

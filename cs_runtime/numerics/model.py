@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from cs_runtime.numerics import kernels
+from cs_runtime.numerics import kernels, program_layer
 from cs_runtime import spans
 from cs_runtime.numerics.precision import FORMATS, quantize
 from cs_runtime.numerics.transformer import LAYER_OPS, init_param, init_std
@@ -60,8 +60,12 @@ class LayerSpec:
     attn_dropout: float = 0.0    # transformer_block: on the attention probabilities
     eps: float = 1e-5            # layer norm epsilon
     pad_id: int = -1             # embedding: token id of padding (-1: none)
+    # "program": one unit of a compiled program, as data (program_layer.py)
+    unit: dict | None = field(default=None, compare=False, repr=False)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.op == "program":
+            return program_layer.param_shapes(self)
         if self.op in LAYER_OPS:
             return LAYER_OPS[self.op].shapes(self)
         return {"weight": (self.in_features, self.out_features), "bias": (self.out_features,)}
@@ -84,6 +88,11 @@ class ModelSpec:
     precision: str = "float32"   # the format of matmul inputs and weight gradients
     loss_scaling: str = "num_tokens"   # token models: kernels.TOKEN_LOSS_SCALINGS
     loss_weight: float = 1.0           # token models, with loss_scaling batch_size
+    # A compiled program's shared data (input names, constants, loss value): program_layer.py
+    program: dict | None = field(default=None, compare=False, repr=False)
+    # A program's starting weights (a torch module's own); kept in the process that built
+    # the spec, never sent: parameter name -> array
+    initial_weights: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.loss_scaling not in kernels.TOKEN_LOSS_SCALINGS:
@@ -91,22 +100,39 @@ class ModelSpec:
                              f"{', '.join(kernels.TOKEN_LOSS_SCALINGS)}")
         if self.precision not in FORMATS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {sorted(FORMATS)}")
+        if self.precision != "float32" and self.program is not None:
+            raise ValueError(f"mixed precision ({self.precision}) is not implemented for compiled programs yet")
         transformer = [l for l in self.layers if l.op in LAYER_OPS]
         if self.precision != "float32" and transformer:
             raise ValueError(f"mixed precision ({self.precision}) is implemented for dense layers only; "
                              f"layer {transformer[0].name} (op {transformer[0].op}) computes in float32")
 
     def to_dict(self) -> dict:
+        d = {"name": self.name, "loss": self.loss, "precision": self.precision,
+             "loss_scaling": self.loss_scaling, "loss_weight": self.loss_weight,
+             "layers": [l.to_dict() for l in self.layers]}
+        if self.program is not None:
+            d["program"] = self.program
+        return d
+
+    def describe(self) -> dict:
+        """What a checkpoint records of the model (JSON): to_dict, or for a compiled
+        program its units' names and parameter shapes (the program is the run's, not the file's)."""
+        if self.program is None:
+            return self.to_dict()
         return {"name": self.name, "loss": self.loss, "precision": self.precision,
-                "loss_scaling": self.loss_scaling, "loss_weight": self.loss_weight,
-                "layers": [l.to_dict() for l in self.layers]}
+                "units": [{"name": l.name, "params": {p: list(s) for p, s in l.param_shapes().items()}}
+                          for l in self.layers]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])
-        return cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
-                   precision=str(d.get("precision", "float32")),
+        spec = cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
+                   precision=str(d.get("precision", "float32")), program=d.get("program"),
                    loss_scaling=str(d.get("loss_scaling", "num_tokens")), loss_weight=float(d.get("loss_weight", 1.0)))
+        if spec.program is not None:
+            program_layer.check(spec)   # validated as it arrives, before any step
+        return spec
 
     @property
     def token_model(self) -> bool:
@@ -168,6 +194,11 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]
     GPT-2/BERT style (transformer.init_param; GPT-2 scales its residual projections by
     1/sqrt(2 n_layer), transformer.init_std). Deterministic in seed."""
     weights = {}
+    if spec.program is not None:   # a captured model starts from its own (torch's) weights
+        if spec.initial_weights is None:
+            raise ValueError(f"model {spec.name}: a compiled program's spec carries no initial weights here")
+        return {layer.name: {p: np.array(spec.initial_weights[p], dtype=np.float32) for p in layer.param_shapes()}
+                for layer in spec.layers}
     num_blocks = sum(layer.op == "transformer_block" for layer in spec.layers)
     for i, layer in enumerate(spec.layers):
         rng = np.random.default_rng([seed, 7919, i])
@@ -307,12 +338,16 @@ class ShardContext:
     # Set by an embedding layer from the token ids: False for padding keys,
     # which no attention in the layers after it may attend to.
     key_keep: np.ndarray | None = field(default=None, repr=False)
+    # This shard's labels: a compiled program computes its loss in its last unit.
+    labels: np.ndarray | None = field(default=None, repr=False)
 
 
 def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx: ShardContext,
                   weights_rounded: bool = False):
     """(output, cache). `weights_rounded`: the weights hold the model's 16-bit values already."""
     layer = spec.layers[index]
+    if layer.op == "program":
+        return program_layer.forward(spec, index, x, weights, ctx)
     if layer.op in LAYER_OPS:
         return LAYER_OPS[layer.op].forward(layer, index, x, weights, ctx)
     mask = None
@@ -338,6 +373,8 @@ def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weight
     """(delta for the layer below or None for the first layer, {param: gradient}).
     A dense float32 layer writes its gradients into `out`'s buffers when given."""
     layer = spec.layers[index]
+    if layer.op == "program":
+        return program_layer.backward(spec, index, delta, cache, weights)
     if layer.op in LAYER_OPS:
         return LAYER_OPS[layer.op].backward(layer, delta, cache, weights, index > 0)
     return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0, fmt=spec.precision,
@@ -351,7 +388,7 @@ def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: di
         with spans.span("bwd", step=step, layer=index):
             delta, grads[index] = layer_backward(spec, index, delta, caches[index],
                                                  weights[spec.layers[index].name])
-    return grads
+    return program_layer.tie_grads(spec, grads) if spec.program is not None else grads
 
 
 @dataclass
@@ -368,7 +405,11 @@ def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_b
     """The model's loss on one shard: the mean over samples for a classifier; for
     a token model the labelled tokens' summed loss normalised as
     `spec.loss_scaling` says (`label_count`: labelled tokens in the global batch).
-    Eval reports the mean per sample, or per labelled token."""
+    Eval reports the mean per sample, or per labelled token.
+    A compiled program computed its loss already (`logits` are its live values)."""
+    if spec.program is not None:
+        share, delta, value, correct, count = program_layer.loss(spec, logits, labels, global_batch)
+        return LossResult(share, delta, correct, value * count, count)
     if logits.ndim == 2:
         loss, delta, correct = softmax_cross_entropy(logits, labels, global_batch)
         return LossResult(loss, delta, correct, loss * global_batch, len(labels))

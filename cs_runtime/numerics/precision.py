@@ -221,8 +221,13 @@ def decode_arrays(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np.ndarr
 
 
 def scaled(x, scale: float):
-    """x * scale in float32 (x itself when scale is 1): the loss gradient that starts backward."""
-    return x if scale == 1.0 else x * np.float32(scale)
+    """x * scale in float32 (x itself when scale is 1): the loss gradient that starts backward.
+    A compiled program's delta is a dict of named gradients: each is scaled."""
+    if scale == 1.0:
+        return x
+    if isinstance(x, dict):
+        return {name: scaled(v, scale) for name, v in x.items()}
+    return x * np.float32(scale)
 
 
 def unscale_and_check(grads: list[dict[str, np.ndarray]], scale: float) -> bool:

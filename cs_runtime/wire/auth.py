@@ -38,6 +38,9 @@ from cs_runtime import env
 log = logging.getLogger(__name__)
 
 KEYS_ENV = env.KEYS_DIR.name
+# The job's keys as text (key_strings' JSON), for a task on a host without the launcher's
+# file system: srun's environment carries it to the task wrapper, which writes them there.
+KEYS_TEXT_ENV = env.JOB_KEYS.name
 JOB_DIR_PREFIX = "csjob-"
 SYSTEM_DIR_PREFIX = "cssys-"  # a CS system's front-door keys (cs_system serve)
 PORT_FILE = "port"             # in a CS system's folder: the port of its front door
@@ -90,6 +93,15 @@ def write_job_dir(keys: dict[str, str]) -> Path:
 
 
 _BANNER = "#   ZeroMQ CURVE certificate of one cs-emulator job, written {}\n"
+
+
+def keys_from_text(keys: object) -> dict[str, str]:
+    """key_strings' form, checked (it arrives from a launcher over ssh or srun)."""
+    names = ("server_public", "server_secret", "client_public", "client_secret")
+    if not isinstance(keys, dict) or set(keys) != set(names) \
+            or not all(isinstance(keys[n], str) and len(keys[n]) == 40 for n in names):
+        raise AuthError(f"the job's keys must be {', '.join(names)}: 40 characters of Z85 each")
+    return {n: keys[n] for n in names}
 
 
 def key_strings(keys: JobKeys) -> dict[str, str]:

@@ -203,7 +203,8 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # yes; the chief asks only on the steps it logs: they cost a pass over every gradient).
 # "label_count": labelled targets in the whole global batch (BATCH; a token loss's normaliser).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
-                                 "layer_grad_norms": list, "norms": bool, "label_count": int}
+                                 "layer_grad_norms": list, "norms": bool, "label_count": int,
+                                 "leaving": bool}   # HEARTBEAT: the sender's work is done; it is exiting
 
 
 # ------------------------------------------------------------ LOAD_MODEL
@@ -280,6 +281,10 @@ def _fields_typed(layer) -> bool:
     """Every field of a LayerSpec of the type it is declared with (sizes never negative)."""
     for f in dataclasses.fields(layer):
         value = getattr(layer, f.name)
+        if f.name == "unit":   # a compiled program's unit: validated by ModelSpec.from_dict (Unit.from_meta)
+            if value is not None and not isinstance(value, dict):
+                return False
+            continue
         if not (_is(value, _FIELD_TYPES[f.type]) if f.type != "bool" else isinstance(value, bool)):
             return False
         if f.type == "int" and f.name != "pad_id" and value < 0:

@@ -1,0 +1,87 @@
+"""The backward program, built from one vector-Jacobian rule per op.
+
+    nodes, grads = backward_nodes(forward, wrt={"fc1.weight", "x"}, seeds=["loss"],
+                                  needs_grad=requires_grad(program, dtypes))
+
+Reverse-mode over the forward node list: for each forward node whose output
+has a gradient, one `vjp` node reads (that gradient, the forward inputs, the
+forward output; attrs["reads"] marks those its rule reads, see Op.saves_inputs) and writes a gradient contribution for each input that needs
+one; a value read by several nodes gets its contributions summed by one
+`add_n` node. The seed gradients are named "d:<value>" (inputs of the
+backward program); `grads` maps each value of `wrt` to the name of its
+gradient (absent where no path leads from it to a seed).
+"""
+from __future__ import annotations
+
+from cs_runtime.numerics.ops import OPS
+from cs_runtime.numerics.program import Node, Program
+
+# Ops whose output has no gradient whatever their inputs (comparisons, masks).
+NON_DIFFERENTIABLE = frozenset({"compare", "logical_not", "detach"})
+FLOAT_DTYPES = ("float32", "float64")
+
+
+def requires_grad(program: Program, dtypes: dict[str, str]) -> set[str]:
+    """The values that depend on a parameter through differentiable ops."""
+    needs = {name for name, v in program.params.items() if v.dtype in FLOAT_DTYPES}
+    for node in program.nodes:
+        if node.op in NON_DIFFERENTIABLE:
+            continue
+        if any(name in needs for name in node.inputs) and dtypes.get(node.outputs[0]) in FLOAT_DTYPES:
+            needs.add(node.outputs[0])
+    return needs
+
+
+def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str],
+                   needs_grad: set[str]) -> tuple[list[Node], dict[str, str]]:
+    contributions: dict[str, list[str]] = {seed: [f"d:{seed}"] for seed in seeds}
+    nodes: list[Node] = []
+    counter = iter(range(1 << 30))
+
+    def total(value: str, module: str, source: str) -> str | None:
+        parts = contributions.get(value)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        name = f"d{next(counter)}:{value}"
+        nodes.append(Node("add_n", tuple(parts), (name,), {}, module, source))
+        contributions[value] = [name]
+        return name
+
+    for node in reversed(forward):
+        out = node.outputs[0]
+        if node.op in NON_DIFFERENTIABLE or out not in needs_grad:
+            continue
+        g = total(out, node.module, node.source)
+        if g is None:
+            continue
+        outputs = []
+        for name in node.inputs:
+            if name in needs_grad or name in wrt:
+                grad = f"d{next(counter)}:{name}"
+                contributions.setdefault(name, []).append(grad)
+                outputs.append(grad)
+            else:
+                outputs.append("")
+        if not any(outputs):
+            continue
+        # attrs["reads"]: which of (forward inputs..., output) the rule reads; the
+        # rest only lend their shape and dtype (the executor passes stand-ins), so
+        # the forward need not keep them.
+        op = OPS[node.op]
+        reads = [i in op.saves_inputs for i in range(len(node.inputs))] + [op.saves_output]
+        attrs = {"of": node.op, "attrs": dict(node.attrs), "reads": reads}
+        nodes.append(Node("vjp", (g, *node.inputs, out), tuple(outputs), attrs, node.module, node.source))
+    grads = {}
+    for value in sorted(wrt):
+        name = total(value, "", "")
+        if name is not None:
+            grads[value] = name
+    return nodes, grads
+
+
+def check_ops_known(program: Program) -> None:
+    for node in program.nodes:
+        if node.op not in OPS:
+            raise ValueError(f"{node.where()}: not in the op set")

@@ -1,0 +1,988 @@
+"""The op set of a compiled program, in numpy: per op a forward, a
+vector-Jacobian rule, a shape rule and a cost.
+
+    out = OPS["linear"].forward([x, w, b], attrs)
+    dx, dw, db = OPS["linear"].vjp(g, [x, w, b], out, attrs)
+    shape = OPS["linear"].shape([x.shape, w.shape, b.shape], attrs)
+    flops = OPS["linear"].flops([x.shape, w.shape, b.shape], shape, attrs)
+
+Semantics are PyTorch's (the ops a captured torch model is made of, named
+as ATen names them where that reads well): `linear` takes the weight as
+[out, in], `embedding` takes (weight, ids), reductions take `dim` and
+`keepdim`. Every op has one output. A binary op takes its second operand
+either as a second input or as the attribute `scalar` (`reverse: True` puts
+the scalar first: `2 - x`). A vjp returns one gradient per input, None for
+inputs that have none (ids, masks, indices).
+
+Ops run in the dtype they are given: float64 in the gradient tests,
+float32 in training. Nothing here imports torch; tests/test_ops.py checks
+every vjp against finite differences and against torch.autograd.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from cs_runtime.numerics import kernels
+
+
+class OpError(ValueError):
+    """An op got inputs or attributes it cannot take; the message says which."""
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    forward: Callable        # (inputs, attrs) -> array
+    vjp: Callable            # (g, inputs, out, attrs) -> list of gradients (None: no gradient)
+    shape: Callable          # (input shapes, attrs) -> output shape
+    flops: Callable          # (input shapes, output shape, attrs) -> int
+    saves_output: bool = False   # the vjp reads the forward output (so backward keeps it)
+    saves_inputs: tuple[int, ...] = ()  # the inputs whose values the vjp reads
+
+
+OPS: dict[str, Op] = {}
+
+
+def _register(name, forward, vjp, shape, flops, saves_output=False, saves_inputs=()):
+    OPS[name] = Op(name, forward, vjp, shape, flops, saves_output, tuple(saves_inputs))
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+
+
+def _axis(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise OpError(f"dim {dim} out of range for a tensor of {ndim} dims")
+    return dim % max(ndim, 1)
+
+
+def unbroadcast(g: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """Sum g over the axes broadcasting added or stretched, back to `shape`."""
+    shape = tuple(shape)
+    if g.shape == shape:
+        return g
+    lead = g.ndim - len(shape)
+    g = g.sum(axis=tuple(range(lead))) if lead else g
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return g.sum(axis=stretched, keepdims=True) if stretched else g
+
+
+def broadcast_shape(*shapes) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(*[tuple(s) for s in shapes]))
+    except ValueError as exc:
+        raise OpError(f"shapes {[tuple(s) for s in shapes]} do not broadcast") from exc
+
+
+def _same_shape(shapes, attrs):
+    return tuple(shapes[0])
+
+
+def _elementwise_cost(k: int):
+    return lambda shapes, out, attrs: k * _numel(out)
+
+
+_free = lambda shapes, out, attrs: 0   # noqa: E731  (views and copies: data movement, no arithmetic)
+
+
+# ---------------------------------------------------------------- binary arithmetic
+
+def _operands(inputs, attrs):
+    """(a, b) of a binary op: the second from the inputs or the `scalar` attribute."""
+    if "scalar" in attrs:
+        s = np.asarray(attrs["scalar"], dtype=inputs[0].dtype if inputs[0].dtype.kind == "f" else None)
+        return (s, inputs[0]) if attrs.get("reverse") else (inputs[0], s)
+    return inputs[0], inputs[1]
+
+
+def _binary_shape(shapes, attrs):
+    return tuple(shapes[0]) if "scalar" in attrs else broadcast_shape(shapes[0], shapes[1])
+
+
+def _binary_grads(ga, gb, inputs, attrs):
+    """Map d/da, d/db back onto the op's inputs (scalars get none)."""
+    if "scalar" in attrs:
+        g = gb if attrs.get("reverse") else ga
+        return [unbroadcast(g, inputs[0].shape)]
+    return [unbroadcast(ga, inputs[0].shape), unbroadcast(gb, inputs[1].shape)]
+
+
+def _add_vjp(g, inputs, out, attrs):
+    alpha = attrs.get("alpha", 1)
+    return _binary_grads(g, g * alpha if alpha != 1 else g, inputs, attrs)
+
+
+def _sub_vjp(g, inputs, out, attrs):
+    alpha = attrs.get("alpha", 1)
+    return _binary_grads(g, -g * alpha if alpha != 1 else -g, inputs, attrs)
+
+
+def _mul_vjp(g, inputs, out, attrs):
+    a, b = _operands(inputs, attrs)
+    return _binary_grads(g * b, g * a, inputs, attrs)
+
+
+def _div_vjp(g, inputs, out, attrs):
+    a, b = _operands(inputs, attrs)
+    ga = g / b
+    return _binary_grads(ga, -ga * a / b, inputs, attrs)
+
+
+def _alpha(b, attrs):
+    alpha = attrs.get("alpha", 1)
+    return b * alpha if alpha != 1 else b
+
+
+def _add_forward(inputs, attrs):
+    a, b = _operands(inputs, attrs)
+    return np.add(a, _alpha(b, attrs))
+
+
+def _sub_forward(inputs, attrs):
+    a, b = _operands(inputs, attrs)
+    return np.subtract(a, _alpha(b, attrs))
+
+
+_register("add", _add_forward, _add_vjp, _binary_shape, _elementwise_cost(1))
+_register("sub", _sub_forward, _sub_vjp, _binary_shape, _elementwise_cost(1))
+_register("mul", lambda i, a: np.multiply(*_operands(i, a)), _mul_vjp, _binary_shape, _elementwise_cost(1),
+          saves_inputs=(0, 1))
+_register("div", lambda i, a: np.divide(*_operands(i, a)), _div_vjp, _binary_shape, _elementwise_cost(1),
+          saves_inputs=(0, 1))
+_register("neg", lambda i, a: -i[0], lambda g, i, o, a: [-g], _same_shape, _elementwise_cost(1))
+
+
+# ---------------------------------------------------------------- matmuls
+
+def _matmul_shape(shapes, attrs):
+    a, b = (tuple(s) for s in shapes[:2])
+    if len(a) < 2 or len(b) < 2:
+        raise OpError(f"matmul of shapes {a} and {b}: both operands need at least 2 dims")
+    if a[-1] != b[-2]:
+        raise OpError(f"matmul of shapes {a} and {b}: inner dims {a[-1]} and {b[-2]} differ")
+    return (*broadcast_shape(a[:-2], b[:-2]), a[-2], b[-1])
+
+
+def _matmul_cost(shapes, out, attrs):
+    return 2 * _numel(out) * int(shapes[0][-1])
+
+
+def _swap(t):
+    return np.swapaxes(t, -1, -2)
+
+
+def _matmul_vjp(g, inputs, out, attrs):
+    a, b = inputs[:2]
+    return [unbroadcast(g @ _swap(b), a.shape), unbroadcast(_swap(a) @ g, b.shape)]
+
+
+def _flat_matmul(x, w):
+    """x [..., k] @ w [k, n] as one 2-d GEMM (numpy runs a stacked one as many small ones)."""
+    if w.ndim == 2 and x.ndim > 2:
+        return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[1])
+    return x @ w
+
+
+for _name in ("matmul", "mm", "bmm"):
+    _register(_name, lambda i, a: _flat_matmul(i[0], i[1]), _matmul_vjp, _matmul_shape, _matmul_cost,
+              saves_inputs=(0, 1))
+
+
+def _linear_forward(inputs, attrs):
+    x, w = inputs[0], inputs[1]
+    y = _flat_matmul(x, w.T)
+    if len(inputs) > 2:
+        y += inputs[2]
+    return y
+
+
+def _linear_vjp(g, inputs, out, attrs):
+    x, w = inputs[0], inputs[1]
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    grads = [(g2 @ w).reshape(x.shape), g2.T @ x2]
+    if len(inputs) > 2:
+        grads.append(g2.sum(axis=0))
+    return grads
+
+
+def _linear_shape(shapes, attrs):
+    x, w = tuple(shapes[0]), tuple(shapes[1])
+    if len(w) != 2 or not x or x[-1] != w[1]:
+        raise OpError(f"linear of input {x} and weight {w}: expected weight [out, {x[-1] if x else '?'}]")
+    if len(shapes) > 2 and tuple(shapes[2]) != (w[0],):
+        raise OpError(f"linear bias {tuple(shapes[2])}: expected ({w[0]},)")
+    return (*x[:-1], w[0])
+
+
+_register("linear", _linear_forward, _linear_vjp, _linear_shape,
+          lambda s, out, a: 2 * _numel(out) * int(s[0][-1]), saves_inputs=(0, 1))
+
+
+def _addmm_shape(shapes, attrs):
+    out = _matmul_shape(shapes[1:], attrs)
+    broadcast_shape(shapes[0], out)
+    return out
+
+
+def _addmm_vjp(g, inputs, out, attrs):
+    bias, a, b = inputs
+    return [unbroadcast(g, bias.shape), g @ b.T, a.T @ g]
+
+
+_register("addmm", lambda i, a: i[0] + i[1] @ i[2], _addmm_vjp, _addmm_shape,
+          lambda s, out, a: 2 * _numel(out) * int(s[1][-1]), saves_inputs=(1, 2))
+
+
+# ---------------------------------------------------------------- activations
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _erf_array(x: np.ndarray) -> np.ndarray:
+    """erf elementwise, to float64 accuracy (numpy has none; scipy is not a dependency).
+    Abramowitz-Stegun 7.1.26 is only 1e-7 accurate, which float64 gradient checks see,
+    so the exact values come from math.erf."""
+    return _erf(x).astype(x.dtype, copy=False)
+
+
+def gelu_exact(x):
+    return 0.5 * x * (1.0 + _erf_array(x * x.dtype.type(_SQRT_HALF)))
+
+
+def gelu_exact_grad(x):
+    cdf = 0.5 * (1.0 + _erf_array(x * x.dtype.type(_SQRT_HALF)))
+    pdf = np.exp(-0.5 * x * x) / x.dtype.type(math.sqrt(2.0 * math.pi))
+    return cdf + x * pdf
+
+
+_GELU_TANH_C = math.sqrt(2.0 / math.pi)   # the op set's own, at full precision
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(x.dtype.type(_GELU_TANH_C) * (x + 0.044715 * (x * x * x))))
+
+
+def gelu_tanh_grad(x):
+    c = x.dtype.type(_GELU_TANH_C)
+    t = np.tanh(c * (x + 0.044715 * (x * x * x)))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _gelu_forward(inputs, attrs):
+    return gelu_tanh(inputs[0]) if attrs.get("approximate", "none") == "tanh" else gelu_exact(inputs[0])
+
+
+def _gelu_vjp(g, inputs, out, attrs):
+    grad = gelu_tanh_grad if attrs.get("approximate", "none") == "tanh" else gelu_exact_grad
+    return [g * grad(inputs[0])]
+
+
+_register("relu", lambda i, a: np.maximum(i[0], 0), lambda g, i, o, a: [g * (o > 0)], _same_shape,
+          _elementwise_cost(1), saves_output=True)
+_register("gelu", _gelu_forward, _gelu_vjp, _same_shape, _elementwise_cost(10), saves_inputs=(0,))
+_register("tanh", lambda i, a: np.tanh(i[0]), lambda g, i, o, a: [g * (1 - o * o)], _same_shape,
+          _elementwise_cost(4), saves_output=True)
+_register("sigmoid", lambda i, a: _sigmoid(i[0]), lambda g, i, o, a: [g * o * (1 - o)], _same_shape,
+          _elementwise_cost(4), saves_output=True)
+
+
+def _silu_vjp(g, inputs, out, attrs):
+    s = _sigmoid(inputs[0])
+    return [g * s * (1 + inputs[0] * (1 - s))]
+
+
+_register("silu", lambda i, a: i[0] * _sigmoid(i[0]), _silu_vjp, _same_shape, _elementwise_cost(5),
+          saves_inputs=(0,))
+
+
+# ---------------------------------------------------------------- softmax family
+
+def softmax(x, axis):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def log_softmax(x, axis):
+    shifted = x - x.max(axis=axis, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+
+def _softmax_vjp(g, inputs, out, attrs):
+    axis = _axis(attrs["dim"], out.ndim)
+    return [out * (g - (g * out).sum(axis=axis, keepdims=True))]
+
+
+def _log_softmax_vjp(g, inputs, out, attrs):
+    axis = _axis(attrs["dim"], out.ndim)
+    return [g - np.exp(out) * g.sum(axis=axis, keepdims=True)]
+
+
+_register("softmax", lambda i, a: softmax(i[0], _axis(a["dim"], i[0].ndim)), _softmax_vjp, _same_shape,
+          _elementwise_cost(5), saves_output=True)
+_register("log_softmax", lambda i, a: log_softmax(i[0], _axis(a["dim"], i[0].ndim)), _log_softmax_vjp,
+          _same_shape, _elementwise_cost(5), saves_output=True)
+
+
+# ---------------------------------------------------------------- layer norm
+
+def _ln_axes(x, attrs):
+    n = len(attrs["normalized_shape"])
+    return tuple(range(x.ndim - n, x.ndim))
+
+
+def _layer_norm_stats(x, attrs):
+    axes = _ln_axes(x, attrs)
+    mean = x.mean(axis=axes, keepdims=True)
+    centred = x - mean
+    rstd = 1.0 / np.sqrt((centred * centred).mean(axis=axes, keepdims=True) + x.dtype.type(attrs.get("eps", 1e-5)))
+    return centred * rstd, rstd
+
+
+def _layer_norm_forward(inputs, attrs):
+    xhat, _ = _layer_norm_stats(inputs[0], attrs)
+    y = xhat * inputs[1] if len(inputs) > 1 and inputs[1] is not None else xhat
+    return y + inputs[2] if len(inputs) > 2 else y
+
+
+def _layer_norm_vjp(g, inputs, out, attrs):
+    """Recomputes x-hat from x (one pass over the row) rather than keeping it."""
+    x = inputs[0]
+    xhat, rstd = _layer_norm_stats(x, attrs)
+    axes = _ln_axes(x, attrs)
+    lead = tuple(range(x.ndim - len(axes)))
+    has_gain = len(inputs) > 1 and inputs[1] is not None
+    dxhat = g * inputs[1] if has_gain else g
+    dx = rstd * (dxhat - dxhat.mean(axis=axes, keepdims=True)
+                 - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
+    grads = [dx]
+    if len(inputs) > 1:
+        grads.append((g * xhat).sum(axis=lead) if has_gain else None)
+    if len(inputs) > 2:
+        grads.append(g.sum(axis=lead))
+    return grads
+
+
+def _layer_norm_shape(shapes, attrs):
+    x, norm = tuple(shapes[0]), tuple(attrs["normalized_shape"])
+    if x[len(x) - len(norm):] != norm:
+        raise OpError(f"layer_norm over {norm} of an input {x}")
+    for s in shapes[1:]:
+        if tuple(s) != norm:
+            raise OpError(f"layer_norm weight/bias {tuple(s)}: expected {norm}")
+    return x
+
+
+_register("layer_norm", _layer_norm_forward, _layer_norm_vjp, _layer_norm_shape, _elementwise_cost(8),
+          saves_inputs=(0, 1))
+
+
+# ---------------------------------------------------------------- embedding, gather
+
+def _embedding_forward(inputs, attrs):
+    weight, ids = inputs
+    if ids.size and (ids.min() < 0 or ids.max() >= weight.shape[0]):
+        raise OpError(f"embedding ids outside [0, {weight.shape[0]})")
+    return weight[ids]
+
+
+def _embedding_vjp(g, inputs, out, attrs):
+    weight, ids = inputs
+    dw = np.zeros_like(weight)
+    np.add.at(dw, ids.reshape(-1), g.reshape(-1, weight.shape[1]))
+    pad = attrs.get("padding_idx", -1)
+    if pad is not None and pad >= 0:
+        dw[pad] = 0   # torch: the padding row gets no gradient
+    return [dw, None]
+
+
+_register("embedding", _embedding_forward, _embedding_vjp,
+          lambda s, a: (*tuple(s[1]), int(s[0][1])), _free, saves_inputs=(1,))
+
+
+def _gather_vjp(g, inputs, out, attrs):
+    x, index = inputs
+    axis = _axis(attrs["dim"], x.ndim)
+    dx = np.zeros_like(x)
+    idx = list(np.indices(index.shape, sparse=True))
+    idx[axis] = index
+    np.add.at(dx, tuple(idx), g)
+    return [dx, None]
+
+
+_register("gather", lambda i, a: np.take_along_axis(i[0], i[1], axis=_axis(a["dim"], i[0].ndim)), _gather_vjp,
+          lambda s, a: tuple(s[1]), _free, saves_inputs=(1,))
+
+
+# ---------------------------------------------------------------- dropout
+
+def _dropout_forward(inputs, attrs):
+    """p = 0 (or eval): the identity. Otherwise the second input is the scaled
+    keep-mask (0 or 1/(1-p)), drawn by whoever runs the program."""
+    if len(inputs) > 1:
+        return inputs[0] * inputs[1]
+    if attrs.get("p", 0.0) and attrs.get("train", True):
+        raise OpError(f"dropout with p={attrs['p']} needs its keep-mask as a second input")
+    return inputs[0]
+
+
+def _dropout_vjp(g, inputs, out, attrs):
+    return [g * inputs[1], g * inputs[0]] if len(inputs) > 1 else [g]
+
+
+_register("dropout", _dropout_forward, _dropout_vjp, _same_shape, _elementwise_cost(1), saves_inputs=(0, 1))
+
+
+# ---------------------------------------------------------------- views and copies
+
+def _reshape_shape(shapes, attrs):
+    src, target = tuple(shapes[0]), list(attrs["shape"])
+    if target.count(-1) > 1:
+        raise OpError(f"reshape to {target}: more than one -1")
+    known = _numel([d for d in target if d != -1])
+    if -1 in target:
+        if known == 0 or _numel(src) % known:
+            raise OpError(f"reshape of {src} to {tuple(target)}")
+        target[target.index(-1)] = _numel(src) // known
+    if _numel(target) != _numel(src):
+        raise OpError(f"reshape of {src} ({_numel(src)} elements) to {tuple(target)}")
+    return tuple(target)
+
+
+def _batch_relative(attrs) -> dict:
+    """A captured shape names the capture's batch size in its leading dim: where
+    the running batch differs, that dim follows it (-1). The batch is the leading
+    dim of every input of a captured program."""
+    shape = list(attrs["shape"])
+    if -1 not in shape[1:]:
+        shape[0] = -1
+    return {**attrs, "shape": shape}
+
+
+def _reshape_forward(inputs, attrs):
+    x = inputs[0]
+    try:
+        return x.reshape(_reshape_shape([x.shape], attrs))
+    except OpError:
+        return x.reshape(_reshape_shape([x.shape], _batch_relative(attrs)))
+
+
+_register("reshape", _reshape_forward, lambda g, i, o, a: [g.reshape(i[0].shape)], _reshape_shape, _free)
+
+
+def _flatten_shape(shapes, attrs):
+    s = tuple(shapes[0])
+    if not s:
+        return (1,)
+    start, end = _axis(attrs.get("start_dim", 0), len(s)), _axis(attrs.get("end_dim", -1), len(s))
+    return (*s[:start], _numel(s[start:end + 1]), *s[end + 1:])
+
+
+_register("flatten", lambda i, a: i[0].reshape(_flatten_shape([i[0].shape], a)),
+          lambda g, i, o, a: [g.reshape(i[0].shape)], _flatten_shape, _free)
+
+
+def _perm(attrs, ndim):
+    dims = [_axis(d, ndim) for d in attrs["dims"]]
+    if sorted(dims) != list(range(ndim)):
+        raise OpError(f"permute dims {attrs['dims']} are not a permutation of {ndim} dims")
+    return dims
+
+
+_register("permute", lambda i, a: np.ascontiguousarray(np.transpose(i[0], _perm(a, i[0].ndim))),
+          lambda g, i, o, a: [np.transpose(g, np.argsort(_perm(a, g.ndim)))],
+          lambda s, a: tuple(s[0][d] for d in _perm(a, len(s[0]))), _free)
+
+
+def _transpose_dims(attrs, ndim):
+    return _axis(attrs.get("dim0", 0), ndim), _axis(attrs.get("dim1", 1), ndim)
+
+
+def _transpose_shape(shapes, attrs):
+    s = list(shapes[0])
+    d0, d1 = _transpose_dims(attrs, len(s))
+    s[d0], s[d1] = s[d1], s[d0]
+    return tuple(s)
+
+
+_register("transpose", lambda i, a: np.swapaxes(i[0], *_transpose_dims(a, i[0].ndim)),
+          lambda g, i, o, a: [np.swapaxes(g, *_transpose_dims(a, g.ndim))], _transpose_shape, _free)
+
+
+def _expand_shape(shapes, attrs):
+    src, target = tuple(shapes[0]), list(attrs["shape"])
+    lead = len(target) - len(src)
+    if lead < 0:
+        raise OpError(f"expand of {src} to fewer dims {tuple(target)}")
+    for i, n in enumerate(target):
+        if n == -1:
+            target[i] = src[i - lead]
+        elif i >= lead and src[i - lead] not in (1, n):
+            raise OpError(f"expand of {src} to {tuple(attrs['shape'])}")
+    return tuple(target)
+
+
+def _expand_forward(inputs, attrs):
+    x = inputs[0]
+    try:
+        return np.broadcast_to(x, _expand_shape([x.shape], attrs))
+    except OpError:
+        return np.broadcast_to(x, _expand_shape([x.shape], _batch_relative(attrs)))
+
+
+_register("expand", _expand_forward,
+          lambda g, i, o, a: [unbroadcast(g, i[0].shape)], _expand_shape, _free)
+
+
+def _slice_index(attrs, ndim):
+    axis = _axis(attrs["dim"], ndim)
+    return (slice(None),) * axis + (slice(attrs.get("start"), attrs.get("end"), attrs.get("step", 1)),)
+
+
+def _slice_vjp(g, inputs, out, attrs):
+    dx = np.zeros(inputs[0].shape, dtype=g.dtype)
+    dx[_slice_index(attrs, g.ndim)] = g
+    return [dx]
+
+
+def _slice_shape(shapes, attrs):
+    s = list(shapes[0])
+    axis = _axis(attrs["dim"], len(s))
+    s[axis] = len(range(*slice(attrs.get("start"), attrs.get("end"), attrs.get("step", 1)).indices(s[axis])))
+    return tuple(s)
+
+
+# split (torch's split and chunk) is captured as one slice per piece: every op has one output.
+_register("slice", lambda i, a: i[0][_slice_index(a, i[0].ndim)], _slice_vjp, _slice_shape, _free)
+
+
+def _unsqueeze_shape(shapes, attrs):
+    s = list(shapes[0])
+    s.insert(_axis(attrs["dim"], len(s) + 1), 1)
+    return tuple(s)
+
+
+def _squeeze_shape(shapes, attrs):
+    s = tuple(shapes[0])
+    dims = attrs.get("dims")
+    dims = range(len(s)) if dims is None else [_axis(d, len(s)) for d in dims]
+    return tuple(n for i, n in enumerate(s) if not (i in dims and n == 1))
+
+
+_register("unsqueeze", lambda i, a: i[0].reshape(_unsqueeze_shape([i[0].shape], a)),
+          lambda g, i, o, a: [g.reshape(i[0].shape)], _unsqueeze_shape, _free)
+_register("squeeze", lambda i, a: i[0].reshape(_squeeze_shape([i[0].shape], a)),
+          lambda g, i, o, a: [g.reshape(i[0].shape)], _squeeze_shape, _free)
+_register("clone", lambda i, a: i[0].copy(), lambda g, i, o, a: [g], _same_shape, _free)
+# torch's detach: the value passes, its gradient does not.
+_register("detach", lambda i, a: i[0], lambda g, i, o, a: [None], _same_shape, _free)
+
+
+def _cast_forward(inputs, attrs):
+    return inputs[0].astype(attrs["dtype"])
+
+
+def _cast_vjp(g, inputs, out, attrs):
+    return [g.astype(inputs[0].dtype) if inputs[0].dtype.kind == "f" else None]
+
+
+_register("cast", _cast_forward, _cast_vjp, _same_shape, _free)
+
+
+# ---------------------------------------------------------------- masks and selection
+
+_COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+            "gt": np.greater, "ge": np.greater_equal}
+
+
+def _compare_forward(inputs, attrs):
+    return _COMPARE[attrs["cmp"]](*_operands(inputs, attrs))
+
+
+_register("compare", _compare_forward, lambda g, i, o, a: [None] * len(i), _binary_shape, _elementwise_cost(1))
+_register("logical_not", lambda i, a: np.logical_not(i[0]), lambda g, i, o, a: [None], _same_shape,
+          _elementwise_cost(1))
+
+
+def _where_parts(inputs, attrs):
+    """(cond, a, b): a and b from the inputs, or the `self_scalar` / `other_scalar` attributes."""
+    it = iter(inputs[1:])
+    dtype = next((t.dtype for t in inputs[1:]), np.float32)
+    a = np.asarray(attrs["self_scalar"], dtype=dtype) if "self_scalar" in attrs else next(it)
+    b = np.asarray(attrs["other_scalar"], dtype=dtype) if "other_scalar" in attrs else next(it)
+    return inputs[0], a, b
+
+
+def _where_vjp(g, inputs, out, attrs):
+    cond = inputs[0]
+    grads = [None]
+    if "self_scalar" not in attrs:
+        grads.append(unbroadcast(np.where(cond, g, 0).astype(g.dtype), inputs[len(grads)].shape))
+    if "other_scalar" not in attrs:
+        grads.append(unbroadcast(np.where(cond, 0, g).astype(g.dtype), inputs[len(grads)].shape))
+    return grads
+
+
+def _where_shape(shapes, attrs):
+    return broadcast_shape(*shapes)
+
+
+_register("where", lambda i, a: np.where(*_where_parts(i, a)), _where_vjp, _where_shape, _elementwise_cost(1),
+          saves_inputs=(0,))
+
+
+def _masked_fill_forward(inputs, attrs):
+    x, mask = inputs[0], inputs[1]
+    return np.where(mask, x.dtype.type(attrs["value"]), x)
+
+
+def _masked_fill_vjp(g, inputs, out, attrs):
+    return [unbroadcast(np.where(inputs[1], 0, g).astype(g.dtype), inputs[0].shape), None]
+
+
+_register("masked_fill", _masked_fill_forward, _masked_fill_vjp, lambda s, a: broadcast_shape(s[0], s[1]),
+          _elementwise_cost(1), saves_inputs=(1,))
+
+
+# ---------------------------------------------------------------- reductions
+
+def _reduce_axes(attrs, ndim):
+    dims = attrs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return tuple(range(ndim))
+    dims = [dims] if isinstance(dims, int) else dims
+    return tuple(sorted(_axis(d, ndim) for d in dims))
+
+
+def _reduce_shape(shapes, attrs):
+    s = tuple(shapes[0])
+    axes = _reduce_axes(attrs, len(s))
+    if attrs.get("keepdim"):
+        return tuple(1 if i in axes else n for i, n in enumerate(s))
+    return tuple(n for i, n in enumerate(s) if i not in axes)
+
+
+def _reduce_grad(g, x, attrs, scale):
+    axes = _reduce_axes(attrs, x.ndim)
+    if not attrs.get("keepdim"):
+        g = np.expand_dims(g, axes)
+    return np.broadcast_to(g * scale if scale != 1 else g, x.shape).astype(g.dtype)
+
+
+def _mean_scale(x, attrs):
+    return 1.0 / _numel([x.shape[a] for a in _reduce_axes(attrs, x.ndim)])
+
+
+_register("sum", lambda i, a: np.asarray(i[0].sum(axis=_reduce_axes(a, i[0].ndim), keepdims=bool(a.get("keepdim")))),
+          lambda g, i, o, a: [_reduce_grad(g, i[0], a, 1)], _reduce_shape,
+          lambda s, out, a: _numel(s[0]))
+_register("mean", lambda i, a: np.asarray(i[0].mean(axis=_reduce_axes(a, i[0].ndim),
+                                                    keepdims=bool(a.get("keepdim")))),
+          lambda g, i, o, a: [_reduce_grad(g, i[0], a, g.dtype.type(_mean_scale(i[0], a)))], _reduce_shape,
+          lambda s, out, a: _numel(s[0]))
+
+
+# ---------------------------------------------------------------- attention
+
+def _sdpa_mask(inputs, attrs, lq, lk):
+    """The additive or boolean mask of scaled_dot_product_attention, combined with is_causal."""
+    allowed = np.tril(np.ones((lq, lk), dtype=bool)) if attrs.get("is_causal") else None
+    mask = inputs[3] if len(inputs) > 3 else None
+    return allowed, mask
+
+
+def _sdpa_probs(inputs, attrs):
+    q, k = inputs[0], inputs[1]
+    scale = attrs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ _swap(k)) * q.dtype.type(scale)
+    allowed, mask = _sdpa_mask(inputs, attrs, q.shape[-2], k.shape[-2])
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
+    if allowed is not None:
+        scores = np.where(allowed, scores, -np.inf)
+    return softmax(scores, -1).astype(q.dtype, copy=False), q.dtype.type(scale)
+
+
+def _sdpa_forward(inputs, attrs):
+    probs, _ = _sdpa_probs(inputs, attrs)
+    return probs @ inputs[2]
+
+
+def _sdpa_vjp(g, inputs, out, attrs):
+    """Recomputes the probabilities from q and k (flash-attention style) rather than keeping them."""
+    q, k, v = inputs[:3]
+    probs, scale = _sdpa_probs(inputs, attrs)
+    dv = unbroadcast(_swap(probs) @ g, v.shape)
+    dprobs = g @ _swap(v)
+    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True)) * scale
+    grads = [unbroadcast(dscores @ k, q.shape), unbroadcast(_swap(dscores) @ q, k.shape), dv]
+    if len(inputs) > 3:
+        mask = inputs[3]
+        grads.append(None if mask.dtype == bool else unbroadcast(dscores / scale, mask.shape))
+    return grads
+
+
+def _sdpa_shape(shapes, attrs):
+    q, k, v = (tuple(s) for s in shapes[:3])
+    if q[-1] != k[-1] or k[-2] != v[-2]:
+        raise OpError(f"scaled_dot_product_attention of q {q}, k {k}, v {v}")
+    return (*broadcast_shape(q[:-2], k[:-2], v[:-2]), q[-2], v[-1])
+
+
+def _sdpa_cost(shapes, out, attrs):
+    q, k = shapes[0], shapes[1]
+    return 2 * _numel(q) * int(k[-2]) + 2 * _numel(out) * int(k[-2]) + 5 * _numel((*q[:-1], k[-2]))
+
+
+_register("scaled_dot_product_attention", _sdpa_forward, _sdpa_vjp, _sdpa_shape, _sdpa_cost,
+          saves_inputs=(0, 1, 2, 3))
+
+
+# ---------------------------------------------------------------- convolution and pooling
+
+def _pair(v):
+    return (int(v), int(v)) if isinstance(v, (int, np.integer)) else tuple(int(x) for x in (list(v) * 2)[:2]) \
+        if len(v) == 1 else (int(v[0]), int(v[1]))
+
+
+def _conv_geometry(attrs):
+    return _pair(attrs.get("stride", 1)), _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1))
+
+
+def _out_size(n, k, stride, pad, dil):
+    return (n + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def _windows(x, kh, kw, stride, dil):
+    """[N, C, H, W] (already padded) -> view [N, C, OH, OW, kh, kw] of every window."""
+    n, c, h, w = x.shape
+    oh, ow = _out_size(h, kh, stride[0], 0, dil[0]), _out_size(w, kw, stride[1], 0, dil[1])
+    sn, sc, sh, sw = x.strides
+    return np.lib.stride_tricks.as_strided(
+        x, (n, c, oh, ow, kh, kw), (sn, sc, sh * stride[0], sw * stride[1], sh * dil[0], sw * dil[1]),
+        writeable=False)
+
+
+def _pad(x, pad, value=0.0):
+    if pad == (0, 0):
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])), constant_values=value)
+
+
+def _fold(cols, shape, kh, kw, stride, pad, dil):
+    """The adjoint of _windows on a padded input: add each window's values back to its pixels."""
+    n, c, h, w = shape
+    out = np.zeros((n, c, h + 2 * pad[0], w + 2 * pad[1]), dtype=cols.dtype)
+    oh, ow = cols.shape[2], cols.shape[3]
+    for i in range(kh):
+        for j in range(kw):
+            r, s = i * dil[0], j * dil[1]
+            out[:, :, r:r + stride[0] * oh:stride[0], s:s + stride[1] * ow:stride[1]] += cols[:, :, :, :, i, j]
+    return out[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + w]
+
+
+def _conv_check(attrs):
+    if attrs.get("groups", 1) != 1:
+        raise OpError(f"conv2d with groups={attrs['groups']} (only groups=1)")
+
+
+def _conv2d_forward(inputs, attrs):
+    _conv_check(attrs)
+    x, w = inputs[0], inputs[1]
+    stride, pad, dil = _conv_geometry(attrs)
+    cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)       # N C OH OW kh kw
+    y = np.einsum("ncpqij,ocij->nopq", cols, w, optimize=True)
+    if len(inputs) > 2 and inputs[2] is not None:
+        y += inputs[2][None, :, None, None]
+    return np.ascontiguousarray(y)
+
+
+def _conv2d_vjp(g, inputs, out, attrs):
+    x, w = inputs[0], inputs[1]
+    stride, pad, dil = _conv_geometry(attrs)
+    cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)
+    dw = np.einsum("ncpqij,nopq->ocij", cols, g, optimize=True)
+    dcols = np.einsum("nopq,ocij->ncpqij", g, w, optimize=True)
+    dx = _fold(dcols, x.shape, w.shape[2], w.shape[3], stride, pad, dil)
+    grads = [dx, dw]
+    if len(inputs) > 2:
+        grads.append(g.sum(axis=(0, 2, 3)))
+    return grads
+
+
+def _conv2d_shape(shapes, attrs):
+    _conv_check(attrs)
+    x, w = tuple(shapes[0]), tuple(shapes[1])
+    if len(x) != 4 or len(w) != 4 or x[1] != w[1]:
+        raise OpError(f"conv2d of input {x} and weight {w}: expected [N, C, H, W] and [O, C, kh, kw]")
+    stride, pad, dil = _conv_geometry(attrs)
+    oh, ow = (_out_size(x[2 + d], w[2 + d], stride[d], pad[d], dil[d]) for d in (0, 1))
+    if oh < 1 or ow < 1:
+        raise OpError(f"conv2d of input {x} with kernel {w[2:]} leaves no output")
+    return (x[0], w[0], oh, ow)
+
+
+_register("conv2d", _conv2d_forward, _conv2d_vjp, _conv2d_shape,
+          lambda s, out, a: 2 * _numel(out) * int(np.prod(s[1][1:])), saves_inputs=(0, 1))
+
+
+def _pool_geometry(attrs):
+    k = _pair(attrs["kernel_size"])
+    stride = _pair(attrs.get("stride") or k)
+    if attrs.get("ceil_mode"):
+        raise OpError("pooling with ceil_mode=True")
+    return k, stride, _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1))
+
+
+def _pool_shape(shapes, attrs):
+    x = tuple(shapes[0])
+    if len(x) != 4:
+        raise OpError(f"pooling of an input {x}: expected [N, C, H, W]")
+    k, stride, pad, dil = _pool_geometry(attrs)
+    return (x[0], x[1], *(_out_size(x[2 + d], k[d], stride[d], pad[d], dil[d]) for d in (0, 1)))
+
+
+def _max_pool_forward(inputs, attrs):
+    k, stride, pad, dil = _pool_geometry(attrs)
+    x = inputs[0]
+    return _windows(_pad(x, pad, -np.inf), *k, stride, dil).max(axis=(4, 5))
+
+
+def _max_pool_vjp(g, inputs, out, attrs):
+    """The gradient goes to the first maximum of each window (as torch's kernel picks it)."""
+    k, stride, pad, dil = _pool_geometry(attrs)
+    x = inputs[0]
+    cols = _windows(_pad(x, pad, -np.inf), *k, stride, dil)
+    flat = cols.reshape(*cols.shape[:4], -1)
+    first = flat.argmax(axis=-1)
+    onehot = np.zeros(flat.shape, dtype=g.dtype)
+    np.put_along_axis(onehot, first[..., None], g[..., None], axis=-1)
+    return [_fold(onehot.reshape(cols.shape), x.shape, *k, stride, pad, dil)]
+
+
+def _avg_pool_forward(inputs, attrs):
+    k, stride, pad, dil = _pool_geometry(attrs)
+    if not attrs.get("count_include_pad", True) and pad != (0, 0):
+        raise OpError("avg_pool2d with count_include_pad=False and padding")
+    return _windows(_pad(inputs[0], pad), *k, stride, (1, 1)).mean(axis=(4, 5))
+
+
+def _avg_pool_vjp(g, inputs, out, attrs):
+    k, stride, pad, _ = _pool_geometry(attrs)
+    cols = np.broadcast_to((g / g.dtype.type(k[0] * k[1]))[..., None, None], (*g.shape, *k))
+    return [_fold(cols, inputs[0].shape, *k, stride, pad, (1, 1))]
+
+
+_register("max_pool2d", _max_pool_forward, _max_pool_vjp, _pool_shape,
+          lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))), saves_inputs=(0,))
+_register("avg_pool2d", _avg_pool_forward, _avg_pool_vjp, _pool_shape,
+          lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))))
+
+
+# ---------------------------------------------------------------- losses
+
+def _counted(target, attrs):
+    return target != attrs.get("ignore_index", kernels.IGNORE_INDEX)
+
+
+def _class_axis_last(x):
+    """[N, C, d1...] -> [N*d1*..., C] (torch puts classes on axis 1)."""
+    return np.moveaxis(x, 1, -1).reshape(-1, x.shape[1]) if x.ndim > 2 else x
+
+
+def _nll_forward(logp, target, attrs):
+    flat, lab = _class_axis_last(logp), target.reshape(-1)
+    counted = _counted(lab, attrs)
+    safe = np.where(counted, lab, 0)
+    if np.any(counted & ((lab < 0) | (lab >= flat.shape[1]))):
+        raise OpError(f"targets outside [0, {flat.shape[1]}) (and not the ignore index)")
+    picked = -flat[np.arange(len(lab)), safe] * counted
+    if attrs.get("reduction", "mean") == "sum":
+        return np.asarray(picked.sum(), dtype=logp.dtype)
+    return np.asarray(picked.sum() / max(int(counted.sum()), 1), dtype=logp.dtype)
+
+
+def _nll_dflat(g, logp, target, attrs):
+    """d loss / d (flattened log-probabilities) for an upstream scalar gradient g."""
+    flat, lab = _class_axis_last(logp), target.reshape(-1)
+    counted = _counted(lab, attrs)
+    scale = 1.0 if attrs.get("reduction", "mean") == "sum" else 1.0 / max(int(counted.sum()), 1)
+    d = np.zeros_like(flat)
+    rows = np.arange(len(lab))
+    d[rows, np.where(counted, lab, 0)] = np.where(counted, -(g * logp.dtype.type(scale)), 0)
+    return d
+
+
+def _unflatten_classes(d, like):
+    if like.ndim <= 2:
+        return d.reshape(like.shape)
+    moved = (like.shape[0], *like.shape[2:], like.shape[1])
+    return np.moveaxis(d.reshape(moved), -1, 1)
+
+
+def _loss_shape(shapes, attrs):
+    if attrs.get("reduction", "mean") not in ("mean", "sum"):
+        raise OpError(f"loss reduction {attrs['reduction']!r} (only mean and sum)")
+    x, t = tuple(shapes[0]), tuple(shapes[1])
+    if len(x) < 2 or (x[0],) + x[2:] != t:
+        raise OpError(f"class scores {x} and targets {t}: expected [N, C, ...] and [N, ...]")
+    return ()
+
+
+_register("nll_loss", lambda i, a: _nll_forward(i[0], i[1], a),
+          lambda g, i, o, a: [_unflatten_classes(_nll_dflat(g, i[0], i[1], a), i[0]), None], _loss_shape,
+          lambda s, out, a: _numel(s[1]), saves_inputs=(1,))
+
+
+def _ce_logp(x):
+    return _unflatten_classes(log_softmax(_class_axis_last(x), -1), x)
+
+
+def _ce_vjp(g, inputs, out, attrs):
+    x, target = inputs
+    logp = _ce_logp(x)
+    d = _nll_dflat(g, logp, target, attrs)
+    flat_p = np.exp(_class_axis_last(logp))
+    dx = d - flat_p * d.sum(axis=-1, keepdims=True)
+    return [_unflatten_classes(dx, x), None]
+
+
+_register("cross_entropy", lambda i, a: _nll_forward(_ce_logp(i[0]), i[1], a), _ce_vjp, _loss_shape,
+          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1))
+
+
+def _mse_forward(inputs, attrs):
+    d = inputs[0] - inputs[1]
+    total = (d * d).sum()
+    return np.asarray(total if attrs.get("reduction", "mean") == "sum" else total / d.size, dtype=d.dtype)
+
+
+def _mse_vjp(g, inputs, out, attrs):
+    d = inputs[0] - inputs[1]
+    scale = 2.0 if attrs.get("reduction", "mean") == "sum" else 2.0 / d.size
+    gd = d * (g * d.dtype.type(scale))
+    return [unbroadcast(gd, inputs[0].shape), unbroadcast(-gd, inputs[1].shape)]
+
+
+def _mse_shape(shapes, attrs):
+    broadcast_shape(shapes[0], shapes[1])
+    return ()
+
+
+_register("mse_loss", _mse_forward, _mse_vjp, _mse_shape, lambda s, out, a: 3 * _numel(s[0]),
+          saves_inputs=(0, 1))
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+_register("add_n", lambda i, a: sum(i[1:], i[0].copy()), lambda g, i, o, a: [g] * len(i),
+          lambda s, a: broadcast_shape(*s), _elementwise_cost(1))

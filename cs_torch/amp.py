@@ -1,0 +1,145 @@
+"""cstorch.amp: GradScaler with dynamic loss scaling, and the half dtype setting.
+
+    grad_scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
+    ...
+    grad_scaler.scale(loss).backward()
+    grad_scaler.unscale_(optimizer)
+    grad_scaler.step(optimizer)      # skipped when a gradient is inf or nan
+    grad_scaler.update()
+
+The loss scale seeds the backward pass (so every gradient is scaled), the
+gradients are divided by it before the update, and a step whose gradients
+are not finite is skipped and halves the scale; after steps_per_increase
+good steps it doubles, between min_loss_scale and max_loss_scale.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .backends import note
+from .nn import CsTorchError
+
+HALF_DTYPES = ("float16", "bfloat16", "cbfloat16")
+_half = {"dtype": "float16"}
+
+
+def set_half_dtype(dtype) -> None:
+    name = str(dtype).replace("torch.", "")
+    if name not in HALF_DTYPES:
+        raise CsTorchError(f"amp.set_half_dtype: expected one of {', '.join(HALF_DTYPES)}, got {dtype!r}")
+    _half["dtype"] = name
+    note(f"amp.set_half_dtype({name!r}) is not honoured for torch models yet: their programs run in float32")
+
+
+def use_bfloat16(enabled: bool) -> None:
+    if enabled:
+        set_half_dtype("bfloat16")
+
+
+def get_half_dtype() -> str:
+    return _half["dtype"]
+
+
+class GradScaler:
+    def __init__(self, loss_scale="dynamic", init_scale: float = 2.0 ** 15, steps_per_increase: int = 2000,
+                 min_loss_scale: float = 2.0 ** -14, max_loss_scale: float = 2.0 ** 15,
+                 overflow_tolerance: float = 0.0, max_gradient_norm: float | None = None):
+        if loss_scale != "dynamic" and not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
+            raise CsTorchError(f"GradScaler: loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
+        if overflow_tolerance:
+            note("GradScaler: overflow_tolerance is not honoured; every overflow skips its step")
+        self.dynamic = loss_scale == "dynamic"
+        self.scale_ = float(init_scale if self.dynamic else loss_scale)
+        self.steps_per_increase = int(steps_per_increase)
+        self.min_loss_scale, self.max_loss_scale = float(min_loss_scale), float(max_loss_scale)
+        self.max_gradient_norm = max_gradient_norm
+        self.good_steps = 0
+        self.skipped_steps = 0
+        self._found_inf = False
+
+    def scale_value(self) -> float:
+        return self.scale_
+
+    # ------------------------------------------------------------ the calls a step makes
+    def scale(self, loss):
+        from .tracing import probing, replaying
+        if probing() is not None or replaying() is not None:
+            return loss    # the scale seeds the compiled backward instead
+        return loss * self.scale_
+
+    def unscale_(self, optimizer) -> None:
+        """Inside a traced step the gradients are unscaled by step(); eagerly, here."""
+        from .tracing import probing, replaying
+        if probing() is not None or replaying() is not None:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(self.scale_)
+        optimizer._cs_unscaled = True
+
+    def step(self, optimizer) -> None:
+        from .tracing import probing, replaying
+        probe = probing()
+        if probe is not None:
+            probe.record("scaler_step", self, optimizer)
+            return
+        if replaying() is not None:
+            return
+        grads = {p: p.grad.detach().numpy() for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None}
+        if not getattr(optimizer, "_cs_unscaled", False):
+            grads = {p: g / np.float32(self.scale_) for p, g in grads.items()}
+        optimizer._cs_unscaled = False
+        self._found_inf = self._apply(optimizer, grads, unscale=False)
+
+    def update(self) -> None:
+        from .tracing import probing, replaying
+        probe = probing()
+        if probe is not None:
+            probe.record("scaler_update", self)
+            return
+        if replaying() is not None:
+            return
+        self.update_with(self._found_inf)
+
+    # ------------------------------------------------------------ what the engine calls
+    def step_with(self, optimizer, grads: dict) -> bool:
+        """Unscale the compiled step's gradients and update unless one is not finite: True if skipped."""
+        return self._apply(optimizer, grads, unscale=True)
+
+    def _apply(self, optimizer, grads: dict, unscale: bool) -> bool:
+        with np.errstate(over="ignore", invalid="ignore"):   # an overflow is what this looks for
+            if unscale:
+                grads = {p: (g.astype(np.float64) / self.scale_).astype(np.float32) for p, g in grads.items()}
+            finite = all(np.isfinite(g).all() for g in grads.values())
+        if not finite:
+            self.skipped_steps += 1
+            return True
+        if self.max_gradient_norm:
+            norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
+            if norm > self.max_gradient_norm:
+                factor = np.float32(self.max_gradient_norm / (norm + 1e-6))
+                grads = {p: g * factor for p, g in grads.items()}
+        optimizer.apply(grads)
+        return False
+
+    def update_with(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.scale_ = max(self.scale_ / 2, self.min_loss_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.steps_per_increase:
+            self.scale_ = min(self.scale_ * 2, self.max_loss_scale)
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale_, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale_, self.good_steps = float(state["scale"]), int(state["good_steps"])

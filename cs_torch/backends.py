@@ -1,0 +1,152 @@
+"""cstorch.backend(): where a cstorch (2.x API) run executes, with the cluster settings.
+
+    backend = cstorch.backend("CSX", artifact_dir="artifacts", compile_dir="/tmp/compile",
+                              cluster_config=cstorch.distributed.ClusterConfig(num_csx=2))
+
+The documented names and defaults; the cluster settings live in
+`cluster_config` (release 2.3 and later), and DataExecutor's `cs_config`
+(earlier releases) is accepted too. An argument this emulator cannot honour
+prints one line saying so; none is dropped silently.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, fields
+
+from .nn import CsTorchError
+
+BACKEND_TYPES = ("CSX", "CPU", "GPU")
+
+
+def note(message: str) -> None:
+    """One line to stderr: an argument the emulator accepts but cannot honour."""
+    print(f"cs_torch: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ClusterConfig:
+    """cstorch.distributed.ClusterConfig: the CS system a CSX run uses."""
+    mgmt_address: str | None = None
+    mgmt_namespace: str | None = None
+    credentials_path: str | None = None
+    num_csx: int = 1
+    max_wgt_servers: int = 24
+    max_act_per_csx: int | None = None
+    num_workers_per_csx: int = 0
+    job_labels: list = field(default_factory=list)
+    job_priority: str | None = None
+    job_time_sec: int | None = None
+    mount_dirs: list = field(default_factory=list)
+    python_paths: list = field(default_factory=list)
+    disable_version_check: bool = False
+
+    def __post_init__(self):
+        for name in ("num_csx", "max_wgt_servers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CsTorchError(f"ClusterConfig: {name} must be a positive integer, got {value!r}")
+        n = self.num_workers_per_csx
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise CsTorchError(f"ClusterConfig: num_workers_per_csx must be a non-negative integer, got {n!r}")
+
+    @classmethod
+    def of(cls, value) -> "ClusterConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise CsTorchError(f"cluster_config: unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            return cls(**value)
+        raise CsTorchError(f"cluster_config: expected a ClusterConfig or a dict, got {type(value).__name__}")
+
+
+# What each setting does here, said once when it is not the default.
+_UNHONOURED = {
+    "max_wgt_servers": "MemoryX is one process per job here",
+    "mount_dirs": "every process of the emulated cluster shares this machine's file system",
+    "python_paths": "the input workers import from this process's sys.path",
+    "job_labels": "no cluster scheduler labels here",
+    "job_priority": "no cluster scheduler priority here",
+    "job_time_sec": "no cluster scheduler time limit here",
+    "mgmt_namespace": "one namespace here",
+    "credentials_path": "keys are made per job (docs/security.md)",
+    "max_act_per_csx": "one activation server per WSE here",
+}
+
+
+@dataclass
+class Backend:
+    backend_type: str
+    artifact_dir: str
+    compile_dir: str | None
+    compile_only: bool
+    validate_only: bool
+    cluster_config: ClusterConfig
+    retrace_every_iteration: bool = False
+
+    @property
+    def is_csx(self) -> bool:
+        return self.backend_type == "CSX"
+
+    @property
+    def device(self):
+        """A context manager, as torch.device: parameters stay on the host here."""
+        import torch
+        return torch.device("cpu")
+
+
+_current: Backend | None = None
+
+
+def backend(backend_type: str = "CSX", *args, artifact_dir: str = "./cerebras", compile_dir: str | None = None,
+            compile_only: bool = False, validate_only: bool = False, cluster_config=None,
+            retrace_every_iteration: bool = False, **kwargs) -> Backend:
+    """cstorch.backend(backend_type, artifact_dir=, compile_dir=, compile_only=, validate_only=,
+    cluster_config=ClusterConfig(...)): the one backend of this process."""
+    global _current
+    if args:
+        raise CsTorchError("backend: give the settings by name (backend('CSX', artifact_dir=...))")
+    kind = str(backend_type).upper()
+    if kind not in BACKEND_TYPES:
+        raise CsTorchError(f"backend: backend_type must be one of {', '.join(BACKEND_TYPES)}, got {backend_type!r}")
+    if kind == "GPU":
+        note("backend('GPU'): no GPU here; runs as backend('CPU')")
+        kind = "CPU"
+    if _current is not None and _current.backend_type != kind:
+        raise CsTorchError(f"backend: cannot instantiate multiple backends; a backend of type "
+                           f"{_current.backend_type} already exists")
+    if compile_only and validate_only:
+        raise CsTorchError("backend: compile_only and validate_only are exclusive")
+    config = ClusterConfig.of(cluster_config)
+    for key in ("num_csx", "num_workers_per_csx", "max_wgt_servers", "mount_dirs", "mgmt_address"):
+        if key in kwargs:   # flat spellings of earlier releases
+            setattr(config, key, kwargs.pop(key))
+    for key in sorted(kwargs):
+        note(f"backend: argument {key}={kwargs[key]!r} is not honoured by the emulator")
+    defaults = ClusterConfig()
+    for key, why in _UNHONOURED.items():
+        if getattr(config, key) != getattr(defaults, key):
+            note(f"cluster_config.{key}={getattr(config, key)!r} is not honoured: {why}")
+    if retrace_every_iteration:
+        note("backend: retrace_every_iteration is not honoured: a traced step is captured once")
+    _current = Backend(kind, str(artifact_dir), compile_dir, bool(compile_only), bool(validate_only), config,
+                       bool(retrace_every_iteration))
+    return _current
+
+
+def current_backend() -> Backend:
+    """The backend of this process; a CPU one if none was made (as on a machine without a CS system)."""
+    global _current
+    if _current is None:
+        _current = Backend("CPU", "./cerebras", None, False, False, ClusterConfig())
+    return _current
+
+
+def reset_backend() -> None:
+    """Forget the backend (tests; a new script run)."""
+    global _current
+    _current = None

@@ -1,0 +1,574 @@
+"""Capture a torch.nn.Module, an example batch and a loss function as the
+project's program (cs_runtime/numerics/program.py). The only module of the
+project that needs torch for a model, and only when a user brings one.
+
+    captured = capture(model, (x,), y, torch.nn.functional.cross_entropy)
+    captured.program      # params named by module path, inputs, nodes over the op set
+    captured.units        # weight-streaming units, each with its backward
+    captured.weights      # the module's own initial weights, as float32 numpy
+
+Why torch.export and not torch.fx's symbolic tracer: export runs the module
+on fake tensors, so data-dependent Python (shapes read off tensors, `.view(B,
+T, ...)`, `split`, loops over a ModuleList) resolves to static shapes and
+plain ATen ops; it names every parameter by its module path, records each
+node's module stack and source line, and de-duplicates tied parameters.
+symbolic_trace keeps `.shape` as proxies and calls to modules as
+call_module nodes that would each need their own lowering.
+
+The model and the loss are exported together (one wrapper module), so the
+loss is part of the program and its backward comes from the same rules.
+ATen ops become ops of the op set by the table `_LOWER`; a node whose
+inputs are all constants (an arange of positions, a causal mask built with
+tril) is evaluated here by torch once and enters as a constant. An op not in
+the table fails here, naming the module path, the op and the source line.
+"""
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cs_runtime.compiler.units import split_units
+from cs_runtime.numerics.program import Node, Program, Unit, Value, infer_values
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_INT64_MAX = 2 ** 63 - 1
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64", torch.int32: "int32",
+           torch.bool: "bool"}
+
+
+class CaptureError(ValueError):
+    """The model cannot be captured; one line naming the module path, the op and the source line."""
+
+
+@dataclass
+class Captured:
+    program: Program
+    units: list[Unit]
+    shapes: dict[str, tuple]
+    dtypes: dict[str, str]
+    weights: dict[str, np.ndarray]          # parameter name -> float32 initial value (the module's own)
+    input_names: list[str]                  # the model's inputs, then "target"
+    aliases: dict[str, str]                 # state_dict key of a tied parameter -> its program name
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, *args):
+        return self.loss_fn(self.model(*args[:-1]), args[-1])
+
+
+def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn) -> Captured:
+    """The program of `loss_fn(model(*example_inputs), example_target)` at these shapes."""
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
+    examples = tuple(t.clone() for t in (*inputs, example_target))
+    try:
+        exported = torch.export.export(_WithLoss(model, loss_fn), examples)
+    except Exception as exc:  # torch raises many types; the user needs the one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(f"torch.export could not trace the model: {first}") from exc
+    return _Lowering(exported, model).run()
+
+
+def _source(fx_node) -> str:
+    """file:line of the innermost frame outside torch (the user's line)."""
+    trace = fx_node.meta.get("stack_trace") or ""
+    best = ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[6:].partition('", line ')
+            if not path.startswith(_TORCH_DIR) and path != __file__:
+                best = f"{os.path.basename(path)}:{rest.split(',')[0]}"
+    return best
+
+
+def _module_path(fx_node) -> str:
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    path = path.replace("L['self'].", "").replace("L__self__.", "")
+    if path == "model" or path == "loss_fn":
+        return ""
+    for prefix in ("model.", "loss_fn."):
+        if path.startswith(prefix):
+            return path[len(prefix):]
+    return path
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+class _Lowering:
+    def __init__(self, exported, model):
+        self.ep, self.model = exported, model
+        self.names: dict = {}          # fx node -> program value name (or list of names, for split)
+        self.constants: dict = {}      # fx node -> torch value, for nodes computed at capture
+        self.nodes: list[Node] = []
+        self.params: dict[str, Value] = {}
+        self.inputs: dict[str, Value] = {}
+        self.consts: dict[str, np.ndarray] = {}
+        self.fx_node = None
+
+    def run(self) -> Captured:
+        sig = self.ep.graph_signature
+        state = {**self.ep.state_dict, **getattr(self.ep, "constants", {})}
+        user_inputs = []
+        for node in self.ep.graph.nodes:
+            self.fx_node = node
+            if node.op == "placeholder":
+                self._placeholder(node, sig, state, user_inputs)
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                (out,) = node.args[0]
+                loss = self._value(out)
+        names = [*(f"input{i}" for i in range(len(user_inputs) - 1)), "target"]
+        rename = dict(zip(user_inputs, names))
+        outputs = {"loss": loss}
+        last = self.nodes[-1] if self.nodes else None
+        if last is not None and last.outputs[0] == loss and last.op == "cross_entropy":
+            # The scores a classification loss reads: eval counts the predictions they get right.
+            outputs["logits"] = last.inputs[0]
+        program = _renamed(Program(self.params, self.inputs, self.consts, self.nodes, outputs), rename)
+        program.validate()
+        shapes, dtypes = infer_values(program)
+        if shapes[program.outputs["loss"]] != ():
+            raise CaptureError(f"the loss function returns shape {shapes[program.outputs['loss']]}, not a scalar")
+        units = split_units(program, shapes, dtypes)
+        weights = {name: _numpy(state[self._param_targets[name]]).astype(np.float32)
+                   for name in program.params}
+        return Captured(program, units, shapes, dtypes, weights, names, self._aliases())
+
+    # ------------------------------------------------------------ sources
+
+    def _placeholder(self, node, sig, state, user_inputs):
+        val = node.meta.get("val")
+        name = node.name
+        self._param_targets = getattr(self, "_param_targets", {})
+        if name in sig.inputs_to_parameters:
+            pname = _strip(sig.inputs_to_parameters[name])
+            self.params[pname] = Value(tuple(val.shape), self._dtype(val))
+            self._param_targets[pname] = sig.inputs_to_parameters[name]
+            self.names[node] = pname
+        elif name in sig.inputs_to_buffers or name in getattr(sig, "inputs_to_lifted_tensor_constants", {}):
+            target = sig.inputs_to_buffers.get(name) or sig.inputs_to_lifted_tensor_constants[name]
+            self.constants[node] = state[target]
+            self.names[node] = None
+        else:
+            self.inputs[name] = Value(tuple(val.shape), self._dtype(val))
+            self.names[node] = name
+            user_inputs.append(name)
+
+    def _aliases(self) -> dict[str, str]:
+        """state_dict keys that share a captured parameter's storage (tied weights)."""
+        owner_of = {self.model.get_parameter(name).data_ptr(): name for name in self.params}
+        aliases = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            owner = owner_of.get(t.data_ptr())
+            if owner is not None and key != owner:
+                aliases[key] = owner
+        return aliases
+
+    def _dtype(self, val) -> str:
+        if val.dtype not in _DTYPES:
+            raise self.error(f"tensor of dtype {val.dtype} (supported: {sorted(_DTYPES.values())})")
+        return _DTYPES[val.dtype]
+
+    # ------------------------------------------------------------ ops
+
+    def error(self, what: str) -> CaptureError:
+        node = self.fx_node
+        where = _module_path(node) or "<root>"
+        target = str(node.target)
+        line = _source(node)
+        return CaptureError(f"module {where}: op {target}{' at ' + line if line else ''}: {what}")
+
+    def _is_const(self, arg) -> bool:
+        if isinstance(arg, torch.fx.Node):
+            return arg in self.constants
+        if isinstance(arg, (list, tuple)):
+            return all(self._is_const(a) for a in arg)
+        return True
+
+    def _concrete(self, arg):
+        if isinstance(arg, torch.fx.Node):
+            return self.constants[arg]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self._concrete(a) for a in arg)
+        return arg
+
+    def _call(self, node):
+        if node.target is operator.getitem:
+            source, index = node.args
+            if source in self.constants:
+                self.constants[node] = self.constants[source][index]
+            else:
+                self.names[node] = self.names[source][index]
+            return
+        if "_assert" in str(node.target):
+            return
+        if self._is_const(list(node.args)) and self._is_const(list(node.kwargs.values())):
+            # A constant of the program (positions, a causal mask): torch computes it once, here.
+            self.constants[node] = node.target(*self._concrete(node.args), **self._concrete(node.kwargs))
+            return
+        packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
+        lower = _LOWER.get(packet)
+        if lower is None:
+            raise self.error("not in the op set (docs/torch.md lists the supported ops)")
+        result = lower(self, node, *node.args, **node.kwargs)
+        self.names[node] = result
+
+    def _value(self, arg) -> str:
+        """The program value of an fx argument (a constant tensor becomes a program constant)."""
+        if arg in self.constants:
+            name = f"const{len(self.consts)}"
+            value = self.constants[arg]
+            array = _numpy(value)
+            if value.dtype not in _DTYPES:
+                raise self.error(f"constant of dtype {value.dtype}")
+            self.consts[name] = array
+            self.names[arg] = name
+            del self.constants[arg]
+            return name
+        name = self.names.get(arg)
+        if name is None or isinstance(name, list):
+            raise self.error(f"argument {arg} has no single value")
+        return name
+
+    def emit(self, op: str, inputs, attrs=None, out: str | None = None) -> str:
+        node = self.fx_node
+        name = out or node.name
+        if any(o == name for n in self.nodes for o in n.outputs):
+            name = f"{name}_{len(self.nodes)}"
+        self.nodes.append(Node(op, tuple(self._value(i) if not isinstance(i, str) else i for i in inputs),
+                               (name,), attrs or {}, _module_path(node), _source(node)))
+        return name
+
+    def scalar_of(self, arg):
+        """A Python number, from a literal or a 0-d constant tensor; None when arg is a tensor value."""
+        if isinstance(arg, (int, float, bool)):
+            return arg
+        if isinstance(arg, torch.fx.Node) and arg in self.constants and self.constants[arg].dim() == 0:
+            return self.constants[arg].item()
+        return None
+
+
+def _numpy(t) -> np.ndarray:
+    return t.detach().cpu().numpy().copy()
+
+
+def _renamed(program: Program, rename: dict) -> Program:
+    r = lambda n: rename.get(n, n)  # noqa: E731
+    nodes = [Node(n.op, tuple(r(i) for i in n.inputs), tuple(r(o) for o in n.outputs), n.attrs, n.module, n.source)
+             for n in program.nodes]
+    inputs = {r(k): v for k, v in program.inputs.items()}
+    return Program(program.params, inputs, program.consts, nodes, {k: r(v) for k, v in program.outputs.items()})
+
+
+# ---------------------------------------------------------------- ATen -> op set
+
+def _binary(op):
+    def lower(L, node, a, b, alpha=1, **kw):
+        if kw.get("rounding_mode"):
+            raise L.error(f"division with rounding_mode={kw['rounding_mode']!r}")
+        attrs = {"alpha": alpha} if alpha != 1 else {}
+        sa, sb = L.scalar_of(a), L.scalar_of(b)
+        if sb is not None:
+            return L.emit(op, [a], {**attrs, "scalar": sb})
+        if sa is not None:
+            return L.emit(op, [b], {**attrs, "scalar": sa, "reverse": True})
+        return L.emit(op, [a, b], attrs)
+    return lower
+
+
+def _unary(op, **fixed):
+    return lambda L, node, x, *a, **kw: L.emit(op, [x], dict(fixed))
+
+
+def _identity(L, node, x, *args, **kw):
+    return L.names[x] if x not in L.constants else L._value(x)
+
+
+def _rsub(L, node, x, other, alpha=1):
+    s = L.scalar_of(other)
+    if s is None:
+        return L.emit("sub", [other, x], {"alpha": alpha} if alpha != 1 else {})
+    if alpha != 1:
+        raise L.error("rsub with alpha")
+    return L.emit("sub", [x], {"scalar": s, "reverse": True})
+
+
+def _compare(cmp):
+    def lower(L, node, a, b):
+        s = L.scalar_of(b)
+        return L.emit("compare", [a], {"cmp": cmp, "scalar": s}) if s is not None else \
+            L.emit("compare", [a, b], {"cmp": cmp})
+    return lower
+
+
+def _to(L, node, x, *args, **kw):
+    dtype = kw.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+    if dtype is None or node.meta["val"].dtype == x.meta["val"].dtype:
+        return _identity(L, node, x)
+    return L.emit("cast", [x], {"dtype": L._dtype(node.meta["val"])})
+
+
+def _dropout(L, node, x, p, train=True):
+    if p and train:
+        raise L.error(f"dropout with p={p} in training (set p=0; masks are not drawn for captured models yet)")
+    return _identity(L, node, x)
+
+
+def _layer_norm(L, node, x, normalized_shape, weight=None, bias=None, eps=1e-5, *rest):
+    if weight is None and bias is not None:
+        raise L.error("layer_norm with a bias but no weight")
+    ins = [x] + ([weight] if weight is not None else []) + ([bias] if bias is not None else [])
+    return L.emit("layer_norm", ins, {"normalized_shape": list(normalized_shape), "eps": float(eps)})
+
+
+def _linear(L, node, x, w, b=None):
+    return L.emit("linear", [x, w] + ([b] if b is not None else []))
+
+
+def _addmm(L, node, bias, a, b, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        raise L.error(f"addmm with beta={beta}, alpha={alpha}")
+    return L.emit("addmm", [bias, a, b])
+
+
+def _embedding(L, node, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if scale_grad_by_freq or sparse:
+        raise L.error("embedding with scale_grad_by_freq or sparse")
+    return L.emit("embedding", [weight, ids], {"padding_idx": int(padding_idx)})
+
+
+def _softmax(op):
+    return lambda L, node, x, dim, *rest, **kw: L.emit(op, [x], {"dim": int(dim)})
+
+
+def _sum(op):
+    def lower(L, node, x, dim=None, keepdim=False, dtype=None):
+        return L.emit(op, [x], {"dim": None if dim is None else list(dim), "keepdim": bool(keepdim)})
+    return lower
+
+
+def _slice(L, node, x, dim=0, start=None, end=None, step=1):
+    end = None if end is not None and end >= _INT64_MAX else end
+    return L.emit("slice", [x], {"dim": int(dim), "start": start, "end": end, "step": int(step)})
+
+
+def _split(L, node, x, split_size, dim=0):
+    size = x.meta["val"].shape[dim]
+    sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
+        [min(split_size, size - s) for s in range(0, size, split_size)]
+    names, start = [], 0
+    for i, n in enumerate(sizes):
+        names.append(L.emit("slice", [x], {"dim": int(dim), "start": start, "end": start + n, "step": 1},
+                            out=f"{node.name}_{i}"))
+        start += n
+    return names
+
+
+def _chunk(L, node, x, chunks, dim=0):
+    size = x.meta["val"].shape[dim]
+    return _split(L, node, x, -(-size // chunks), dim)
+
+
+def _squeeze(L, node, x, dim=None):
+    dims = None if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    return L.emit("squeeze", [x], {"dims": dims})
+
+
+def _where(L, node, cond, a, b):
+    attrs, ins = {}, [cond]
+    for key, v in (("self_scalar", a), ("other_scalar", b)):
+        s = L.scalar_of(v)
+        if s is not None:
+            attrs[key] = s
+        else:
+            ins.append(v)
+    return L.emit("where", ins, attrs)
+
+
+def _masked_fill(L, node, x, mask, value):
+    s = L.scalar_of(value)
+    if s is None:
+        raise L.error("masked_fill with a tensor value that is not a constant")
+    return L.emit("masked_fill", [x, mask], {"value": float(s)})
+
+
+def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p:
+        raise L.error(f"scaled_dot_product_attention with dropout_p={dropout_p}")
+    if enable_gqa:
+        raise L.error("scaled_dot_product_attention with enable_gqa")
+    ins = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
+    return L.emit("scaled_dot_product_attention", ins, {"is_causal": bool(is_causal), "scale": scale})
+
+
+def _conv2d(L, node, x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    if isinstance(padding, str):
+        raise L.error(f"conv2d with padding={padding!r} (give the padding as numbers)")
+    attrs = {"stride": list(_pair(stride)), "padding": list(_pair(padding)), "dilation": list(_pair(dilation)),
+             "groups": int(groups)}
+    return L.emit("conv2d", [x, w] + ([b] if b is not None else []), attrs)
+
+
+def _pair(v):
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return (int(v[0]), int(v[-1]))
+
+
+def _max_pool(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return L.emit("max_pool2d", [x], {"kernel_size": list(_pair(kernel_size)),
+                                      "stride": list(_pair(stride)) if stride else None,
+                                      "padding": list(_pair(padding)), "dilation": list(_pair(dilation)),
+                                      "ceil_mode": bool(ceil_mode)})
+
+
+def _avg_pool(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    if divisor_override:
+        raise L.error("avg_pool2d with divisor_override")
+    return L.emit("avg_pool2d", [x], {"kernel_size": list(_pair(kernel_size)),
+                                      "stride": list(_pair(stride)) if stride else None,
+                                      "padding": list(_pair(padding)), "ceil_mode": bool(ceil_mode),
+                                      "count_include_pad": bool(count_include_pad)})
+
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _reduction(L, r):
+    name = _REDUCTIONS.get(r, r)
+    if name not in ("mean", "sum"):
+        raise L.error(f"loss reduction {name!r} (only mean and sum)")
+    return name
+
+
+def _cross_entropy(L, node, x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    if weight is not None or label_smoothing:
+        raise L.error("cross_entropy with class weights or label smoothing")
+    return L.emit("cross_entropy", [x, target], {"reduction": _reduction(L, reduction),
+                                                 "ignore_index": int(ignore_index)})
+
+
+def _nll(L, node, x, target, weight=None, reduction=1, ignore_index=-100):
+    if weight is not None:
+        raise L.error("nll_loss with class weights")
+    return L.emit("nll_loss", [x, target], {"reduction": _reduction(L, reduction),
+                                            "ignore_index": int(ignore_index)})
+
+
+def _mse(L, node, a, b, reduction=1):
+    return L.emit("mse_loss", [a, b], {"reduction": _reduction(L, reduction)})
+
+
+def _broadcast_tensors(L, node, tensors):
+    shape = list(node.meta["val"][0].shape)
+    return [L.emit("expand", [t], {"shape": shape}, out=f"{node.name}_{i}") for i, t in enumerate(tensors)]
+
+
+def _gelu(L, node, x, approximate="none"):
+    return L.emit("gelu", [x], {"approximate": approximate})
+
+
+_LOWER = {
+    "linear": _linear, "addmm": _addmm,
+    "mm": lambda L, n, a, b: L.emit("mm", [a, b]), "bmm": lambda L, n, a, b: L.emit("bmm", [a, b]),
+    "matmul": lambda L, n, a, b: L.emit("matmul", [a, b]),
+    "add": _binary("add"), "sub": _binary("sub"), "mul": _binary("mul"), "div": _binary("div"),
+    "rsub": _rsub, "neg": _unary("neg"),
+    "relu": _unary("relu"), "gelu": _gelu, "tanh": _unary("tanh"), "sigmoid": _unary("sigmoid"),
+    "silu": _unary("silu"),
+    "softmax": _softmax("softmax"), "_softmax": _softmax("softmax"),
+    "log_softmax": _softmax("log_softmax"), "_log_softmax": _softmax("log_softmax"),
+    "layer_norm": _layer_norm, "embedding": _embedding, "dropout": _dropout,
+    "view": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
+    "reshape": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
+    "_unsafe_view": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
+    "flatten": lambda L, n, x, start_dim=0, end_dim=-1: L.emit("flatten", [x], {"start_dim": start_dim,
+                                                                               "end_dim": end_dim}),
+    "permute": lambda L, n, x, dims: L.emit("permute", [x], {"dims": list(dims)}),
+    "transpose": lambda L, n, x, d0, d1: L.emit("transpose", [x], {"dim0": int(d0), "dim1": int(d1)}),
+    "t": lambda L, n, x: L.emit("transpose", [x], {"dim0": 0, "dim1": -1}),
+    "expand": lambda L, n, x, shape, implicit=False: L.emit("expand", [x], {"shape": list(shape)}),
+    "slice": _slice, "split": _split, "split_with_sizes": _split, "chunk": _chunk,
+    "unsqueeze": lambda L, n, x, dim: L.emit("unsqueeze", [x], {"dim": int(dim)}),
+    "squeeze": _squeeze, "clone": lambda L, n, x, **kw: L.emit("clone", [x]),
+    "contiguous": _identity, "alias": _identity, "lift_fresh_copy": _identity,
+    "detach": lambda L, n, x: L.emit("detach", [x]),
+    "to": _to, "_to_copy": _to, "type_as": lambda L, n, x, other: _to(L, n, x, dtype=other.meta["val"].dtype),
+    "where": _where, "masked_fill": _masked_fill,
+    "eq": _compare("eq"), "ne": _compare("ne"), "lt": _compare("lt"), "le": _compare("le"),
+    "gt": _compare("gt"), "ge": _compare("ge"),
+    "bitwise_not": lambda L, n, x: L.emit("logical_not", [x]), "logical_not": lambda L, n, x: L.emit("logical_not", [x]),
+    "scaled_dot_product_attention": _sdpa,
+    "sum": _sum("sum"), "mean": _sum("mean"),
+    "gather": lambda L, n, x, dim, index, sparse_grad=False: L.emit("gather", [x, index], {"dim": int(dim)}),
+    "conv2d": _conv2d, "max_pool2d": _max_pool, "avg_pool2d": _avg_pool,
+    "cross_entropy_loss": _cross_entropy, "nll_loss": _nll, "nll_loss_nd": _nll, "mse_loss": _mse,
+    "broadcast_tensors": _broadcast_tensors,
+}
+
+
+# ---------------------------------------------------------------- weights back and forth
+
+def load_into(module: torch.nn.Module, weights: dict[str, np.ndarray], aliases: dict[str, str] | None = None) -> None:
+    """Load program weights (a checkpoint's, or a run's) into the torch module with
+    load_state_dict; a tied parameter's other state_dict keys get the same tensor."""
+    state = {name: torch.from_numpy(np.array(w, dtype=np.float32)) for name, w in weights.items()}
+    for key, owner in (aliases or {}).items():
+        if owner in state:
+            state[key] = state[owner]
+    current = module.state_dict()
+    for key, value in current.items():   # buffers (causal masks) stay as the module has them
+        state.setdefault(key, value)
+    module.load_state_dict(state)
+
+
+def weights_from_state_dict(state_dict: dict, param_names) -> dict[str, np.ndarray]:
+    """A torch state_dict as the program's starting weights (float32 numpy)."""
+    missing = [n for n in param_names if n not in state_dict]
+    if missing:
+        raise CaptureError(f"state_dict lacks parameter {missing[0]!r} ({len(missing)} missing)")
+    return {n: _numpy(state_dict[n]).astype(np.float32) for n in param_names}
+
+
+# ---------------------------------------------------------------- hand it to run()
+
+def model_spec(name: str, module: torch.nn.Module, example_inputs, example_target, loss_fn,
+               state_dict: dict | None = None):
+    """What a run.py's model_fn returns for a torch model: the captured program as a
+    ModelSpec of weight-streaming units, starting from the module's own weights
+    (or from `state_dict`, a torch state_dict)."""
+    from cs_runtime.compiler.units import program_spec
+    captured = capture(module, example_inputs, example_target, loss_fn)
+    weights = captured.weights if state_dict is None else \
+        weights_from_state_dict(_untied(state_dict, captured.aliases), captured.program.params)
+    spec = program_spec(name, captured.program, captured.units, captured.shapes, captured.dtypes, weights)
+    return spec
+
+
+def _untied(state_dict: dict, aliases: dict[str, str]) -> dict:
+    """A state_dict with a tied parameter under its program name too."""
+    out = dict(state_dict)
+    for key, owner in aliases.items():
+        if owner not in out and key in out:
+            out[owner] = out[key]
+    return out
+
+
+def checkpoint_weights(path: str) -> dict[str, np.ndarray]:
+    """A run's checkpoint as {parameter name: array}, ready for load_into."""
+    from cs_runtime import checkpoint as ckpt
+    state = ckpt.load(path)
+    return {p: w for layer in state.weights.values() for p, w in layer.items()}

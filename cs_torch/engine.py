@@ -1,0 +1,60 @@
+"""The step engine of the 2.x API: one captured program, run on the one
+executor (cs_runtime/numerics/executor.py) in weight-streaming order (unit
+by unit, forward then backward), with the weights kept in the torch
+module's own parameter storage.
+
+    engine = StepEngine(captured, model)
+    loss, grads = engine.train(inputs, seed=loss_scale)   # grads: {torch.nn.Parameter: ndarray}
+    loss = engine.evaluate(inputs)
+
+The parameters' storage is shared with numpy (`p.detach().numpy()`), so an
+optimizer's in-place update is the torch module's update: `model.state_dict()`
+and cstorch.save see the trained weights with no copy back.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cs_runtime.numerics.executor import forward_backward, run_nodes
+
+from .nn import CsTorchError
+
+
+class StepEngine:
+    def __init__(self, captured, model: torch.nn.Module):
+        self.captured = captured
+        self.program = captured.program
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for name in self.program.params:
+            try:
+                p = model.get_parameter(name)
+            except AttributeError:
+                raise CsTorchError(f"trace: the captured parameter {name!r} is not a parameter of the model") from None
+            if p.dtype != torch.float32:
+                raise CsTorchError(f"trace: parameter {name} is {p.dtype}; the CS system trains float32 master "
+                                   "weights (use cstorch.amp for half precision)")
+            self.params[name] = p
+        self.loss_name = self.program.outputs["loss"]
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {name: p.detach().numpy() for name, p in self.params.items()}
+
+    def feed(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+        inputs = {}
+        for name, array in zip(self.captured.input_names, arrays):
+            want = self.program.inputs[name]
+            if tuple(array.shape) != tuple(want.shape):
+                raise CsTorchError(f"trace: {name} has shape {tuple(array.shape)}, but the step was compiled for "
+                                   f"{tuple(want.shape)} (one shape per traced step: use drop_last=True)")
+            inputs[name] = np.ascontiguousarray(array, dtype=want.dtype)
+        return inputs
+
+    def train(self, arrays, seed: float = 1.0):
+        loss, grads = forward_backward(self.captured.units, self.weights(), self.feed(arrays),
+                                       self.program.consts, self.loss_name, seed)
+        return loss, {self.params[name]: g for name, g in grads.items()}
+
+    def evaluate(self, arrays) -> float:
+        env = run_nodes(self.program.nodes, {**self.weights(), **self.feed(arrays), **self.program.consts})
+        return float(env[self.loss_name])

@@ -1,0 +1,184 @@
+"""cstorch.optim for torch modules (2.x API): SGD (with nesterov), Adam, AdamW.
+
+    optimizer = cstorch.optim.SGD(model.parameters(), 0.01, momentum=0.9, nesterov=True)
+
+Torch's signatures, update rules and state_dict layout; the documented
+defaults of the Cerebras optimizers (Adam's and AdamW's eps=1e-6). The
+update runs in numpy, in place, on the parameters' own storage (float32),
+so it is the same whether a traced step applies the CS system's gradients
+(`apply`) or an eager loop calls `step()` after `loss.backward()`.
+Inside a traced step `step()` and `zero_grad()` are recorded, not done.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .nn import CsTorchError
+
+
+def _as_groups(params, defaults: dict) -> list[dict]:
+    params = list(params)
+    if not params:
+        raise CsTorchError("optimizer got an empty parameter list")
+    groups = params if isinstance(params[0], dict) else [{"params": params}]
+    out = []
+    for group in groups:
+        group = {**defaults, **group, "params": list(group["params"])}
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise CsTorchError(f"optimizer: expected torch parameters, got {type(p).__name__}")
+        out.append(group)
+    return out
+
+
+class Optimizer:
+    """Param groups, per-parameter state (torch tensors) and torch's state_dict format."""
+
+    def __init__(self, params, defaults: dict):
+        lr = defaults["lr"]
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
+            raise CsTorchError(f"{type(self).__name__}: lr must be a non-negative number, got {lr!r}")
+        self.defaults = defaults
+        self.param_groups = _as_groups(params, defaults)
+        self.state: dict = {}
+
+    # ------------------------------------------------------------ torch's calls
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        from .tracing import probing, replaying
+        if probing() is not None or replaying() is not None:
+            return   # gradients are per step on the CS system
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
+    def step(self, closure=None) -> None:
+        from .tracing import probing, replaying
+        if closure is not None:
+            raise CsTorchError(f"{type(self).__name__}.step: a closure is not supported")
+        probe = probing()
+        if probe is not None:
+            probe.record("opt_step", self)
+            return
+        if replaying() is not None:
+            return
+        self.apply({p: p.grad.detach().numpy() for g in self.param_groups for p in g["params"]
+                    if p.grad is not None})
+
+    def apply(self, grads: dict) -> None:
+        """One update of every parameter with a gradient in grads ({parameter: ndarray})."""
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    g = grads.get(p)
+                    if g is not None:
+                        self._update(p.detach().numpy(), np.asarray(g, dtype=np.float32), group,
+                                     self.state.setdefault(p, {}))
+
+    def _buffer(self, state: dict, key: str, like: np.ndarray) -> np.ndarray:
+        if key not in state:
+            state[key] = torch.zeros(like.shape, dtype=torch.float32)
+        return state[key].numpy()
+
+    # ------------------------------------------------------------ state_dict
+    def state_dict(self) -> dict:
+        index, groups = {}, []
+        for group in self.param_groups:
+            ids = []
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+                ids.append(index[id(p)])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        state = {index[id(p)]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                 for p, s in self.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise CsTorchError(f"{type(self).__name__}.load_state_dict: {len(self.param_groups)} param groups "
+                               f"expected, the state_dict has {len(groups) if isinstance(groups, list) else 'none'}")
+        by_index = {}
+        for mine, theirs in zip(self.param_groups, groups):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise CsTorchError(f"{type(self).__name__}.load_state_dict: a param group's size differs")
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+            by_index.update(zip(theirs["params"], mine["params"]))
+        self.state = {}
+        for key, s in state_dict.get("state", {}).items():
+            p = by_index.get(int(key))
+            if p is None:
+                raise CsTorchError(f"{type(self).__name__}.load_state_dict: state for unknown parameter {key}")
+            self.state[p] = {k: (v.detach().clone().float() if isinstance(v, torch.Tensor) else v)
+                             for k, v in s.items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.defaults})"
+
+
+class SGD(Optimizer):
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False):
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise CsTorchError("SGD: nesterov momentum requires a momentum and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov, maximize=maximize))
+
+    def _update(self, p, g, group, state):
+        if group["maximize"]:
+            g = -g
+        if group["weight_decay"]:
+            g = g + np.float32(group["weight_decay"]) * p
+        momentum = group["momentum"]
+        if momentum:
+            fresh = "momentum_buffer" not in state
+            buf = self._buffer(state, "momentum_buffer", p)
+            if fresh:
+                buf[...] = g
+            else:
+                buf *= np.float32(momentum)
+                buf += np.float32(1 - group["dampening"]) * g
+            g = g + np.float32(momentum) * buf if group["nesterov"] else buf
+        p -= np.float32(group["lr"]) * g
+
+
+class Adam(Optimizer):
+    decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, amsgrad: bool = False):
+        if amsgrad:
+            raise CsTorchError(f"{type(self).__name__}: amsgrad=True is not supported")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      amsgrad=False))
+
+    def _update(self, p, g, group, state):
+        b1, b2 = (np.float32(b) for b in group["betas"])
+        wd = group["weight_decay"]
+        if wd and self.decoupled:
+            p *= np.float32(1 - group["lr"] * wd)
+        elif wd:
+            g = g + np.float32(wd) * p
+        state["step"] = step = float(state.get("step", 0.0)) + 1
+        m = self._buffer(state, "exp_avg", p)
+        v = self._buffer(state, "exp_avg_sq", p)
+        m += (g - m) * (np.float32(1) - b1)        # torch's lerp
+        v *= b2
+        v += (np.float32(1) - b2) * g * g
+        c1, c2 = 1 - float(b1) ** step, 1 - float(b2) ** step
+        denom = np.sqrt(v) / np.float32(np.sqrt(c2)) + np.float32(group["eps"])
+        p -= np.float32(group["lr"] / c1) * (m / denom)
+
+
+class AdamW(Adam):
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, correct_bias: bool = True, amsgrad: bool = False):
+        if not correct_bias:
+            raise CsTorchError("AdamW: correct_bias=False is not supported")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad)

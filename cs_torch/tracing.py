@@ -1,0 +1,441 @@
+"""cstorch.compile, @cstorch.trace, @cstorch.step_closure, @cstorch.checkpoint_closure.
+
+    compiled_model = cstorch.compile(model, backend)
+
+    @cstorch.trace
+    def training_step(inputs, targets):
+        outputs = compiled_model(inputs)
+        loss = loss_fn(outputs, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        lr_scheduler.step()
+        return loss
+
+How a step is captured, once, on its first call:
+
+1. The probe: the step runs eagerly with its effects recorded instead of
+   done: which arguments the compiled model is called with, which tensor
+   `backward()` is called on (the loss), and, in order, the optimizer steps,
+   scheduler steps, loss-scaler calls, step closures and summaries.
+2. The capture: cs_torch.capture exports the model together with a replay
+   of the step as its loss function (the model's output fed in, every
+   tensor argument of the step a program input), so whatever the step
+   computes between the model and `backward()` is part of the program.
+3. Every call (the first included) then runs the program -- with a CSX
+   backend as a job of the CS system (cluster_step.py: MemoryX applies the
+   update), with a CPU backend here on the one executor, unit by unit --
+   and does the recorded effects in their order with the values it
+   computed: the optimizer applies the gradients (CPU), the schedulers
+   step, the closures get the loss as a host tensor.
+
+What a step may return or hand a closure: the loss, or plain Python values.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import numpy as np
+import torch
+
+from .backends import current_backend
+from .nn import CsTorchError
+
+# The trace in progress: a _Probe while the step runs eagerly, a _Replay while it is exported.
+_active = {"probe": None, "replay": None}
+
+
+def probing():
+    return _active["probe"]
+
+
+def replaying():
+    return _active["replay"]
+
+
+class CompiledModel:
+    """cstorch.compile's result: calls inside a traced step are compiled; calls outside run eagerly."""
+
+    def __init__(self, model: torch.nn.Module, backend):
+        self.model, self.backend = model, backend
+
+    def __call__(self, *args, **kwargs):
+        replay = replaying()
+        if replay is not None:
+            return replay.model_output
+        probe = probing()
+        if probe is not None:
+            if kwargs:
+                raise CsTorchError("trace: call the compiled model with positional tensors (no keywords)")
+            probe.model_call(args, self)
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["model"], name)
+
+    def __repr__(self) -> str:
+        return f"CompiledModel({type(self.model).__name__}, backend={self.backend.backend_type})"
+
+
+def compile(model: torch.nn.Module, backend=None) -> CompiledModel:  # noqa: A001 (the documented name)
+    if not isinstance(model, torch.nn.Module):
+        raise CsTorchError(f"compile: expected a torch.nn.Module, got {type(model).__name__}")
+    backend = backend or current_backend()
+    return CompiledModel(model, backend)
+
+
+# ---------------------------------------------------------------- the probe
+def _flatten(obj, leaves: list):
+    """A template of obj with each leaf replaced by its index in `leaves`."""
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_flatten(o, leaves) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, leaves) for k, v in obj.items()}
+    leaves.append(obj)
+    return _Leaf(len(leaves) - 1)
+
+
+class _Leaf(int):
+    pass
+
+
+def _rebuild(template, leaves):
+    if isinstance(template, _Leaf):
+        return leaves[template]
+    if isinstance(template, (tuple, list)):
+        return type(template)(_rebuild(t, leaves) for t in template)
+    if isinstance(template, dict):
+        return {k: _rebuild(v, leaves) for k, v in template.items()}
+    return template
+
+
+class _Probe:
+    def __init__(self):
+        self.model_args = None
+        self.loss = None
+        self.effects: list[tuple] = []
+
+    def model_call(self, args, compiled):
+        if self.model_args is not None:
+            raise CsTorchError("trace: the step calls the compiled model twice; a traced step calls it once")
+        self.model_args, self.compiled = args, compiled
+
+    def record(self, *effect):
+        self.effects.append(effect)
+
+
+def _backward_recorder(tensor, *args, **kwargs):
+    state = probing() or replaying()
+    if state.loss is not None and state.loss is not tensor:
+        raise CsTorchError("trace: backward() is called twice in one step; a traced step has one loss")
+    state.loss = tensor
+
+
+class _Patched:
+    """Tensor.backward records the loss while a step is probed or replayed."""
+
+    def __enter__(self):
+        self.saved = torch.Tensor.backward
+        torch.Tensor.backward = _backward_recorder
+
+    def __exit__(self, *exc):
+        torch.Tensor.backward = self.saved
+
+
+class _Replay:
+    def __init__(self, model_output):
+        self.model_output = model_output
+        self.loss = None
+
+
+# ---------------------------------------------------------------- values to and from the program
+class _LossRef:
+    """Where the loss goes in a closure's arguments or the step's return value."""
+
+
+LOSS = _LossRef()
+
+
+def _has_tensor(obj) -> bool:
+    if isinstance(obj, (torch.Tensor, _LossRef)):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_tensor(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_has_tensor(o) for o in obj.values())
+    return False
+
+
+def _spec(value, loss, what: str):
+    """value with the loss tensor replaced by LOSS; any other tensor is an error. Containers
+    without tensors stay the very objects the step gave (a closure may append to a list)."""
+    if not _has_tensor(value):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value is loss:
+            return LOSS
+        raise CsTorchError(f"trace: {what} is a tensor other than the loss ({tuple(value.shape)}); a traced step "
+                           "hands out the loss (compute other values from it, or outside the step)")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_spec(v, loss, what) for v in value)
+    if isinstance(value, dict):
+        return {k: _spec(v, loss, what) for k, v in value.items()}
+    return value
+
+
+def _materialize(spec, loss_tensor):
+    if not _has_tensor(spec):
+        return spec
+    if spec is LOSS:
+        return loss_tensor
+    if isinstance(spec, (tuple, list)):
+        return type(spec)(_materialize(s, loss_tensor) for s in spec)
+    if isinstance(spec, dict):
+        return {k: _materialize(v, loss_tensor) for k, v in spec.items()}
+    return spec
+
+
+# ---------------------------------------------------------------- the traced step
+class TracedStep:
+    def __init__(self, fn):
+        self.fn = fn
+        self.engine = None
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise CsTorchError(f"trace: call {self.fn.__name__} with positional arguments")
+        leaves: list = []
+        template = _flatten(args, leaves)
+        if self.engine is None:
+            self._capture(template, leaves)
+            backend = self.compiled.backend
+            if backend.compile_only or backend.validate_only:
+                return None
+        return self._run(leaves)
+
+    # ------------------------------------------------------------ capture (once)
+    def _capture(self, template, leaves):
+        from . import capture as capture_mod
+        from .engine import StepEngine
+        probe = _Probe()
+        _active["probe"] = probe
+        try:
+            with _Patched():
+                returned = self.fn(*_rebuild(template, leaves))
+        finally:
+            _active["probe"] = None
+        if probe.model_args is None:
+            raise CsTorchError(f"trace: {self.fn.__name__} never calls a compiled model (cstorch.compile(model))")
+        self.compiled = probe.compiled
+        model = self.compiled.model
+        if probe.loss is None:   # an eval step: the loss is the tensor it returns
+            tensors = [v for v in _flat_values(returned) if isinstance(v, torch.Tensor)]
+            if len(tensors) != 1:
+                raise CsTorchError("trace: a step without backward() returns exactly one tensor, its loss")
+            probe.loss = tensors[0]
+        if probe.loss.dim() != 0:
+            raise CsTorchError(f"trace: the loss has shape {tuple(probe.loss.shape)}, not a scalar")
+        tensor_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        for arg in probe.model_args:
+            if not any(arg is leaves[i] for i in tensor_leaves):
+                raise CsTorchError("trace: call the compiled model with the step's own tensor arguments "
+                                   "(a tensor computed inside the step cannot be streamed to the CS system)")
+        self.tensor_leaves = tensor_leaves
+        self.model_arg_leaves = [next(i for i in tensor_leaves if arg is leaves[i]) for arg in probe.model_args]
+        self.returned = _spec(returned, probe.loss, "the step's return value")
+        self.effects = [self._effect_spec(e, probe.loss) for e in probe.effects]
+        self.training = any(e[0] in ("opt_step", "scaler_step") for e in self.effects)
+        fn, non_tensors = self.fn, list(leaves)
+        from .utils.data import current_executor
+        executor = current_executor()
+        pair = executor is not None and executor.on_cluster
+        if pair:   # the CS system streams one input and the labels: the program takes exactly those
+            if len(tensor_leaves) != 2 or len(self.model_arg_leaves) != 1:
+                raise CsTorchError(f"trace: with a CSX backend {self.fn.__name__} takes two tensors, the model's "
+                                   "input and the labels, and calls the compiled model with the first")
+            target_leaf = next(i for i in tensor_leaves if i != self.model_arg_leaves[0])
+            non_tensors[self.model_arg_leaves[0]] = _sentinel(leaves[self.model_arg_leaves[0]])
+        self.input_leaves = self.model_arg_leaves + (([target_leaf]) if pair else tensor_leaves)
+
+        def replay_loss(model_output, step_tensors):
+            replay = _Replay(model_output)
+            values = list(non_tensors)
+            if pair:
+                values[target_leaf] = step_tensors
+            else:
+                for index, tensor in zip(tensor_leaves, step_tensors):
+                    values[index] = tensor
+            _active["replay"] = replay
+            try:
+                with _Patched():
+                    result = fn(*_rebuild(template, values))
+            finally:
+                _active["replay"] = None
+            if replay.loss is None:
+                replay.loss = next(v for v in _flat_values(result) if isinstance(v, torch.Tensor))
+            return replay.loss
+
+        example = leaves[target_leaf].detach().clone() if pair else \
+            _Tensors(leaves[i].detach().clone() for i in tensor_leaves)
+        was_training = model.training
+        # An eval step (often under torch.no_grad()) is exported with grad off, so that its
+        # no_grad is no change of mode and leaves nothing in the graph.
+        grad_mode = torch.enable_grad() if self.training else torch.no_grad()
+        try:
+            with grad_mode:
+                captured = capture_mod.capture(model, tuple(probe.model_args), example, replay_loss)
+        except capture_mod.CaptureError as exc:
+            raise CsTorchError(f"trace: {exc}") from None
+        finally:
+            model.train(was_training)
+        if pair and any(_is_sentinel(c) for c in captured.program.consts.values()):
+            raise CsTorchError(f"trace: {self.fn.__name__} uses the model's input outside the model; on the CS "
+                               "system the step's loss may read the model's output and the labels only")
+        self.captured = captured
+        self.engine = StepEngine(captured, model)
+        program = captured.program
+        print(f"cs_torch: compiled {self.fn.__name__}: {len(program.nodes)} ops, {len(program.params)} parameters, "
+              f"{len(captured.units)} weight-streaming units", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _effect_spec(effect, loss):
+        kind = effect[0]
+        if kind == "closure":
+            _, fn, args, kwargs = effect
+            return ("closure", fn, _spec(args, loss, f"an argument of step closure {fn.__name__}"),
+                    _spec(kwargs, loss, f"an argument of step closure {fn.__name__}"))
+        if kind == "summary":
+            _, name, value = effect
+            return ("summary", name, _spec(value, loss, f"summary {name!r}"))
+        return effect
+
+    # ------------------------------------------------------------ one step
+    def _run(self, leaves):
+        run = self._cluster_run()
+        if run is not None:
+            loss, applied = run.step()   # the batch is the workers'; the arguments are this step's copy
+            return self._effects(loss, {}, cluster_applied=applied)
+        arrays = [_host(leaves[i]) for i in self.input_leaves]
+        scaler = next((e[1] for e in self.effects if e[0] == "scaler_step"), None)
+        if self.training:
+            seed = scaler.scale_value() if scaler is not None else 1.0
+            loss, grads = self.engine.train(arrays, seed)
+        else:
+            loss, grads = self.engine.evaluate(arrays), {}
+        return self._effects(loss, grads)
+
+    def _cluster_run(self):
+        from .utils.data import current_executor
+        executor = current_executor()
+        if executor is None or not executor.on_cluster:
+            if self.compiled.backend.is_csx:
+                raise CsTorchError(f"trace: with a CSX backend, call {self.fn.__name__} inside a loop over a "
+                                   "cstorch.utils.data.DataExecutor (its input workers feed the CS system)")
+            return None
+        return executor.cluster_run(self)
+
+    def _effects(self, loss: float, grads: dict, cluster_applied: bool | None = None):
+        """The step's recorded effects, in order, with its values. On the CS system MemoryX
+        has applied the update already (cluster_applied says whether it did)."""
+        from . import summary
+        loss_tensor = torch.tensor(loss, dtype=torch.float32)
+        found_inf = cluster_applied is False
+        for effect in self.effects:
+            kind = effect[0]
+            if kind == "opt_step" and cluster_applied is None:
+                effect[1].apply(grads)
+            elif kind == "scaler_step" and cluster_applied is None:
+                found_inf = effect[1].step_with(effect[2], grads)
+            elif kind == "scaler_update":
+                effect[1].update_with(found_inf)
+            elif kind == "sched_step":
+                effect[1].step()
+            elif kind == "closure":
+                effect[1](*_materialize(effect[2], loss_tensor), **_materialize(effect[3], loss_tensor))
+            elif kind == "summary":
+                summary.write_scalar(effect[1], _materialize(effect[2], loss_tensor))
+        return _materialize(self.returned, loss_tensor)
+
+
+class _Tensors(tuple):
+    """Every tensor of the step, passed to capture as its target (capture copies it with clone())."""
+
+    def clone(self):
+        return tuple(t.clone() for t in self)
+
+
+_SENTINEL_INT = -987654321
+
+
+def _sentinel(t: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the model's input in the replay: if the loss reads it, it shows up in the
+    program's constants (and the step is refused), never silently baked in."""
+    return torch.full_like(t, float("nan") if t.is_floating_point() else _SENTINEL_INT)
+
+
+def _is_sentinel(array: np.ndarray) -> bool:
+    if np.issubdtype(array.dtype, np.floating):
+        return bool(np.isnan(array).any())
+    return bool(np.issubdtype(array.dtype, np.integer) and (array == _SENTINEL_INT).any())
+
+
+def _flat_values(obj):
+    leaves: list = []
+    _flatten(obj, leaves)
+    return leaves
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def trace(fn) -> TracedStep:
+    """Capture fn's step once, on its first call, then run every call on the CS system's program."""
+    return TracedStep(fn)
+
+
+# ---------------------------------------------------------------- closures
+def _host_values(obj):
+    if not _has_tensor(obj):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_host_values(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _host_values(v) for k, v in obj.items()}
+    return obj
+
+
+def step_closure(fn):
+    """Run fn with its tensors as host tensors once the step's values exist."""
+    @functools.wraps(fn)
+    def closure(*args, **kwargs):
+        probe = probing()
+        if probe is not None:
+            probe.record("closure", fn, args, kwargs)
+            return None
+        if replaying() is not None:
+            return None
+        return fn(*_host_values(args), **_host_values(kwargs))
+    return closure
+
+
+def checkpoint_closure(fn):
+    """A closure that saves a checkpoint: allowed only on the DataExecutor's checkpoint steps."""
+    @functools.wraps(fn)
+    def closure(*args, **kwargs):
+        from .utils.data import current_executor
+        executor = current_executor()
+        if executor is not None and not executor.on_checkpoint_step:
+            raise CsTorchError(f"checkpoint_closure {fn.__name__}: step {executor.user_iteration} is not a "
+                               f"checkpoint step (checkpoint_steps={executor.checkpoint_steps})")
+        if probing() is not None or replaying() is not None:
+            raise CsTorchError(f"checkpoint_closure {fn.__name__}: call it outside the traced step")
+        if executor is not None:
+            executor.sync_weights()   # on the CS system: the trained weights into the module first
+        return fn(*args, **kwargs)
+    return closure
+

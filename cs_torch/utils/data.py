@@ -1,0 +1,199 @@
+"""cstorch.utils.data: DataLoader(input_fn, *args) and DataExecutor(loader, num_steps=, ...).
+
+    def input_fn(batch_size):
+        return torch.utils.data.DataLoader(dataset, batch_size, shuffle=True, drop_last=True)
+
+    loader = cstorch.utils.data.DataLoader(input_fn, 64)
+    executor = cstorch.utils.data.DataExecutor(loader, num_steps=1000, checkpoint_steps=100)
+    for step, batch in enumerate(executor, start=1):
+        loss = training_step(*batch)
+
+`input_fn` returns a torch DataLoader. With a CPU backend the executor
+iterates it here, epoch after epoch, for num_steps batches (one epoch when
+num_steps is None). With a CSX backend the loop is one job of the CS system
+(cs_torch/cluster_step.py): its input workers call input_fn themselves and
+stream the WSEs the global batches of the project's batch plan (a pure
+function of the step, shuffled when the torch loader shuffles); the loop
+gets the same batches, made here from the same data set. input_fn must then
+be a top-level function with JSON arguments (the workers import it by name).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ..backends import ClusterConfig, current_backend, note
+from ..nn import CsTorchError
+
+_current: list = []
+
+
+def current_executor():
+    return _current[-1] if _current else None
+
+
+class DataLoader:
+    """The input function and its arguments; the loader is made when an executor first iterates."""
+
+    def __init__(self, input_fn, *args, **kwargs):
+        if not callable(input_fn):
+            raise CsTorchError(f"DataLoader: input_fn must be callable, got {type(input_fn).__name__}")
+        self.input_fn, self.args, self.kwargs = input_fn, args, kwargs
+        self._loader = None
+
+    @property
+    def loader(self):
+        if self._loader is None:
+            self._loader = self.input_fn(*self.args, **self.kwargs)
+            if not hasattr(self._loader, "__iter__"):
+                raise CsTorchError(f"DataLoader: {getattr(self.input_fn, '__name__', 'input_fn')} returned "
+                                   f"{type(self._loader).__name__}, not a torch DataLoader or an iterable")
+        return self._loader
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+@dataclass
+class CSConfig:
+    """The cluster settings of releases before 2.3 (DataExecutor(cs_config=...))."""
+    mgmt_address: str | None = None
+    credentials_path: str | None = None
+    num_csx: int = 1
+    max_wgt_servers: int = 24
+    num_workers_per_csx: int = 0
+    mount_dirs: list = field(default_factory=list)
+    python_paths: list = field(default_factory=list)
+    transfer_processes: int | None = None
+    job_time_sec: int | None = None
+    precision_opt_level: int | None = None
+
+    def cluster_config(self) -> ClusterConfig:
+        keys = ("mgmt_address", "credentials_path", "num_csx", "max_wgt_servers", "num_workers_per_csx",
+                "mount_dirs", "python_paths", "job_time_sec")
+        return ClusterConfig(**{k: getattr(self, k) for k in keys})
+
+
+class DataExecutor:
+    def __init__(self, dataloader, num_steps: int | None = None, checkpoint_steps: int | None = None,
+                 activation_steps: int | None = None, cs_config: CSConfig | None = None, writer=None,
+                 micro_batch_size=None, profiler_activities=None):
+        for name, value in (("num_steps", num_steps), ("checkpoint_steps", checkpoint_steps),
+                            ("activation_steps", activation_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CsTorchError(f"DataExecutor: {name} must be a positive integer or None, got {value!r}")
+        if not hasattr(dataloader, "__iter__"):
+            raise CsTorchError(f"DataExecutor: expected a cstorch.utils.data.DataLoader, got "
+                               f"{type(dataloader).__name__}")
+        self.dataloader, self.num_steps = dataloader, num_steps
+        self.checkpoint_steps, self.activation_steps, self.writer = checkpoint_steps, activation_steps, writer
+        self.backend = current_backend()
+        if cs_config is not None:
+            self.backend.cluster_config = cs_config.cluster_config()
+        if micro_batch_size not in (None, "auto", "explore"):
+            note(f"DataExecutor: micro_batch_size={micro_batch_size!r} is not honoured: each WSE takes its "
+                 "share of the batch whole")
+        if profiler_activities:
+            note("DataExecutor: profiler_activities is not honoured (see docs/running.md for traces)")
+        self.user_iteration = 0
+        self.on_cluster = False
+        self._runs: dict = {}
+
+    # ------------------------------------------------------------ the CS system (CSX backend)
+    def cluster_run(self, traced):
+        """The job that runs this traced step for this loop (started on its first step)."""
+        from ..cluster_step import ClusterRun
+        run = self._runs.get(traced)
+        if run is None:
+            if self._runs:
+                raise CsTorchError("DataExecutor: one traced step per loop on the CS system (a loop is one job)")
+            run = self._runs[traced] = ClusterRun(traced, self)
+        return run
+
+    def worker_batch(self, index: int):
+        from ..data import Batch
+        return Batch(self._worker_loader, index)
+
+    def _plan_batches(self):
+        """The global batches the input workers stream, as torch tensors, step after step."""
+        import torch
+        from cs_runtime.data.inputs import InputStream, fetch
+        from .. import session as session_mod
+        from ..cluster_step import arrays_of, worker_loader
+        seed = session_mod._seed
+        self._worker_loader = worker_loader(self.dataloader, seed)
+        section = type("Section", (), {"batch_size": self._worker_loader.batch_size,
+                                       "shuffle": self._worker_loader.shuffle,
+                                       "drop_last_batch": self._worker_loader.drop_last,
+                                       "seed": lambda _self, run_seed: seed})()
+        stream = InputStream.build("train", arrays_of(self.dataloader.loader), section, seed)
+        for step in itertools.count():
+            x, y = fetch(stream.dataset, stream.plan.global_indices(step))
+            yield torch.from_numpy(x), torch.from_numpy(y)
+
+    def sync_weights(self) -> None:
+        """The weights (and optimizer state) of this loop's jobs into the torch module."""
+        for run in self._runs.values():
+            run.sync()
+
+    def _finish_runs(self, exc) -> None:
+        runs, self._runs = list(self._runs.values()), {}
+        for run in runs:
+            run.finish(exc)
+
+    @property
+    def total_steps(self) -> int:
+        if self.backend.compile_only or self.backend.validate_only:
+            return 1
+        return self.num_steps if self.num_steps is not None else len(self.dataloader)
+
+    @property
+    def on_final_iteration(self) -> bool:
+        return self.user_iteration == self.total_steps
+
+    @property
+    def on_checkpoint_step(self) -> bool:
+        if not self.checkpoint_steps:
+            return self.on_final_iteration
+        return self.user_iteration % self.checkpoint_steps == 0 or self.on_final_iteration
+
+    def __len__(self) -> int:
+        return self.total_steps
+
+    def __iter__(self):
+        total = self.total_steps
+        self.user_iteration = 0
+        self.on_cluster = self.backend.is_csx and not (self.backend.compile_only or self.backend.validate_only)
+        _current.append(self)
+        exc = None
+        try:
+            source = self._plan_batches() if self.on_cluster else self._epochs()
+            for batch in source:
+                self.user_iteration += 1
+                yield batch
+                if self.user_iteration >= total:
+                    break
+        except GeneratorExit:   # the loop was left (break, or an exception between steps): steps done are kept
+            raise
+        except BaseException as error:
+            exc = error
+            raise
+        finally:
+            _current.remove(self)
+            try:
+                self._finish_runs(exc)   # every process of the job stops, however the loop ended
+            finally:
+                if self.writer is not None:
+                    self.writer.flush()
+
+    def _epochs(self):
+        while True:
+            produced = False
+            for batch in self.dataloader:
+                produced = True
+                yield batch
+            if not produced:
+                raise CsTorchError("DataExecutor: the data loader produced no batch")

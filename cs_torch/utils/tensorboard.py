@@ -1,0 +1,4 @@
+"""cstorch.utils.tensorboard.SummaryWriter."""
+from ..summary import SummaryWriter
+
+__all__ = ["SummaryWriter"]

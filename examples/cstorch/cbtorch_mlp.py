@@ -1,0 +1,50 @@
+"""The MLP classifier in the older (1.x) style: cbtorch.initialize, module, dataloader, Session.
+
+    python examples/cstorch/cbtorch_mlp.py [--num_csx 2] [--epochs 2]
+"""
+import argparse
+
+import torch
+
+import cs_torch.cbtorch as cbtorch
+from examples.cstorch.mlp import MLP, input_fn
+
+
+def main(epochs=2, num_csx=1, batch_size=32, log=print):
+    torch.manual_seed(1)
+    cbtorch.initialize(compile_dir="compile", num_csx=num_csx)
+    device = cbtorch.device()
+    model = cbtorch.module(MLP(), device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    losses, eval_losses = [], []
+
+    def record(loss, into):
+        into.append(loss.item())
+
+    train_loader = cbtorch.dataloader(input_fn(batch_size, "train"))
+    with cbtorch.Session(train_loader, mode="train") as session:
+        for epoch in range(epochs):
+            for step, (inputs, targets) in enumerate(train_loader):
+                optimizer.zero_grad()
+                loss = loss_fn(model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                session.add_step_closure(record, [loss, losses])
+            log(f"epoch {epoch}: loss {losses[-1]:.5f}")
+
+    eval_loader = cbtorch.dataloader(input_fn(batch_size, "eval"))
+    with cbtorch.Session(eval_loader, mode="eval") as session:
+        with torch.no_grad():
+            for inputs, targets in eval_loader:
+                session.add_step_closure(record, [loss_fn(model(inputs), targets), eval_losses])
+    log(f"eval: mean loss {sum(eval_losses) / len(eval_losses):.5f}")
+    return losses, eval_losses, model.model
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num_csx", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=2)
+    a = parser.parse_args()
+    main(a.epochs, a.num_csx)

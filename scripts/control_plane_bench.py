@@ -1,0 +1,197 @@
+"""Benchmark: the launcher's control plane with many tasks, simulated on this machine.
+
+    python scripts/control_plane_bench.py                        # 1,024 tasks for 20 s
+    python scripts/control_plane_bench.py --tasks 32 --seconds 3 # what CI runs
+
+This process is the launcher: the job's directory (with the job's CURVE keys)
+under the real `Supervisor`, which watches one task entry per simulated task
+as it would watch real ones. The tasks are simulated by --processes child
+processes, each holding its share of the tasks: every task registers with the
+real `DirectoryClient` (its own connection), looks up the chief, and then
+heartbeats on a second connection every HEARTBEAT_INTERVAL, as a real
+process's heartbeat thread does, over the real protocol. What it prints:
+
+- heartbeat round trip (send to STATUS answer) p50 / p99 / max, over every
+  heartbeat but each connection's first (which waits for its handshake);
+- heartbeats per second per task;
+- the launcher's CPU over that window, as a share of one core;
+- the launcher's open file descriptors per task.
+The targets for 1,024 tasks: p99 under 100 ms, launcher CPU under 20% of a core.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from cs_runtime.launch.directory import HEARTBEAT_INTERVAL, DirectoryClient, DirectoryServer, register_timeout
+from cs_runtime.launch.launcher import ProcessGroup, Supervisor, Task, check_file_limit
+from cs_runtime.launch.task import role_of_task
+from cs_runtime.wire import auth
+from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.transport import Endpoint
+
+JOB = "wsjob-control-plane-bench"
+
+
+# ---------------------------------------------------------------- the simulated tasks (child processes)
+def simulate(address: str, first: int, count: int, seconds: float, out: Path) -> None:
+    """Tasks first..first+count-1: register, look up the chief, heartbeat until the directory
+    answers that the job is done (at most `seconds`); then write every heartbeat's
+    (send time, round trip) to `out` as JSON."""
+    ctx = zmq.Context()
+    ctx.max_sockets = 2 * count + 64  # two per task; ZeroMQ's default stops at 1,023
+    tasks = [role_of_task(i) for i in range(first, first + count)]
+    clients = [DirectoryClient(ctx, address, role, rank, JOB) for role, rank in tasks]
+    beats = [Endpoint(ctx, zmq.DEALER, "heartbeat", JOB).connect(address) for _ in tasks]
+    poller = zmq.Poller()
+    index = {}
+    for i, (client, beat) in enumerate(zip(clients, beats)):
+        client.register({"input": f"tcp://127.0.0.1:{client.rank}"})
+        # as every input worker does; answered once the chief has registered
+        client.endpoint.send(Message(Msg.LOOKUP, meta={"roles": ["chief"]}))
+        for sock in (client.endpoint.sock, beat.sock):
+            poller.register(sock, zmq.POLLIN)
+            index[sock] = i
+    now = time.monotonic()
+    due = [now + random.uniform(0, HEARTBEAT_INTERVAL) for _ in tasks]  # spread out, as processes start
+    sent: list[float | None] = [None] * count
+    answered = [False] * count
+    trips: list[tuple[float, float]] = []
+    end = now + seconds
+    ended = [False] * count
+    while time.monotonic() < end and not all(ended):
+        now = time.monotonic()
+        for i, when in enumerate(due):
+            if when <= now and not ended[i]:
+                role, rank = tasks[i]
+                beats[i].send(Message(Msg.HEARTBEAT, meta={"role": role, "rank": rank}))
+                sent[i], due[i] = now, max(when + HEARTBEAT_INTERVAL, now)
+        for sock, _ in poller.poll(max(0, int((min(due) - time.monotonic()) * 1000))):
+            i = index[sock]
+            if sock is clients[i].endpoint.sock:
+                clients[i].endpoint.recv(0)  # the chief's address
+                continue
+            got = beats[i].recv(0)
+            if got is not None and got[1].type == Msg.STATUS and sent[i] is not None:
+                if answered[i]:  # the first waited for the connection's CURVE handshake too
+                    trips.append((sent[i], time.monotonic() - sent[i]))
+                sent[i], answered[i] = None, True
+                ended[i] = got[1].meta["done"] or not got[1].meta["ok"]
+            if all(ended):
+                break
+    out.write_text(json.dumps({"trips": trips}))
+    for endpoint in [*beats, *clients]:
+        endpoint.close()
+    ctx.destroy(linger=0)
+
+
+# ---------------------------------------------------------------- the launcher (this process)
+class SimulatedProcess:
+    """A task entry for the Supervisor: it polls the simulator process that holds the task."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.pid = proc, proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def run(tasks: int, seconds: float, processes: int, folder: Path) -> dict:
+    check_file_limit(tasks)
+    ctx = zmq.Context()
+    directory = DirectoryServer(ctx, JOB, {"chief": 1, "worker": tasks - 1}, host="127.0.0.1")
+    group = ProcessGroup()
+    fds_before = open_files()
+    shares = [tasks // processes + (p < tasks % processes) for p in range(processes)]
+    outputs, first = [], 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    for share in filter(None, shares):
+        outputs.append(folder / f"sim{first}.json")
+        proc = subprocess.Popen([sys.executable, __file__, "--simulate", directory.address, str(first), str(share),
+                                 str(seconds + register_timeout(tasks)), str(outputs[-1])], env=env,
+                                start_new_session=True)
+        for i in range(first, first + share):
+            group.add(Task(*role_of_task(i), "simulated", SimulatedProcess(proc)))
+        first += share
+    window: dict[str, float] = {}
+
+    def measure() -> None:
+        """In the supervisor's loop: the window opens once every task heartbeats, and
+        `seconds` later the job finishes (every heartbeat answer then says done)."""
+        now = time.monotonic()
+        if "start" not in window:
+            if len(directory.peers) == tasks and all(p.beating for p in directory.peers.values()):
+                window.update(start=now, cpu=time.process_time(), fds=open_files())
+        elif now - window["start"] >= seconds and "end" not in window:
+            window.update(end=now, cpu=time.process_time() - window["cpu"])
+            supervisor.finish_requested = True
+    supervisor = Supervisor(directory, group, finisher_role="chief", handle_signals=False)
+    started = time.monotonic()
+    code = supervisor.run(measure)
+    auth.stop_authenticator(ctx)
+    ctx.destroy(linger=0)
+    if "end" not in window:
+        raise SystemExit(f"control_plane_bench: the tasks did not all heartbeat (job exit {code})")
+    trips = [rtt for path in outputs if path.exists() for sent, rtt in json.loads(path.read_text())["trips"]
+             if window["start"] <= sent < window["end"]]
+    length = window["end"] - window["start"]
+    return {"tasks": tasks, "code": code, "start_s": window["start"] - started, "heartbeats": len(trips),
+            "per_task_per_s": len(trips) / tasks / length, "p50_ms": percentile(trips, 0.5) * 1000,
+            "p99_ms": percentile(trips, 0.99) * 1000, "max_ms": max(trips, default=float("nan")) * 1000,
+            "launcher_cpu": window["cpu"] / length, "fds_per_task": (window["fds"] - fds_before) / tasks}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--simulate"]:
+        address, first, count, seconds, out = argv[1:]
+        return simulate(address, int(first), int(count), float(seconds), Path(out))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=1024, help="simulated tasks (default 1024)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="heartbeating time (default 20)")
+    parser.add_argument("--processes", type=int, default=8, help="processes holding the tasks (default 8)")
+    args = parser.parse_args(argv)
+    if args.tasks < 2 or args.processes < 1 or args.seconds <= 0:
+        parser.error("--tasks needs at least 2, --processes at least 1, --seconds more than 0")
+    keys = auth.create_job_dir()
+    os.environ[auth.KEYS_ENV] = str(keys)  # the simulated tasks inherit the job's keys, as real ones do
+    try:
+        result = run(args.tasks, args.seconds, min(args.processes, args.tasks), keys)
+    finally:
+        auth.remove_job_dir(keys)
+    print(f"{result['tasks']} tasks (all heartbeating after {result['start_s']:.1f} s), "
+          f"{result['heartbeats']} heartbeats ({result['per_task_per_s']:.2f}/s per task): "
+          f"round trip p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms; "
+          f"launcher CPU {result['launcher_cpu'] * 100:.1f}% of a core; "
+          f"{result['fds_per_task']:.2f} open files per task; job exit {result['code']}")
+    print(json.dumps(result))
+    sys.exit(0 if result["code"] == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

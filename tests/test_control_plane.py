@@ -1,0 +1,132 @@
+"""The launcher's control plane at scale: the directory, heartbeats, file descriptors,
+and a small run of scripts/control_plane_bench.py (its figures are printed, never asserted as timings)."""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from cs_runtime.launch import launcher
+from cs_runtime.launch.directory import (HEARTBEAT_INTERVAL, REGISTER_TIMEOUT, DirectoryClient, DirectoryServer,
+                                         Heartbeat, register_timeout)
+from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.transport import Endpoint
+from tests.cluster_utils import REPO
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def serve_until(directory: DirectoryServer, done, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the directory did not get there"
+        directory.serve_once(20)
+
+
+def test_lookups_are_answered_when_the_last_expected_peer_registers(ctx):
+    directory = DirectoryServer(ctx, "job-l", {"chief": 1, "worker": 3, "wse": 2}, host="127.0.0.1")
+    try:
+        workers = [DirectoryClient(ctx, directory.address, "worker", r, "job-l") for r in range(3)]
+        for client in workers:
+            client.endpoint.send(Message(Msg.LOOKUP, meta={"roles": ["wse", "chief"]}))
+        chief = DirectoryClient(ctx, directory.address, "chief", 0, "job-l")
+        chief.register({"a": "tcp://x:1"})
+        wses = [DirectoryClient(ctx, directory.address, "wse", r, "job-l") for r in range(2)]  # kept: LINGER 0
+        wses[1].register({"a": "tcp://w1:1"})
+        serve_until(directory, lambda: len(directory.peers) == 2 and sum(map(len, directory.pending.values())) == 3)
+        assert all(w.endpoint.recv(100) is None for w in workers)  # wse 0 is still missing
+        wses[0].register({"a": "tcp://w0:1"})
+        serve_until(directory, lambda: not directory.pending)
+        for client in workers:
+            _, answer = client.endpoint.recv(5000)
+            ranks = sorted((p["role"], p["rank"]) for p in answer.meta["peers"])
+            assert answer.type == Msg.DIRECTORY and ranks == [("chief", 0), ("wse", 0), ("wse", 1)]
+    finally:
+        directory.close()
+
+
+def test_a_peer_gets_the_start_timeout_until_its_first_heartbeat(ctx):
+    directory = DirectoryServer(ctx, "job-s", {"worker": 2}, host="127.0.0.1")
+    try:
+        clients = [DirectoryClient(ctx, directory.address, "worker", rank, "job-s") for rank in range(2)]
+        for client in clients:
+            client.register({})
+        serve_until(directory, lambda: len(directory.peers) == 2)
+        beat = Endpoint(ctx, zmq.DEALER, "heartbeat", "job-s").connect(directory.address)
+        beat.send(Message(Msg.HEARTBEAT, meta={"role": "worker", "rank": 1}))
+        serve_until(directory, lambda: directory.peers[("worker", 1)].beating)
+        assert beat.recv(5000)[1].meta == {"ok": True, "reason": "", "done": False}
+        for peer in directory.peers.values():
+            peer.last_seen -= 10   # both silent for 10 s
+        assert [p.rank for p in directory.silent_peers(5.0, first_timeout=60.0)] == [1]
+        assert sorted(p.rank for p in directory.silent_peers(5.0)) == [0, 1]
+        beat.close()
+    finally:
+        directory.close()
+
+
+def test_registration_timeout_grows_with_the_task_count():
+    assert register_timeout(2) >= REGISTER_TIMEOUT
+    assert register_timeout(1024) > register_timeout(64) + 200
+
+
+def test_heartbeats_go_out_twice_a_second_not_faster(ctx):
+    """The documented rate is 2/s per process; the heartbeat used to wait a fixed time
+    after each answer as well, nearly doubling it."""
+    fake = Endpoint(ctx, zmq.ROUTER, "directory", "job-h")
+    address = fake.bind("127.0.0.1")
+    beat = Heartbeat(ctx, address, "worker", 0, "job-h", on_failure=lambda reason: None)
+    beat.start()
+    try:
+        first = fake.recv(10000)
+        assert first is not None and first[1].type == Msg.HEARTBEAT
+        fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": False}), first[0])
+        window, count = 8 * HEARTBEAT_INTERVAL, 0
+        end = time.monotonic() + window
+        while (got := fake.recv(max(1, int((end - time.monotonic()) * 1000)))) is not None:
+            count += got[1].type == Msg.HEARTBEAT
+            fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": False}), got[0])
+            if time.monotonic() >= end:
+                break
+        # 8 intervals: at most 8 heartbeats (+1 at the edge); the old schedule sent about 15
+        assert 1 <= count <= 9, count
+    finally:
+        beat.stop()
+        beat.join(5)
+        fake.close()
+
+
+def test_file_limit_is_raised_to_what_the_tasks_need_or_refused_in_one_line(monkeypatch):
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    monkeypatch.setattr(resource, "setrlimit", lambda _, limits: calls.append(limits))
+    launcher.check_file_limit(100)
+    assert calls == []                                    # 1,024 is enough for 100 tasks
+    launcher.check_file_limit(900)
+    assert calls == [(launcher.FDS_BASE + launcher.FDS_PER_TASK * 900, 4096)]
+    with pytest.raises(SystemExit, match=r"csrun_wse: 1024 task\(s\) need about 4352 open files here but the "
+                                         r"limit is 1024 \(hard limit 4096\); raise it \(ulimit -n 4352\)"):
+        launcher.check_file_limit(1024)
+
+
+def test_control_plane_bench_small_run_reports_its_figures():
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "control_plane_bench.py"), "--tasks", "24",
+                             "--seconds", "2", "--processes", "2"], capture_output=True, text=True, timeout=300,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["tasks"] == 24 and figures["code"] == 0
+    assert figures["heartbeats"] > 0 and figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
+    # two connections per task (its client and its heartbeat), whatever the count
+    assert figures["fds_per_task"] <= launcher.FDS_PER_TASK
+    assert "round trip p50" in result.stdout and "% of a core" in result.stdout

@@ -1,0 +1,446 @@
+"""The Cerebras PyTorch API (2.x: import cs_torch as cstorch; 1.x: cs_torch.cbtorch) against torch eager."""
+import copy
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the cstorch API trains torch modules; torch is an optional extra")
+
+import cs_torch as cstorch  # noqa: E402
+import cs_torch.backends as backends  # noqa: E402
+import cs_torch.cbtorch as cbtorch  # noqa: E402
+from cs_torch.nn import CsTorchError  # noqa: E402
+from examples.cstorch import cbtorch_mlp, cnn, gpt2, mlp  # noqa: E402
+
+REL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    backends.reset_backend()
+    yield
+    backends.reset_backend()
+
+
+def batches(input_fn, *args, steps=None):
+    """The batches a DataExecutor's loop got: with a CSX backend those the input workers streamed."""
+    loader = cstorch.utils.data.DataLoader(input_fn, *args)
+    return list(cstorch.utils.data.DataExecutor(loader, num_steps=steps))
+
+
+def assert_close_losses(got, want):
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert abs(g - w) <= REL * abs(w), f"step {step}: {g} vs torch eager {w}"
+
+
+def assert_same_weights(model, ref, rel=1e-4):
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        scale = float(b.abs().max()) or 1.0
+        assert float((a - b).abs().max()) <= rel * scale, name
+
+
+def eager_train(model, optimizer, data, loss_of, scheduler=None):
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_of(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+# ---------------------------------------------------------------- the examples vs torch eager
+@pytest.mark.parametrize("num_csx", [1, 2])
+def test_mlp_example_matches_torch_eager(num_csx):
+    losses, eval_losses, model = mlp.main(steps=24, num_csx=num_csx, log=lambda *a: None)
+    torch.manual_seed(1)
+    ref = mlp.MLP()
+    opt = torch.optim.SGD(ref.parameters(), 0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    assert_close_losses(losses, eager_train(ref, opt, batches(mlp.input_fn, 32, "train", steps=24), loss_fn))
+    assert_same_weights(model, ref)
+    with torch.no_grad():
+        want = [loss_fn(ref(x), y).item() for x, y in batches(mlp.input_fn, 32, "eval")]
+    assert_close_losses(eval_losses, want)
+
+
+@pytest.mark.parametrize("num_csx", [1, 2])
+def test_cnn_example_matches_torch_eager_and_checkpoints_load(num_csx, tmp_path):
+    losses, model = cnn.main(steps=12, num_csx=num_csx, model_dir=str(tmp_path / "cnn"), log=lambda *a: None)
+    torch.manual_seed(2)
+    ref = cnn.CNN()
+    opt = torch.optim.Adam(ref.parameters(), 2e-3, eps=1e-8)
+    assert_close_losses(losses, eager_train(ref, opt, batches(cnn.input_fn, 16, steps=12),
+                                            torch.nn.CrossEntropyLoss()))
+    assert_same_weights(model, ref)
+    saved = sorted(p.name for p in (tmp_path / "cnn").iterdir())
+    assert saved == ["checkpoint_10.mdl", "checkpoint_12.mdl"]
+    state = torch.load(tmp_path / "cnn" / "checkpoint_12.mdl", weights_only=True)   # a torch user opens it
+    fresh = cnn.CNN()
+    fresh.load_state_dict(state["model"])
+    assert_same_weights(fresh, model, rel=0)
+    assert state["step"] == 12 and state["optimizer"]["state"][0]["step"] == 12
+
+
+@pytest.mark.parametrize("num_csx", [1, 2])
+def test_gpt2_example_with_warmup_matches_torch_eager(num_csx, tmp_path):
+    steps = 12
+    losses, model = gpt2.main(steps=steps, num_csx=num_csx, model_dir=str(tmp_path / "g"), log=lambda *a: None)
+    data = batches(gpt2.input_fn, 8, steps=steps)
+
+    def eager(dtype):
+        torch.manual_seed(3)
+        ref = gpt2.GPT2().to(dtype)
+        opt = torch.optim.AdamW(ref.parameters(), 3e-3, eps=1e-8, weight_decay=0.01)
+        sched = gpt2.schedule(opt, warmup=steps // 4, total=steps)   # cstorch's schedules drive torch's AdamW
+        lm_loss = lambda logits, y: torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),  # noqa
+                                                                      y.reshape(-1))
+        return ref, eager_train(ref, opt, data, lm_loss, sched)
+    ref, want = eager(torch.float32)
+    assert_close_losses(losses, want)
+    # AdamW turns float32 noise in a gradient that is zero in exact arithmetic (the attention's key
+    # bias) into whole steps, in torch too: such a tensor is held to torch's own float32-vs-float64 spread.
+    ref64, _ = eager(torch.float64)
+    for (name, a), (_, b), (_, c) in zip(model.state_dict().items(), ref.state_dict().items(),
+                                         ref64.state_dict().items()):
+        spread = float((b.double() - c).abs().max())
+        assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) + 2 * spread, name
+    assert list((tmp_path / "g" / "train").iterdir()), "no TensorBoard events written"
+
+
+@pytest.mark.parametrize("num_csx", [1, 2])
+def test_cbtorch_example_matches_torch_eager(num_csx):
+    losses, eval_losses, model = cbtorch_mlp.main(epochs=2, num_csx=num_csx, log=lambda *a: None)
+    torch.manual_seed(1)
+    ref = mlp.MLP()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    loader = mlp.input_fn(32, "train")
+    assert_close_losses(losses, eager_train(ref, opt, [b for _ in range(2) for b in loader], loss_fn))
+    assert_same_weights(model, ref)
+    with torch.no_grad():
+        assert_close_losses(eval_losses, [loss_fn(ref(x), y).item() for x, y in mlp.input_fn(32, "eval")])
+
+
+# ---------------------------------------------------------------- optimizers, schedules, loss scaling
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("make, make_ref", [
+    (lambda p: cstorch.optim.SGD(p, 0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+     lambda p: torch.optim.SGD(p, 0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (lambda p: cstorch.optim.SGD(p, 0.1, momentum=0.5, dampening=0.1),
+     lambda p: torch.optim.SGD(p, 0.1, momentum=0.5, dampening=0.1)),
+    (lambda p: cstorch.optim.Adam(p, 0.01, eps=1e-8, weight_decay=0.1),
+     lambda p: torch.optim.Adam(p, 0.01, eps=1e-8, weight_decay=0.1)),
+    (lambda p: cstorch.optim.AdamW(p, 0.01, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1),
+     lambda p: torch.optim.AdamW(p, 0.01, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1)),
+])
+def test_optimizers_follow_torch_rules_and_state_dict(make, make_ref):
+    model, ref = _pair()
+    opt, ropt = make(model.parameters()), make_ref(ref.parameters())
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    for _ in range(5):
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    assert_same_weights(model, ref, rel=1e-6)
+    ours, theirs = opt.state_dict(), ropt.state_dict()
+    assert set(ours["state"]) == set(theirs["state"])
+    for key, value in theirs["state"][0].items():
+        assert torch.allclose(torch.as_tensor(ours["state"][0][key]).float(), value.float(), rtol=1e-5), key
+    fresh = make(copy.deepcopy(model).parameters())
+    fresh.load_state_dict(ours)
+    assert fresh.state_dict()["param_groups"] == ours["param_groups"]
+
+
+def test_old_optimizer_spelling_still_makes_memoryx_sections():
+    assert cstorch.optim.SGD(lr=0.1, momentum=0.9).section["optimizer_type"] == "sgd"
+    assert type(cstorch.optim.Adam(torch.nn.Linear(2, 2).parameters(), 0.1)).__module__ == "cs_torch.optimizers"
+
+
+def test_schedules_follow_their_formulas():
+    lr = cstorch.optim.lr_scheduler
+    opt = cstorch.optim.SGD(torch.nn.Linear(2, 2).parameters(), 1.0)
+    assert lr.ConstantLR(opt, 0.3).lr_at(50) == 0.3
+    assert lr.LinearLR(opt, 1.0, 0.0, 10).lr_at(5) == pytest.approx(0.5)
+    assert lr.LinearLR(opt, 1.0, 0.0, 10).lr_at(20) == pytest.approx(0.0)
+    assert lr.ExponentialLR(opt, 1.0, 10, 0.5).lr_at(20) == pytest.approx(0.25)
+    assert lr.ExponentialLR(opt, 1.0, 10, 0.5, staircase=True).lr_at(19) == pytest.approx(0.5)
+    assert lr.CosineDecayLR(opt, 1.0, 0.0, 10).lr_at(5) == pytest.approx(0.5)
+    seq = lr.SequentialLR(opt, [lr.LinearLR(opt, 0.0, 1.0, 4), lr.CosineDecayLR(opt, 1.0, 0.1, 6)], [4])
+    assert [round(seq.lr_at(k), 6) for k in (0, 2, 4, 10)] == [0.0, 0.5, 1.0, 0.1]
+    assert opt.param_groups[0]["lr"] == 0.0   # a scheduler sets step 0's rate when made
+    seq.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25) and seq.get_last_lr() == [pytest.approx(0.25)]
+    with pytest.raises(CsTorchError, match="SequentialLR: 2 schedulers need 1 increasing milestones"):
+        lr.SequentialLR(opt, [seq, seq], [])
+
+
+def _traced_linear(scaler, optimizer_lr=0.1):
+    model = torch.nn.Linear(4, 2)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    opt = cstorch.optim.SGD(model.parameters(), optimizer_lr)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+    return model, step
+
+
+def test_dynamic_loss_scaling_skips_overflowing_steps_and_grows_back():
+    scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0 ** 200, steps_per_increase=2,
+                                    max_loss_scale=2.0 ** 200)
+    model, step = _traced_linear(scaler)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    before = copy.deepcopy(model.state_dict())
+    step(x, y)             # 2**200 overflows float32: the step is skipped and the scale halves
+    assert scaler.skipped_steps == 1 and scaler.scale_value() == 2.0 ** 199
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    scaler.scale_ = 4.0
+    step(x, y)
+    step(x, y)             # two good steps double it
+    assert scaler.scale_value() == 8.0 and scaler.skipped_steps == 1
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------- save, load, closures, errors
+def test_load_refuses_a_pickle_that_runs_code(tmp_path):
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+    bad = tmp_path / "evil.mdl"
+    bad.write_bytes(pickle.dumps({"x": Evil()}))
+    with pytest.raises(CsTorchError, match=r"load: .*evil.mdl is not a checkpoint this can load safely"):
+        cstorch.load(bad)
+    with pytest.raises(CsTorchError, match="weights_only=True"):
+        cstorch.load(bad, weights_only=False)
+    cstorch.save({"w": torch.ones(2), "step": 3}, tmp_path / "ok" / "c.mdl")
+    assert cstorch.load(tmp_path / "ok" / "c.mdl")["step"] == 3
+
+
+def test_step_closure_gets_host_tensors_and_checkpoint_closure_keeps_to_its_steps():
+    model = torch.nn.Linear(3, 2)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    opt = cstorch.optim.SGD(model.parameters(), 0.1)
+    seen, saved = [], []
+
+    @cstorch.step_closure
+    def on_loss(loss, tag):
+        seen.append((tag, type(loss).__name__, loss.item()))
+
+    @cstorch.checkpoint_closure
+    def save(step):
+        saved.append(step)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        on_loss(loss, "in-step")
+        loss.backward()
+        opt.step()
+        return {"loss": loss, "tag": 7}
+
+    data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(4)]
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), num_steps=4,
+                                               checkpoint_steps=2)
+    for i, (x, y) in enumerate(executor, start=1):
+        out = step(x, y)
+        assert out["tag"] == 7 and seen[-1][2] == out["loss"].item()
+        if i == 1:
+            with pytest.raises(CsTorchError, match="step 1 is not a checkpoint step"):
+                save(i)
+        if executor.on_checkpoint_step:
+            save(i)
+    assert [s[:2] for s in seen] == [("in-step", "Tensor")] * 4 and saved == [2, 4]
+
+
+def test_a_step_handing_out_another_tensor_fails_in_one_line():
+    compiled = cstorch.compile(torch.nn.Linear(3, 2), cstorch.backend("CPU"))
+
+    @cstorch.trace
+    def step(x, y):
+        out = compiled(x)
+        return torch.nn.functional.cross_entropy(out, y), out
+    with pytest.raises(CsTorchError, match=r"trace: a step without backward\(\) returns exactly one tensor"):
+        step(torch.randn(4, 3), torch.randint(0, 2, (4,)))
+
+
+def test_an_unsupported_op_names_module_and_op():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return torch.cumsum(self.fc(x), dim=1)
+    compiled = cstorch.compile(Odd(), cstorch.backend("CPU"))
+
+    @cstorch.trace
+    def step(x, y):
+        return torch.nn.functional.mse_loss(compiled(x), y)
+    with pytest.raises(CsTorchError, match=r"trace: module <root>: op \S*cumsum.*not in the op set"):
+        step(torch.randn(4, 3), torch.randn(4, 2))
+
+
+def test_an_exception_in_the_loop_propagates_and_stops_the_executor():
+    loader = cstorch.utils.data.DataLoader(lambda: [1, 2, 3])
+    executor = cstorch.utils.data.DataExecutor(loader, num_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        for batch in executor:
+            raise KeyboardInterrupt
+    from cs_torch.utils.data import current_executor
+    assert current_executor() is None
+
+
+def test_backend_arguments_it_cannot_honour_say_so(capsys):
+    cstorch.backend("CSX", cluster_config={"num_csx": 2, "max_wgt_servers": 4, "mount_dirs": ["/data"]},
+                    transfer_processes=4)
+    err = capsys.readouterr().err.splitlines()
+    assert any("transfer_processes=4 is not honoured" in line for line in err)
+    assert any("cluster_config.max_wgt_servers=4 is not honoured" in line for line in err)
+    assert any("cluster_config.mount_dirs=['/data'] is not honoured" in line for line in err)
+    with pytest.raises(CsTorchError, match="cannot instantiate multiple backends"):
+        cstorch.backend("CPU")
+    with pytest.raises(CsTorchError, match="unknown setting 'num_wse'"):
+        backends.ClusterConfig.of({"num_wse": 2})
+
+
+def test_cbtorch_session_checks_its_mode():
+    with pytest.raises(CsTorchError, match="mode must be one of train, eval"):
+        cbtorch.Session(None, mode="predict")
+
+
+def test_cs_torch_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import cs_torch\n"
+            "print(cs_torch.optim.SGD(lr=0.1).section['optimizer_type'], cs_torch.Session.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sgd", "Session"]
+
+
+def test_tied_gradients_are_unscaled_once_per_layer():
+    import numpy as np
+    from types import SimpleNamespace
+    from cs_runtime.numerics.precision import unscale_and_check
+    from cs_runtime.numerics.program_layer import tie_grads
+    spec = SimpleNamespace(layers=[SimpleNamespace(name="a"), SimpleNamespace(name="b")])
+    grads = tie_grads(spec, [{"wte": np.full(3, 2.0, np.float32)}, {"wte": np.full(3, 6.0, np.float32)}])
+    assert unscale_and_check(grads, 4.0)
+    assert [float(g["wte"][0]) for g in grads] == [2.0, 2.0]   # (2 + 6) / 4 in both layers
+
+
+# ---------------------------------------------------------------- lifecycle on the CS system
+def _small_csx_loop(on_step):
+    """A two-layer MLP trained on the CS system (1 WSE); on_step(step) runs after each step."""
+    cstorch.backend("CSX")
+    model = mlp.MLP(hidden=16)
+    compiled = cstorch.compile(model)
+    opt = cstorch.optim.SGD(model.parameters(), 0.05)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    for i, (x, y) in enumerate(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32),
+                                                               num_steps=1000), start=1):
+        step(x, y)
+        on_step(i)
+
+
+def _job_processes():
+    from tests.test_api import job_processes
+    return job_processes(os.getpid())
+
+
+def test_a_dead_wse_in_a_cstorch_loop_raises_one_error_and_stops_the_job():
+    from tests.cluster_utils import alive
+    seen = {}
+
+    def kill_wse(i):
+        if i == 2:
+            seen["procs"] = _job_processes()
+            os.kill(next(pid for pid, args in seen["procs"] if "-m wse" in args), signal.SIGKILL)
+    with pytest.raises(cstorch.JobFailed, match=r"wse 0 on \S+ \(pid \d+\) exited with signal SIGKILL"):
+        _small_csx_loop(kill_wse)
+    assert len(seen["procs"]) == 4   # memoryx, swarmx, the WSE, the input worker
+    assert [pid for pid, _ in seen["procs"] if alive(pid)] == []
+
+
+def test_an_exception_in_a_cstorch_loop_stops_every_process():
+    from tests.cluster_utils import alive
+    seen = {}
+
+    def boom(i):
+        if i == 2:
+            seen["procs"] = _job_processes()
+            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        _small_csx_loop(boom)
+    assert len(seen["procs"]) == 4
+    assert [pid for pid, _ in seen["procs"] if alive(pid)] == []
+    assert _job_processes() == []
+
+
+def test_ctrl_c_in_a_cstorch_script_stops_every_process(tmp_path):
+    from tests.cluster_utils import REPO, alive, kill_tree
+    from tests.test_api import job_processes
+    cmd = [sys.executable, str(REPO / "examples" / "cstorch" / "mlp.py"), "--steps", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 10:"):
+                break
+        procs = job_processes(proc.pid)
+        assert len(procs) == 4, procs     # the script's input_fn is imported by the worker from __main__'s file
+        proc.send_signal(signal.SIGINT)
+        output = proc.stdout.read()
+        assert proc.wait(timeout=60) != 0
+        assert "KeyboardInterrupt" in output
+        assert [pid for pid, _ in procs if alive(pid)] == []
+    finally:
+        kill_tree(proc)
+
+
+@pytest.mark.parametrize("flag", ["compile_only", "validate_only"])
+def test_compile_only_captures_and_runs_no_step(flag, capsys):
+    cstorch.backend("CSX", **{flag: True})
+    model = mlp.MLP()
+    before = copy.deepcopy(model.state_dict())
+    compiled = cstorch.compile(model)
+    opt = cstorch.optim.SGD(model.parameters(), 0.1)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32), num_steps=50)
+    results = [step(x, y) for x, y in executor]
+    assert results == [None]                     # one batch, captured, nothing run
+    assert "compiled step: 6 ops, 6 parameters, 3 weight-streaming units" in capsys.readouterr().err
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -1,0 +1,223 @@
+"""Every op of cs_runtime/numerics/ops.py: the vjp against central differences
+(float64), and forward plus vjp against torch.autograd (when torch is there),
+on random shapes; and the shape rule against the forward's actual shape."""
+import zlib
+
+import numpy as np
+import pytest
+
+from cs_runtime.numerics.ops import OPS, OpError
+
+
+def _f(rng, *shape):
+    return rng.standard_normal(shape)
+
+
+def _ids(rng, high, *shape):
+    return rng.integers(0, high, size=shape)
+
+
+def _cases():
+    """(id, op, inputs(rng), attrs, torch function of (F, torch, tensors) or None)."""
+    r = np.random.default_rng
+    return [
+        ("linear", "linear", lambda g: [_f(g, 2, 3, 4), _f(g, 5, 4), _f(g, 5)], {},
+         lambda F, t, x: F.linear(*x)),
+        ("linear_nobias", "linear", lambda g: [_f(g, 3, 4), _f(g, 5, 4)], {}, lambda F, t, x: F.linear(*x)),
+        ("addmm", "addmm", lambda g: [_f(g, 5), _f(g, 3, 4), _f(g, 4, 5)], {}, lambda F, t, x: t.addmm(*x)),
+        ("mm", "mm", lambda g: [_f(g, 3, 4), _f(g, 4, 2)], {}, lambda F, t, x: t.mm(*x)),
+        ("bmm", "bmm", lambda g: [_f(g, 2, 3, 4), _f(g, 2, 4, 2)], {}, lambda F, t, x: t.bmm(*x)),
+        ("matmul_bcast", "matmul", lambda g: [_f(g, 2, 3, 3, 4), _f(g, 3, 4, 2)], {},
+         lambda F, t, x: t.matmul(*x)),
+        ("matmul_w", "matmul", lambda g: [_f(g, 2, 3, 4), _f(g, 4, 5)], {}, lambda F, t, x: t.matmul(*x)),
+        ("add_bcast", "add", lambda g: [_f(g, 2, 3, 4), _f(g, 3, 1)], {}, lambda F, t, x: x[0] + x[1]),
+        ("add_alpha", "add", lambda g: [_f(g, 2, 3), _f(g, 2, 3)], {"alpha": 2.5},
+         lambda F, t, x: t.add(x[0], x[1], alpha=2.5)),
+        ("add_scalar", "add", lambda g: [_f(g, 2, 3)], {"scalar": 1.5}, lambda F, t, x: x[0] + 1.5),
+        ("sub_bcast", "sub", lambda g: [_f(g, 4), _f(g, 2, 4)], {}, lambda F, t, x: x[0] - x[1]),
+        ("rsub_scalar", "sub", lambda g: [_f(g, 2, 3)], {"scalar": 1.0, "reverse": True},
+         lambda F, t, x: 1.0 - x[0]),
+        ("mul_bcast", "mul", lambda g: [_f(g, 2, 1, 4), _f(g, 3, 1)], {}, lambda F, t, x: x[0] * x[1]),
+        ("mul_scalar", "mul", lambda g: [_f(g, 2, 3)], {"scalar": -0.5}, lambda F, t, x: x[0] * -0.5),
+        ("div_bcast", "div", lambda g: [_f(g, 2, 3), 2.0 + np.abs(_f(g, 3))], {}, lambda F, t, x: x[0] / x[1]),
+        ("div_scalar", "div", lambda g: [_f(g, 2, 3)], {"scalar": 4.0}, lambda F, t, x: x[0] / 4.0),
+        ("rdiv_scalar", "div", lambda g: [2.0 + np.abs(_f(g, 2, 3))], {"scalar": 3.0, "reverse": True},
+         lambda F, t, x: 3.0 / x[0]),
+        ("neg", "neg", lambda g: [_f(g, 2, 3)], {}, lambda F, t, x: -x[0]),
+        ("relu", "relu", lambda g: [_f(g, 3, 4)], {}, lambda F, t, x: F.relu(x[0])),
+        ("gelu_exact", "gelu", lambda g: [_f(g, 3, 4)], {"approximate": "none"}, lambda F, t, x: F.gelu(x[0])),
+        ("gelu_tanh", "gelu", lambda g: [_f(g, 3, 4)], {"approximate": "tanh"},
+         lambda F, t, x: F.gelu(x[0], approximate="tanh")),
+        ("tanh", "tanh", lambda g: [_f(g, 3, 4)], {}, lambda F, t, x: t.tanh(x[0])),
+        ("sigmoid", "sigmoid", lambda g: [_f(g, 3, 4)], {}, lambda F, t, x: t.sigmoid(x[0])),
+        ("silu", "silu", lambda g: [_f(g, 3, 4)], {}, lambda F, t, x: F.silu(x[0])),
+        ("softmax", "softmax", lambda g: [_f(g, 2, 3, 5)], {"dim": 1}, lambda F, t, x: t.softmax(x[0], 1)),
+        ("log_softmax", "log_softmax", lambda g: [_f(g, 2, 5)], {"dim": -1},
+         lambda F, t, x: t.log_softmax(x[0], -1)),
+        ("layer_norm", "layer_norm", lambda g: [_f(g, 2, 3, 6), _f(g, 6), _f(g, 6)],
+         {"normalized_shape": [6], "eps": 1e-5}, lambda F, t, x: F.layer_norm(x[0], [6], x[1], x[2], 1e-5)),
+        ("layer_norm_nobias", "layer_norm", lambda g: [_f(g, 4, 6), _f(g, 6)],
+         {"normalized_shape": [6], "eps": 1e-5}, lambda F, t, x: F.layer_norm(x[0], [6], x[1], None, 1e-5)),
+        ("embedding", "embedding", lambda g: [_f(g, 7, 4), _ids(g, 7, 2, 5)], {},
+         lambda F, t, x: F.embedding(x[1], x[0])),
+        ("embedding_pad", "embedding", lambda g: [_f(g, 7, 4), np.array([[0, 1, 0, 3]])], {"padding_idx": 0},
+         lambda F, t, x: F.embedding(x[1], x[0], padding_idx=0)),
+        ("gather", "gather", lambda g: [_f(g, 3, 5), _ids(g, 5, 3, 2)], {"dim": 1},
+         lambda F, t, x: t.gather(x[0], 1, x[1])),
+        ("dropout_p0", "dropout", lambda g: [_f(g, 3, 4)], {"p": 0.0}, lambda F, t, x: F.dropout(x[0], 0.0)),
+        ("dropout_mask", "dropout", lambda g: [_f(g, 3, 4), (g.random((3, 4)) > 0.5) * 2.0], {"p": 0.5},
+         lambda F, t, x: x[0] * x[1]),
+        ("reshape", "reshape", lambda g: [_f(g, 2, 3, 4)], {"shape": [6, -1]},
+         lambda F, t, x: x[0].reshape(6, -1)),
+        ("permute", "permute", lambda g: [_f(g, 2, 3, 4)], {"dims": [2, 0, 1]},
+         lambda F, t, x: x[0].permute(2, 0, 1)),
+        ("transpose", "transpose", lambda g: [_f(g, 2, 3, 4)], {"dim0": -2, "dim1": -1},
+         lambda F, t, x: x[0].transpose(-2, -1)),
+        ("expand", "expand", lambda g: [_f(g, 3, 1)], {"shape": [2, 3, 4]}, lambda F, t, x: x[0].expand(2, 3, 4)),
+        ("slice", "slice", lambda g: [_f(g, 3, 8)], {"dim": 1, "start": 2, "end": 7, "step": 2},
+         lambda F, t, x: x[0][:, 2:7:2]),
+        ("unsqueeze", "unsqueeze", lambda g: [_f(g, 3, 4)], {"dim": 1}, lambda F, t, x: x[0].unsqueeze(1)),
+        ("squeeze", "squeeze", lambda g: [_f(g, 3, 1, 4)], {"dims": [1]}, lambda F, t, x: x[0].squeeze(1)),
+        ("clone", "clone", lambda g: [_f(g, 3, 4)], {}, lambda F, t, x: x[0].clone()),
+        ("flatten", "flatten", lambda g: [_f(g, 2, 3, 4)], {"start_dim": 1}, lambda F, t, x: x[0].flatten(1)),
+        ("where", "where", lambda g: [g.random((3, 4)) > 0.5, _f(g, 3, 4), _f(g, 4)], {},
+         lambda F, t, x: t.where(*x)),
+        ("where_scalar", "where", lambda g: [g.random((3, 4)) > 0.5, _f(g, 3, 4)], {"other_scalar": -100.0},
+         lambda F, t, x: t.where(x[0], x[1], -100.0)),
+        ("masked_fill_causal", "masked_fill", lambda g: [_f(g, 2, 4, 4), ~np.tril(np.ones((4, 4), bool))],
+         {"value": -1e4}, lambda F, t, x: x[0].masked_fill(x[1], -1e4)),
+        ("masked_fill_padding", "masked_fill", lambda g: [_f(g, 2, 2, 3, 3), np.array([[0, 0, 1], [0, 1, 1]],
+                                                                                    bool)[:, None, None, :]],
+         {"value": -100.0}, lambda F, t, x: x[0].masked_fill(x[1], -100.0)),
+        ("sum_all", "sum", lambda g: [_f(g, 2, 3)], {}, lambda F, t, x: x[0].sum()),
+        ("sum_dim", "sum", lambda g: [_f(g, 2, 3, 4)], {"dim": [1], "keepdim": True},
+         lambda F, t, x: x[0].sum(1, keepdim=True)),
+        ("mean_dims", "mean", lambda g: [_f(g, 2, 3, 4)], {"dim": [0, 2]}, lambda F, t, x: x[0].mean((0, 2))),
+        ("sdpa", "scaled_dot_product_attention", lambda g: [_f(g, 2, 2, 4, 3), _f(g, 2, 2, 5, 3),
+                                                            _f(g, 2, 2, 5, 3)], {},
+         lambda F, t, x: F.scaled_dot_product_attention(*x)),
+        ("sdpa_causal", "scaled_dot_product_attention", lambda g: [_f(g, 2, 2, 4, 3) for _ in range(3)],
+         {"is_causal": True}, lambda F, t, x: F.scaled_dot_product_attention(*x, is_causal=True)),
+        ("sdpa_boolmask", "scaled_dot_product_attention",
+         lambda g: [_f(g, 2, 2, 3, 3) for _ in range(3)] + [np.array([[1, 1, 0], [1, 0, 0]], bool)[:, None, None]],
+         {}, lambda F, t, x: F.scaled_dot_product_attention(*x[:3], attn_mask=x[3])),
+        ("sdpa_floatmask", "scaled_dot_product_attention", lambda g: [_f(g, 1, 2, 3, 4) for _ in range(4)][:3]
+         + [_f(g, 3, 3)], {}, lambda F, t, x: F.scaled_dot_product_attention(*x[:3], attn_mask=x[3])),
+        ("conv2d", "conv2d", lambda g: [_f(g, 2, 3, 7, 6), _f(g, 4, 3, 3, 2), _f(g, 4)],
+         {"stride": [2, 1], "padding": [1, 1]}, lambda F, t, x: F.conv2d(*x, stride=(2, 1), padding=1)),
+        ("conv2d_dil", "conv2d", lambda g: [_f(g, 1, 2, 7, 7), _f(g, 3, 2, 3, 3)],
+         {"dilation": [2, 2]}, lambda F, t, x: F.conv2d(*x, dilation=2)),
+        ("max_pool2d", "max_pool2d", lambda g: [_f(g, 2, 3, 6, 7)], {"kernel_size": [2, 2]},
+         lambda F, t, x: F.max_pool2d(x[0], 2)),
+        ("max_pool2d_pad", "max_pool2d", lambda g: [_f(g, 1, 2, 5, 5)],
+         {"kernel_size": [3, 3], "stride": [2, 2], "padding": [1, 1]},
+         lambda F, t, x: F.max_pool2d(x[0], 3, 2, 1)),
+        ("avg_pool2d", "avg_pool2d", lambda g: [_f(g, 2, 3, 6, 6)], {"kernel_size": [3, 3], "stride": [2, 2],
+                                                                   "padding": [1, 1]},
+         lambda F, t, x: F.avg_pool2d(x[0], 3, 2, 1)),
+        ("cross_entropy", "cross_entropy", lambda g: [_f(g, 5, 4), np.array([0, 3, -100, 1, 2])],
+         {"ignore_index": -100}, lambda F, t, x: F.cross_entropy(x[0], x[1], ignore_index=-100)),
+        ("cross_entropy_3d", "cross_entropy", lambda g: [_f(g, 2, 4, 3), np.array([[0, 3, -1], [1, -1, 2]])],
+         {"ignore_index": -1}, lambda F, t, x: F.cross_entropy(x[0], x[1], ignore_index=-1)),
+        ("nll_loss", "nll_loss", lambda g: [_f(g, 5, 4), np.array([0, 3, 2, 1, 2])], {},
+         lambda F, t, x: F.nll_loss(x[0], x[1])),
+        ("mse", "mse_loss", lambda g: [_f(g, 3, 4), _f(g, 3, 4)], {}, lambda F, t, x: F.mse_loss(x[0], x[1])),
+        ("mse_sum", "mse_loss", lambda g: [_f(g, 3, 4), _f(g, 3, 4)], {"reduction": "sum"},
+         lambda F, t, x: F.mse_loss(x[0], x[1], reduction="sum")),
+    ]
+
+
+CASES = _cases()
+IDS = [c[0] for c in CASES]
+
+
+def _differentiable(x):
+    return isinstance(x, np.ndarray) and x.dtype.kind == "f"
+
+
+def _only_saved(op, inputs, out):
+    """The inputs and output with what the rule says it does not read replaced by NaN:
+    a rule reading more than it declares (so backward would not have kept it) fails."""
+    def blank(x):
+        return np.full(x.shape, np.nan) if x.dtype.kind == "f" else x
+    ins = [x if i in op.saves_inputs else blank(x) for i, x in enumerate(inputs)]
+    return ins, (out if op.saves_output else blank(out))
+
+
+def _numeric_grads(op, inputs, attrs, g, eps=1e-6):
+    grads = []
+    for i, x in enumerate(inputs):
+        if not _differentiable(x):
+            grads.append(None)
+            continue
+        grad = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            shifted = [y.copy() if j == i else y for j, y in enumerate(inputs)]
+            shifted[i][idx] = x[idx] + eps
+            up = float((op.forward(shifted, attrs) * g).sum())
+            shifted[i][idx] = x[idx] - eps
+            down = float((op.forward(shifted, attrs) * g).sum())
+            grad[idx] = (up - down) / (2 * eps)
+        grads.append(grad)
+    return grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_vjp_matches_finite_differences(case):
+    _, name, make, attrs, _ = case
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    inputs = make(rng)
+    op = OPS[name]
+    out = op.forward(inputs, attrs)
+    assert out.shape == op.shape([x.shape for x in inputs], attrs)
+    g = rng.standard_normal(out.shape)
+    analytic = op.vjp(g, *_only_saved(op, inputs, out), attrs)
+    assert len(analytic) == len(inputs)
+    for x, a, n in zip(inputs, analytic, _numeric_grads(op, inputs, attrs, g)):
+        if n is None:
+            assert a is None
+            continue
+        assert a.shape == x.shape
+        if name == "embedding" and "padding_idx" in attrs:
+            n[attrs["padding_idx"]] = 0   # by definition (torch's), not by calculus
+        np.testing.assert_allclose(a, n, rtol=1e-5, atol=1e-6)
+    assert op.flops([x.shape for x in inputs], out.shape, attrs) >= 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forward_and_vjp_match_torch_autograd(case):
+    torch = pytest.importorskip("torch", reason="torch is the oracle of the op set; it is an optional extra")
+    F = torch.nn.functional
+    _, name, make, attrs, torch_fn = case
+    rng = np.random.default_rng(7 + len(case[0]))
+    inputs = make(rng)
+    tensors = [torch.tensor(x, requires_grad=_differentiable(x)) for x in inputs]
+    expected = torch_fn(F, torch, tensors)
+    op = OPS[name]
+    out = op.forward(inputs, attrs)
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-10, atol=1e-12)
+    g = rng.standard_normal(out.shape)
+    expected.backward(torch.tensor(g))
+    for t, a in zip(tensors, op.vjp(g, inputs, out, attrs)):
+        if t.requires_grad:
+            np.testing.assert_allclose(a, t.grad.numpy(), rtol=1e-9, atol=1e-11)
+
+
+def test_float32_stays_float32():
+    x = np.ones((2, 3), np.float32)
+    for name, attrs in [("gelu", {}), ("gelu", {"approximate": "tanh"}), ("softmax", {"dim": -1}),
+                        ("mul", {"scalar": 0.5}), ("layer_norm", {"normalized_shape": [3]})]:
+        assert OPS[name].forward([x], attrs).dtype == np.float32, name
+
+
+@pytest.mark.parametrize("name,shapes,attrs,words", [
+    ("linear", [(2, 3), (4, 5)], {}, "linear of input (2, 3)"),
+    ("matmul", [(2, 3), (4, 5)], {}, "inner dims"),
+    ("add", [(2, 3), (4,)], {}, "do not broadcast"),
+    ("reshape", [(2, 3)], {"shape": [4, -1]}, "reshape of (2, 3)"),
+    ("conv2d", [(1, 3, 5, 5), (2, 3, 3, 3)], {"groups": 3}, "groups=3"),
+    ("cross_entropy", [(4, 3), (5,)], {}, "targets (5,)"),
+])
+def test_shape_rules_reject_with_a_message(name, shapes, attrs, words):
+    with pytest.raises(OpError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        OPS[name].shape(shapes, attrs)

@@ -1,0 +1,112 @@
+"""A captured torch GPT-2 (examples/torch_gpt) through the whole system:
+csrun_cpu against torch eager on the same module, batches and SGD; then
+weight streaming on 1 and 2 WSEs and pipelined against the CPU run (loss
+every step and the final weights within 1e-5 relative)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.cluster_utils import REPO, final_weights, relative_error, tool, train_losses
+
+torch = pytest.importorskip("torch", reason="the torch examples need torch (an optional extra)")
+
+GPT_RUN = str(REPO / "examples" / "torch_gpt" / "run.py")
+STEPS = 12
+TOL = 1e-5
+PARAMS = {
+    "train_input": {"batch_size": 8, "max_sequence_length": 16, "shuffle": True, "drop_last_batch": True},
+    "eval_input": {"batch_size": 8, "max_sequence_length": 16},
+    "model": {"model_type": "gpt2", "vocab_size": 260, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
+              "max_position_embeddings": 16, "dropout_rate": 0.0, "attention_dropout_rate": 0.0},
+    # SGD with momentum here: Adam on real text is compared with torch in-process
+    # (tests/test_torch_programs.py), where the spread it amplifies is measured.
+    "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.1, "momentum": 0.9},
+    "runconfig": {"max_steps": STEPS, "log_steps": 4, "checkpoint_steps": 0, "seed": 2},
+}
+
+
+def _params(tmp_path, name, **runconfig):
+    params = {k: dict(v) for k, v in PARAMS.items()}
+    params["runconfig"].update(runconfig)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _run(launcher, params, model_dir, timeout=300):
+    cmd = [*launcher, sys.executable, GPT_RUN, "--mode", "train", "--params", str(params),
+           "--model_dir", str(model_dir)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torch_gpt")
+    params = _params(tmp, "params.yaml")
+    _run([tool("csrun_cpu")], params, tmp / "cpu")
+    return params, train_losses(tmp / "cpu"), final_weights(tmp / "cpu")
+
+
+def _torch_eager(params_path, double=False):
+    """The same module (run.py builds it), the same global batches, torch's SGD."""
+    from cs_runtime.config import load_params
+    from cs_runtime.data.inputs import InputStream
+    from examples.torch_gpt import run
+    from examples.torch_gpt.model import gpt_loss
+    params = load_params(str(params_path))
+    module = run.build_module(params)
+    module = module.double() if double else module
+    stream = InputStream.build("train", run.train_input_fn(params), params.train_input, params.runconfig.seed)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        shard = stream.shard(step)
+        opt.zero_grad()
+        loss = gpt_loss(module(torch.from_numpy(shard.x.astype(np.int64))), torch.from_numpy(shard.y))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return module, np.array(losses)
+
+
+def test_cpu_path_equals_torch_eager_and_checkpoint_loads_into_the_module(cpu_run):
+    from cs_torch.capture import load_into
+    from examples.torch_gpt import run
+    from cs_runtime.config import load_params
+    params_path, losses, weights = cpu_run
+    module, eager_losses = _torch_eager(params_path)
+    module64, _ = _torch_eager(params_path, double=True)
+    assert len(losses) == STEPS
+    np.testing.assert_allclose(losses, eager_losses, rtol=TOL)
+    fresh = run.build_module(load_params(str(params_path)))
+    by_param = {key.split("/", 2)[2]: w for key, w in weights.items()}
+    load_into(fresh, by_param, {"transformer.wte.weight": "lm_head.weight"})
+    for name, tensor in module.state_dict().items():
+        # Each tensor within 1e-5, or three times torch's own float32-vs-float64
+        # spread where that is larger.
+        ours, theirs = fresh.state_dict()[name].numpy(), tensor.detach().numpy()
+        spread = relative_error(theirs, module64.state_dict()[name].numpy())
+        assert relative_error(ours, theirs) < max(TOL, 3 * spread), name
+
+
+@pytest.mark.parametrize("num_csx,strategy", [(1, "weight_streaming"), (2, "weight_streaming"), (1, "pipelined")])
+def test_cluster_equals_cpu_path(tmp_path, cpu_run, num_csx, strategy):
+    _, losses, weights = cpu_run
+    params = _params(tmp_path, "p.yaml", execution_strategy=strategy)
+    result = _run([tool("csrun_wse"), "--num_csx", str(num_csx), "--num_workers_per_csx", "1"], params,
+                  tmp_path / "m")
+    assert f"Mode={strategy}, Step={STEPS}," in result.stdout, result.stdout[-2000:]
+    got = train_losses(tmp_path / "m")
+    assert len(got) == STEPS
+    assert (np.abs(got - losses) / np.abs(losses)).max() < TOL
+    got_w = final_weights(tmp_path / "m")
+    assert got_w.keys() == weights.keys()
+    for name in weights:
+        assert relative_error(got_w[name], weights[name]) < TOL, name

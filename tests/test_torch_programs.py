@@ -1,0 +1,254 @@
+"""Torch is the oracle: a captured torch model trained on the CPU path (the
+same model_forward / model_loss / model_backward / Optimizer calls
+chief/cpu_executor.py makes) against torch eager on the same module, the
+same batches and the same optimizer; loss at every step and every weight
+after 50 steps within 1e-5 relative (float32)."""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
+F = torch.nn.functional
+
+from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss  # noqa: E402
+from cs_runtime.numerics.optim import Optimizer  # noqa: E402
+from cs_torch.capture import CaptureError, load_into, model_spec  # noqa: E402
+from tests import torch_models  # noqa: E402
+
+STEPS = 50
+LR = {"sgd": 0.05, "adam": 2e-3, "adamw": 2e-3}
+
+
+def _batches(kind, rng, steps, batch):
+    if kind == "mlp":
+        return [(rng.standard_normal((batch, 12)).astype(np.float32), rng.integers(0, 5, batch))
+                for _ in range(steps)]
+    if kind == "cnn":
+        return [(rng.standard_normal((batch, 1, 14, 14)).astype(np.float32), rng.integers(0, 10, batch))
+                for _ in range(steps)]
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(1, 30, (batch, 12))
+        if kind == "bert":
+            lengths = rng.integers(5, 13, batch)
+            ids[np.arange(12)[None, :] >= lengths[:, None]] = 0     # padding at the end
+            labels = np.where(ids == 0, -100, rng.integers(1, 30, (batch, 12)))
+        else:
+            labels = np.roll(ids, -1, axis=1)
+            labels[:, -1] = -1
+        out.append((ids, labels))
+    return out
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return torch_models.MLP(), F.cross_entropy
+    if kind == "cnn":
+        return torch_models.LeNet(), F.cross_entropy
+    if kind == "bert":
+        return torch_models.TinyBert(), torch_models.token_loss
+    from examples.torch_gpt.model import GPT, GPTConfig, gpt_loss
+    return GPT(GPTConfig(vocab_size=30, block_size=12, n_layer=2, n_head=2, n_embd=16)), gpt_loss
+
+
+def _torch_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR[kind], momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=LR[kind])
+    return torch.optim.AdamW(params, lr=LR[kind], weight_decay=0.01)
+
+
+def _ours(kind):
+    return Optimizer(kind, momentum=0.9 if kind == "sgd" else 0.0, weight_decay=0.01 if kind == "adamw" else 0.0)
+
+
+def train_cpu_path(spec, batches, opt_kind):
+    weights = init_weights(spec, seed=0)
+    optimizer = _ours(opt_kind)
+    state = {name: optimizer.init_state(w) for name, w in weights.items()}
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        ctx = ShardContext(0, step, len(x), slice(0, len(x)), True, labels=y)
+        live, caches = model_forward(spec, x, weights, ctx)
+        result = model_loss(spec, live, y, len(x))
+        grads = model_backward(spec, result.delta, caches, weights, step)
+        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR[opt_kind], step, None)
+        losses.append(result.loss)
+    return losses, weights
+
+
+def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32):
+    optimizer = _torch_optimizer(opt_kind, module.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        x = x.astype(dtype) if x.dtype.kind == "f" else x
+        loss = loss_fn(module(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _torch_float_spread(module, loss_fn, batches, opt, reference32) -> dict[str, float]:
+    """Per parameter, how far torch's own float64 run ends from its float32 one."""
+    eager64 = copy.deepcopy(module).double()
+    train_torch(eager64, loss_fn, batches, opt, dtype=np.float64)
+    return {n: float(np.abs(t.detach().numpy() - reference32[n]).max()) for n, t in eager64.state_dict().items()
+            if n in reference32}
+
+
+@pytest.mark.parametrize("kind,opt", [("mlp", "sgd"), ("cnn", "adam"), ("gpt", "adamw"), ("bert", "adam"),
+                                      ("gpt", "sgd")])
+def test_cpu_path_matches_torch_eager(kind, opt):
+    module, loss_fn = _model(kind)
+    batches = _batches(kind, np.random.default_rng(1), STEPS, batch=6)
+    x0, y0 = batches[0]
+    spec = model_spec(kind, module, (torch.from_numpy(x0),), torch.from_numpy(y0), loss_fn)
+    eager = copy.deepcopy(module)
+    ours, weights = train_cpu_path(spec, batches, opt)
+    theirs = train_torch(eager, loss_fn, batches, opt)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    final = {p: w for layer in weights.values() for p, w in layer.items()}
+    reference = {n: t.detach().numpy() for n, t in eager.state_dict().items()}
+    assert set(final) <= set(reference)
+    assert len(final) == len(list(eager.parameters()))
+    spread = _torch_float_spread(module, loss_fn, batches, opt, reference) if opt != "sgd" else {}
+    for name, w in final.items():
+        # Adam turns float32 noise in a gradient that is zero in exact arithmetic (the
+        # attention key bias) into full steps, in torch too: such a tensor is held to
+        # three times torch's own float32-vs-float64 spread (two float32 runs land
+        # anywhere within twice it of each other, give or take).
+        atol = max(1e-5 * float(np.abs(reference[name]).max()), 3 * spread.get(name, 0.0))
+        np.testing.assert_allclose(w, reference[name], rtol=1e-5, atol=atol, err_msg=name)
+    # A tied parameter is held by each unit that reads it: every copy took the same updates.
+    for name in final:
+        copies = [layer[name] for layer in weights.values() if name in layer]
+        assert all(np.array_equal(c, copies[0]) for c in copies), name
+    if kind == "gpt":
+        assert sum("lm_head.weight" in layer for layer in weights.values()) == 2
+
+
+class _Cumulative(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), dim=1)
+
+
+def test_unsupported_op_fails_at_capture_naming_module_op_and_line():
+    with pytest.raises(CaptureError) as info:
+        model_spec("bad", _Cumulative(), (torch.zeros(2, 4),), torch.zeros(2, dtype=torch.long), F.cross_entropy)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("module <root>: ") and "aten.cumsum" in message, message
+    assert "test_torch_programs.py:" in message, message
+
+
+def test_validate_only_reports_an_unsupported_op_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import torch\nimport torch.nn.functional as F\n"
+        "from cs_runtime.data.mnist import load_mnist\nfrom cs_runtime.runner import run\n"
+        "from cs_torch.capture import model_spec\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.head = torch.nn.Linear(784, 10)\n"
+        "    def forward(self, x):\n        return torch.cumsum(self.head(x), dim=1)\n"
+        "def model_fn(params):\n"
+        "    return model_spec('m', M(), (torch.zeros(8, 784),), torch.zeros(8, dtype=torch.long), F.cross_entropy)\n"
+        "run(model_fn, lambda p: load_mnist(None, 'train'))\n")
+    params = tmp_path / "params.yaml"
+    params.write_text("train_input:\n  batch_size: 8\n")
+    result = subprocess.run([sys.executable, str(script), "--mode", "train", "--params", str(params), "--model_dir",
+                             str(tmp_path / "m"), "--validate_only"], capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parent.parent)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "module <root>" in errors[0] and "aten.cumsum" in errors[0] and "run.py:11" in errors[0], errors
+
+
+def test_program_crosses_the_wire_as_data_and_is_validated():
+    import msgpack
+    from cs_runtime.numerics.model import ModelSpec
+    from cs_runtime.numerics.program import ProgramError, Unit
+    module, loss_fn = _model("gpt")
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    spec = model_spec("gpt", module, (ids,), ids, loss_fn)
+    wire = msgpack.packb(spec.to_dict(), use_bin_type=True)
+    back = ModelSpec.from_dict(msgpack.unpackb(wire, raw=False))
+    assert [l.param_shapes() for l in back.layers] == [l.param_shapes() for l in spec.layers]
+    x = np.random.default_rng(0).integers(0, 30, (2, 12))
+    weights = init_weights(spec, 0)
+    for s in (spec, back):
+        ctx = ShardContext(0, 0, 2, slice(0, 2), True, labels=x)
+        live, _ = model_forward(s, x, weights, ctx)
+        assert np.isfinite(model_loss(s, live, x, 2).loss)
+    meta = spec.layers[2].unit["unit"]
+    for broken in ({**meta, "forward": [["os.system", ["x"], ["y"], {}, "", ""]]},
+                   {**meta, "forward": meta["forward"][1:]},
+                   {**meta, "forward": [[*meta["forward"][0][:3], {"attrs": object()}, "", ""]]}):
+        with pytest.raises(ProgramError):
+            Unit.from_meta(broken)
+
+
+def test_a_torch_state_dict_starts_a_run_and_weights_load_back():
+    module, loss_fn = _model("gpt")
+    other, _ = _model("gpt")
+    torch.nn.init.normal_(other.transformer.wpe.weight)
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    spec = model_spec("gpt", module, (ids,), ids, loss_fn, state_dict=other.state_dict())
+    weights = init_weights(spec, 0)
+    assert np.array_equal(weights["transformer.wpe"]["transformer.wpe.weight"],
+                          other.transformer.wpe.weight.detach().numpy())
+    fresh, _ = _model("gpt")
+    load_into(fresh, {p: w for layer in weights.values() for p, w in layer.items()},
+              {"transformer.wte.weight": "lm_head.weight"})
+    for name, t in other.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name
+
+
+def test_units_follow_the_rule_and_the_report_shows_them():
+    from cs_runtime.compiler import program_report
+    module, loss_fn = _model("gpt")
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    spec = model_spec("gpt", module, (ids,), ids, loss_fn)
+    assert [l.name for l in spec.layers] == ["transformer.wte", "transformer.wpe", "transformer.h.0",
+                                             "transformer.h.1", "transformer.ln_f", "lm_head"]
+    holders = [l.name for l in spec.layers if "lm_head.weight" in l.param_shapes()]
+    assert holders == ["transformer.wte", "lm_head"]
+    values = spec.program["values"]
+    shapes, dtypes = {k: tuple(v[0]) for k, v in values.items()}, {k: v[1] for k, v in values.items()}
+    text = program_report.render(spec, shapes, dtypes, 2)
+    assert "The unit rule:" in text and "ModuleList or Sequential" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("transformer.", "lm_head "))}
+    assert rows["lm_head"].rstrip().endswith("lm_head.weight")
+    block = rows["transformer.h.0"].split()
+    assert int(block[2].replace(",", "")) == sum(p.numel() for p in module.transformer.h[0].parameters())
+    assert float(block[4]) > 0   # forward MFLOP of a block
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_eval_counts_right_predictions_of_the_counted_labels(kind):
+    module, loss_fn = _model(kind)
+    x, y = _batches(kind, np.random.default_rng(3), 1, batch=6)[0]
+    spec = model_spec(kind, module, (torch.from_numpy(x),), torch.from_numpy(y), loss_fn)
+    ctx = ShardContext(0, 0, 6, slice(0, 6), False, labels=y)
+    live, _ = model_forward(spec, x, init_weights(spec, 0), ctx)
+    result = model_loss(spec, live, y, 6)
+    with torch.no_grad():
+        logits = module(torch.from_numpy(x)).reshape(-1, 30 if kind == "gpt" else 5).numpy()
+    flat = y.reshape(-1)
+    counted = flat != (-1 if kind == "gpt" else -100)
+    assert result.count == int(counted.sum())
+    assert counted.all() == (kind == "mlp")   # the GPT's last position has no next token
+    assert result.correct == int(((logits.argmax(-1) == flat) & counted).sum())
+    assert result.loss_sum == pytest.approx(float(loss_fn(torch.from_numpy(logits.reshape(*y.shape, -1)
+                                                                             if kind == "gpt" else logits),
+                                                          torch.from_numpy(y))) * result.count, rel=1e-5)

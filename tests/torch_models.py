@@ -1,0 +1,73 @@
+"""Plain PyTorch modules the torch-oracle tests capture (tests/test_torch_programs.py)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(12, 16, 8, 5)):
+        super().__init__()
+        self.fc1, self.fc2, self.out = (nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.out(self.act(self.fc2(F.silu(self.fc1(x)))))
+
+
+class LeNet(nn.Module):
+    def __init__(self, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 5, padding=2)
+        self.conv2 = nn.Conv2d(4, 8, 3)
+        self.fc1 = nn.Linear(8 * 2 * 2, 32)
+        self.fc2 = nn.Linear(32, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)             # [B, 4, 14, 14] -> 7 x 7
+        x = F.avg_pool2d(torch.sigmoid(self.conv2(x)), 2)       # 5 x 5 -> 2 x 2
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+class EncoderLayer(nn.Module):
+    """Post-norm (BERT) block with a padding mask on the keys, attention written out."""
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.ff1 = nn.Linear(d, 2 * d)
+        self.ff2 = nn.Linear(2 * d, d)
+        self.ln2 = nn.LayerNorm(d)
+
+    def forward(self, x, pad):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.reshape(B, T, self.heads, D // self.heads).permute(0, 2, 1, 3) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / (D // self.heads) ** 0.5
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        y = (scores.softmax(-1) @ v).permute(0, 2, 1, 3).reshape(B, T, D)
+        x = self.ln1(x + self.proj(y))
+        return self.ln2(x + self.ff2(F.gelu(self.ff1(x))))
+
+
+class TinyBert(nn.Module):
+    def __init__(self, vocab=30, d=16, heads=2, layers=2, max_len=12, pad_id=0):
+        super().__init__()
+        self.pad_id = pad_id
+        self.tok = nn.Embedding(vocab, d, padding_idx=pad_id)
+        self.pos = nn.Embedding(max_len, d)
+        self.ln = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(EncoderLayer(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        pad = ids == self.pad_id
+        x = self.ln(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+        for layer in self.layers:
+            x = layer(x, pad)
+        return self.head(x)
+
+
+def token_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
