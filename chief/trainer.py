@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,24 +48,44 @@ def run_on_cluster(args: RunArgs, fns: UserFunctions) -> int:
     return run_chief(args, fns, on_cluster=True)
 
 
+def run_precheck(args: RunArgs, fns: UserFunctions) -> int:
+    """csrun_wse's check before it starts anything: the params (already read by
+    parse_args) and the model, as --validate_only (or --compile_only) does."""
+    if not args.compile_only:
+        args.validate_only = True
+    return run_chief(args, fns, on_cluster=False)
+
+
 def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
     trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
+        if not args.validate_only:   # validate_only writes nothing
+            ensure_writable(args.model_dir)
         spec = build_spec(args, fns)
         compiled = compile_model(spec, args)
         if args.validate_only or args.compile_only:
             return 0
         executor = make_executor(args, fns, spec, compiled, on_cluster)
         try:
-            Trainer(args, spec, executor).run()
+            Trainer(args, spec, executor, fns).run()
         finally:
             executor.close()
         return 0
     except (RunError, ckpt.CheckpointError, ValueError) as exc:
         # Bad input (params, data, checkpoint) or a diverged loss: a restart would fail alike.
-        log.error("%s", exc)
-        print(f"error: {exc}", flush=True)
+        for line in str(exc).splitlines():   # a ParamsError may hold several problems, a line each
+            print(f"error: {line}", flush=True)   # said once: stdout, not the log as well
         return EXIT_BAD_INPUT
+
+
+def ensure_writable(model_dir: str) -> None:
+    """model_dir exists (made if need be) and takes files, or one line says why not."""
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=model_dir, prefix=".writable-"):
+            pass
+    except OSError as exc:
+        raise RunError(f"--model_dir {model_dir}: cannot create or write there ({exc.strerror or exc})") from None
 
 
 def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
@@ -89,8 +111,8 @@ def make_loss_scaler(params: Params) -> LossScaler:
 
 
 class Trainer:
-    def __init__(self, args: RunArgs, spec: ModelSpec, executor):
-        self.args, self.spec, self.executor = args, spec, executor
+    def __init__(self, args: RunArgs, spec: ModelSpec, executor, fns: UserFunctions | None = None):
+        self.args, self.spec, self.executor, self.fns = args, spec, executor, fns
         self.params = args.params
         self.rc = self.params.runconfig
         self.model_dir = Path(args.model_dir)
@@ -100,22 +122,13 @@ class Trainer:
 
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
-        path = self.args.checkpoint_path
-        restarted = env.RESTART.get() > 0
-        if restarted and ckpt.latest(self.model_dir) is not None:
-            # A restarted job goes on from where it got to, not from where it began.
-            path = None
-        if path is None:
-            found = ckpt.latest(self.model_dir)
-            if found is not None:
-                log.info("Found checkpoint %s in model_dir: resuming from it", found)
-                path = found
         optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
-        if path is None:
+        found = self.checkpoint_to_resume()
+        if found is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
             return ckpt.Checkpoint(0, 0, weights, opt_state, {})
-        state = ckpt.load(path)
+        state, path = found
         expected = {l.name: l.param_shapes() for l in self.spec.layers}
         ckpt.check_compatible(state, expected, path)
         for layer, params in state.weights.items():
@@ -125,20 +138,40 @@ class Trainer:
         log.info("Restored checkpoint %s at global step %d", path, state.global_step)
         return state
 
+    def checkpoint_to_resume(self) -> tuple[ckpt.Checkpoint, Path] | None:
+        """--checkpoint_path, else (and always on a restart) the newest checkpoint
+        in model_dir that loads; each newer one skipped is said, with why."""
+        path = self.args.checkpoint_path
+        restarted = env.RESTART.get() > 0
+        if path is not None and not (restarted and ckpt.latest(self.model_dir) is not None):
+            return ckpt.load(path), Path(path)
+        # A restarted job goes on from where it got to, not from where it began.
+        found = ckpt.load_newest(self.model_dir)
+        if found is None:
+            return None
+        state, path, skipped = found
+        for reason in skipped:
+            log.warning("skipping %s; resuming from an older one", reason)
+        log.info("Found checkpoint %s in model_dir: resuming from it", path)
+        return state, path
+
     # ------------------------------------------------------------ the run
     def run(self) -> None:
         start = self.initial_state()
         self.global_step = start.global_step
         mode = self.args.mode
+        self.max_steps = self.stop_step()
         phases = []
-        if mode in ("train", "train_and_eval") and self.global_step < self.rc.max_steps:
-            phases.append({"stream": "train", "start": self.global_step, "stop": self.rc.max_steps})
+        if mode in ("train", "train_and_eval") and self.global_step < self.max_steps:
+            phases.append({"stream": "train", "start": self.global_step, "stop": self.max_steps})
         if mode in ("eval", "train_and_eval"):
             phases.append({"stream": "eval", "start": 0, "stop": self.executor.num_eval_steps()})
         with trace.span("load"):
             self.executor.load(start.weights, start.opt_state, phases)
         self.write_text_summaries()
         if mode in ("train", "train_and_eval"):
+            if self.rc.save_initial_checkpoint and self.global_step == 0:
+                self.save_checkpoint()
             self.train()
         if mode in ("eval", "train_and_eval"):
             self.evaluate()
@@ -147,15 +180,29 @@ class Trainer:
         if trace.RECORDER.enabled:
             self.write_trace()
 
+    def stop_step(self) -> int:
+        """The global step training stops at (runconfig: max_steps, num_steps or num_epochs)."""
+        per_epoch = None
+        if self.rc.num_epochs is not None and self.rc.steps_per_epoch is None and self.fns is not None:
+            from cs_runtime.data.inputs import dataset_len
+            section = self.params.train_input
+            per_epoch = dataset_len(self.fns.train_input_fn(self.params)) // section.batch_size
+        stop = self.rc.stop_step(self.global_step, per_epoch)
+        every = self.rc.eval_frequency
+        if self.args.mode == "train_and_eval" and every is not None and every < stop - self.global_step:
+            raise RunError(f"runconfig.eval_frequency {every}: evaluating during training is not emulated (eval "
+                           f"runs once, after step {stop}); set eval_frequency to {stop - self.global_step} or more")
+        return stop
+
     def train(self) -> None:
-        if self.global_step >= self.rc.max_steps:
-            log.info("Already at step %d of max_steps %d: nothing to train", self.global_step, self.rc.max_steps)
+        if self.global_step >= self.max_steps:
+            log.info("Already at step %d of max_steps %d: nothing to train", self.global_step, self.max_steps)
             return
         batch = self.params.train_input.batch_size
         self.writer("train")  # opened (and tensorboardX imported) before the clock starts
         t_start = t_last = time.monotonic()
         first_step, steps_since = self.global_step, 0
-        while self.global_step < self.rc.max_steps:
+        while self.global_step < self.max_steps:
             step = self.global_step
             lr = self.params.optimizer.lr_at(step)
             loss_scale = self.scaler.scale
@@ -175,9 +222,10 @@ class Trainer:
                 global_rate = (self.global_step - first_step) * batch / max(now - t_start, 1e-9)
                 t_last, steps_since = now, 0
                 scale_note = f", LossScale={loss_scale:g}" if self.scaler.skips_nonfinite else ""
+                eta = eta_text((self.max_steps - self.global_step) * (now - t_start) / (self.global_step - first_step))
                 print(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}"
-                      f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec",
-                      flush=True)
+                      f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec, "
+                      f"Progress={self.global_step}/{self.max_steps}, ETA={eta}", flush=True)
                 self.scalar("train", "samples_per_sec", rate)
                 self.scalar("train", "lr", lr)
                 self.scalar("train", "grad_norm", grad_norm)
@@ -197,7 +245,7 @@ class Trainer:
     def logs_at(self, global_step: int) -> bool:
         """Whether the progress line and the step's summaries are written after `global_step`
         steps; the gradient norms are computed for those steps only."""
-        return global_step % self.rc.log_steps == 0 or global_step == self.rc.max_steps
+        return global_step % self.rc.log_steps == 0 or global_step == self.max_steps
 
     def after_step(self, step: int, applied: bool, loss_scale: float) -> None:
         """Advance the loss scale; a skipped step is said once, with what happens next."""
@@ -264,6 +312,12 @@ class Trainer:
 
     def scalar(self, split: str, tag: str, value: float) -> None:
         self.writer(split).add_scalar(tag, value, self.global_step)
+
+
+def eta_text(seconds: float) -> str:
+    """0:01:05: the time left at the run's rate so far."""
+    seconds = int(round(max(seconds, 0.0)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def as_code(text: str) -> str:

@@ -99,7 +99,8 @@ SHM_DIR = Var("CS_SHM_DIR", "", text, "folder of the job's shared-memory segment
               "job", service=True)
 RESTART = Var("CS_RESTART", 0, count, "the job's restart number (--max_restarts): resume from model_dir", "job")
 TRACE = Var("CS_TRACE", False, switch, "1: record a timeline (--trace)", "job")
-ROLE = Var("CS_ROLE", "", text, "chief | worker | memoryx | swarmx | wse | input_probe | wse_probe; unset: CPU",
+ROLE = Var("CS_ROLE", "", text,
+           "chief | worker | memoryx | swarmx | wse | input_probe | wse_probe | precheck; unset: CPU",
            "process", service=True)
 RANK = Var("CS_RANK", 0, count, "rank within the role", "process", service=True)
 HOST_NAME = Var("CS_HOST_NAME", "", text, "this host's name as the job knows it (default: hostname)", "process")

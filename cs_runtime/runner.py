@@ -8,7 +8,9 @@ the role the launcher gave it (environment CS_ROLE):
 - no role (plain `python run.py` or `csrun_cpu`): the CPU path, in-process;
 - chief (`csrun_wse` task 0): compile, then drive the CS system;
 - worker (`csrun_wse` other tasks): stream its shard of the input;
-- input_probe / wse_probe (`cs_input_analyzer`): measure input and WSE rates.
+- input_probe / wse_probe (`cs_input_analyzer`): measure input and WSE rates;
+- precheck (`csrun_wse`, before it starts anything): validate the params and
+  the model, as --validate_only does, and exit (2 on a bad params file).
 
 The roles live above cs_runtime (chief/, worker/, wse/): each is imported by
 name from ROLE_ENTRY_POINTS, so no import of this package points up.
@@ -31,11 +33,15 @@ ROLE_ENTRY_POINTS = {
     "worker": ("worker.input_worker", "serve_inputs"),
     "input_probe": ("worker.probe", "measure_input"),
     "wse_probe": ("wse.probe", "measure_consumption"),
+    "precheck": ("chief.trainer", "run_precheck"),
 }
 
 
-def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None,
+        model: str | None = None) -> None:
+    """`model`: the model the script builds (fc_mnist, gpt2, bert), as a model-zoo
+    run.py knows it; None lets `model.model_type` say (older params files)."""
+    args = parse_args(argv, model)
     fns = UserFunctions(model_fn, train_input_fn, eval_input_fn)
     role = env.ROLE.get()
     setup_logging(role or "cpu")

@@ -50,7 +50,9 @@ class Optimizer:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
             raise CsTorchError(f"{type(self).__name__}: lr must be a positive number, got {lr!r}")
         self.section = {"optimizer_type": self.kind, "learning_rate": float(lr),
-                        "weight_decay": float(weight_decay), "max_gradient_norm": max_gradient_norm, **rule}
+                        "weight_decay": float(weight_decay), "max_gradient_norm": max_gradient_norm,
+                        # torch's optimizers decay every parameter they are given
+                        "exclude_bias_and_norm": False, **rule}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.section})"

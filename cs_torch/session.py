@@ -154,7 +154,7 @@ def model_section(spec: ModelSpec) -> dict:
             or len({(l.activation, l.dropout) for l in hidden}) != 1 or layers[-1].dropout:
         return {}
     return {"input_size": layers[0].in_features, "hidden_sizes": [l.out_features for l in hidden],
-            "num_classes": layers[-1].out_features, "activation": hidden[0].activation,
+            "num_classes": layers[-1].out_features, "activation_fn": hidden[0].activation,
             "dropout": hidden[0].dropout}
 
 

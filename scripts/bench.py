@@ -73,7 +73,7 @@ TRAFFIC_RE = re.compile(r"WeightBytes/step=(\d+) .* x (\d+) hops.*GradBytes/step
 def write_params(folder: Path, preset: dict, steps: int, strategy: str, precision: str = "float32") -> Path:
     params = {
         "train_input": {"batch_size": preset["batch_size"], "shuffle": True, "drop_last_batch": True},
-        "model": {"hidden_sizes": preset["hidden_sizes"], "activation": "relu", "dropout": 0.1},
+        "model": {"hidden_sizes": preset["hidden_sizes"], "activation_fn": "relu", "dropout": 0.1},
         "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.01, "momentum": 0.9},
         "runconfig": {"max_steps": steps, "log_steps": WARMUP_STEPS, "checkpoint_steps": 0, "seed": 1,
                       "execution_strategy": strategy},

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from cs_runtime.flags import add_flag
+from cs_runtime.version import version_line
 
 HEADROOM = 1.2            # input must outrun the WSE by this factor: a worker's rate varies
 PROBE_START_TIMEOUT_S = 300
@@ -34,6 +35,7 @@ PROBE_START_TIMEOUT_S = 300
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cs_input_analyzer", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("cs_input_analyzer"))
     cpus = os.cpu_count() or 1
     flag = functools.partial(add_flag, parser)
     flag("available_nodes", type=int, default=1, help="nodes you can use for input (default 1)")

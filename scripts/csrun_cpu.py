@@ -12,18 +12,35 @@ from __future__ import annotations
 import os
 import sys
 
+from cs_runtime.version import version_line
+
+USAGE = "usage: csrun_cpu [-h] [--version] [--trace] python run.py --mode MODE --params FILE [run.py options]"
+OPTIONS = """
+options:
+  -h, --help   show this help and exit
+  --version    show the version and exit
+  --trace      record a timeline of the run into model_dir/trace.json
+
+run.py options (python run.py --help): --mode {train,eval,train_and_eval,validate_only,compile_only}
+  --params FILE  --model_dir DIR  --checkpoint_path CKPT  --validate_only  --compile_only
+  --override KEY.PATH=VALUE (repeatable)  --multireplica  --version"""
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        print(f"{USAGE}\n\n{__doc__.strip()}\n{OPTIONS}" if argv else USAGE, file=sys.stdout if argv else sys.stderr)
         sys.exit(0 if argv else 2)
+    if argv[0] == "--version":
+        print(version_line("csrun_cpu"))
+        sys.exit(0)
     traced = argv[0] == "--trace"
     if traced:
         argv = argv[1:]
     if not argv or argv[0].startswith("-"):
-        sys.exit(f"csrun_cpu: {'unrecognized argument: ' + argv[0] if argv else 'no command given'} "
-                 "(usage: csrun_cpu [--trace] python run.py ...)")
+        print(f"{USAGE}\ncsrun_cpu: error: {'unrecognized argument: ' + argv[0] if argv else 'no command given'}",
+              file=sys.stderr)
+        sys.exit(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CS_")}
     env["CS_TARGET"] = "cpu"
     env["CS_TRACE"] = "1" if traced else "0"

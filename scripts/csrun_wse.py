@@ -21,8 +21,10 @@ everything is stopped within seconds and one line names what failed; with
 up to K times. Traffic is authenticated and encrypted with CURVE keys made for
 the job (see cs_runtime/wire/auth.py); --insecure turns that off, on loopback only.
 
-This script is the command line only: its flags become a JobOptions, and
-cs_runtime.launch.job runs the job.
+This script is the command line only: its flags become a JobOptions,
+cs_runtime.launch.precheck checks the params and the model before anything
+starts (the command run once with CS_ROLE=precheck), and cs_runtime.launch.job
+runs the job.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ import argparse
 import sys
 
 from cs_runtime.flags import add_flag
-from cs_runtime.launch import job, remote
+from cs_runtime.launch import job, precheck, remote
 from cs_runtime.launch.job import JobOptions
 from cs_runtime.service import setup_logging
+from cs_runtime.version import version_line
 from cs_runtime.wire.protocol import check_labels
 
 
@@ -40,6 +43,7 @@ def parse_args(argv: list[str]) -> JobOptions:
     parser = argparse.ArgumentParser(prog="csrun_wse", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("csrun_wse"))
     add_flag(parser, "num_csx", type=int, default=1, help="WSE emulators (default 1)")
     add_flag(parser, "num_workers_per_csx", type=int, default=None,
              help="input workers per WSE, on this machine (default 1); over SSH or Slurm every task "
@@ -133,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
     try:
+        # The params and the model first: a bad file is said once, before anything starts.
+        checked = precheck.check(options)
+        if checked.code is not None and (checked.code != 0 or precheck.runs_nothing(options.command)):
+            if checked.code != 0 and options.cs_ip:
+                precheck.record_failure(options, checked)
+            sys.exit(checked.code)
         code = job.run(options)
     except KeyboardInterrupt:  # Ctrl-C before the job's supervisor took the signal over
         job.say("interrupted by SIGINT")

@@ -20,7 +20,7 @@ BIN = Path(sys.executable).parent
 SMALL_PARAMS = {
     "train_input": {"batch_size": 64, "shuffle": True, "drop_last_batch": True},
     "eval_input": {"batch_size": 100, "shuffle": False, "drop_last_batch": False},
-    "model": {"hidden_sizes": [64, 32], "activation": "relu", "dropout": 0.1},
+    "model": {"hidden_sizes": [64, 32], "activation_fn": "relu", "dropout": 0.1},
     "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.01, "momentum": 0.9},
     "runconfig": {"max_steps": 100, "log_steps": 25, "checkpoint_steps": 50, "seed": 3,
                   "execution_strategy": "weight_streaming"},

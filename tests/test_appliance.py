@@ -149,7 +149,10 @@ def test_two_jobs_submitted_together_queue_and_both_match_the_oracle(server, ora
 def test_failed_jobs_do_not_stop_the_system_and_the_next_job_matches_the_oracle(server, oracle, tmp_path):
     bad = write_params(tmp_path, "bad.yaml", optimizer={"learning_rat": 0.1})
     assert server.submit(bad, tmp_path / "bad", "bad-params").wait(WAIT_S) != 0
-    assert server.jobs()["bad-params"]["phase"] == "FAILED"
+    failed = server.jobs()["bad-params"]
+    assert failed["phase"] == "FAILED"
+    # The params were checked before anything started; csctl says why the job never ran.
+    assert "optimizer.learning_rat: unknown key: did you mean learning_rate?" in failed["reason"], failed
     # A service crash mid-training: the CS system fails that job only.
     long_params = write_params(tmp_path, "long.yaml", runconfig={"max_steps": 100000, "checkpoint_steps": 0})
     crashing = server.submit(long_params, tmp_path / "crash", "crash")

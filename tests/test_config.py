@@ -48,7 +48,7 @@ def test_example_file_loads() -> None:
     assert p.train_input.batch_size == 128 and p.train_input.shuffle
     assert p.eval_input.shuffle is False and p.eval_input.drop_last_batch is False
     assert p.model.layer_sizes() == [784, 256, 128, 10]
-    assert p.model.activation == "relu" and p.model.dropout == 0.1
+    assert p.model.activation_fn == "relu" and p.model.dropout == 0.1
     assert p.optimizer.optimizer_type == "sgd"
     assert p.optimizer.lr_at(0) == 0.02 and p.optimizer.momentum == 0.9
     assert p.optimizer.max_gradient_norm is None
@@ -67,13 +67,14 @@ def test_defaults() -> None:
         assert section.shuffle_seed is None
     assert p.model.hidden_sizes == [256, 128]
     assert p.model.layer_sizes() == [784, 256, 128, 10]
-    assert p.model.activation == "relu" and p.model.dropout == 0.0
+    assert p.model.activation_fn == "relu" and p.model.dropout == 0.0
     opt = p.optimizer
     assert (opt.optimizer_type, opt.learning_rate, opt.momentum) == ("sgd", 0.01, 0.0)
-    assert opt.betas == (0.9, 0.999) and opt.eps == 1e-8
+    assert opt.betas == (0.9, 0.999) and opt.eps == 1e-6     # the model zoo's Adam eps
+    assert opt.exclude_bias_and_norm
     assert opt.max_gradient_norm is None and opt.weight_decay == 0.0
     rc = p.runconfig
-    assert (rc.max_steps, rc.log_steps, rc.checkpoint_steps, rc.seed) == (100, 10, 0, 1)
+    assert (rc.stop_step(0), rc.log_steps, rc.checkpoint_steps, rc.seed) == (100, 10, 0, 1)
     assert rc.max_checkpoints == 5 and rc.eval_steps is None
     assert rc.execution_strategy is None
     assert p.csconfig.wafer_memory_bytes is None
@@ -85,10 +86,12 @@ def test_shuffle_seed_falls_back_to_run_seed() -> None:
     assert p.eval_input.seed(p.runconfig.seed) == 3
 
 
-def test_empty_file_and_empty_section_take_defaults(tmp_path: Path) -> None:
-    assert load_params(_write(tmp_path, "")) == Params()
+def test_empty_file_is_an_error_and_empty_section_takes_defaults(tmp_path: Path) -> None:
+    for text in ("", "# nothing\n", "{}\n"):
+        with pytest.raises(ParamsError, match=r"params\.yaml: the params file is empty"):
+            load_params(_write(tmp_path, text))
     p = load_params(_write(tmp_path, "runconfig:\n  # max_steps: 5\n"))
-    assert p.runconfig.max_steps == 100
+    assert p.runconfig.stop_step(0) == 100
 
 
 def test_ints_are_accepted_for_floats() -> None:
@@ -106,12 +109,13 @@ def test_scientific_notation_is_a_number_in_yaml(tmp_path: Path) -> None:
 
 
 def test_unknown_top_level_section() -> None:
-    assert _error({"trian_input": {}}) == "params.yaml: trian_input: unknown key"
+    assert _error({"trian_input": {}}) == "params.yaml: trian_input: unknown key: did you mean train_input?"
 
 
 def test_unknown_nested_key() -> None:
     msg = _error({"model": {"hiden_sizes": [3]}})
-    assert msg == "params.yaml: model.hiden_sizes: unknown key"
+    assert msg == "params.yaml: model.hiden_sizes: unknown key: did you mean hidden_sizes?"
+    assert _error({"model": {"zzz": 1}}) == "params.yaml: model.zzz: unknown key"   # nothing close
 
 
 def test_wrong_type_string_for_number() -> None:
@@ -133,7 +137,7 @@ def test_wrong_type_string_for_number() -> None:
         ({"eval_input": {"data_dir": 3}}, "eval_input.data_dir"),
         ({"optimizer": {"momentum": "0.9"}}, "optimizer.momentum"),
         ({"model": {"hidden_sizes": [256, "x"]}}, "model.hidden_sizes[1]"),
-        ({"model": {"activation": "swish"}}, "model.activation"),
+        ({"model": {"activation_fn": "swish"}}, "model.activation_fn"),
         ({"optimizer": {"optimizer_type": "adagrad"}}, "optimizer.optimizer_type"),
         ({"runconfig": {"execution_strategy": "both"}}, "runconfig.execution_strategy"),
         ({"model": 5}, "model"),
@@ -190,7 +194,7 @@ def test_schedule_errors_name_the_nested_key() -> None:
     assert msg.startswith("params.yaml: optimizer.learning_rate.total_iters: ")
     msg = _error({"optimizer": {"learning_rate": {**base, "total_iters": 5, "gamma": 1}}})
     assert msg == "params.yaml: optimizer.learning_rate.gamma: unknown key"
-    msg = _error({"optimizer": {"learning_rate": {**base, "scheduler": "Cosine",
+    msg = _error({"optimizer": {"learning_rate": {**base, "scheduler": "Polynomial",
                                                   "total_iters": 5}}})
     assert msg.startswith("params.yaml: optimizer.learning_rate.scheduler: ")
     msg = _error({"optimizer": {"learning_rate": {**base, "total_iters": 5,
@@ -198,10 +202,17 @@ def test_schedule_errors_name_the_nested_key() -> None:
     assert msg.startswith("params.yaml: optimizer.learning_rate: ")
 
 
-def test_several_errors_report_first_and_count() -> None:
-    msg = _error({"runconfig": {"max_steps": "x", "log_steps": 0, "seed": "y"}})
-    assert msg.startswith("params.yaml: runconfig.max_steps: ")
-    assert msg.endswith(" (+2 more)")
+def test_several_errors_are_all_reported_a_line_each() -> None:
+    with pytest.raises(ParamsError) as info:
+        params_from_dict({"runconfig": {"max_steps": "x", "log_steps": 0, "seed": "y"},
+                          "model": {"activation": "relu"}}, source="params.yaml")
+    assert info.value.lines == [
+        "params.yaml: model.activation: unknown key: did you mean activation_fn?",
+        "params.yaml: runconfig.max_steps: Input should be a valid integer (got 'x')",
+        "params.yaml: runconfig.log_steps: Input should be greater than 0 (got 0)",
+        "params.yaml: runconfig.seed: Input should be a valid integer (got 'y')",
+    ]
+    assert str(info.value) == "\n".join(info.value.lines)
 
 
 def test_top_level_not_a_mapping(tmp_path: Path) -> None:
@@ -248,7 +259,7 @@ def test_capitalised_optimizer_names(given: str, stored: str) -> None:
 
 
 def test_activation_case_insensitive() -> None:
-    assert params_from_dict({"model": {"activation": "GELU"}}).model.activation == "gelu"
+    assert params_from_dict({"model": {"activation_fn": "GELU"}}).model.activation_fn == "gelu"
 
 
 def test_layer_sizes_both_spellings() -> None:

@@ -320,7 +320,7 @@ def test_a_nan_loss_without_loss_scaling_stops_the_job_naming_the_step(tmp_path)
 def test_deep_sigmoid_mlp_trains_its_first_layer_only_where_small_gradients_survive(tmp_path):
     """The underflow case as a training run. fc0's momentum buffer is the sum of every
     gradient it was given, so its zeros count the weights that never got one."""
-    deep = {"hidden_sizes": [64] * 8, "activation": "sigmoid", "dropout": 0.0}
+    deep = {"hidden_sizes": [64] * 8, "activation_fn": "sigmoid", "dropout": 0.0}
     run = {"max_steps": 20, "log_steps": 10, "checkpoint_steps": 0}
     cases = {"float32": ({}, {}),
              "float16 unscaled": ({"mixed_precision": True}, {}),

@@ -43,6 +43,8 @@ SMALL_WAFER = 100_000  # bytes: the tiny models need ~500 kB with AdamW state
 def write_lm_params(path, style: str, **sections) -> str:
     params = {k: dict(v) for k, v in LM_PARAMS.items()}
     params["model"]["model_type"] = style
+    if style == "bert":
+        params["model"]["disable_nsp"] = True   # masked LM only: the model zoo would add a next-sentence head
     for section, values in sections.items():
         params.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(params))
@@ -240,14 +242,17 @@ def test_examples_name_a_bad_params_key(style):
 
     from cs_runtime.config import params_from_dict
     model_fn = import_module(f"examples.{style}.run").model_fn
-    too_long = params_from_dict({"model": {"model_type": style, "max_position_embeddings": 16},
+    nsp = {"disable_nsp": True} if style == "bert" else {}
+    too_long = params_from_dict({"model": {"model_type": style, "max_position_embeddings": 16, **nsp},
                                  "eval_input": {"max_sequence_length": 32}})
     with pytest.raises(ValueError, match="eval_input.max_sequence_length 32 exceeds model.max_position_embeddings 16"):
         model_fn(too_long)
     other = "bert" if style == "gpt2" else "gpt2"
-    with pytest.raises(ValueError, match=f"needs model.model_type: {style}"):
+    with pytest.raises(ValueError, match=f"this script builds {style}"):
         model_fn(params_from_dict({"model": {"model_type": other}}))
-    spec = model_fn(params_from_dict({"model": {"model_type": style}}))
+    with pytest.raises(ValueError, match=f"model.model_type: '{other}', but this script builds {style}"):
+        params_from_dict({"model": {"model_type": other}}, model=style)
+    spec = model_fn(params_from_dict({"model": {"model_type": style, **nsp}}))
     assert [l.op for l in spec.layers] == ["embedding", "transformer_block", "transformer_block", "lm_head"]
     assert spec.layers[1].causal == (style == "gpt2")
 

@@ -14,6 +14,8 @@ suspects an input bottleneck.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import logging
 import sys
 import time
@@ -117,10 +119,12 @@ class InputWorker:
     def stream(self, pushes: list[Endpoint], phase: dict) -> None:
         name, p = str(phase["stream"]), self.args.params
         stream = self.open_stream(name)
-        for step in worker_steps(int(phase["start"]), int(phase["stop"]), self.penv.rank, self.penv.num_workers):
+        section = p.train_input if name == "train" else p.eval_input
+        steps = worker_steps(int(phase["start"]), int(phase["stop"]), self.penv.rank, self.penv.num_workers)
+        for step, shards in fetched_ahead(stream, steps, len(pushes), section):
             t0 = time.monotonic()
             with trace.span("make_batch", step=step):
-                shards = stream.shards(step, len(pushes))
+                shards = shards()
             self.busy_s += time.monotonic() - t0
             for push, shard in zip(pushes, shards):
                 meta = {"stream": name, "global_batch": shard.global_batch, "worker": self.penv.rank,
@@ -153,3 +157,29 @@ class InputWorker:
         meta = {"rank": self.penv.rank, "host": host_name(), "batches": self.batches, "busy_s": self.busy_s,
                 "blocked_s": self.blocked_s, "elapsed_s": self.last_report - self.started, "done": done}
         self.chief.send(Message(Msg.INPUT_STATS, meta=meta))
+
+
+def fetched_ahead(stream, steps, num_ranks: int, section):
+    """(step, a call giving that step's shards), in step order. With the params'
+    num_workers > 0 (PyTorch DataLoader's worker count), that many threads fetch
+    up to num_workers * prefetch_factor (default 2) batches ahead; 0 fetches each
+    batch when it is asked for, in this thread. Either way the same samples."""
+    workers = section.num_workers
+    if not workers:
+        for step in steps:
+            yield step, lambda step=step: stream.shards(step, num_ranks)
+        return
+    ahead = workers * (section.prefetch_factor or 2)
+    pending: collections.deque = collections.deque()
+    steps = iter(steps)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fetch") as pool:
+        def submit() -> None:
+            step = next(steps, None)
+            if step is not None:
+                pending.append((step, pool.submit(stream.shards, step, num_ranks)))
+        for _ in range(ahead):
+            submit()
+        while pending:
+            step, future = pending.popleft()
+            submit()
+            yield step, future.result

@@ -80,8 +80,3 @@ def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str],
             grads[value] = name
     return nodes, grads
 
-
-def check_ops_known(program: Program) -> None:
-    for node in program.nodes:
-        if node.op not in OPS:
-            raise ValueError(f"{node.where()}: not in the op set")

@@ -125,14 +125,18 @@ def read_idx(path: str) -> np.ndarray:
 
 
 def _find_idx(data_dir: str, name: str) -> str:
-    """Locate an MNIST file under its dash or dot spelling, plain or gzipped."""
+    """Locate an MNIST file under its dash or dot spelling, plain or gzipped, in
+    data_dir or in torchvision's layout below it (MNIST/raw/, what the model zoo's
+    FC-MNIST downloads into its data_dir)."""
     dotted = name.replace("-idx", ".idx")  # train-images.idx3-ubyte circulates too
-    for base in (name, dotted):
-        for candidate in (base, base + ".gz"):
-            path = os.path.join(data_dir, candidate)
-            if os.path.isfile(path):
-                return path
-    raise DataError(f"{os.path.join(data_dir, name)}: file not found (also tried .gz and {dotted})")
+    for folder in (data_dir, os.path.join(data_dir, "MNIST", "raw")):
+        for base in (name, dotted):
+            for candidate in (base, base + ".gz"):
+                path = os.path.join(folder, candidate)
+                if os.path.isfile(path):
+                    return path
+    raise DataError(f"{os.path.join(data_dir, name)}: file not found (also tried .gz, {dotted} and "
+                    f"torchvision's {os.path.join(data_dir, 'MNIST', 'raw')}/)")
 
 
 def _read_mnist_split(data_dir: str, split: str) -> tuple[np.ndarray, np.ndarray]:

@@ -55,7 +55,7 @@ def builtin_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def _read_dir(data_dir: str) -> np.ndarray:
+def _read_dir(data_dir: str, vocab_size: int, lower: bool) -> np.ndarray:
     folder = Path(data_dir)
     if not folder.is_dir():
         raise TextDataError(f"data_dir {data_dir}: no such folder")
@@ -67,22 +67,39 @@ def _read_dir(data_dir: str) -> np.ndarray:
             if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
                 raise TextDataError(f"{path}: expected a 1-D integer array of token ids, got {arr.dtype} "
                                     f"{arr.shape}")
-            if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
-                raise TextDataError(f"{path}: token ids outside [0, {VOCAB_SIZE})")
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                raise TextDataError(f"{path}: token ids outside [0, {vocab_size}) (model.vocab_size "
+                                    f"{vocab_size}); the data and the model's vocabulary disagree")
             parts.append(arr.astype(np.int32))
         return np.concatenate(parts)
     texts = sorted(folder.glob("*.txt"))
     if not texts:
         raise TextDataError(f"data_dir {data_dir}: no *.npy or *.txt files")
+    _byte_vocab(vocab_size, f"data_dir {data_dir} holds text")
     try:
-        return encode("\n\n".join(p.read_text(encoding="utf-8") for p in texts))
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in texts)
+        return encode(text.lower() if lower else text)
     except UnicodeDecodeError as exc:
         raise TextDataError(f"data_dir {data_dir}: a .txt file is not UTF-8 ({exc})") from None
 
 
-def load_corpus(data_dir: str | None, split: str) -> np.ndarray:
-    """The token ids of `split` ("train" or "eval") of the corpus."""
-    tokens = encode(builtin_text()) if data_dir is None else _read_dir(data_dir)
+def _byte_vocab(vocab_size: int, what: str) -> None:
+    if vocab_size != VOCAB_SIZE:
+        raise TextDataError(f"model.vocab_size {vocab_size} does not match the data: {what}, byte-tokenised "
+                            f"here ({VOCAB_SIZE} ids); set vocab_size: {VOCAB_SIZE}, or give pre-tokenised *.npy "
+                            f"ids below vocab_size")
+
+
+def load_corpus(data_dir: str | None, split: str, vocab_size: int = VOCAB_SIZE, lower: bool = False) -> np.ndarray:
+    """The token ids of `split` ("train" or "eval") of the corpus; the data and
+    `vocab_size` must agree (text is byte-tokenised: 260 ids; *.npy ids must lie
+    below vocab_size). `lower`: lower-case text first (the model zoo's do_lower)."""
+    if data_dir is None:
+        _byte_vocab(vocab_size, "the built-in text")
+        text = builtin_text()
+        tokens = encode(text.lower() if lower else text)
+    else:
+        tokens = _read_dir(data_dir, vocab_size, lower)
     cut = int(len(tokens) * (1 - EVAL_FRACTION))
     if split not in ("train", "eval"):
         raise ValueError(f"unknown split {split!r}")
@@ -138,10 +155,12 @@ class BertDataset:
     elsewhere.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, masked_lm_prob: float, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, masked_lm_prob: float, seed: int,
+                 max_predictions: int | None = None, vocab_size: int = VOCAB_SIZE):
         if seq_len < 3:
             raise TextDataError(f"BERT samples need seq_len >= 3, got {seq_len}")
         self.tokens, self.seq_len, self.prob, self.seed = tokens, seq_len, masked_lm_prob, seed
+        self.max_predictions, self.vocab_size = max_predictions, vocab_size
         self.spans = np.array(pack_lines(tokens, seq_len - 2), dtype=np.int64).reshape(-1, 2)
         if len(self.spans) == 0:
             raise TextDataError("the corpus is empty")
@@ -161,9 +180,18 @@ class BertDataset:
         for row in np.flatnonzero(~chosen.any(axis=1)):  # every sample teaches something
             candidates = np.flatnonzero(text[row])
             chosen[row, candidates[int(u[row, 1, 0] * len(candidates))]] = True
+        if self.max_predictions is not None:   # the model zoo's max_predictions_per_seq
+            chosen &= self._first_chosen(chosen, u[:, 0])
         x, y = ids.copy(), np.full((n, t), IGNORE_INDEX, dtype=np.int64)
         y[chosen] = ids[chosen]
         x[chosen & (u[:, 1] < 0.8)] = MASK
         swap = chosen & (u[:, 1] >= 0.8) & (u[:, 1] < 0.9)
-        x[swap] = OFFSET + (u[:, 2][swap] * 256).astype(np.int32)
+        x[swap] = OFFSET + (u[:, 2][swap] * (self.vocab_size - OFFSET)).astype(np.int32)
         return x, y
+
+    def _first_chosen(self, chosen: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Of each row's chosen positions, the max_predictions with the smallest draw."""
+        order = np.argsort(np.where(chosen, u, 2.0), axis=1, kind="stable")[:, :self.max_predictions]
+        keep = np.zeros_like(chosen)
+        np.put_along_axis(keep, order, True, axis=1)
+        return keep

@@ -5,6 +5,9 @@ or the WSE in pipelined mode). PyTorch semantics, so results are familiar:
 - adam:  g += wd * w;  bias-corrected first/second moments
 - adamw: w *= 1 - lr * wd (decoupled), then adam without the wd term
 - max_gradient_norm: clip by the global norm over every layer (clip_grad_norm_)
+- exclude_bias_and_norm: no weight decay of biases and normalisation weights
+  (names ending in "bias" or "gain", or a torch norm layer's "weight"), as the
+  model zoo groups them
 
 Adam's step count t (its bias correction) is optimizer state, one "step" slot
 per parameter as in torch's state_dict: it advances only when an update is
@@ -16,22 +19,29 @@ Updates are in place (out=) so a step allocates no weight-sized temporaries.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
 from cs_runtime import spans
 from cs_runtime.numerics.precision import unscale_and_check
 
+# A normalisation layer's weight in a captured torch model's state_dict names
+# (ln_1.weight, norm.weight, layernorm.weight, bn1.weight); this project's own
+# layers call theirs *_gain.
+NORM_WEIGHT = re.compile(r"(^|[._])(ln|bn|norm|layer_?norm|batch_?norm)[^.]*\.weight$", re.IGNORECASE)
 UPDATE_CHUNK = 1 << 15   # elements of a parameter updated at a time (128 KB per array: in L2 cache)
 STEP_SLOT = "step"       # Adam's count of applied updates, a slot like the moments
 
 
 class Optimizer:
     def __init__(self, kind: str, momentum: float = 0.0, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 exclude_bias_and_norm: bool = False):
         if kind not in ("sgd", "adam", "adamw"):
             raise ValueError(f"unknown optimizer_type {kind!r}")
         self.kind, self.momentum, self.weight_decay = kind, momentum, weight_decay
+        self.exclude_bias_and_norm = exclude_bias_and_norm
         self.beta1, self.beta2 = betas
         self.eps = eps
         self._buffers: dict[tuple, np.ndarray] = {}
@@ -78,7 +88,7 @@ class Optimizer:
             if count is not None:
                 count += np.float32(1)
                 t = int(count)
-            self._update_one(w, g, slots, np.float32(lr), t)
+            self._update_one(w, g, slots, np.float32(lr), t, self.decay_of(name))
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
                      lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
@@ -102,20 +112,26 @@ class Optimizer:
                 self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr)
         return norm, True, per_layer
 
-    def _update_one(self, w, g, slots, lr, t: int) -> None:
+    def decay_of(self, name: str) -> float:
+        """The weight decay of the parameter called `name`."""
+        if self.exclude_bias_and_norm and (name.endswith(("bias", "gain")) or NORM_WEIGHT.search(name)):
+            return 0.0
+        return self.weight_decay
+
+    def _update_one(self, w, g, slots, lr, t: int, wd: float) -> None:
         """One parameter, a cache-sized piece at a time: the update's several passes
         then read and write main memory once instead of once each."""
         if not (w.flags.c_contiguous and g.flags.c_contiguous):
-            self._update_piece(w, g, slots, lr, t)
+            self._update_piece(w, g, slots, lr, t, wd)
             return
         flat_w, flat_g = w.reshape(-1), g.reshape(-1)
         flat_slots = {name: slot.reshape(-1) for name, slot in slots.items()}
         for start in range(0, flat_w.size, UPDATE_CHUNK):
             piece = slice(start, start + UPDATE_CHUNK)
-            self._update_piece(flat_w[piece], flat_g[piece], {k: v[piece] for k, v in flat_slots.items()}, lr, t)
+            self._update_piece(flat_w[piece], flat_g[piece], {k: v[piece] for k, v in flat_slots.items()}, lr, t, wd)
 
-    def _update_piece(self, w, g, slots, lr, t: int) -> None:
-        wd = np.float32(self.weight_decay)
+    def _update_piece(self, w, g, slots, lr, t: int, wd: float) -> None:
+        wd = np.float32(wd)
         if wd and self.kind != "adamw":
             g = g + wd * w
         tmp = self._scratch(w.shape)

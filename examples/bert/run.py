@@ -10,23 +10,15 @@ The corpus is the Python reference text shipped with Python
 (pydoc_data.topics), or the *.txt / *.npy files in train_input.data_dir.
 Eval reports the mean loss and accuracy over the masked tokens.
 """
+from cs_runtime.data.text import PAD, BertDataset, load_corpus
+from cs_runtime.lm_checks import check_language_model, seq_len
 from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.runner import run
-from cs_runtime.data.text import PAD, BertDataset, load_corpus
-
-
-def seq_len(params, section) -> int:
-    return section.max_sequence_length or params.model.max_position_embeddings
 
 
 def model_fn(params):
     m = params.model
-    if getattr(m, "model_type", None) != "bert":
-        raise ValueError("examples/bert needs model.model_type: bert in params.yaml")
-    for name in ("train_input", "eval_input"):
-        if seq_len(params, getattr(params, name)) > m.max_position_embeddings:
-            raise ValueError(f"{name}.max_sequence_length {getattr(params, name).max_sequence_length} exceeds "
-                             f"model.max_position_embeddings {m.max_position_embeddings}")
+    check_language_model(params, "bert")
     return transformer_spec("bert", style="bert", vocab_size=m.vocab_size, max_len=m.max_position_embeddings,
                             hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
                             ffn_features=m.filter_size, dropout=m.dropout_rate,
@@ -34,8 +26,9 @@ def model_fn(params):
 
 
 def dataset(params, section, split: str):
-    return BertDataset(load_corpus(section.data_dir, split), seq_len(params, section), section.masked_lm_prob,
-                       params.runconfig.seed)
+    vocab = params.model.vocab_size
+    return BertDataset(load_corpus(section.data_dir, split, vocab, section.do_lower), seq_len(params, section),
+                       section.masked_lm_prob, params.runconfig.seed, section.max_predictions_per_seq, vocab)
 
 
 def train_input_fn(params):
@@ -47,4 +40,4 @@ def eval_input_fn(params):
 
 
 if __name__ == "__main__":
-    run(model_fn, train_input_fn, eval_input_fn)
+    run(model_fn, train_input_fn, eval_input_fn, model="bert")

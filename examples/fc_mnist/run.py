@@ -14,7 +14,7 @@ from cs_runtime.runner import run
 
 def model_fn(params):
     m = params.model
-    return mlp_spec("fc_mnist", m.layer_sizes(), m.activation, m.dropout)
+    return mlp_spec("fc_mnist", m.layer_sizes(), m.activation_fn, m.dropout)
 
 
 def train_input_fn(params):
@@ -26,4 +26,4 @@ def eval_input_fn(params):
 
 
 if __name__ == "__main__":
-    run(model_fn, train_input_fn, eval_input_fn)
+    run(model_fn, train_input_fn, eval_input_fn, model="fc_mnist")

@@ -46,4 +46,4 @@ def train_input_fn(params):
 
 
 if __name__ == "__main__":
-    run(model_fn, train_input_fn, eval_input_fn)
+    run(model_fn, train_input_fn, eval_input_fn, model="fc_mnist")

@@ -9,38 +9,33 @@ Python (pydoc_data.topics), byte-level tokens (cs_runtime/data/text.py); with
 train_input.data_dir, on the *.txt or pre-tokenised *.npy files there.
 Eval reports the mean loss per token (perplexity = exp(loss)).
 """
+from cs_runtime.data.text import GptDataset, load_corpus
+from cs_runtime.lm_checks import check_language_model, seq_len
 from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.runner import run
-from cs_runtime.data.text import GptDataset, load_corpus
-
-
-def seq_len(params, section) -> int:
-    return section.max_sequence_length or params.model.max_position_embeddings
 
 
 def model_fn(params):
     m = params.model
-    if getattr(m, "model_type", None) != "gpt2":
-        raise ValueError("examples/gpt2 needs model.model_type: gpt2 in params.yaml")
-    for name in ("train_input", "eval_input"):
-        if seq_len(params, getattr(params, name)) > m.max_position_embeddings:
-            raise ValueError(f"{name}.max_sequence_length {getattr(params, name).max_sequence_length} exceeds "
-                             f"model.max_position_embeddings {m.max_position_embeddings}")
+    check_language_model(params, "gpt2")
     return transformer_spec("gpt2", style="gpt2", vocab_size=m.vocab_size, max_len=m.max_position_embeddings,
                             hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
                             ffn_features=m.filter_size, dropout=m.dropout_rate,
                             attn_dropout=m.attention_dropout_rate, eps=m.layer_norm_epsilon)
 
 
+def dataset(params, section, split: str):
+    tokens = load_corpus(section.data_dir, split, params.model.vocab_size, section.do_lower)
+    return GptDataset(tokens, seq_len(params, section))
+
+
 def train_input_fn(params):
-    section = params.train_input
-    return GptDataset(load_corpus(section.data_dir, "train"), seq_len(params, section))
+    return dataset(params, params.train_input, "train")
 
 
 def eval_input_fn(params):
-    section = params.eval_input
-    return GptDataset(load_corpus(section.data_dir, "eval"), seq_len(params, section))
+    return dataset(params, params.eval_input, "eval")
 
 
 if __name__ == "__main__":
-    run(model_fn, train_input_fn, eval_input_fn)
+    run(model_fn, train_input_fn, eval_input_fn, model="gpt2")
