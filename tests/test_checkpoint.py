@@ -322,6 +322,7 @@ def crash_during_save(model_dir, where: str) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("where", ["mid_write", "before_rename"])
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, where):
     previous = make_checkpoint(step=20, seed=2)
@@ -338,6 +339,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, where):
     assert files_in(tmp_path) == ["checkpoint_20.npz", "checkpoint_40.npz"]
 
 
+@pytest.mark.cluster
 def test_kill_9_before_pruning_keeps_every_checkpoint(tmp_path):
     for step in (10, 20):
         save(tmp_path, make_checkpoint(step=step), max_checkpoints=2)

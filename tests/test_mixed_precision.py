@@ -221,6 +221,7 @@ def float32_accuracy(tmp_path_factory):
 ACCURACY_TOLERANCE = 0.03
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("fmt", FORMATS16)
 def test_every_precision_matches_its_oracle_and_float32_accuracy_in_both_modes(tmp_path, fmt, float32_accuracy):
     params = mixed(tmp_path, fmt)
@@ -244,6 +245,7 @@ def test_every_precision_matches_its_oracle_and_float32_accuracy_in_both_modes(t
             assert weight_bytes_per_step(run.stdout) == 2 * 2 * num_params   # fwd + bwd, 2 bytes each
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("fmt", ["float16", "cbfloat16"])
 def test_two_wses_in_16_bits_stay_close_to_the_oracle(tmp_path, fmt):
     """Each WSE's partial gradient is rounded to 16 bits (once) before SwarmX sums
@@ -269,6 +271,7 @@ def scalars(model_dir, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in acc.Scalars(tag)}
 
 
+@pytest.mark.cluster
 def test_dynamic_loss_scale_halves_on_overflow_grows_when_clean_and_is_logged(tmp_path):
     # Start at the top of the range: float16 gradients overflow until the scale comes down.
     params = mixed(tmp_path, "float16", initial_loss_scale=2.0 ** 24, max_loss_scale=2.0 ** 24,
@@ -296,6 +299,7 @@ def test_dynamic_loss_scale_halves_on_overflow_grows_when_clean_and_is_logged(tm
     assert losses[-1] < 0.6 * losses[0]                            # and it still trained
 
 
+@pytest.mark.cluster
 def test_resume_restores_the_loss_scale(tmp_path):
     kw = dict(initial_loss_scale=2.0 ** 24, max_loss_scale=2.0 ** 24, steps_per_increase=7)
     whole = run_cpu(mixed(tmp_path, "float16", **kw), tmp_path / "whole")
@@ -310,6 +314,7 @@ def test_resume_restores_the_loss_scale(tmp_path):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+@pytest.mark.cluster
 def test_a_nan_loss_without_loss_scaling_stops_the_job_naming_the_step(tmp_path):
     params = write_params(tmp_path, optimizer={"learning_rate": 1.0e6, "momentum": 0.9})
     result = run_cpu(params, tmp_path / "cpu")
@@ -317,6 +322,7 @@ def test_a_nan_loss_without_loss_scaling_stops_the_job_naming_the_step(tmp_path)
     assert re.search(r"error: loss is (nan|inf|-inf) at step \d+", result.stdout), result.stdout
 
 
+@pytest.mark.cluster
 def test_deep_sigmoid_mlp_trains_its_first_layer_only_where_small_gradients_survive(tmp_path):
     """The underflow case as a training run. fc0's momentum buffer is the sum of every
     gradient it was given, so its zeros count the weights that never got one."""

@@ -271,6 +271,7 @@ def test_a_killed_job_leaves_no_segment(tmp_path, oracle):
     assert job_segments("".join(seen)) == []
 
 
+@pytest.mark.cluster
 def test_segments_of_a_dead_launcher_are_removed_and_a_live_ones_kept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()                                        # a pid that no longer runs

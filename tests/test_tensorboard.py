@@ -20,6 +20,8 @@ from cs_runtime.numerics.model import ShardContext, model_backward, model_forwar
 from examples.fc_mnist.run import model_fn, train_input_fn
 from tests.cluster_utils import run_cpu, run_wse, write_params
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 STEPS, LOG_STEPS = 6, 2
 LAYERS = ("fc0", "fc1", "fc2")     # mlp_spec's names for hidden_sizes [64, 32] + the output layer
 

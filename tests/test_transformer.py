@@ -93,6 +93,7 @@ def assert_matches(model_dir, oracle, stdout: str) -> None:
 
 # ---------------------------------------------------------------- whole jobs
 
+@pytest.mark.cluster
 def test_oracle_learns(lm_oracle):
     style, _, losses, _, final_eval = lm_oracle
     # eval is the mean loss per predicted token whatever the training loss's
@@ -102,6 +103,7 @@ def test_oracle_learns(lm_oracle):
         assert losses[0] > 5.0 and losses[-5:].mean() < losses[0] - 0.5
 
 
+@pytest.mark.cluster
 def test_weight_streaming_chosen_for_a_model_over_wafer_memory_equals_oracle(tmp_path, lm_oracle):
     style = lm_oracle[0]
     params = write_lm_params(tmp_path / "ws.yaml", style, csconfig={"wafer_memory_bytes": SMALL_WAFER})
@@ -116,6 +118,7 @@ def test_weight_streaming_chosen_for_a_model_over_wafer_memory_equals_oracle(tmp
     assert_matches(tmp_path / "ws", lm_oracle, result.stdout)
 
 
+@pytest.mark.cluster
 def test_pipelined_chosen_when_it_fits_equals_oracle(tmp_path, lm_oracle):
     style = lm_oracle[0]
     params = write_lm_params(tmp_path / "pipe.yaml", style)
@@ -126,6 +129,7 @@ def test_pipelined_chosen_when_it_fits_equals_oracle(tmp_path, lm_oracle):
     assert_matches(tmp_path / "pipe", lm_oracle, result.stdout)
 
 
+@pytest.mark.cluster
 def test_gpt_samples_text_from_its_checkpoint(lm_oracle):
     style, model_dir = lm_oracle[0], lm_oracle[1]
     cmd = [sys.executable, str(REPO / "examples" / "gpt2" / "sample.py"), "--model_dir", str(model_dir),
