@@ -404,6 +404,7 @@ def test_load_newest_of_nothing_is_none_and_of_only_bad_files_an_error(tmp_path)
         load_newest(tmp_path)
 
 
+@pytest.mark.cluster
 def test_an_adam_checkpoint_without_step_counts_resumes_as_it_would_have(tmp_path):
     """Checkpoints written before Adam's step count was state lack the `step`
     slots; every step counted then, so the count goes on from the global step

@@ -372,6 +372,7 @@ def shard_grads_16bit(params_path, num_csx: int) -> tuple[dict, list[list[dict]]
     return weights, per_wse
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
 def test_n_wses_in_16_bits_equal_one_wse_within_the_rounding_bound(tmp_path, fmt):
     """One SGD step, so the weights show the reduced gradient: w1 = w0 - lr * g.
