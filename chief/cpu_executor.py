@@ -49,7 +49,7 @@ class CpuExecutor:
         ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train,
                            labels=shard.y)
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
-        return model_loss(self.spec, logits, shard.y, shard.global_batch), caches, shard
+        return model_loss(self.spec, logits, shard.y, shard.global_batch, shard.label_count), caches, shard
 
     def check(self, stream: str, step: int, shard) -> None:
         """Bad data stops the run (a ValueError: one line, exit 2) naming the sample and its data set index."""

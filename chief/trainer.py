@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 from chief.cluster_executor import ClusterExecutor
@@ -133,11 +132,7 @@ class Trainer:
         expected = {l.name: l.param_shapes() for l in self.spec.layers}
         ckpt.check_compatible(state, expected, path)
         for layer, params in state.weights.items():
-            saved = state.opt_state.setdefault(layer, {})
-            for pname, w in params.items():
-                slots = saved.setdefault(pname, {})
-                for slot in optimizer.slot_names():
-                    slots.setdefault(slot, np.zeros_like(w))
+            optimizer.fill_missing(state.opt_state.setdefault(layer, {}), params, state.global_step)
         if "loss_scaler" in state.meta:
             self.scaler.load_state_dict(state.meta["loss_scaler"])
         log.info("Restored checkpoint %s at global step %d", path, state.global_step)

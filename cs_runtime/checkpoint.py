@@ -8,7 +8,9 @@ Readable without this package:
     int(ck["global_step"]), json.loads(str(ck["meta"]))  # meta: model spec, params, input position
 
 Keys: `model/<layer>/<param>` (float32 weights), `optimizer/<layer>/<param>/<slot>`
-(optimizer state), `global_step` (int64: steps completed), `input_step` (int64:
+(optimizer state; Adam's `step` slot is a float32 scalar, the updates applied,
+which skipped loss-scaling steps do not advance; a checkpoint without it
+resumes counting from its global step), `global_step` (int64: steps completed), `input_step` (int64:
 the next global batch the input pipeline produces; batches are a pure function
 of the step, so this is the whole input position), `meta` (JSON text).
 
@@ -103,11 +105,11 @@ def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]
             key = f"model/{layer.name}/{pname}"
             if key not in arrays or tuple(arrays[key].shape) != shape:
                 raise ValueError(f"weights for {layer.name}/{pname} missing or not of shape {shape}")
-            weights[layer.name][pname] = np.array(arrays[key], dtype=np.float32)
+            weights[layer.name][pname] = w = np.array(arrays[key], dtype=np.float32)
+            slots = {f"optimizer/{layer.name}/{pname}/{slot}": slot for slot in optimizer.slot_names()}
             opt_state[layer.name][pname] = {
-                slot: np.array(arrays.get(f"optimizer/{layer.name}/{pname}/{slot}", np.zeros(shape)),
-                               dtype=np.float32)
-                for slot in optimizer.slot_names()}
+                slot: np.array(arrays[key], dtype=np.float32) if key in arrays else optimizer.new_slot(slot, w)
+                for key, slot in slots.items()}
     return weights, opt_state
 
 

@@ -402,3 +402,28 @@ def test_load_newest_of_nothing_is_none_and_of_only_bad_files_an_error(tmp_path)
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* loads: checkpoint .*checkpoint_2.npz is not "
                                               r"readable: .*; checkpoint .*checkpoint_1.npz is not readable"):
         load_newest(tmp_path)
+
+
+@pytest.mark.cluster
+def test_an_adam_checkpoint_without_step_counts_resumes_as_it_would_have(tmp_path):
+    """Checkpoints written before Adam's step count was state lack the `step`
+    slots; every step counted then, so the count goes on from the global step
+    and the resumed run equals the uninterrupted one bit for bit."""
+    from tests.cluster_utils import final_weights, run_cpu, write_params
+    params = write_params(tmp_path, optimizer={"optimizer_type": "adamw", "learning_rate": 0.001,
+                                               "weight_decay": 0.01},
+                          runconfig={"max_steps": 20, "checkpoint_steps": 10, "log_steps": 10})
+    full = run_cpu(params, tmp_path / "full")
+    assert full.returncode == 0, full.stdout + full.stderr
+    with np.load(tmp_path / "full" / "checkpoint_10.npz") as ck:
+        arrays = {k: ck[k] for k in ck.files}
+    assert float(arrays["optimizer/fc0/weight/step"]) == 10
+    old = {k: v for k, v in arrays.items() if not k.endswith("/step")}
+    np.savez(tmp_path / "old_10.npz", **old)
+    resumed = run_cpu(params, tmp_path / "resumed", "train", "--checkpoint_path", str(tmp_path / "old_10.npz"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    want, got = final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    with np.load(tmp_path / "resumed" / "checkpoint_20.npz") as ck:
+        assert float(ck["optimizer/fc0/weight/step"]) == 20     # and it is saved from now on

@@ -358,7 +358,7 @@ def test_no_weight_decay_of_biases_and_norm_gains() -> None:
     for exclude in (True, False):
         opt = Optimizer("adamw", weight_decay=0.5, exclude_bias_and_norm=exclude)
         w = {k: v.copy() for k, v in params.items()}
-        opt.update(w, zero, opt.init_state(w), 0.1, 0)
+        opt.update(w, zero, opt.init_state(w), 0.1)
         assert np.allclose(w["weight"], 0.95)
         assert np.allclose(w["bias"], 1.0 if exclude else 0.95) and np.allclose(w["ln_gain"], w["bias"])
 

@@ -52,7 +52,7 @@ def oracle_layer_norms(params_path, model_dir, step: int) -> list[float]:
     shard = stream.shard(step)
     ctx = ShardContext(params.runconfig.seed, step, shard.global_batch, shard.rows, True)
     logits, caches = model_forward(spec, shard.x, weights, ctx)
-    grads = model_backward(spec, model_loss(spec, logits, shard.y, shard.global_batch).delta, caches, weights)
+    grads = model_backward(spec, model_loss(spec, logits, shard.y, shard.global_batch, shard.label_count).delta, caches, weights)
     return [float(np.linalg.norm(np.concatenate([g.ravel().astype(np.float64) for g in layer.values()])))
             for layer in grads]
 

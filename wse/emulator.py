@@ -145,10 +145,11 @@ class WeightStreamingExecutor:
         self.x, self.labels = arrays["x"], arrays["y"]
         self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train, labels=self.labels)
+        self.label_count = meta.get("label_count")
 
     def finish_forward(self, step: int, train: bool) -> None:
         with trace.span("loss", step=step):
-            result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
+            result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch, self.label_count)
         if train:
             self.delta = scaled(result.delta, self.loss_scale)
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),

@@ -213,8 +213,9 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # "layer_grad_norms": each layer's gradient norm, in layer order (STEP_DONE, and LOSS in pipelined mode).
 # "norms": whether TRAIN_STEP wants the step's gradient norms back (default
 # yes; the chief asks only on the steps it logs: they cost a pass over every gradient).
+# "label_count": labelled targets in the whole global batch (BATCH; a token loss's normaliser).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
-                                 "layer_grad_norms": list, "norms": bool,
+                                 "layer_grad_norms": list, "norms": bool, "label_count": int,
                                  "leaving": bool,   # HEARTBEAT: the sender's work is done; it is exiting
                                  # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
                                  # `after` of the next page (absent on the last page)
