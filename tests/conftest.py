@@ -63,7 +63,7 @@ def slurm_cluster(tmp_path_factory):
 
 
 # Fixtures that start processes: a test using one is a cluster test.
-PROCESS_FIXTURES = {"oracle", "netns_hosts", "slurm_cluster"}
+PROCESS_FIXTURES = {"oracle", "netns_hosts", "isolated_hosts", "slurm_cluster"}
 
 
 def pytest_collection_modifyitems(items):

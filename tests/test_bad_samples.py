@@ -140,6 +140,7 @@ def spoilt_run(tmp_path: Path, spoil: str) -> tuple[Path, Path, int]:
     return params, script, index
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("case", sorted(SPOILS))
 def test_cpu_path_names_the_step_sample_and_data_set_index(tmp_path, case):
     spoil, why = SPOILS[case]
@@ -157,6 +158,7 @@ def test_cpu_path_names_the_step_sample_and_data_set_index(tmp_path, case):
         assert sorted(p.name for p in (tmp_path / "m").glob("checkpoint_*")) == ["checkpoint_2.npz"]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("case", ["negative label", "label past the classes", "missing feature"])
 def test_the_cs_system_names_the_worker_step_and_sample_and_never_restarts(tmp_path, case):
     spoil, why = SPOILS[case]

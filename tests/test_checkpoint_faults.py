@@ -21,6 +21,8 @@ import pytest
 from cs_runtime.checkpoint import load
 from tests.cluster_utils import FC_MNIST, run_cpu, tool, write_params
 
+pytestmark = pytest.mark.cluster  # the tests here start processes
+
 RUN = {"max_steps": 8, "checkpoint_steps": 2}
 
 

@@ -26,6 +26,8 @@ from cs_runtime.wire.protocol import MAX_HEADER_BYTES, Message, Msg, encode
 from tests.cluster_utils import assert_matches_oracle, kill_tree, wse_command
 from tests.test_faults import rss_bytes
 
+pytestmark = pytest.mark.cluster  # the tests here start processes
+
 HEAVY_LABELS = {f"key{i:02d}-{'k' * 55}": "v" * 63 for i in range(31)}   # ~4 KB a row
 
 

@@ -27,6 +27,8 @@ from cs_runtime.launch.directory import DirectoryClient
 from tests.cluster_utils import kill_tree, run_cpu, run_wse, write_params, wse_command
 from tests.test_faults import assert_matches, pids_by_role, process_env, read_until, rss_bytes, start_job
 
+pytestmark = pytest.mark.cluster  # the tests here start processes
+
 GREETING = (b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\x00" + bytes(31))
 DECLARED = 200 * 2**20
 
