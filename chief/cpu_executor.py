@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from cs_runtime import trace
 from cs_runtime.data.inputs import InputStream, eval_steps
+from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batch
 from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import scaled
@@ -44,10 +45,22 @@ class CpuExecutor:
     def forward(self, stream: str, step: int, train: bool):
         with trace.span("make_batch", step=step):
             shard = self.streams[stream].shard(step)
+        self.check(stream, step, shard)
         ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train,
                            labels=shard.y)
         logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
-        return model_loss(self.spec, logits, shard.y, shard.global_batch), caches, shard
+        return model_loss(self.spec, logits, shard.y, shard.global_batch, shard.label_count), caches, shard
+
+    def check(self, stream: str, step: int, shard) -> None:
+        """Bad data stops the run (a ValueError: one line, exit 2) naming the sample and its data set index."""
+        try:
+            check_batch(self.spec, shard.x, shard.y)
+        except BadBatch as exc:
+            line = bad_input_line(exc, stream, step, shard.rows.start)
+            if exc.sample is not None:
+                index = self.streams[stream].plan.global_indices(step)[shard.rows.start + exc.sample]
+                line += f" (data set index {int(index)})"
+            raise ValueError(line) from None
 
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
                    norms: bool = True) -> tuple[float, float, bool]:

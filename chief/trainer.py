@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 from chief.cluster_executor import ClusterExecutor
@@ -123,34 +122,38 @@ class Trainer:
 
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
-        path = self.args.checkpoint_path
-        restarted = env.RESTART.get() > 0
-        if restarted and ckpt.latest(self.model_dir) is not None:
-            # A restarted job goes on from where it got to, not from where it began.
-            path = None
-        if path is None:
-            found = ckpt.latest(self.model_dir)
-            if found is not None:
-                log.info("Found checkpoint %s in model_dir: resuming from it", found)
-                path = found
         optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
-        if path is None:
+        found = self.checkpoint_to_resume()
+        if found is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
             return ckpt.Checkpoint(0, 0, weights, opt_state, {})
-        state = ckpt.load(path)
+        state, path = found
         expected = {l.name: l.param_shapes() for l in self.spec.layers}
         ckpt.check_compatible(state, expected, path)
         for layer, params in state.weights.items():
-            saved = state.opt_state.setdefault(layer, {})
-            for pname, w in params.items():
-                slots = saved.setdefault(pname, {})
-                for slot in optimizer.slot_names():
-                    slots.setdefault(slot, np.zeros_like(w))
+            optimizer.fill_missing(state.opt_state.setdefault(layer, {}), params, state.global_step)
         if "loss_scaler" in state.meta:
             self.scaler.load_state_dict(state.meta["loss_scaler"])
         log.info("Restored checkpoint %s at global step %d", path, state.global_step)
         return state
+
+    def checkpoint_to_resume(self) -> tuple[ckpt.Checkpoint, Path] | None:
+        """--checkpoint_path, else (and always on a restart) the newest checkpoint
+        in model_dir that loads; each newer one skipped is said, with why."""
+        path = self.args.checkpoint_path
+        restarted = env.RESTART.get() > 0
+        if path is not None and not (restarted and ckpt.latest(self.model_dir) is not None):
+            return ckpt.load(path), Path(path)
+        # A restarted job goes on from where it got to, not from where it began.
+        found = ckpt.load_newest(self.model_dir)
+        if found is None:
+            return None
+        state, path, skipped = found
+        for reason in skipped:
+            log.warning("skipping %s; resuming from an older one", reason)
+        log.info("Found checkpoint %s in model_dir: resuming from it", path)
+        return state, path
 
     # ------------------------------------------------------------ the run
     def run(self) -> None:

@@ -8,7 +8,9 @@ Readable without this package:
     int(ck["global_step"]), json.loads(str(ck["meta"]))  # meta: model spec, params, input position
 
 Keys: `model/<layer>/<param>` (float32 weights), `optimizer/<layer>/<param>/<slot>`
-(optimizer state), `global_step` (int64: steps completed), `input_step` (int64:
+(optimizer state; Adam's `step` slot is a float32 scalar, the updates applied,
+which skipped loss-scaling steps do not advance; a checkpoint without it
+resumes counting from its global step), `global_step` (int64: steps completed), `input_step` (int64:
 the next global batch the input pipeline produces; batches are a pure function
 of the step, so this is the whole input position), `meta` (JSON text).
 
@@ -21,9 +23,16 @@ folder, fsynced, then renamed; a crash leaves at most a `.tmp` file, never a
 broken `checkpoint_<step>.npz`, and the next save removes such leftovers (one
 writer per model_dir: the chief). Only after the new checkpoint is complete
 are the oldest beyond `max_checkpoints` deleted.
+
+A disk that is full or read-only (ENOSPC, EDQUOT, EROFS, EACCES) fails the
+save with one CheckpointError line naming the file and the cause; the
+checkpoints already there are untouched. A resume (`load_newest`) takes the
+newest checkpoint that loads, and says which newer ones it skipped and why
+(cut short, bit-flipped): one bad file never stops a job that has a good one.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -41,6 +50,15 @@ CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)\.npz$")
 
 class CheckpointError(ValueError):
     pass
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """The file is there but is not a checkpoint (truncated, corrupt): an older one may do."""
+
+
+# Errors of the disk, not of this job: a restart would meet them again.
+DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied"}
 
 
 @dataclass
@@ -87,20 +105,33 @@ def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]
             key = f"model/{layer.name}/{pname}"
             if key not in arrays or tuple(arrays[key].shape) != shape:
                 raise ValueError(f"weights for {layer.name}/{pname} missing or not of shape {shape}")
-            weights[layer.name][pname] = np.array(arrays[key], dtype=np.float32)
+            weights[layer.name][pname] = w = np.array(arrays[key], dtype=np.float32)
+            slots = {f"optimizer/{layer.name}/{pname}/{slot}": slot for slot in optimizer.slot_names()}
             opt_state[layer.name][pname] = {
-                slot: np.array(arrays.get(f"optimizer/{layer.name}/{pname}/{slot}", np.zeros(shape)),
-                               dtype=np.float32)
-                for slot in optimizer.slot_names()}
+                slot: np.array(arrays[key], dtype=np.float32) if key in arrays else optimizer.new_slot(slot, w)
+                for key, slot in slots.items()}
     return weights, opt_state
 
 
 def save(model_dir: str | Path, ck: Checkpoint, max_checkpoints: int | None = None) -> Path:
+    """Write checkpoint_<step>.npz atomically; a full or read-only disk is one CheckpointError."""
     model_dir = Path(model_dir)
+    final = model_dir / f"checkpoint_{ck.global_step}.npz"
+    try:
+        return _save(model_dir, final, ck, max_checkpoints)
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        kept = [path.name for _, path in list_checkpoints(model_dir)]
+        raise CheckpointError(f"cannot write checkpoint {final}: {DISK_ERRNOS[exc.errno]} "
+                              f"({errno.errorcode[exc.errno]}); checkpoints kept: {', '.join(kept) or 'none'}"
+                              ) from None
+
+
+def _save(model_dir: Path, final: Path, ck: Checkpoint, max_checkpoints: int | None) -> Path:
     model_dir.mkdir(parents=True, exist_ok=True)
     arrays = {"global_step": np.int64(ck.global_step), "input_step": np.int64(ck.input_step),
               "meta": np.array(json.dumps(ck.meta)), **flatten(ck.weights, ck.opt_state)}
-    final = model_dir / f"checkpoint_{ck.global_step}.npz"
     remove_leftovers(model_dir)
     fd, tmp = tempfile.mkstemp(prefix=f".checkpoint_{ck.global_step}.", suffix=".tmp", dir=model_dir)
     try:
@@ -150,6 +181,21 @@ def latest(model_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def load_newest(model_dir: str | Path) -> tuple[Checkpoint, Path, list[str]] | None:
+    """The newest checkpoint in model_dir that loads, its path, and one line for
+    each newer one skipped (why); None when there is none. All unreadable: the
+    CheckpointError lists them (starting afresh would train over them)."""
+    skipped = []
+    for _, path in reversed(list_checkpoints(model_dir)):
+        try:
+            return load(path), path, skipped
+        except UnreadableCheckpoint as exc:
+            skipped.append(str(exc))
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {model_dir} loads: {'; '.join(skipped)}")
+    return None
+
+
 def prune(model_dir: str | Path, keep: int) -> None:
     for _, path in list_checkpoints(model_dir)[:-keep]:
         path.unlink(missing_ok=True)
@@ -167,7 +213,7 @@ def load(path: str | Path) -> Checkpoint:
         input_step = int(data.pop("input_step"))
     # A truncated or bit-flipped archive raises BadZipFile or EOFError, not OSError.
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-        raise CheckpointError(f"checkpoint {path} is not readable: {exc}") from None
+        raise UnreadableCheckpoint(f"checkpoint {path} is not readable: {exc}") from None
     weights, opt_state = unflatten(data)
     return Checkpoint(global_step, input_step, weights, opt_state, meta)
 

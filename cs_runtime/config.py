@@ -219,7 +219,7 @@ class ModelConfig(_ModelBase):
     hidden_sizes: Optional[Annotated[list[PosInt], Field(min_length=1)]] = None
     depth: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     hidden_size: Optional[PosInt] = None
-    activation_fn: Literal["relu", "tanh", "sigmoid", "gelu"] = "relu"
+    activation_fn: Literal["relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh"] = "relu"  # gelu: exact (erf)
     dropout: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.0
     input_size: PosInt = 784
     num_classes: Annotated[StrictInt, Field(ge=2)] = 10
@@ -340,8 +340,8 @@ class BertModelConfig(TransformerModelConfig):
     # must be true (the model zoo's default, false, trains it; lm_checks says so).
     pooler_nonlinearity: Optional[StrictStr] = None
     disable_nsp: Optional[StrictBool] = None
-    # The masked-LM loss: the mean over predicted tokens (None), or the model
-    # zoo's sum over predicted tokens * mlm_loss_weight / batch_size.
+    # The masked-LM loss is the model zoo's sum over predicted tokens * mlm_loss_weight
+    # / batch_size (transformer_spec's default for BERT, with the weight 1.0 when None).
     mlm_loss_weight: Optional[PosFloat] = None
 
     _lower_nl = field_validator("encoder_nonlinearity", mode="before")(_lower)

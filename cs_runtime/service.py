@@ -21,6 +21,16 @@ from cs_runtime import env
 from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.wire.auth import stop_authenticator
 
+# A process exits with this when its input is bad (params, data, checkpoint, a
+# full disk): the launcher fails the job at once and never restarts it, since
+# a restart would fail alike (cs_runtime/launch/restart.py).
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """Input a restart would only meet again (a bad sample): one line, exit EXIT_BAD_INPUT."""
+
+
 ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
 
 # A CS system (cs_runtime/appliance/server.py) starts its services ahead of time with
@@ -100,6 +110,10 @@ def service_main(role: str, body) -> None:
         body(penv, ctx)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BadInput as exc:
+        logging.getLogger(role).error("%s", exc)   # the line names the input; no traceback
+        logging.shutdown()
+        os._exit(EXIT_BAD_INPUT)
     except Exception as exc:  # the one place a service turns an error into an exit code
         logging.getLogger(role).error("%s %d failed: %s", role, penv.rank, exc, exc_info=True)
         logging.shutdown()

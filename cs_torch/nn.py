@@ -56,8 +56,18 @@ class Sigmoid(_Activation):
     kind = "sigmoid"
 
 
+@dataclass(frozen=True)
 class GELU(_Activation):
-    kind = "gelu"
+    """torch.nn.GELU: exact (erf) by default, the tanh form with approximate="tanh"."""
+    approximate: str = "none"
+
+    def __post_init__(self):
+        if self.approximate not in ("none", "tanh"):
+            raise CsTorchError(f"GELU: approximate must be 'none' or 'tanh', got {self.approximate!r}")
+
+    @property
+    def kind(self) -> str:
+        return "gelu" if self.approximate == "none" else "gelu_tanh"
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                        help="address to serve on (default 127.0.0.1; another address of this "
                                             "machine to take jobs from other hosts)")),
                          ("insecure", dict(action="store_true", help="no CURVE (loopback only)")),
-                         ("no_shm", dict(action="store_true", help="stream weights over tcp, not shared memory"))):
+                         ("no_shm", dict(action="store_true", help="stream weights over tcp, not shared memory")),
+                         ("clients", dict(default=None, metavar="FILE",
+                                          help="admit only these clients: one `USER PUBLIC_KEY` a line (the key "
+                                               "`csctl key` prints); the USER of their jobs comes from here")),
+                         ("turn_timeout", dict(type=float, default=None, metavar="S",
+                                               help="a job whose chief has not arrived S seconds after its turn "
+                                                    "came fails, and the next job goes (default 120)"))):
         add_flag(serve, flag, **kwargs)
     ns = parser.parse_args(argv)
     if ns.num_csx < 1:
@@ -49,9 +55,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("cs_system")
-    from cs_runtime.appliance.server import CSSystem
+    from cs_runtime.appliance.server import TURN_TIMEOUT_S, CSSystem, read_clients
     try:
-        system = CSSystem(ns.host, ns.port, ns.num_csx, ns.insecure, shm=not ns.no_shm)
+        clients = read_clients(ns.clients) if ns.clients else None
+    except ValueError as exc:
+        raise SystemExit(f"cs_system: {exc}") from None
+    if clients is not None and ns.insecure:
+        raise SystemExit("cs_system: --clients needs CURVE (the keys are the clients' identities): drop --insecure")
+    try:
+        system = CSSystem(ns.host, ns.port, ns.num_csx, ns.insecure, shm=not ns.no_shm, clients=clients,
+                          turn_timeout_s=ns.turn_timeout or TURN_TIMEOUT_S)
     except PortInUse as exc:
         raise SystemExit(f"cs_system: --port: {exc}") from None
     except (OSError, auth.AuthError) as exc:

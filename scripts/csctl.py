@@ -3,6 +3,7 @@
     csctl [--cs_ip HOST:PORT] get jobs [-o table|json]
     csctl [--cs_ip HOST:PORT] cancel job ID          # ID: 7 or wsjob-7; its owner only
     csctl [--cs_ip HOST:PORT] label job ID KEY=VALUE [KEY=VALUE ...]
+    csctl key        # this user's line for a CS system's `cs_system serve --clients FILE`
 
 The CS system is --cs_ip, else $CS_SYSTEM. Cancelling or labelling a job
 needs the owner credential of the user who submitted it (~/.cs_emulator/
@@ -17,7 +18,8 @@ import sys
 
 from cs_runtime import env
 from cs_runtime.flags import add_flag
-from cs_runtime.appliance.client import SYSTEM_ENV, FrontDoor, FrontDoorError, owner_token
+from cs_runtime.appliance.client import (SYSTEM_ENV, FrontDoor, FrontDoorError, client_key_pair, owner_token,
+                                         user_name)
 from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels
 from cs_runtime.version import version_line
 
@@ -40,8 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     label.add_argument("kind", choices=("job",))
     label.add_argument("job")
     label.add_argument("labels", nargs="+", metavar="KEY=VALUE")
+    verbs.add_parser("key", help="print `USER PUBLIC_KEY`: this user's line for a CS system's --clients file")
     ns = parser.parse_args(argv)
-    if not ns.cs_ip:
+    if not ns.cs_ip and ns.verb != "key":
         parser.error(f"no CS system: give --cs_ip HOST:PORT or set {SYSTEM_ENV}")
     return ns
 
@@ -87,10 +90,12 @@ def table(jobs: list[dict]) -> str:
 
 
 def run(ns: argparse.Namespace) -> str:
+    if ns.verb == "key":
+        return f"{user_name()} {client_key_pair()[0].decode()}"
     door = FrontDoor.open(ns.cs_ip, ns.insecure, what="the CS system at")
     try:
         if ns.verb == "get":
-            jobs = door.request(Message(Msg.GET_JOBS)).meta["jobs"]
+            jobs = door.list_jobs()
             return json.dumps({"jobs": jobs}, indent=2) if ns.output == "json" else table(jobs)
         name = job_name(ns.job)
         if ns.verb == "cancel":

@@ -1,4 +1,9 @@
-"""Fixtures shared by the whole-job tests."""
+"""Fixtures shared by the whole-job tests, and the guard that keeps the `cluster` marker right:
+a test that starts a process is marked `cluster` (pytestmark, @pytest.mark.cluster, or a fixture
+of PROCESS_FIXTURES), so that `python -m pytest -m "not cluster"` runs the rest in under a minute."""
+import subprocess
+from contextlib import contextmanager
+
 import pytest
 
 from tests.cluster_utils import final_weights, run_cpu, train_losses, write_params
@@ -55,3 +60,50 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+# Fixtures that start processes: a test using one is a cluster test.
+PROCESS_FIXTURES = {"oracle", "netns_hosts", "isolated_hosts", "slurm_cluster"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+
+
+@contextmanager
+def processes_noticed(item):
+    """For a test without the cluster marker: the test fails, after it has run, if it started a process."""
+    if item.get_closest_marker("cluster"):
+        yield
+        return
+    real, started = subprocess.Popen, []
+
+    class Noticed(real):
+        def __init__(self, args, *rest, **kwargs):
+            started.append(args)
+            super().__init__(args, *rest, **kwargs)
+
+    subprocess.Popen = Noticed
+    try:
+        yield
+    finally:
+        subprocess.Popen = real
+    if started:
+        pytest.fail(f"{item.nodeid} starts processes ({started[0]!r}...): mark it @pytest.mark.cluster",
+                    pytrace=False)
+
+
+# Setup too, so that a fixture of any scope an unmarked test brings up is held to it;
+# not teardown, where the last test of a session stops what earlier ones started.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with processes_noticed(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with processes_noticed(item):
+        return (yield)

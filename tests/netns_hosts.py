@@ -40,7 +40,7 @@ def missing_requirement() -> str | None:
     """Why these hosts cannot be made here, or None."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, sshd)"
-    missing = [b for b in NEEDED if shutil.which(b) is None] + ([SSHD] if not os.path.exists(SSHD) else [])
+    missing = [b for b in NEEDED if shutil.which(b) is None] + ([SSHD] if not os.access(SSHD, os.X_OK) else [])
     if missing:
         return f"missing {', '.join(missing)} (apt-get install -y openssh-server openssh-client iproute2)"
     return None

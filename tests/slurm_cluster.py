@@ -28,7 +28,7 @@ CPUS = 4  # declared to Slurm (config_overrides): room for a chief and three wor
 def missing_requirement() -> str | None:
     if os.geteuid() != 0:
         return "needs root (munged, slurmctld, slurmd)"
-    missing = [b for b in BINARIES if shutil.which(b) is None and not os.path.exists(f"/usr/sbin/{b}")]
+    missing = [b for b in BINARIES if shutil.which(b, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None]
     if missing:
         return f"missing {', '.join(missing)} (apt-get install -y slurm-wlm munge)"
     return None
@@ -53,7 +53,7 @@ def _free(port: int) -> bool:
 
 
 def _binary(name: str) -> str:
-    return shutil.which(name) or f"/usr/sbin/{name}"
+    return shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin") or name
 
 
 @dataclass

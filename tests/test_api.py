@@ -19,6 +19,8 @@ from cs_runtime.wire.auth import KEYS_ENV
 from examples.fc_mnist.train_cstorch import eval_input_fn, train_input_fn
 from tests.cluster_utils import REPO, alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 EXAMPLE = str(REPO / "examples" / "fc_mnist" / "train_cstorch.py")
 # tests/cluster_utils.SMALL_PARAMS, the oracle's configuration, as the example's flags.
 ORACLE_FLAGS = ["--batch_size", "64", "--hidden", "64", "32", "--dropout", "0.1", "--lr", "0.01",
@@ -113,7 +115,10 @@ def test_an_exception_in_the_loop_stops_every_process_and_keeps_the_steps(tmp_pa
 def test_ctrl_c_stops_every_process(tmp_path):
     cmd = [sys.executable, EXAMPLE, *ORACLE_FLAGS, "--steps", "100000", "--log_steps", "5",
            "--model_dir", str(tmp_path / "m")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    # Ctrl-C as at a terminal: the script gets SIGINT's default even where pytest was started
+    # with it ignored (a background job of a non-interactive shell), else Python ignores it too.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if line.startswith("step 10:"):

@@ -21,6 +21,8 @@ from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import (alive, assert_matches_oracle, descendants, kill_tree, wse_command,
                                  write_params)
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 SHM = Path("/dev/shm")
 WAIT_S = 240   # generous: two cores shared with other test runs
 

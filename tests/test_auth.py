@@ -63,6 +63,7 @@ def test_key_files_are_private_and_removed(job_keys):
     assert not folder.exists()
 
 
+@pytest.mark.cluster
 def test_a_folder_left_by_a_killed_launcher_is_removed_by_the_next_one():
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()

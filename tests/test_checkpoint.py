@@ -5,7 +5,9 @@ discovery, pruning, compatibility checks and clear errors.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from cs_runtime.checkpoint import (
     latest,
     list_checkpoints,
     load,
+    load_newest,
     prune,
     save,
 )
@@ -319,6 +322,7 @@ def crash_during_save(model_dir, where: str) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("where", ["mid_write", "before_rename"])
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, where):
     previous = make_checkpoint(step=20, seed=2)
@@ -335,6 +339,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, where):
     assert files_in(tmp_path) == ["checkpoint_20.npz", "checkpoint_40.npz"]
 
 
+@pytest.mark.cluster
 def test_kill_9_before_pruning_keeps_every_checkpoint(tmp_path):
     for step in (10, 20):
         save(tmp_path, make_checkpoint(step=step), max_checkpoints=2)
@@ -344,3 +349,81 @@ def test_kill_9_before_pruning_keeps_every_checkpoint(tmp_path):
     assert_same(load(latest(tmp_path)), make_checkpoint(step=30, seed=3))
     save(tmp_path, make_checkpoint(step=40), max_checkpoints=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+
+
+# --------------------------------------------------------------------------
+# a full or read-only disk, and falling back to an older checkpoint
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, why", [(errno.ENOSPC, "no space left on the device (ENOSPC)"),
+                                       (errno.EROFS, "the file system is read-only (EROFS)")])
+def test_a_full_or_read_only_disk_is_one_line_and_keeps_the_checkpoints(tmp_path, monkeypatch, code, why):
+    for step in (10, 20):
+        save(tmp_path, make_checkpoint(step=step), max_checkpoints=2)
+    before = {name: (tmp_path / name).read_bytes() for name in files_in(tmp_path)}
+
+    def disk_error(file, *args, **kwargs):
+        file.write(b"PK\x03\x04 the start of an archive")
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(checkpoint.np, "savez", disk_error)
+    with pytest.raises(CheckpointError) as caught:
+        save(tmp_path, make_checkpoint(step=30), max_checkpoints=2)
+    assert str(caught.value) == (f"cannot write checkpoint {tmp_path / 'checkpoint_30.npz'}: {why}; "
+                                 "checkpoints kept: checkpoint_10.npz, checkpoint_20.npz")
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__   # no chained tracebacks
+    assert {name: (tmp_path / name).read_bytes() for name in files_in(tmp_path)} == before
+
+
+def test_other_os_errors_still_propagate(tmp_path, monkeypatch):
+    def io_error(file, *args, **kwargs):
+        raise OSError(errno.EIO, "I/O error")
+    monkeypatch.setattr(checkpoint.np, "savez", io_error)
+    with pytest.raises(OSError) as caught:
+        save(tmp_path, make_checkpoint(step=30))
+    assert caught.value.errno == errno.EIO and not isinstance(caught.value, CheckpointError)
+
+
+def test_load_newest_skips_a_truncated_latest_and_says_why(tmp_path):
+    for step in (10, 20, 30):
+        save(tmp_path, make_checkpoint(step=step, seed=step))
+    cut = tmp_path / "checkpoint_30.npz"
+    cut.write_bytes(cut.read_bytes()[:-8])
+    state, path, skipped = load_newest(tmp_path)
+    assert path == tmp_path / "checkpoint_20.npz"
+    assert_same(state, make_checkpoint(step=20, seed=20))
+    assert len(skipped) == 1 and skipped[0].startswith(f"checkpoint {cut} is not readable: ")
+
+
+def test_load_newest_of_nothing_is_none_and_of_only_bad_files_an_error(tmp_path):
+    assert load_newest(tmp_path) is None
+    for step in (1, 2):
+        (tmp_path / f"checkpoint_{step}.npz").write_bytes(b"not an archive")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* loads: checkpoint .*checkpoint_2.npz is not "
+                                              r"readable: .*; checkpoint .*checkpoint_1.npz is not readable"):
+        load_newest(tmp_path)
+
+
+@pytest.mark.cluster
+def test_an_adam_checkpoint_without_step_counts_resumes_as_it_would_have(tmp_path):
+    """Checkpoints written before Adam's step count was state lack the `step`
+    slots; every step counted then, so the count goes on from the global step
+    and the resumed run equals the uninterrupted one bit for bit."""
+    from tests.cluster_utils import final_weights, run_cpu, write_params
+    params = write_params(tmp_path, optimizer={"optimizer_type": "adamw", "learning_rate": 0.001,
+                                               "weight_decay": 0.01},
+                          runconfig={"max_steps": 20, "checkpoint_steps": 10, "log_steps": 10})
+    full = run_cpu(params, tmp_path / "full")
+    assert full.returncode == 0, full.stdout + full.stderr
+    with np.load(tmp_path / "full" / "checkpoint_10.npz") as ck:
+        arrays = {k: ck[k] for k in ck.files}
+    assert float(arrays["optimizer/fc0/weight/step"]) == 10
+    old = {k: v for k, v in arrays.items() if not k.endswith("/step")}
+    np.savez(tmp_path / "old_10.npz", **old)
+    resumed = run_cpu(params, tmp_path / "resumed", "train", "--checkpoint_path", str(tmp_path / "old_10.npz"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    want, got = final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    with np.load(tmp_path / "resumed" / "checkpoint_20.npz") as ck:
+        assert float(ck["optimizer/fc0/weight/step"]) == 20     # and it is saved from now on

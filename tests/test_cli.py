@@ -23,17 +23,20 @@ def run(cmd: list[str], cwd: Path | None = None, timeout: int = 120) -> subproce
 
 
 @pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.cluster
 def test_every_command_says_its_version(command: str) -> None:
     result = run([tool(command), "--version"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{command} (cs-emulator) {version()}"
 
 
+@pytest.mark.cluster
 def test_run_py_says_its_version() -> None:
     result = run([sys.executable, FC_MNIST, "--version"])
     assert result.returncode == 0 and result.stdout.strip() == f"run.py (cs-emulator) {version()}"
 
 
+@pytest.mark.cluster
 def test_csrun_cpu_help_lists_its_options() -> None:
     result = run([tool("csrun_cpu"), "--help"])
     assert result.returncode == 0
@@ -44,6 +47,7 @@ def test_csrun_cpu_help_lists_its_options() -> None:
 
 
 @pytest.mark.parametrize("launcher", ["csrun_cpu", "csrun_wse"])
+@pytest.mark.cluster
 def test_a_bad_mode_prints_usage_once(tmp_path: Path, launcher: str) -> None:
     params = write_params(tmp_path)
     result = run([tool(launcher), sys.executable, FC_MNIST, "--mode", "trian", "--params", str(params),
@@ -54,6 +58,7 @@ def test_a_bad_mode_prints_usage_once(tmp_path: Path, launcher: str) -> None:
     assert "wsjob" not in out
 
 
+@pytest.mark.cluster
 def test_an_unusable_model_dir_is_one_line(tmp_path: Path) -> None:
     params = write_params(tmp_path)
     (tmp_path / "a_file").write_text("")
@@ -65,6 +70,7 @@ def test_an_unusable_model_dir_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.cluster
 def test_progress_lines_show_step_of_total_and_an_eta(tmp_path: Path) -> None:
     params = write_params(tmp_path, runconfig={"max_steps": 6, "log_steps": 3, "checkpoint_steps": 0})
     result = run([tool("csrun_cpu"), sys.executable, FC_MNIST, "--mode", "train", "--params", str(params),

@@ -12,6 +12,8 @@ import pytest
 from tests.cluster_utils import (alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu,
                                  run_wse, wse_command, write_params)
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 ROLE_PATTERNS = {"chief": "-m chief ", "worker": "-m worker ", "memoryx": "-m cs_runtime.memoryx",
                  "swarmx": "-m cs_runtime.swarmx", "wse": "-m wse"}
 

@@ -446,6 +446,7 @@ def _csrun_cpu(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.cluster
 def test_csrun_cpu_compile_only_writes_the_report(tmp_path: Path) -> None:
     model_dir = tmp_path / "fc"
     common = ["examples/fc_mnist/run.py", "--params", str(FC_PARAMS), "--model_dir", str(model_dir)]
@@ -472,6 +473,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.cluster
 def test_csrun_cpu_validate_only_fails_on_an_unsupported_layer(tmp_path: Path) -> None:
     script = tmp_path / "run.py"
     script.write_text(BROKEN_RUN)

@@ -119,6 +119,7 @@ def test_file_limit_is_raised_to_what_the_tasks_need_or_refused_in_one_line(monk
         launcher.check_file_limit(1024)
 
 
+@pytest.mark.cluster
 def test_control_plane_bench_small_run_reports_its_figures():
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "control_plane_bench.py"), "--tasks", "24",
                              "--seconds", "2", "--processes", "2"], capture_output=True, text=True, timeout=300,

@@ -58,6 +58,7 @@ def eager_train(model, optimizer, data, loss_of, scheduler=None):
 
 
 # ---------------------------------------------------------------- the examples vs torch eager
+@pytest.mark.cluster
 @pytest.mark.parametrize("num_csx", [1, 2])
 def test_mlp_example_matches_torch_eager(num_csx):
     losses, eval_losses, model = mlp.main(steps=24, num_csx=num_csx, log=lambda *a: None)
@@ -72,6 +73,7 @@ def test_mlp_example_matches_torch_eager(num_csx):
     assert_close_losses(eval_losses, want)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("num_csx", [1, 2])
 def test_cnn_example_matches_torch_eager_and_checkpoints_load(num_csx, tmp_path):
     losses, model = cnn.main(steps=12, num_csx=num_csx, model_dir=str(tmp_path / "cnn"), log=lambda *a: None)
@@ -90,6 +92,7 @@ def test_cnn_example_matches_torch_eager_and_checkpoints_load(num_csx, tmp_path)
     assert state["step"] == 12 and state["optimizer"]["state"][0]["step"] == 12
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("num_csx", [1, 2])
 def test_gpt2_example_with_warmup_matches_torch_eager(num_csx, tmp_path):
     steps = 12
@@ -330,6 +333,7 @@ def test_cbtorch_session_checks_its_mode():
         cbtorch.Session(None, mode="predict")
 
 
+@pytest.mark.cluster
 def test_cs_torch_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import cs_torch\n"
@@ -376,6 +380,7 @@ def _job_processes():
     return job_processes(os.getpid())
 
 
+@pytest.mark.cluster
 def test_a_dead_wse_in_a_cstorch_loop_raises_one_error_and_stops_the_job():
     from tests.cluster_utils import alive
     seen = {}
@@ -390,6 +395,7 @@ def test_a_dead_wse_in_a_cstorch_loop_raises_one_error_and_stops_the_job():
     assert [pid for pid, _ in seen["procs"] if alive(pid)] == []
 
 
+@pytest.mark.cluster
 def test_an_exception_in_a_cstorch_loop_stops_every_process():
     from tests.cluster_utils import alive
     seen = {}
@@ -405,11 +411,14 @@ def test_an_exception_in_a_cstorch_loop_stops_every_process():
     assert _job_processes() == []
 
 
+@pytest.mark.cluster
 def test_ctrl_c_in_a_cstorch_script_stops_every_process(tmp_path):
     from tests.cluster_utils import REPO, alive, kill_tree
     from tests.test_api import job_processes
     cmd = [sys.executable, str(REPO / "examples" / "cstorch" / "mlp.py"), "--steps", "100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    # Ctrl-C as at a terminal, also where pytest runs with SIGINT ignored (see test_api's Ctrl-C test)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if line.startswith("step 10:"):

@@ -39,6 +39,8 @@ from tests.cluster_utils import (FC_MNIST, TOL, alive, assert_matches_oracle, de
                                  write_params)
 from tests.test_cluster import ROLE_PATTERNS
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 DROPPED_RE = re.compile(r" (\S+) WARNING (\S+): dropped bad message from (\S+):")
 
 

@@ -6,9 +6,12 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.cluster_utils import BIN, FC_MNIST, REPO, assert_matches_oracle, tool
+
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
 
 SLOW_RUN = str(REPO / "tests" / "slow_input_run.py")
 

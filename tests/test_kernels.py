@@ -38,11 +38,13 @@ def test_dense_forward_and_backward_on_3d_input():
     assert K.dense_backward(r, x, w, need_dx=False)[0] is None
 
 
-def test_gelu_matches_its_gradient_and_known_values():
+@pytest.mark.parametrize("kind", sorted(K.GELUS))
+def test_gelu_matches_its_gradient_and_known_values(kind):
+    gelu, grad = K.GELUS[kind]
     x = np.linspace(-4, 4, 41)
-    assert_close(K.gelu(np.array([0.0, 10.0, -10.0])), [0.0, 10.0, 0.0], 1e-6, "gelu limits")
-    numeric = (K.gelu(x + 1e-6) - K.gelu(x - 1e-6)) / 2e-6
-    assert_close(K.gelu_grad(x), numeric, RTOL, "gelu'")
+    assert_close(gelu(np.array([0.0, 10.0, -10.0])), [0.0, 10.0, 0.0], 1e-6, "gelu limits")
+    numeric = (gelu(x + 1e-6) - gelu(x - 1e-6)) / 2e-6
+    assert_close(grad(x), numeric, RTOL, f"{kind}'")
 
 
 def test_residual_passes_the_gradient_to_both_inputs():
@@ -112,21 +114,31 @@ def test_token_cross_entropy_ignores_labels_and_matches_finite_differences():
     rng = np.random.default_rng(6)
     logits = rand(rng, 2, 3, 5)
     labels = np.array([[1, K.IGNORE_INDEX, 4], [0, 2, 3]])
-    loss, dlogits, correct, loss_sum, count = K.token_cross_entropy(logits, labels, 4)
+    loss, dlogits, correct, loss_sum, count = K.token_cross_entropy(logits, labels, 0.25)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     token = -np.take_along_axis(logp, np.maximum(labels, 0)[..., None], -1)[..., 0]
     assert count == 5 and abs(loss_sum - (token.sum() - token[0, 1])) < 1e-12
-    # each sample: the mean of its labelled tokens; the shard: their sum / global batch
-    assert abs(loss - ((token[0, 0] + token[0, 2]) / 2 + token[1].mean()) / 4) < 1e-12
+    # the labelled tokens' sum times the one weight
+    assert abs(loss - (token.sum() - token[0, 1]) * 0.25) < 1e-12
     kept = labels != K.IGNORE_INDEX
     assert correct == int(((logits.argmax(-1) == labels) & kept).sum())
-    check(lambda: K.token_cross_entropy(logits, labels, 4)[0], dlogits, logits, "logits")
+    check(lambda: K.token_cross_entropy(logits, labels, 0.25)[0], dlogits, logits, "logits")
     assert not dlogits[0, 1].any()
     # two shards add up to the whole
-    halves = [K.token_cross_entropy(logits[r], labels[r], 4)[0] for r in (slice(0, 1), slice(1, 2))]
+    halves = [K.token_cross_entropy(logits[r], labels[r], 0.25)[0] for r in (slice(0, 1), slice(1, 2))]
     assert abs(sum(halves) - loss) < 1e-12
     with pytest.raises(ValueError, match="labels outside"):
-        K.token_cross_entropy(logits, np.full((2, 3), 5), 1)
+        K.token_cross_entropy(logits, np.full((2, 3), 5), 1.0)
+
+
+def test_token_loss_weights_are_the_model_zoos_normalisers():
+    assert K.token_loss_weight("batch_size", 0.058, 8, None) == 0.058 / 8   # mlm_loss_weight / batch
+    for scaling in ("num_tokens", "num_masked", "precomputed_num_masked"):
+        assert K.token_loss_weight(scaling, 0.058, 8, 20) == 1 / 20         # the batch's labelled tokens
+    with pytest.raises(ValueError, match="needs the number of labelled tokens"):
+        K.token_loss_weight("num_masked", 1.0, 8, None)
+    with pytest.raises(ValueError, match="unknown loss scaling"):
+        K.token_loss_weight("per_sample", 1.0, 8, 20)
 
 
 def test_dropout_masks_are_per_sample_whatever_the_shard():

@@ -77,7 +77,7 @@ def dense_problem(activation: str, seed: int = 0, batch: int = 5, n_in: int = 4,
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_activations_listed_are_the_five_supported(activation):
-    assert set(ACTIVATIONS) == {"relu", "tanh", "sigmoid", "gelu", "none"}
+    assert set(ACTIVATIONS) == {"relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none"}
     z = np.linspace(-3, 3, 13)
     a = activate(activation, z)
     assert a.shape == z.shape and np.isfinite(a).all()
@@ -89,10 +89,13 @@ def test_activation_values():
     np.testing.assert_allclose(activate("tanh", z), np.tanh(z))
     np.testing.assert_allclose(activate("sigmoid", z), 1 / (1 + np.exp(-z)))
     np.testing.assert_allclose(activate("none", z), z)
-    # tanh-approximated gelu is within 1e-3 of the exact x * Phi(x)
+    # gelu is the exact x * Phi(x); gelu_new / gelu_tanh the tanh form, within 1e-3 of it
     from math import erf, sqrt
     exact = np.array([0.5 * v * (1 + erf(v / sqrt(2))) for v in z])
-    np.testing.assert_allclose(activate("gelu", z), exact, atol=1e-3)
+    np.testing.assert_allclose(activate("gelu", z), exact, rtol=2e-7, atol=1e-15)
+    for approx in ("gelu_new", "gelu_tanh"):
+        np.testing.assert_allclose(activate(approx, z), exact, atol=1e-3)
+        assert np.abs(activate(approx, z) - exact).max() > 1e-5   # and not the same function
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

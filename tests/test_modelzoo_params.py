@@ -192,6 +192,7 @@ def test_aliases_must_agree() -> None:
     assert p.optimizer.eps == 1e-7 and p.optimizer.weight_decay == 0.1
 
 
+@pytest.mark.cluster
 def test_empty_params_file_is_an_error_on_the_command_line(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text("# nothing here\n")
@@ -201,6 +202,7 @@ def test_empty_params_file_is_an_error_on_the_command_line(tmp_path: Path) -> No
                                           "model, optimizer and runconfig sections)")
 
 
+@pytest.mark.cluster
 def test_run_py_lists_every_error_once_and_exits_2(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"model": {"activation": "relu", "depth": 2, "hidden_size": 8},
@@ -214,6 +216,7 @@ def test_run_py_lists_every_error_once_and_exits_2(tmp_path: Path) -> None:
                       f"error: {params}: runconfig.max_steps: Input should be greater than 0 (got 0)"]
 
 
+@pytest.mark.cluster
 def test_csrun_wse_checks_the_params_before_starting_anything(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"model": {"activation": "relu"}, "runconfig": {"max_step": 3}}))
@@ -227,6 +230,7 @@ def test_csrun_wse_checks_the_params_before_starting_anything(tmp_path: Path) ->
     assert not (tmp_path / "model_dir").exists()
 
 
+@pytest.mark.cluster
 def test_csrun_wse_validate_only_starts_no_services(tmp_path: Path) -> None:
     result = run_script("fc_mnist", FILES / "fc_mnist_pytorch_r20.yaml", tmp_path / "model_dir", "--validate_only",
                         launcher="csrun_wse", timeout=120)
@@ -239,12 +243,14 @@ def test_csrun_wse_validate_only_starts_no_services(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["fc_mnist_pytorch_r18", "fc_mnist_pytorch_r20", "fc_mnist_tf"])
+@pytest.mark.cluster
 def test_fc_mnist_files_validate_as_shipped(tmp_path: Path, name: str) -> None:
     result = run_script("fc_mnist", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fc_mnist is valid" in result.stdout
 
 
+@pytest.mark.cluster
 def test_language_model_files_validate_to_the_numerics_not_yet_emulated(tmp_path: Path) -> None:
     """GPT-2 small and BERT base pass the params schema as shipped; what stops them is
     the emulated model (16-bit transformers, a tied head): all of it, a line each."""
@@ -264,6 +270,7 @@ def test_language_model_files_validate_to_the_numerics_not_yet_emulated(tmp_path
         "model.mixed_precision", "model.disable_nsp", "model.mlm_loss_weight"]
 
 
+@pytest.mark.cluster
 def test_fc_mnist_files_train_with_only_data_and_steps_changed(tmp_path: Path) -> None:
     for name in ("fc_mnist_pytorch_r18", "fc_mnist_tf"):
         model_dir = tmp_path / name
@@ -280,6 +287,7 @@ def test_fc_mnist_files_train_with_only_data_and_steps_changed(tmp_path: Path) -
         assert slots >= ({"exp_avg", "exp_avg_sq"} if name == "fc_mnist_tf" else {"momentum"}), slots
 
 
+@pytest.mark.cluster
 def test_tiny_gpt2_trainer_file_trains_and_saves_the_initial_checkpoint(tmp_path: Path) -> None:
     data = token_data(tmp_path / "tokens", vocab=512)
     model_dir = tmp_path / "model_dir"
@@ -294,6 +302,7 @@ def test_tiny_gpt2_trainer_file_trains_and_saves_the_initial_checkpoint(tmp_path
     assert (model_dir / "checkpoint_0.npz").exists() and (model_dir / "checkpoint_8.npz").exists()
 
 
+@pytest.mark.cluster
 def test_tiny_bert_file_trains(tmp_path: Path) -> None:
     data = token_data(tmp_path / "tokens", vocab=512)
     model_dir = tmp_path / "model_dir"
@@ -314,6 +323,7 @@ def test_vocab_size_and_data_must_agree(tmp_path: Path) -> None:
         load_corpus(str(data / "train"), "train", 300)
 
 
+@pytest.mark.cluster
 def test_eval_frequency_below_the_run_is_refused_in_train_and_eval(tmp_path: Path) -> None:
     result = run_script("fc_mnist", FILES / "fc_mnist_pytorch_r20.yaml", tmp_path / "model_dir",
                         "--override", "train_input.data_dir=null", "--override", "eval_input.data_dir=null",
@@ -358,7 +368,7 @@ def test_no_weight_decay_of_biases_and_norm_gains() -> None:
     for exclude in (True, False):
         opt = Optimizer("adamw", weight_decay=0.5, exclude_bias_and_norm=exclude)
         w = {k: v.copy() for k, v in params.items()}
-        opt.update(w, zero, opt.init_state(w), 0.1, 0)
+        opt.update(w, zero, opt.init_state(w), 0.1)
         assert np.allclose(w["weight"], 0.95)
         assert np.allclose(w["bias"], 1.0 if exclude else 0.95) and np.allclose(w["ln_gain"], w["bias"])
 
@@ -401,6 +411,7 @@ def test_override_paths_and_values(tmp_path: Path) -> None:
         load_params(FILES / "fc_mnist_tf.yaml", "fc_mnist", ["runconfig"])
 
 
+@pytest.mark.cluster
 def test_fc_mnist_tf_file_on_the_cs_system_matches_the_cpu_oracle(tmp_path: Path) -> None:
     """Adam (the TF default), weight decay sparing the biases, 2 fetch threads per
     input worker: the CS system's losses and weights are the CPU path's."""
@@ -421,6 +432,7 @@ def test_fc_mnist_tf_file_on_the_cs_system_matches_the_cpu_oracle(tmp_path: Path
         np.testing.assert_allclose(wse_w[name], cpu_w[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.cluster
 def test_fc_mnist_r20_trains_on_mnist_in_torchvisions_layout(tmp_path: Path) -> None:
     """The model zoo's FC-MNIST downloads MNIST with torchvision: data_dir/MNIST/raw/."""
     from tests.test_data import write_split

@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.cluster_utils import FC_MNIST, assert_matches_oracle, kill_tree, tool
+
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
 
 JOB_MARKERS = ("cs_runtime.launch.task", "-m chief", "-m worker")
 

@@ -49,7 +49,7 @@ def ref_adam(w, grads, lrs, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, deco
         m_hat = m / (1 - b1 ** t)
         v_hat = v / (1 - b2 ** t)
         w = w - lr * m_hat / (np.sqrt(v_hat) + eps)
-    return w, {"exp_avg": m, "exp_avg_sq": v}
+    return w, {"exp_avg": m, "exp_avg_sq": v, "step": np.float64(len(grads))}
 
 
 # --------------------------------------------------------------------------
@@ -65,11 +65,11 @@ def problem(seed=0):
     return params, grads
 
 
-def run(opt: Optimizer, params, grads, first_step=0):
+def run(opt: Optimizer, params, grads):
     params = {k: v.copy() for k, v in params.items()}
     state = opt.init_state(params)
-    for i, (g, lr) in enumerate(zip(grads, LRS)):
-        opt.update(params, g, state, lr, first_step + i)
+    for g, lr in zip(grads, LRS):
+        opt.update(params, g, state, lr)
     return params, state
 
 
@@ -129,17 +129,34 @@ def test_adam_and_adamw_differ_only_with_weight_decay():
     np.testing.assert_array_equal(a0["weight"], w0["weight"])
 
 
-def test_bias_correction_uses_the_global_step():
-    """Resuming at step k must continue the bias correction from k, not from 0."""
+def test_bias_correction_goes_on_from_the_saved_step_count():
+    """Resuming after k updates must continue the bias correction from k, not from 0:
+    the count is in the state, which a checkpoint saves."""
     params, grads = problem(5)
     opt = Optimizer("adam")
     full, full_state = run(opt, params, grads)
     first, state = run(opt, params, grads[:3])
-    for i, (g, lr) in enumerate(zip(grads[3:], LRS[3:]), start=3):
-        opt.update(first, g, state, lr, i)
+    assert all(float(state[name]["step"]) == 3 for name in params)
+    for g, lr in zip(grads[3:], LRS[3:]):
+        opt.update(first, g, state, lr)
     for name in params:
         np.testing.assert_array_equal(first[name], full[name])
         np.testing.assert_array_equal(state[name]["exp_avg_sq"], full_state[name]["exp_avg_sq"])
+        assert float(state[name]["step"]) == STEPS
+
+
+def test_a_checkpoint_without_step_counts_goes_on_from_its_global_step():
+    """Checkpoints written before the count was state: every step counted then."""
+    params, grads = problem(5)
+    opt = Optimizer("adam")
+    full, _ = run(opt, params, grads)
+    first, state = run(opt, params, grads[:3])
+    old = {name: {k: v for k, v in slots.items() if k != "step"} for name, slots in state.items()}
+    opt.fill_missing(old, first, steps_done=3)
+    for g, lr in zip(grads[3:], LRS[3:]):
+        opt.update(first, g, old, lr)
+    for name in params:
+        np.testing.assert_array_equal(first[name], full[name])
 
 
 def test_update_is_in_place_and_leaves_grads_alone():
@@ -151,7 +168,7 @@ def test_update_is_in_place_and_leaves_grads_alone():
     before = {k: v.copy() for k, v in g.items()}
     opt = Optimizer("sgd", momentum=0.9, weight_decay=0.1)
     state = opt.init_state(params)
-    opt.update(params, g, state, 0.1, 0)
+    opt.update(params, g, state, 0.1)
     assert params["weight"] is weight and not np.array_equal(weight, problem(6)[0]["weight"])
     for k in g:
         np.testing.assert_array_equal(g[k], before[k])
@@ -164,8 +181,8 @@ def test_update_is_in_place_and_leaves_grads_alone():
 @pytest.mark.parametrize("kind,momentum,slots", [
     ("sgd", 0.0, ()),
     ("sgd", 0.9, ("momentum",)),
-    ("adam", 0.0, ("exp_avg", "exp_avg_sq")),
-    ("adamw", 0.0, ("exp_avg", "exp_avg_sq")),
+    ("adam", 0.0, ("exp_avg", "exp_avg_sq", "step")),
+    ("adamw", 0.0, ("exp_avg", "exp_avg_sq", "step")),
 ])
 def test_state_initialisation_slot_names(kind, momentum, slots):
     opt = Optimizer(kind, momentum=momentum)
@@ -175,8 +192,9 @@ def test_state_initialisation_slot_names(kind, momentum, slots):
     assert set(state) == set(params)
     for name, p in params.items():
         assert tuple(state[name]) == slots
-        for value in state[name].values():
-            assert value.shape == p.shape and value.dtype == p.dtype and not value.any()
+        for slot, value in state[name].items():
+            shape = () if slot == "step" else p.shape   # the count is a scalar, as in torch
+            assert value.shape == shape and value.dtype == p.dtype and not value.any()
             assert not np.shares_memory(value, p)
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from tests.cluster_utils import assert_matches_oracle, run_wse, write_params
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 
 def pipelined_params(tmp_path, name="pipe.yaml", **runconfig):
     return write_params(tmp_path, name, runconfig={"execution_strategy": "pipelined", **runconfig})

@@ -164,6 +164,29 @@ def test_large_array_is_sent_zero_copy_and_small_one_as_bytes():
     np.testing.assert_array_equal(out.arrays["small"], small)
 
 
+def test_an_array_over_the_frame_cap_travels_in_full_frames_and_arrives_whole():
+    cap = protocol.MAX_FRAME_BYTES
+    big = np.random.default_rng(1).standard_normal(cap // 4 * 2 + 1000).astype(np.float32)   # 2 full + a bit
+    after = np.arange(3, dtype=np.int64)
+    frames = encode(Message(Msg.GRADS, arrays={"big": big, "after": after}))
+    sizes = [memoryview(f).nbytes for f in frames[1:]]
+    assert sizes == [cap, cap, big.nbytes - 2 * cap, after.nbytes]
+    assert all(np.shares_memory(np.frombuffer(f, np.uint8), big) for f in frames[1:3])   # zero-copy views
+    out = decode([bytes(f) for f in frames])
+    np.testing.assert_array_equal(out.arrays["big"], big)
+    np.testing.assert_array_equal(out.arrays["after"], after)
+    assert not out.arrays["big"].flags.writeable
+
+
+def test_split_arrays_with_frames_of_the_wrong_sizes_are_refused():
+    cap = protocol.MAX_FRAME_BYTES
+    h = pack(header(arrays=[["a", "uint8", [2 * cap]]]))
+    decode([h, bytes(cap), bytes(cap)])
+    reject([h, bytes(cap)], "1 arrays in 2 frames", "1 frames follow")
+    reject([h, bytes(cap - 1), bytes(cap + 1)], "frame has", f"header says {2 * cap}")
+    reject([h, bytes(cap), bytes(cap), bytes(1)], "3 frames follow")
+
+
 def test_decoded_arrays_are_read_only():
     big = np.ones(ZERO_COPY_THRESHOLD, np.float32)
     out = decode(encode(Message(Msg.GRADS, arrays={"big": big, "small": np.ones(3)})))
@@ -482,6 +505,28 @@ def test_endpoint_round_trip_over_tcp_zero_copy(ctx):
     finally:
         client.close()
         server.close()
+
+
+def test_endpoint_carries_arrays_of_many_frames_under_curve_within_the_frame_cap(ctx):
+    """Each frame, CURVE's wrapping included, fits the socket's MAXMSGSIZE (else libzmq
+    drops the connection silently and the message never comes)."""
+    from cs_runtime.wire import auth
+    folder = auth.create_job_dir()
+    keys = auth.load_keys(str(folder))
+    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1", keys=keys)
+    client = Endpoint(ctx, zmq.DEALER, "client", job="job1", keys=keys)
+    try:
+        client.connect(server.bind("127.0.0.1"))
+        big = np.random.default_rng(2).standard_normal(protocol.MAX_FRAME_BYTES // 4 * 3 - 5).astype(np.float32)
+        client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
+        got = server.recv(timeout_ms=5000)
+        assert got is not None, "the split array never arrived"
+        np.testing.assert_array_equal(got[1].arrays["weight"], big)
+    finally:
+        client.close()
+        server.close()
+        auth.stop_authenticator(ctx)
+        auth.remove_job_dir(folder)
 
 
 def test_endpoint_recv_times_out(ctx):

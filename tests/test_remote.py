@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from chief.input_monitor import InputMonitor
-from cs_runtime.launch import remote
+from cs_runtime.launch import job, remote
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.wire.transport import source_address_towards
@@ -81,6 +81,7 @@ def test_host_list_and_too_few_slots():
         remote.place_tasks(remote.parse_host_list("a,b"), None, 3)
 
 
+@pytest.mark.cluster
 def test_bind_address_is_loopback_only_for_this_host():
     assert source_address_towards("127.0.0.1") == "127.0.0.1"
     assert remote.bind_address_for(["localhost", "127.0.0.1"]) == "127.0.0.1"
@@ -120,7 +121,8 @@ def test_slurm_counts_expand_and_compress():
         remote.expand_counts("2(3)", "X")
 
 
-def test_slurm_shape_outside_an_allocation_from_flags_else_two_tasks(monkeypatch):
+def test_slurm_shape_outside_an_allocation_from_flags_else_two_tasks(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun: shape and argv need none
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     assert remote.slurm_shape(None, None, None) == remote.SlurmShape([2], 1)
@@ -172,7 +174,17 @@ def test_slurm_shape_the_allocation_cannot_hold_is_one_line(monkeypatch, flags, 
     assert "\n" not in str(err.value)
 
 
+def test_without_srun_the_slurm_launcher_stops_before_anything_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    options = csrun_wse.parse_args(["--total-nodes", "1", "--tasks-per-node", "2", "python", "run.py"])
+    assert options.launcher == "slurm"
+    with pytest.raises(SystemExit, match=r"^csrun_wse: srun not found on PATH \(install Slurm's client"):
+        job.plan_layout(options)
+
+
 # ------------------------------------------------------------------ the task wrapper
+@pytest.mark.cluster
 def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_path):
     ctx = zmq.Context()
     directory = DirectoryServer(ctx, "job-w", {"worker": 1})
@@ -206,6 +218,7 @@ def test_task_wrapper_stops_its_task_when_stdin_closes_and_reports_the_exit(tmp_
         ctx.destroy(linger=0)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("sent, answer", [
     ({"keys": None}, "ok"),
     ({"keys": {"server_public": "x"}}, "the job's keys must be server_public, server_secret, client_public"),
@@ -224,6 +237,7 @@ def test_task_wrapper_check_keeps_the_keys_or_says_why_not(sent, answer, tmp_pat
     assert list(tmp_path.iterdir()) == []  # the check leaves nothing
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("sent, message", [
     (b'{"role": 1}\n', b"task description needs host, env, tasks"),
     (b'{"host": "h", "env": {}, "tasks": [{"role": "chief", "rank": "0", "argv": ["x"]}]}\n',

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cs_runtime.wire import shm
-from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode
+from cs_runtime.wire.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import (
     FC_MNIST,
     assert_matches_oracle,
@@ -72,14 +74,15 @@ def test_swarmx_sums_gradients_into_its_arena_and_sends_them_on_by_reference(two
     parts = [P.quantize(rng.standard_normal(BIG).astype(np.float32), fmt) for _ in range(3)]
     msgs = [Message(Msg.GRADS, step=1, layer=0, meta={"format": fmt}, arrays=P.encode_arrays({"weight": p}, fmt))
             for p in parts]
-    into = {"weight": arena.empty((BIG,), P.wire_dtype(fmt))}
+    into = {"weight": arena.empty((BIG,), np.float32)}   # sums are float32 in every format
     reduced = reduce_messages(msgs, into)
     assert reduced.arrays["weight"] is into["weight"]
     frames = encode(reduced, sender)
     assert sum(len(memoryview(f)) for f in frames) < BIG      # a reference, not the tensor
     got = decode(frames, receiver)
-    want = P.decode_arrays(reduce_messages(msgs).arrays, fmt)["weight"]   # the sum without buffers
-    np.testing.assert_array_equal(P.decode_arrays(got.arrays, fmt)["weight"], want)
+    want = reduce_messages(msgs).arrays["weight"]             # the sum without buffers
+    assert got.meta["format"] == "float32"
+    np.testing.assert_array_equal(got.arrays["weight"], want)
 
 
 def test_without_shared_memory_arrays_go_as_frames_and_references_are_refused(two_processes):
@@ -91,7 +94,7 @@ def test_without_shared_memory_arrays_go_as_frames_and_references_are_refused(tw
 
 
 def reference(name: str, offset: int = 0, shape=(4,)) -> list:
-    header = {"t": "weights", "v": 1, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
+    header = {"t": "weights", "v": PROTOCOL_VERSION, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
               "arrays": [["weight", "float32", list(shape), name, offset]]}
     import msgpack
     return [msgpack.packb(header)]
@@ -118,6 +121,72 @@ def test_a_segment_of_another_user_is_refused(tmp_path):
     os.chown(path, 65534, 65534)
     with pytest.raises(ProtocolError, match="belongs to uid 65534"):
         decode(reference(path.name), shm.Segments(tmp_path))
+
+
+def make_directory(path: Path) -> None:
+    path.mkdir()
+
+
+def make_fifo(path: Path) -> None:
+    os.mkfifo(path, 0o600)   # opened blocking, this would wait for a writer forever
+
+
+def make_symlink(path: Path) -> None:
+    target = path.parent / "elsewhere"
+    target.write_bytes(bytes(1024))
+    path.symlink_to(target)
+
+
+def make_empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("make, why", [(make_directory, "is not a regular file"),
+                                       (make_fifo, "is not a regular file"),
+                                       (make_symlink, "Too many levels of symbolic links"),
+                                       (make_empty, "is empty")])
+def test_anything_but_a_regular_file_named_like_a_segment_is_a_protocol_error(tmp_path, make, why):
+    path = tmp_path / "cs-job1-wse0-1"
+    make(path)
+    with pytest.raises(ProtocolError, match=re.escape(why)):
+        decode(reference(path.name), shm.Segments(tmp_path, job="job1"))
+
+
+# A folder of things a peer might name: one good segment among look-alikes.
+SEGMENT_LOOKALIKES = {"cs-job1-memoryx0-1": None, "cs-job1-dir": make_directory, "cs-job1-fifo": make_fifo,
+                      "cs-job1-link": make_symlink, "cs-job1-empty": make_empty}
+
+
+@pytest.fixture(scope="module")
+def lookalikes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shm")
+    arena = shm.Arena(folder, "cs-job1-memoryx0-1", 4096)
+    for name, make in SEGMENT_LOOKALIKES.items():
+        if make is not None:
+            make(folder / name)
+    yield folder
+    arena.close()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(SEGMENT_LOOKALIKES) + ["cs-job2-x", "cs-job1-none", "../x", "", "cs-"])
+       | st.text(max_size=30),
+       offset=st.integers(-2 ** 63, 2 ** 64 - 1) | st.sampled_from([0, 64, 4032, 4096]) | st.floats() | st.text(max_size=4),
+       dtype=st.sampled_from(["float32", "uint16", "int64", "object", "xx"]),
+       shape=st.lists(st.integers(-2, 2 ** 40) | st.sampled_from([0, 1, 16, 1024]), max_size=3))
+def test_fuzz_shared_memory_references_give_an_array_in_bounds_or_a_protocol_error(lookalikes, name, offset,
+                                                                                 dtype, shape):
+    """A reference to anything (look-alikes, bounds, dtypes, shapes) never blocks, never raises
+    anything but ProtocolError, and what it gives lies inside the one real segment."""
+    import msgpack
+    header = {"t": "weights", "v": PROTOCOL_VERSION, "job": "", "step": 0, "layer": 0, "meta": {"phase": "fwd"},
+              "arrays": [["weight", dtype, shape, name, offset]]}
+    try:
+        got = decode([msgpack.packb(header)], shm.Segments(lookalikes, job="job1")).arrays["weight"]
+    except ProtocolError:
+        return
+    assert name == "cs-job1-memoryx0-1" and 0 <= offset and offset + got.nbytes <= 4096
+    assert not got.flags.writeable
 
 
 def test_a_segment_of_another_job_is_refused(two_processes, tmp_path):
@@ -202,6 +271,7 @@ def test_a_killed_job_leaves_no_segment(tmp_path, oracle):
     assert job_segments("".join(seen)) == []
 
 
+@pytest.mark.cluster
 def test_segments_of_a_dead_launcher_are_removed_and_a_live_ones_kept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()                                        # a pid that no longer runs

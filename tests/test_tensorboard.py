@@ -20,6 +20,8 @@ from cs_runtime.numerics.model import ShardContext, model_backward, model_forwar
 from examples.fc_mnist.run import model_fn, train_input_fn
 from tests.cluster_utils import run_cpu, run_wse, write_params
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 STEPS, LOG_STEPS = 6, 2
 LAYERS = ("fc0", "fc1", "fc2")     # mlp_spec's names for hidden_sizes [64, 32] + the output layer
 
@@ -50,7 +52,7 @@ def oracle_layer_norms(params_path, model_dir, step: int) -> list[float]:
     shard = stream.shard(step)
     ctx = ShardContext(params.runconfig.seed, step, shard.global_batch, shard.rows, True)
     logits, caches = model_forward(spec, shard.x, weights, ctx)
-    grads = model_backward(spec, model_loss(spec, logits, shard.y, shard.global_batch).delta, caches, weights)
+    grads = model_backward(spec, model_loss(spec, logits, shard.y, shard.global_batch, shard.label_count).delta, caches, weights)
     return [float(np.linalg.norm(np.concatenate([g.ravel().astype(np.float64) for g in layer.values()])))
             for layer in grads]
 

@@ -13,6 +13,8 @@ import yaml
 
 from tests.cluster_utils import REPO, final_weights, relative_error, tool, train_losses
 
+pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
+
 torch = pytest.importorskip("torch", reason="the torch examples need torch (an optional extra)")
 
 GPT_RUN = str(REPO / "examples" / "torch_gpt" / "run.py")

@@ -101,6 +101,7 @@ def _torch_float_spread(module, loss_fn, batches, opt, reference32) -> dict[str,
             if n in reference32}
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("kind,opt", [("mlp", "sgd"), ("cnn", "adam"), ("gpt", "adamw"), ("bert", "adam"),
                                       ("gpt", "sgd")])
 def test_cpu_path_matches_torch_eager(kind, opt):
@@ -150,6 +151,7 @@ def test_unsupported_op_fails_at_capture_naming_module_op_and_line():
     assert "test_torch_programs.py:" in message, message
 
 
+@pytest.mark.cluster
 def test_validate_only_reports_an_unsupported_op_in_one_line(tmp_path):
     import subprocess
     import sys

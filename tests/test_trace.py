@@ -197,6 +197,7 @@ def test_weight_streaming_trace(tmp_path, oracle):
             assert abs(info["estimated_offset_us"]) <= info["round_trip_us"] / 2 + 1, name
 
 
+@pytest.mark.cluster
 def test_cpu_trace_is_one_row(tmp_path):
     params = write_params(tmp_path, runconfig={"max_steps": 4, "log_steps": 2, "checkpoint_steps": 0, "seed": 3})
     untraced = run_cpu(params, tmp_path / "cpu", "train_and_eval", timeout=120)
@@ -218,6 +219,7 @@ def test_cpu_trace_is_one_row(tmp_path):
             assert outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + 0.01
 
 
+@pytest.mark.cluster
 def test_no_trace_without_the_flag(tmp_path):
     params = write_params(tmp_path, runconfig={"max_steps": 3, "log_steps": 3, "checkpoint_steps": 0, "seed": 3,
                                                "execution_strategy": "weight_streaming"})

@@ -128,7 +128,8 @@ class InputWorker:
             self.busy_s += time.monotonic() - t0
             for push, shard in zip(pushes, shards):
                 meta = {"stream": name, "global_batch": shard.global_batch, "worker": self.penv.rank,
-                        "row_start": shard.rows.start, "row_stop": shard.rows.stop}
+                        "row_start": shard.rows.start, "row_stop": shard.rows.stop,
+                        "label_count": shard.label_count}
                 # The first layer rounds its input to the 16-bit format anyway: send it so.
                 arrays = encode_arrays({"x": shard.x, "y": shard.y}, p.precision)
                 with trace.span("send_batch", step=step):

@@ -15,7 +15,9 @@ this WSE's shared arena, one buffer per tensor, reused every step.
 
 Input batches arrive on a PULL socket from one or more input workers in any
 order; `InputMerger` hands them out in (stream, step) order, so results never
-depend on how many workers there are or which is faster.
+depend on how many workers there are or which is faster, and checks each
+before the model sees it (cs_runtime/numerics/batch_check.py): a bad sample
+ends this process with one line naming the worker, step and sample, exit 2.
 """
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ import zmq
 
 from cs_runtime.wire import shm
 from cs_runtime import trace
+from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batch
 from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.numerics.precision import encode_arrays, scaled, wire_dtype
 from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
-from cs_runtime.service import ProcessEnv
+from cs_runtime.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
 
@@ -45,6 +48,7 @@ class InputMerger:
     def __init__(self, pull: Endpoint):
         self.pull = pull
         self.buffer: dict[tuple[str, int], Message] = {}
+        self.spec: ModelSpec | None = None   # the loaded model, which every batch is checked against
         self.waited_s = 0.0  # time the WSE sat idle for want of input (reported with each loss)
 
     def take_wait(self) -> float:
@@ -57,9 +61,24 @@ class InputMerger:
         t0 = time.monotonic()
         try:
             with trace.span("input_wait", step=step):
-                return self._take(key, poll_ms)
+                batch = self._take(key, poll_ms)
         finally:
             self.waited_s += time.monotonic() - t0
+        self.check(batch)
+        return batch
+
+    def check(self, batch: Message) -> None:
+        if self.spec is None:
+            return
+        arrays = float_arrays(batch)
+        try:
+            if set(arrays) != {"x", "y"}:
+                raise BadBatch(f"arrays {sorted(arrays)}, expected x and y")
+            check_batch(self.spec, arrays["x"], arrays["y"])
+        except BadBatch as exc:
+            meta = batch.meta
+            raise BadInput(bad_input_line(exc, str(meta["stream"]), batch.step, int(meta["row_start"]),
+                                          f"input worker {meta.get('worker', '?')}")) from None
 
     def _take(self, key: tuple[str, int], poll_ms: int) -> Message:
         stream, step = key
@@ -126,10 +145,11 @@ class WeightStreamingExecutor:
         self.x, self.labels = arrays["x"], arrays["y"]
         self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train, labels=self.labels)
+        self.label_count = meta.get("label_count")
 
     def finish_forward(self, step: int, train: bool) -> None:
         with trace.span("loss", step=step):
-            result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch)
+            result = model_loss(self.spec, self.x, self.labels, self.ctx.global_batch, self.label_count)
         if train:
             self.delta = scaled(result.delta, self.loss_scale)
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
@@ -197,6 +217,7 @@ class WSE:
         settings = JobSettings.from_meta(msg.meta["spec"])
         trace.RECORDER.reset(settings.trace)
         spec = settings.model
+        self.inputs.spec = spec
         if settings.pipelined:
             return PipelinedExecutor(settings, msg.arrays, self.up, self.inputs)
         shapes = [s for layer in spec.layers for s in layer.param_shapes().values()]
@@ -224,6 +245,7 @@ class WSE:
             trace.RECORDER.reset(False)
             self.executor = None
             self.inputs.buffer.clear()
+            self.inputs.spec = None
             if self.segments is not None:
                 self.segments.release(self.arena)
                 self.segments.forget_peers(self.penv.job)

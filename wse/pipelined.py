@@ -68,7 +68,7 @@ class PipelinedExecutor:
         loss, count, total = 0.0, 0, None
         for x, y, ctx in self.replica_contexts(batch, train=True):
             logits, caches = model_forward(self.spec, x, self.weights, ctx)
-            part = model_loss(self.spec, logits, y, ctx.global_batch)
+            part = model_loss(self.spec, logits, y, ctx.global_batch, batch.meta.get("label_count"))
             grads = model_backward(self.spec, scaled(part.delta, loss_scale), caches, self.weights, step)
             loss, count = loss + part.loss, count + len(y)
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
@@ -86,7 +86,7 @@ class PipelinedExecutor:
         loss_sum, correct, count = 0.0, 0, 0
         for x, y, ctx in self.replica_contexts(batch, train=False):
             logits, _ = model_forward(self.spec, x, self.weights, ctx)
-            part = model_loss(self.spec, logits, y, ctx.global_batch)
+            part = model_loss(self.spec, logits, y, ctx.global_batch, batch.meta.get("label_count"))
             loss_sum, correct, count = loss_sum + part.loss_sum, correct + part.correct, count + part.count
         self.up.send(Message(Msg.EVAL_RESULT, step=step,
                              meta={"loss_sum": loss_sum, "correct": correct, "count": count}))

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import zmq
+import zmq.auth
 
 from cs_runtime import env
 from cs_runtime.wire import auth
@@ -71,6 +72,30 @@ def owner_token() -> str:
     return token
 
 
+CLIENT_KEY_FILE = "client.key_secret"
+
+
+def client_key_pair() -> tuple[bytes, bytes]:
+    """This user's CURVE key pair for front doors (public, secret), made on first use: a
+    CS system run with --clients knows the user by this public key (`csctl key`)."""
+    folder = user_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = folder / CLIENT_KEY_FILE
+    if not path.exists():
+        public, secret = zmq.curve_keypair()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"# this user's key for CS systems' front doors\ncurve\n"
+                    f"    public-key = \"{public.decode()}\"\n    secret-key = \"{secret.decode()}\"\n")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise FrontDoorError(f"{path} is not a CURVE key pair ({exc}); delete it to make a new one") from None
+    if not secret:
+        raise FrontDoorError(f"{path} has no secret key; delete it to make a new one")
+    return public, secret
+
+
 def user_name() -> str:
     try:
         import pwd
@@ -114,7 +139,8 @@ class FrontDoor:
             raise FrontDoorError(f"--insecure is for loopback only, not {host}")
         try:
             check_tcp(host, port, what)
-            keys = None if insecure else auth.client_keys(system_public_key(host, port))
+            keys = None if insecure else auth.JobKeys(Path(), system_public_key(host, port), b"",
+                                                      *client_key_pair())
             check_reachable(host, port, what, keys=keys, insecure=insecure)
         except UnreachableError as exc:
             raise FrontDoorError(str(exc)) from None
@@ -145,6 +171,16 @@ class FrontDoor:
         if got.type == Msg.REFUSED:
             raise FrontDoorError(got.meta["reason"])
         return got
+
+    def list_jobs(self) -> list[dict]:
+        """Every job the CS system lists, page by page (each answer fits the header cap)."""
+        rows, after = [], 0
+        while True:
+            page = self.request(Message(Msg.GET_JOBS, meta={"after": after})).meta
+            rows += page["jobs"]
+            if "next" not in page:
+                return rows
+            after = page["next"]
 
     def close(self) -> None:
         self.endpoint.close()

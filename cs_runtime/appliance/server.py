@@ -25,8 +25,18 @@ shared-memory segments named for its job. A job that fails, is cancelled, or
 whose submitter stops polling for 10 s has its service processes stopped
 and its segments and key folder deleted; the systems are then free.
 
-Ownership: see frontdoor.py (a per-user owner credential; the job keeps its
+Ownership: see client.py (a per-user owner credential; the job keeps its
 SHA-256, and CANCEL / LABEL must carry the credential).
+
+Admission and fairness (docs/security.md): with `--clients FILE` only the
+client public keys listed there complete the CURVE handshake, and a job's
+user is the name the file gives its submitter's key, not what the client
+claims. Every client (by public key) may make RATE_PER_S requests a second
+(bursts of RATE_BURST); at most CLIENT_QUEUE answers wait for a client that
+does not read, later ones are dropped; a listing comes in pages that fit
+the protocol's header cap; and a job whose chief has not arrived within
+--turn_timeout seconds of its turn loses it, so no client can hold the
+systems by polling alone.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +60,7 @@ from cs_runtime import env as cs_env
 from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, REGISTER_TIMEOUT, DirectoryServer
 from cs_runtime.launch.launcher import SERVICE_MODULES, ProcessGroup, Task, describe_exit, spawn, with_threads
-from cs_runtime.wire.protocol import ENDED_PHASES, Message, Msg
+from cs_runtime.wire.protocol import ENDED_PHASES, USER_NAME, Message, Msg
 from cs_runtime.service import AWAIT_JOB_ENV
 from cs_runtime.wire.shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
 from cs_runtime.wire.transport import Endpoint, host_name
@@ -59,8 +70,49 @@ log = logging.getLogger("cs_system")
 SUBMITTER_TIMEOUT_S = 10.0   # a job whose csrun_wse has not polled this long has lost its submitter
 ENDED_KEPT = 500             # ended jobs csctl still lists
 MAX_WAITING = 1000           # jobs queued or running at once; more are refused
+PAGE_BYTES = 48 * 1024       # a JOBS answer stays under the protocol's 64 KB header cap
+CLIENT_QUEUE = 8             # answers queued for one client before more are dropped
+RATE_PER_S, RATE_BURST = 20.0, 40   # requests per client (public key) a second, and its burst
+KEPT_CLIENTS = 4096          # rate buckets kept (the least recently seen go first)
+TURN_TIMEOUT_S = 120.0       # a job's chief must arrive this soon after its turn came
 RESPAWN_DELAY_S = 5.0        # an idle service that died is replaced after this (no spawn loop on a broken install)
 ROLES = (("memoryx", 1), ("swarmx", 1))   # per job, with one WSE per system
+
+
+def read_clients(path: str) -> dict[str, str]:
+    """`--clients FILE`: one `USER PUBLIC_KEY` a line (the key as `csctl key` prints it), lines
+    starting with '#' are comments; {key: user}."""
+    clients = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--clients {path}: {exc}") from None
+    for number, line in enumerate(lines, 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):   # a comment line ('#' is also a Z85 digit)
+            continue
+        if len(words) != 2 or len(words[1]) != 40 or not USER_NAME.match(words[0]):
+            raise ValueError(f"--clients {path}, line {number}: expected USER PUBLIC_KEY (a 40-character Z85 key)")
+        clients[words[1]] = words[0]
+    return clients
+
+
+class RateLimit:
+    """A token bucket per client: RATE_PER_S requests a second, bursts of RATE_BURST."""
+
+    def __init__(self, rate: float = RATE_PER_S, burst: int = RATE_BURST):
+        self.rate, self.burst = rate, burst
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()   # client -> (tokens, when)
+
+    def allow(self, client: str) -> bool:
+        now = time.monotonic()
+        tokens, then = self.buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        allowed = tokens >= 1.0
+        self.buckets[client] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self.buckets) > KEPT_CLIENTS:
+            self.buckets.popitem(last=False)
+        return allowed
 
 
 class Refused(Exception):
@@ -227,16 +279,21 @@ class JobRuntime:
 class CSSystem:
     """The front door, the queue and the systems."""
 
-    def __init__(self, host: str, port: int, num_csx: int, insecure: bool, shm: bool):
+    def __init__(self, host: str, port: int, num_csx: int, insecure: bool, shm: bool,
+                 clients: dict[str, str] | None = None, turn_timeout_s: float = TURN_TIMEOUT_S):
         self.host, self.num_csx, self.insecure = host, num_csx, insecure
+        self.clients = clients            # {public key: user}: the allow-list, or None (any key)
+        self.turn_timeout_s = turn_timeout_s
+        self.rate = RateLimit()
         self.shm_dir = "/dev/shm" if shm and os.path.isdir("/dev/shm") else None
         if self.shm_dir:
             remove_orphaned_segments(Path(self.shm_dir))
         os.environ.pop(auth.KEYS_ENV, None)   # this process has no job of its own
         self.keys_dir, keys = (None, None) if insecure else auth.create_system_dir()
         self.ctx = zmq.Context()
+        admitted = True if clients is None else frozenset(clients)
         self.front = Endpoint(self.ctx, zmq.ROUTER, "cs_system", "", max_frame_bytes=DIRECTORY_MAX_FRAME,
-                              keys=keys, any_client=True)
+                              keys=keys, any_client=admitted).bound_queues(CLIENT_QUEUE)
         try:
             self.port = int(self.front.bind(host, port).rsplit(":", 1)[1])
         except Exception:
@@ -285,8 +342,11 @@ class CSSystem:
             if got is None:
                 return
             identity, msg = got
+            client = self.front.last_user or identity.hex()
             try:
-                answer = self.answer(msg)
+                if not self.rate.allow(client):
+                    raise Refused(f"too many requests: at most {RATE_PER_S:.0f} a second; slow down")
+                answer = self.answer(msg, client)
             except Refused as refusal:
                 answer = Message(Msg.REFUSED, meta={"reason": str(refusal)})
             answer.step = msg.step        # the client matches answers to requests by it
@@ -299,6 +359,9 @@ class CSSystem:
         elif job.phase == "COMPILING" and job.runtime.chief_arrived:
             job.phase = "RUNNING"
             log.info("%s is running", job.name)
+        elif job.phase == "COMPILING" and time.monotonic() - job.runtime.started > self.turn_timeout_s:
+            self.end(job, "FAILED", f"its chief did not arrive within {self.turn_timeout_s:g} s of its turn "
+                                    "(--turn_timeout); the systems went to the next job")
 
     def drop_lost_submitters(self) -> None:
         now = time.monotonic()
@@ -338,14 +401,12 @@ class CSSystem:
             self.jobs.remove(old)
 
     # ------------------------------------------------------------ requests
-    def answer(self, msg: Message) -> Message:
+    def answer(self, msg: Message, client: str = "") -> Message:
         m = msg.meta
         if msg.type == Msg.SUBMIT:
-            return self.job_state(self.submit(m))
+            return self.job_state(self.submit(m, client))
         if msg.type == Msg.GET_JOBS:
-            return Message(Msg.JOBS, meta={"jobs": [j.row(self.position(j)) for j in self.jobs],
-                                           "system": {"address": self.where, "num_csx": self.num_csx,
-                                                      "free": [f"cs{i}" for i in sorted(self.free)]}})
+            return self.jobs_page(int(m.get("after", 0)))
         if msg.type not in (Msg.JOB_POLL, Msg.JOB_DONE, Msg.CANCEL, Msg.LABEL):
             raise Refused(f"{msg.type.value} is not a request the CS system takes")
         verb = {Msg.JOB_POLL: "follow", Msg.JOB_DONE: "report on", Msg.CANCEL: "cancel", Msg.LABEL: "label"}
@@ -366,7 +427,28 @@ class CSSystem:
             return Message(Msg.ACK, meta={"what": "label"})
         return self.job_state(job)
 
-    def submit(self, m: dict) -> JobRecord:
+    def jobs_page(self, after: int) -> Message:
+        """The rows of the jobs numbered above `after`, as many as fit PAGE_BYTES; `next`
+        (the last number listed) when more follow."""
+        import msgpack
+        rows, size, more = [], 0, False
+        for job in self.jobs:
+            if job.number <= after:
+                continue
+            row = job.row(self.position(job))
+            row_size = len(msgpack.packb(row, use_bin_type=True))
+            if rows and size + row_size > PAGE_BYTES:
+                more = True
+                break
+            rows.append(row)
+            size += row_size
+        meta = {"jobs": rows, "system": {"address": self.where, "num_csx": self.num_csx,
+                                         "free": [f"cs{i}" for i in sorted(self.free)]}}
+        if more:
+            meta["next"] = int(rows[-1]["name"].split("-")[1])
+        return Message(Msg.JOBS, meta=meta)
+
+    def submit(self, m: dict, client: str = "") -> JobRecord:
         if m["num_csx"] > self.num_csx:
             raise Refused(f"the job asks for {m['num_csx']} CS systems; the CS system at {self.where} "
                           f"has {self.num_csx}")
@@ -376,7 +458,9 @@ class CSSystem:
             raise Refused("this CS system runs " + ("--insecure: submit with --insecure" if self.insecure
                                                      else "with CURVE: submit without --insecure"))
         self.submitted += 1
-        job = JobRecord(self.submitted, m["user"], owner_hash(m["owner"]), m["num_csx"], dict(m["labels"]), dict(m["keys"]))
+        # With an allow-list the key says who submits; without one the client's claim is all there is.
+        user = self.clients[client] if self.clients is not None else m["user"]
+        job = JobRecord(self.submitted, user, owner_hash(m["owner"]), m["num_csx"], dict(m["labels"]), dict(m["keys"]))
         self.jobs.append(job)
         log.info("%s (%s, %d system(s)) queued at position %d", job.name, job.user, job.num_csx, self.position(job))
         return job

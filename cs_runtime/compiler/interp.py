@@ -50,7 +50,10 @@ def _fused_dense(node: Node, args: list[Array], ctx: Context) -> Array:
 def _loss(node: Node, args: list[Array], ctx: Context) -> Array:
     logits, labels = args
     if logits.ndim == 3:
-        return np.float32(kernels.token_cross_entropy(logits, labels, len(labels))[0])
+        count = int(np.count_nonzero(labels != kernels.IGNORE_INDEX))   # the graph sees the whole batch
+        weight = kernels.token_loss_weight(node.attrs.get("loss_scaling", "num_tokens"),
+                                           node.attrs.get("loss_weight", 1.0), len(labels), count)
+        return np.float32(kernels.token_cross_entropy(logits, labels, weight)[0])
     loss, _, _ = softmax_cross_entropy(logits, labels, len(labels))
     return np.float32(loss)
 

@@ -23,7 +23,7 @@ Shape = tuple[Dim, ...]
 BATCH = "B"
 FLOAT_DTYPES = ("float32",)
 DTYPES = (*FLOAT_DTYPES, "int32")  # int32: labels and token ids
-ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
+ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none")
 SOURCES = ("input", "param", "const")  # nodes that hold a value, compute nothing
 
 

@@ -105,7 +105,8 @@ def _attention(g: Graph, layer: LayerSpec, x: str, p: dict) -> str:
 
 def _mlp(g: Graph, layer: LayerSpec, x: str, p: dict) -> str:
     h = _dense(g, layer, x, p, "fc")
-    h = g.add("activation", (h,), name=f"{layer.name}.fc.act", kind="gelu", layer=layer.name, layer_op=layer.op)
+    h = g.add("activation", (h,), name=f"{layer.name}.fc.act", kind=layer.activation, layer=layer.name,
+              layer_op=layer.op)
     return _dropout(g, layer, _dense(g, layer, h, p, "out"), layer.dropout, ".mlp")
 
 
@@ -126,9 +127,9 @@ def lower_block(g: Graph, layer: LayerSpec, x: str) -> str:
 
 def lower_lm_head(g: Graph, layer: LayerSpec, x: str) -> str:
     p = _params(g, layer)
-    if layer.activation == "gelu":
+    if layer.activation != "none":
         x = _dense(g, layer, x, p, "transform")
-        x = g.add("activation", (x,), name=f"{layer.name}.transform.act", kind="gelu", layer=layer.name,
+        x = g.add("activation", (x,), name=f"{layer.name}.transform.act", kind=layer.activation, layer=layer.name,
                   layer_op=layer.op)
     return _dense(g, layer, _norm(g, layer, x, p, "ln"), p, "decoder")
 
@@ -168,6 +169,7 @@ def lower(spec: ModelSpec) -> Graph:
     if spec.loss not in LOSSES:
         raise CompileError(f"model {spec.name}: unsupported loss {spec.loss!r}; supported: {', '.join(LOSSES)}")
     labels = g.add("input", name=LABELS, shape=g.node(x).shape[:-1], dtype="int32")
-    g.output = g.add(spec.loss, (x, labels), name="loss", layer="loss", layer_op=spec.loss)
+    g.output = g.add(spec.loss, (x, labels), name="loss", layer="loss", layer_op=spec.loss,
+                     loss_scaling=spec.loss_scaling, loss_weight=float(spec.loss_weight))
     validate(g)
     return g

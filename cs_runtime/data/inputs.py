@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from cs_runtime.data.mnist import BatchPlan, shard_rows
+from cs_runtime.numerics.kernels import IGNORE_INDEX
+
+
+def label_count(labels: np.ndarray) -> int:
+    """Labelled targets: every label but IGNORE_INDEX (a classifier's: one per sample)."""
+    return int(np.count_nonzero(labels != IGNORE_INDEX))
 
 
 def dataset_len(dataset) -> int:
@@ -37,6 +43,7 @@ class Shard:
     y: np.ndarray
     global_batch: int
     rows: slice
+    label_count: int    # labelled targets in the whole global batch (a token loss's normaliser)
 
 
 @dataclass
@@ -58,13 +65,15 @@ class InputStream:
         indices = self.plan.global_indices(step)
         x, y = fetch(self.dataset, indices)
         rows = [shard_rows(len(indices), rank, num_ranks) for rank in range(num_ranks)]
-        return [Shard(x[r], y[r], len(indices), r) for r in rows]
+        count = label_count(y)
+        return [Shard(x[r], y[r], len(indices), r, count) for r in rows]
 
     def shard(self, step: int, rank: int = 0, num_ranks: int = 1) -> Shard:
+        if num_ranks > 1:   # the label count needs the whole batch's labels
+            return self.shards(step, num_ranks)[rank]
         indices = self.plan.global_indices(step)
-        rows = shard_rows(len(indices), rank, num_ranks)
-        x, y = fetch(self.dataset, indices[rows])
-        return Shard(x, y, len(indices), rows)
+        x, y = fetch(self.dataset, indices)
+        return Shard(x, y, len(indices), slice(0, len(indices)), label_count(y))
 
 
 def eval_steps(stream: InputStream, requested: int | None) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from cs_runtime.wire.protocol import Message, Msg
-from cs_runtime.wire.transport import Endpoint, host_name
+from cs_runtime.wire.transport import CONTROL_MAX_FRAME, Endpoint, host_name
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ LEAVING_GRACE = 60.0
 REGISTER_TIMEOUT = 120.0    # generous: a cold start imports numpy, zmq, ...
 REGISTER_PER_TASK_S = 0.25  # and more per task: a launcher starts its tasks one after another
 SERVE_BATCH = 256           # messages handled per serve_once before the owner's loop runs again
-DIRECTORY_MAX_FRAME = 1024 * 1024
+DIRECTORY_MAX_FRAME = CONTROL_MAX_FRAME   # headers only: no array ever comes here
 
 
 @dataclass

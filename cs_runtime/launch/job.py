@@ -104,6 +104,7 @@ def place_tasks(options: JobOptions) -> Layout:
         return Layout("ssh", len(placement) - 1, remote.bind_address_for(placement, options.ssh_options),
                       placement=placement)
     if options.launcher == "slurm":
+        remote.require_srun()  # before anything starts, not when the tasks do
         shape = remote.slurm_shape(options.total_nodes, options.tasks_per_node, options.cpus_per_task)
         node = remote.services_node(options.services_node) if remote.in_allocation() else None
         return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape, services_node=node)

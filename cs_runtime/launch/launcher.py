@@ -147,11 +147,12 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 class JobFailed(RuntimeError):
     """A process of the job failed or stopped answering, or the job was interrupted or ended by
     its CS system; the message names which. The supervisor raises it (a restart may help unless
-    `retryable` is False); cs_torch.Session raises it from the step that met it."""
+    `retryable` is False); cs_torch.Session raises it from the step that met it. `code`: the
+    launcher's exit code (EXIT_BAD_INPUT when a process said its input is bad)."""
 
-    def __init__(self, reason: str, retryable: bool = True):
+    def __init__(self, reason: str, retryable: bool = True, code: int = 1):
         super().__init__(reason)
-        self.retryable = retryable
+        self.retryable, self.code = retryable, code
 
 
 class Supervisor:
@@ -176,8 +177,9 @@ class Supervisor:
         self.signal = signum
 
     def run(self, extra_check=None) -> int:
-        """Serve until the finisher exits 0 (returns 0) or anything fails (returns 1; 128 + N
-        when signal N interrupted the launcher: 130 for Ctrl-C, as a shell reports it)."""
+        """Serve until the finisher exits 0 (returns 0) or anything fails (returns the failure's
+        code: 1, or 2 for bad input; 128 + N when signal N interrupted the launcher: 130 for
+        Ctrl-C, as a shell reports it)."""
         next_check = 0.0
         try:
             while True:
@@ -195,9 +197,10 @@ class Supervisor:
         except JobFailed as failure:
             self.failure = failure
             self.directory.failure = str(failure)
-            self._drain_status(1.0)
+            # The line first (the fault is known now), then a moment for remote processes to hear.
             print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
-            return 128 + self.signal if self.signal else 1
+            self._drain_status(1.0)
+            return 128 + self.signal if self.signal else failure.code
         finally:
             self.group.stop_all()
             self.directory.close()
@@ -210,10 +213,13 @@ class Supervisor:
             raise JobFailed(self.interrupted, retryable=False)
         # A process killed by a signal is the cause; exits with an error code
         # seen at the same time are usually its peers reacting to it.
-        failed = sorted((rc for rc in exited if rc[1] != 0), key=lambda t: t[1] >= 0)
+        # Bad input next: it is what the other exits react to, and it must not be restarted.
+        failed = sorted((rc for rc in exited if rc[1] != 0), key=lambda t: (t[1] >= 0, t[1] != EXIT_BAD_INPUT))
         if failed:
             task, rc = failed[0]
-            raise JobFailed(f"{task.label} {task.ended_how(rc)}", retryable=rc != EXIT_BAD_INPUT)
+            bad_input = rc == EXIT_BAD_INPUT
+            raise JobFailed(f"{task.label} {task.ended_how(rc)}", retryable=not bad_input,
+                            code=EXIT_BAD_INPUT if bad_input else 1)
         ended = {(t.role, t.rank) for t, _ in exited}
         timeout = register_timeout(len(self.group.tasks))
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT, first_timeout=timeout):
@@ -248,4 +254,6 @@ def describe_exit(rc: int) -> str:
             return f"signal {signal.Signals(-rc).name}"
         except ValueError:
             return f"signal {-rc}"
+    if rc == EXIT_BAD_INPUT:
+        return f"exit code {rc} (its line above says why; a restart would fail alike)"
     return f"exit code {rc}"

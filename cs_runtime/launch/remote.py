@@ -464,8 +464,12 @@ def slurm_bind_address() -> str:
     return bind_address_for(allocation_nodes() or [socket.gethostname()])
 
 
-def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
+def require_srun() -> None:
     require("srun", "Slurm's client, e.g. slurm-client")
+
+
+def srun_argv(shape: SlurmShape, job: str, command: list[str]) -> list[str]:
+    """The srun command line; building it needs no srun (the launcher checks before it runs one)."""
     # Uneven counts (an allocation of '2(x3),1'): srun lays the tasks out over the allocation as it was made.
     per_node = [f"--ntasks-per-node={shape.tasks_per_node}"] if shape.tasks_per_node else []
     return ["srun", f"--nodes={shape.nodes}", f"--ntasks={shape.tasks}", *per_node,
@@ -488,7 +492,7 @@ def start_srun_services(group: ProcessGroup, directory: DirectoryServer, node: s
                         job: str) -> None:
     """MemoryX, SwarmX and the WSEs as a step of the allocation on `node`, beside the tasks' step
     (--overlap: they share its CPUs; --overcommit: more services than CPUs held there is fine)."""
-    require("srun", "Slurm's client, e.g. slurm-client")
+    require_srun()
     count = 2 + num_csx
     argv = ["srun", "--nodes=1", f"--ntasks={count}", f"--nodelist={node}", "--overlap", "--overcommit",
             "--cpus-per-task=1", "--kill-on-bad-exit=1", f"--chdir={os.getcwd()}", "--export=ALL",
@@ -503,6 +507,7 @@ def start_srun_services(group: ProcessGroup, directory: DirectoryServer, node: s
 
 def start_srun_tasks(group: ProcessGroup, directory: DirectoryServer, shape: SlurmShape, env: dict,
                      command: list[str], job: str) -> None:
+    require_srun()
     carrier = spawn(srun_argv(shape, job, command), srun_env(env), stdin=subprocess.DEVNULL)
     for index in range(shape.tasks):
         role, rank = role_of_task(index)

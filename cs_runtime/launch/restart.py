@@ -7,7 +7,8 @@ are a pure function of the step and a checkpoint holds weights, optimizer
 state and the input position, so the final weights equal those of a run that
 never failed. Not restarted: a clean exit, Ctrl-C, and failures a restart
 would only repeat (a process that exits with EXIT_BAD_INPUT: bad params, a
-missing data file, a checkpoint of another model).
+missing data file, a bad sample, a checkpoint of another model, a full or
+read-only disk).
 """
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cs_runtime import env
+from cs_runtime.service import EXIT_BAD_INPUT  # a process's "bad input, do not restart" exit
 
 RESTART_ENV = env.RESTART.name   # the restart number, set for the job's processes
-# A process exits with this when its input is bad (params, data, checkpoint):
-# the job fails at once and is never restarted, since a restart would fail alike.
-EXIT_BAD_INPUT = 2
 
 
 @dataclass

@@ -179,7 +179,7 @@ class MemoryX:
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:
         name = self.spec.layers[index].name
         with trace.span("update", step=step, layer=index):
-            self.optimizer.update(self.weights[name], grads, self.opt_state[name], lr, step)
+            self.optimizer.update(self.weights[name], grads, self.opt_state[name], lr)
 
 
 def main(penv: ProcessEnv, ctx: zmq.Context) -> None:

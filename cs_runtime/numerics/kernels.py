@@ -86,17 +86,107 @@ def dense_backward(dy: np.ndarray, x: np.ndarray, weight: np.ndarray, need_dx: b
     return dx, x2.T @ dy2, dy2.sum(axis=0)
 
 
-_C = 0.7978845608  # sqrt(2 / pi)
+# GELU, x * Phi(x), in two forms (as torch and the model zoo name them):
+# "gelu" is exact (erf; torch's nn.GELU() default, HF BERT's hidden_act), and
+# "gelu_new" / "gelu_tanh" is the tanh approximation (GPT-2's gelu_new, torch's
+# GELU(approximate="tanh")). They differ by up to 1e-3 (around |x| = 2).
+
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+# erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z/2), z >= 0: a Chebyshev fit with
+# relative error below 1.2e-7 everywhere (Numerical Recipes' erfcc). numpy has
+# no erf, and scipy is no dependency; float32 keeps 6e-8, so this is ~2 ulp.
+_ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+         0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+
+
+def _half_erfc_nonnegative(z: np.ndarray) -> np.ndarray:
+    """erfc(z) / 2 for float64 z >= 0, overwriting z (in place: each pass is one
+    array, not a new one)."""
+    t = np.multiply(z, 0.5)
+    t += 1.0
+    np.reciprocal(t, out=t)
+    poly = np.full_like(z, _ERFC[-1])
+    for c in _ERFC[-2:0:-1]:
+        poly *= t
+        poly += c
+    poly *= t
+    poly += _ERFC[0]
+    np.square(z, out=z)
+    poly -= z
+    np.exp(poly, out=poly)
+    poly *= t
+    poly *= 0.5
+    return poly
+
+
+def normal_cdf(x: np.ndarray) -> np.ndarray:
+    """Phi(x) in float64, relatively accurate in both tails (no 1 - erf cancellation)."""
+    x = np.asarray(x)
+    z = np.abs(x, dtype=np.float64)
+    z *= _SQRT_HALF
+    tail = _half_erfc_nonnegative(z)
+    # x < 0: the tail itself; x >= 0: 1 - tail (np.where's out= with where= is 20x slower)
+    np.copysign(tail, -x, out=tail)
+    tail += x >= 0
+    return tail
+
+
+_PIECE = 1 << 14   # elements per pass: the float64 temporaries stay in L2 cache
+
+
+def _by_pieces(fn, x: np.ndarray) -> np.ndarray:
+    """fn (float64 in, float64 out) over x a cache-sized piece at a time, in x's dtype."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty(flat.shape, dtype=x.dtype)
+    for start in range(0, flat.size, _PIECE):
+        piece = flat[start:start + _PIECE]
+        out[start:start + _PIECE] = fn(piece.astype(np.float64))
+    return out.reshape(x.shape)
+
+
+def _gelu64(x: np.ndarray) -> np.ndarray:
+    cdf = normal_cdf(x)
+    cdf *= x
+    return cdf
+
+
+def _gelu_grad64(x: np.ndarray) -> np.ndarray:
+    density = np.square(x)
+    density *= -0.5
+    np.exp(density, out=density)
+    density *= _INV_SQRT_2PI
+    density *= x
+    density += normal_cdf(x)
+    return density
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
-    # tanh approximation, as in GPT-2 and BERT's reference code
-    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * (x * x * x))))
+    """Exact GELU: x * Phi(x) (evaluated in float64, returned in x's dtype)."""
+    return _by_pieces(_gelu64, x)
 
 
 def gelu_grad(x: np.ndarray) -> np.ndarray:
+    """d/dx x * Phi(x) = Phi(x) + x * phi(x)."""
+    return _by_pieces(_gelu_grad64, x)
+
+
+_C = 0.7978845608  # sqrt(2 / pi)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (GPT-2's gelu_new)."""
+    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * (x * x * x))))
+
+
+def gelu_tanh_grad(x: np.ndarray) -> np.ndarray:
     t = np.tanh(_C * (x + 0.044715 * (x * x * x)))
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
+
+
+# activation name -> (forward, derivative from the pre-activation)
+GELUS = {"gelu": (gelu, gelu_grad), "gelu_new": (gelu_tanh, gelu_tanh_grad),
+         "gelu_tanh": (gelu_tanh, gelu_tanh_grad)}
 
 
 def residual_forward(x: np.ndarray, branch: np.ndarray) -> np.ndarray:
@@ -228,12 +318,33 @@ def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
 
 # ---------------------------------------------------------------- loss
 
-def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, global_batch: int):
+# How a token model's summed loss is normalised (the model zoo's choices):
+# "batch_size": loss_weight * sum / samples in the global batch (BERT's default:
+#   mlm_loss_weight, 1.0 unless set; model-zoo configs set ~1/masked tokens per sample);
+# "num_tokens" / "num_masked": sum / labelled tokens in the global batch (GPT-2's
+#   default; HF's mean over every masked token of the batch);
+# "precomputed_num_masked": the same count, which the model zoo's data loader
+#   computes. Here the input pipeline always counts it: a WSE sees only its rows.
+TOKEN_LOSS_SCALINGS = ("batch_size", "num_tokens", "num_masked", "precomputed_num_masked")
+
+
+def token_loss_weight(scaling: str, loss_weight: float, global_batch: int, label_count: int | None) -> float:
+    """The factor every labelled token's loss is multiplied by."""
+    if scaling == "batch_size":
+        return loss_weight / global_batch
+    if scaling not in TOKEN_LOSS_SCALINGS:
+        raise ValueError(f"unknown loss scaling {scaling!r}; expected one of {', '.join(TOKEN_LOSS_SCALINGS)}")
+    if label_count is None:
+        raise ValueError(f"loss scaling {scaling} needs the number of labelled tokens in the global batch")
+    return 1.0 / max(label_count, 1)
+
+
+def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, token_weight: float):
     """Softmax cross-entropy of [B, T, C] logits, labels == IGNORE_INDEX left out.
 
-    Each sample's loss is the mean over its counted tokens; the shard's loss
-    is the sum of those over its rows / global_batch, so the shards of a
-    global batch add up to its mean whatever the split (as for a classifier).
+    The loss is the sum of every labelled token's loss times `token_weight`
+    (token_loss_weight: one factor for the whole global batch), so the shards
+    of a global batch add up to its loss whatever the split.
     Returns (loss, dlogits, correct, loss_sum, count): loss_sum is the float64
     sum of every counted token's loss and count their number (for eval).
     """
@@ -248,8 +359,7 @@ def token_cross_entropy(logits: np.ndarray, labels: np.ndarray, global_batch: in
     denom = exp.sum(axis=1, keepdims=True)
     rows = np.arange(len(lab))
     token_loss = (np.log(denom[:, 0]) - shifted[rows, safe]).astype(np.float64)
-    per_sample = counted.reshape(labels.shape).sum(axis=-1, keepdims=True)
-    weight = (counted.reshape(labels.shape) / np.maximum(per_sample, 1) / global_batch).reshape(-1)
+    weight = counted * token_weight
     loss = float((token_loss * weight).sum())
     dlogits = exp / denom
     dlogits[rows, safe] -= 1.0

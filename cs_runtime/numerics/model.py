@@ -7,8 +7,10 @@ of the batch (data-parallel shards) and the summation order of gradients
 across WSEs differ.
 
 Conventions that make data parallel equal the oracle:
-- losses and gradients are scaled by 1/global_batch on every shard, so the sum
-  over shards (SwarmX's reduce) is the mean over the global batch;
+- losses and gradients are scaled by one factor for the whole global batch on
+  every shard (1/global_batch; a token model's normaliser, from the global
+  batch's label count), so the sum over shards (SwarmX's reduce) is the
+  global batch's loss;
 - the dropout mask of step s, layer l is drawn for the whole global batch from
   a generator seeded by (seed, s, l) and each shard takes its own rows, so a
   sample gets the same mask whichever WSE holds it.
@@ -29,9 +31,10 @@ import numpy as np
 from cs_runtime.numerics import kernels, program_layer
 from cs_runtime import spans
 from cs_runtime.numerics.precision import FORMATS, quantize, to_bits
-from cs_runtime.numerics.transformer import LAYER_OPS, init_param
+from cs_runtime.numerics.transformer import LAYER_OPS, init_param, init_std
 
-ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "none")
+ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none")
+GELU_KINDS = tuple(kernels.GELUS)   # gelu is exact (erf); gelu_new and gelu_tanh the tanh approximation
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class LayerSpec:
     The transformer ops (cs_runtime/numerics/transformer.py) use the fields after
     `dropout`: "embedding" maps in_features (vocabulary) ids to out_features
     (model width); "transformer_block" keeps the width; "lm_head" maps the
-    width to out_features (vocabulary) logits."""
+    width to out_features (vocabulary) logits. `activation` of a
+    transformer_block is its MLP's GELU; of an lm_head, BERT's transform's
+    (none: GPT-2's head has no transform)."""
     name: str
     op: str
     in_features: int
@@ -81,6 +86,8 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     loss: str = "softmax_cross_entropy"
     precision: str = "float32"   # the format of matmul inputs and weight gradients
+    loss_scaling: str = "num_tokens"   # token models: kernels.TOKEN_LOSS_SCALINGS
+    loss_weight: float = 1.0           # token models, with loss_scaling batch_size
     # A compiled program's shared data (input names, constants, loss value): program_layer.py
     program: dict | None = field(default=None, compare=False, repr=False)
     # A program's starting weights (a torch module's own); kept in the process that built
@@ -88,6 +95,9 @@ class ModelSpec:
     initial_weights: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.loss_scaling not in kernels.TOKEN_LOSS_SCALINGS:
+            raise ValueError(f"unknown loss_scaling {self.loss_scaling!r}; expected one of "
+                             f"{', '.join(kernels.TOKEN_LOSS_SCALINGS)}")
         if self.precision not in FORMATS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {sorted(FORMATS)}")
         if self.precision != "float32" and self.program is not None:
@@ -99,6 +109,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "loss": self.loss, "precision": self.precision,
+             "loss_scaling": self.loss_scaling, "loss_weight": self.loss_weight,
              "layers": [l.to_dict() for l in self.layers]}
         if self.program is not None:
             d["program"] = self.program
@@ -117,7 +128,8 @@ class ModelSpec:
     def from_dict(cls, d: dict) -> "ModelSpec":
         layers = tuple(LayerSpec(**layer) for layer in d["layers"])
         spec = cls(name=str(d["name"]), layers=layers, loss=str(d.get("loss", "softmax_cross_entropy")),
-                   precision=str(d.get("precision", "float32")), program=d.get("program"))
+                   precision=str(d.get("precision", "float32")), program=d.get("program"),
+                   loss_scaling=str(d.get("loss_scaling", "num_tokens")), loss_weight=float(d.get("loss_weight", 1.0)))
         if spec.program is not None:
             program_layer.check(spec)   # validated as it arrives, before any step
         return spec
@@ -144,39 +156,54 @@ def mlp_spec(name: str, sizes: list[int], activation: str, dropout: float) -> Mo
 
 def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hidden_size: int,
                      num_layers: int, num_heads: int, ffn_features: int, dropout: float, attn_dropout: float,
-                     eps: float, pad_id: int = -1) -> ModelSpec:
+                     eps: float, pad_id: int = -1, activation: str | None = None,
+                     loss_scaling: str | None = None, loss_weight: float = 1.0) -> ModelSpec:
     """GPT-2 (style "gpt2": causal, pre-norm) or BERT (style "bert": bidirectional,
-    post-norm, padding mask, MLM transform in the head): embedding, blocks, head."""
+    post-norm, padding mask, MLM transform in the head): embedding, blocks, head.
+
+    `activation`: the GELU of the MLPs (and BERT's head transform); by default
+    what each reference uses: gelu_new (tanh) for GPT-2, gelu (exact erf) for
+    BERT, as in HF transformers and the model zoo.
+
+    `loss_scaling` / `loss_weight`: the loss's normaliser (kernels.TOKEN_LOSS_SCALINGS);
+    by default the model zoo's: num_tokens for GPT-2, batch_size (times
+    loss_weight, the model zoo's mlm_loss_weight) for BERT."""
     if style not in ("gpt2", "bert"):
         raise ValueError(f"unknown transformer style {style!r}; expected gpt2 or bert")
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
     gpt = style == "gpt2"
+    activation = activation or ("gelu_new" if gpt else "gelu")
+    if activation not in GELU_KINDS:
+        raise ValueError(f"transformer activation {activation!r} is not one of {', '.join(GELU_KINDS)}")
     norm = "pre" if gpt else "post"
     layers = [LayerSpec("embed", "embedding", vocab_size, hidden_size, dropout=dropout, max_len=max_len,
                         norm=norm, eps=eps, pad_id=pad_id)]
     for i in range(num_layers):
-        layers.append(LayerSpec(f"block{i}", "transformer_block", hidden_size, hidden_size, dropout=dropout,
+        layers.append(LayerSpec(f"block{i}", "transformer_block", hidden_size, hidden_size, activation, dropout,
                                 num_heads=num_heads, ffn_features=ffn_features, causal=gpt, norm=norm,
                                 attn_dropout=attn_dropout, eps=eps))
-    layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else "gelu",
+    layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else activation,
                             eps=eps))
-    return ModelSpec(name, tuple(layers))
+    return ModelSpec(name, tuple(layers), loss_scaling=loss_scaling or ("num_tokens" if gpt else "batch_size"),
+                     loss_weight=float(loss_weight))
 
 
 def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]:
     """Dense: PyTorch-style uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)); transformer layers:
-    GPT-2/BERT style (transformer.init_param). Deterministic in seed."""
+    GPT-2/BERT style (transformer.init_param; GPT-2 scales its residual projections by
+    1/sqrt(2 n_layer), transformer.init_std). Deterministic in seed."""
     weights = {}
     if spec.program is not None:   # a captured model starts from its own (torch's) weights
         if spec.initial_weights is None:
             raise ValueError(f"model {spec.name}: a compiled program's spec carries no initial weights here")
         return {layer.name: {p: np.array(spec.initial_weights[p], dtype=np.float32) for p in layer.param_shapes()}
                 for layer in spec.layers}
+    num_blocks = sum(layer.op == "transformer_block" for layer in spec.layers)
     for i, layer in enumerate(spec.layers):
         rng = np.random.default_rng([seed, 7919, i])
         if layer.op in LAYER_OPS:
-            weights[layer.name] = {name: init_param(name, shape, rng)
+            weights[layer.name] = {name: init_param(name, shape, rng, init_std(layer, name, num_blocks))
                                    for name, shape in layer.param_shapes().items()}
             continue
         bound = 1.0 / np.sqrt(layer.in_features)
@@ -189,9 +216,6 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]
 
 # ---------------------------------------------------------------- activations
 
-_gelu, _gelu_grad = kernels.gelu, kernels.gelu_grad
-
-
 def activate(kind: str, z: np.ndarray) -> np.ndarray:
     if kind == "relu":
         return np.maximum(z, 0.0)
@@ -199,21 +223,21 @@ def activate(kind: str, z: np.ndarray) -> np.ndarray:
         return np.tanh(z)
     if kind == "sigmoid":
         return 1.0 / (1.0 + np.exp(-z))
-    if kind == "gelu":
-        return _gelu(z)
+    if kind in kernels.GELUS:
+        return kernels.GELUS[kind][0](z)
     return z
 
 
 def activation_grad(kind: str, z: np.ndarray | None, a: np.ndarray | None) -> np.ndarray:
-    """d act / d z of tanh and sigmoid (from the activation a) and gelu (from the
-    pre-activation z). relu's is read off the layer's output in dense_backward,
+    """d act / d z of tanh and sigmoid (from the activation a) and the GELUs (from
+    the pre-activation z). relu's is read off the layer's output in dense_backward,
     and "none" has no factor to apply."""
     if kind == "tanh":
         return 1.0 - a * a
     if kind == "sigmoid":
         return a * (1.0 - a)
-    if kind == "gelu":
-        return _gelu_grad(z).astype(z.dtype)
+    if kind in kernels.GELUS:
+        return kernels.GELUS[kind][1](z).astype(z.dtype, copy=False)
     raise ValueError(f"activation_grad: no derivative table entry for {kind!r}")
 
 
@@ -244,7 +268,7 @@ def _on_wire(x: np.ndarray, fmt: str) -> np.ndarray:
 class DenseCache:
     x: np.ndarray              # the matmul input (rounded, in mixed precision)
     out: np.ndarray            # the layer's output, after activation and dropout
-    z: np.ndarray | None       # pre-activation, kept where the derivative needs it (gelu)
+    z: np.ndarray | None       # pre-activation, kept where the derivative needs it (the GELUs)
     a: np.ndarray | None       # activation before dropout (tanh, sigmoid: the derivative is a function of it)
     mask: np.ndarray | None
 
@@ -266,7 +290,7 @@ def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.
         return out, DenseCache(x, out, None, None, mask)
     a = activate(layer.activation, z)
     out = a * mask if mask is not None else a
-    return out, DenseCache(x, out, z if layer.activation == "gelu" else None, a, mask)
+    return out, DenseCache(x, out, z if layer.activation in GELU_KINDS else None, a, mask)
 
 
 def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
@@ -384,9 +408,12 @@ class LossResult:
     count: int           # samples or counted tokens behind loss_sum
 
 
-def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_batch: int) -> LossResult:
-    """The model's loss on one shard: per sample for a classifier; for a token
-    model the mean over each sample's labelled tokens, and eval counts tokens.
+def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_batch: int,
+               label_count: int | None = None) -> LossResult:
+    """The model's loss on one shard: the mean over samples for a classifier; for
+    a token model the labelled tokens' summed loss normalised as
+    `spec.loss_scaling` says (`label_count`: labelled tokens in the global batch).
+    Eval reports the mean per sample, or per labelled token.
     A compiled program computed its loss already (`logits` are its live values)."""
     if spec.program is not None:
         share, delta, value, correct, count = program_layer.loss(spec, logits, labels, global_batch)
@@ -394,4 +421,5 @@ def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_b
     if logits.ndim == 2:
         loss, delta, correct = softmax_cross_entropy(logits, labels, global_batch)
         return LossResult(loss, delta, correct, loss * global_batch, len(labels))
-    return LossResult(*kernels.token_cross_entropy(logits, labels, global_batch))
+    weight = kernels.token_loss_weight(spec.loss_scaling, spec.loss_weight, global_batch, label_count)
+    return LossResult(*kernels.token_cross_entropy(logits, labels, weight))

@@ -9,6 +9,11 @@ or the WSE in pipelined mode). PyTorch semantics, so results are familiar:
   (names ending in "bias" or "gain", or a torch norm layer's "weight"), as the
   model zoo groups them
 
+Adam's step count t (its bias correction) is optimizer state, one "step" slot
+per parameter as in torch's state_dict: it advances only when an update is
+applied, so a step skipped for overflowed gradients (loss scaling) does not
+count, as with torch's GradScaler, which skips optimizer.step() entirely.
+
 Updates are in place (out=) so a step allocates no weight-sized temporaries.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ from cs_runtime.numerics.precision import unscale_and_check
 # layers call theirs *_gain.
 NORM_WEIGHT = re.compile(r"(^|[._])(ln|bn|norm|layer_?norm|batch_?norm)[^.]*\.weight$", re.IGNORECASE)
 UPDATE_CHUNK = 1 << 15   # elements of a parameter updated at a time (128 KB per array: in L2 cache)
+STEP_SLOT = "step"       # Adam's count of applied updates, a slot like the moments
 
 
 class Optimizer:
@@ -47,18 +53,42 @@ class Optimizer:
     def slot_names(self) -> tuple[str, ...]:
         if self.kind == "sgd":
             return ("momentum",) if self.momentum else ()
-        return ("exp_avg", "exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq", STEP_SLOT)
+
+    def new_slot(self, slot: str, param: np.ndarray, steps_done: int = 0) -> np.ndarray:
+        """A slot's starting value: zeros of the parameter's shape, or the step
+        count (a float32 scalar, as torch keeps it: exact up to 2**24 steps)."""
+        if slot == STEP_SLOT:
+            return np.array(steps_done, dtype=np.float32)
+        return np.zeros(param.shape, dtype=np.float32)
 
     def init_state(self, params: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
         """Per parameter, its slots (zeros). State for one layer."""
-        return {name: {slot: np.zeros_like(p) for slot in self.slot_names()} for name, p in params.items()}
+        return {name: {slot: self.new_slot(slot, p) for slot in self.slot_names()} for name, p in params.items()}
+
+    def fill_missing(self, state: dict[str, dict[str, np.ndarray]], params: dict[str, np.ndarray],
+                     steps_done: int) -> None:
+        """Add the slots a checkpoint lacks. A checkpoint written before the step
+        count was state has none: its updates counted every step, so the count
+        goes on from `steps_done` (its global step), as the run would have."""
+        for name, p in params.items():
+            slots = state.setdefault(name, {})
+            for slot in self.slot_names():
+                if slot not in slots:
+                    slots[slot] = self.new_slot(slot, p, steps_done)
 
     def update(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
-               state: dict[str, dict[str, np.ndarray]], lr: float, step: int) -> None:
-        """Apply one update to one layer in place. `step` is the 0-based global step."""
+               state: dict[str, dict[str, np.ndarray]], lr: float) -> None:
+        """Apply one update to one layer in place (Adam's step count advances by one)."""
         for name, w in params.items():
             g = np.asarray(grads[name], dtype=np.float32)  # read, never written: it may be a peer's memory
-            self._update_one(w, g, state[name], np.float32(lr), step + 1, self.decay_of(name))
+            slots = dict(state[name])
+            count = slots.pop(STEP_SLOT, None)
+            t = 0
+            if count is not None:
+                count += np.float32(1)
+                t = int(count)
+            self._update_one(w, g, slots, np.float32(lr), t, self.decay_of(name))
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
                      lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
@@ -79,7 +109,7 @@ class Optimizer:
         factor = clip_factor(norm, max_norm)
         for index, (name, layer_grads) in enumerate(zip(layer_names, grads)):
             with spans.span("update", step=step, layer=index):
-                self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr, step)
+                self.update(weights[name], scale_grads(layer_grads, factor), opt_state[name], lr)
         return norm, True, per_layer
 
     def decay_of(self, name: str) -> float:

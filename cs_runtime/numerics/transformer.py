@@ -6,7 +6,8 @@ A GPT-2 or BERT model is three kinds of layer (cs_runtime/numerics/model.py's
 - "embedding": token + learned position embedding [+ layer norm (BERT)],
   dropout. It sees the token ids, so it records in the ShardContext which
   keys are padding, for the attention of every block after it.
-- "transformer_block": self-attention and a GELU MLP with residuals; "pre"
+- "transformer_block": self-attention and a GELU MLP (the layer's `activation`:
+  gelu exact, gelu_new / gelu_tanh the tanh form) with residuals; "pre"
   norm (GPT-2: x + f(LN(x))) or "post" norm (BERT: LN(x + f(x))); causal or
   bidirectional attention.
 - "lm_head": [dense + GELU (BERT's transform)] + layer norm + decoder to the
@@ -47,19 +48,32 @@ def block_shapes(layer) -> dict[str, tuple[int, ...]]:
 def head_shapes(layer) -> dict[str, tuple[int, ...]]:
     d, v = layer.in_features, layer.out_features
     shapes = {}
-    if layer.activation == "gelu":
+    if layer.activation != "none":
         shapes.update(transform_weight=(d, d), transform_bias=(d,))
     shapes.update(ln_gain=(d,), ln_bias=(d,), decoder_weight=(d, v), decoder_bias=(v,))
     return shapes
 
 
-def init_param(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """GPT-2 / BERT init: N(0, 0.02) matrices and embeddings, zero biases, unit gains."""
+INIT_STD = 0.02                                  # initializer_range of GPT-2 and BERT
+RESIDUAL_PROJECTIONS = ("proj_weight", "out_weight")  # the matrices whose output joins a residual sum
+
+
+def init_param(name: str, shape: tuple[int, ...], rng: np.random.Generator, std: float = INIT_STD) -> np.ndarray:
+    """GPT-2 / BERT init: N(0, std) matrices and embeddings, zero biases, unit gains."""
     if name.endswith("gain"):
         return np.ones(shape, np.float32)
     if name.endswith("bias"):
         return np.zeros(shape, np.float32)
-    return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def init_std(layer, name: str, num_blocks: int) -> float:
+    """GPT-2 (pre-norm blocks) scales the residual projections by 1/sqrt(2 n_layer),
+    two residual sums per block adding up along the depth (HF's c_proj, the model
+    zoo's output_layer_initializer); BERT keeps 0.02 everywhere."""
+    if layer.op == "transformer_block" and layer.norm == "pre" and name in RESIDUAL_PROJECTIONS:
+        return INIT_STD / np.sqrt(2.0 * num_blocks)
+    return INIT_STD
 
 
 # ---------------------------------------------------------------- dropout
@@ -132,19 +146,27 @@ def _attention_back(dy: np.ndarray, w: dict, c: dict, g: dict) -> np.ndarray:
     return dx
 
 
+def gelu_of(layer) -> tuple[Callable, Callable]:
+    """(forward, derivative) of the layer's GELU."""
+    if layer.activation not in K.GELUS:
+        raise ValueError(f"layer {layer.name} ({layer.op}): activation {layer.activation!r} is not one of "
+                         f"{', '.join(K.GELUS)}")
+    return K.GELUS[layer.activation]
+
+
 def _mlp(layer, index: int, x: np.ndarray, w: dict, ctx, c: dict) -> np.ndarray:
     c["mlp_in"] = x
     c["fc"] = K.dense_forward(x, w["fc_weight"], w["fc_bias"])
-    c["act"] = K.gelu(c["fc"])
+    c["act"] = gelu_of(layer)[0](c["fc"])
     out = K.dense_forward(c["act"], w["out_weight"], w["out_bias"])
     out, c["mask2"] = dropout(layer, index, 2, out, ctx, layer.dropout)
     return out
 
 
-def _mlp_back(dy: np.ndarray, w: dict, c: dict, g: dict) -> np.ndarray:
+def _mlp_back(layer, dy: np.ndarray, w: dict, c: dict, g: dict) -> np.ndarray:
     do = undrop(dy, c["mask2"])
     dact, g["out_weight"], g["out_bias"] = K.dense_backward(do, c["act"], w["out_weight"])
-    dfc = dact * K.gelu_grad(c["fc"])
+    dfc = dact * gelu_of(layer)[1](c["fc"])
     dx, g["fc_weight"], g["fc_bias"] = K.dense_backward(dfc, c["mlp_in"], w["fc_weight"])
     return dx
 
@@ -168,7 +190,7 @@ def block_backward(layer, dout: np.ndarray, c: dict, w: dict, need_dx: bool):
     g: dict[str, np.ndarray] = {}
     if layer.norm == "pre":
         dh, dbranch = K.residual_backward(dout)
-        dm, g["ln2_gain"], g["ln2_bias"] = K.layer_norm_backward(_mlp_back(dbranch, w, c, g), c["ln2"],
+        dm, g["ln2_gain"], g["ln2_bias"] = K.layer_norm_backward(_mlp_back(layer, dbranch, w, c, g), c["ln2"],
                                                                  w["ln2_gain"])
         dh = dh + dm
         dx, dbranch = K.residual_backward(dh)
@@ -177,7 +199,7 @@ def block_backward(layer, dout: np.ndarray, c: dict, w: dict, need_dx: bool):
         return dx + da, g
     ds2, g["ln2_gain"], g["ln2_bias"] = K.layer_norm_backward(dout, c["ln2"], w["ln2_gain"])
     dh, dbranch = K.residual_backward(ds2)
-    dh = dh + _mlp_back(dbranch, w, c, g)
+    dh = dh + _mlp_back(layer, dbranch, w, c, g)
     ds1, g["ln1_gain"], g["ln1_bias"] = K.layer_norm_backward(dh, c["ln1"], w["ln1_gain"])
     dx, dbranch = K.residual_backward(ds1)
     return dx + _attention_back(dbranch, w, c, g), g
@@ -189,9 +211,9 @@ def block_backward(layer, dout: np.ndarray, c: dict, w: dict, need_dx: bool):
 def head_forward(layer, index: int, x: np.ndarray, w: dict, ctx):
     c: dict[str, Any] = {"x": x}
     h = x
-    if layer.activation == "gelu":   # BERT's MLM transform
+    if layer.activation != "none":   # BERT's MLM transform
         c["t"] = K.dense_forward(x, w["transform_weight"], w["transform_bias"])
-        h = K.gelu(c["t"])
+        h = gelu_of(layer)[0](c["t"])
     c["h"] = h
     c["normed"], c["ln"] = K.layer_norm_forward(h, w["ln_gain"], w["ln_bias"], layer.eps)
     return K.dense_forward(c["normed"], w["decoder_weight"], w["decoder_bias"]), c
@@ -201,8 +223,8 @@ def head_backward(layer, dlogits: np.ndarray, c: dict, w: dict, need_dx: bool):
     g: dict[str, np.ndarray] = {}
     dn, g["decoder_weight"], g["decoder_bias"] = K.dense_backward(dlogits, c["normed"], w["decoder_weight"])
     dh, g["ln_gain"], g["ln_bias"] = K.layer_norm_backward(dn, c["ln"], w["ln_gain"])
-    if layer.activation == "gelu":
-        dt = dh * K.gelu_grad(c["t"])
+    if layer.activation != "none":
+        dt = dh * gelu_of(layer)[1](c["t"])
         dh, g["transform_weight"], g["transform_bias"] = K.dense_backward(dt, c["x"], w["transform_weight"],
                                                                           need_dx)
     return (dh if need_dx else None), g

@@ -5,7 +5,8 @@ by explicit fan-out, forwarding the received frames without decoding the
 arrays again (zero-copy). Gradients, losses, eval results and acks from the
 WSEs are summed once all N have arrived, in rank order so the sum does not
 depend on which WSE was faster, and handed up: gradients to MemoryX,
-everything else to the chief.
+everything else to the chief. Sums are float32: 16-bit gradients come in at
+half the bytes and their sum goes on unrounded (docs/design.md, mixed precision).
 
     python -m cs_runtime.swarmx      (started by csrun_wse or the appliance)
 """
@@ -18,7 +19,6 @@ import zmq
 
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.numerics.precision import encode_arrays, wire_dtype
 from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 from cs_runtime.service import ProcessEnv, join_cs_system, service_main
 from cs_runtime.wire.transport import Endpoint
@@ -36,28 +36,26 @@ REDUCE_SPAN = {Msg.GRADS: "reduce_grads", Msg.LOSS: "reduce_loss", Msg.EVAL_RESU
 def reduce_messages(parts: list[Message], into: dict[str, np.ndarray] | None = None) -> Message:
     """Sum the arrays and the numeric meta of one message from each WSE (in rank order).
 
-    16-bit tensors are summed in float32 and sent on in their own format. One
-    part is sent on as it is (by reference, when it lies in shared memory).
-    With `into` (a buffer per tensor, in shared memory) the sums land there.
+    Tensors are summed in float32 and the sum goes on in float32, whatever
+    format the parts came in: a 16-bit gradient is rounded once, where the
+    WSE's matmul emits it, and never again (MemoryX updates float32 masters,
+    so rounding the sum to 16 bits would only add error). One part is sent on
+    as it is (by reference, when it lies in shared memory). With `into` (a
+    float32 buffer per tensor, in shared memory) the sums land there.
     """
     first = parts[0]
     if len(parts) == 1:
         return first
-    fmt = first.meta.get("format", "float32")
     values = [float_arrays(p) for p in parts]
     arrays = {}
     for name, arr in values[0].items():
-        direct = into[name] if into is not None and fmt == "float32" else None
-        total = np.add(arr, values[1][name], out=direct)
+        total = np.add(arr, values[1][name], out=into[name] if into is not None else None)
         for other in values[2:]:
             total += other[name]
         arrays[name] = total
-    arrays = encode_arrays(arrays, fmt)
-    if into is not None and fmt != "float32":
-        for name, arr in arrays.items():
-            np.copyto(into[name], arr)
-            arrays[name] = into[name]
     meta = dict(first.meta)
+    if "format" in meta:
+        meta["format"] = "float32"
     for key, value in first.meta.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             meta[key] = sum(p.meta[key] for p in parts)
@@ -169,7 +167,7 @@ class SwarmX:
         spec = settings.model
         shapes = {(i, name): shape for i, layer in enumerate(spec.layers)
                   for name, shape in layer.param_shapes().items()}
-        dtype = wire_dtype(spec.precision)
+        dtype = np.dtype(np.float32)   # sums stay float32, whatever the gradients' format
         self.arena = shm.new_arena(self.penv.job, f"swarmx{self.penv.rank}",
                                    shm.arena_bytes(shapes.values(), dtype.itemsize))
         if self.arena is not None:

@@ -140,12 +140,6 @@ def find_system_key(port: int) -> bytes | None:
     return None
 
 
-def client_keys(server_public: bytes) -> JobKeys:
-    """A fresh client key pair for talking to a CS system's front door (whose public key is given)."""
-    public, secret = zmq.curve_keypair()
-    return JobKeys(Path(), server_public, b"", public, secret)
-
-
 def remove_stale_job_dirs(prefix: str = JOB_DIR_PREFIX) -> None:
     """Folders left by a launcher that was killed with SIGKILL (its cleanup never ran)."""
     for folder in Path(tempfile.gettempdir()).glob(prefix + "*"):
@@ -206,11 +200,13 @@ _auth_lock = threading.Lock()
 
 
 def secure_server(ctx: zmq.Context, sock: zmq.Socket, host: str, keys: JobKeys | None = None,
-                  any_client: bool = False) -> None:
+                  any_client: bool | frozenset = False) -> None:
     """Make `sock` (about to bind on `host`) a CURVE server admitting only the job's keys.
 
-    any_client: admit every client key (a CS system's front door, where who may do
-    what is decided per request); the traffic is still encrypted and the server authenticated.
+    any_client: True admits every client key (a CS system's front door, where who may do
+    what is decided per request); a set of Z85 public keys admits those only (the front
+    door's allow-list, `cs_system serve --clients`). The traffic is encrypted and the
+    server authenticated either way.
     """
     keys = keys or job_keys()
     if keys is None:
@@ -242,8 +238,21 @@ def _start_authenticator(ctx: zmq.Context, keys: JobKeys, any_client: bool = Fal
         auth = ThreadAuthenticator(ctx, log=logging.getLogger("cs_runtime.wire.auth.zap"))
         auth.start()
         # Every *.key in the job folder: the job's client and server public keys.
-        auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY if any_client else str(keys.folder))
+        if isinstance(any_client, frozenset):
+            auth.configure_curve_callback(domain="*", credentials_provider=AllowList(any_client))
+        else:
+            auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY if any_client else str(keys.folder))
         _authenticators[id(ctx)] = auth
+
+
+class AllowList:
+    """A ZAP credentials provider: admits the listed client public keys (Z85) only."""
+
+    def __init__(self, keys: frozenset):
+        self.keys = frozenset(k.encode() if isinstance(k, str) else k for k in keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
 
 
 def stop_authenticator(ctx: zmq.Context) -> None:

@@ -4,7 +4,16 @@ A message is a multipart ZeroMQ message:
 
     frame 0      msgpack header {"t": type, "v": version, "job": id, "step": int,
                  "layer": int, "meta": {...}, "arrays": [[name, dtype, shape], ...]}
-    frame 1..n   one raw buffer per array, in header order (C order, little endian)
+    frame 1..n   each array's raw bytes, in header order (C order, little endian),
+                 in frames of at most MAX_FRAME_BYTES: an array of n bytes takes
+                 max(1, ceil(n / MAX_FRAME_BYTES)) frames, all full but the last
+
+Why frames are small: a peer that has not yet authenticated can still send
+ZMTP handshake frames, and libzmq buffers each frame up to the socket's
+MAXMSGSIZE before the CURVE handshake looks at it. With no frame of ours ever
+larger than MAX_FRAME_BYTES, every socket sets MAXMSGSIZE that low
+(transport.py), and a stranger costs a process at most that per connection,
+however big the job's tensors (docs/security.md has the measurements).
 
 An array that lies in a shared-memory segment of the job (same host only,
 see shm.py) is listed as [name, dtype, shape, segment, offset] and has no
@@ -35,13 +44,16 @@ from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: arrays over MAX_FRAME_BYTES travel in several frames
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ARRAYS = 4096
 MAX_ARRAY_BYTES = 2 * 1024**3
 MAX_DIMS = 8
+# No frame is larger: an array beyond it is split (see above). 1 MiB frames keep
+# ZeroMQ's per-frame cost negligible at tensor sizes.
+MAX_FRAME_BYTES = 1024 * 1024
 
 # Arrays on the wire are one of these; float16 covers the 16-bit formats
 # (bfloat16 / cbfloat16 travel as their raw uint16 bit patterns).
@@ -201,9 +213,13 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # "layer_grad_norms": each layer's gradient norm, in layer order (STEP_DONE, and LOSS in pipelined mode).
 # "norms": whether TRAIN_STEP wants the step's gradient norms back (default
 # yes; the chief asks only on the steps it logs: they cost a pass over every gradient).
+# "label_count": labelled targets in the whole global batch (BATCH; a token loss's normaliser).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
-                                 "layer_grad_norms": list, "norms": bool,
-                                 "leaving": bool}   # HEARTBEAT: the sender's work is done; it is exiting
+                                 "layer_grad_norms": list, "norms": bool, "label_count": int,
+                                 "leaving": bool,   # HEARTBEAT: the sender's work is done; it is exiting
+                                 # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
+                                 # `after` of the next page (absent on the last page)
+                                 "after": int, "next": int}
 
 
 # ------------------------------------------------------------ LOAD_MODEL
@@ -323,10 +339,25 @@ def encode(msg: Message, segments=None) -> list:
             specs.append([name, arr.dtype.name, list(arr.shape), *ref])
             continue
         specs.append([name, arr.dtype.name, list(arr.shape)])
-        frames.append(arr if arr.nbytes >= ZERO_COPY_THRESHOLD else arr.tobytes())
+        frames.extend(_array_frames(arr))
     header = {"t": msg.type.value, "v": PROTOCOL_VERSION, "job": msg.job, "step": msg.step,
               "layer": msg.layer, "meta": msg.meta, "arrays": specs}
     return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _array_frames(arr: np.ndarray) -> list:
+    """The array's bytes as frames of at most MAX_FRAME_BYTES (views: sent zero-copy)."""
+    if arr.nbytes < ZERO_COPY_THRESHOLD:
+        return [arr.tobytes()]
+    if arr.nbytes <= MAX_FRAME_BYTES:
+        return [arr]
+    raw = memoryview(arr.reshape(-1).view(np.uint8))
+    return [raw[start:start + MAX_FRAME_BYTES] for start in range(0, arr.nbytes, MAX_FRAME_BYTES)]
+
+
+def frames_for(nbytes: int) -> int:
+    """How many frames carry an array of `nbytes` bytes."""
+    return max(1, -(-nbytes // MAX_FRAME_BYTES))
 
 
 def decode(frames: list, segments=None) -> Message:
@@ -342,19 +373,18 @@ def decode(frames: list, segments=None) -> Message:
     fmt = header["meta"].get("format")
     if fmt is not None:
         stored = wire_dtype(fmt).name
-        for name, dtype, _, _ in specs:
+        for name, dtype, _, _, _ in specs:
             if dtype != stored and dtype not in ("int64", "int32"):   # labels ride along as ints
                 raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
     arrays = {}
-    next_frame = iter(frames[1:])
-    for name, dtype, shape, ref in specs:
+    for name, dtype, shape, ref, parts in specs:
         if ref is not None:
             arrays[name] = _shared_array(segments, name, dtype, shape, ref)
             continue
         # Read-only view on the received buffer; kernels copy when they must write.
         # ZeroMQ frames (and inproc zero-copy buffers) are writable, so say it explicitly:
         # a receiver must never scribble on memory the sender may still own.
-        arr = np.frombuffer(_as_buffer(next(next_frame)), dtype=dtype).reshape(shape)
+        arr = np.frombuffer(_joined(parts), dtype=dtype).reshape(shape)
         arr.flags.writeable = False
         arrays[name] = arr
     if mtype == Msg.TRACE:
@@ -372,6 +402,19 @@ def _shared_array(segments, name: str, dtype: str, shape: tuple, ref: tuple) -> 
         return segments.resolve(ref[0], ref[1], dtype, shape)
     except SharedMemoryError as exc:
         raise ProtocolError(f"array {name[:40]!r}: {exc}") from None
+
+
+def _joined(parts: list):
+    """One buffer of an array's frames: the frame itself when there is one (no copy)."""
+    if len(parts) == 1:
+        return _as_buffer(parts[0])
+    out = np.empty(sum(_frame_len(p) for p in parts), np.uint8)
+    start = 0
+    for part in parts:
+        chunk = np.frombuffer(_as_buffer(part), np.uint8)
+        out[start:start + len(chunk)] = chunk
+        start += len(chunk)
+    return out
 
 
 def _as_bytes(frame) -> bytes:
@@ -437,40 +480,55 @@ def _check_array_specs(specs: list, frames: list) -> list:
         raise ProtocolError(f"{len(specs)} arrays exceed the cap of {MAX_ARRAYS}")
     if not all(isinstance(spec, list) for spec in specs):
         raise ProtocolError("array spec is not a list")
-    framed = [spec for spec in specs if len(spec) != 5]
-    if len(framed) != len(frames):
-        raise ProtocolError(f"header lists {len(framed)} arrays in frames but {len(frames)} frames follow")
-    checked = []
-    next_frame = iter(frames)
-    for spec in specs:
-        ref = None
-        if len(spec) == 5:          # [name, dtype, shape, segment, offset]: no frame
-            ref = (spec[3], spec[4])
-            if not (isinstance(ref[0], str) and isinstance(ref[1], int) and not isinstance(ref[1], bool)):
-                raise ProtocolError("shared-memory reference is not [segment name, offset]")
-            spec = spec[:3]
-        if not (len(spec) == 3 and isinstance(spec[0], str)
-                and isinstance(spec[1], str) and isinstance(spec[2], list)):
-            raise ProtocolError("array spec is not [name, dtype, shape]")
-        name, dtype, shape = spec
-        if dtype not in ALLOWED_DTYPES:
-            raise ProtocolError(f"array {name[:40]!r}: dtype {dtype[:20]!r} is not allowed")
-        if len(shape) > MAX_DIMS:
-            raise ProtocolError(f"array {name[:40]!r}: {len(shape)} dims exceed the cap of {MAX_DIMS}")
-        if not all(isinstance(d, int) and not isinstance(d, bool)
-                   and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
-            raise ProtocolError(f"array {name[:40]!r}: bad shape {str(shape)[:80]} "
-                                f"(dims must be ints in [0, {MAX_ARRAY_BYTES}])")
-        # Python ints: np.prod in int64 wraps (3 dims of 2**31 give 0) and would pass the cap.
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        if nbytes > MAX_ARRAY_BYTES:
-            raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
-        frame = next(next_frame) if ref is None else None
-        if frame is not None and nbytes != _frame_len(frame):
-            raise ProtocolError(f"array {name[:40]!r}: frame has {_frame_len(frame)} bytes, "
-                                f"header says {nbytes}")
-        checked.append((name, dtype, tuple(shape), ref))
-    return checked
+    checked = [_check_array_spec(spec) for spec in specs]
+    framed = [nbytes for _, _, _, ref, nbytes in checked if ref is None]
+    wanted = sum(frames_for(nbytes) for nbytes in framed)
+    if wanted != len(frames):
+        raise ProtocolError(f"header lists {len(framed)} arrays in {wanted} frames but {len(frames)} frames follow")
+    out, start = [], 0
+    for name, dtype, shape, ref, nbytes in checked:
+        parts = []
+        if ref is None:
+            parts = frames[start:start + frames_for(nbytes)]
+            start += len(parts)
+            _check_frame_sizes(name, nbytes, parts)
+        out.append((name, dtype, shape, ref, parts))
+    return out
+
+
+def _check_frame_sizes(name: str, nbytes: int, parts: list) -> None:
+    """Every frame of an array full but the last, together the header's byte count."""
+    sizes = [_frame_len(p) for p in parts]
+    if sum(sizes) != nbytes or any(size != MAX_FRAME_BYTES for size in sizes[:-1]):
+        got = sizes[0] if len(sizes) == 1 else f"{sum(sizes)} in frames of {sizes[:3]}..."
+        raise ProtocolError(f"array {name[:40]!r}: frame has {got} bytes, header says {nbytes}")
+
+
+def _check_array_spec(spec) -> tuple:
+    """(name, dtype, shape, shared-memory reference or None, bytes) of a valid spec."""
+    ref = None
+    if len(spec) == 5:          # [name, dtype, shape, segment, offset]: no frame
+        ref = (spec[3], spec[4])
+        if not (isinstance(ref[0], str) and isinstance(ref[1], int) and not isinstance(ref[1], bool)):
+            raise ProtocolError("shared-memory reference is not [segment name, offset]")
+        spec = spec[:3]
+    if not (len(spec) == 3 and isinstance(spec[0], str)
+            and isinstance(spec[1], str) and isinstance(spec[2], list)):
+        raise ProtocolError("array spec is not [name, dtype, shape]")
+    name, dtype, shape = spec
+    if dtype not in ALLOWED_DTYPES:
+        raise ProtocolError(f"array {name[:40]!r}: dtype {dtype[:20]!r} is not allowed")
+    if len(shape) > MAX_DIMS:
+        raise ProtocolError(f"array {name[:40]!r}: {len(shape)} dims exceed the cap of {MAX_DIMS}")
+    if not all(isinstance(d, int) and not isinstance(d, bool)
+               and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
+        raise ProtocolError(f"array {name[:40]!r}: bad shape {str(shape)[:80]} "
+                            f"(dims must be ints in [0, {MAX_ARRAY_BYTES}])")
+    # Python ints: np.prod in int64 wraps (3 dims of 2**31 give 0) and would pass the cap.
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes > MAX_ARRAY_BYTES:
+        raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
+    return name, dtype, tuple(shape), ref, nbytes
 
 
 def _check_trace(meta: dict, arrays: dict) -> None:

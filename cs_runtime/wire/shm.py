@@ -17,9 +17,11 @@ step, after MemoryX has applied (or copied) this step's.
 
 A segment is a file in CS_SHM_DIR (/dev/shm: memory, not disk) named
 `cs-<job>-<role><rank>-<n>-l<launcher pid>`, created 0600 by the job's own user. A receiver
-maps only files whose name has that shape, that lie in its own CS_SHM_DIR
-and that belong to its own user, and checks every reference against the
-file's size before it builds a view. The launcher deletes the job's
+maps only regular files whose name has that shape and names its job, that lie
+in its own CS_SHM_DIR and that belong to its own user (opened O_NOFOLLOW and
+O_NONBLOCK, then checked with fstat: a symlink, directory or FIFO named like a
+segment is refused, never followed or waited on), and checks every reference
+against the file's size before it builds a view. The launcher deletes the job's
 segments when the job ends, however it ends; segments of a launcher that was
 itself killed (kill -9) are deleted by the next launcher.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -215,18 +218,31 @@ class Segments:
             raise SharedMemoryError(f"segment {name[:60]} is not of this job ({self.job})")
         path = self.folder / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            # NOFOLLOW: a symlink is refused, not followed; NONBLOCK: opening a FIFO
+            # returns at once instead of waiting for a writer (fstat then refuses it).
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise SharedMemoryError(f"segment {name}: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
-            if st.st_uid != self.uid:
-                raise SharedMemoryError(f"segment {name} belongs to uid {st.st_uid}, not {self.uid}")
-            if st.st_size == 0:
-                raise SharedMemoryError(f"segment {name} is empty")
-            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+            check_segment_file(name, st, self.uid)
+            try:
+                mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as exc:
+                raise SharedMemoryError(f"segment {name} cannot be mapped: {exc}") from None
         finally:
             os.close(fd)
         span = (np.frombuffer(mapped, dtype=np.uint8).ctypes.data, st.st_size, mapped)
         self.spans[name] = span
         return span
+
+
+def check_segment_file(name: str, st: os.stat_result, uid: int) -> None:
+    """Only a non-empty regular file of our own user is a segment (not a
+    directory, FIFO, device or socket named like one, nor another user's file)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise SharedMemoryError(f"segment {name} is not a regular file")
+    if st.st_uid != uid:
+        raise SharedMemoryError(f"segment {name} belongs to uid {st.st_uid}, not {uid}")
+    if st.st_size == 0:
+        raise SharedMemoryError(f"segment {name} is empty")

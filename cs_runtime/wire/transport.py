@@ -4,11 +4,21 @@ Everything between processes goes through `Endpoint.send` / `Endpoint.recv`,
 which use the wire protocol in `protocol.py`. Sockets are made with LINGER 0
 (so shutdown never hangs on unsent data) and unlimited high-water marks
 (our messages are few and MB-sized; dropping one would corrupt a step).
+
+What a peer without the job's keys can cost a process: libzmq buffers each
+ZMTP frame up to MAXMSGSIZE even during the CURVE handshake, before the peer
+has proven anything. No frame of the protocol exceeds MAX_FRAME_BYTES (big
+arrays are split), so that is every socket's MAXMSGSIZE (64 KB on sockets
+that carry no arrays); a connection that has not finished its handshake
+within HANDSHAKE_IVL_MS is closed; and a process that binds raises its
+descriptor limit to the hard limit, so held connections cannot starve it of
+files for a checkpoint. Together: about 1 MB per connection, for 2 s.
 """
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket as pysocket
 from collections import Counter
 
@@ -16,9 +26,18 @@ import zmq
 
 from cs_runtime import env
 from cs_runtime.wire import auth
-from cs_runtime.wire.protocol import MAX_ARRAY_BYTES, Message, ProtocolError, array_bytes, decode, encode
+from cs_runtime.wire.protocol import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, array_bytes, decode, encode
 
 log = logging.getLogger(__name__)
+
+# Sockets that carry only headers (directory, front door): no frame is bigger.
+CONTROL_MAX_FRAME = MAX_HEADER_BYTES
+# A CURVE handshake takes milliseconds; libzmq's default gives a stranger 30 s.
+HANDSHAKE_IVL_MS = 2000
+LISTEN_BACKLOG = 64     # connections the kernel queues before libzmq accepts them
+# CURVE wraps each frame in a MESSAGE command (name, nonce, flags, MAC: 33 bytes),
+# and MAXMSGSIZE counts the wrapped frame.
+CURVE_FRAME_OVERHEAD = 256
 
 
 def bind_host() -> str:
@@ -53,6 +72,17 @@ def host_name() -> str:
     return env.HOST_NAME.get() or pysocket.gethostname()
 
 
+def raise_descriptor_limit() -> None:
+    """Soft descriptor limit up to the hard one (as Ray and torchrun's agents do): a
+    process that accepts connections must still open its checkpoint files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass   # a hard limit of RLIM_INFINITY on some systems: keep what we have
+
+
 class PortInUse(OSError):
     pass
 
@@ -65,14 +95,16 @@ class Endpoint:
     """
 
     def __init__(self, ctx: zmq.Context, kind: int, name: str, job: str = "",
-                 max_frame_bytes: int = MAX_ARRAY_BYTES, keys: "auth.JobKeys | None" = None,
-                 any_client: bool = False):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, keys: "auth.JobKeys | None" = None,
+                 any_client: bool | frozenset = False):
         self.ctx = ctx
         self.keys, self.any_client = keys, any_client   # None: the job's keys from the environment
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
-        # ZeroMQ drops a peer that sends a bigger frame before allocating it.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # ZeroMQ drops a peer that sends a bigger frame before allocating it,
+        # authenticated or not (handshake commands are frames too).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + CURVE_FRAME_OVERHEAD)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         if kind == zmq.ROUTER:
@@ -87,6 +119,7 @@ class Endpoint:
         self.sent_by_type: Counter = Counter()
         self._warned_senders: set = set()
         self.segments = None      # shm.Segments: big arrays by reference, same host only
+        self.last_user = ""       # the CURVE public key (Z85) of the peer that sent the last message
 
     def share_memory(self, segments) -> "Endpoint":
         """Send arrays that lie in a shared segment by reference, and accept such references."""
@@ -96,6 +129,8 @@ class Endpoint:
     def bind(self, host: str | None = None, port: int = 0) -> str:
         """Bind on `host` (default: bind_host()) at `port` (0: any free one); the address."""
         host = host or bind_host()
+        raise_descriptor_limit()
+        self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         auth.secure_server(self.ctx, self.sock, host, self.keys, self.any_client)
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
@@ -133,12 +168,15 @@ class Endpoint:
         try:
             self.sock.send_multipart([identity, *frames] if self.is_router else frames, copy=False)
             return True
+        except zmq.Again:
+            self.note_undelivered(identity, what, "the peer does not read its answers")
+            return False
         except zmq.error.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
         # The peer is gone. The launcher notices and stops the job; dying here
         # too would only hide which process failed first.
-        self.warn_once(identity, f"{what} not delivered: peer has disconnected")
+        self.note_undelivered(identity, what, "the peer has disconnected")
         return False
 
     def recv_raw(self, timeout_ms: int | None = None):
@@ -149,7 +187,19 @@ class Endpoint:
         identity = None
         if self.is_router:
             identity, frames = frames[0].bytes, frames[1:]
+        try:   # the ZAP handler's User-Id: the client's public key (CURVE only)
+            self.last_user = frames[0].get("User-Id") if frames else ""
+        except zmq.ZMQError:
+            self.last_user = ""
         return identity, frames
+
+    def bound_queues(self, per_peer: int) -> "Endpoint":
+        """At most `per_peer` messages queued for, and from, each peer; an answer to a
+        peer that does not read is dropped, never queued without bound (a front door)."""
+        for option in (zmq.SNDHWM, zmq.RCVHWM):
+            self.sock.setsockopt(option, per_peer)
+        self.sock.setsockopt(zmq.SNDTIMEO, 0)
+        return self
 
     def recv(self, timeout_ms: int | None = None):
         """Next valid message as (identity, Message), or None on timeout.
@@ -177,6 +227,14 @@ class Endpoint:
             return None
         self.bytes_received += array_bytes(msg)
         return msg
+
+    def note_undelivered(self, identity, what: str, why: str) -> None:
+        """Once per peer: a message of ours did not go out. Not a bad message (nothing
+        was received), and usually the peer is simply done: an INFO line, not a warning."""
+        peer = ("undelivered", identity.hex() if identity else "peer")
+        if peer not in self._warned_senders:
+            self._warned_senders.add(peer)
+            log.info("%s: %s to %s not delivered: %s", self.name, what, peer[1], why)
 
     def warn_once(self, identity, reason: str) -> None:
         sender = identity.hex() if identity else "peer"

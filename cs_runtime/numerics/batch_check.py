@@ -1,0 +1,91 @@
+"""What a batch must be before a model computes on it.
+
+Checked where a batch enters a WSE (wse/emulator.py, from any input worker)
+and on the CPU path (chief/cpu_executor.py), so bad data stops the run with
+one line naming the sample instead of training on it: numpy would read label
+-3 as class 7 (negative indexing) and crash on label 12 deep in a kernel.
+
+A classifier takes float features [B, in_features], all finite, and integer
+labels [B] in [0, classes). A token model (first layer an embedding) takes
+integer ids [B, T] with 1 <= T <= max_len and ids in [0, vocabulary), and
+integer labels [B, T] in [0, classes) or the ignore index (no loss there).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cs_runtime.numerics.kernels import IGNORE_INDEX
+
+
+class BadBatch(ValueError):
+    """A batch the model cannot take. `sample` is the row within the checked
+    arrays (None when the batch as a whole is wrong: dtype, rank, row counts)."""
+
+    def __init__(self, reason: str, sample: int | None = None):
+        super().__init__(reason)
+        self.reason, self.sample = reason, sample
+
+
+def check_batch(spec, x: np.ndarray, y: np.ndarray) -> None:
+    """Raise BadBatch for the first thing wrong with (x, y) for model `spec`."""
+    if len(x) != len(y):
+        raise BadBatch(f"{len(x)} feature rows but {len(y)} label rows")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise BadBatch(f"labels are {y.dtype}, expected integers")
+    if spec.token_model:
+        _check_tokens(spec.layers[0], x, y)
+    else:
+        _check_features(spec.layers[0].in_features, x, y)
+    _check_labels(spec, y)
+
+
+def _check_features(width: int, x: np.ndarray, y: np.ndarray) -> None:
+    if not np.issubdtype(x.dtype, np.floating):
+        raise BadBatch(f"features are {x.dtype}, expected floats")
+    if x.ndim != 2 or x.shape[1] != width:
+        raise BadBatch(f"features have shape {tuple(x.shape)}, the model needs [batch, {width}]")
+    if y.ndim != 1:
+        raise BadBatch(f"labels have shape {tuple(y.shape)}, expected [batch]")
+    bad = ~np.isfinite(x).all(axis=1)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise BadBatch(f"feature value {x[row][~np.isfinite(x[row])][0]} is not finite", row)
+
+
+def _check_tokens(embedding, x: np.ndarray, y: np.ndarray) -> None:
+    if not np.issubdtype(x.dtype, np.integer):
+        raise BadBatch(f"token ids are {x.dtype}, expected integers")
+    if x.ndim != 2 or not 1 <= x.shape[1] <= embedding.max_len:
+        raise BadBatch(f"token ids have shape {tuple(x.shape)}, the model needs "
+                       f"[batch, 1..{embedding.max_len}]")
+    if y.shape != x.shape:
+        raise BadBatch(f"labels have shape {tuple(y.shape)}, the token ids {tuple(x.shape)}")
+    _first_outside(x, (x < 0) | (x >= embedding.in_features), f"token id {{}} outside [0, {embedding.in_features})")
+
+
+def _check_labels(spec, y: np.ndarray) -> None:
+    classes = spec.layers[-1].out_features
+    outside = (y < 0) | (y >= classes)
+    if spec.token_model:
+        outside &= y != IGNORE_INDEX
+        what = f"label {{}} outside [0, {classes}) and not the ignore index {IGNORE_INDEX}"
+    else:
+        what = f"label {{}} outside [0, {classes})"
+    _first_outside(y, outside, what)
+
+
+def _first_outside(values: np.ndarray, outside: np.ndarray, what: str) -> None:
+    if outside.any():
+        row = int(np.argmax(outside.reshape(len(values), -1).any(axis=1)))
+        value = values[row][outside[row]].flat[0] if values.ndim > 1 else values[row]
+        raise BadBatch(what.format(int(value)), row)
+
+
+def bad_input_line(exc: BadBatch, stream: str, step: int, first_row: int, source: str = "") -> str:
+    """One line naming where the bad sample came from: its source (an input
+    worker), the stream and step (counted from 1, as the progress lines do) and
+    its row in the global batch (`first_row`: where the checked rows start)."""
+    where = f"{stream} step {step + 1}"
+    if exc.sample is not None:
+        where += f", sample {first_row + exc.sample} of the global batch"
+    return f"bad input{' from ' + source if source else ''}: {where}: {exc.reason}"

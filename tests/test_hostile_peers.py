@@ -1,0 +1,209 @@
+"""What a local process without the job's keys can cost a job: about a frame
+(1 MiB) per connection, for the 2 s a handshake may take, and no descriptors
+beyond that window.
+
+libzmq reads ZMTP handshake commands with the socket's MAXMSGSIZE as the only
+limit, so before CURVE has checked anything a stranger can make a process
+buffer a frame of up to that size. These tests speak raw ZMTP: a CURVE
+greeting, then a command frame that declares 200 MB and streams its bytes.
+
+    python -m pytest tests/test_hostile_peers.py -q
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from cs_runtime.wire import auth
+from cs_runtime.wire.transport import HANDSHAKE_IVL_MS
+from cs_runtime.launch.directory import DirectoryClient
+from tests.cluster_utils import kill_tree, run_cpu, run_wse, write_params, wse_command
+from tests.test_faults import assert_matches, pids_by_role, process_env, read_until, rss_bytes, start_job
+
+pytestmark = pytest.mark.cluster  # the tests here start processes
+
+GREETING = (b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\x00" + bytes(31))
+DECLARED = 200 * 2**20
+
+
+def tcp_of(address: str) -> tuple[str, int]:
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+def flood(address: str, send_bytes: int, timeout: float = 10.0) -> int:
+    """Greet as a CURVE client, declare a DECLARED-byte command frame and stream
+    up to send_bytes of it; the bytes the server took before it hung up."""
+    conn = socket.create_connection(tcp_of(address), timeout=timeout)
+    sent = 0
+    try:
+        conn.sendall(GREETING + b"\x06" + DECLARED.to_bytes(8, "big"))
+        chunk = bytes(1 << 20)
+        while sent < send_bytes:
+            sent += conn.send(chunk)
+    except OSError:
+        pass   # reset or broken pipe: the server dropped us
+    finally:
+        conn.close()
+    return sent
+
+
+def hold(address: str, count: int) -> list[socket.socket]:
+    """`count` connections that greet and then say nothing more."""
+    held = []
+    for _ in range(count):
+        conn = socket.create_connection(tcp_of(address), timeout=5)
+        conn.sendall(GREETING)
+        held.append(conn)
+    return held
+
+
+def closed_by_server(conn: socket.socket, within_s: float) -> bool:
+    conn.settimeout(within_s)
+    try:
+        while True:
+            data = conn.recv(4096)   # the server's greeting first, then EOF
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
+    except (TimeoutError, socket.timeout):
+        return False
+
+
+SERVER = """
+import sys, zmq
+from cs_runtime.wire.transport import Endpoint
+ctx = zmq.Context()
+kwargs = {} if sys.argv[1] == "default" else {"max_frame_bytes": int(sys.argv[1])}
+from cs_runtime.wire import auth
+ep = Endpoint(ctx, zmq.ROUTER, "target", "job", keys=auth.load_keys(sys.argv[2]), **kwargs)
+print(ep.bind("127.0.0.1"), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def job_keys():
+    folder = auth.create_job_dir()
+    yield str(folder)
+    auth.remove_job_dir(folder)
+
+
+def grown_by_flood(max_frame: str, keys: str, send_bytes: int) -> tuple[int, int]:
+    """RSS growth of a lone CURVE ROUTER when a stranger floods it, and the bytes it took."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, max_frame, keys], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        before = rss_bytes(proc.pid)
+        sent = flood(address, send_bytes)
+        grown = rss_bytes(proc.pid) - before   # read before the server can free what it holds
+        return grown, sent
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_curve_buffers_a_strangers_frame_up_to_maxmsgsize_and_our_cap_stops_it(job_keys):
+    """The measurement behind the cap: with a 2 GiB MAXMSGSIZE (the old setting) 64 MB streamed
+    before any authentication stay in the server; with ours the stranger is dropped at the
+    frame's header."""
+    old_grown, old_sent = grown_by_flood(str(2 * 2**30), job_keys, 64 * 2**20)
+    assert old_sent >= 64 * 2**20 and old_grown > 48 * 2**20, (old_grown, old_sent)
+    grown, sent = grown_by_flood("default", job_keys, 64 * 2**20)
+    assert grown < 4 * 2**20, grown
+    assert sent < 16 * 2**20, sent   # what the kernel's buffers took before the reset
+
+
+def test_a_silent_stranger_is_dropped_after_the_handshake_interval(job_keys):
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, "default", job_keys], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        held = hold(proc.stdout.readline().strip(), 50)
+        t0 = time.monotonic()
+        assert all(closed_by_server(conn, HANDSHAKE_IVL_MS / 1000 + 3) for conn in held)
+        assert time.monotonic() - t0 < HANDSHAKE_IVL_MS / 1000 + 3
+        for conn in held:
+            conn.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def open_descriptors(pid: int) -> int:
+    try:
+        return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    except FileNotFoundError:
+        return 0
+
+
+def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothing(tmp_path):
+    # Long enough that every process still runs while it is flooded and its memory read.
+    params = write_params(tmp_path, runconfig={"max_steps": 600, "log_steps": 10, "checkpoint_steps": 0})
+    cpu = run_cpu(params, tmp_path / "cpu")
+    assert cpu.returncode == 0, cpu.stderr[-2000:]
+    proc = start_job(wse_command(params, tmp_path / "m"))
+    seen: list[str] = []
+    ctx = zmq.Context()
+    held: list[socket.socket] = []
+    try:
+        read_until(proc, r"\| Train", seen)
+        roles = pids_by_role(proc)
+        env = process_env(roles["chief"][0])
+        os.environ[auth.KEYS_ENV] = env[auth.KEYS_ENV]   # an insider only to learn the addresses
+        try:
+            found = DirectoryClient(ctx, env["CS_RENDEZVOUS"], "tester", 0, env["CS_JOB_ID"]).lookup(
+                ["chief", "memoryx", "swarmx", "wse"], timeout=30)
+        finally:
+            del os.environ[auth.KEYS_ENV]
+        targets = {"launcher": (proc.pid, env["CS_RENDEZVOUS"]),
+                   "chief": (roles["chief"][0], found["chief"][0]["endpoints"]["router"]),
+                   "memoryx": (roles["memoryx"][0], found["memoryx"][0]["endpoints"]["router"]),
+                   "swarmx": (roles["swarmx"][0], found["swarmx"][0]["endpoints"]["router"]),
+                   "wse": (roles["wse"][0], found["wse"][0]["endpoints"]["input"])}
+        rss_before = {name: rss_bytes(pid) for name, (pid, _) in targets.items()}
+        fds_before = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+        streamed = {name: sum(flood(address, 32 * 2**20) for _ in range(5))
+                    for name, (_, address) in targets.items()}
+        for name, (_, address) in targets.items():
+            held += hold(address, 100)
+        rss_after = {name: rss_bytes(pid) for name, (pid, _) in targets.items()}
+        fds_held = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+        dropped = sum(closed_by_server(conn, HANDSHAKE_IVL_MS / 1000 + 5) for conn in held)
+        fds_after = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+        output = "".join(seen) + proc.stdout.read()
+        assert proc.wait(timeout=180) == 0, output[-3000:]
+    finally:
+        for conn in held:
+            conn.close()
+        ctx.destroy(linger=0)
+        kill_tree(proc)
+    print("streamed", streamed, "rss growth", {n: rss_after[n] - rss_before[n] for n in targets},
+          "fds", fds_before, fds_held, fds_after)
+    assert all(sent < 16 * 2**20 * 5 for sent in streamed.values()), streamed
+    growth = {name: rss_after[name] - rss_before[name] for name in targets if rss_after[name] is not None}
+    assert len(growth) == len(targets) and max(growth.values()) < 24 * 2**20, growth
+    assert max(fds_held[n] - fds_before[n] for n in targets) >= 50   # they really were held ...
+    assert dropped == len(held)                                      # ... and all were dropped
+    assert max(fds_after[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_after)
+    assert "dropped bad message" not in output and "Traceback" not in output
+    assert_matches(tmp_path / "m", tmp_path / "cpu")
+
+
+def test_tensors_bigger_than_a_frame_cross_tcp_split_and_match_the_oracle(tmp_path):
+    """784 x 512 float32 weights (1.5 MiB) over tcp, no shared memory: split into frames and joined."""
+    params = write_params(tmp_path, model={"hidden_sizes": [512]}, runconfig={"max_steps": 20, "log_steps": 5,
+                                                                             "checkpoint_steps": 0})
+    assert run_cpu(params, tmp_path / "cpu").returncode == 0
+    result = run_wse(params, tmp_path / "m", num_csx=2, extra_launcher=("--no_shm",))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dropped bad message" not in result.stderr
+    assert_matches(tmp_path / "m", tmp_path / "cpu")
