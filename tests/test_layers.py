@@ -26,9 +26,10 @@ PACKAGES = ("cs_runtime", "chief", "worker", "wse", "cs_torch", "scripts", "exam
 LAYERS: tuple[tuple[str, ...], ...] = (
     # What any process needs before it talks to anyone: params, the CS_*
     # variables, flag spelling, the span recorder (the kernels record spans),
-    # the maths, the data sets. `cs_runtime` itself is the package's __init__.
+    # the maths, the data sets, running the user's script as a role, the probes'
+    # output line. `cs_runtime` itself is the package's __init__.
     ("cs_runtime", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
-     "cs_runtime.numerics", "cs_runtime.data"),
+     "cs_runtime.numerics", "cs_runtime.data", "cs_runtime.user_script", "cs_runtime.probe_line"),
     # Bytes between processes: the protocol, transport, shared memory, keys.
     ("cs_runtime.wire",),
     # What a process of any role uses: sending its timeline, checkpoints, the
@@ -53,13 +54,6 @@ ROLES = frozenset({"cs_runtime.memoryx", "cs_runtime.swarmx", "chief", "worker",
 
 # (importer, imported) -> why it is still there. Delete an entry with the edge.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # Code for running a user's script that belongs below the roles: the
-    # chief runs its script with the worker's helper; the WSE probe compiles
-    # and measures with the chief's and the worker's code.
-    ("chief.__main__", "worker.__main__"): "run_script_as shared by the role entry points",
-    ("wse.probe", "chief.compile"): "the probe compiles with the chief's code",
-    ("wse.probe", "chief.trainer"): "the probe builds the chief's model spec",
-    ("wse.probe", "worker.probe"): "the probes share their output helper",
     # The torch front end's modules import one another, mostly inside functions:
     # one cycle through cluster_step, lr_scheduler, optim, optimizers, session,
     # summary, tracing and utils.data. Which of them is the lower layer is to be decided.
