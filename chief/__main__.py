@@ -3,7 +3,7 @@
 Runs the user's script as the chief: it compiles the model, loads it on the
 CS system and drives training (see chief/trainer.py).
 """
-from worker.__main__ import run_script_as
+from cs_runtime.user_script import run_script_as
 
 if __name__ == "__main__":
     run_script_as("chief")

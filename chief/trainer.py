@@ -8,7 +8,6 @@ both paths report alike and the CPU path is a true oracle of the other.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -19,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from chief.cluster_executor import ClusterExecutor
-from chief.compile import compile_model
+from cs_runtime.compiler.stage import build_spec, compile_model
 from chief.cpu_executor import CpuExecutor
 from cs_runtime import checkpoint as ckpt
 from cs_runtime import env
@@ -29,13 +28,9 @@ from cs_runtime.numerics.model import ModelSpec, init_weights
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import LossScaler
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
-from cs_runtime.run_args import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
 log = logging.getLogger("chief")
-
-
-class RunError(Exception):
-    """A user-facing failure: printed as one line, exit code 1."""
 
 
 def run_on_cpu(args: RunArgs, fns: UserFunctions) -> int:
@@ -86,14 +81,6 @@ def ensure_writable(model_dir: str) -> None:
             pass
     except OSError as exc:
         raise RunError(f"--model_dir {model_dir}: cannot create or write there ({exc.strerror or exc})") from None
-
-
-def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
-    spec = fns.model_fn(args.params)
-    if not isinstance(spec, ModelSpec):
-        raise RunError(f"model_fn returned {type(spec).__name__}, expected a cs_runtime.model.ModelSpec")
-    # The params say the precision (model.mixed_precision), whatever model_fn built.
-    return dataclasses.replace(spec, precision=args.params.precision)
 
 
 def make_executor(args, fns, spec, compiled, on_cluster: bool):

@@ -18,6 +18,11 @@ from cs_runtime.config import Params, ParamsError, load_params
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.version import version_line
 
+
+class RunError(Exception):
+    """A user-facing failure of a run: the chief prints it as one line, exit code 1."""
+
+
 MODES = ("train", "eval", "train_and_eval", "validate_only", "compile_only")
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from .backends import note
 from .nn import CsTorchError
+from .recording import probing, replaying
 
 HALF_DTYPES = ("float16", "bfloat16", "cbfloat16")
 _half = {"dtype": "float16"}
@@ -64,14 +65,12 @@ class GradScaler:
 
     # ------------------------------------------------------------ the calls a step makes
     def scale(self, loss):
-        from .tracing import probing, replaying
         if probing() is not None or replaying() is not None:
             return loss    # the scale seeds the compiled backward instead
         return loss * self.scale_
 
     def unscale_(self, optimizer) -> None:
         """Inside a traced step the gradients are unscaled by step(); eagerly, here."""
-        from .tracing import probing, replaying
         if probing() is not None or replaying() is not None:
             return
         for group in optimizer.param_groups:
@@ -81,7 +80,6 @@ class GradScaler:
         optimizer._cs_unscaled = True
 
     def step(self, optimizer) -> None:
-        from .tracing import probing, replaying
         probe = probing()
         if probe is not None:
             probe.record("scaler_step", self, optimizer)
@@ -96,7 +94,6 @@ class GradScaler:
         self._found_inf = self._apply(optimizer, grads, unscale=False)
 
     def update(self) -> None:
-        from .tracing import probing, replaying
         probe = probing()
         if probe is not None:
             probe.record("scaler_update", self)

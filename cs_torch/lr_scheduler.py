@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from .nn import CsTorchError
+from .recording import probing, replaying
 
 
 def _positive_int(name, value, cls):
@@ -43,7 +44,6 @@ class LRScheduler:
         self._last_lr = [lr for _ in self.optimizer.param_groups]
 
     def step(self) -> None:
-        from .tracing import probing, replaying
         probe = probing()
         if probe is not None:
             probe.record("sched_step", self)

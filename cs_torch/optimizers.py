@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .nn import CsTorchError
+from .recording import probing, replaying
 
 
 def _as_groups(params, defaults: dict) -> list[dict]:
@@ -45,7 +46,6 @@ class Optimizer:
 
     # ------------------------------------------------------------ torch's calls
     def zero_grad(self, set_to_none: bool = True) -> None:
-        from .tracing import probing, replaying
         if probing() is not None or replaying() is not None:
             return   # gradients are per step on the CS system
         for group in self.param_groups:
@@ -57,7 +57,6 @@ class Optimizer:
                         p.grad.zero_()
 
     def step(self, closure=None) -> None:
-        from .tracing import probing, replaying
         if closure is not None:
             raise CsTorchError(f"{type(self).__name__}.step: a closure is not supported")
         probe = probing()

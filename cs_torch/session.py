@@ -10,7 +10,7 @@ A Session is one job, set up exactly as csrun_wse sets one up
 start_job): entering the `with` block starts the job's directory and,
 without cs_ip, its CS system (MemoryX, SwarmX, the WSEs) on this machine;
 with cs_ip the job uses the running CS system there. The chief runs in your process: the first `step` compiles the
-model (chief.compile, reusing the artifact in model_dir), starts the input
+model (cs_runtime.compiler.stage, reusing the artifact in model_dir), starts the input
 workers for the batch's loader, loads the weights (from the latest checkpoint
 in model_dir, if any) and from then on each `step` is one training (or eval)
 step driven by chief.cluster_executor.ClusterExecutor, the same code
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chief.cluster_executor import ClusterExecutor, ServiceError
-from chief.compile import compile_model
+from cs_runtime.compiler.stage import compile_model
 from chief.trainer import Trainer
 from cs_runtime.config import ParamsError, params_from_dict
 from cs_runtime.appliance.client import FrontDoorError, split_address

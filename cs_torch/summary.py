@@ -10,6 +10,7 @@ executor's step number; outside a step, at once.
 from __future__ import annotations
 
 from .backends import note
+from .recording import current_executor, probing, replaying
 
 _said = set()
 
@@ -37,7 +38,6 @@ def _value(v) -> float:
 
 
 def summarize_scalar(name: str, value) -> None:
-    from .tracing import probing, replaying
     probe = probing()
     if probe is not None:
         probe.record("summary", name, value)
@@ -47,7 +47,6 @@ def summarize_scalar(name: str, value) -> None:
 
 
 def write_scalar(name: str, value) -> None:
-    from .utils.data import current_executor
     executor = current_executor()
     writer = executor.writer if executor is not None else None
     if writer is None:

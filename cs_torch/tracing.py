@@ -40,18 +40,9 @@ import numpy as np
 import torch
 
 from .backends import current_backend
+from . import summary
 from .nn import CsTorchError
-
-# The trace in progress: a _Probe while the step runs eagerly, a _Replay while it is exported.
-_active = {"probe": None, "replay": None}
-
-
-def probing():
-    return _active["probe"]
-
-
-def replaying():
-    return _active["replay"]
+from .recording import _active, current_executor, probing, replaying
 
 
 class CompiledModel:
@@ -248,7 +239,6 @@ class TracedStep:
         self.effects = [self._effect_spec(e, probe.loss) for e in probe.effects]
         self.training = any(e[0] in ("opt_step", "scaler_step") for e in self.effects)
         fn, non_tensors = self.fn, list(leaves)
-        from .utils.data import current_executor
         executor = current_executor()
         pair = executor is not None and executor.on_cluster
         if pair:   # the CS system streams one input and the labels: the program takes exactly those
@@ -327,7 +317,6 @@ class TracedStep:
         return self._effects(loss, grads)
 
     def _cluster_run(self):
-        from .utils.data import current_executor
         executor = current_executor()
         if executor is None or not executor.on_cluster:
             if self.compiled.backend.is_csx:
@@ -339,7 +328,6 @@ class TracedStep:
     def _effects(self, loss: float, grads: dict, cluster_applied: bool | None = None):
         """The step's recorded effects, in order, with its values. On the CS system MemoryX
         has applied the update already (cluster_applied says whether it did)."""
-        from . import summary
         loss_tensor = torch.tensor(loss, dtype=torch.float32)
         found_inf = cluster_applied is False
         for effect in self.effects:
@@ -427,7 +415,6 @@ def checkpoint_closure(fn):
     """A closure that saves a checkpoint: allowed only on the DataExecutor's checkpoint steps."""
     @functools.wraps(fn)
     def closure(*args, **kwargs):
-        from .utils.data import current_executor
         executor = current_executor()
         if executor is not None and not executor.on_checkpoint_step:
             raise CsTorchError(f"checkpoint_closure {fn.__name__}: step {executor.user_iteration} is not a "

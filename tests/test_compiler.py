@@ -1,4 +1,4 @@
-"""Tests of the compiler (cs_runtime/compiler, cs_runtime/compiler/hardware.py, chief/compile.py).
+"""Tests of the compiler (cs_runtime/compiler, cs_runtime/compiler/hardware.py, cs_runtime/compiler/stage.py).
 
     python -m pytest tests/test_compiler.py -q
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chief.compile import compile_model
+from cs_runtime.compiler.stage import compile_model
 from cs_runtime.compiler import hardware
 from cs_runtime.compiler import artifact
 from cs_runtime.compiler.interp import run as interpret
@@ -431,7 +431,7 @@ def test_bad_artifact_is_rejected_and_recompiled(tmp_path: Path, capsys: pytest.
 
 
 def test_no_pickle_in_the_compiler() -> None:
-    for path in [*(ROOT / "cs_runtime/compiler").glob("*.py"), ROOT / "chief/compile.py"]:
+    for path in (ROOT / "cs_runtime/compiler").glob("*.py"):
         text = path.read_text()
         assert "import pickle" not in text and "pickle." not in text, path
 

@@ -26,9 +26,10 @@ PACKAGES = ("cs_runtime", "chief", "worker", "wse", "cs_torch", "scripts", "exam
 LAYERS: tuple[tuple[str, ...], ...] = (
     # What any process needs before it talks to anyone: params, the CS_*
     # variables, flag spelling, the span recorder (the kernels record spans),
-    # the maths, the data sets. `cs_runtime` itself is the package's __init__.
+    # the maths, the data sets, running the user's script as a role, the probes'
+    # output line. `cs_runtime` itself is the package's __init__.
     ("cs_runtime", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
-     "cs_runtime.numerics", "cs_runtime.data"),
+     "cs_runtime.numerics", "cs_runtime.data", "cs_runtime.user_script", "cs_runtime.probe_line"),
     # Bytes between processes: the protocol, transport, shared memory, keys.
     ("cs_runtime.wire",),
     # What a process of any role uses: sending its timeline, checkpoints, the
@@ -42,8 +43,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The roles that run the user's script, and the WSE.
     ("chief", "worker", "wse"),
     # The entry point a model's run.py calls (runner: it hands over to the role
-    # CS_ROLE names, importing it by name) and the torch front end.
-    ("cs_runtime.runner", "cs_torch"),
+    # CS_ROLE names, importing it by name) and the torch front end's base: its
+    # modules and errors, the backend, and what the step in progress is doing
+    # (recording: read by everything that records into a traced step).
+    ("cs_runtime.runner", "cs_torch.nn", "cs_torch.backends", "cs_torch.recording", "cs_torch.distributed"),
+    # The torch front end's rules a step applies: optimizers and their update
+    # rules, schedulers, the loss scaler, summaries.
+    ("cs_torch.optim", "cs_torch.optimizers", "cs_torch.lr_scheduler", "cs_torch.amp", "cs_torch.summary"),
+    # The rest of the torch front end: the tracer, the session, the cluster
+    # step and the DataExecutor that drives them.
+    ("cs_torch",),
     # Command lines and the user's code: nothing below imports them.
     ("scripts", "examples"),
 )
@@ -52,32 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 ROLES = frozenset({"cs_runtime.memoryx", "cs_runtime.swarmx", "chief", "worker", "wse"})
 
 # (importer, imported) -> why it is still there. Delete an entry with the edge.
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # Code for running a user's script that belongs below the roles: the
-    # chief runs its script with the worker's helper; the WSE probe compiles
-    # and measures with the chief's and the worker's code.
-    ("chief.__main__", "worker.__main__"): "run_script_as shared by the role entry points",
-    ("wse.probe", "chief.compile"): "the probe compiles with the chief's code",
-    ("wse.probe", "chief.trainer"): "the probe builds the chief's model spec",
-    ("wse.probe", "worker.probe"): "the probes share their output helper",
-    # The torch front end's modules import one another, mostly inside functions:
-    # one cycle through cluster_step, lr_scheduler, optim, optimizers, session,
-    # summary, tracing and utils.data. Which of them is the lower layer is to be decided.
-    ("cs_torch.cluster_step", "cs_torch.optim"): "cs_torch cycle",
-    ("cs_torch.cluster_step", "cs_torch.optimizers"): "cs_torch cycle",
-    ("cs_torch.cluster_step", "cs_torch.session"): "cs_torch cycle",
-    ("cs_torch.lr_scheduler", "cs_torch.tracing"): "cs_torch cycle",
-    ("cs_torch.optim", "cs_torch.lr_scheduler"): "cs_torch cycle",
-    ("cs_torch.optim", "cs_torch.optimizers"): "cs_torch cycle",
-    ("cs_torch.optimizers", "cs_torch.tracing"): "cs_torch cycle",
-    ("cs_torch.session", "cs_torch.optim"): "cs_torch cycle",
-    ("cs_torch.summary", "cs_torch.tracing"): "cs_torch cycle",
-    ("cs_torch.summary", "cs_torch.utils.data"): "cs_torch cycle",
-    ("cs_torch.tracing", "cs_torch.summary"): "cs_torch cycle",
-    ("cs_torch.tracing", "cs_torch.utils.data"): "cs_torch cycle",
-    ("cs_torch.utils.data", "cs_torch.cluster_step"): "cs_torch cycle",
-    ("cs_torch.utils.data", "cs_torch.session"): "cs_torch cycle",
-}
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,14 @@ seconds and prints `PROBE {json}` with what it measured.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 from cs_runtime import env
 from cs_runtime.data.mnist import worker_steps
 from cs_runtime.data.inputs import InputStream
+from cs_runtime.probe_line import say
 from cs_runtime.run_args import RunArgs, UserFunctions
-
-
-def say(kind: str, payload: dict | None = None) -> None:
-    print(f"PROBE {kind}" + (f" {json.dumps(payload)}" if payload is not None else ""), flush=True)
 
 
 def measure_input(args: RunArgs, fns: UserFunctions) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import time
 
-from chief.compile import compile_model
-from chief.trainer import build_spec
+from cs_runtime.compiler.stage import build_spec, compile_model
 from cs_runtime import env
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, softmax_cross_entropy
 from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.probe_line import say
 from cs_runtime.run_args import RunArgs, UserFunctions
-from worker.probe import say
 
 
 def measure_consumption(args: RunArgs, fns: UserFunctions) -> None:

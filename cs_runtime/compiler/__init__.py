@@ -7,7 +7,7 @@
     report.py    compile_report.txt, plan.json, wafer.svg
     artifact.py  the compiled artifact on disk, its key, reuse and rejection
 
-chief/compile.py runs these stages in order for every run.
+stage.py       the compile stage every run has: runs these in order (compile_model)
 """
 from .ir import CompileError, Graph, Node
 from .lower import lower

@@ -24,12 +24,7 @@ from dataclasses import dataclass, field
 
 from ..backends import ClusterConfig, current_backend, note
 from ..nn import CsTorchError
-
-_current: list = []
-
-
-def current_executor():
-    return _current[-1] if _current else None
+from ..recording import _current, current_executor  # noqa: F401 (current_executor: cstorch.utils.data API)
 
 
 class DataLoader:

@@ -1,4 +1,4 @@
-"""The chief's compile stage: runs before anything else, on csrun_cpu and csrun_wse alike.
+"""The compile stage: runs before anything else, on csrun_cpu and csrun_wse alike.
 
     csrun_cpu python examples/fc_mnist/run.py --mode train --params ... --model_dir /tmp/fc --validate_only
     csrun_cpu python examples/fc_mnist/run.py --mode train --params ... --model_dir /tmp/fc --compile_only
@@ -17,6 +17,7 @@ prints them and exits 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -29,9 +30,9 @@ from cs_runtime.compiler.planner import make_plan, strategy_for, target_from_env
 from cs_runtime.compiler.report import write_outputs
 from cs_runtime.compiler.rewrites import optimize
 from cs_runtime.numerics.model import ModelSpec
-from cs_runtime.run_args import RunArgs
+from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
-__all__ = ["CompileError", "compile_model"]
+__all__ = ["CompileError", "build_spec", "compile_model"]
 
 log = logging.getLogger("chief")
 MAX_CHANGES_SHOWN = 5
@@ -40,6 +41,15 @@ MAX_CHANGES_SHOWN = 5
 def say(message: str) -> None:
     """A line for the user: the compile stage is visible in every run's output."""
     print(f"compile: {message}", flush=True)
+
+
+def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
+    """The user's model_fn's ModelSpec, at the precision the params say."""
+    spec = fns.model_fn(args.params)
+    if not isinstance(spec, ModelSpec):
+        raise RunError(f"model_fn returned {type(spec).__name__}, expected a cs_runtime.model.ModelSpec")
+    # The params say the precision (model.mixed_precision), whatever model_fn built.
+    return dataclasses.replace(spec, precision=args.params.precision)
 
 
 def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
