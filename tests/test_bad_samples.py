@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -88,6 +89,37 @@ def test_features_must_be_finite(value):
     with pytest.raises(BadBatch, match=f"feature value {value} is not finite") as caught:
         check_batch(MLP, x, y)
     assert caught.value.sample == 2
+
+
+def _program_spec(target_dtype="int64"):
+    """What check_batch reads of a captured model: its inputs as captured, its scores, its ignored label."""
+    values = {"x": [[8, 3, 4], "float32"], "target": [[8], target_dtype], "scores": [[8, 5], "float32"]}
+    return SimpleNamespace(program={"inputs": ["x", "target"], "values": values, "logits": "scores",
+                                    "ignore_index": -100})
+
+
+def test_a_captured_models_batch_matches_its_capture_whatever_the_batch_size():
+    spec = _program_spec()
+    check_batch(spec, np.zeros((3, 3, 4), np.float32), np.array([0, 4, -100]))
+    with pytest.raises(BadBatch, match=r"input has shape \(3, 12\), the model needs \[batch, 3, 4\]"):
+        check_batch(spec, np.zeros((3, 12), np.float32), np.zeros(3, np.int64))
+    with pytest.raises(BadBatch, match=r"label 5 outside \[0, 5\)") as bad:
+        check_batch(spec, np.zeros((3, 3, 4), np.float32), np.array([0, 1, 5]))
+    assert bad.value.sample == 2
+    with pytest.raises(BadBatch, match="target is float32, the model was captured with int64"):
+        check_batch(spec, np.zeros((3, 3, 4), np.float32), np.zeros(3, np.float32))
+    x = np.zeros((3, 3, 4), np.float32)
+    x[1, 2, 0] = np.nan
+    with pytest.raises(BadBatch, match="input value is not finite") as bad:
+        check_batch(spec, x, np.zeros(3, np.int64))
+    assert bad.value.sample == 1
+
+
+def test_a_captured_regression_takes_float_targets():
+    spec = _program_spec("float32")
+    spec.program["values"]["target"] = [[8, 5], "float32"]
+    spec.program["logits"] = ""
+    check_batch(spec, np.zeros((2, 3, 4), np.float32), np.ones((2, 5), np.float32))
 
 
 def test_the_line_counts_steps_from_one_and_rows_in_the_global_batch():

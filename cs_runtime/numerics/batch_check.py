@@ -9,6 +9,9 @@ A classifier takes float features [B, in_features], all finite, and integer
 labels [B] in [0, classes). A token model (first layer an embedding) takes
 integer ids [B, T] with 1 <= T <= max_len and ids in [0, vocabulary), and
 integer labels [B, T] in [0, classes) or the ignore index (no loss there).
+A compiled program (a captured torch model) takes an input and a target of
+the ranks, trailing dimensions and kinds (integer or float) it was captured
+with; integer targets of a classification loss are classes or its ignore index.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ def check_batch(spec, x: np.ndarray, y: np.ndarray) -> None:
     """Raise BadBatch for the first thing wrong with (x, y) for model `spec`."""
     if len(x) != len(y):
         raise BadBatch(f"{len(x)} feature rows but {len(y)} label rows")
+    if spec.program is not None:
+        return _check_program(spec.program, x, y)
     if not np.issubdtype(y.dtype, np.integer):
         raise BadBatch(f"labels are {y.dtype}, expected integers")
     if spec.token_model:
@@ -37,6 +42,27 @@ def check_batch(spec, x: np.ndarray, y: np.ndarray) -> None:
     else:
         _check_features(spec.layers[0].in_features, x, y)
     _check_labels(spec, y)
+
+
+def _check_program(shared: dict, x: np.ndarray, y: np.ndarray) -> None:
+    """Against the program's inputs as captured (their batch dimension is free)."""
+    input_name, target_name = shared["inputs"]
+    for what, a, name in (("input", x, input_name), ("target", y, target_name)):
+        shape, dtype = shared["values"][name]
+        if a.ndim != len(shape) or tuple(a.shape[1:]) != tuple(shape[1:]):
+            needs = ", ".join(["batch", *(str(d) for d in shape[1:])])
+            raise BadBatch(f"{what} has shape {tuple(a.shape)}, the model needs [{needs}]")
+        if np.issubdtype(np.dtype(dtype), np.integer) != np.issubdtype(a.dtype, np.integer):
+            raise BadBatch(f"{what} is {a.dtype}, the model was captured with {dtype}")
+        if np.issubdtype(a.dtype, np.floating):
+            bad = ~np.isfinite(a).reshape(len(a), -1).all(axis=1)
+            if bad.any():
+                raise BadBatch(f"{what} value is not finite", int(np.argmax(bad)))
+    logits = shared.get("logits", "")
+    if logits and np.issubdtype(y.dtype, np.integer):
+        classes, ignore = shared["values"][logits][0][-1], shared.get("ignore_index", -100)
+        _first_outside(y, ((y < 0) | (y >= classes)) & (y != ignore),
+                       f"label {{}} outside [0, {classes}) and not the ignore index {ignore}")
 
 
 def _check_features(width: int, x: np.ndarray, y: np.ndarray) -> None:
