@@ -3,10 +3,14 @@
     python examples/cstorch/cbtorch_mlp.py [--num_csx 2] [--epochs 2]
 """
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 import cs_torch.cbtorch as cbtorch
+if not __package__:  # run as a script (python examples/...): its sibling module is found from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.cstorch.mlp import MLP, input_fn
 
 

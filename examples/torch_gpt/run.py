@@ -9,11 +9,16 @@ loss, compiled into weight-streaming units, and run by every path.
 The starting weights are the module's own (GPT-2 init under torch.manual_seed(runconfig.seed));
 the output head is tied to the token embedding.
 """
+import sys
+from pathlib import Path
+
 import torch
 
 from cs_runtime.data.text import GptDataset, load_corpus
 from cs_runtime.runner import run
 from cs_torch.capture import model_spec
+if not __package__:  # run as a script (python examples/...): its sibling module is found from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.torch_gpt.model import GPT, GPTConfig, gpt_loss
 
 
