@@ -102,17 +102,26 @@ def wait_for_exit(pids: list[int], timeout: float) -> list[int]:
     return alive
 
 
-def test_ssh_killing_the_launcher_stops_every_remote_process(tmp_path, netns_hosts):
+def start_training_over_ssh(tmp_path, hosts, host_list: str) -> subprocess.Popen:
+    """A job that runs until stopped, over SSH on `host_list`, returned once it is training."""
     from tests.cluster_utils import write_params
     params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
-    h0, h1 = netns_hosts.addresses
-    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1}",
-                                          "--ssh_options", netns_hosts.ssh_options),
+    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", host_list, "--ssh_options", hosts.ssh_options),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
             if "| Train" in line:
                 break
+    except BaseException:   # a timeout while waiting: the caller's cleanup never runs
+        proc.kill()
+        raise
+    return proc
+
+
+def test_ssh_killing_the_launcher_stops_every_remote_process(tmp_path, netns_hosts):
+    h0, h1 = netns_hosts.addresses
+    proc = start_training_over_ssh(tmp_path, netns_hosts, f"{h0},{h1}")
+    try:
         remote = leftovers(netns_hosts)
         assert {cmd.split(" -m ")[1].split()[0] for _, cmd in remote} >= {"chief", "worker", "cs_runtime.launch.task"}
         proc.kill()  # no chance to clean up: its ssh clients die with it, the far sides see EOF
@@ -335,16 +344,9 @@ def test_ssh_config_alias_is_resolved_by_ssh(tmp_path, oracle, isolated_hosts):
 
 def test_a_lost_ssh_connection_is_reported_as_such(tmp_path, netns_hosts):
     import signal
-    from tests.cluster_utils import write_params
-    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
     h0, h1 = netns_hosts.addresses
-    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1}",
-                                          "--ssh_options", netns_hosts.ssh_options),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_training_over_ssh(tmp_path, netns_hosts, f"{h0},{h1}")
     try:
-        for line in proc.stdout:
-            if "| Train" in line:
-                break
         for pid in sshd_sessions(netns_hosts, 1):
             os.kill(pid, signal.SIGKILL)  # the connection to h1 drops
         output = proc.stdout.read()
@@ -358,18 +360,11 @@ def test_a_lost_ssh_connection_is_reported_as_such(tmp_path, netns_hosts):
 
 
 def test_a_dead_host_mid_run_is_named_and_nothing_is_left(tmp_path, netns_hosts):
-    from tests.cluster_utils import write_params
     from tests.netns_hosts import sh
-    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
     h0, h1 = netns_hosts.addresses
     link = f"{netns_hosts.tag}v1"   # host 1's cable into the bridge
-    proc = subprocess.Popen(train_command(params, tmp_path / "m", "-H", f"{h0},{h1},{h1}",
-                                          "--ssh_options", netns_hosts.ssh_options),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_training_over_ssh(tmp_path, netns_hosts, f"{h0},{h1},{h1}")
     try:
-        for line in proc.stdout:
-            if "| Train" in line:
-                break
         on_h1 = [pid for pid, _ in leftovers(netns_hosts) if pid in netns_hosts.pids(netns_hosts.namespaces[1])]
         sh("ip", "link", "set", link, "down")
         t0 = time.monotonic()
