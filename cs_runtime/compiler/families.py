@@ -160,10 +160,17 @@ def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
             raise ValueError(f"model {spec.name}: layer {layer.name} (op {layer.op}) has no lowering")
         b.layer(layer)
         x = LAYERS[layer.op](b, layer, index, x, spec)
-    # The loss joins the last layer's unit: [B, C] scores, or [B, T, V] logits flattened to tokens.
-    logits = b.op("reshape", x, out=LOGITS, shape=[-1, spec.layers[-1].out_features]) if token else x
-    labels = b.op("reshape", LABELS, shape=[-1]) if token else LABELS
-    b.op("cross_entropy", logits, labels, out=LOSS, reduction="sum", ignore_index=kernels.IGNORE_INDEX)
+    # The loss joins the last layer's unit: [B, T, V] logits flattened to tokens and summed
+    # (the runner weights the sum), or a classifier's [B, C] scores: its share of the global
+    # batch's mean, the gradient divided by the global batch (from the context) as the
+    # dense layers' loss divided it, so 16-bit runs round alike to the bit.
+    if token:
+        logits = b.op("reshape", x, out=LOGITS, shape=[-1, spec.layers[-1].out_features])
+        labels = b.op("reshape", LABELS, shape=[-1])
+        b.op("cross_entropy", logits, labels, out=LOSS, reduction="sum", ignore_index=kernels.IGNORE_INDEX)
+    else:
+        logits = x
+        b.op("softmax_cross_entropy", logits, LABELS, CONTEXT, out=LOSS)
     inputs = {INPUT: Value((2, spec.layers[0].max_len) if token else (2, spec.layers[0].in_features),
                            "int64" if token else "float32"),
               LABELS: Value((2, spec.layers[0].max_len) if token else (2,), "int64"),
@@ -186,6 +193,6 @@ def lower_spec(spec: ModelSpec) -> ModelSpec:
     layers = tuple(dataclasses.replace(layer, unit={"unit": u.to_meta(), "local": local[layer.name]})
                    for layer, u in zip(spec.layers, units))
     shared = {"inputs": [INPUT, LABELS], "context": CONTEXT, "loss": LOSS, "logits": LOGITS if spec.token_model
-              else program.outputs["logits"], "reduction": "sum", "ignore_index": kernels.IGNORE_INDEX,
+              else program.outputs["logits"], "reduction": "sum" if spec.token_model else "share", "ignore_index": kernels.IGNORE_INDEX,
               "values": {}, "consts": {}}
     return dataclasses.replace(spec, layers=layers, program=shared)

@@ -55,9 +55,8 @@ def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
 
 
 def runnable(spec: ModelSpec) -> ModelSpec:
-    """The spec as every path runs it: a built-in model lowered to its program
-    (in mixed precision, until the executor rounds matmul operands, its layers)."""
-    return lower_spec(spec) if spec.precision == "float32" else spec
+    """The spec as every path runs it: a built-in model lowered to its program, in every precision."""
+    return lower_spec(spec)
 
 
 def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:

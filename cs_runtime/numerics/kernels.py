@@ -302,6 +302,23 @@ def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
 #   default; HF's mean over every masked token of the batch);
 # "precomputed_num_masked": the same count, which the model zoo's data loader
 #   computes. Here the input pipeline always counts it: a WSE sees only its rows.
+def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray, global_batch: int):
+    """A classifier's loss on one shard: (sum of its per-sample losses / global_batch, a
+    float64; d loss / d logits, in the logits' dtype; predictions right). Divided by the
+    global batch, not multiplied by its inverse, so every shard's rows round alike."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    denom = exp.sum(axis=1, keepdims=True)
+    log_probs = shifted - np.log(denom)
+    rows = np.arange(len(labels))
+    loss = -log_probs[rows, labels].astype(np.float64).sum() / global_batch
+    dlogits = exp / denom
+    dlogits[rows, labels] -= 1.0
+    dlogits /= logits.dtype.type(global_batch)
+    correct = int((logits.argmax(axis=1) == labels).sum())
+    return float(loss), dlogits, correct
+
+
 TOKEN_LOSS_SCALINGS = ("batch_size", "num_tokens", "num_masked", "precomputed_num_masked")
 
 

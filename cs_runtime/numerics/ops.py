@@ -305,7 +305,7 @@ _register("relu", lambda i, a: np.maximum(i[0], 0), lambda g, i, o, a: [g * (o >
 _register("gelu", _gelu_forward, _gelu_vjp, _same_shape, _elementwise_cost(10), saves_inputs=(0,))
 _register("tanh", lambda i, a: np.tanh(i[0]), lambda g, i, o, a: [g * (1 - o * o)], _same_shape,
           _elementwise_cost(4), saves_output=True)
-_register("sigmoid", lambda i, a: _sigmoid(i[0]), lambda g, i, o, a: [g * o * (1 - o)], _same_shape,
+_register("sigmoid", lambda i, a: _sigmoid(i[0]), lambda g, i, o, a: [g * (o * (1 - o))], _same_shape,
           _elementwise_cost(4), saves_output=True)
 
 
@@ -1064,6 +1064,31 @@ def _ce_vjp(g, inputs, out, attrs):
 
 _register("cross_entropy", lambda i, a: _nll_forward(_ce_logp(i[0]), i[1], a), _ce_vjp, _loss_shape,
           lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1))
+
+
+def _classifier_loss_shape(shapes, attrs):
+    x, t, context = (tuple(s) for s in shapes)
+    if len(x) != 2 or t != x[:1] or context != (6,):
+        raise OpError(f"class scores {x}, labels {t} and context {context}: expected [N, C], [N] and [6]")
+    return ()
+
+
+def _classifier_loss_forward(inputs, attrs):
+    """A built-in classifier's loss (kernels.softmax_cross_entropy): this shard's share of
+    the global batch's mean, in float64 as the loss is reported. inputs[2] is the run's
+    context (dropout_mask's); its global batch divides the summed loss and the gradient."""
+    logits, labels, context = inputs
+    return np.asarray(kernels.softmax_cross_entropy(logits, labels, int(context[4]))[0])
+
+
+def _classifier_loss_vjp(g, inputs, out, attrs):
+    logits, labels, context = inputs
+    dlogits = kernels.softmax_cross_entropy(logits, labels, int(context[4]))[1]
+    return [dlogits * logits.dtype.type(g), None, None]   # g: 1, or the loss scale (a power of 2)
+
+
+_register("softmax_cross_entropy", _classifier_loss_forward, _classifier_loss_vjp, _classifier_loss_shape,
+          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1, 2))
 
 
 def _mse_forward(inputs, attrs):

@@ -266,6 +266,8 @@ def _out_dtype(node: Node, dtypes: dict[str, str]) -> str:
         return "bool"
     if node.op == "cast":
         return node.attrs["dtype"]
+    if node.op == "softmax_cross_entropy":
+        return "float64"   # the loss as the runner reports it
     ins = [dtypes[i] for i in node.inputs]
     return next((d for d in ins if d.startswith("float")), ins[0] if ins else "float32")
 

@@ -36,6 +36,8 @@ from cs_runtime.numerics.executor import rounded, unit_backward, unit_forward
 from cs_runtime.numerics.program import ProgramError, Unit, _const
 
 _UNITS: dict[int, tuple[dict, Unit]] = {}
+# How the program's loss value adds up over shards (loss() below)
+REDUCTIONS = ("mean", "sum", "share")
 
 
 def unit_of(layer) -> Unit:
@@ -56,7 +58,7 @@ def check(spec) -> None:
             and isinstance(shared.get("output", ""), str)
             and (not shared.get("output") or shared["output"] in shared.get("values", {}))
             and all(isinstance(n, str) for n in shared["inputs"]) and isinstance(shared.get("loss"), str)
-            and isinstance(shared.get("context", ""), str) and shared.get("reduction", "mean") in ("mean", "sum")
+            and isinstance(shared.get("context", ""), str) and shared.get("reduction", "mean") in REDUCTIONS
             and isinstance(shared.get("consts"), dict) and isinstance(shared.get("values", {}), dict)):
         raise ProgramError(f"model {spec.name}: malformed program data")
     shared_values(spec)
@@ -138,9 +140,10 @@ def loss(spec, live: dict, labels: np.ndarray, global_batch: int, label_count: i
     counts are of its scores' argmax against the labels it does not ignore; else of rows.
 
     A captured program's loss is a mean over the shard, weighted rows / global batch.
-    A built-in model's (reduction "sum") is the shard's summed loss, weighted as the
-    model says: 1 / global batch for a classifier, the token loss scaling for a token
-    model, so the shards add up to the global batch's loss."""
+    A built-in token model's (reduction "sum") is the shard's summed loss, weighted by the
+    token loss scaling; a built-in classifier's (reduction "share") is the shard's share of
+    the global batch's mean already (ops.py softmax_cross_entropy). Shards add up to the
+    global batch's loss."""
     name = spec.program["loss"]
     value = live[name]
     rows = len(labels)
@@ -151,9 +154,11 @@ def loss(spec, live: dict, labels: np.ndarray, global_batch: int, label_count: i
         counted = flat != spec.program.get("ignore_index", -100)
         scores = logits.reshape(-1, logits.shape[-1])
         correct, count = int(((scores.argmax(axis=-1) == flat) & counted).sum()), int(counted.sum())
+    if spec.program.get("reduction") == "share":   # the shard's share of the global mean already
+        share = float(value)
+        return share, {name: np.asarray(1.0, dtype=value.dtype)}, share * global_batch, correct, count
     if spec.program.get("reduction") == "sum":
-        weight = 1.0 / global_batch if not spec.token_model else kernels.token_loss_weight(
-            spec.loss_scaling, spec.loss_weight, global_batch, label_count)
+        weight = kernels.token_loss_weight(spec.loss_scaling, spec.loss_weight, global_batch, label_count)
         return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value), correct, count
     weight = rows / global_batch
     return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value) * count, correct, count
