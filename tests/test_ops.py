@@ -133,6 +133,9 @@ def _cases():
          {"ignore_index": -100}, lambda F, t, x: F.cross_entropy(x[0], x[1], ignore_index=-100)),
         ("cross_entropy_3d", "cross_entropy", lambda g: [_f(g, 2, 4, 3), np.array([[0, 3, -1], [1, -1, 2]])],
          {"ignore_index": -1}, lambda F, t, x: F.cross_entropy(x[0], x[1], ignore_index=-1)),
+        ("softmax_cross_entropy", "softmax_cross_entropy",   # a shard of 5 rows of a global batch of 10
+         lambda g: [_f(g, 5, 4), np.array([0, 3, 2, 1, 2]), np.array([0, 0, 0, 5, 10, 1])], {},
+         lambda F, t, x: F.cross_entropy(x[0], x[1], reduction="sum") / 10),
         ("nll_loss", "nll_loss", lambda g: [_f(g, 5, 4), np.array([0, 3, 2, 1, 2])], {},
          lambda F, t, x: F.nll_loss(x[0], x[1])),
         ("mse", "mse_loss", lambda g: [_f(g, 3, 4), _f(g, 3, 4)], {}, lambda F, t, x: F.mse_loss(x[0], x[1])),
