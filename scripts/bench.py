@@ -79,6 +79,7 @@ TARGETS = [
     ("protocol by shared memory vs memcpy", "ceiling:protocol_shm", "ceiling:memcpy", 0.8),
 ]
 SMALL_ONLY = "(small preset)"
+EXECUTOR_TARGET = 0.95   # the executor's speed over the hand-written dense step's (--rows executor)
 RATE_RE = re.compile(r", Rate=([\d.]+) samples/sec")
 # Steps left out of every rate, as bench_baselines.py leaves out the torch rows' first
 # steps: the first steps fault in every fresh buffer and start the BLAS threads.
@@ -190,12 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
-    parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt"), default="all",
+    parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor"),
+                        default="all",
                         help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a tiny model, 4 steps, the CPU path and 1-WSE float32 and float16 "
                              "weight streaming, no torch rows or ceilings (numbers only show it runs)")
-    parser.add_argument("--repeats", type=int, default=3, help="--rows trace: runs of each row (default 3)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="--rows trace: runs of each row; --rows executor: timed steps of each (default 3)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> None:
                        "--trace off", result["trace_rows"])
             result["span_cost"] = span_cost(tmp / "ws_1wse_on0", steps, preset["batch_size"],
                                             result["trace_rows"][0]["samples_per_sec"])
+        if args.rows in ("all", "executor"):
+            result["executor_rows"] = executor_rows(preset, args.repeats)
+            print_rows(f"the executor vs a hand-written numpy dense step: preset {args.preset}, in this process, "
+                       f"CPU time per step, median of {args.repeats} alternated", "hand-written", result["executor_rows"])
+            executor_verdicts(result["executor_rows"])
         if args.rows in ("all", "torch_gpt"):
             result["torch_gpt_rows"] = torch_gpt_rows(args.steps or 6)
         if args.rows in ("all", "input"):
@@ -343,6 +351,124 @@ def span_cost(traced_dir: Path, steps: int, batch: int, rate_off: float) -> dict
           f"(all processes); off: {result['off_fraction_of_step'] * 100:.4f}% of a step's "
           f"{step_ns / 1e6:.2f} ms (summed over processes, an upper bound)")
     return result
+
+
+def handwritten_mlp_step(sizes: list[int], weights: dict, x, y, step: int, fmt: str, dropout: float,
+                         seed: int, loss_scale: float) -> list[dict]:
+    """The baseline of the executor rows: a dense ReLU MLP's forward, softmax
+    cross-entropy and backward written out in numpy (what model.py's dense
+    layers did before every model ran as a compiled program), with the 16-bit
+    rule of docs/numerics.md: matmul inputs and weights rounded to `fmt`,
+    float32 accumulation, weight gradients rounded. Returns each layer's
+    gradients, scaled by `loss_scale`, as the executor's model_backward does."""
+    import numpy as np
+
+    from cs_runtime.numerics import kernels
+    from cs_runtime.numerics.precision import quantize
+
+    def q(a):
+        return a if fmt == "float32" else quantize(a, fmt)
+    n, batch = len(sizes) - 1, len(x)
+    inputs, outs, masks = [], [], []
+    h = x
+    for i in range(n):
+        h = q(h)
+        inputs.append(h)
+        z = h @ q(weights[f"fc{i}"]["weight"])
+        z += q(weights[f"fc{i}"]["bias"])
+        if i < n - 1:   # hidden: relu (in place), then dropout
+            h = np.maximum(z, 0, out=z)
+            masks.append(kernels.rows_keep_mask(seed, step, i, batch, sizes[i + 1], slice(0, batch), dropout)
+                         if dropout else None)
+            if masks[-1] is not None:
+                h *= masks[-1]
+            outs.append(h)
+        else:
+            h = z
+    _, delta, _ = kernels.softmax_cross_entropy(h, y, batch)
+    if loss_scale != 1.0:
+        delta = delta * np.float32(loss_scale)
+    grads: list = [None] * n
+    for i in reversed(range(n)):
+        if i < n - 1:
+            if masks[i] is not None:
+                delta = delta * masks[i]
+            delta = delta * (outs[i] > 0)
+        dz = q(delta)
+        grads[i] = {"weight": q(inputs[i].T @ dz), "bias": q(delta.sum(axis=0))}
+        if i:
+            delta = dz @ q(weights[f"fc{i}"]["weight"]).T
+    return grads
+
+
+def executor_rows(preset: dict, repeats: int, formats=("float32", *MIXED)) -> list[dict]:
+    """The preset's MLP trained in this process by the executor (the lowered program, the CPU
+    path's calls) and by handwritten_mlp_step, the same optimizer update after each: CPU time
+    per step, alternated `repeats` times after a warm-up step, the median of each. Both must end
+    on the same weights to the bit (else the bench stops): the baseline computes what the
+    executor computes. ratio: the executor's speed over the baseline's (1.0: as fast)."""
+    import dataclasses
+    import time
+
+    import numpy as np
+
+    sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
+    from cs_runtime.compiler.families import lower_spec
+    from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_backward, model_forward, model_loss
+    from cs_runtime.numerics.optim import Optimizer
+    from cs_runtime.numerics.precision import scaled
+    sizes, batch, dropout, seed = [784, *preset["hidden_sizes"], 10], preset["batch_size"], 0.1, 1
+    rng = np.random.default_rng(0)
+    x, y = rng.random((batch, 784), dtype=np.float32), rng.integers(0, 10, batch)
+    rows = []
+    for fmt in formats:
+        spec = lower_spec(dataclasses.replace(mlp_spec("bench", sizes, "relu", dropout), precision=fmt))
+        names = [layer.name for layer in spec.layers]
+        scale = 1.0 if fmt == "float32" else 1024.0    # a static loss scale in 16 bits
+
+        def trainer(grads_of):
+            weights, optimizer = init_weights(spec, seed), Optimizer("sgd", momentum=0.9)
+            state = {name: optimizer.init_state(w) for name, w in weights.items()}
+
+            def step(s):
+                optimizer.update_model(names, weights, grads_of(weights, s), state, 0.01, s, None, scale,
+                                       fmt != "float32", need_norms=False)
+            return step, weights
+
+        def by_executor(weights, s):
+            ctx = ShardContext(seed, s, batch, slice(0, batch), True, labels=y)
+            live, caches = model_forward(spec, x, weights, ctx)
+            return model_backward(spec, scaled(model_loss(spec, live, y, batch).delta, scale), caches, weights, s)
+
+        def by_hand(weights, s):
+            return handwritten_mlp_step(sizes, weights, x, y, s, fmt, dropout, seed, scale)
+        paths = {"handwritten": trainer(by_hand), "executor": trainer(by_executor)}
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for r in range(repeats + 1):
+            order = list(paths) if r % 2 == 0 else list(reversed(paths))
+            for name in order:
+                start = time.process_time()
+                paths[name][0](r)
+                if r:   # step 0: the warm-up, left out
+                    times[name].append(time.process_time() - start)
+        same = all(np.array_equal(paths["handwritten"][1][k][p], w) for k, ws in paths["executor"][1].items()
+                   for p, w in ws.items())
+        if not same:
+            raise SystemExit(f"bench: the executor and the hand-written step disagree in {fmt}")
+        base = statistics.median(times["handwritten"])
+        for name in paths:
+            t = statistics.median(times[name])
+            rows.append({"name": f"{name}_{fmt}", "samples_per_sec": batch / t, "ratio": base / t,
+                         "cpu_s_per_step": times[name]})
+    return rows
+
+
+def executor_verdicts(rows: list[dict]) -> None:
+    """Issue 16's target: the executor within 5% of the hand-written path, each format."""
+    for row in rows:
+        if row["name"].startswith("executor_"):
+            verdict = "met" if row["ratio"] >= EXECUTOR_TARGET else "missed"
+            print(f"{row['name'] + ' vs hand-written':<52}{row['ratio']:>7.2f}{EXECUTOR_TARGET:>8.2f}  {verdict}")
 
 
 def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
