@@ -112,15 +112,52 @@ def unit_params(unit, weights: dict, fmt: str = "float32", weights_rounded: bool
     return own if weights_rounded else rounded(own, fmt)
 
 
+_ROUNDED_READS: dict[int, tuple[object, frozenset]] = {}
+
+
+def _rounds(node: Node, name: str) -> bool:
+    """Whether every input position of `node` holding `name` is one its 16-bit rule rounds."""
+    op = node.attrs["of"] if node.op == "vjp" else node.op
+    if op not in mixed_ops.MATMUL_LIKE:
+        return False
+    inputs = node.inputs[1:-1] if node.op == "vjp" else node.inputs
+    return all(i < 3 for i, n in enumerate(inputs) if n == name) if op == mixed_ops.SDPA else True
+
+
+def rounded_reads(unit) -> frozenset:
+    """The values a unit takes from before it (a dense layer's input, the activation of the
+    layer below) that only the rounded operands of its matmul-like ops read, forward and
+    backward. In a 16-bit format they are rounded once as they come in and used as they
+    are in both passes (the weight gradient's matmul takes the same rounded input), as a
+    dense layer rounds its input once; rounding again would change nothing but the time."""
+    cached = _ROUNDED_READS.get(id(unit))
+    if cached is None or cached[0] is not unit:
+        readers: dict[str, list[Node]] = {}
+        for node in (*unit.forward, *unit.backward):
+            for name in set(node.inputs):
+                readers.setdefault(name, []).append(node)
+        found = frozenset(r for r in unit.reads if r not in unit.params and r not in unit.writes and readers.get(r)
+                          and all(_rounds(node, r) for node in readers[r]))
+        cached = _ROUNDED_READS[id(unit)] = (unit, found)
+    return cached[1]
+
+
+def _read(value, fmt: str, rounded_here: bool):
+    if rounded_here and isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return quantize(value, fmt)
+    return value
+
+
 def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_rounded: bool = False) -> dict:
     """Run a unit's forward on its parameters and the live values it reads;
     add what it writes to `live` and return what its backward keeps (the values
     its rules read, and zero-cost stand-ins of those whose shape is all they need)."""
     env = unit_params(unit, weights, fmt, weights_rounded)
-    env.update((r, live[r]) for r in unit.reads)
+    once = rounded_reads(unit) if fmt != "float32" else frozenset()
+    env.update((r, _read(live[r], fmt, r in once)) for r in unit.reads)
     shapes = {}
     run_nodes(unit.forward, env, keep=set(unit.writes) | set(unit.kept), shapes_of=set(unit.shape_only),
-              shapes=shapes, fmt=fmt, exact=frozenset(unit.params))
+              shapes=shapes, fmt=fmt, exact=frozenset(unit.params) | once)
     live.update((w, env[w]) for w in unit.writes)
     cache = {k: env[k] for k in unit.kept}
     cache.update((k, _stand_in(*shapes[k])) for k in unit.shape_only)
@@ -139,7 +176,8 @@ def unit_backward(unit, weights: dict, cache: dict, live: dict, dlive: dict, fmt
     for w in unit.grad_writes:
         g = dlive.pop(w, None)
         env[f"d:{w}"] = g if g is not None else np.zeros_like(live[w])
-    run_nodes(unit.backward, env, fmt=fmt, exact=frozenset(unit.params))
+    once = rounded_reads(unit) if fmt != "float32" else frozenset()   # the cache holds them rounded
+    run_nodes(unit.backward, env, fmt=fmt, exact=frozenset(unit.params) | once)
     for value, name in unit.input_grads.items():
         dlive[value] = dlive[value] + env[name] if value in dlive else env[name]
     grads = {p: env[name] for p, name in unit.param_grads.items()}
