@@ -19,11 +19,14 @@ What the hand-written layers did, op by op:
 - transformer_block: pre-norm (GPT-2) or post-norm (BERT) attention and GELU
   MLP with residuals; attention is one op (self_attention) on the packed q/k/v;
 - lm_head: [dense + GELU (BERT's transform)] + layer norm + decoder; then
-  the summed token cross-entropy (classifiers: of the [B, C] scores).
+  the summed token cross-entropy;
+- a classifier's loss: the op softmax_cross_entropy (the dense layers' kernel:
+  its share of the global batch's mean, the gradient divided by the global
+  batch), so a 16-bit FC-MNIST rounds as the dense layers did, to the bit.
 Dropout masks come from the op dropout_mask, fed the run's context (seed,
 step, the shard's rows, global batch, train/eval): the masks of the
-hand-written layers, bit for bit. The loss is a sum; the runner weights it
-(1 / global batch, or the token models' loss scaling) so shards add up.
+hand-written layers, bit for bit. A token model's loss is a sum the runner
+weights (the token loss scaling); a classifier's is weighted already; so shards add up.
 """
 from __future__ import annotations
 

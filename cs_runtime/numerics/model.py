@@ -6,9 +6,10 @@ a softmax cross-entropy loss. Each layer runs as a unit of a compiled program
 units, or a built-in layer lowered by cs_runtime/compiler/families.py. The
 same program runs in the CPU oracle and in every WSE emulator, so the maths is
 identical by construction; only the rows of the batch (data-parallel shards)
-and the summation order of gradients across WSEs differ. (A mixed-precision
-dense model still runs the dense kernels below, until the executor rounds
-matmul operands as they do.)
+and the summation order of gradients across WSEs differ. Every run lowers
+its spec first, in every precision (compiler/stage.py runnable); the dense
+layer functions below run only an unlowered spec (tests), and are the
+reference the lowered program equals bit for bit (tests/test_lowered_dense.py).
 
 Conventions that make data parallel equal the oracle:
 - losses and gradients are scaled by one factor for the whole global batch on
