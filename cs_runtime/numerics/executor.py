@@ -52,11 +52,12 @@ def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
     """inputs: (upstream gradient, forward inputs..., forward output)."""
     of = node.attrs["of"]
     g, *fwd, out = (env[name] if name else None for name in node.inputs)
+    wanted = tuple(bool(name) for name in node.outputs)   # the rest: no gradient asked for
     if fmt != "float32" and of in mixed_ops.MATMUL_LIKE:
         grads = mixed_ops.vjp(of, g, fwd, out, node.attrs.get("attrs", {}), fmt,
-                              _positions(node.inputs[1:-1], exact))
+                              _positions(node.inputs[1:-1], exact), wanted)
     else:
-        grads = OPS[of].vjp(g, fwd, out, node.attrs.get("attrs", {}))
+        grads = OPS[of].grads(g, fwd, out, node.attrs.get("attrs", {}), wanted)
     for name, grad, x in zip(node.outputs, grads, fwd):
         if name:
             # Gradients take the dtype and shape of what they are the gradient of.

@@ -54,14 +54,15 @@ def forward(op: str, inputs: list, attrs: dict, fmt: str, exact=()) -> np.ndarra
     return OPS[op].forward([x if i in exact else _q(x, fmt) for i, x in enumerate(inputs)], attrs)
 
 
-def vjp(op: str, g: np.ndarray, inputs: list, out, attrs: dict, fmt: str, exact=()) -> list:
-    """The gradients of a matmul-like op in `fmt` (None where an input has none)."""
+def vjp(op: str, g: np.ndarray, inputs: list, out, attrs: dict, fmt: str, exact=(), wanted=None) -> list:
+    """The gradients of a matmul-like op in `fmt` (None where an input has none, or
+    where `wanted` says it is not asked for and the op's rule can skip it)."""
     if op == SDPA:
         return _sdpa_vjp(g, inputs, attrs, fmt)
     bias = BIAS_INPUT.get(op)
     read = OPS[op].saves_inputs   # the rest are shape-only stand-ins: nothing to round
     rounded = [_q(x, fmt) if i in read and i not in exact else x for i, x in enumerate(inputs)]
-    grads = list(OPS[op].vjp(_q(g, fmt), rounded, out, attrs))
+    grads = list(OPS[op].grads(_q(g, fmt), rounded, out, attrs, wanted))
     if bias is not None and bias < len(inputs) and inputs[bias] is not None:
         grads[bias] = _bias_grad(op, g, inputs[bias].shape)
     return grads

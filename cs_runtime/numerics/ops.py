@@ -42,13 +42,23 @@ class Op:
     flops: Callable          # (input shapes, output shape, attrs) -> int
     saves_output: bool = False   # the vjp reads the forward output (so backward keeps it)
     saves_inputs: tuple[int, ...] = ()  # the inputs whose values the vjp reads
+    # The vjp takes wanted= (per input, whether its gradient is asked for) and skips the
+    # others (None): a first layer's matmul has no input gradient to compute, a dropout
+    # mask never needs one.
+    partial: bool = False
+
+    def grads(self, g, inputs, out, attrs, wanted=None) -> list:
+        """The vjp, told which gradients are wanted when it can use that."""
+        if self.partial and wanted is not None:
+            return self.vjp(g, inputs, out, attrs, wanted=wanted)
+        return self.vjp(g, inputs, out, attrs)
 
 
 OPS: dict[str, Op] = {}
 
 
-def _register(name, forward, vjp, shape, flops, saves_output=False, saves_inputs=()):
-    OPS[name] = Op(name, forward, vjp, shape, flops, saves_output, tuple(saves_inputs))
+def _register(name, forward, vjp, shape, flops, saves_output=False, saves_inputs=(), partial=False):
+    OPS[name] = Op(name, forward, vjp, shape, flops, saves_output, tuple(saves_inputs), partial)
 
 
 def _numel(shape) -> int:
@@ -178,12 +188,13 @@ def _swap(t):
     return np.swapaxes(t, -1, -2)
 
 
-def _matmul_vjp(g, inputs, out, attrs):
+def _matmul_vjp(g, inputs, out, attrs, wanted=(True, True)):
     a, b = inputs[:2]
     if b.ndim == 2 and a.ndim > 2:   # [..., k] @ [k, n]: one 2-d GEMM per gradient, not one per leading index
         g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
-        return [(g2 @ b.T).reshape(a.shape), a2.T @ g2]
-    return [unbroadcast(g @ _swap(b), a.shape), unbroadcast(_swap(a) @ g, b.shape)]
+        return [(g2 @ b.T).reshape(a.shape) if wanted[0] else None, a2.T @ g2 if wanted[1] else None]
+    return [unbroadcast(g @ _swap(b), a.shape) if wanted[0] else None,
+            unbroadcast(_swap(a) @ g, b.shape) if wanted[1] else None]
 
 
 def _flat_matmul(x, w):
@@ -195,7 +206,7 @@ def _flat_matmul(x, w):
 
 for _name in ("matmul", "mm", "bmm"):
     _register(_name, lambda i, a: _flat_matmul(i[0], i[1]), _matmul_vjp, _matmul_shape, _matmul_cost,
-              saves_inputs=(0, 1))
+              saves_inputs=(0, 1), partial=True)
 
 
 def _linear_forward(inputs, attrs):
@@ -448,11 +459,14 @@ def _dropout_forward(inputs, attrs):
     return inputs[0]
 
 
-def _dropout_vjp(g, inputs, out, attrs):
-    return [g * inputs[1], g * inputs[0]] if len(inputs) > 1 else [g]
+def _dropout_vjp(g, inputs, out, attrs, wanted=(True, True)):
+    if len(inputs) == 1:
+        return [g]
+    return [g * inputs[1] if wanted[0] else None, g * inputs[0] if wanted[1] else None]
 
 
-_register("dropout", _dropout_forward, _dropout_vjp, _same_shape, _elementwise_cost(1), saves_inputs=(0, 1))
+_register("dropout", _dropout_forward, _dropout_vjp, _same_shape, _elementwise_cost(1), saves_inputs=(0, 1),
+          partial=True)
 
 
 def _mask_shape(x_shape, attrs):
