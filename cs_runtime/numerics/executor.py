@@ -152,8 +152,10 @@ def _read(value, fmt: str, rounded_here: bool):
 def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_rounded: bool = False) -> dict:
     """Run a unit's forward on its parameters and the live values it reads;
     add what it writes to `live` and return what its backward keeps (the values
-    its rules read, and zero-cost stand-ins of those whose shape is all they need)."""
+    its rules read, and zero-cost stand-ins of those whose shape is all they need;
+    in 16 bits, the parameters it rounded itself, so the backward does not round them again)."""
     env = unit_params(unit, weights, fmt, weights_rounded)
+    params = dict(env) if fmt != "float32" and not weights_rounded else {}   # rounded here
     once = rounded_reads(unit) if fmt != "float32" else frozenset()
     env.update((r, _read(live[r], fmt, r in once)) for r in unit.reads)
     shapes = {}
@@ -162,6 +164,7 @@ def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_
     live.update((w, env[w]) for w in unit.writes)
     cache = {k: env[k] for k in unit.kept}
     cache.update((k, _stand_in(*shapes[k])) for k in unit.shape_only)
+    cache.update(params)   # the backward uses them as they are
     return cache
 
 
@@ -172,7 +175,8 @@ def unit_backward(unit, weights: dict, cache: dict, live: dict, dlive: dict, fmt
     it read into `dlive`, and returns its parameter gradients: in a 16-bit `fmt`
     rounded to it (with `grads_on_wire`, in its storage, as a WSE sends them).
     The gradients passed between units stay float32, on the WSE."""
-    env = unit_params(unit, weights, fmt, weights_rounded)
+    held = all(p in cache for p in unit.params)   # the forward's rounded parameters
+    env = {} if held else unit_params(unit, weights, fmt, weights_rounded)
     env.update(cache)
     for w in unit.grad_writes:
         g = dlive.pop(w, None)
