@@ -64,6 +64,32 @@ def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
             env[name] = np.asarray(grad, dtype=x.dtype).reshape(x.shape)
 
 
+# Ops run into their first input's buffer when nothing else can see it (run_nodes):
+# op -> (the ops whose fresh output it may overwrite, the in-place forward)
+IN_PLACE = {"add": (mixed_ops.MATMUL_LIKE, lambda a, b: np.add(a, b, out=a)),
+            "relu": (frozenset({"add"}), lambda a: np.maximum(a, 0, out=a))}
+
+
+def _in_place(node: Node, env: dict, producer: dict, last_use: dict, i: int, keep) -> bool:
+    """Run `node` into its first input's buffer: a dense layer's bias add into its matmul's
+    output and relu into that, as the hand-written layer did, saving an allocation and a
+    pass over memory each. Only for a value this run made with an op that returns a fresh
+    array (never a view), read by nothing after this node and kept for nobody."""
+    rule = IN_PLACE.get(node.op)
+    if rule is None or node.attrs or keep is None:
+        return False
+    name = node.inputs[0]
+    if producer.get(name) not in rule[0] or last_use.get(name) != i or name in keep or name in node.inputs[1:]:
+        return False
+    a, rest = env[name], [env[n] for n in node.inputs[1:]]
+    if not (isinstance(a, np.ndarray) and a.flags.writeable and a.dtype.kind == "f"
+            and all(isinstance(b, np.ndarray) and b.dtype == a.dtype for b in rest)
+            and np.broadcast_shapes(a.shape, *(b.shape for b in rest)) == a.shape):
+        return False
+    env[node.outputs[0]] = rule[1](a, *rest)
+    return True
+
+
 def _stand_in(shape, dtype) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape))
 
@@ -84,8 +110,11 @@ def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
     for name in shapes_of:
         if name in env:
             shapes[name] = (env[name].shape, env[name].dtype)
+    producer: dict[str, str] = {}
     for i, node in enumerate(nodes):
-        run_node(node, env, fmt, exact)
+        if not _in_place(node, env, producer, last_use, i, keep):
+            run_node(node, env, fmt, exact)
+        producer[node.outputs[0]] = node.op
         for name in node.outputs:
             if name in shapes_of:
                 shapes[name] = (env[name].shape, env[name].dtype)
