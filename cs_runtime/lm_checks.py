@@ -28,9 +28,6 @@ def language_model_problems(params: Params, model: str) -> list[str]:
         return [f"model: this script builds {model}, but the params were read as a {type(m).__name__} section "
                 f"(say model: {{name: {model}}}, or run the {model} example)"]
     problems = []
-    if m.mixed_precision:
-        problems.append(f"model.mixed_precision: true ({params.precision}) is emulated for dense layers only; "
-                        "set mixed_precision: false (--override model.mixed_precision=false)")
     if m.share_embedding_weights:
         problems.append("model.share_embedding_weights: true (a tied token embedding and output head) is not "
                         "emulated yet; set it to false")

@@ -56,8 +56,10 @@ def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
 
 def runnable(spec: ModelSpec) -> ModelSpec:
     """The spec as every path runs it: a built-in model lowered to its program
-    (in mixed precision, until the executor rounds matmul operands, its layers)."""
-    return lower_spec(spec) if spec.precision == "float32" else spec
+    (a dense model in mixed precision, until the executor rounds matmul operands
+    as its kernels do, its layers; GPT-2 and BERT have only their program)."""
+    dense = all(layer.op == "dense" for layer in spec.layers)
+    return lower_spec(spec) if spec.precision == "float32" or not dense else spec
 
 
 def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:

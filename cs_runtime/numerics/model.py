@@ -105,10 +105,6 @@ class ModelSpec:
                              f"{', '.join(kernels.TOKEN_LOSS_SCALINGS)}")
         if self.precision not in FORMATS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {sorted(FORMATS)}")
-        transformer = [l for l in self.layers if l.op in LAYER_SHAPES]
-        if self.precision != "float32" and transformer:
-            raise ValueError(f"mixed precision ({self.precision}) is implemented for dense layers only; "
-                             f"layer {transformer[0].name} (op {transformer[0].op}) computes in float32")
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "loss": self.loss, "precision": self.precision,
