@@ -3,7 +3,7 @@ params before they build a model: every model-zoo setting the emulated model
 cannot honour is one line, all of them at once (`ParamsError`), so no key is
 accepted and then ignored.
 
-    problems = language_model_problems(params, "gpt2")   # [] or ["model.mixed_precision: ...", ...]
+    problems = language_model_problems(params, "gpt2")   # [] or ["model.use_bias_in_output: ...", ...]
 """
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ format and accumulates in float32; biases are used in the 16-bit format too
 (they stream as the weights do), and the weight gradients come out in the
 16-bit format, as a 16-bit matmul on the wafer emits them. Activation
 functions, the loss and the master weights stay float32. A compiled
-program's matmul-like ops follow the same rule (mixed_ops.py).
+program's matmul-like ops follow the same rule (mixed_ops.py): a GPT-2 or
+BERT's matmuls and attention, while its layer norms, softmax, GELU and
+embedding compute in float32.
 """
 from __future__ import annotations
 
