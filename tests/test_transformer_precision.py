@@ -24,7 +24,7 @@ from cs_runtime.numerics import mixed_ops
 from cs_runtime.numerics import precision as P
 from cs_runtime.numerics.ops import OPS
 from tests.cluster_utils import final_weights, tool, train_losses
-from tests.test_transformer import example, write_lm_params
+from tests.test_transformer import eval_loss, example, write_lm_params
 
 FORMATS16 = ("float16", "bfloat16", "cbfloat16")
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "cbfloat16": 2.0 ** -10}
@@ -153,9 +153,9 @@ def _params(tmp_path, style: str, fmt: str, name: str, steps: int = STEPS, **sec
     return write_lm_params(tmp_path / name, style, **sections)
 
 
-def _train(launcher: list[str], style: str, params: str, model_dir, *extra: str) -> str:
-    """Train (no eval); the run's stdout and stderr."""
-    cmd = [*launcher, sys.executable, example(style), "--mode", "train", "--params", params,
+def _train(launcher: list[str], style: str, params: str, model_dir, *extra: str, mode: str = "train") -> str:
+    """Train (no eval unless `mode` says); the run's stdout and stderr."""
+    cmd = [*launcher, sys.executable, example(style), "--mode", mode, "--params", params,
            "--model_dir", str(model_dir), *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -225,9 +225,10 @@ def test_bert_pipelined_in_bfloat16_with_a_static_loss_scale_equals_the_cpu_path
     _train([tool("csrun_cpu")], "bert", _params(tmp_path, "bert", "float32", "f32.yaml"), float32_dir)
     params = _params(tmp_path, "bert", "bfloat16", "bf16.yaml", optimizer={"loss_scaling_factor": 128.0},
                      runconfig={"execution_strategy": "pipelined"})
-    cpu = _train([tool("csrun_cpu")], "bert", params, tmp_path / "cpu")
-    wse = _train(ONE_WSE, "bert", params, tmp_path / "wse")
+    cpu = _train([tool("csrun_cpu")], "bert", params, tmp_path / "cpu", mode="train_and_eval")
+    wse = _train(ONE_WSE, "bert", params, tmp_path / "wse", mode="train_and_eval")
     assert f"Mode=pipelined, Step={STEPS}," in wse and "WeightBytes/step=0" in wse
+    assert eval_loss(wse) == eval_loss(cpu)   # eval in 16 bits too, to the printed digit
     losses = _assert_bit_equal(tmp_path / "wse", tmp_path / "cpu")
     _assert_near_float32(losses, train_losses(float32_dir), "bfloat16", cpu + wse)
 
