@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
-
 from dataclasses import replace
 
 import numpy as np
@@ -120,19 +118,19 @@ def test_only_matmuls_and_attention_round_layer_norm_gelu_embedding_stay_float32
     env = {**shared_values(spec), "x": rng.integers(1, 200, (2, 8)), "labels": rng.integers(0, 200, (2, 8)),
            "dropout_context": np.array([0, 0, 0, 2, 2, 1], np.int64)}
     seen = set()
-    for index, layer in enumerate(spec.layers):
+    for layer in spec.layers:
         unit = unit_of(layer)
         env.update(unit_params(unit, _program_weights(layer, weights[layer.name]), fmt))
         for node in unit.forward:
             inputs = [env[name] for name in node.inputs]
             run_node(node, env, fmt, frozenset(unit.params))
             out = env[node.outputs[0]]
-            if node.op in mixed_ops.MATMUL_LIKE:
-                want = OPS[node.op].forward([P.quantize(x, fmt) if x.dtype.kind == "f" else x for x in inputs],
-                                            node.attrs) if node.op == "matmul" else out
-            else:
-                want = OPS[node.op].forward(inputs, node.attrs)
-            np.testing.assert_array_equal(out, want, err_msg=f"{layer.name} {node.op}")
+            if node.op == "self_attention":
+                continue   # its rule: the tests above
+            if node.op == "matmul":   # on rounded operands
+                inputs = [P.quantize(x, fmt) for x in inputs]
+            np.testing.assert_array_equal(out, OPS[node.op].forward(inputs, node.attrs),
+                                          err_msg=f"{layer.name} {node.op}")
             if node.op in ("layer_norm", "gelu", "embedding", "add") and out.dtype.kind == "f":
                 seen.add(node.op)
                 if node.op != "embedding":   # a lookup of a streamed (16-bit) table: its rows
