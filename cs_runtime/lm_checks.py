@@ -3,7 +3,7 @@ params before they build a model: every model-zoo setting the emulated model
 cannot honour is one line, all of them at once (`ParamsError`), so no key is
 accepted and then ignored.
 
-    problems = language_model_problems(params, "gpt2")   # [] or ["model.mixed_precision: ...", ...]
+    problems = language_model_problems(params, "gpt2")   # [] or ["model.use_bias_in_output: ...", ...]
 """
 from __future__ import annotations
 
@@ -28,9 +28,6 @@ def language_model_problems(params: Params, model: str) -> list[str]:
         return [f"model: this script builds {model}, but the params were read as a {type(m).__name__} section "
                 f"(say model: {{name: {model}}}, or run the {model} example)"]
     problems = []
-    if m.mixed_precision:
-        problems.append(f"model.mixed_precision: true ({params.precision}) is emulated for dense layers only; "
-                        "set mixed_precision: false (--override model.mixed_precision=false)")
     if m.share_embedding_weights:
         problems.append("model.share_embedding_weights: true (a tied token embedding and output head) is not "
                         "emulated yet; set it to false")

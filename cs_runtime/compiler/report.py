@@ -46,6 +46,16 @@ def _region(k: dict[str, Any], strategy: str) -> str:
     return "whole wafer" if strategy == "weight_streaming" else f"x={r['x']} y={r['y']} {r['w']}x{r['h']}"
 
 
+# Kernels whose operands are rounded to a 16-bit precision (numerics/mixed_ops.py's
+# matmul-like ops, as the kernel graph names them); every other kernel is float32.
+ROUNDED_KERNELS = frozenset({"matmul", "fused_dense", "attention"})
+
+
+def kernel_precision(kernel: dict[str, Any], precision: str) -> str:
+    """The format a kernel computes on: its operands' for a matmul-like kernel, else float32."""
+    return precision if kernel["op"] in ROUNDED_KERNELS else "float32"
+
+
 def render_report(plan: dict[str, Any]) -> str:
     est, strategy, t = plan["estimate"], plan["execution_strategy"], plan["target"]
     lines = [
@@ -62,10 +72,11 @@ def render_report(plan: dict[str, Any]) -> str:
     width = max(len(label) for label, _ in OVERALL_FIELDS) + 1
     lines += [f"{label + ':':<{width}} {_num(est[key])}" for label, key in OVERALL_FIELDS]
     lines += ["", "Estimated Performance Per Kernel", "--------------------------------"]
-    headers = ["Kernel", "Op", "Layer", "PEs", "Active PEs", "Region", "FLOPs/sample",
+    headers = ["Kernel", "Op", "Layer", "Precision", "PEs", "Active PEs", "Region", "FLOPs/sample",
                "Memory", "Compute Samples/s", "Transmission Samples/s"]
-    rows = [[k["name"], k["op"], k["layer"], f"{k['pes']:,}", f"{k['active_pes']:,}", _region(k, strategy),
-             _num(k["flops_per_sample"]), fmt_bytes(k["resident_bytes"]),
+    precision = plan.get("precision", "float32")
+    rows = [[k["name"], k["op"], k["layer"], kernel_precision(k, precision), f"{k['pes']:,}",
+             f"{k['active_pes']:,}", _region(k, strategy), _num(k["flops_per_sample"]), fmt_bytes(k["resident_bytes"]),
              _num(k["compute_samples_per_s"]), _num(k["transmission_samples_per_s"])]
             for k in plan["kernels"]]
     lines += _table(headers, rows)

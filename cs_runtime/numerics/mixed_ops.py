@@ -17,7 +17,11 @@ z, is a float32 value. The ops here do the same, operand for operand:
 - scaled_dot_product_attention, two matmuls around a float32 softmax:
   scores = q(Q) @ q(K).T * scale, out = q(P) @ q(V); its backward rounds the
   matmul operands (q(g), q(P), q(dscores)) and keeps the softmax's
-  derivative in float32, as a dense layer keeps its activation's.
+  derivative in float32, as a dense layer keeps its activation's;
+- self_attention (a built-in GPT-2 / BERT block's attention on the packed
+  q/k/v projection) the same way: scores = q(Q) @ q(K).T * scale, a float32
+  softmax (the model zoo's attention_softmax_fp32), its dropout in float32,
+  out = q(P) @ q(V); backward as scaled_dot_product_attention's.
 
 Every other op (activations, norms, softmax, the loss, reshapes) computes in
 float32 on what it is given. The parameter gradients leave the unit in the
@@ -29,14 +33,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from cs_runtime.numerics import ops
+from cs_runtime.numerics import kernels, ops
 from cs_runtime.numerics.ops import OPS, unbroadcast
 from cs_runtime.numerics.precision import quantize
 
 # op -> the input that is a bias (added, not multiplied), if it has one
 BIAS_INPUT = {"linear": 2, "addmm": 0, "conv2d": 2}
 SDPA = "scaled_dot_product_attention"
-MATMUL_LIKE = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "conv2d", SDPA})
+SELF_ATTENTION = "self_attention"
+MATMUL_LIKE = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "conv2d", SDPA, SELF_ATTENTION})
 
 
 def _q(x, fmt: str):
@@ -51,6 +56,8 @@ def forward(op: str, inputs: list, attrs: dict, fmt: str, exact=()) -> np.ndarra
     fmt's values already (a unit's parameters): rounding them again would change nothing."""
     if op == SDPA:
         return _sdpa_forward(inputs, attrs, fmt)
+    if op == SELF_ATTENTION:
+        return _attention_forward(inputs, attrs, fmt)
     return OPS[op].forward([x if i in exact else _q(x, fmt) for i, x in enumerate(inputs)], attrs)
 
 
@@ -59,6 +66,8 @@ def vjp(op: str, g: np.ndarray, inputs: list, out, attrs: dict, fmt: str, exact=
     where `wanted` says it is not asked for and the op's rule can skip it)."""
     if op == SDPA:
         return _sdpa_vjp(g, inputs, attrs, fmt)
+    if op == SELF_ATTENTION:
+        return [_attention_vjp(g, inputs, attrs, fmt), *([None] * (len(inputs) - 1))]
     bias = BIAS_INPUT.get(op)
     read = OPS[op].saves_inputs   # the rest are shape-only stand-ins: nothing to round
     rounded = [_q(x, fmt) if i in read and i not in exact else x for i, x in enumerate(inputs)]
@@ -103,3 +112,37 @@ def _sdpa_vjp(g, inputs, attrs, fmt):
         grads.append(None if mask.dtype == bool else unbroadcast(dscores / scale, mask.shape))
     return grads
 
+
+
+def _attention_cache(inputs, attrs, fmt) -> kernels.AttentionCache:
+    """self_attention's heads (from the rounded projection) and float32 probabilities,
+    the dropped probabilities rounded: they are the second matmul's operand."""
+    qkv, keep, drop = ops._attention_parts(inputs, attrs)
+    cache = kernels.attention_probs(quantize(qkv, fmt), int(attrs["heads"]), bool(attrs.get("causal")), keep, drop)
+    cache.dropped = quantize(cache.dropped, fmt)
+    return cache
+
+
+def _attention_forward(inputs, attrs, fmt):
+    cache = _attention_cache(inputs, attrs, fmt)
+    b, heads, t, hd = cache.q.shape
+    return (cache.dropped @ cache.v).transpose(0, 2, 1, 3).reshape(b, t, heads * hd)
+
+
+def _attention_vjp(g, inputs, attrs, fmt):
+    """d qkv, as kernels.attention_backward, with the matmul operands rounded
+    (the upstream gradient and the score gradient; the heads and probabilities are)."""
+    cache = _attention_cache(inputs, attrs, fmt)
+    q, k, v = cache.q, cache.k, cache.v
+    b, heads, t, hd = q.shape
+    do = quantize(g, fmt).reshape(b, t, heads, hd).transpose(0, 2, 1, 3)
+    dv = ops._swap(cache.dropped) @ do
+    dprobs = do @ ops._swap(v)
+    if cache.drop is not None:
+        dprobs *= cache.drop
+    p = cache.probs
+    dscores = p * (dprobs - (dprobs * p).sum(axis=-1, keepdims=True))
+    dscores *= q.dtype.type(1.0 / np.sqrt(hd))
+    ds = quantize(dscores, fmt)
+    merged = [x.transpose(0, 2, 1, 3).reshape(b, t, heads * hd) for x in (ds @ k, ops._swap(ds) @ q, dv)]
+    return np.concatenate(merged, axis=-1)
