@@ -12,7 +12,7 @@ Eval reports the mean loss per token (perplexity = exp(loss)).
 """
 from cs_runtime.data.hdf5 import GptHdf5Dataset, h5_files
 from cs_runtime.data.text import GptDataset, load_corpus
-from cs_runtime.lm_checks import check_language_model, seq_len
+from cs_runtime.lm_checks import check_language_model, head_options, seq_len
 from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.runner import run
 
@@ -23,7 +23,8 @@ def model_fn(params):
     return transformer_spec("gpt2", style="gpt2", vocab_size=m.vocab_size, max_len=m.max_position_embeddings,
                             hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
                             ffn_features=m.filter_size, dropout=m.dropout_rate,
-                            attn_dropout=m.attention_dropout_rate, eps=m.layer_norm_epsilon)
+                            attn_dropout=m.attention_dropout_rate, eps=m.layer_norm_epsilon,
+                            **head_options(params, "gpt2"))
 
 
 def dataset(params, section, split: str):
