@@ -252,22 +252,81 @@ def test_fc_mnist_files_validate_as_shipped(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.cluster
 def test_language_model_files_validate_to_the_numerics_not_yet_emulated(tmp_path: Path) -> None:
-    """GPT-2 small and BERT base pass the params schema as shipped; what stops them is
-    the emulated model (16-bit transformers, a tied head): all of it, a line each."""
-    result = run_script("gpt2", FILES / "gpt2_small_trainer.yaml", tmp_path / "model_dir", "--validate_only")
-    assert result.returncode == 2
-    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == [
-        "model.mixed_precision", "model.share_embedding_weights", "model.use_bias_in_output"]
-    fixes = ["--override", "trainer.init.precision.enabled=false",
-             "--override", "trainer.init.model.share_embedding_weights=false",
-             "--override", "trainer.init.model.use_bias_in_output=true"]
+    """GPT-2 small and BERT base pass the params schema as shipped, the tied head included;
+    what stops them is the emulated model (16-bit transformers, BERT's next-sentence head):
+    all of it, a line each."""
+    for name in ("gpt2_small_trainer", "gpt2_small_r18"):
+        result = run_script("gpt2", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
+        assert result.returncode == 2
+        assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == ["model.mixed_precision"]
+    fixes = ["--override", "trainer.init.precision.enabled=false"]
     result = run_script("gpt2", FILES / "gpt2_small_trainer.yaml", tmp_path / "model_dir", "--validate_only", *fixes)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "gpt2 is valid: 14 layers" in result.stdout
+    # GPT-2 small, tied and without an output bias, each parameter once: HF's 124,439,808
+    # and 1024 more positions of width 768 (this file's max_position_embeddings is 2048)
+    assert f"gpt2 is valid: 14 layers, {124_439_808 + 1024 * 768:,} parameters" in result.stdout
     result = run_script("bert", FILES / "bert_base_r18.yaml", tmp_path / "model_dir", "--validate_only")
     assert result.returncode == 2
     assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == [
         "model.mixed_precision", "model.disable_nsp"]
+
+
+# The shipped GPT-2 small / BERT base shrunk to test size: only sizes, data, steps (and the
+# 16-bit setting and BERT's next-sentence head, which the emulated model does not have).
+SHRINK = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "filter_size": 64, "vocab_size": 512,
+          "max_position_embeddings": 16}
+LM_FILES = {
+    "gpt2_small_r18": ("gpt2", "model.", "train_input.", "eval_input.", "runconfig.max_steps",
+                       ["model.mixed_precision=false"]),
+    "gpt2_small_trainer": ("gpt2", "trainer.init.model.", "trainer.fit.train_dataloader.",
+                           "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
+                           ["trainer.init.precision.enabled=false"]),
+    "bert_base_r18": ("bert", "model.", "train_input.", "eval_input.", "runconfig.max_steps",
+                      ["model.mixed_precision=false", "model.disable_nsp=true",
+                       "train_input.max_sequence_length=16", "eval_input.max_sequence_length=16",
+                       "train_input.max_predictions_per_seq=3", "eval_input.max_predictions_per_seq=3"]),
+}
+
+
+def shrunk(name: str, data: str, steps: int) -> tuple[str, list[str]]:
+    model, m, train, val, max_steps, extra = LM_FILES[name]
+    sets = [f"{m}{k}={v}" for k, v in SHRINK.items()] + extra + [
+        f"{train}data_dir={data}/train", f"{val}data_dir={data}/val", f"{train}batch_size=4",
+        f"{val}batch_size=4", f"{max_steps}={steps}"]
+    return model, [arg for s in sets for arg in ("--override", s)]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("name", sorted(LM_FILES))
+def test_language_model_files_train_tied_on_the_cs_system_as_on_the_cpu(tmp_path: Path, name: str) -> None:
+    """The model zoo's head (tied to the token embedding; GPT-2's without a bias) on one WSE
+    equals the CPU path step by step, and the checkpoint holds the table once: weight
+    streaming for the 1.8 files (a wafer memory the model exceeds, csconfig), layer
+    pipelined for the trainer file (it fits; a 2.x file has no csconfig)."""
+    steps = 6
+    model, overrides = shrunk(name, token_data(tmp_path / "tokens", vocab=512), steps)
+    trainer = name.endswith("trainer")
+    if not trainer:
+        overrides += ["--override", "csconfig.wafer_memory_bytes=100000"]
+    runs = {}
+    for launcher in ("csrun_cpu", "csrun_wse"):
+        model_dir = tmp_path / launcher
+        result = run_script(model, FILES / f"{name}.yaml", model_dir, *overrides, launcher=launcher)
+        assert result.returncode == 0, result.stdout + result.stderr
+        if launcher == "csrun_wse":
+            mode = "pipelined" if trainer else "weight_streaming"
+            assert f"Mode={mode}, Step={steps}," in result.stdout, result.stdout
+        with np.load(model_dir / f"checkpoint_{steps}.npz") as ckpt:
+            runs[launcher] = (train_losses(model_dir), {k: ckpt[k] for k in ckpt.files if k.startswith("model/")})
+    (cpu_losses, cpu_w), (wse_losses, wse_w) = runs["csrun_cpu"], runs["csrun_wse"]
+    assert len(cpu_losses) == steps and np.isfinite(cpu_losses).all()
+    np.testing.assert_allclose(wse_losses, cpu_losses, rtol=1e-5)
+    assert "model/embed/tokens" in cpu_w and not [k for k in cpu_w if k.startswith("model/lm_head/")
+                                                  and k.rsplit("/", 1)[1] in ("tokens", "decoder_weight")]
+    assert ("model/lm_head/decoder_bias" in cpu_w) == (model == "bert")   # GPT-2: use_bias_in_output false
+    assert cpu_w.keys() == wse_w.keys()
+    for key in cpu_w:
+        np.testing.assert_allclose(wse_w[key], cpu_w[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 @pytest.mark.cluster
