@@ -38,8 +38,9 @@ def language_model_problems(params: Params, model: str) -> list[str]:
         problems.append(f"model.mlm_loss_weight: applies with mlm_loss_scaling: batch_size only; with "
                         f"{m.mlm_loss_scaling} the loss is the mean over the masked tokens; remove one of them")
     if model == "bert" and m.disable_nsp is not True:
-        problems.append("model.disable_nsp: the model zoo's BERT also learns next-sentence prediction unless "
-                        "disable_nsp: true; that head is not emulated, so set disable_nsp: true")
+        problems.append("model.disable_nsp: the model zoo's BERT also learns next-sentence prediction (a pooler, "
+                        "segment embeddings and next_sentence_label data) unless disable_nsp: true; that head is "
+                        "not emulated, so set disable_nsp: true (--override model.disable_nsp=true)")
     for name in ("train_input", "eval_input"):
         section = getattr(params, name)
         if seq_len(params, section) > m.max_position_embeddings:

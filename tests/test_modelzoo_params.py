@@ -543,3 +543,49 @@ def test_mlm_loss_weight_scales_bert_loss_as_the_model_zoo() -> None:
     np.testing.assert_allclose(result.delta, 0.25 * grad / 3, rtol=1e-5, atol=1e-7)
     unweighted = model_fn(params_from_dict({"model": {**model, "mlm_loss_weight": None}}, model="bert"))
     assert model_loss(unweighted, logits, labels, 3, 4).loss == pytest.approx(hand / 3, rel=1e-6)
+
+
+BERT_MODEL = {"name": "bert", "vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 1, "num_heads": 2,
+              "filter_size": 16, "max_position_embeddings": 6, "dropout_rate": 0.0, "attention_dropout_rate": 0.0,
+              "layer_norm_epsilon": 1e-5, "disable_nsp": True}
+
+
+def test_mlm_loss_scaling_num_masked_is_the_mean_over_the_masked_tokens() -> None:
+    from examples.bert.run import model_fn
+    from cs_runtime.numerics.model import model_loss
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, 6, 11)).astype(np.float32)
+    labels = np.full((3, 6), -100, dtype=np.int64)
+    labels[0, 1], labels[1, 4], labels[2, 0] = 3, 7, 10
+    z = logits[labels != -100].astype(np.float64)
+    picked = z[np.arange(3), labels[labels != -100]]
+    mean = float((np.log(np.exp(z).sum(axis=1)) - picked).mean())
+    for scaling in ("num_masked", "Precomputed_Num_Masked"):
+        spec = model_fn(params_from_dict({"model": {**BERT_MODEL, "mlm_loss_scaling": scaling}}, model="bert"))
+        assert spec.loss_scaling == scaling.lower()
+        assert model_loss(spec, logits, labels, global_batch=3, label_count=3).loss == pytest.approx(mean, rel=1e-6)
+    assert model_fn(params_from_dict({"model": BERT_MODEL}, model="bert")).loss_scaling == "batch_size"
+    assert any("model.mlm_loss_scaling" in line for line in error_lines(
+        {"model": {**BERT_MODEL, "mlm_loss_scaling": "num_tokens"}}, "bert"))
+    with pytest.raises(ParamsError) as info:
+        model_fn(params_from_dict({"model": {**BERT_MODEL, "mlm_loss_scaling": "num_masked",
+                                             "mlm_loss_weight": 0.5}}, model="bert"))
+    assert [line.split(":")[0] for line in lines_of(info)] == ["model.mlm_loss_weight"]
+
+
+def test_the_heads_are_the_model_zoos_unless_the_file_says_otherwise() -> None:
+    """share_embedding_weights defaults to true (both models), use_bias_in_output to false
+    (GPT-2); BERT's decoder keeps its bias and reads no use_bias_in_output."""
+    from examples.bert.run import model_fn as bert_fn
+    from examples.gpt2.run import model_fn as gpt2_fn
+    gpt2 = {key: value for key, value in BERT_MODEL.items() if key != "disable_nsp"} | {"name": "gpt2"}
+    head = lambda fn, model, kind: fn(params_from_dict({"model": model}, model=kind)).layers[-1]  # noqa: E731
+    assert (head(gpt2_fn, gpt2, "gpt2").tied, head(gpt2_fn, gpt2, "gpt2").out_bias) == ("embed", False)
+    custom = head(gpt2_fn, {**gpt2, "share_embedding_weights": False, "use_bias_in_output": True}, "gpt2")
+    assert (custom.tied, custom.out_bias) == ("", True) and "decoder_weight" in custom.param_shapes()
+    bert = head(bert_fn, BERT_MODEL, "bert")
+    assert (bert.tied, bert.out_bias) == ("embed", True)
+    assert not head(bert_fn, {**BERT_MODEL, "share_embedding_weights": False}, "bert").tied
+    with pytest.raises(ParamsError) as info:
+        bert_fn(params_from_dict({"model": {**BERT_MODEL, "use_bias_in_output": True}}, model="bert"))
+    assert [line.split(":")[0] for line in lines_of(info)] == ["model.use_bias_in_output"]
