@@ -208,14 +208,16 @@ def tied_copies(spec) -> frozenset:
 
 def tie_grads(spec, grads: list[dict]) -> list[dict]:
     """Every copy of a parameter read by several layers gets the sum of their gradients."""
-    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
-    for copy, source in tied_sources(spec).items():
-        groups.setdefault(source, [source]).append(copy)
-    for readers in groups.values():
-        if not all(grads[i] and name in grads[i] for i, name in readers):
-            continue
-        total = sum(np.asarray(grads[i][name], dtype=np.float32) for i, name in readers)
-        for n, (i, name) in enumerate(readers):
-            # each layer its own copy: a later in-place step (unscaling) must touch each once
-            grads[i] = {**grads[i], name: total if n == 0 else total.copy()}
+    owners: dict[str, list[tuple[int, str]]] = {}
+    for i, layer in enumerate(spec.layers):
+        local = layer.unit.get("local") if isinstance(getattr(layer, "unit", None), dict) else None
+        program = {name: full for full, name in local.items()} if local else {}
+        for name in grads[i] or {}:
+            owners.setdefault(program.get(name, name), []).append((i, name))
+    for readers in owners.values():
+        if len(readers) > 1:
+            total = sum(np.asarray(grads[i][name], dtype=np.float32) for i, name in readers)
+            for n, (i, name) in enumerate(readers):
+                # each layer its own copy: a later in-place step (unscaling) must touch each once
+                grads[i] = {**grads[i], name: total if n == 0 else total.copy()}
     return grads
