@@ -341,9 +341,9 @@ class BertModelConfig(TransformerModelConfig):
     pooler_nonlinearity: Optional[StrictStr] = None
     disable_nsp: Optional[StrictBool] = None
     # The masked-LM loss is the model zoo's sum over predicted tokens * mlm_loss_weight
-    # / batch_size (transformer_spec's default for BERT, with the weight 1.0 when None).
+    # / batch_size (transformer_spec's default for BERT, with the weight 1.0 when None),
     mlm_loss_weight: Optional[PosFloat] = None
-    # Or the mean over the masked tokens (num_masked; precomputed_num_masked is the same number).
+    # or the mean over the masked tokens (num_masked; precomputed_num_masked is the same number).
     mlm_loss_scaling: Literal["batch_size", "num_masked", "precomputed_num_masked"] = "batch_size"
 
     _lower_nl = field_validator("encoder_nonlinearity", "mlm_loss_scaling", mode="before")(_lower)

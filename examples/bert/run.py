@@ -10,8 +10,11 @@ The corpus is the Python reference text shipped with Python
 (pydoc_data.topics), or the model zoo's preprocessed *.h5 files in
 train_input.data_dir (cs_runtime/data/hdf5.py, h5py), else its *.txt / *.npy files.
 The training loss is the model zoo's: the masked tokens' summed cross-entropy
-/ batch_size * model.mlm_loss_weight (default 1.0). Eval reports the mean
-loss and accuracy over the masked tokens.
+/ batch_size * model.mlm_loss_weight (default 1.0), or with
+model.mlm_loss_scaling num_masked / precomputed_num_masked their mean. The
+head's decoder is the token embedding, transposed, unless
+share_embedding_weights: false. Eval reports the mean loss and accuracy over
+the masked tokens.
 """
 from cs_runtime.data.hdf5 import BertHdf5Dataset, h5_files
 from cs_runtime.data.text import PAD, BertDataset, load_corpus

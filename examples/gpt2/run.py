@@ -8,6 +8,8 @@ Trains next-token prediction on the Python reference text that ships with
 Python (pydoc_data.topics), byte-level tokens (cs_runtime/data/text.py); with
 train_input.data_dir, on the model zoo's preprocessed *.h5 files there
 (cs_runtime/data/hdf5.py, h5py), else the *.txt or pre-tokenised *.npy files.
+The head's decoder is the token embedding, transposed, without a bias, as the
+model zoo's GPT-2 (share_embedding_weights, use_bias_in_output).
 Eval reports the mean loss per token (perplexity = exp(loss)).
 """
 from cs_runtime.data.hdf5 import GptHdf5Dataset, h5_files
