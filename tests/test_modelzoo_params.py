@@ -589,3 +589,23 @@ def test_the_heads_are_the_model_zoos_unless_the_file_says_otherwise() -> None:
     with pytest.raises(ParamsError) as info:
         bert_fn(params_from_dict({"model": {**BERT_MODEL, "use_bias_in_output": True}}, model="bert"))
     assert [line.split(":")[0] for line in lines_of(info)] == ["model.use_bias_in_output"]
+
+
+@pytest.mark.cluster
+def test_a_tied_model_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path: Path) -> None:
+    """The checkpoint holds the table once; a resumed run gives the head its copy back (and the
+    copy's Adam slots) and goes on exactly as the run that never stopped."""
+    data = token_data(tmp_path / "tokens", vocab=512)
+    _, overrides = shrunk("gpt2_small_r18", data, 6)
+    overrides += ["--override", "runconfig.checkpoint_steps=3"]
+    straight = run_script("gpt2", FILES / "gpt2_small_r18.yaml", tmp_path / "straight", *overrides)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    resumed = run_script("gpt2", FILES / "gpt2_small_r18.yaml", tmp_path / "resumed", *overrides,
+                         "--checkpoint_path", str(tmp_path / "straight" / "checkpoint_3.npz"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    with np.load(tmp_path / "straight" / "checkpoint_6.npz") as a, np.load(tmp_path / "resumed" / "checkpoint_6.npz") as b:
+        assert "optimizer/embed/tokens/exp_avg" in a.files and "optimizer/lm_head/tokens/exp_avg" not in a.files
+        assert set(a.files) == set(b.files)
+        for key in a.files:
+            if key.startswith(("model/", "optimizer/")):
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
