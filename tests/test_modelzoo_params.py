@@ -29,7 +29,8 @@ FILES = REPO / "tests" / "modelzoo_params"
 SCRIPT = {"fc_mnist": REPO / "examples/fc_mnist/run.py", "gpt2": REPO / "examples/gpt2/run.py",
           "bert": REPO / "examples/bert/run.py"}
 SHIPPED = [("fc_mnist_pytorch_r18", "fc_mnist"), ("fc_mnist_pytorch_r20", "fc_mnist"), ("fc_mnist_tf", "fc_mnist"),
-           ("gpt2_small_r18", "gpt2"), ("gpt2_small_trainer", "gpt2"), ("bert_base_r18", "bert")]
+           ("gpt2_small_r18", "gpt2"), ("gpt2_small_trainer", "gpt2"), ("bert_base_r18", "bert"),
+           ("bert_base_trainer", "bert")]
 
 
 def lines_of(exc: pytest.ExceptionInfo) -> list[str]:
@@ -265,10 +266,18 @@ def test_language_model_files_validate_to_the_numerics_not_yet_emulated(tmp_path
     # GPT-2 small, tied and without an output bias, each parameter once: HF's 124,439,808
     # and 1024 more positions of width 768 (this file's max_position_embeddings is 2048)
     assert f"gpt2 is valid: 14 layers, {124_439_808 + 1024 * 768:,} parameters" in result.stdout
-    result = run_script("bert", FILES / "bert_base_r18.yaml", tmp_path / "model_dir", "--validate_only")
-    assert result.returncode == 2
-    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == [
-        "model.mixed_precision", "model.disable_nsp"]
+    for name in ("bert_base_r18", "bert_base_trainer"):
+        result = run_script("bert", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
+        assert result.returncode == 2
+        assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == [
+            "model.mixed_precision", "model.disable_nsp"]
+    result = run_script("bert", FILES / "bert_base_trainer.yaml", tmp_path / "model_dir", "--validate_only",
+                        "--override", "trainer.init.precision.enabled=false",
+                        "--override", "trainer.init.model.disable_nsp=true")
+    assert result.returncode == 0, result.stdout + result.stderr
+    # BERT base's masked-LM model, tied head: 109,514,298 parameters (HF's BertForMaskedLM with
+    # its 2 segment embeddings, which the emulated model has not, so 2 * 768 fewer)
+    assert f"bert is valid: 14 layers, {109_514_298 - 2 * 768:,} parameters" in result.stdout
 
 
 # The shipped GPT-2 small / BERT base shrunk to test size: only sizes, data, steps (and the
@@ -285,6 +294,11 @@ LM_FILES = {
                       ["model.mixed_precision=false", "model.disable_nsp=true",
                        "train_input.max_sequence_length=16", "eval_input.max_sequence_length=16",
                        "train_input.max_predictions_per_seq=3", "eval_input.max_predictions_per_seq=3"]),
+    "bert_base_trainer": ("bert", "trainer.init.model.", "trainer.fit.train_dataloader.",
+                          "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
+                          ["trainer.init.precision.enabled=false", "trainer.init.model.disable_nsp=true",
+                           *(f"trainer.fit.{loader}.{key}" for loader in ("train_dataloader", "val_dataloader")
+                             for key in ("max_sequence_length=16", "max_predictions_per_seq=3"))]),
 }
 
 
