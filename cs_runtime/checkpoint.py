@@ -123,8 +123,11 @@ def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]
 
 
 def stored_once(spec: ModelSpec, weights: dict, opt_state: dict) -> tuple[dict, dict]:
-    """The state without the copies of a tied parameter (a tied head's token table): a
-    checkpoint holds each parameter once, under its first reader (model/embed/tokens)."""
+    """The state without the copies of a built-in model's tied parameter (a tied head's token
+    table): a checkpoint holds it once, under its first reader (model/embed/tokens). A captured
+    model's checkpoint keeps each unit's parameters, as cs_torch reads them back."""
+    if spec.captured:
+        return weights, opt_state
     copies = {(spec.layers[i].name, name) for i, name in program_layer.tied_sources(spec)}
     if not copies:
         return weights, opt_state
