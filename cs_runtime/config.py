@@ -345,6 +345,8 @@ class BertModelConfig(TransformerModelConfig):
     mlm_loss_weight: Optional[PosFloat] = None
     # or the mean over the masked tokens (num_masked; precomputed_num_masked is the same number).
     mlm_loss_scaling: Literal["batch_size", "num_masked", "precomputed_num_masked"] = "batch_size"
+    # The masked-LM decoder's bias (the model zoo's default: true), tied or not.
+    use_output_bias_in_mlm: Optional[StrictBool] = None
 
     _lower_nl = field_validator("encoder_nonlinearity", "mlm_loss_scaling", mode="before")(_lower)
 

@@ -32,8 +32,8 @@ def language_model_problems(params: Params, model: str) -> list[str]:
         problems.append(f"model.mixed_precision: true ({params.precision}) is emulated for dense layers only; "
                         "set mixed_precision: false (--override model.mixed_precision=false)")
     if model == "bert" and m.use_bias_in_output is not None:
-        problems.append("model.use_bias_in_output: is GPT-2's key (the model zoo's BERT reads no such key; its "
-                        "masked-LM decoder always has a bias here); remove it")
+        problems.append("model.use_bias_in_output: is GPT-2's key; the model zoo's BERT names its masked-LM "
+                        "decoder's bias use_output_bias_in_mlm")
     if model == "bert" and m.mlm_loss_scaling != "batch_size" and m.mlm_loss_weight is not None:
         problems.append(f"model.mlm_loss_weight: applies with mlm_loss_scaling: batch_size only; with "
                         f"{m.mlm_loss_scaling} the loss is the mean over the masked tokens; remove one of them")
@@ -58,10 +58,12 @@ def language_model_problems(params: Params, model: str) -> list[str]:
 def head_options(params: Params, model: str) -> dict:
     """The output head as the model zoo builds it: tied to the token embedding unless
     share_embedding_weights: false (its default is true for both models); GPT-2's decoder
-    has a bias only with use_bias_in_output: true (its default false), BERT's always."""
+    has a bias only with use_bias_in_output: true (its default false), BERT's unless
+    use_output_bias_in_mlm: false."""
     m = params.model
     tied = True if m.share_embedding_weights is None else bool(m.share_embedding_weights)
-    return {"tied": tied, "out_bias": bool(m.use_bias_in_output) if model == "gpt2" else True}
+    out_bias = bool(m.use_bias_in_output) if model == "gpt2" else m.use_output_bias_in_mlm is not False
+    return {"tied": tied, "out_bias": out_bias}
 
 
 def mlm_loss_scaling(params: Params) -> str:

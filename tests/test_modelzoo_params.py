@@ -589,7 +589,7 @@ def test_mlm_loss_scaling_num_masked_is_the_mean_over_the_masked_tokens() -> Non
 
 def test_the_heads_are_the_model_zoos_unless_the_file_says_otherwise() -> None:
     """share_embedding_weights defaults to true (both models), use_bias_in_output to false
-    (GPT-2); BERT's decoder keeps its bias and reads no use_bias_in_output."""
+    (GPT-2); BERT's decoder bias is use_output_bias_in_mlm's (default true)."""
     from examples.bert.run import model_fn as bert_fn
     from examples.gpt2.run import model_fn as gpt2_fn
     gpt2 = {key: value for key, value in BERT_MODEL.items() if key != "disable_nsp"} | {"name": "gpt2"}
@@ -600,6 +600,8 @@ def test_the_heads_are_the_model_zoos_unless_the_file_says_otherwise() -> None:
     bert = head(bert_fn, BERT_MODEL, "bert")
     assert (bert.tied, bert.out_bias) == ("embed", True)
     assert not head(bert_fn, {**BERT_MODEL, "share_embedding_weights": False}, "bert").tied
+    assert "decoder_bias" not in head(bert_fn, {**BERT_MODEL, "use_output_bias_in_mlm": False},
+                                      "bert").param_shapes()
     with pytest.raises(ParamsError) as info:
         bert_fn(params_from_dict({"model": {**BERT_MODEL, "use_bias_in_output": True}}, model="bert"))
     assert [line.split(":")[0] for line in lines_of(info)] == ["model.use_bias_in_output"]
