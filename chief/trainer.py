@@ -126,6 +126,7 @@ class Trainer:
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
             return ckpt.Checkpoint(0, 0, weights, opt_state, {})
         state, path = found
+        ckpt.with_tied_copies(self.spec, state.weights, state.opt_state)
         expected = {l.name: l.param_shapes() for l in self.spec.layers}
         ckpt.check_compatible(state, expected, path)
         for layer, params in state.weights.items():
@@ -281,7 +282,7 @@ class Trainer:
             self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
-        weights, opt_state = self.executor.state()
+        weights, opt_state = ckpt.stored_once(self.spec, *self.executor.state())
         meta = {"model": self.spec.describe(), "params": self.params.to_dict(),
                 "device": self.executor.device, "loss_scaler": self.scaler.state_dict()}
         state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.model import ModelSpec
 
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)\.npz$")
@@ -103,6 +104,10 @@ def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]
     naming the first that is not), every slot of `optimizer` (numerics.optim.Optimizer; a new
     slot where absent). float32 copies, so the result is writable and owns its memory."""
     weights, opt_state = {}, {}
+    if program_layer.has_tied(spec):   # a tied parameter stored once: each reader its copy
+        stored, stored_opt = unflatten(arrays)
+        with_tied_copies(spec, stored, stored_opt)
+        arrays = flatten(stored, stored_opt)
     for layer in spec.layers:
         weights[layer.name], opt_state[layer.name] = {}, {}
         for pname, shape in layer.param_shapes().items():
@@ -115,6 +120,32 @@ def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]
                 slot: np.array(arrays[key], dtype=np.float32) if key in arrays else optimizer.new_slot(slot, w)
                 for key, slot in slots.items()}
     return weights, opt_state
+
+
+def stored_once(spec: ModelSpec, weights: dict, opt_state: dict) -> tuple[dict, dict]:
+    """The state without the copies of a built-in model's tied parameter (a tied head's token
+    table): a checkpoint holds it once, under its first reader (model/embed/tokens). A captured
+    model's checkpoint keeps each unit's parameters, as cs_torch reads them back."""
+    if spec.captured:
+        return weights, opt_state
+    copies = {(spec.layers[i].name, name) for i, name in program_layer.tied_sources(spec)}
+    if not copies:
+        return weights, opt_state
+    drop = lambda state: {layer: {p: v for p, v in params.items() if (layer, p) not in copies}  # noqa: E731
+                          for layer, params in state.items()}
+    return drop(weights), drop(opt_state)
+
+
+def with_tied_copies(spec: ModelSpec, weights: dict, opt_state: dict) -> None:
+    """Give every layer that reads a tied parameter its copy (and its optimizer slots),
+    from the first reader's, where a checkpoint stored it once. In place."""
+    for (i, name), (j, source) in program_layer.tied_sources(spec).items():
+        layer, owner = spec.layers[i].name, spec.layers[j].name
+        if name not in weights.get(layer, {}) and source in weights.get(owner, {}):
+            weights.setdefault(layer, {})[name] = np.array(weights[owner][source], dtype=np.float32)
+            slots = opt_state.get(owner, {}).get(source)
+            if slots is not None:
+                opt_state.setdefault(layer, {})[name] = {k: np.array(v) for k, v in slots.items()}
 
 
 def save(model_dir: str | Path, ck: Checkpoint, max_checkpoints: int | None = None) -> Path:

@@ -292,8 +292,8 @@ class TransformerModelConfig(_ModelBase):
     use_ffn_bias_in_attention: Optional[StrictBool] = True
     use_ffn_bias: Optional[StrictBool] = True
     initializer_range: Optional[PosFloat] = 0.02
-    # Tied token embedding and output head, and the output layer's bias: the
-    # example's model_fn checks them against the heads it can build (None: untied, with bias).
+    # Tied token embedding and output head, and GPT-2's output bias: None means the
+    # model zoo's default (tied; GPT-2 without an output bias): lm_checks.head_options.
     share_embedding_weights: Optional[StrictBool] = None
     use_bias_in_output: Optional[StrictBool] = None
 
@@ -341,10 +341,14 @@ class BertModelConfig(TransformerModelConfig):
     pooler_nonlinearity: Optional[StrictStr] = None
     disable_nsp: Optional[StrictBool] = None
     # The masked-LM loss is the model zoo's sum over predicted tokens * mlm_loss_weight
-    # / batch_size (transformer_spec's default for BERT, with the weight 1.0 when None).
+    # / batch_size (transformer_spec's default for BERT, with the weight 1.0 when None),
     mlm_loss_weight: Optional[PosFloat] = None
+    # or the mean over the masked tokens (num_masked; precomputed_num_masked is the same number).
+    mlm_loss_scaling: Literal["batch_size", "num_masked", "precomputed_num_masked"] = "batch_size"
+    # The masked-LM decoder's bias (the model zoo's default: true), tied or not.
+    use_output_bias_in_mlm: Optional[StrictBool] = None
 
-    _lower_nl = field_validator("encoder_nonlinearity", mode="before")(_lower)
+    _lower_nl = field_validator("encoder_nonlinearity", "mlm_loss_scaling", mode="before")(_lower)
 
 
 MODEL_CONFIGS: dict[str, type[_ModelBase]] = {"fc_mnist": ModelConfig, "gpt2": GPT2ModelConfig,

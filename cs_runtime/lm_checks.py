@@ -28,15 +28,16 @@ def language_model_problems(params: Params, model: str) -> list[str]:
         return [f"model: this script builds {model}, but the params were read as a {type(m).__name__} section "
                 f"(say model: {{name: {model}}}, or run the {model} example)"]
     problems = []
-    if m.share_embedding_weights:
-        problems.append("model.share_embedding_weights: true (a tied token embedding and output head) is not "
-                        "emulated yet; set it to false")
-    if m.use_bias_in_output is False:
-        problems.append("model.use_bias_in_output: false (an output layer without bias) is not emulated; "
-                        "set it to true")
+    if model == "bert" and m.use_bias_in_output is not None:
+        problems.append("model.use_bias_in_output: is GPT-2's key; the model zoo's BERT names its masked-LM "
+                        "decoder's bias use_output_bias_in_mlm")
+    if model == "bert" and m.mlm_loss_scaling != "batch_size" and m.mlm_loss_weight is not None:
+        problems.append(f"model.mlm_loss_weight: applies with mlm_loss_scaling: batch_size only; with "
+                        f"{m.mlm_loss_scaling} the loss is the mean over the masked tokens; remove one of them")
     if model == "bert" and m.disable_nsp is not True:
-        problems.append("model.disable_nsp: the model zoo's BERT also learns next-sentence prediction unless "
-                        "disable_nsp: true; that head is not emulated, so set disable_nsp: true")
+        problems.append("model.disable_nsp: the model zoo's BERT also learns next-sentence prediction (a pooler, "
+                        "segment embeddings and next_sentence_label data) unless disable_nsp: true; that head is "
+                        "not emulated, so set disable_nsp: true (--override model.disable_nsp=true)")
     for name in ("train_input", "eval_input"):
         section = getattr(params, name)
         if seq_len(params, section) > m.max_position_embeddings:
@@ -49,6 +50,25 @@ def language_model_problems(params: Params, model: str) -> list[str]:
         if model == "gpt2" and section.max_predictions_per_seq is not None:
             problems.append(f"{name}.max_predictions_per_seq: is for BERT's masked-LM data")
     return problems
+
+
+def head_options(params: Params, model: str) -> dict:
+    """The output head as the model zoo builds it: tied to the token embedding unless
+    share_embedding_weights: false (its default is true for both models); GPT-2's decoder
+    has a bias only with use_bias_in_output: true (its default false), BERT's unless
+    use_output_bias_in_mlm: false."""
+    m = params.model
+    tied = True if m.share_embedding_weights is None else bool(m.share_embedding_weights)
+    out_bias = bool(m.use_bias_in_output) if model == "gpt2" else m.use_output_bias_in_mlm is not False
+    return {"tied": tied, "out_bias": out_bias}
+
+
+def mlm_loss_scaling(params: Params) -> str:
+    """BERT's masked-LM normaliser (kernels.TOKEN_LOSS_SCALINGS): batch_size (the PyTorch
+    model zoo's BertPretrainModelLoss, times mlm_loss_weight), or num_masked /
+    precomputed_num_masked: the mean over the global batch's masked tokens (the second is
+    the same number, which the model zoo's data loader factorises for 16-bit safety)."""
+    return params.model.mlm_loss_scaling
 
 
 def mlm_loss_weight(params: Params) -> float:

@@ -18,6 +18,13 @@ transformer_decoder.layers.N, lm_head; its final norm is registered twice, as
 `BertPretrainModel` with disable_nsp (bert_encoder, bert_mlm_head). A compiled
 program (a captured torch module) already uses its module's names and layout.
 
+A tied head (share_embedding_weights) has no decoder matrix of its own: the
+model zoo's module registers the word embeddings a second time as the output
+layer's weight (`lm_head.weight`, BERT's classifier weight), in the same
+(vocab, width) layout, so that name is an alias of the embedding's, written
+both ways and checked equal when read. GPT-2's decoder bias is there only
+with use_bias_in_output.
+
 The same mapping serves the optimizer state: each slot of a parameter goes
 where the parameter goes (Adam's scalar step count to each third alike).
 No torch here: arrays are numpy, so the core never imports torch.
@@ -64,9 +71,24 @@ def _block(prefix: str, layer: str, second_norm: str) -> list[Entry]:
             + _linear(f"{prefix}.ffn.ffn.1.linear_layer", layer, "out_"))
 
 
-def entries(family: str, count: int) -> tuple[list[Entry], dict[str, str]]:
+def _decoder(prefix: str, embedding: str, tied: bool, out_bias: bool) -> tuple[list[Entry], dict[str, str]]:
+    """The head's output layer at `prefix`: its own matrix, or (tied) the embedding's under a second name."""
+    table = [] if tied else [Entry(f"{prefix}.weight", "lm_head", "decoder_weight", "T")]
+    if out_bias:
+        table.append(Entry(f"{prefix}.bias", "lm_head", "decoder_bias"))
+    return table, ({f"{prefix}.weight": embedding} if tied else {})
+
+
+# The output layer of each language model's head, and its token embedding (the name a tied head shares).
+DECODERS = {"gpt2": ("lm_head", "embedding_layer.word_embeddings.weight"),
+            "bert": ("bert_mlm_head.classifier.ffn.0.linear_layer",
+                     "bert_encoder.embedding_layer.word_embeddings.weight")}
+
+
+def entries(family: str, count: int, tied: bool = False, out_bias: bool = True) -> tuple[list[Entry], dict[str, str]]:
     """(the table, aliases: a second name -> the table's name of the same tensor).
-    `count`: dense layers of an MLP, transformer blocks of GPT-2 / BERT."""
+    `count`: dense layers of an MLP, transformer blocks of GPT-2 / BERT; `tied`, `out_bias`:
+    the language model's head (a decoder tied to the token embedding, with a bias)."""
     if family == "fc_mnist":
         table = []
         for i in range(count):
@@ -78,18 +100,20 @@ def entries(family: str, count: int) -> tuple[list[Entry], dict[str, str]]:
                  Entry("embedding_layer.position_embeddings.weight", "embed", "positions")]
         for i in range(count):
             table += _block(f"transformer_decoder.layers.{i}", f"block{i}", "norm3")
-        table += _norm("transformer_decoder.norm", "lm_head", "ln_") + _linear("lm_head", "lm_head", "decoder_")
-        return table, {"ln_f.weight": "transformer_decoder.norm.weight", "ln_f.bias": "transformer_decoder.norm.bias"}
+        head, tied_alias = _decoder(*DECODERS["gpt2"], tied, out_bias)
+        table += _norm("transformer_decoder.norm", "lm_head", "ln_") + head
+        return table, {"ln_f.weight": "transformer_decoder.norm.weight", "ln_f.bias": "transformer_decoder.norm.bias",
+                       **tied_alias}
     if family == "bert":
         table = [Entry("bert_encoder.embedding_layer.word_embeddings.weight", "embed", "tokens"),
                  Entry("bert_encoder.embedding_layer.position_embeddings.weight", "embed", "positions"),
                  *_norm("bert_encoder.embed_ln_f", "embed", "ln_")]
         for i in range(count):
             table += _block(f"bert_encoder.transformer_encoder.layers.{i}", f"block{i}", "norm2")
+        head, tied_alias = _decoder(*DECODERS["bert"], tied, out_bias)
         table += (_linear("bert_mlm_head.mlm_transform.ffn.ffn.0.linear_layer", "lm_head", "transform_")
-                  + _norm("bert_mlm_head.mlm_transform.ln", "lm_head", "ln_")
-                  + _linear("bert_mlm_head.classifier.ffn.0.linear_layer", "lm_head", "decoder_"))
-        return table, {}
+                  + _norm("bert_mlm_head.mlm_transform.ln", "lm_head", "ln_") + head)
+        return table, tied_alias
     raise NameMapError(f"no torch naming for model family {family!r}; known: {', '.join(FAMILIES[:-1])}")
 
 
@@ -219,14 +243,42 @@ def family_from_weights(weights: dict) -> tuple[str, int]:
                        "(FC-MNIST, GPT-2, BERT) and the checkpoint carries no model description")
 
 
+def head_of(model: dict) -> dict:
+    """{tied, out_bias} of a described language model's head (ModelSpec.describe())."""
+    head = (model.get("layers") or [{}])[-1]
+    return {"tied": bool(head.get("tied", "")), "out_bias": bool(head.get("out_bias", True))}
+
+
+def head_from_weights(weights: dict) -> dict:
+    head = weights.get("lm_head", {})
+    return {"tied": "decoder_weight" not in head, "out_bias": "decoder_bias" in head}
+
+
+def head_from_names(family: str, tensors) -> dict:
+    """A model-zoo state_dict: tied when the output layer's weight is absent or is the word
+    embeddings (its module writes the one tensor under both names); a bias when there is one."""
+    if family not in DECODERS:
+        return {}
+    prefix, embedding = DECODERS[family]
+    weight = f"{prefix}.weight"
+    tied = weight not in tensors or (isinstance(tensors, dict) and embedding in tensors and np.array_equal(
+        np.asarray(tensors[weight]), np.asarray(tensors[embedding])))
+    return {"tied": tied, "out_bias": f"{prefix}.bias" in tensors}
+
+
 def table_for(model: dict | None, names=None, weights: dict | None = None) -> tuple[list[Entry], dict[str, str]]:
-    """The table of a model description, else of torch `names`, else of the project's `weights`."""
+    """The table of a model description, else of torch `names` (a dict of tensors: their
+    values tell a tied head), else of the project's `weights`."""
     if model:
         family, count = family_of(model)
-        return program_entries(model) if family == "program" else entries(family, count)
+        if family == "program":
+            return program_entries(model)
+        return entries(family, count, **(head_of(model) if family in DECODERS else {}))
     if weights is not None:
-        return entries(*family_from_weights(weights))
-    return entries(*family_from_names(names or []))
+        family, count = family_from_weights(weights)
+        return entries(family, count, **(head_from_weights(weights) if family in DECODERS else {}))
+    family, count = family_from_names(names or [])
+    return entries(family, count, **head_from_names(family, names or []))
 
 
 def parameter_order(table: list[Entry]) -> list[str]:

@@ -31,7 +31,10 @@ def specs():
                  dropout=0.0, attn_dropout=0.0, eps=1e-5)
     return {"fc_mnist": mlp_spec("fc", [6, 5, 4, 3], "relu", 0.0),
             "gpt2": transformer_spec("gpt2", style="gpt2", **small),
-            "bert": transformer_spec("bert", style="bert", **small)}
+            "bert": transformer_spec("bert", style="bert", **small),
+            # the model zoo's heads: tied to the token embedding, GPT-2's without a bias
+            "gpt2_tied": transformer_spec("gpt2", style="gpt2", tied=True, out_bias=False, **small),
+            "bert_tied": transformer_spec("bert", style="bert", tied=True, **small)}
 
 
 def trained_checkpoint(spec, kind: str = "adam", step: int = 7) -> ckpt.Checkpoint:
@@ -49,7 +52,7 @@ def trained_checkpoint(spec, kind: str = "adam", step: int = 7) -> ckpt.Checkpoi
                 slots[name] = (np.float32(step) if name == "step"
                                else rng.random(value.shape).astype(np.float32)) + np.zeros_like(value)
     meta = {"model": spec.describe(), "params": {"optimizer": {"optimizer_type": kind}}}
-    return ckpt.Checkpoint(step, step, weights, state, meta)
+    return ckpt.Checkpoint(step, step, *ckpt.stored_once(spec, weights, state), meta)   # as the trainer saves
 
 
 def assert_same_state(a: ckpt.Checkpoint, b: ckpt.Checkpoint, opt: bool = True) -> None:
@@ -72,10 +75,10 @@ def write_npz(tmp_path: Path, state: ckpt.Checkpoint) -> Path:
 
 # ---------------------------------------------------------------- names (no torch, no h5py)
 
-@pytest.mark.parametrize("family", ["fc_mnist", "gpt2", "bert"])
+@pytest.mark.parametrize("family", ["fc_mnist", "gpt2", "bert", "gpt2_tied", "bert_tied"])
 def test_torch_names_round_trip_and_layout(family: str) -> None:
     spec = specs()[family]
-    weights = init_weights(spec, seed=1)
+    weights = ckpt.stored_once(spec, init_weights(spec, seed=1), {})[0]
     table, aliases = torch_names.table_for(spec.describe())
     named = torch_names.to_torch(table, aliases, weights)
     back = torch_names.from_torch(table, aliases, named, "test")
@@ -107,6 +110,24 @@ def test_torch_names_are_the_model_zoos() -> None:
     assert "bert_encoder.transformer_encoder.layers.0.norm2.bias" in bert
 
 
+@pytest.mark.parametrize("family", ["gpt2_tied", "bert_tied"])
+def test_a_tied_heads_decoder_is_the_word_embeddings_under_its_torch_name(family: str) -> None:
+    """The model zoo's tied module writes the one tensor under both names; a file whose two
+    differ is an untied model, read as one (its decoder matrix, transposed)."""
+    spec = specs()[family]
+    weights = ckpt.stored_once(spec, init_weights(spec, 2), {})[0]
+    assert "tokens" not in weights["lm_head"] and "decoder_weight" not in weights["lm_head"]
+    named = torch_names.to_torch(*torch_names.table_for(spec.describe()), weights)
+    decoder, embedding = torch_names.DECODERS[family.split("_")[0]]
+    assert named[f"{decoder}.weight"] is named[embedding]
+    assert (f"{decoder}.bias" in named) == (family == "bert_tied")   # GPT-2's use_bias_in_output: false
+    back = torch_names.from_torch(*torch_names.table_for(None, named), named, "tied")
+    assert back["lm_head"].keys() == weights["lm_head"].keys()
+    named[f"{decoder}.weight"] = named[embedding] + 1.0
+    untied = torch_names.from_torch(*torch_names.table_for(None, named), named, "untied")
+    np.testing.assert_array_equal(untied["lm_head"]["decoder_weight"], named[f"{decoder}.weight"].T)
+
+
 def test_a_captured_programs_weights_keep_their_torch_names() -> None:
     model = {"name": "mlp", "units": [{"name": "u0", "params": {"layers.0.weight": [3, 4], "layers.0.bias": [3]}},
                                       {"name": "u1", "params": {"layers.1.weight": [2, 3]}}]}
@@ -135,7 +156,8 @@ def test_unknown_torch_names_are_one_line() -> None:
 
 # ---------------------------------------------------------------- .mdl (h5py)
 
-@pytest.mark.parametrize("family,kind", [("fc_mnist", "sgd"), ("gpt2", "adam"), ("bert", "adamw")])
+@pytest.mark.parametrize("family,kind", [("fc_mnist", "sgd"), ("gpt2", "adam"), ("bert", "adamw"),
+                                         ("gpt2_tied", "adamw"), ("bert_tied", "adam")])
 def test_mdl_round_trip_is_exact(tmp_path: Path, family: str, kind: str) -> None:
     if h5py is None:
         pytest.skip(NEEDS_H5PY)
@@ -219,7 +241,7 @@ def test_torch_state_dict_loads_weights_only_into_a_torch_mlp(tmp_path: Path) ->
         np.testing.assert_allclose(module(torch.from_numpy(x)).numpy(), ours, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "gpt2_tied", "bert_tied"])
 def test_torch_round_trip_is_exact(tmp_path: Path, family: str) -> None:
     torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
     state = trained_checkpoint(specs()[family])

@@ -15,6 +15,7 @@ import pytest
 from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics.model import (ModelSpec, ShardContext, init_weights, mlp_spec, model_backward,
                                        model_forward, model_loss, transformer_spec)
+from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.program_layer import unit_of
 
 
@@ -190,3 +191,83 @@ def test_a_lowered_models_layers_share_no_parameter():
     tied = tie_grads(spec, [dict(g) for g in grads])
     assert not has_tied(spec)
     assert all(np.array_equal(tied[i][p], grads[i][p]) for i in range(2) for p in grads[i])
+
+
+@pytest.mark.parametrize("style", ["gpt2", "bert"])
+def test_a_tied_head_reads_the_embeddings_table_as_one_parameter(style):
+    """share_embedding_weights: the head's decoder is linear(h, embed.tokens), the one program
+    parameter both units read; each layer holds a copy, counted once in the model's size."""
+    untied = lower_spec(gpt() if style == "gpt2" else bert())
+    spec = lower_spec(gpt(tied=True, out_bias=False) if style == "gpt2" else bert(tied=True))
+    head = spec.layers[-1]
+    assert head.unit["local"]["embed.tokens"] == "tokens" and "decoder_weight" not in head.param_shapes()
+    assert "embed.tokens" in unit_of(head).params and "embed.tokens" in unit_of(spec.layers[0]).params
+    assert ("decoder_bias" in head.param_shapes()) == (style == "bert")
+    products = [n for n in unit_of(head).forward if n.op in ("linear", "matmul")]
+    assert products[-1].op == "linear" and products[-1].inputs[1] == "embed.tokens"
+    decoder = 16 * 50 + (50 if style == "gpt2" else 0)   # the untied matrix, and GPT-2's bias
+    assert spec.num_params() == untied.num_params() - decoder
+    assert program_layer.tied_copies(spec) == {(len(spec.layers) - 1, "tokens")}
+    assert program_layer.tied_sources(spec.plain()) == program_layer.tied_sources(spec)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "bert"])
+def test_a_tied_tables_gradient_is_the_sum_over_its_readers(style):
+    """In float64, with dropout on: both copies get d loss / d table, checked against central
+    differences moving the table (both copies together); and they stay one after an update."""
+    spec = lower_spec(gpt(tied=True, out_bias=False) if style == "gpt2" else bert(tied=True))
+    rng = np.random.default_rng(3)
+    x, y = batch(spec, rng, 2)
+    count = int((y != -100).sum())
+    weights = _float64(init_weights(spec, 2))
+    embed, head = weights["embed"], weights["lm_head"]
+    head["tokens"] = embed["tokens"] = embed["tokens"] + rng.standard_normal(embed["tokens"].shape) * 0.05
+    _, grads = step(spec, weights, x, y, slice(0, 2), 2, count)
+    g = grads[0]["tokens"]
+    assert np.array_equal(g, grads[-1]["tokens"]) and grads[0]["tokens"] is not grads[-1]["tokens"]
+    table = embed["tokens"]
+    for idx in [(int(x[0, 0]), 1), (int(x[1, 2]), 5), (int(np.setdiff1d(np.arange(50), x)[0]), 2)]:
+        old = table[idx]
+        table[idx] = old + 1e-6
+        up = step(spec, weights, x, y, slice(0, 2), 2, count)[0].loss
+        table[idx] = old - 1e-6
+        down = step(spec, weights, x, y, slice(0, 2), 2, count)[0].loss
+        table[idx] = old
+        numeric = (up - down) / 2e-6
+        assert abs(g[idx] - numeric) <= 1e-6 + 1e-5 * abs(numeric), idx
+
+
+def test_a_tied_table_counts_once_in_the_clipping_norm():
+    from cs_runtime.numerics.optim import Optimizer
+    spec = lower_spec(gpt(tied=True))
+    weights = init_weights(spec, 0)
+    grads = [{p: np.full(w.shape, 0.5, np.float32) for p, w in weights[l.name].items()} for l in spec.layers]
+    grads = program_layer.tie_grads(spec, grads)
+    once = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in
+                       [v for gs in grads[:-1] for v in gs.values()] +
+                       [v for k, v in grads[-1].items() if k != "tokens"]))
+    opt = Optimizer("sgd")
+    state = {name: opt.init_state(w) for name, w in weights.items()}
+    norm, _, _ = opt.update_model([l.name for l in spec.layers], weights, grads, state, 0.1, 0, 1.0,
+                                  copies=program_layer.tied_copies(spec))
+    assert norm == pytest.approx(once, rel=1e-9)
+    assert np.array_equal(weights["embed"]["tokens"], weights["lm_head"]["tokens"])
+
+
+def test_a_checkpoint_stores_a_tied_table_once_and_gives_each_reader_its_copy(tmp_path):
+    from cs_runtime import checkpoint as ckpt
+    from cs_runtime.numerics.optim import Optimizer
+    spec = lower_spec(gpt(tied=True, out_bias=False))
+    opt = Optimizer("adamw")
+    weights = init_weights(spec, 0)
+    state = {name: opt.init_state(w) for name, w in weights.items()}
+    once, once_state = ckpt.stored_once(spec, weights, state)
+    assert "tokens" not in once["lm_head"] and "tokens" not in once_state["lm_head"]
+    path = ckpt.write_file(tmp_path / "ck.npz", ckpt.Checkpoint(1, 1, once, once_state, {}))
+    loaded = ckpt.load(path)
+    ckpt.with_tied_copies(spec, loaded.weights, loaded.opt_state)
+    assert np.array_equal(loaded.weights["lm_head"]["tokens"], weights["embed"]["tokens"])
+    assert loaded.opt_state["lm_head"]["tokens"].keys() == state["lm_head"]["tokens"].keys()
+    flat = ckpt.flatten(once, once_state)   # MemoryX's restore from the stored-once arrays
+    w2, _ = ckpt.unflatten_for(spec, opt, flat)
+    assert np.array_equal(w2["lm_head"]["tokens"], w2["embed"]["tokens"])

@@ -29,7 +29,8 @@ FILES = REPO / "tests" / "modelzoo_params"
 SCRIPT = {"fc_mnist": REPO / "examples/fc_mnist/run.py", "gpt2": REPO / "examples/gpt2/run.py",
           "bert": REPO / "examples/bert/run.py"}
 SHIPPED = [("fc_mnist_pytorch_r18", "fc_mnist"), ("fc_mnist_pytorch_r20", "fc_mnist"), ("fc_mnist_tf", "fc_mnist"),
-           ("gpt2_small_r18", "gpt2"), ("gpt2_small_trainer", "gpt2"), ("bert_base_r18", "bert")]
+           ("gpt2_small_r18", "gpt2"), ("gpt2_small_trainer", "gpt2"), ("bert_base_r18", "bert"),
+           ("bert_base_trainer", "bert")]
 
 
 def lines_of(exc: pytest.ExceptionInfo) -> list[str]:
@@ -252,22 +253,88 @@ def test_fc_mnist_files_validate_as_shipped(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.cluster
 def test_language_model_files_validate_to_the_numerics_not_yet_emulated(tmp_path: Path) -> None:
-    """GPT-2 small and BERT base pass the params schema as shipped; what stops them is
-    the emulated model (a tied head, BERT's next-sentence head): all of it, a line each.
-    Their mixed precision (16-bit GPT-2 / BERT) is emulated: it stays on."""
-    result = run_script("gpt2", FILES / "gpt2_small_trainer.yaml", tmp_path / "model_dir", "--validate_only")
-    assert result.returncode == 2
-    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == [
-        "model.share_embedding_weights", "model.use_bias_in_output"]
-    fixes = ["--override", "trainer.init.model.share_embedding_weights=false",
-             "--override", "trainer.init.model.use_bias_in_output=true"]
-    result = run_script("gpt2", FILES / "gpt2_small_trainer.yaml", tmp_path / "model_dir", "--validate_only", *fixes)
+    """GPT-2 small and BERT base pass the params schema as shipped, the tied head and the
+    16-bit setting included; what stops BERT is the emulated model (its next-sentence head)."""
+    for name in ("gpt2_small_trainer", "gpt2_small_r18"):
+        result = run_script("gpt2", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
+        assert result.returncode == 0, result.stdout + result.stderr
+        # GPT-2 small, tied and without an output bias, each parameter once: HF's 124,439,808
+        # and 1024 more positions of width 768 (these files' max_position_embeddings is 2048)
+        assert f"gpt2 is valid: 14 layers, {124_439_808 + 1024 * 768:,} parameters" in result.stdout
+    for name in ("bert_base_r18", "bert_base_trainer"):
+        result = run_script("bert", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
+        assert result.returncode == 2
+        assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == ["model.disable_nsp"]
+    result = run_script("bert", FILES / "bert_base_trainer.yaml", tmp_path / "model_dir", "--validate_only",
+                        "--override", "trainer.init.model.disable_nsp=true")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "gpt2 is valid: 14 layers" in result.stdout
-    result = run_script("bert", FILES / "bert_base_r18.yaml", tmp_path / "model_dir", "--validate_only")
-    assert result.returncode == 2
-    assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == [
-        "model.disable_nsp"]
+    # BERT base's masked-LM model, tied head: 109,514,298 parameters (HF's BertForMaskedLM with
+    # its 2 segment embeddings, which the emulated model has not, so 2 * 768 fewer)
+    assert f"bert is valid: 14 layers, {109_514_298 - 2 * 768:,} parameters" in result.stdout
+
+
+# The shipped GPT-2 small / BERT base shrunk to test size: only sizes, data, steps (and BERT's
+# next-sentence head, which the emulated model has not; float32, so the 1e-5 comparison holds:
+# 16-bit transformers have their own tests, test_transformer_precision.py).
+SHRINK = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "filter_size": 64, "vocab_size": 512,
+          "max_position_embeddings": 16}
+LM_FILES = {
+    "gpt2_small_r18": ("gpt2", "model.", "train_input.", "eval_input.", "runconfig.max_steps",
+                       ["model.mixed_precision=false"]),
+    "gpt2_small_trainer": ("gpt2", "trainer.init.model.", "trainer.fit.train_dataloader.",
+                           "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
+                           ["trainer.init.precision.enabled=false"]),
+    "bert_base_r18": ("bert", "model.", "train_input.", "eval_input.", "runconfig.max_steps",
+                      ["model.mixed_precision=false", "model.disable_nsp=true",
+                       "train_input.max_sequence_length=16", "eval_input.max_sequence_length=16",
+                       "train_input.max_predictions_per_seq=3", "eval_input.max_predictions_per_seq=3"]),
+    "bert_base_trainer": ("bert", "trainer.init.model.", "trainer.fit.train_dataloader.",
+                          "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
+                          ["trainer.init.precision.enabled=false", "trainer.init.model.disable_nsp=true",
+                           *(f"trainer.fit.{loader}.{key}" for loader in ("train_dataloader", "val_dataloader")
+                             for key in ("max_sequence_length=16", "max_predictions_per_seq=3"))]),
+}
+
+
+def shrunk(name: str, data: str, steps: int) -> tuple[str, list[str]]:
+    model, m, train, val, max_steps, extra = LM_FILES[name]
+    sets = [f"{m}{k}={v}" for k, v in SHRINK.items()] + extra + [
+        f"{train}data_dir={data}/train", f"{val}data_dir={data}/val", f"{train}batch_size=4",
+        f"{val}batch_size=4", f"{max_steps}={steps}"]
+    return model, [arg for s in sets for arg in ("--override", s)]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("name", sorted(LM_FILES))
+def test_language_model_files_train_tied_on_the_cs_system_as_on_the_cpu(tmp_path: Path, name: str) -> None:
+    """The model zoo's head (tied to the token embedding; GPT-2's without a bias) on one WSE
+    equals the CPU path step by step, and the checkpoint holds the table once: weight
+    streaming for the 1.8 files (a wafer memory the model exceeds, csconfig), layer
+    pipelined for the trainer file (it fits; a 2.x file has no csconfig)."""
+    steps = 6
+    model, overrides = shrunk(name, token_data(tmp_path / "tokens", vocab=512), steps)
+    trainer = name.endswith("trainer")
+    if not trainer:
+        overrides += ["--override", "csconfig.wafer_memory_bytes=100000"]
+    runs = {}
+    for launcher in ("csrun_cpu", "csrun_wse"):
+        model_dir = tmp_path / launcher
+        result = run_script(model, FILES / f"{name}.yaml", model_dir, *overrides, launcher=launcher)
+        assert result.returncode == 0, result.stdout + result.stderr
+        if launcher == "csrun_wse":
+            mode = "pipelined" if trainer else "weight_streaming"
+            assert f"Mode={mode}, Step={steps}," in result.stdout, result.stdout
+        with np.load(model_dir / f"checkpoint_{steps}.npz") as ckpt:
+            runs[launcher] = (train_losses(model_dir), {k: ckpt[k] for k in ckpt.files if k.startswith("model/")})
+    (cpu_losses, cpu_w), (wse_losses, wse_w) = runs["csrun_cpu"], runs["csrun_wse"]
+    assert len(cpu_losses) == steps and np.isfinite(cpu_losses).all()
+    np.testing.assert_allclose(wse_losses, cpu_losses, rtol=1e-5)
+    assert "model/embed/tokens" in cpu_w and not [k for k in cpu_w if k.startswith("model/lm_head/")
+                                                  and k.rsplit("/", 1)[1] in ("tokens", "decoder_weight")]
+    assert ("model/lm_head/decoder_bias" in cpu_w) == (model == "bert")   # GPT-2: use_bias_in_output false
+    assert cpu_w.keys() == wse_w.keys()
+    for key in cpu_w:
+        np.testing.assert_allclose(wse_w[key], cpu_w[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 @pytest.mark.cluster
@@ -484,3 +551,71 @@ def test_mlm_loss_weight_scales_bert_loss_as_the_model_zoo() -> None:
     np.testing.assert_allclose(result.delta, 0.25 * grad / 3, rtol=1e-5, atol=1e-7)
     unweighted = model_fn(params_from_dict({"model": {**model, "mlm_loss_weight": None}}, model="bert"))
     assert model_loss(unweighted, logits, labels, 3, 4).loss == pytest.approx(hand / 3, rel=1e-6)
+
+
+BERT_MODEL = {"name": "bert", "vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 1, "num_heads": 2,
+              "filter_size": 16, "max_position_embeddings": 6, "dropout_rate": 0.0, "attention_dropout_rate": 0.0,
+              "layer_norm_epsilon": 1e-5, "disable_nsp": True}
+
+
+def test_mlm_loss_scaling_num_masked_is_the_mean_over_the_masked_tokens() -> None:
+    from examples.bert.run import model_fn
+    from cs_runtime.numerics.model import model_loss
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, 6, 11)).astype(np.float32)
+    labels = np.full((3, 6), -100, dtype=np.int64)
+    labels[0, 1], labels[1, 4], labels[2, 0] = 3, 7, 10
+    z = logits[labels != -100].astype(np.float64)
+    picked = z[np.arange(3), labels[labels != -100]]
+    mean = float((np.log(np.exp(z).sum(axis=1)) - picked).mean())
+    for scaling in ("num_masked", "Precomputed_Num_Masked"):
+        spec = model_fn(params_from_dict({"model": {**BERT_MODEL, "mlm_loss_scaling": scaling}}, model="bert"))
+        assert spec.loss_scaling == scaling.lower()
+        assert model_loss(spec, logits, labels, global_batch=3, label_count=3).loss == pytest.approx(mean, rel=1e-6)
+    assert model_fn(params_from_dict({"model": BERT_MODEL}, model="bert")).loss_scaling == "batch_size"
+    assert any("model.mlm_loss_scaling" in line for line in error_lines(
+        {"model": {**BERT_MODEL, "mlm_loss_scaling": "num_tokens"}}, "bert"))
+    with pytest.raises(ParamsError) as info:
+        model_fn(params_from_dict({"model": {**BERT_MODEL, "mlm_loss_scaling": "num_masked",
+                                             "mlm_loss_weight": 0.5}}, model="bert"))
+    assert [line.split(":")[0] for line in lines_of(info)] == ["model.mlm_loss_weight"]
+
+
+def test_the_heads_are_the_model_zoos_unless_the_file_says_otherwise() -> None:
+    """share_embedding_weights defaults to true (both models), use_bias_in_output to false
+    (GPT-2); BERT's decoder bias is use_output_bias_in_mlm's (default true)."""
+    from examples.bert.run import model_fn as bert_fn
+    from examples.gpt2.run import model_fn as gpt2_fn
+    gpt2 = {key: value for key, value in BERT_MODEL.items() if key != "disable_nsp"} | {"name": "gpt2"}
+    head = lambda fn, model, kind: fn(params_from_dict({"model": model}, model=kind)).layers[-1]  # noqa: E731
+    assert (head(gpt2_fn, gpt2, "gpt2").tied, head(gpt2_fn, gpt2, "gpt2").out_bias) == ("embed", False)
+    custom = head(gpt2_fn, {**gpt2, "share_embedding_weights": False, "use_bias_in_output": True}, "gpt2")
+    assert (custom.tied, custom.out_bias) == ("", True) and "decoder_weight" in custom.param_shapes()
+    bert = head(bert_fn, BERT_MODEL, "bert")
+    assert (bert.tied, bert.out_bias) == ("embed", True)
+    assert not head(bert_fn, {**BERT_MODEL, "share_embedding_weights": False}, "bert").tied
+    assert "decoder_bias" not in head(bert_fn, {**BERT_MODEL, "use_output_bias_in_mlm": False},
+                                      "bert").param_shapes()
+    with pytest.raises(ParamsError) as info:
+        bert_fn(params_from_dict({"model": {**BERT_MODEL, "use_bias_in_output": True}}, model="bert"))
+    assert [line.split(":")[0] for line in lines_of(info)] == ["model.use_bias_in_output"]
+
+
+@pytest.mark.cluster
+def test_a_tied_model_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path: Path) -> None:
+    """The checkpoint holds the table once; a resumed run gives the head its copy back (and the
+    copy's Adam slots) and goes on exactly as the run that never stopped."""
+    data = token_data(tmp_path / "tokens", vocab=512)
+    _, overrides = shrunk("gpt2_small_r18", data, 6)
+    overrides += ["--override", "runconfig.checkpoint_steps=3"]
+    straight = run_script("gpt2", FILES / "gpt2_small_r18.yaml", tmp_path / "straight", *overrides)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    resumed = run_script("gpt2", FILES / "gpt2_small_r18.yaml", tmp_path / "resumed", *overrides,
+                         "--checkpoint_path", str(tmp_path / "straight" / "checkpoint_3.npz"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    with np.load(tmp_path / "straight" / "checkpoint_6.npz") as a, np.load(tmp_path / "resumed" / "checkpoint_6.npz") as b:
+        assert "optimizer/embed/tokens/exp_avg" in a.files and "optimizer/lm_head/tokens/exp_avg" not in a.files
+        assert set(a.files) == set(b.files)
+        for key in a.files:
+            if key.startswith(("model/", "optimizer/")):
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)

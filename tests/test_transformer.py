@@ -210,11 +210,12 @@ def test_data_dir_reads_text_or_npy_shards_and_rejects_bad_ones(tmp_path):
 
 # ---------------------------------------------------------------- compiler
 
-@pytest.mark.parametrize("style", ["gpt2", "bert"])
-def test_compiled_graph_computes_what_the_executors_compute(style):
+@pytest.mark.parametrize("style,tied,out_bias", [("gpt2", False, True), ("bert", False, True),
+                                                ("gpt2", True, False), ("bert", True, True)])
+def test_compiled_graph_computes_what_the_executors_compute(style, tied, out_bias):
     spec = transformer_spec(style, style=style, vocab_size=text.VOCAB_SIZE, max_len=8, hidden_size=8,
                             num_layers=2, num_heads=2, ffn_features=16, dropout=0.1, attn_dropout=0.1, eps=1e-5,
-                            pad_id=text.PAD if style == "bert" else -1)
+                            pad_id=text.PAD if style == "bert" else -1, tied=tied, out_bias=out_bias)
     graph = lower(spec)
     assert {"embedding", "layer_norm", "attention", "matmul", "add"} <= {n.op for n in graph.kernels()}
     optimized, notes = optimize(graph)

@@ -18,8 +18,10 @@ What the hand-written layers did, op by op:
   the padding keys (ids == pad_id) are a value the blocks' attention reads;
 - transformer_block: pre-norm (GPT-2) or post-norm (BERT) attention and GELU
   MLP with residuals; attention is one op (self_attention) on the packed q/k/v;
-- lm_head: [dense + GELU (BERT's transform)] + layer norm + decoder; then
-  the summed token cross-entropy;
+- lm_head: [dense + GELU (BERT's transform)] + layer norm + decoder [+ bias];
+  tied (share_embedding_weights), the decoder is linear(h, embed.tokens): the
+  one program parameter both units read, which each layer holds a copy of
+  under its own name (`tokens`); then the summed token cross-entropy;
 - a classifier's loss: the op softmax_cross_entropy (the dense layers' kernel:
   its share of the global batch's mean, the gradient divided by the global
   batch), so a 16-bit FC-MNIST rounds as the dense layers did, to the bit.
@@ -45,6 +47,14 @@ ACTIVATION_OPS = {"relu": ("relu", {}), "tanh": ("tanh", {}), "sigmoid": ("sigmo
                   "gelu_tanh": ("gelu", {"approximate": "tanh"})}
 
 
+def program_name(layer, pname: str) -> str:
+    """The program's name of a layer's parameter: `<layer>.<param>`, but a tied head's
+    copy of the token table is the embedding's own parameter (one, read by both units)."""
+    if layer.op == "lm_head" and layer.tied and pname == "tokens":
+        return f"{layer.tied}.tokens"
+    return f"{layer.name}.{pname}"
+
+
 class _Builder:
     """Appends nodes of one layer (its module path) with fresh value names."""
 
@@ -58,7 +68,7 @@ class _Builder:
         self.module = layer.name
         self.local[layer.name] = {}
         for pname, shape in layer.param_shapes().items():
-            full = f"{layer.name}.{pname}"
+            full = program_name(layer, pname)
             self.params[full] = Value(tuple(shape))
             self.local[layer.name][full] = pname
 
@@ -143,7 +153,12 @@ def _head(b: _Builder, layer, index: int, x: str, spec: ModelSpec) -> str:
     h = x
     if layer.activation != "none":   # BERT's MLM transform
         h = b.activation(layer.activation, b.dense(x, "transform_weight", "transform_bias"))
-    return b.dense(b.layer_norm(h, "ln_gain", "ln_bias", layer), "decoder_weight", "decoder_bias")
+    h = b.layer_norm(h, "ln_gain", "ln_bias", layer)
+    bias = (b.param("decoder_bias"),) if layer.out_bias else ()
+    if layer.tied:   # logits = h @ tokens^T (+ b): torch's linear, the table in its (vocab, width) layout
+        return b.op("linear", h, program_name(layer, "tokens"), *bias)
+    logits = b.op("matmul", h, b.param("decoder_weight"))
+    return b.op("add", logits, *bias) if bias else logits
 
 
 LAYERS = {"dense": _dense, "embedding": _embedding, "transformer_block": _block, "lm_head": _head}

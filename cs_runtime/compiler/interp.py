@@ -42,8 +42,12 @@ def _dropout(x: Array, scale: Array, p: float, node: Node, ctx: Context) -> Arra
     return x * ctx.keep_mask(node, x.shape, p) * scale
 
 
+def _matmul(node: Node, args: list[Array]) -> Array:
+    return args[0] @ (args[1].T if node.attrs.get("transpose_b") else args[1])
+
+
 def _fused_dense(node: Node, args: list[Array], ctx: Context) -> Array:
-    a = activate(node.attrs["activation"], args[0] @ args[1] + args[2])
+    a = activate(node.attrs["activation"], _matmul(node, args) + args[2])
     return _dropout(a, args[3], node.attrs["dropout"], node, ctx) if len(args) == 4 else a
 
 
@@ -71,7 +75,7 @@ def _attention(node: Node, args: list[Array], ctx: Context) -> Array:
 
 RULES: dict[str, Callable[[Node, list[Array], Context], Array]] = {
     "const": lambda n, a, c: np.asarray(n.attrs["value"], dtype=n.dtype),
-    "matmul": lambda n, a, c: a[0] @ a[1],
+    "matmul": lambda n, a, c: _matmul(n, a),
     "bias_add": lambda n, a, c: a[0] + a[1],
     "activation": lambda n, a, c: activate(n.attrs["kind"], a[0]),
     "dropout": lambda n, a, c: _dropout(a[0], a[1], n.attrs["p"], n, c),

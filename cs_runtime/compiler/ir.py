@@ -139,9 +139,10 @@ def _matmul(node: Node, ins: list[Node]) -> tuple[Shape, str]:
     # [B, ..., k] @ [k, n]: a token model's [B, T, D] activations included
     _need(len(x.shape) >= 2 and len(w.shape) == 2, node,
           f"needs [B, ..., k] @ [k, n] operands, got {_fmt_shape(x.shape)} @ {_fmt_shape(w.shape)}")
-    _need(x.shape[-1] == w.shape[0], node, f"%{x.name} has {x.shape[-1]} features but "
-          f"%{w.name} is {_fmt_shape(w.shape)} (expects {w.shape[0]})")
-    return (*x.shape[:-1], w.shape[1]), x.dtype
+    k, n = w.shape[::-1] if node.attrs.get("transpose_b") else w.shape   # transpose_b: a tied [n, k] table
+    _need(x.shape[-1] == k, node, f"%{x.name} has {x.shape[-1]} features but "
+          f"%{w.name} is {_fmt_shape(w.shape)} (expects {k})")
+    return (*x.shape[:-1], n), x.dtype
 
 
 def _bias_add(node: Node, ins: list[Node]) -> tuple[Shape, str]:

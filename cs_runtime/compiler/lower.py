@@ -131,7 +131,16 @@ def lower_lm_head(g: Graph, layer: LayerSpec, x: str) -> str:
         x = _dense(g, layer, x, p, "transform")
         x = g.add("activation", (x,), name=f"{layer.name}.transform.act", kind=layer.activation, layer=layer.name,
                   layer_op=layer.op)
-    return _dense(g, layer, _norm(g, layer, x, p, "ln"), p, "decoder")
+    x = _norm(g, layer, x, p, "ln")
+    if not layer.tied and layer.out_bias:
+        return _dense(g, layer, x, p, "decoder")
+    at = {"layer": layer.name, "layer_op": layer.op}
+    # tied: the token table (vocab, width), transposed (the model zoo's share_embedding_weights)
+    weight, attrs = (p["tokens"], {"transpose_b": True}) if layer.tied else (p["decoder_weight"], {})
+    h = g.add("matmul", (x, weight), name=f"{layer.name}.decoder.matmul", **attrs, **at)
+    if layer.out_bias:
+        h = g.add("bias_add", (h, p["decoder_bias"]), name=f"{layer.name}.decoder.bias_add", **at)
+    return h
 
 
 LOWERINGS: dict[str, Callable[[Graph, LayerSpec, str], str]] = {

@@ -130,6 +130,8 @@ def _fused(chain: list[Node]) -> Node:
     inputs = (*matmul.inputs, bias.inputs[1])
     attrs = {"activation": rest["activation"].attrs["kind"] if "activation" in rest else "none",
              "dropout": rest["dropout"].attrs["p"] if "dropout" in rest else 0.0}
+    if matmul.attrs.get("transpose_b"):
+        attrs["transpose_b"] = True
     if "dropout" in rest:
         inputs += (rest["dropout"].inputs[1],)
     # "fc0.matmul" -> "fc0.fused_dense"; a layer with several (a transformer

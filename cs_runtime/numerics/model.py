@@ -68,6 +68,8 @@ class LayerSpec:
     attn_dropout: float = 0.0    # transformer_block: on the attention probabilities
     eps: float = 1e-5            # layer norm epsilon
     pad_id: int = -1             # embedding: token id of padding (-1: none)
+    tied: str = ""               # lm_head: the embedding layer whose token table is its decoder, transposed
+    out_bias: bool = True        # lm_head: the decoder adds a bias
     # "program": one unit of a compiled program, as data (program_layer.py)
     unit: dict | None = field(default=None, compare=False, repr=False)
 
@@ -153,7 +155,9 @@ class ModelSpec:
         return bool(self.layers) and self.layers[0].op == "embedding"
 
     def num_params(self) -> int:
-        return sum(layer.num_params() for layer in self.layers)
+        """Each parameter once: a tied head's copy of the token table is not another parameter."""
+        return sum(layer.num_params() for layer in self.layers) - sum(
+            int(np.prod(l.param_shapes()["tokens"])) for l in self.layers if l.op == "lm_head" and l.tied)
 
 
 def mlp_spec(name: str, sizes: list[int], activation: str, dropout: float) -> ModelSpec:
@@ -170,7 +174,8 @@ def mlp_spec(name: str, sizes: list[int], activation: str, dropout: float) -> Mo
 def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hidden_size: int,
                      num_layers: int, num_heads: int, ffn_features: int, dropout: float, attn_dropout: float,
                      eps: float, pad_id: int = -1, activation: str | None = None,
-                     loss_scaling: str | None = None, loss_weight: float = 1.0) -> ModelSpec:
+                     loss_scaling: str | None = None, loss_weight: float = 1.0, tied: bool = False,
+                     out_bias: bool = True) -> ModelSpec:
     """GPT-2 (style "gpt2": causal, pre-norm) or BERT (style "bert": bidirectional,
     post-norm, padding mask, MLM transform in the head): embedding, blocks, head.
 
@@ -180,7 +185,10 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
 
     `loss_scaling` / `loss_weight`: the loss's normaliser (kernels.TOKEN_LOSS_SCALINGS);
     by default the model zoo's: num_tokens for GPT-2, batch_size (times
-    loss_weight, the model zoo's mlm_loss_weight) for BERT."""
+    loss_weight, the model zoo's mlm_loss_weight) for BERT.
+
+    `tied`: the head's decoder is the token embedding, transposed (the model
+    zoo's share_embedding_weights); `out_bias`: the decoder adds a bias."""
     if style not in ("gpt2", "bert"):
         raise ValueError(f"unknown transformer style {style!r}; expected gpt2 or bert")
     if hidden_size % num_heads:
@@ -197,7 +205,7 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
                                 num_heads=num_heads, ffn_features=ffn_features, causal=gpt, norm=norm,
                                 attn_dropout=attn_dropout, eps=eps))
     layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else activation,
-                            eps=eps))
+                            eps=eps, tied="embed" if tied else "", out_bias=bool(out_bias)))
     return ModelSpec(name, tuple(layers), loss_scaling=loss_scaling or ("num_tokens" if gpt else "batch_size"),
                      loss_weight=float(loss_weight))
 
@@ -224,6 +232,9 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]
             name: rng.uniform(-bound, bound, size=shape).astype(np.float32)
             for name, shape in layer.param_shapes().items()
         }
+    for layer in spec.layers:   # a tied head starts from (a copy of) the table it shares
+        if layer.op == "lm_head" and layer.tied:
+            weights[layer.name]["tokens"] = weights[layer.tied]["tokens"].copy()
     return weights
 
 
@@ -402,7 +413,7 @@ def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: di
         with spans.span("bwd", step=step, layer=index):
             delta, grads[index] = layer_backward(spec, index, delta, caches[index],
                                                  weights[spec.layers[index].name])
-    return program_layer.tie_grads(spec, grads) if spec.captured else grads
+    return program_layer.tie_grads(spec, grads) if spec.program is not None else grads
 
 
 @dataclass

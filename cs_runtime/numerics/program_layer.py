@@ -173,53 +173,56 @@ def step_outputs(spec, live) -> dict:
     return {"output": np.ascontiguousarray(live[name])}
 
 
+def _program_names(layer) -> dict[str, str]:
+    """{the layer's name of a parameter: the program's}: a lowered built-in layer names its
+    own (`unit["local"]`); a captured model's unit uses the program's names."""
+    local = layer.unit.get("local") if isinstance(layer.unit, dict) else None
+    if local is None:
+        return {name: name for name in param_shapes(layer)}
+    return {name: full for full, name in local.items()}
+
+
+def tied_sources(spec) -> dict[tuple[int, str], tuple[int, str]]:
+    """(layer index, parameter name) of every copy of a tied parameter after its first
+    reader's -> that first reader's (layer index, name). {} for a model without ties."""
+    if spec.program is None:   # a built-in model not lowered (yet): its tied heads say it
+        index = {layer.name: i for i, layer in enumerate(spec.layers)}
+        return {(i, "tokens"): (index[layer.tied], "tokens") for i, layer in enumerate(spec.layers)
+                if layer.op == "lm_head" and layer.tied in index}
+    first: dict[str, tuple[int, str]] = {}
+    copies = {}
+    for i, layer in enumerate(spec.layers):
+        for name, full in _program_names(layer).items():
+            if full in first:
+                copies[(i, name)] = first[full]
+            else:
+                first[full] = (i, name)
+    return copies
+
+
 def has_tied(spec) -> bool:
     """Whether a parameter is read by more than one layer of the spec."""
-    if not spec.captured:
-        return False
-    seen: set[str] = set()
-    for layer in spec.layers:
-        names = set(param_shapes(layer))
-        if names & seen:
-            return True
-        seen |= names
-    return False
-
-
-def _lowered(layer) -> bool:
-    """A lowered built-in layer (compiler/families.py), not a captured model's unit."""
-    return isinstance(getattr(layer, "unit", None), dict) and "local" in layer.unit
+    return bool(tied_sources(spec))
 
 
 def tied_copies(spec) -> frozenset:
     """(layer index, parameter name) of every copy of a tied parameter after its first
     reader's: the global gradient norm counts the parameter once (optim.update_model)."""
-    if spec.program is None:
-        return frozenset()
-    seen: set[str] = set()
-    copies = set()
-    for i, layer in enumerate(spec.layers):
-        if _lowered(layer):
-            continue   # its parameters are its own, tied to none
-        for name in param_shapes(layer):
-            if name in seen:
-                copies.add((i, name))
-            seen.add(name)
-    return frozenset(copies)
+    return frozenset(tied_sources(spec))
 
 
 def tie_grads(spec, grads: list[dict]) -> list[dict]:
     """Every copy of a parameter read by several layers gets the sum of their gradients."""
-    owners: dict[str, list[int]] = {}
+    owners: dict[str, list[tuple[int, str]]] = {}
     for i, layer in enumerate(spec.layers):
-        if _lowered(layer):
-            continue   # its parameters are its own, tied to none
+        local = layer.unit.get("local") if isinstance(getattr(layer, "unit", None), dict) else None
+        program = {name: full for full, name in local.items()} if local else {}
         for name in grads[i] or {}:
-            owners.setdefault(name, []).append(i)
-    for name, layers in owners.items():
-        if len(layers) > 1:
-            total = sum(np.asarray(grads[i][name], dtype=np.float32) for i in layers)
-            for n, i in enumerate(layers):
+            owners.setdefault(program.get(name, name), []).append((i, name))
+    for readers in owners.values():
+        if len(readers) > 1:
+            total = sum(np.asarray(grads[i][name], dtype=np.float32) for i, name in readers)
+            for n, (i, name) in enumerate(readers):
                 # each layer its own copy: a later in-place step (unscaling) must touch each once
                 grads[i] = {**grads[i], name: total if n == 0 else total.copy()}
     return grads

@@ -11,8 +11,11 @@ A GPT-2 or BERT model is three kinds of layer (cs_runtime/numerics/model.py's
   norm (GPT-2: x + f(LN(x))) or "post" norm (BERT: LN(x + f(x))); causal or
   bidirectional attention.
 - "lm_head": [dense + GELU (BERT's transform)] + layer norm + decoder to the
-  vocabulary. Not tied to the token embedding: tying would make two streamed
-  layers share one tensor.
+  vocabulary [+ bias]. Tied (`layer.tied`, the model zoo's
+  share_embedding_weights), the decoder is the embedding's token table,
+  transposed: the head holds a copy of it ("tokens"), which the executor keeps
+  equal to the embedding's (one gradient, their sum; program_layer.tie_grads)
+  and checkpoints store once.
 
 Here: each op's parameter shapes and initialisation. Their maths is a program
 over the op set (cs_runtime/compiler/families.py lowers each layer to one unit;
@@ -48,7 +51,13 @@ def head_shapes(layer) -> dict[str, tuple[int, ...]]:
     shapes = {}
     if layer.activation != "none":
         shapes.update(transform_weight=(d, d), transform_bias=(d,))
-    shapes.update(ln_gain=(d,), ln_bias=(d,), decoder_weight=(d, v), decoder_bias=(v,))
+    shapes.update(ln_gain=(d,), ln_bias=(d,))
+    if layer.tied:
+        shapes["tokens"] = (v, d)        # the tied embedding's table, in its layout
+    else:
+        shapes["decoder_weight"] = (d, v)
+    if layer.out_bias:
+        shapes["decoder_bias"] = (v,)
     return shapes
 
 

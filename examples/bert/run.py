@@ -10,12 +10,15 @@ The corpus is the Python reference text shipped with Python
 (pydoc_data.topics), or the model zoo's preprocessed *.h5 files in
 train_input.data_dir (cs_runtime/data/hdf5.py, h5py), else its *.txt / *.npy files.
 The training loss is the model zoo's: the masked tokens' summed cross-entropy
-/ batch_size * model.mlm_loss_weight (default 1.0). Eval reports the mean
-loss and accuracy over the masked tokens.
+/ batch_size * model.mlm_loss_weight (default 1.0), or with
+model.mlm_loss_scaling num_masked / precomputed_num_masked their mean. The
+head's decoder is the token embedding, transposed, unless
+share_embedding_weights: false. Eval reports the mean loss and accuracy over
+the masked tokens.
 """
 from cs_runtime.data.hdf5 import BertHdf5Dataset, h5_files
 from cs_runtime.data.text import PAD, BertDataset, load_corpus
-from cs_runtime.lm_checks import check_language_model, mlm_loss_weight, seq_len
+from cs_runtime.lm_checks import check_language_model, head_options, mlm_loss_scaling, mlm_loss_weight, seq_len
 from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.runner import run
 
@@ -27,7 +30,8 @@ def model_fn(params):
                             hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
                             ffn_features=m.filter_size, dropout=m.dropout_rate,
                             attn_dropout=m.attention_dropout_rate, eps=m.layer_norm_epsilon, pad_id=PAD,
-                            loss_weight=mlm_loss_weight(params))
+                            loss_scaling=mlm_loss_scaling(params), loss_weight=mlm_loss_weight(params),
+                            **head_options(params, "bert"))
 
 
 def dataset(params, section, split: str):

@@ -26,6 +26,7 @@ def load_model(path: str) -> tuple[ModelSpec, dict]:
     spec = ModelSpec.from_dict(state.meta["model"])
     if not spec.token_model or not spec.layers[1].causal:
         raise ValueError(f"{path}: not a GPT (causal language model) checkpoint")
+    ckpt.with_tied_copies(spec, state.weights, state.opt_state)   # a tied table is stored once
     return lower_spec(spec), state.weights   # the program every path runs
 
 
