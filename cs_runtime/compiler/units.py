@@ -126,20 +126,28 @@ UNIT_RULE = "The unit rule:" + __doc__[__doc__.index("The unit rule") + len("The
 
 
 def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[str, tuple],
-                 dtypes: dict[str, str], weights: dict[str, np.ndarray], return_output: bool = False):
+                 dtypes: dict[str, str], weights: dict[str, np.ndarray], return_output: bool = False,
+                 features: list[str] | None = None, context: str = "dropout_context"):
     """A ModelSpec whose layers are the program's units (op "program"), with the
-    starting weights. The batch input is the program's first input, the labels its last.
-    With `return_output` each step hands back the model's output (the program's
-    "output" value) with its loss, gathered over the WSEs in row order."""
+    starting weights. The program's inputs are the model's inputs, then the labels
+    (and `context`, the run's context its dropout masks are drawn from, when it reads
+    it). `features`: each model input's name in a batch of named arrays (a data set's
+    dict of features; forward()'s argument names). With `return_output` each step hands
+    back the model's output (the program's "output" value) with its loss, gathered over
+    the WSEs in row order."""
     if return_output and "output" not in program.outputs:
         raise ValueError(f"model {name}: the model's output is not one tensor, so no step can hand it back")
     from cs_runtime.numerics.model import LayerSpec, ModelSpec
-    if len(program.inputs) != 2:
-        raise ValueError(f"model {name}: run() feeds one input and the labels; the program takes "
-                         f"{len(program.inputs)} inputs ({', '.join(program.inputs)})")
+    inputs = [n for n in program.inputs if n != context]
+    if len(inputs) < 2:
+        raise ValueError(f"model {name}: the program takes no model input besides the labels")
+    features = list(features) if features is not None else [f"input{i}" for i in range(len(inputs) - 1)]
+    if len(features) != len(inputs) - 1 or len(set(features)) != len(features):
+        raise ValueError(f"model {name}: {len(features)} feature names for {len(inputs) - 1} model inputs")
     layers = tuple(LayerSpec(u.name, "program", 0, 0, unit={
         "unit": u.to_meta(), "param_shapes": {p: list(shapes[p]) for p in u.params}}) for u in units)
-    shared = {"inputs": list(program.inputs), "loss": program.outputs["loss"],
+    shared = {"inputs": inputs, "features": features, "loss": program.outputs["loss"],
+              "context": context if context in program.inputs else "",
               # A classification loss's scores, and its ignored label: what eval's accuracy counts
               "logits": program.outputs.get("logits", ""),
               "ignore_index": _ignore_index(program),
