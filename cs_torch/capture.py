@@ -90,9 +90,10 @@ class _WithLoss(torch.nn.Module):
         return (loss, out) if isinstance(out, torch.Tensor) else (loss,)
 
 
-def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn) -> Captured:
+def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dropout: bool = True) -> Captured:
     """The program of `loss_fn(model(*example_inputs), example_target)` at these shapes
-    (`model(**example_inputs)` when they are a dict)."""
+    (`model(**example_inputs)` when they are a dict). `dropout`: whether dropout in
+    training may draw masks (the caller feeds the run's context); without, it is refused."""
     names, inputs, keywords = _example_inputs(model, example_inputs)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
@@ -101,7 +102,7 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn) -> 
     except Exception as exc:  # torch raises many types; the user needs the one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export could not trace the model: {first}") from exc
-    captured = _Lowering(exported, model).run()
+    captured = _Lowering(exported, model, dropout).run()
     captured.feature_names = names
     return captured
 
@@ -182,8 +183,8 @@ def _strip(name: str) -> str:
 
 
 class _Lowering:
-    def __init__(self, exported, model):
-        self.ep, self.model = exported, model
+    def __init__(self, exported, model, dropout: bool = True):
+        self.ep, self.model, self.dropout = exported, model, dropout
         self.names: dict = {}          # fx node -> program value name (or list of names, for split)
         self.constants: dict = {}      # fx node -> torch value, for nodes computed at capture
         self.nodes: list[Node] = []
@@ -403,6 +404,9 @@ def _dropout(L, node, x, p, train=True):
     number: the masks of two dropouts differ); in eval mode, or with p 0, x itself."""
     if not (p and train):
         return _identity(L, node, x)
+    if not L.dropout:
+        raise L.error(f"dropout with p={p} in training: a traced step draws no masks yet (set p=0, or hand "
+                      "the model to run() with cs_torch.capture.model_spec)")
     if not 0 < p < 1:
         raise L.error(f"dropout with p={p} (0 <= p < 1)")
     L.inputs.setdefault(CONTEXT, Value((6,), "int64"))
