@@ -151,11 +151,24 @@ def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[st
               # A classification loss's scores, and its ignored label: what eval's accuracy counts
               "logits": program.outputs.get("logits", ""),
               "ignore_index": _ignore_index(program),
+              "label_mean": _label_mean(program),
               "output": program.outputs["output"] if return_output else "",
               "values": {v: [list(shapes[v]), dtypes[v]] for v in shapes},   # at the capture's batch
               "consts": {k: [list(a.shape), str(a.dtype), np.ascontiguousarray(a).tobytes()]
                          for k, a in program.consts.items()}}
     return ModelSpec(name, layers, loss="program", program=shared, initial_weights=dict(weights))
+
+
+def _label_mean(program: Program) -> bool:
+    """Whether the loss is a mean over the labels not ignored (-100, torch's default): a
+    shard's share of the global mean is then its labelled targets over the global batch's
+    (the input workers count them), not its rows over the batch's."""
+    from cs_runtime.numerics.kernels import IGNORE_INDEX
+    loss = program.outputs["loss"]
+    node = next((n for n in program.nodes if n.outputs[0] == loss), None)
+    return (node is not None and node.op in ("cross_entropy", "nll_loss")
+            and node.attrs.get("reduction", "mean") == "mean"
+            and int(node.attrs.get("ignore_index", IGNORE_INDEX)) == IGNORE_INDEX)
 
 
 def _ignore_index(program: Program) -> int:

@@ -57,7 +57,7 @@ def check(spec) -> None:
     if not (isinstance(shared, dict) and isinstance(shared.get("inputs"), list) and len(shared["inputs"]) >= 2
             and _features_valid(shared.get("features"), len(shared["inputs"]) - 1)
             and isinstance(shared.get("logits", ""), str) and isinstance(shared.get("ignore_index", -100), int)
-            and isinstance(shared.get("output", ""), str)
+            and isinstance(shared.get("output", ""), str) and isinstance(shared.get("label_mean", False), bool)
             and (not shared.get("output") or shared["output"] in shared.get("values", {}))
             and all(isinstance(n, str) for n in shared["inputs"]) and isinstance(shared.get("loss"), str)
             and isinstance(shared.get("context", ""), str) and shared.get("reduction", "mean") in ("mean", "sum")
@@ -186,7 +186,9 @@ def loss(spec, live: dict, labels: np.ndarray, global_batch: int, label_count: i
     shard's summed loss, predictions right, labels counted). With a classification loss the
     counts are of its scores' argmax against the labels it does not ignore; else of rows.
 
-    A captured program's loss is a mean over the shard, weighted rows / global batch.
+    A captured program's loss is a mean over the shard, weighted rows / global batch; a
+    mean over labelled targets (cross-entropy ignoring -100) by the shard's labelled
+    targets / the global batch's (`label_count`), as the shards hold different numbers.
     A built-in model's (reduction "sum") is the shard's summed loss, weighted as the
     model says: 1 / global batch for a classifier, the token loss scaling for a token
     model, so the shards add up to the global batch's loss."""
@@ -205,6 +207,9 @@ def loss(spec, live: dict, labels: np.ndarray, global_batch: int, label_count: i
             spec.loss_scaling, spec.loss_weight, global_batch, label_count)
         return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value), correct, count
     weight = rows / global_batch
+    if spec.program.get("label_mean") and label_count:
+        # A mean over labelled targets (a masked LM's): shards hold different numbers of them.
+        weight = int(np.count_nonzero(labels != kernels.IGNORE_INDEX)) / label_count
     return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value) * count, correct, count
 
 
