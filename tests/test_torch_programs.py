@@ -156,9 +156,15 @@ def test_cpu_path_matches_torch_eager(kind, opt):
         # Adam turns float32 noise in a gradient that is zero in exact arithmetic (the
         # attention key bias) into full steps, in torch too: such a tensor is held to
         # three times torch's own float32-vs-float64 spread (two float32 runs land
-        # anywhere within twice it of each other, give or take).
-        atol = max(1e-5 * float(np.abs(reference[name]).max()), 3 * spread.get(name, 0.0))
+        # anywhere within twice it of each other, give or take; measured: up to 1.9x).
+        tight = 1e-5 * float(np.abs(reference[name]).max())
+        atol = max(tight, 3 * spread.get(name, 0.0))
         np.testing.assert_allclose(w, reference[name], rtol=1e-5, atol=atol, err_msg=name)
+        if not np.allclose(w, reference[name], rtol=1e-5, atol=tight):
+            # Only the key bias (the middle third of a packed q/k/v bias) needs the spread.
+            assert name.endswith(("attn.c_attn.bias", "qkv.bias")), name
+            q, k, v = (np.abs(w - reference[name]) - 1e-5 * np.abs(reference[name])).reshape(3, -1)
+            assert q.max() <= tight and v.max() <= tight, name
     # A tied parameter is held by each unit that reads it: every copy took the same updates.
     for name in final:
         copies = [layer[name] for layer in weights.values() if name in layer]
