@@ -41,7 +41,6 @@ from __future__ import annotations
 import inspect
 import operator
 import os
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +48,7 @@ import torch
 
 from cs_runtime.compiler.units import split_units
 from cs_runtime.numerics.program import Node, Program, Unit, Value, infer_values
+from cs_runtime.numerics.program_layer import FEATURE_NAME
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _INT64_MAX = 2 ** 63 - 1
@@ -74,7 +74,6 @@ class Captured:
 
 # The run's context a captured dropout draws its masks from (as the built-in families' programs)
 CONTEXT = "dropout_context"   # int64 [seed, step, row_start, row_stop, global_batch, train]
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 class _WithLoss(torch.nn.Module):
@@ -134,7 +133,7 @@ def _example_inputs(model, example_inputs) -> tuple[list[str], tuple, list[str] 
     for name, tensor in zip(order, inputs):
         if not isinstance(tensor, torch.Tensor):
             raise CaptureError(f"example input {name!r} is a {type(tensor).__name__}, not a tensor")
-        if not _NAME.match(name):
+        if not FEATURE_NAME.match(name):
             raise CaptureError(f"model input {name!r}: a feature name is a Python identifier of at most 64 "
                                "characters")
     return order, inputs, keywords

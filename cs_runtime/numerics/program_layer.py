@@ -5,7 +5,9 @@ A ModelSpec built from a program (cs_runtime/compiler/units.py:
 program_spec) has one LayerSpec of op "program" per weight-streaming unit;
 the layer carries its unit as data (`layer.unit`: the unit's meta and its
 parameters' shapes) and the spec carries what the units share
-(`spec.program`: input names, constants, the loss value). Between layers
+(`spec.program`: input names, constants, the loss value). A program's model
+inputs come from the batch's features: one array, or for a model of several
+inputs a dict of arrays by feature name (`spec.program["features"]`). Between layers
 the activation is not one array but the dict of live values (what later
 units read), and the delta the dict of their gradients, so everything that
 moves layers along -- the CPU path, the WSE, the pipelined executor --

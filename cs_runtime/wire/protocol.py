@@ -46,6 +46,7 @@ import msgpack
 import numpy as np
 
 from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
@@ -241,7 +242,6 @@ OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": b
 # names: x.input_ids, x.attention_mask, ...), every one with a row per sample of the shard.
 BATCH_LABELS, BATCH_FEATURES = "y", "x"
 MAX_FEATURES = 64
-FEATURE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 def batch_arrays(x, y: np.ndarray) -> dict[str, np.ndarray]:
