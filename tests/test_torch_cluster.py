@@ -167,9 +167,9 @@ def _bert_params(tmp_path, name, **runconfig):
     return path
 
 
-def _bert_run(launcher, params, model_dir):
+def _bert_run(launcher, params, model_dir, *extra):
     cmd = [*launcher, sys.executable, BERT_RUN, "--mode", "train", "--params", str(params), "--model_dir",
-           str(model_dir)]
+           str(model_dir), *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
@@ -229,18 +229,23 @@ def test_three_input_bert_with_dropout_on_the_cpu_path_equals_torch_eager_given_
         assert relative_error(fresh.state_dict()[name].numpy(), theirs) < TOL, name
 
 
-@pytest.mark.parametrize("num_csx,strategy", [(1, "weight_streaming"), (2, "weight_streaming"), (1, "pipelined")])
+@pytest.mark.parametrize("num_csx,strategy,replicas", [(1, "weight_streaming", 1), (2, "weight_streaming", 1),
+                                                      (1, "pipelined", 1), (1, "pipelined", 2)])
 def test_three_input_bert_with_dropout_on_the_cluster_equals_the_cpu_path(tmp_path, bert_cpu_run, num_csx,
-                                                                           strategy):
+                                                                           strategy, replicas):
     """One WSE computes what the CPU path does, to the bit (the same masks, the same
-    order); two WSEs and pipelined within 1e-5 (only sums over shards differ)."""
+    order); two WSEs, pipelined and two pipelined replicas (each a half of the shard's
+    rows of every feature) within 1e-5 (only sums over shards differ)."""
     _, losses, weights = bert_cpu_run
+    extra = ("--multireplica",) if replicas > 1 else ()
     params = _bert_params(tmp_path, "p.yaml", execution_strategy=strategy)
     result = _bert_run([tool("csrun_wse"), "--num_csx", str(num_csx), "--num_workers_per_csx", "1"], params,
-                       tmp_path / "m")
-    assert f"Mode={strategy}, Step={BERT_STEPS}," in result.stdout, result.stdout[-2000:]
+                       tmp_path / "m", *extra)
+    assert f"Step={BERT_STEPS}," in result.stdout, result.stdout[-2000:]
     got, got_w = train_losses(tmp_path / "m"), final_weights(tmp_path / "m")
     assert len(got) == BERT_STEPS and got_w.keys() == weights.keys()
+    if extra:
+        assert f"Mode={strategy} x2," in result.stdout, result.stdout[-2000:]
     if num_csx == 1 and strategy == "weight_streaming":
         np.testing.assert_array_equal(got, losses)
         for name in weights:
