@@ -3,6 +3,7 @@ project's program (cs_runtime/numerics/program.py). The only module of the
 project that needs torch for a model, and only when a user brings one.
 
     captured = capture(model, (x,), y, torch.nn.functional.cross_entropy)
+    captured = capture(model, {"input_ids": ids, "attention_mask": mask}, labels, loss_fn)
     captured.program      # params named by module path, inputs, nodes over the op set
     captured.units        # weight-streaming units, each with its backward
     captured.weights      # the module's own initial weights, as float32 numpy
@@ -21,9 +22,23 @@ ATen ops become ops of the op set by the table `_LOWER`; a node whose
 inputs are all constants (an arange of positions, a causal mask built with
 tril) is evaluated here by torch once and enters as a constant. An op not in
 the table fails here, naming the module path, the op and the source line.
+
+The example batch is one tensor, a tuple of tensors (the model's positional
+arguments) or a dict of them (keyword arguments, e.g. input_ids,
+attention_mask, token_type_ids). The program's inputs are input0, input1, ...
+then "target", in the order of forward()'s signature; `feature_names` says
+which argument each is, and a data set hands a multi-input model a dict of
+arrays under those names (docs/torch.md).
+
+Dropout in training (nn.Dropout, F.dropout with p > 0) becomes the op
+dropout_mask, fed the run's context (seed, step, the shard's rows, global
+batch, train): a sample's mask depends only on (seed, step, dropout site,
+its row in the global batch), so the CPU path and every WSE draw the same
+masks, and an eval step (train 0 in the context) drops nothing.
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 from dataclasses import dataclass
@@ -33,6 +48,7 @@ import torch
 
 from cs_runtime.compiler.units import split_units
 from cs_runtime.numerics.program import Node, Program, Unit, Value, infer_values
+from cs_runtime.numerics.program_layer import FEATURE_NAME
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _INT64_MAX = 2 ** 63 - 1
@@ -53,31 +69,74 @@ class Captured:
     weights: dict[str, np.ndarray]          # parameter name -> float32 initial value (the module's own)
     input_names: list[str]                  # the model's inputs, then "target"
     aliases: dict[str, str]                 # state_dict key of a tied parameter -> its program name
+    feature_names: list[str]                # forward()'s argument name of each model input, in order
+
+
+# The run's context a captured dropout draws its masks from (as the built-in families' programs)
+CONTEXT = "dropout_context"   # int64 [seed, step, row_start, row_stop, global_batch, train]
 
 
 class _WithLoss(torch.nn.Module):
-    def __init__(self, model, loss_fn):
+    def __init__(self, model, loss_fn, keywords: list[str] | None):
         super().__init__()
-        self.model, self.loss_fn = model, loss_fn
+        self.model, self.loss_fn, self.keywords = model, loss_fn, keywords
 
     def forward(self, *args):
-        out = self.model(*args[:-1])
+        inputs = args[:-1]
+        out = self.model(**dict(zip(self.keywords, inputs))) if self.keywords else self.model(*inputs)
         loss = self.loss_fn(out, args[-1])
         # The model's own output too, when it is one tensor: a job hands it back on request.
         return (loss, out) if isinstance(out, torch.Tensor) else (loss,)
 
 
-def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn) -> Captured:
-    """The program of `loss_fn(model(*example_inputs), example_target)` at these shapes."""
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dropout: bool = True) -> Captured:
+    """The program of `loss_fn(model(*example_inputs), example_target)` at these shapes
+    (`model(**example_inputs)` when they are a dict). `dropout`: whether dropout in
+    training may draw masks (the caller feeds the run's context); without, it is refused."""
+    names, inputs, keywords = _example_inputs(model, example_inputs)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
     try:
-        exported = torch.export.export(_WithLoss(model, loss_fn), examples)
+        exported = torch.export.export(_WithLoss(model, loss_fn, keywords), examples)
     except Exception as exc:  # torch raises many types; the user needs the one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export could not trace the model: {first}") from exc
-    return _Lowering(exported, model).run()
+    captured = _Lowering(exported, model, dropout).run()
+    captured.feature_names = names
+    return captured
+
+
+def _example_inputs(model, example_inputs) -> tuple[list[str], tuple, list[str] | None]:
+    """(forward()'s argument name of each input, the tensors in that order, the keywords
+    to call the model with, or None to call it positionally)."""
+    try:
+        signature = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        signature = []
+    positional = [p.name for p in signature if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if isinstance(example_inputs, dict):
+        if not example_inputs:
+            raise CaptureError("the example batch is an empty dict; give the model's inputs by name")
+        known = {p.name for p in signature}
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in signature)
+        order = [n for n in (p.name for p in signature) if n in example_inputs]
+        order += [n for n in example_inputs if n not in order]
+        for name in order:
+            if not takes_any and name not in known:
+                raise CaptureError(f"example input {name!r} is not an argument of "
+                                   f"{type(model).__name__}.forward ({', '.join(p.name for p in signature)})")
+        inputs, keywords = tuple(example_inputs[n] for n in order), order
+    else:
+        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        keywords = None
+        order = [positional[i] if i < len(positional) else f"input{i}" for i in range(len(inputs))]
+    for name, tensor in zip(order, inputs):
+        if not isinstance(tensor, torch.Tensor):
+            raise CaptureError(f"example input {name!r} is a {type(tensor).__name__}, not a tensor")
+        if not FEATURE_NAME.match(name):
+            raise CaptureError(f"model input {name!r}: a feature name is a Python identifier of at most 64 "
+                               "characters")
+    return order, inputs, keywords
 
 
 def _needed(graph) -> set:
@@ -123,8 +182,8 @@ def _strip(name: str) -> str:
 
 
 class _Lowering:
-    def __init__(self, exported, model):
-        self.ep, self.model = exported, model
+    def __init__(self, exported, model, dropout: bool = True):
+        self.ep, self.model, self.dropout = exported, model, dropout
         self.names: dict = {}          # fx node -> program value name (or list of names, for split)
         self.constants: dict = {}      # fx node -> torch value, for nodes computed at capture
         self.nodes: list[Node] = []
@@ -163,7 +222,7 @@ class _Lowering:
         units = split_units(program, shapes, dtypes)
         weights = {name: _numpy(state[self._param_targets[name]]).astype(np.float32)
                    for name in program.params}
-        return Captured(program, units, shapes, dtypes, weights, names, self._aliases())
+        return Captured(program, units, shapes, dtypes, weights, names, self._aliases(), [])
 
     # ------------------------------------------------------------ sources
 
@@ -340,9 +399,20 @@ def _to(L, node, x, *args, **kw):
 
 
 def _dropout(L, node, x, p, train=True):
-    if p and train:
-        raise L.error(f"dropout with p={p} in training (set p=0; masks are not drawn for captured models yet)")
-    return _identity(L, node, x)
+    """In training, x times a scaled keep-mask drawn from the run's context (its own site
+    number: the masks of two dropouts differ); in eval mode, or with p 0, x itself."""
+    if not (p and train):
+        return _identity(L, node, x)
+    if not L.dropout:
+        raise L.error(f"dropout with p={p} in training: a traced step draws no masks yet (set p=0, or hand "
+                      "the model to run() with cs_torch.capture.model_spec)")
+    if not 0 < p < 1:
+        raise L.error(f"dropout with p={p} (0 <= p < 1)")
+    L.inputs.setdefault(CONTEXT, Value((6,), "int64"))
+    site = sum(n.op == "dropout_mask" for n in L.nodes)
+    mask = L.emit("dropout_mask", [x, CONTEXT], {"p": float(p), "kind": "flat", "layer": site, "site": 0},
+                  out=f"{node.name}_mask")
+    return L.emit("dropout", [x, mask], {"p": float(p)})
 
 
 def _layer_norm(L, node, x, normalized_shape, weight=None, bias=None, eps=1e-5, *rest):
@@ -572,7 +642,8 @@ def model_spec(name: str, module: torch.nn.Module, example_inputs, example_targe
     captured = capture(module, example_inputs, example_target, loss_fn)
     weights = captured.weights if state_dict is None else \
         weights_from_state_dict(_untied(state_dict, captured.aliases), captured.program.params)
-    spec = program_spec(name, captured.program, captured.units, captured.shapes, captured.dtypes, weights)
+    spec = program_spec(name, captured.program, captured.units, captured.shapes, captured.dtypes, weights,
+                        features=captured.feature_names, context=CONTEXT)
     return spec
 
 

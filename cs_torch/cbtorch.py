@@ -79,7 +79,7 @@ class _Program:
         if not isinstance(out, torch.Tensor):
             raise CsTorchError(f"cbtorch.module: the model returns {type(out).__name__}; one tensor is supported")
         try:
-            self.captured = capture_mod.capture(model, args, torch.zeros_like(out), _sum_with)
+            self.captured = capture_mod.capture(model, args, torch.zeros_like(out), _sum_with, dropout=False)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"cbtorch.module: {exc}") from None
         program = self.captured.program

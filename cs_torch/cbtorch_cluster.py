@@ -226,7 +226,7 @@ class ClusterLoop:
         was_training = model.training
         try:
             with torch.enable_grad() if train else torch.no_grad():
-                captured = capture_mod.capture(model, tuple(args), self.batch[1].clone(), loss_fn)
+                captured = capture_mod.capture(model, tuple(args), self.batch[1].clone(), loss_fn, dropout=False)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"cbtorch: {exc}") from None
         finally:

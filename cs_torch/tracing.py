@@ -328,7 +328,7 @@ class TracedStep:
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         try:
             with grad_mode:
-                captured = capture_mod.capture(model, tuple(probe.model_args), example, replay_loss)
+                captured = capture_mod.capture(model, tuple(probe.model_args), example, replay_loss, dropout=False)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"trace: {exc}") from None
         finally:

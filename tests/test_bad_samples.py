@@ -225,3 +225,21 @@ def test_the_cs_system_names_the_worker_step_and_sample_and_never_restarts(tmp_p
                          rf"sample {BAD_ROW} of the global batch: {re.escape(why)}$", bad[0]), bad[0]
     failed = [l for l in out.splitlines() if "job failed" in l]
     assert len(failed) == 1 and "exited with exit code 2 (its line above says why" in failed[0], out[-3000:]
+
+
+def test_named_features_are_fetched_and_sharded_together_masks_staying_bool():
+    """A model of several inputs: the data set's features are a dict; each WSE's rows of
+    every array are the rows of the labels it gets."""
+    ids = np.arange(40, dtype=np.int64).reshape(10, 4)
+    mask = ids % 3 != 0
+    y = np.arange(10)
+    x, fetched_y = fetch(({"input_ids": ids, "attention_mask": mask}, y), np.array([7, 2, 5]))
+    assert x["input_ids"].dtype == np.int32 and x["attention_mask"].dtype == np.bool_
+    np.testing.assert_array_equal(x["input_ids"], ids[[7, 2, 5]])
+    np.testing.assert_array_equal(x["attention_mask"], mask[[7, 2, 5]])
+    section = SimpleNamespace(batch_size=6, shuffle=True, drop_last_batch=True, seed=lambda run_seed: run_seed)
+    stream = InputStream.build("train", ({"input_ids": ids, "attention_mask": mask}, y), section, 3)
+    assert stream.plan.num_samples == 10
+    for shard in stream.shards(1, 2):
+        np.testing.assert_array_equal(shard.x["input_ids"], ids[shard.y])   # the same samples' rows
+        np.testing.assert_array_equal(shard.x["attention_mask"], mask[shard.y])

@@ -9,6 +9,7 @@ change in the receiver.
 from __future__ import annotations
 
 import logging
+import re
 import tokenize
 from pathlib import Path
 
@@ -683,3 +684,52 @@ def test_no_pickle_check_catches_a_pickle_user(tmp_path):
     ok = tmp_path / "ok.py"
     ok.write_text('"""no pickle here"""\n# nor pickle here\nnp.load(p, allow_pickle=False)\n')
     assert not {t.string for t in _code_tokens(ok)} & FORBIDDEN_NAMES
+
+
+# --------------------------------------------------------------------------
+# BATCH: one feature array, or one per model input by name
+# --------------------------------------------------------------------------
+
+def _batch(arrays: dict, rows: int = 3, fmt: str | None = None) -> Message:
+    meta = {"stream": "train", "global_batch": 6, "row_start": 3, "row_stop": 3 + rows}
+    if fmt:
+        meta["format"] = fmt
+    return decode(encode(Message(Msg.BATCH, step=1, meta=meta, arrays=arrays)))
+
+
+def test_a_batch_of_named_features_round_trips_each_array_as_it_was():
+    from cs_runtime.numerics.precision import encode_arrays
+    ids, mask = np.arange(12, dtype=np.int32).reshape(3, 4), np.ones((3, 4), bool)
+    x = {"input_ids": ids, "attention_mask": mask, "pixels": np.full((3, 2), 0.5, np.float32)}
+    y = np.array([1, 2, 3])
+    arrays = protocol.batch_arrays(x, y)
+    assert sorted(arrays) == ["x.attention_mask", "x.input_ids", "x.pixels", "y"]
+    for fmt in (None, "bfloat16"):   # 16-bit: floats as bit patterns, ids and masks as they are
+        msg = _batch(encode_arrays(arrays, fmt) if fmt else arrays, fmt=fmt)
+        features, labels = protocol.batch_features(msg, protocol.float_arrays(msg))
+        assert set(features) == set(x) and np.array_equal(labels, y)
+        for name in x:
+            assert features[name].dtype == x[name].dtype
+            np.testing.assert_array_equal(features[name], x[name])
+    one = _batch(protocol.batch_arrays(ids, y))
+    features, _ = protocol.batch_features(one)
+    assert isinstance(features, np.ndarray) and np.array_equal(features, ids)
+
+
+@pytest.mark.parametrize("arrays,match", [
+    ({"x": np.zeros((3, 2))}, "no labels array"),
+    ({"x": np.zeros((3, 2)), "x.a": np.zeros((3, 2)), "y": np.zeros(3)}, "not both"),
+    ({"y": np.zeros(3)}, "either x or x.<feature name>"),
+    ({"x.a": np.zeros((3, 2)), "w": np.zeros(3), "y": np.zeros(3)}, "expected y and either"),
+    ({"x.1a": np.zeros((3, 2)), "y": np.zeros(3)}, "Python identifiers"),
+    ({"x.a": np.zeros((2, 2)), "y": np.zeros(3)}, "array 'x.a' has 2 rows, the shard 3"),
+    ({"x.a": np.zeros(()), "y": np.zeros(3)}, "array 'x.a' has no rows"),
+])
+def test_a_batch_whose_arrays_break_the_contract_is_refused_naming_why(arrays, match):
+    with pytest.raises(ProtocolError, match=re.escape(match)):
+        protocol.batch_features(_batch(arrays))
+
+
+def test_a_feature_name_that_is_no_identifier_is_refused_before_it_is_sent():
+    with pytest.raises(ValueError, match="feature name 'a b' is not a Python identifier"):
+        protocol.batch_arrays({"a b": np.zeros(3)}, np.zeros(3))

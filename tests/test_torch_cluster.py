@@ -1,7 +1,9 @@
 """A captured torch GPT-2 (examples/torch_gpt) through the whole system:
 csrun_cpu against torch eager on the same module, batches and SGD; then
 weight streaming on 1 and 2 WSEs and pipelined against the CPU run (loss
-every step and the final weights within 1e-5 relative)."""
+every step and the final weights within 1e-5 relative). The same for a BERT-style
+encoder of three inputs (examples/torch_bert: input_ids, attention_mask,
+token_type_ids) with dropout, torch eager given the executor's masks."""
 from __future__ import annotations
 
 import subprocess
@@ -141,3 +143,114 @@ def test_16bit_gpt_on_one_wse_equals_the_cpu_path_bit_for_bit(tmp_path, cpu_run,
     if strategy == "weight_streaming":
         num_params = sum(w.size for w in w_want.values())
         assert f"WeightBytes/step={2 * 2 * num_params} " in result.stdout   # fwd + bwd, 2 bytes each
+
+
+# ---------------------------------------------------------------- several inputs, dropout
+
+BERT_RUN = str(REPO / "examples" / "torch_bert" / "run.py")
+BERT_STEPS = 8
+BERT_PARAMS = {
+    "train_input": {"batch_size": 8, "max_sequence_length": 16, "masked_lm_prob": 0.15, "shuffle": True,
+                    "drop_last_batch": True},
+    "model": {"model_type": "bert", "vocab_size": 260, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2,
+              "filter_size": 64, "max_position_embeddings": 16, "dropout_rate": 0.1, "attention_dropout_rate": 0.1},
+    "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.1, "momentum": 0.9},
+    "runconfig": {"max_steps": BERT_STEPS, "log_steps": 4, "checkpoint_steps": 0, "seed": 2},
+}
+
+
+def _bert_params(tmp_path, name, **runconfig):
+    params = {k: dict(v) for k, v in BERT_PARAMS.items()}
+    params["runconfig"].update(runconfig)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _bert_run(launcher, params, model_dir, *extra):
+    cmd = [*launcher, sys.executable, BERT_RUN, "--mode", "train", "--params", str(params), "--model_dir",
+           str(model_dir), *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def bert_cpu_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torch_bert")
+    params = _bert_params(tmp, "params.yaml")
+    _bert_run([tool("csrun_cpu")], params, tmp / "cpu")
+    return params, train_losses(tmp / "cpu"), final_weights(tmp / "cpu")
+
+
+def test_three_input_bert_with_dropout_on_the_cpu_path_equals_torch_eager_given_the_same_masks(
+        bert_cpu_run, monkeypatch):
+    """input_ids, attention_mask and token_type_ids stream as three arrays; torch eager
+    runs the same module on the same batches, its F.dropout fed the masks the executor
+    draws (kernels.sample_keep_mask of seed, step, site, rows): every step's loss and
+    every weight after the run within 1e-5 relative."""
+    from cs_runtime.config import load_params
+    from cs_runtime.data.inputs import InputStream
+    from cs_runtime.numerics import kernels
+    from cs_torch.capture import load_into
+    from examples.torch_bert import run
+    from examples.torch_bert.model import mlm_loss
+    params_path, losses, weights = bert_cpu_run
+    params = load_params(str(params_path))
+    module = run.build_module(params)
+    stream = InputStream.build("train", run.train_input_fn(params), params.train_input, params.runconfig.seed)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    eager_losses = []
+    for step in range(BERT_STEPS):
+        shard = stream.shard(step)
+        assert set(shard.x) == {"input_ids", "attention_mask", "token_type_ids"}
+        calls = iter(range(100))
+
+        def dropout(x, p=0.5, training=True, inplace=False, step=step, calls=calls):
+            if not training or p == 0:
+                return x
+            rows = slice(0, shard.global_batch)
+            mask = kernels.sample_keep_mask(params.runconfig.seed, step, next(calls), rows, tuple(x.shape), p)
+            return x * torch.from_numpy(mask)
+        monkeypatch.setattr(torch.nn.functional, "dropout", dropout)
+        opt.zero_grad()
+        loss = mlm_loss(module(**{k: torch.from_numpy(a.astype(np.int64)) for k, a in shard.x.items()}),
+                        torch.from_numpy(shard.y))
+        loss.backward()
+        opt.step()
+        eager_losses.append(loss.item())
+        assert next(calls) == 7   # the embeddings', and per block the attention probabilities' and two residuals'
+    assert len(losses) == BERT_STEPS
+    np.testing.assert_allclose(losses, eager_losses, rtol=TOL)
+    fresh = run.build_module(params)
+    load_into(fresh, {key.split("/", 2)[2]: w for key, w in weights.items()})
+    for name, tensor in module.state_dict().items():
+        theirs = tensor.detach().numpy()
+        assert relative_error(fresh.state_dict()[name].numpy(), theirs) < TOL, name
+
+
+@pytest.mark.parametrize("num_csx,strategy,replicas", [(1, "weight_streaming", 1), (2, "weight_streaming", 1),
+                                                      (1, "pipelined", 1), (1, "pipelined", 2)])
+def test_three_input_bert_with_dropout_on_the_cluster_equals_the_cpu_path(tmp_path, bert_cpu_run, num_csx,
+                                                                           strategy, replicas):
+    """One WSE computes what the CPU path does, to the bit (the same masks, the same
+    order); two WSEs, pipelined and two pipelined replicas (each a half of the shard's
+    rows of every feature) within 1e-5 (only sums over shards differ)."""
+    _, losses, weights = bert_cpu_run
+    extra = ("--multireplica",) if replicas > 1 else ()
+    params = _bert_params(tmp_path, "p.yaml", execution_strategy=strategy)
+    result = _bert_run([tool("csrun_wse"), "--num_csx", str(num_csx), "--num_workers_per_csx", "1"], params,
+                       tmp_path / "m", *extra)
+    assert f"Step={BERT_STEPS}," in result.stdout, result.stdout[-2000:]
+    got, got_w = train_losses(tmp_path / "m"), final_weights(tmp_path / "m")
+    assert len(got) == BERT_STEPS and got_w.keys() == weights.keys()
+    if extra:
+        assert f"Mode={strategy} x2," in result.stdout, result.stdout[-2000:]
+    if num_csx == 1 and strategy == "weight_streaming":
+        np.testing.assert_array_equal(got, losses)
+        for name in weights:
+            np.testing.assert_array_equal(got_w[name], weights[name], err_msg=name)
+        return
+    assert (np.abs(got - losses) / np.abs(losses)).max() < TOL
+    for name in weights:
+        assert relative_error(got_w[name], weights[name]) < TOL, name

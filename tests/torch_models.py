@@ -71,3 +71,38 @@ class TinyBert(nn.Module):
 
 def token_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+class BertInputs(nn.Module):
+    """A BERT-style encoder taking the three tensors an HF BERT takes, as separate
+    inputs: token ids, an attention mask (1 real token, 0 padding) and token types.
+    `dropout` (train mode) after the embeddings and on each block's output."""
+    def __init__(self, vocab=30, d=16, heads=2, layers=2, max_len=12, types=2, dropout=0.0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.typ = nn.Embedding(types, d)
+        self.ln = nn.LayerNorm(d)
+        self.drop = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(EncoderLayer(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        pad = attention_mask == 0
+        x = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1])) + self.typ(token_type_ids)
+        x = self.drop(self.ln(x))
+        for layer in self.layers:
+            x = F.dropout(layer(x, pad), self.drop.p, self.training)
+        return self.head(x)
+
+
+class TwoTower(nn.Module):
+    """forward(x, y): two float inputs of different widths, one score."""
+    def __init__(self, classes=4):
+        super().__init__()
+        self.fx = nn.Linear(6, 8)
+        self.fy = nn.Linear(3, 8)
+        self.out = nn.Linear(8, classes)
+
+    def forward(self, x, y):
+        return self.out(torch.tanh(self.fx(x)) * torch.sigmoid(self.fy(y)))

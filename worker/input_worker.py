@@ -27,7 +27,7 @@ from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.data.mnist import DataError, worker_steps
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.precision import encode_arrays
-from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.protocol import Message, Msg, batch_arrays
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
@@ -131,7 +131,7 @@ class InputWorker:
                         "row_start": shard.rows.start, "row_stop": shard.rows.stop,
                         "label_count": shard.label_count}
                 # The first layer rounds its input to the 16-bit format anyway: send it so.
-                arrays = encode_arrays({"x": shard.x, "y": shard.y}, p.precision)
+                arrays = encode_arrays(batch_arrays(shard.x, shard.y), p.precision)
                 with trace.span("send_batch", step=step):
                     self.send(push, Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision},
                                             arrays=arrays))

@@ -35,7 +35,7 @@ from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batc
 from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, ProtocolError, batch_features, float_arrays
 from cs_runtime.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
@@ -73,11 +73,12 @@ class InputMerger:
     def check(self, batch: Message) -> None:
         if self.spec is None:
             return
-        arrays = float_arrays(batch)
         try:
-            if set(arrays) != {"x", "y"}:
-                raise BadBatch(f"arrays {sorted(arrays)}, expected x and y")
-            check_batch(self.spec, arrays["x"], arrays["y"])
+            try:
+                x, y = batch_features(batch, float_arrays(batch))
+            except ProtocolError as exc:
+                raise BadBatch(str(exc)) from None
+            check_batch(self.spec, x, y)
         except BadBatch as exc:
             meta = batch.meta
             raise BadInput(bad_input_line(exc, str(meta["stream"]), batch.step, int(meta["row_start"]),
@@ -171,8 +172,7 @@ class WeightStreamingExecutor:
         batch = self.inputs.take(stream, step)
         meta = batch.meta
         self.step, self.caches = step, []
-        arrays = float_arrays(batch)
-        self.x, self.labels = arrays["x"], arrays["y"]
+        self.x, self.labels = batch_features(batch, float_arrays(batch))
         self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train, labels=self.labels)
         self.label_count = meta.get("label_count")

@@ -27,7 +27,8 @@ from cs_runtime.numerics.model import ShardContext, model_backward, model_forwar
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.numerics.precision import scaled
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
+from cs_runtime.data.inputs import take_rows
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, batch_features, float_arrays
 
 
 class PipelinedExecutor:
@@ -61,10 +62,9 @@ class PipelinedExecutor:
         for r in range(self.replicas):
             part = shard_rows(stop - start, r, self.replicas)
             rows = slice(start + part.start, start + part.stop)
-            arrays = float_arrays(batch)
-            ctx = ShardContext(self.seed, batch.step, int(meta["global_batch"]), rows, train,
-                               labels=arrays["y"][part])
-            yield arrays["x"][part], arrays["y"][part], ctx
+            x, y = batch_features(batch, float_arrays(batch))
+            ctx = ShardContext(self.seed, batch.step, int(meta["global_batch"]), rows, train, labels=y[part])
+            yield take_rows(x, part), y[part], ctx
 
     def train_step(self, step: int, lr: float, loss_scale: float, norms: bool = True) -> None:
         batch = self.inputs.take("train", step)

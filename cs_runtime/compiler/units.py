@@ -126,28 +126,49 @@ UNIT_RULE = "The unit rule:" + __doc__[__doc__.index("The unit rule") + len("The
 
 
 def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[str, tuple],
-                 dtypes: dict[str, str], weights: dict[str, np.ndarray], return_output: bool = False):
+                 dtypes: dict[str, str], weights: dict[str, np.ndarray], return_output: bool = False,
+                 features: list[str] | None = None, context: str = "dropout_context"):
     """A ModelSpec whose layers are the program's units (op "program"), with the
-    starting weights. The batch input is the program's first input, the labels its last.
-    With `return_output` each step hands back the model's output (the program's
-    "output" value) with its loss, gathered over the WSEs in row order."""
+    starting weights. The program's inputs are the model's inputs, then the labels
+    (and `context`, the run's context its dropout masks are drawn from, when it reads
+    it). `features`: each model input's name in a batch of named arrays (a data set's
+    dict of features; forward()'s argument names). With `return_output` each step hands
+    back the model's output (the program's "output" value) with its loss, gathered over
+    the WSEs in row order."""
     if return_output and "output" not in program.outputs:
         raise ValueError(f"model {name}: the model's output is not one tensor, so no step can hand it back")
     from cs_runtime.numerics.model import LayerSpec, ModelSpec
-    if len(program.inputs) != 2:
-        raise ValueError(f"model {name}: run() feeds one input and the labels; the program takes "
-                         f"{len(program.inputs)} inputs ({', '.join(program.inputs)})")
+    inputs = [n for n in program.inputs if n != context]
+    if len(inputs) < 2:
+        raise ValueError(f"model {name}: the program takes no model input besides the labels")
+    features = list(features) if features is not None else [f"input{i}" for i in range(len(inputs) - 1)]
+    if len(features) != len(inputs) - 1 or len(set(features)) != len(features):
+        raise ValueError(f"model {name}: {len(features)} feature names for {len(inputs) - 1} model inputs")
     layers = tuple(LayerSpec(u.name, "program", 0, 0, unit={
         "unit": u.to_meta(), "param_shapes": {p: list(shapes[p]) for p in u.params}}) for u in units)
-    shared = {"inputs": list(program.inputs), "loss": program.outputs["loss"],
+    shared = {"inputs": inputs, "features": features, "loss": program.outputs["loss"],
+              "context": context if context in program.inputs else "",
               # A classification loss's scores, and its ignored label: what eval's accuracy counts
               "logits": program.outputs.get("logits", ""),
               "ignore_index": _ignore_index(program),
+              "label_mean": _label_mean(program),
               "output": program.outputs["output"] if return_output else "",
               "values": {v: [list(shapes[v]), dtypes[v]] for v in shapes},   # at the capture's batch
               "consts": {k: [list(a.shape), str(a.dtype), np.ascontiguousarray(a).tobytes()]
                          for k, a in program.consts.items()}}
     return ModelSpec(name, layers, loss="program", program=shared, initial_weights=dict(weights))
+
+
+def _label_mean(program: Program) -> bool:
+    """Whether the loss is a mean over the labels not ignored (-100, torch's default): a
+    shard's share of the global mean is then its labelled targets over the global batch's
+    (the input workers count them), not its rows over the batch's."""
+    from cs_runtime.numerics.kernels import IGNORE_INDEX
+    loss = program.outputs["loss"]
+    node = next((n for n in program.nodes if n.outputs[0] == loss), None)
+    return (node is not None and node.op in ("cross_entropy", "nll_loss")
+            and node.attrs.get("reduction", "mean") == "mean"
+            and int(node.attrs.get("ignore_index", IGNORE_INDEX)) == IGNORE_INDEX)
 
 
 def _ignore_index(program: Program) -> int:

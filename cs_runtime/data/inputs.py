@@ -2,7 +2,9 @@
 
 A user's input function returns a data set: either a tuple `(features,
 labels)` of arrays, or an object with `__len__` and `get(indices) -> (x, y)`
-(where augmentation or decoding can happen). The pipeline decides which
+(where augmentation or decoding can happen). A model of several inputs
+(a captured torch model's forward(input_ids, attention_mask, ...)) takes
+its features as a dict of arrays by those names. The pipeline decides which
 samples make global batch `step` (`BatchPlan`, a pure function of the step)
 and which rows of it each WSE gets (`shard_rows`), so every execution path
 feeds the model the same numbers.
@@ -24,27 +26,50 @@ def label_count(labels: np.ndarray) -> int:
 
 
 def dataset_len(dataset) -> int:
-    return len(dataset) if hasattr(dataset, "get") else len(dataset[0])
+    if hasattr(dataset, "get"):
+        return len(dataset)
+    features = dataset[0]
+    return len(next(iter(features.values()))) if isinstance(features, dict) else len(features)
 
 
-def fetch(dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fetch(dataset, indices: np.ndarray):
+    """(features, labels) of the samples at `indices`. Features are one array, or for a
+    model of several inputs a dict of arrays by the model's feature names (its forward()'s
+    argument names: input_ids, attention_mask, ...), every one with a row per sample."""
     if hasattr(dataset, "get"):
         x, y = dataset.get(indices)
     else:
-        x, y = dataset[0][indices], dataset[1][indices]
+        features = dataset[0]
+        x = {k: v[indices] for k, v in features.items()} if isinstance(features, dict) else features[indices]
+        y = dataset[1][indices]
     # Token ids stay integers (int32 on the wire), classes int64; features and
-    # regression targets are float32. Float labels are never cast to classes:
-    # a classifier given them stops at the batch check with one line.
-    return np.ascontiguousarray(x, dtype=_wire_dtype(x, np.int32)), np.ascontiguousarray(y, dtype=_wire_dtype(y, np.int64))
+    # regression targets are float32, and a named feature of bools (a mask) stays
+    # bool. Float labels are never cast to classes: a classifier given them stops at
+    # the batch check with one line.
+    if isinstance(x, dict):
+        x = {str(k): _wire_array(v, np.int32, keep_bool=True) for k, v in x.items()}
+    else:
+        x = _wire_array(x, np.int32)
+    return x, _wire_array(y, np.int64)
 
 
-def _wire_dtype(values, integer_dtype) -> type:
-    return integer_dtype if np.issubdtype(np.asarray(values).dtype, np.integer) else np.float32
+def _wire_array(values, integer_dtype, keep_bool: bool = False) -> np.ndarray:
+    kind = np.asarray(values).dtype
+    if np.issubdtype(kind, np.integer):
+        dtype = integer_dtype
+    else:
+        dtype = bool if keep_bool and kind == np.bool_ else np.float32
+    return np.ascontiguousarray(values, dtype=dtype)
+
+
+def take_rows(x, rows):
+    """Rows of a batch's features: one array, or each array of a dict of them."""
+    return {k: v[rows] for k, v in x.items()} if isinstance(x, dict) else x[rows]
 
 
 @dataclass
 class Shard:
-    x: np.ndarray
+    x: np.ndarray | dict    # features: one array, or a dict of arrays by feature name
     y: np.ndarray
     global_batch: int
     rows: slice
@@ -71,7 +96,7 @@ class InputStream:
         x, y = fetch(self.dataset, indices)
         rows = [shard_rows(len(indices), rank, num_ranks) for rank in range(num_ranks)]
         count = label_count(y)
-        return [Shard(x[r], y[r], len(indices), r, count) for r in rows]
+        return [Shard(take_rows(x, r), y[r], len(indices), r, count) for r in rows]
 
     def shard(self, step: int, rank: int = 0, num_ranks: int = 1) -> Shard:
         if num_ranks > 1:   # the label count needs the whole batch's labels

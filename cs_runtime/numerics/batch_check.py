@@ -9,8 +9,9 @@ A classifier takes float features [B, in_features], all finite, and integer
 labels [B] in [0, classes). A token model (first layer an embedding) takes
 integer ids [B, T] with 1 <= T <= max_len and ids in [0, vocabulary), and
 integer labels [B, T] in [0, classes) or the ignore index (no loss there).
-A compiled program (a captured torch model) takes an input and a target of
-the ranks, trailing dimensions and kinds (integer or float) it was captured
+A compiled program (a captured torch model) takes its inputs (one array, or
+a dict of arrays by feature name for a model of several) and a target of the
+ranks, trailing dimensions and kinds (integer or float) it was captured
 with; integer targets of a classification loss are classes or its ignore index.
 """
 from __future__ import annotations
@@ -29,12 +30,15 @@ class BadBatch(ValueError):
         self.reason, self.sample = reason, sample
 
 
-def check_batch(spec, x: np.ndarray, y: np.ndarray) -> None:
-    """Raise BadBatch for the first thing wrong with (x, y) for model `spec`."""
-    if len(x) != len(y):
-        raise BadBatch(f"{len(x)} feature rows but {len(y)} label rows")
+def check_batch(spec, x, y: np.ndarray) -> None:
+    """Raise BadBatch for the first thing wrong with (x, y) for model `spec`.
+    x: one array, or (a model of several inputs) a dict of arrays by feature name."""
     if spec.program is not None and spec.program.get("values"):   # a captured model: against its capture
         return _check_program(spec.program, x, y)
+    if isinstance(x, dict):
+        raise BadBatch(f"features {sorted(x)} by name, but model {spec.name} takes one feature array")
+    if len(x) != len(y):
+        raise BadBatch(f"{len(x)} feature rows but {len(y)} label rows")
     if not np.issubdtype(y.dtype, np.integer):
         raise BadBatch(f"labels are {y.dtype}, expected integers")
     if spec.token_model:
@@ -44,15 +48,37 @@ def check_batch(spec, x: np.ndarray, y: np.ndarray) -> None:
     _check_labels(spec, y)
 
 
-def _check_program(shared: dict, x: np.ndarray, y: np.ndarray) -> None:
+def _named_inputs(shared: dict, x) -> list[tuple[str, np.ndarray, str]]:
+    """(what to call it, array, program value) of each model input in the batch."""
+    names = shared["inputs"][:-1]
+    features = shared.get("features") or names
+    if not isinstance(x, dict):
+        if len(names) != 1:
+            raise BadBatch(f"one feature array, but the model takes {len(names)} inputs ({', '.join(features)}): "
+                           "the data set gives its features as a dict by those names")
+        return [("input", x, names[0])]
+    if set(x) != set(features):
+        missing, extra = sorted(set(features) - set(x)), sorted(set(x) - set(features))
+        raise BadBatch(f"features {sorted(x)}, the model takes {list(features)}"
+                       + (f" (missing {', '.join(missing)})" if missing else "")
+                       + (f" (unknown {', '.join(extra)})" if extra else ""))
+    return [(f"feature {f}", x[f], name) for f, name in zip(features, names)]
+
+
+def _check_program(shared: dict, x, y: np.ndarray) -> None:
     """Against the program's inputs as captured (their batch dimension is free)."""
-    input_name, target_name = shared["inputs"]
-    for what, a, name in (("input", x, input_name), ("target", y, target_name)):
+    inputs = _named_inputs(shared, x)
+    for what, a, _ in inputs:
+        if a.ndim == 0 or len(a) != len(y):
+            rows = len(a) if a.ndim else 0
+            raise BadBatch(f"{rows} feature rows but {len(y)} label rows" if what == "input"
+                           else f"{what} has {rows} rows but there are {len(y)} label rows")
+    for what, a, name in (*inputs, ("target", y, shared["inputs"][-1])):
         shape, dtype = shared["values"][name]
         if a.ndim != len(shape) or tuple(a.shape[1:]) != tuple(shape[1:]):
             needs = ", ".join(["batch", *(str(d) for d in shape[1:])])
             raise BadBatch(f"{what} has shape {tuple(a.shape)}, the model needs [{needs}]")
-        if np.issubdtype(np.dtype(dtype), np.integer) != np.issubdtype(a.dtype, np.integer):
+        if np.issubdtype(np.dtype(dtype), np.floating) != np.issubdtype(a.dtype, np.floating):
             raise BadBatch(f"{what} is {a.dtype}, the model was captured with {dtype}")
         if np.issubdtype(a.dtype, np.floating):
             bad = ~np.isfinite(a).reshape(len(a), -1).all(axis=1)

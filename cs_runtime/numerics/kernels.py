@@ -73,6 +73,20 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
     return keep.astype(dtype) * dtype(1.0 / (1.0 - p))
 
 
+def sample_keep_mask(seed: int, step: int, site: int, rows: slice, shape: tuple[int, ...], p: float,
+                     dtype=np.float32) -> np.ndarray:
+    """A captured model's dropout site's scaled keep-mask of `shape` for `rows` of the global
+    batch of `step`: each sample's elements in C order, a function of (seed, step, site, the
+    sample's row, the element's index in the sample) and nothing else (not of the shard)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    count = rows.stop - rows.start
+    if count <= 0 or n % count:
+        raise ValueError(f"dropout mask of shape {tuple(shape)} for {count} rows of the batch: "
+                         "its elements do not split into the rows")
+    key = hash_key(seed, step, site, 0)
+    return keep_mask(key, rows, (n // count,), p, dtype).reshape(shape)
+
+
 def rows_keep_mask(seed: int, step: int, layer_index: int, global_batch: int, width: int,
                    rows: slice, p: float) -> np.ndarray:
     """A dense layer's scaled keep-mask (0 or 1/(1-p)) for `rows` of the global batch of

@@ -484,12 +484,16 @@ def _dropout_mask_forward(inputs, attrs):
     of (seed, step, layer, site, the sample's row in the global batch), so every shard,
     WSE and replica draws the same mask for a sample. `kind` "rows" is a dense layer's
     (a generator per (seed, step, layer) over the global batch), "hash" a transformer's
-    (counter-based, per sample and position)."""
+    (counter-based, per sample and position), "flat" a captured torch model's (as "hash",
+    over each sample's elements in order, whatever the value's shape: its leading dim
+    may hold several rows per sample, as a [B*T, D] view does)."""
     x, context = inputs
     seed, step, start, stop, global_batch, train = (int(v) for v in context)
     if not train:
         return np.ones((), dtype=x.dtype)
     shape, rows, p = _mask_shape(x.shape, attrs), slice(start, stop), float(attrs["p"])
+    if attrs["kind"] == "flat":
+        return kernels.sample_keep_mask(seed, step, int(attrs["layer"]), rows, shape, p, x.dtype.type)
     if shape[0] != stop - start:
         raise OpError(f"dropout mask for rows {start}:{stop} of a value of {shape[0]} rows")
     if attrs["kind"] == "rows":

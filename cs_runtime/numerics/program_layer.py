@@ -5,7 +5,9 @@ A ModelSpec built from a program (cs_runtime/compiler/units.py:
 program_spec) has one LayerSpec of op "program" per weight-streaming unit;
 the layer carries its unit as data (`layer.unit`: the unit's meta and its
 parameters' shapes) and the spec carries what the units share
-(`spec.program`: input names, constants, the loss value). Between layers
+(`spec.program`: input names, constants, the loss value). A program's model
+inputs come from the batch's features: one array, or for a model of several
+inputs a dict of arrays by feature name (`spec.program["features"]`). Between layers
 the activation is not one array but the dict of live values (what later
 units read), and the delta the dict of their gradients, so everything that
 moves layers along -- the CPU path, the WSE, the pipelined executor --
@@ -29,6 +31,8 @@ of all their gradients, so every copy takes the same update and stays equal.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from cs_runtime.numerics import kernels
@@ -38,6 +42,7 @@ from cs_runtime.numerics.program import ProgramError, Unit, _const
 _UNITS: dict[int, tuple[dict, Unit]] = {}
 # How the program's loss value adds up over shards (loss() below)
 REDUCTIONS = ("mean", "sum", "share")
+FEATURE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")   # a model input's name in a batch
 
 
 def unit_of(layer) -> Unit:
@@ -53,9 +58,10 @@ def unit_of(layer) -> Unit:
 def check(spec) -> None:
     """A program spec from the wire: its shared data well formed and every layer's unit valid."""
     shared = spec.program
-    if not (isinstance(shared, dict) and isinstance(shared.get("inputs"), list) and len(shared["inputs"]) == 2
+    if not (isinstance(shared, dict) and isinstance(shared.get("inputs"), list) and len(shared["inputs"]) >= 2
+            and _features_valid(shared.get("features"), len(shared["inputs"]) - 1)
             and isinstance(shared.get("logits", ""), str) and isinstance(shared.get("ignore_index", -100), int)
-            and isinstance(shared.get("output", ""), str)
+            and isinstance(shared.get("output", ""), str) and isinstance(shared.get("label_mean", False), bool)
             and (not shared.get("output") or shared["output"] in shared.get("values", {}))
             and all(isinstance(n, str) for n in shared["inputs"]) and isinstance(shared.get("loss"), str)
             and isinstance(shared.get("context", ""), str) and shared.get("reduction", "mean") in REDUCTIONS
@@ -76,6 +82,51 @@ def check(spec) -> None:
         if not (isinstance(shapes, dict) and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
                                                 for s in shapes.values())):
             raise ProgramError(f"layer {layer.name}: malformed parameter shapes")
+
+
+def _features_valid(features, count: int) -> bool:
+    """A program's feature names: absent, or one distinct identifier per model input."""
+    return features is None or (isinstance(features, list) and len(features) == count
+                                and all(isinstance(f, str) and FEATURE_NAME.match(f) for f in features)
+                                and len(set(features)) == count)
+
+
+def feature_names(spec) -> list[str]:
+    """The name of each model input in a batch of named arrays (a data set's dict of features)."""
+    names = spec.program["inputs"][:-1]
+    return list(spec.program.get("features") or names)
+
+
+def batch_inputs(spec, x) -> dict:
+    """The program's model inputs from a batch's features: one array (a model of one
+    input), or a dict of arrays by feature name; each as the model was captured with it
+    (an integer array travels as int32 and is read as the int64 the model took)."""
+    names = spec.program["inputs"][:-1]
+    if isinstance(x, dict):
+        features = feature_names(spec)
+        if set(x) != set(features):
+            raise ProgramError(f"model {spec.name}: the batch has features {sorted(x)}, the model takes "
+                               f"{features}")
+        arrays = {name: x[f] for name, f in zip(names, features)}
+    elif len(names) == 1:
+        arrays = {names[0]: x}
+    else:
+        raise ProgramError(f"model {spec.name}: one feature array for a model of {len(names)} inputs "
+                           f"({', '.join(feature_names(spec))}); give the data set's features as a dict")
+    values = spec.program.get("values") or {}
+    return {name: _as_captured(a, values.get(name)) for name, a in arrays.items()}
+
+
+def _as_captured(array: np.ndarray, value) -> np.ndarray:
+    if value is None or array.dtype.kind not in "iub":
+        return array
+    want = np.dtype(value[1])
+    return array if array.dtype == want else array.astype(want)
+
+
+def batch_rows(x) -> int:
+    """Rows (samples) of a batch's features: one array, or a dict of arrays."""
+    return len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
 
 
 def param_shapes(layer) -> dict[str, tuple[int, ...]]:
@@ -110,9 +161,9 @@ def forward(spec, index: int, x, weights: dict, ctx, weights_rounded: bool = Fal
     layer = spec.layers[index]
     if index == 0:
         names = spec.program["inputs"]
-        live = {**shared_values(spec), **rounded({names[0]: x, names[-1]: ctx.labels}, spec.precision)}
+        live = {**shared_values(spec), **rounded({**batch_inputs(spec, x), names[-1]: ctx.labels}, spec.precision)}
         if spec.program.get("context"):
-            live[spec.program["context"]] = context(ctx, len(x))
+            live[spec.program["context"]] = context(ctx, batch_rows(x))
     else:
         live = dict(x)
     cache = unit_forward(unit_of(layer), _program_weights(layer, weights), live, spec.precision, weights_rounded)
@@ -139,7 +190,9 @@ def loss(spec, live: dict, labels: np.ndarray, global_batch: int, label_count: i
     shard's summed loss, predictions right, labels counted). With a classification loss the
     counts are of its scores' argmax against the labels it does not ignore; else of rows.
 
-    A captured program's loss is a mean over the shard, weighted rows / global batch.
+    A captured program's loss is a mean over the shard, weighted rows / global batch; a
+    mean over labelled targets (cross-entropy ignoring -100) by the shard's labelled
+    targets / the global batch's (`label_count`), as the shards hold different numbers.
     A built-in token model's (reduction "sum") is the shard's summed loss, weighted by the
     token loss scaling; a built-in classifier's (reduction "share") is the shard's share of
     the global batch's mean already (ops.py softmax_cross_entropy). Shards add up to the
@@ -161,6 +214,9 @@ def loss(spec, live: dict, labels: np.ndarray, global_batch: int, label_count: i
         weight = kernels.token_loss_weight(spec.loss_scaling, spec.loss_weight, global_batch, label_count)
         return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value), correct, count
     weight = rows / global_batch
+    if spec.program.get("label_mean") and label_count:
+        # A mean over labelled targets (a masked LM's): shards hold different numbers of them.
+        weight = int(np.count_nonzero(labels != kernels.IGNORE_INDEX)) / label_count
     return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value) * count, correct, count
 
 

@@ -46,6 +46,7 @@ import msgpack
 import numpy as np
 
 from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
@@ -235,6 +236,46 @@ OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": b
                                  "after": int, "next": int}
 
 
+# ------------------------------------------------------------ BATCH
+# A BATCH's arrays: the labels "y" and the features, either one array "x" or, for a
+# model of several inputs, one array "x.<feature name>" each (its forward()'s argument
+# names: x.input_ids, x.attention_mask, ...), every one with a row per sample of the shard.
+BATCH_LABELS, BATCH_FEATURES = "y", "x"
+MAX_FEATURES = 64
+
+
+def batch_arrays(x, y: np.ndarray) -> dict[str, np.ndarray]:
+    """A shard's features (one array, or a dict by feature name) and labels as BATCH arrays."""
+    if not isinstance(x, dict):
+        return {BATCH_FEATURES: x, BATCH_LABELS: y}
+    for name in x:
+        if not (isinstance(name, str) and FEATURE_NAME.match(name)):
+            raise ValueError(f"feature name {str(name)[:70]!r} is not a Python identifier of at most 64 characters")
+    return {**{f"{BATCH_FEATURES}.{name}": a for name, a in x.items()}, BATCH_LABELS: y}
+
+
+def batch_features(msg: "Message", arrays: dict | None = None):
+    """(features, labels) of a decoded BATCH, after checking its arrays follow the
+    contract above (ProtocolError naming what does not): `arrays` are its arrays as
+    float32 values (float_arrays), by default as they travelled."""
+    arrays = msg.arrays if arrays is None else arrays
+    if BATCH_LABELS not in arrays:
+        raise ProtocolError("batch: no labels array 'y'")
+    named = {k[len(BATCH_FEATURES) + 1:]: a for k, a in arrays.items() if k.startswith(BATCH_FEATURES + ".")}
+    other = sorted(set(arrays) - {BATCH_LABELS, BATCH_FEATURES} - {f"{BATCH_FEATURES}.{k}" for k in named})
+    if other or (BATCH_FEATURES in arrays) == bool(named):
+        raise ProtocolError(f"batch: arrays {sorted(arrays)[:8]}: expected y and either x or x.<feature name>, "
+                            f"not both")
+    if len(named) > MAX_FEATURES or not all(FEATURE_NAME.match(k) for k in named):
+        raise ProtocolError(f"batch: feature names must be at most {MAX_FEATURES} Python identifiers")
+    rows = msg.meta["row_stop"] - msg.meta["row_start"]
+    for name, a in arrays.items():
+        if a.ndim == 0 or len(a) != rows:
+            raise ProtocolError(f"batch: array {name[:70]!r} has {len(a) if a.ndim else 'no'} rows, "
+                                f"the shard {rows}")
+    return (named if named else arrays[BATCH_FEATURES]), arrays[BATCH_LABELS]
+
+
 # ------------------------------------------------------------ LOAD_MODEL
 STRATEGIES = ("weight_streaming", "pipelined")
 LOSS_SCALING = ("none", "static", "dynamic")
@@ -410,7 +451,7 @@ def decode(frames: list, segments=None) -> Message:
         for name, dtype, _, _, _ in specs:
             if name == SETTINGS_ARRAY:
                 continue
-            if dtype != stored and dtype not in ("int64", "int32"):   # labels ride along as ints
+            if dtype != stored and dtype not in ("int64", "int32", "bool"):   # labels, ids, masks ride along
                 raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
     arrays = {}
     for name, dtype, shape, ref, parts in specs:

@@ -28,12 +28,12 @@ def seq_len(params, section) -> int:
 
 def build_module(params) -> GPT:
     m = params.model
-    if m.dropout_rate or m.attention_dropout_rate:
-        raise ValueError("examples/torch_gpt: model.dropout_rate and attention_dropout_rate must be 0 "
-                         "(dropout masks are not drawn for captured models yet)")
+    if m.attention_dropout_rate:
+        raise ValueError("examples/torch_gpt: model.attention_dropout_rate must be 0 (this GPT's attention is "
+                         "F.scaled_dot_product_attention without dropout; dropout_rate drops the residuals)")
     torch.manual_seed(params.runconfig.seed)
     return GPT(GPTConfig(vocab_size=m.vocab_size, block_size=m.max_position_embeddings, n_layer=m.num_hidden_layers,
-                         n_head=m.num_heads, n_embd=m.hidden_size))
+                         n_head=m.num_heads, n_embd=m.hidden_size, dropout=m.dropout_rate or 0.0))
 
 
 def model_fn(params):
