@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             result.update(transformer_rows(tmp, preset, steps))
         elif args.rows in ("all", "model", "precision", "quick"):
             result.update(model_rows(tmp, args.preset, preset, steps, args.rows))
-        if args.rows == "trace":
+        if args.rows == "trace" and args.preset != "transformer":
             result["trace_rows"] = trace_rows(tmp, preset, steps, args.repeats)
             print_rows(f"timeline cost: preset {args.preset}, steps={steps}, median of {args.repeats}",
                        "--trace off", result["trace_rows"])
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                                             result["trace_rows"][0]["samples_per_sec"])
         if args.rows in ("all", "torch_gpt"):
             result["torch_gpt_rows"] = torch_gpt_rows(args.steps or 6)
-        if args.rows in ("all", "input"):
+        if args.rows in ("all", "input") and args.preset != "transformer":   # FC-MNIST rows
             result["input_rows"] = input_rows(tmp, preset, args.input_steps)
             print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
                        f"{os.cpu_count()} CPUs", "1 worker", result["input_rows"])
