@@ -19,6 +19,11 @@ runs only the weight streaming rows; `--quick` is a smoke test (tiny model,
 expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
 one WSE fed by 1, 2 and 4 input workers, with the ratio to 1 worker
 (`--rows input` runs only these; they need about 4 free cores to scale).
+`--preset transformer` runs params.yaml's GPT-2 and BERT (examples/gpt2,
+examples/bert) at 4 layers x 256 wide, sequence 128, batch 32, AdamW, on the CPU
+path, weight streaming (1 WSE) and pipelined, beside torch eager on the
+equivalent module (scripts/bench_baselines.py transformer), with a verdict
+per path against the 0.9x target.
 `--rows torch_gpt` times a traced GPT-2 (examples/torch_gpt/model.py, 4 layers
 x 256 wide, sequence 128, AdamW) on the CPU path's calls against torch eager
 CPU training the same module on the same batches, in this process; the ratio
@@ -65,7 +70,12 @@ PRESETS = {
     "medium": {"hidden_sizes": [1024, 1024, 1024], "batch_size": 256, "steps": 100},
     "large": {"hidden_sizes": [2048] * 8, "batch_size": 512, "steps": 20},          # 31M parameters
     "tiny": {"hidden_sizes": [32], "batch_size": 32, "steps": 4},                     # --quick: a smoke test
+    # params.yaml's GPT-2 and BERT at 4 layers x 256, sequence 128 (transformer_rows)
+    "transformer": {"batch_size": 32, "steps": 20, "seq": 128, "hidden": 256, "layers": 4, "heads": 4,
+                    "ffn": 1024},
 }
+TRANSFORMERS = ("gpt2", "bert")
+TRANSFORMER_PATHS = ("cpu", "weight_streaming_1wse", "pipelined")
 MIXED = ("float16", "bfloat16", "cbfloat16")
 # The targets of the performance issue: (what, row, baseline row, the least ratio that meets it).
 # A target is judged only when both of its rows ran; the wire targets compare ceilings.
@@ -78,6 +88,8 @@ TARGETS = [
     ("protocol over tcp vs raw pyzmq", "ceiling:protocol", "ceiling:zmq", 0.9),
     ("protocol by shared memory vs memcpy", "ceiling:protocol_shm", "ceiling:memcpy", 0.8),
 ]
+TARGETS += [(f"{m} {path} vs torch eager (transformer preset)", f"{m}_{path}", f"{m}_torch_eager", 0.9)
+            for m in TRANSFORMERS for path in TRANSFORMER_PATHS]
 SMALL_ONLY = "(small preset)"
 EXECUTOR_TARGET = 0.95   # the executor's speed over the hand-written dense step's (--rows executor)
 RATE_RE = re.compile(r", Rate=([\d.]+) samples/sec")
@@ -209,9 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     result = {"preset": args.preset, "steps": steps}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
-        if args.rows in ("all", "model", "precision", "quick"):
+        if args.preset == "transformer" and args.rows in ("all", "model"):
+            result.update(transformer_rows(tmp, preset, steps))
+        elif args.rows in ("all", "model", "precision", "quick"):
             result.update(model_rows(tmp, args.preset, preset, steps, args.rows))
-        if args.rows == "trace":
+        if args.rows == "trace" and args.preset != "transformer":
             result["trace_rows"] = trace_rows(tmp, preset, steps, args.repeats)
             print_rows(f"timeline cost: preset {args.preset}, steps={steps}, median of {args.repeats}",
                        "--trace off", result["trace_rows"])
@@ -224,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             executor_verdicts(result["executor_rows"])
         if args.rows in ("all", "torch_gpt"):
             result["torch_gpt_rows"] = torch_gpt_rows(args.steps or 6)
-        if args.rows in ("all", "input"):
+        if args.rows in ("all", "input") and args.preset != "transformer":   # FC-MNIST rows
             result["input_rows"] = input_rows(tmp, preset, args.input_steps)
             print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
                        f"{os.cpu_count()} CPUs", "1 worker", result["input_rows"])
@@ -269,6 +283,53 @@ def model_rows(tmp: Path, name: str, preset: dict, steps: int, which: str = "mod
         print(f"CURVE cost: weight streaming (1 WSE) with CURVE runs at "
               f"{curve['weight_streaming_1wse'] / curve['weight_streaming_1wse_insecure']:.2f}x the speed of --insecure")
     return {"model": facts, "ceilings": ceiling, "rows": rows}
+
+
+def write_transformer_params(folder: Path, model: str, preset: dict, steps: int, strategy: str) -> Path:
+    """examples/<model>/configs/params.yaml at the preset's size, AdamW, dropout 0.1."""
+    params = yaml.safe_load((REPO / "examples" / model / "configs" / "params.yaml").read_text())
+    params.pop("eval_input", None)
+    params["train_input"].update(batch_size=preset["batch_size"], max_sequence_length=preset["seq"])
+    params["model"].update(hidden_size=preset["hidden"], num_hidden_layers=preset["layers"],
+                           num_heads=preset["heads"], filter_size=preset["ffn"],
+                           max_position_embeddings=preset["seq"])
+    params["runconfig"] = {"max_steps": steps, "log_steps": WARMUP_STEPS, "checkpoint_steps": 0, "seed": 1,
+                           "execution_strategy": strategy}
+    path = folder / f"{model}_{strategy}.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def transformer_rows(tmp: Path, preset: dict, steps: int) -> dict:
+    """GPT-2 and BERT from params.yaml on the CPU path, weight streaming (1 WSE) and pipelined,
+    beside torch eager on the equivalent module (scripts/bench_baselines.py transformer)."""
+    rows = []
+    for model in TRANSFORMERS:
+        script = REPO / "examples" / model / "run.py"
+        streamed = write_transformer_params(tmp, model, preset, steps, "weight_streaming")
+        piped = write_transformer_params(tmp, model, preset, steps, "pipelined")
+        torch_row = baseline("transformer", "--style", model, "--batch", str(preset["batch_size"]),
+                             "--steps", str(steps), "--seq", str(preset["seq"]), "--hidden", str(preset["hidden"]),
+                             "--layers", str(preset["layers"]), "--heads", str(preset["heads"]),
+                             "--ffn", str(preset["ffn"]))
+        ours = [run_row(f"{model}_cpu", [str(BIN / "csrun_cpu")], streamed, tmp / f"{model}_cpu", script=script),
+                run_row(f"{model}_weight_streaming_1wse", [str(BIN / "csrun_wse")], streamed, tmp / f"{model}_ws",
+                        script=script),
+                run_row(f"{model}_pipelined", [str(BIN / "csrun_wse")], piped, tmp / f"{model}_pipe",
+                        script=script)]
+        if "skipped" in torch_row:
+            print(f"bench: {model}_torch_eager skipped: {torch_row['skipped']}")
+            base = ours[0]["samples_per_sec"]
+        else:
+            ours.insert(0, {"name": f"{model}_torch_eager", "samples_per_sec": torch_row["samples_per_sec"]})
+            base = torch_row["samples_per_sec"]
+        for row in ours:
+            row["ratio"] = row["samples_per_sec"] / base
+        rows += ours
+    print_rows(f"transformer preset: GPT-2 and BERT {preset['layers']} x {preset['hidden']}, sequence "
+               f"{preset['seq']}, batch {preset['batch_size']}, AdamW, steps={steps}",
+               "torch eager (or the CPU path)", rows)
+    return {"rows": rows}
 
 
 def verdicts(preset: str, rows: list[dict], ceiling: dict) -> list[dict]:
@@ -529,9 +590,9 @@ def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
 
 def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
     print(title)
-    print(f"{'row':<24}{'samples/sec':>14}{'vs ' + baseline:>12}{'weight B/step':>16}{'grad B/step':>14}")
+    print(f"{'row':<30}{'samples/sec':>14}{'vs ' + baseline:>12}{'weight B/step':>16}{'grad B/step':>14}")
     for row in rows:
-        print(f"{row['name']:<24}{row['samples_per_sec']:>14.1f}{row['ratio']:>12.2f}"
+        print(f"{row['name']:<30}{row['samples_per_sec']:>14.1f}{row['ratio']:>12.2f}"
               f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
 
 

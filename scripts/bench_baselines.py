@@ -7,12 +7,17 @@
     python scripts/bench_baselines.py protocol_shm --bytes 4000000,4000000 --steps 20
     python scripts/bench_baselines.py memcpy --bytes ... --steps 20
     python scripts/bench_baselines.py matmul --m 512 --k 2048 --n 2048 --steps 20
+    python scripts/bench_baselines.py transformer --style gpt2 --batch 32 --seq 128 --steps 20
 
 Each prints one JSON line. The PyTorch rows need `pip install
 torch==2.13.0` (never a dependency of the project); without it they print
 {"skipped": "..."}. Same model as the project's FC-MNIST: Linear + ReLU +
 dropout 0.1 per hidden layer, softmax cross-entropy, SGD with momentum 0.9,
 on a fixed random batch (the input pipeline is not what is measured).
+`transformer` is the torch equivalent of params.yaml's GPT-2 (causal, pre-norm,
+tanh GELU, head: layer norm + decoder) or BERT (padding mask, post-norm, exact
+GELU, head: dense + GELU + layer norm + decoder, loss on 15% of the tokens),
+dropout 0.1 at the same sites, AdamW.
 """
 from __future__ import annotations
 
@@ -33,6 +38,95 @@ def ints(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------- PyTorch
+
+def torch_transformer(torch, style: str, vocab: int, seq: int, d: int, layers: int, heads: int, ffn: int,
+                      p: float = 0.1):
+    """params.yaml's GPT-2 or BERT (cs_runtime/compiler/families.py) as a torch module: same
+    layers, shapes and dropout sites; (ids, key_keep) -> logits [B, T, vocab]."""
+    nn, F = torch.nn, torch.nn.functional
+    gpt = style == "gpt2"
+    gelu = nn.GELU(approximate="tanh" if gpt else "none")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.out = nn.Linear(d, ffn), nn.Linear(ffn, d)
+
+        def attention(self, x, keep):
+            b, t, _ = x.shape
+            q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=2))
+            mask = None if keep is None else keep[:, None, None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p if self.training else 0.0,
+                                               is_causal=gpt)
+            return F.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)), p, self.training)
+
+        def mlp(self, x):
+            return F.dropout(self.out(gelu(self.fc(x))), p, self.training)
+
+        def forward(self, x, keep):
+            if gpt:
+                x = x + self.attention(self.ln1(x), keep)
+                return x + self.mlp(self.ln2(x))
+            x = self.ln1(x + self.attention(x, keep))
+            return self.ln2(x + self.mlp(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+            self.embed_ln = None if gpt else nn.LayerNorm(d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.transform = None if gpt else nn.Linear(d, d)
+            self.ln, self.decoder = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def forward(self, ids, keep):
+            x = self.tokens(ids) + self.positions.weight[:ids.shape[1]]
+            x = F.dropout(x if gpt else self.embed_ln(x), p, self.training)
+            for block in self.blocks:
+                x = block(x, keep)
+            if not gpt:
+                x = gelu(self.transform(x))
+            return self.decoder(self.ln(x))
+
+    return Model()
+
+
+def run_transformer(args) -> dict:
+    """Training steps of torch_transformer with AdamW on fixed random tokens (BERT: a padded
+    tail on some samples, labels on 15% of the tokens, the rest ignored)."""
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "torch is not installed (pip install torch==2.13.0)"}
+    torch.manual_seed(0)
+    model = torch_transformer(torch, args.style, args.vocab, args.seq, args.hidden, args.layers, args.heads,
+                              args.ffn)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ids = torch.randint(4, args.vocab, (args.batch, args.seq))
+    labels = torch.randint(4, args.vocab, (args.batch, args.seq))
+    keep = None
+    if args.style == "bert":
+        keep = torch.ones(args.batch, args.seq, dtype=torch.bool)
+        keep[::4, args.seq * 3 // 4:] = False                 # every fourth sample padded at the end
+        labels[torch.rand(args.batch, args.seq) > 0.15] = -100
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids, keep)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), labels.reshape(-1),
+                                          ignore_index=-100).backward()
+        opt.step()
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    return {"samples_per_sec": args.batch * args.steps / (time.perf_counter() - start),
+            "threads": torch.get_num_threads()}
+
 
 def torch_model(torch, sizes: list[int]):
     layers = []
@@ -248,7 +342,8 @@ def run_matmul(args) -> dict:
 
 
 RUNS = {"torch": run_torch, "ddp": run_ddp, "zmq": run_zmq, "protocol": run_protocol,
-        "protocol_shm": run_protocol_shm, "memcpy": run_memcpy, "matmul": run_matmul}
+        "protocol_shm": run_protocol_shm, "memcpy": run_memcpy, "matmul": run_matmul,
+        "transformer": run_transformer}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -262,6 +357,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--m", type=int, default=512)
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--style", choices=("gpt2", "bert"), default="gpt2", help="transformer: the model")
+    parser.add_argument("--vocab", type=int, default=260)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=1024)
     args = parser.parse_args(argv)
     print(json.dumps(RUNS[args.what](args)), flush=True)
 

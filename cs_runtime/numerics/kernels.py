@@ -16,6 +16,7 @@ it, and no process draws more random numbers than its own rows need.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,11 +247,19 @@ def _split_heads(t: np.ndarray, heads: int) -> np.ndarray:
     return t.reshape(b, s, heads, d // heads).transpose(0, 2, 1, 3)
 
 
+@functools.lru_cache(maxsize=16)
+def _causal_allowed(seq: int) -> np.ndarray:
+    """Bool [1, 1, T, T], read-only: built once per sequence length, not per call."""
+    allowed = np.tril(np.ones((seq, seq), dtype=bool))[None, None]
+    allowed.flags.writeable = False
+    return allowed
+
+
 def attention_scores_mask(seq: int, causal: bool, key_keep: np.ndarray | None) -> np.ndarray | None:
     """Bool [B or 1, 1, T, T]: True where query i may attend to key j."""
     allowed = None
     if causal:
-        allowed = np.tril(np.ones((seq, seq), dtype=bool))[None, None]
+        allowed = _causal_allowed(seq)
     if key_keep is not None:
         keys = key_keep[:, None, None, :]
         allowed = keys if allowed is None else allowed & keys
@@ -264,12 +273,13 @@ def attention_probs(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.ndar
     d = three_d // 3
     q, k, v = (_split_heads(t, heads) for t in np.split(qkv, 3, axis=-1))
     scale = qkv.dtype.type(1.0 / np.sqrt(d // heads))
-    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+    scores = q @ k.transpose(0, 1, 3, 2)
+    scores *= scale
     allowed = attention_scores_mask(s, causal, key_keep)
     if allowed is not None:
         scores = np.where(allowed, scores, qkv.dtype.type(MASKED_SCORE))
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
+    probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     dropped = probs * drop if drop is not None else probs
     return AttentionCache(q, k, v, probs, dropped, drop)
@@ -299,7 +309,9 @@ def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
     if cache.drop is not None:
         dprobs *= cache.drop
     p = cache.probs
-    dscores = p * (dprobs - (dprobs * p).sum(axis=-1, keepdims=True))
+    dscores = dprobs   # p * (dprobs - rowsum(dprobs * p)), in place
+    dscores -= (dprobs * p).sum(axis=-1, keepdims=True)
+    dscores *= p
     dscores *= q.dtype.type(1.0 / np.sqrt(hd))
     dq = dscores @ k
     dk = dscores.transpose(0, 1, 3, 2) @ q

@@ -20,6 +20,7 @@ every vjp against finite differences and against torch.autograd.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -284,14 +285,43 @@ def gelu_exact_grad(x):
 _GELU_TANH_C = math.sqrt(2.0 / math.pi)   # the op set's own, at full precision
 
 
+# The tanh GELU and its derivative work in place on one or two fresh arrays: each
+# step is the same float operation, in the same order, as the plain expression
+# 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))) (so the numbers are the same
+# bit for bit), without a new array per step.
+
+def _gelu_tanh_inner(x):
+    """tanh(c * (x + 0.044715 * (x * x * x))), in a new array."""
+    t = x * x
+    t *= x
+    t *= 0.044715
+    t += x
+    t *= x.dtype.type(_GELU_TANH_C)
+    return np.tanh(t, out=t)
+
+
 def gelu_tanh(x):
-    return 0.5 * x * (1.0 + np.tanh(x.dtype.type(_GELU_TANH_C) * (x + 0.044715 * (x * x * x))))
+    t = _gelu_tanh_inner(x)
+    t += 1.0
+    t *= 0.5 * x
+    return t
 
 
 def gelu_tanh_grad(x):
-    c = x.dtype.type(_GELU_TANH_C)
-    t = np.tanh(c * (x + 0.044715 * (x * x * x)))
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
+    """0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)."""
+    t = _gelu_tanh_inner(x)
+    b = t * t
+    np.subtract(1.0, b, out=b)
+    b *= 0.5 * x
+    b *= x.dtype.type(_GELU_TANH_C)
+    u = x * (3 * 0.044715)
+    u *= x
+    u += 1.0
+    b *= u
+    t += 1.0
+    t *= 0.5
+    t += b
+    return t
 
 
 def _exact(x, fn64, fn):
@@ -307,8 +337,11 @@ def _gelu_forward(inputs, attrs):
 
 def _gelu_vjp(g, inputs, out, attrs):
     if attrs.get("approximate", "none") == "tanh":
-        return [g * gelu_tanh_grad(inputs[0])]
-    return [g * _exact(inputs[0], gelu_exact_grad, kernels.gelu_grad)]
+        grad = gelu_tanh_grad(inputs[0])
+    else:
+        grad = _exact(inputs[0], gelu_exact_grad, kernels.gelu_grad)
+    grad *= g    # a fresh array: g * grad in place
+    return [grad]
 
 
 _register("relu", lambda i, a: np.maximum(i[0], 0), lambda g, i, o, a: [g * (o > 0)], _same_shape,
@@ -332,8 +365,11 @@ _register("silu", lambda i, a: i[0] * _sigmoid(i[0]), _silu_vjp, _same_shape, _e
 # ---------------------------------------------------------------- softmax family
 
 def softmax(x, axis):
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
+    """exp(x - max) / sum, in one new array (same operations as the plain expression)."""
+    e = x - x.max(axis=axis, keepdims=True)
+    np.exp(e, out=e)
+    e /= e.sum(axis=axis, keepdims=True)
+    return e
 
 
 def log_softmax(x, axis):
@@ -343,7 +379,10 @@ def log_softmax(x, axis):
 
 def _softmax_vjp(g, inputs, out, attrs):
     axis = _axis(attrs["dim"], out.ndim)
-    return [out * (g - (g * out).sum(axis=axis, keepdims=True))]
+    d = g * out
+    np.subtract(g, d.sum(axis=axis, keepdims=True), out=d)
+    d *= out
+    return [d]
 
 
 def _log_softmax_vjp(g, inputs, out, attrs):
@@ -364,33 +403,48 @@ def _ln_axes(x, attrs):
     return tuple(range(x.ndim - n, x.ndim))
 
 
+# Layer norm works in place on fresh arrays, in the operations and order of the plain
+# expressions (y = (x - mean) * rstd * gain + bias; the vjp below), so the numbers are
+# the same bit for bit with a third of the new arrays.
+
 def _layer_norm_stats(x, attrs):
+    """(x-hat in a new array, rstd)."""
     axes = _ln_axes(x, attrs)
-    mean = x.mean(axis=axes, keepdims=True)
-    centred = x - mean
-    rstd = 1.0 / np.sqrt((centred * centred).mean(axis=axes, keepdims=True) + x.dtype.type(attrs.get("eps", 1e-5)))
-    return centred * rstd, rstd
+    centred = x - x.mean(axis=axes, keepdims=True)
+    square = centred * centred
+    var = square.mean(axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + x.dtype.type(attrs.get("eps", 1e-5)))
+    centred *= rstd
+    return centred, rstd
 
 
 def _layer_norm_forward(inputs, attrs):
-    xhat, _ = _layer_norm_stats(inputs[0], attrs)
-    y = xhat * inputs[1] if len(inputs) > 1 and inputs[1] is not None else xhat
-    return y + inputs[2] if len(inputs) > 2 else y
+    y, _ = _layer_norm_stats(inputs[0], attrs)
+    if len(inputs) > 1 and inputs[1] is not None:
+        y *= inputs[1]
+    if len(inputs) > 2:
+        y += inputs[2]
+    return y
 
 
 def _layer_norm_vjp(g, inputs, out, attrs):
-    """Recomputes x-hat from x (one pass over the row) rather than keeping it."""
+    """Recomputes x-hat from x (one pass over the row) rather than keeping it.
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = g * gain."""
     x = inputs[0]
     xhat, rstd = _layer_norm_stats(x, attrs)
     axes = _ln_axes(x, attrs)
     lead = tuple(range(x.ndim - len(axes)))
     has_gain = len(inputs) > 1 and inputs[1] is not None
-    dxhat = g * inputs[1] if has_gain else g
-    dx = rstd * (dxhat - dxhat.mean(axis=axes, keepdims=True)
-                 - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
+    dx = g * inputs[1] if has_gain else g.copy()
+    scratch = dx * xhat
+    projection = scratch.mean(axis=axes, keepdims=True)
+    dx -= dx.mean(axis=axes, keepdims=True)
+    np.multiply(xhat, projection, out=scratch)
+    dx -= scratch
+    dx *= rstd
     grads = [dx]
     if len(inputs) > 1:
-        grads.append((g * xhat).sum(axis=lead) if has_gain else None)
+        grads.append(np.multiply(g, xhat, out=scratch).sum(axis=lead) if has_gain else None)
     if len(inputs) > 2:
         grads.append(g.sum(axis=lead))
     return grads
@@ -420,9 +474,16 @@ def _embedding_forward(inputs, attrs):
 
 
 def _embedding_vjp(g, inputs, out, attrs):
+    """Rows of g summed per id: sorted once, then one reduceat (np.add.at is a slow
+    per-element loop); each id's rows are added in the order they come, as add.at adds them."""
     weight, ids = inputs
     dw = np.zeros_like(weight)
-    np.add.at(dw, ids.reshape(-1), g.reshape(-1, weight.shape[1]))
+    flat = ids.reshape(-1)
+    if flat.size:
+        order = np.argsort(flat, kind="stable")
+        ranked = flat[order]
+        starts = np.flatnonzero(np.concatenate(([True], ranked[1:] != ranked[:-1])))
+        dw[ranked[starts]] = np.add.reduceat(g.reshape(-1, weight.shape[1])[order], starts, axis=0)
     pad = attrs.get("padding_idx", -1)
     if pad is not None and pad >= 0:
         dw[pad] = 0   # torch: the padding row gets no gradient
@@ -622,7 +683,7 @@ def _perm(attrs, ndim):
     return dims
 
 
-_register("permute", lambda i, a: np.ascontiguousarray(np.transpose(i[0], _perm(a, i[0].ndim))),
+_register("permute", lambda i, a: np.transpose(i[0], _perm(a, i[0].ndim)),   # a view, as torch's
           lambda g, i, o, a: [np.transpose(g, np.argsort(_perm(a, g.ndim)))],
           lambda s, a: tuple(s[0][d] for d in _perm(a, len(s[0]))), _free)
 
@@ -817,37 +878,48 @@ _register("mean", lambda i, a: np.asarray(i[0].mean(axis=_reduce_axes(a, i[0].nd
 
 # ---------------------------------------------------------------- attention
 
-def _sdpa_mask(inputs, attrs, lq, lk):
-    """The additive or boolean mask of scaled_dot_product_attention, combined with is_causal."""
-    allowed = np.tril(np.ones((lq, lk), dtype=bool)) if attrs.get("is_causal") else None
-    mask = inputs[3] if len(inputs) > 3 else None
-    return allowed, mask
+@functools.lru_cache(maxsize=16)
+def _causal_bias(lq: int, lk: int, dtype: np.dtype) -> np.ndarray:
+    """[lq, lk]: 0 where query i may see key j (j <= i, torch's is_causal), -inf elsewhere.
+    Added to the scores it gives what np.where(allowed, scores, -inf) gives (x + 0 = x,
+    x + -inf = -inf for finite x) in one in-place pass, with no broadcast mask built per call."""
+    bias = np.where(np.tril(np.ones((lq, lk), dtype=bool)), 0.0, -np.inf).astype(dtype)
+    bias.flags.writeable = False
+    return bias
 
 
 def _sdpa_probs(inputs, attrs):
-    q, k = inputs[0], inputs[1]
+    """(softmax probabilities in a new array, scale). Heads as contiguous [..., T, d]
+    blocks: numpy runs a stacked matmul as one BLAS call per head, and strided heads
+    (a view of the packed projection) make each of them slower."""
+    q, k = np.ascontiguousarray(inputs[0]), np.ascontiguousarray(inputs[1])
     scale = attrs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ _swap(k)) * q.dtype.type(scale)
-    allowed, mask = _sdpa_mask(inputs, attrs, q.shape[-2], k.shape[-2])
+    scores = q @ _swap(k)
+    scores *= q.dtype.type(scale)
+    mask = inputs[3] if len(inputs) > 3 else None
     if mask is not None:
         scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
-    if allowed is not None:
-        scores = np.where(allowed, scores, -np.inf)
+    if attrs.get("is_causal"):
+        scores += _causal_bias(q.shape[-2], k.shape[-2], scores.dtype)
     return softmax(scores, -1).astype(q.dtype, copy=False), q.dtype.type(scale)
 
 
 def _sdpa_forward(inputs, attrs):
     probs, _ = _sdpa_probs(inputs, attrs)
-    return probs @ inputs[2]
+    return probs @ np.ascontiguousarray(inputs[2])
 
 
 def _sdpa_vjp(g, inputs, out, attrs):
-    """Recomputes the probabilities from q and k (flash-attention style) rather than keeping them."""
-    q, k, v = inputs[:3]
-    probs, scale = _sdpa_probs(inputs, attrs)
+    """Recomputes the probabilities from q and k (flash-attention style) rather than keeping them.
+    dscores = probs * (dprobs - rowsum(dprobs * probs)) * scale, in place on dprobs."""
+    q, k, v = (np.ascontiguousarray(t) for t in inputs[:3])
+    g = np.ascontiguousarray(g)
+    probs, scale = _sdpa_probs([q, k, v, *inputs[3:]], attrs)
     dv = unbroadcast(_swap(probs) @ g, v.shape)
-    dprobs = g @ _swap(v)
-    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True)) * scale
+    dscores = g @ _swap(v)
+    dscores -= (dscores * probs).sum(axis=-1, keepdims=True)
+    dscores *= probs
+    dscores *= scale
     grads = [unbroadcast(dscores @ k, q.shape), unbroadcast(_swap(dscores) @ q, k.shape), dv]
     if len(inputs) > 3:
         mask = inputs[3]
@@ -1133,5 +1205,16 @@ _register("mse_loss", _mse_forward, _mse_vjp, _mse_shape, lambda s, out, a: 3 * 
 
 # ---------------------------------------------------------------- gradient accumulation
 
-_register("add_n", lambda i, a: sum(i[1:], i[0].copy()), lambda g, i, o, a: [g] * len(i),
+def _add_n_forward(inputs, attrs):
+    """((x0 + x1) + x2) + ..., adding into one new array where the shapes and dtypes allow."""
+    total = inputs[0] + inputs[1] if len(inputs) > 1 else inputs[0].copy()
+    for x in inputs[2:]:
+        if np.broadcast_shapes(total.shape, x.shape) == total.shape and np.result_type(total, x) == total.dtype:
+            total += x
+        else:
+            total = total + x
+    return total
+
+
+_register("add_n", _add_n_forward, lambda g, i, o, a: [g] * len(i),
           lambda s, a: broadcast_shape(*s), _elementwise_cost(1))
