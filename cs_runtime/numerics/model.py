@@ -374,7 +374,8 @@ def blas_threads(spec: ModelSpec, layer: LayerSpec, batch):
         return nullcontext()
     if isinstance(batch, dict):
         batch = batch[spec.program["inputs"][0]]
-    return blas.dense_layer_threads(len(batch), layer.in_features, layer.out_features)
+    rows = batch.size // batch.shape[-1] if batch.ndim > 1 else len(batch)   # [..., features]: every row
+    return blas.dense_layer_threads(rows, layer.in_features, layer.out_features)
 
 
 def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx: ShardContext,
