@@ -77,3 +77,34 @@ def test_other_layers_keep_the_process_count():
     block = LayerSpec("block0", "transformer_block", 64, 64, "gelu", num_heads=4, ffn_features=256, max_len=16)
     with model.blas_threads(ModelSpec("t", (block,)), block, np.zeros((8, 16))):
         assert blas.current() == blas.started_with()     # small, but not a dense layer: not judged
+
+
+def _step(spec, weights, x, y):
+    rows = len(x)
+    logits, caches = model.model_forward(spec, x, weights, ShardContext(0, 1, rows, slice(0, rows), True, labels=y))
+    result = model.model_loss(spec, logits, y, rows)
+    return result.loss, model.model_backward(spec, result.delta, caches, weights, 1)
+
+
+@needs_setter
+def test_a_small_models_step_has_the_same_bits_whatever_count_its_process_started_with(monkeypatch):
+    """The CPU path starts with the host's cores, a WSE of two with half: the small preset's
+    step must not tell them apart (OpenBLAS's one-thread kernels differ in the last bit
+    for some of its shapes, 128 x 784 x 256 forward among them)."""
+    spec = lower_spec(mlp_spec("m", [784, 256, 128, 10], "relu", 0.0))
+    weights = init_weights(spec, 0)
+    x = np.random.default_rng(1).random((128, 784), dtype=np.float32)
+    y = np.arange(128) % 10
+    loss, grads = _step(spec, weights, x, y)
+    openblas = blas._openblas()
+    before = openblas.current
+    monkeypatch.setattr(openblas, "started_with", 1)     # as a process started on one thread
+    openblas.use(1)
+    try:
+        loss1, grads1 = _step(spec, weights, x, y)
+    finally:
+        openblas.use(before)
+    assert loss1 == loss
+    for g, g1 in zip(grads, grads1):
+        for name in g:
+            np.testing.assert_array_equal(g1[name], g[name], err_msg=name)
