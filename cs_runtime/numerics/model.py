@@ -32,11 +32,12 @@ embedding compute in float32.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from cs_runtime.numerics import kernels, program_layer
+from cs_runtime.numerics import blas, kernels, program_layer
 from cs_runtime import spans
 from cs_runtime.numerics.precision import FORMATS, quantize, to_bits
 from cs_runtime.numerics.transformer import LAYER_SHAPES, init_param, init_std
@@ -366,9 +367,26 @@ def not_lowered(spec: ModelSpec, layer: LayerSpec) -> ValueError:
                       f"lower the spec first (cs_runtime.compiler.families.lower_spec)")
 
 
+def blas_threads(spec: ModelSpec, layer: LayerSpec, batch):
+    """A dense layer's matrix products on the BLAS thread count numerics/blas.py's rule gives
+    them (the same on every path, so the same shapes give the same bits); any other layer
+    keeps the process's count. `batch`: the batch's input, or a program's live values (which hold it)."""
+    if layer.op != "dense":
+        return nullcontext()
+    if isinstance(batch, dict):
+        batch = batch[spec.program["inputs"][0]]
+    rows = batch.size // batch.shape[-1] if batch.ndim > 1 else len(batch)   # [..., features]: every row
+    return blas.dense_layer_threads(rows, layer.in_features, layer.out_features)
+
+
 def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx: ShardContext,
                   weights_rounded: bool = False):
     """(output, cache). `weights_rounded`: the weights hold the model's 16-bit values already."""
+    with blas_threads(spec, spec.layers[index], x):
+        return _layer_forward(spec, index, x, weights, ctx, weights_rounded)
+
+
+def _layer_forward(spec: ModelSpec, index: int, x, weights: dict, ctx: ShardContext, weights_rounded: bool):
     layer = spec.layers[index]
     if layer.unit is not None:
         return program_layer.forward(spec, index, x, weights, ctx, weights_rounded)
@@ -397,6 +415,13 @@ def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weight
     """(delta for the layer below or None for the first layer, {param: gradient}).
     A dense float32 layer writes its gradients into `out`'s buffers when given;
     with `grads_on_wire` a dense layer's gradients come in the format's storage."""
+    layer = spec.layers[index]
+    with blas_threads(spec, layer, cache[1] if layer.unit is not None else cache.x):
+        return _layer_backward(spec, index, delta, cache, weights, out, weights_rounded, grads_on_wire)
+
+
+def _layer_backward(spec: ModelSpec, index: int, delta, cache, weights: dict, out: dict | None,
+                    weights_rounded: bool, grads_on_wire: bool):
     layer = spec.layers[index]
     if layer.unit is not None:
         return program_layer.backward(spec, index, delta, cache, weights, weights_rounded, grads_on_wire)

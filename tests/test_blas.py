@@ -1,0 +1,110 @@
+"""The BLAS threads rule (cs_runtime/numerics/blas.py): a small dense layer's products on
+one thread, everything else on the process's own count, the same on every path."""
+import numpy as np
+import pytest
+
+from cs_runtime.compiler.families import lower_spec
+from cs_runtime.numerics import blas, model
+from cs_runtime.numerics.model import LayerSpec, ModelSpec, ShardContext, init_weights, mlp_spec
+
+needs_setter = pytest.mark.skipif(blas.started_with() == 0,
+                                  reason="numpy's BLAS here is not an OpenBLAS with a thread setter: nothing to set")
+
+
+def test_the_rule_by_flops():
+    if blas.started_with() == 0:
+        assert blas.threads_for(1) == 0      # nothing can be told: nothing changes
+        return
+    assert blas.threads_for(2 * 128 * 784 * 256) == 1
+    assert blas.threads_for(blas.SMALL_PRODUCT_FLOPS - 1) == 1
+    assert blas.threads_for(blas.SMALL_PRODUCT_FLOPS) == blas.started_with()
+    assert blas.threads_for(2 * 512 * 2048 * 2048) == blas.started_with()
+
+
+@needs_setter
+def test_a_small_layer_runs_on_one_thread_and_the_count_comes_back_after_it():
+    before = blas.current()
+    with blas.dense_layer_threads(128, 784, 256):
+        assert blas.current() == 1
+        a = np.ones((64, 64), np.float32)
+        assert np.array_equal(a @ a, np.full((64, 64), 64, np.float32))   # BLAS works on the new count
+    assert blas.current() == before
+    with pytest.raises(RuntimeError):
+        with blas.dense_layer_threads(128, 784, 256):
+            raise RuntimeError("a layer failed")
+    assert blas.current() == before                                    # also after a failure
+    with blas.dense_layer_threads(512, 2048, 2048):
+        assert blas.current() == blas.started_with()
+
+
+def _record_threads(monkeypatch, seen: list):
+    """Note the BLAS thread count each layer's maths runs on."""
+    for name in ("forward", "backward"):
+        original = getattr(model.program_layer, name)
+
+        def recorded(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, args[1], blas.current()))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(model.program_layer, name, recorded)
+
+
+@needs_setter
+@pytest.mark.parametrize("hidden, rows, threads", [([256, 128], 128, "one"), ([2048], 4096, "own")])
+def test_every_layer_of_a_model_step_follows_the_rule(monkeypatch, hidden, rows, threads):
+    """What the CPU path and each WSE call (model.layer_forward, model.layer_backward):
+    one thread for the small preset's layers, the process's count for large ones."""
+    spec = lower_spec(mlp_spec("m", [784, *hidden, 10], "relu", 0.0))
+    weights = init_weights(spec, 0)
+    x = np.random.default_rng(0).random((rows, 784), dtype=np.float32)
+    y = np.arange(rows) % 10
+    seen: list = []
+    _record_threads(monkeypatch, seen)
+    logits, caches = model.model_forward(spec, x, weights, ShardContext(0, 1, rows, slice(0, rows), True, labels=y))
+    result = model.model_loss(spec, logits, y, rows)
+    model.model_backward(spec, result.delta, caches, weights, 1)
+    assert len(seen) == 2 * len(spec.layers)
+    expected = {"one": lambda layer: 1,
+                "own": lambda layer: blas.threads_for(2 * rows * layer.in_features * layer.out_features)}[threads]
+    for _, index, used in seen:
+        assert used == expected(spec.layers[index]), seen
+    if threads == "own":
+        assert blas.started_with() in [used for _, _, used in seen]    # the 4096 x 784 x 2048 layers
+    assert blas.current() == blas.started_with()                       # and back after the step
+
+
+@needs_setter
+def test_other_layers_keep_the_process_count():
+    block = LayerSpec("block0", "transformer_block", 64, 64, "gelu", num_heads=4, ffn_features=256, max_len=16)
+    with model.blas_threads(ModelSpec("t", (block,)), block, np.zeros((8, 16))):
+        assert blas.current() == blas.started_with()     # small, but not a dense layer: not judged
+
+
+def _step(spec, weights, x, y):
+    rows = len(x)
+    logits, caches = model.model_forward(spec, x, weights, ShardContext(0, 1, rows, slice(0, rows), True, labels=y))
+    result = model.model_loss(spec, logits, y, rows)
+    return result.loss, model.model_backward(spec, result.delta, caches, weights, 1)
+
+
+@needs_setter
+def test_a_small_models_step_has_the_same_bits_whatever_count_its_process_started_with(monkeypatch):
+    """The CPU path starts with the host's cores, a WSE of two with half: the small preset's
+    step must not tell them apart (OpenBLAS's one-thread kernels differ in the last bit
+    for some of its shapes, 128 x 784 x 256 forward among them)."""
+    spec = lower_spec(mlp_spec("m", [784, 256, 128, 10], "relu", 0.0))
+    weights = init_weights(spec, 0)
+    x = np.random.default_rng(1).random((128, 784), dtype=np.float32)
+    y = np.arange(128) % 10
+    loss, grads = _step(spec, weights, x, y)
+    openblas = blas._openblas()
+    before = openblas.current
+    monkeypatch.setattr(openblas, "started_with", 1)     # as a process started on one thread
+    openblas.use(1)
+    try:
+        loss1, grads1 = _step(spec, weights, x, y)
+    finally:
+        openblas.use(before)
+    assert loss1 == loss
+    for g, g1 in zip(grads, grads1):
+        for name in g:
+            np.testing.assert_array_equal(g1[name], g[name], err_msg=name)
