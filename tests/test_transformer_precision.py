@@ -127,7 +127,7 @@ def test_only_matmuls_and_attention_round_layer_norm_gelu_embedding_stay_float32
             out = env[node.outputs[0]]
             if node.op == "self_attention":
                 continue   # its rule: the tests above
-            if node.op == "matmul":   # on rounded operands
+            if node.op in mixed_ops.MATMUL_LIKE:   # on rounded operands (matmul; linear: a tied head's decoder)
                 inputs = [P.quantize(x, fmt) for x in inputs]
             np.testing.assert_array_equal(out, OPS[node.op].forward(inputs, node.attrs),
                                           err_msg=f"{layer.name} {node.op}")
@@ -136,7 +136,7 @@ def test_only_matmuls_and_attention_round_layer_norm_gelu_embedding_stay_float32
                 if node.op != "embedding":   # a lookup of a streamed (16-bit) table: its rows
                     assert not np.array_equal(out, P.quantize(out, fmt)), f"{layer.name} {node.op} was rounded"
     rounding = {n.op for layer in spec.layers for n in unit_of(layer).forward} & mixed_ops.MATMUL_LIKE
-    assert rounding == {"matmul", "self_attention"}
+    assert rounding == {"matmul", "linear", "self_attention"}   # linear: the tied head's decoder
     assert {"layer_norm", "gelu", "embedding", "add"} <= seen
 
 
