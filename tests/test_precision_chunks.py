@@ -116,3 +116,30 @@ def test_float16_is_numpy_half_where_small_and_normal_values_mix():
     for fmt_bits in (to_bits(x, "float16").view(np.uint16), _encode(x, HALF)):
         bad = np.flatnonzero(fmt_bits != want)
         assert bad.size == 0, f"{bad.size} differ, first {x[bad[:3]]}"
+
+
+def test_quantize_is_encode_then_decode_bit_for_bit():
+    """quantize rounds on the float32 bits without the 16-bit patterns (precision._round):
+    the same bits as the encoder then the decoder, over every exponent, ties, subnormals of
+    each format, overflow, zeros of both signs, and chunks with and without inf and nan."""
+    rng = np.random.default_rng(11)
+    relu = np.maximum(rng.standard_normal(3 * _CHUNK).astype(np.float32), 0)
+    tiny = (rng.standard_normal(3 * _CHUNK) * 1e-6).astype(np.float32)   # float16's subnormal range
+    mixed = relu.copy()
+    mixed[_CHUNK + 5], mixed[2 * _CHUNK + 9] = np.nan, -np.inf
+    for fmt, spec in _SPECS.items():
+        drop = 23 - spec.man_bits
+        k = rng.integers(0, 0x7F800000 >> drop, 100_000, dtype=np.uint64).astype(np.uint32) << np.uint32(drop)
+        ties = k | np.uint32(1 << (drop - 1))
+        near = np.arange(-3000, 3000, dtype=np.int64)
+        edges = [(np.float32(2.0) ** e).view(np.uint32) + near for e in (1 - spec.bias, 2 ** (spec.exp_bits - 1))]
+        edges = np.clip(np.concatenate(edges), 0, 0x7F7FFFFF).astype(np.uint32)
+        for x in (_patterns(), -_patterns(), ties.view(np.float32), (ties | np.uint32(1 << 31)).view(np.float32),
+                  edges.view(np.float32), -edges.view(np.float32), relu, tiny, mixed,
+                  np.full(_CHUNK + 3, -0.0, np.float32), relu.reshape(96, -1)[:, ::3]):
+            with np.errstate(over="ignore", invalid="ignore"):
+                want = from_bits(to_bits(x, fmt), fmt)
+            got = precision.quantize(x, fmt)
+            assert got.shape == x.shape and got.dtype == np.float32
+            bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+            assert bad.size == 0, f"{fmt}: {bad.size} differ, first {x.reshape(-1)[bad[:3]]}"

@@ -348,10 +348,72 @@ def add_from_bits(total: np.ndarray, b: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, fmt: str) -> np.ndarray:
-    """The float32 value nearest to x (RNE) among the values of `fmt`: what a 16-bit input holds."""
+    """The float32 value nearest to x (RNE) among the values of `fmt`: what a 16-bit input holds.
+    The same bits as from_bits(to_bits(x, fmt), fmt), in one pass over memory (`_round`)."""
     if fmt == "float32":
         return np.asarray(x, dtype=np.float32)   # no rounding, no copy
-    return from_bits(to_bits(x, fmt), fmt)
+    _check(fmt)
+    return _round(x, fmt)
+
+
+def _round(x: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 -> float32 rounded to `spec`'s values (nearest even), without the 16-bit
+    patterns in between: the encoder's integer rounding done on the float32 bit pattern.
+
+    Per chunk: the dropped mantissa bits rounded off in place (a carry runs into the
+    exponent, as in `_encode`); a result at or past the format's overflow threshold
+    becomes inf (checked only where the chunk's largest magnitude could get there);
+    magnitudes below the format's smallest normal (not zeros: rounding leaves those zero)
+    rounded onto its subnormal grid by a float32 addition (`_encode_small`'s carrier),
+    except in bfloat16, whose subnormals are float32's own, cut by the same rounding;
+    the sign put back. A chunk holding inf or nan takes the encoder and decoder (rare),
+    so nan payloads and signs come out as they do there."""
+    spec = _SPECS[fmt]
+    x = np.asarray(x, dtype=np.float32)
+    flat = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
+    result = np.empty(x.shape, np.float32)
+    out = result.reshape(-1).view(np.uint32)
+    drop = np.uint32(23 - spec.man_bits)
+    keep = np.uint32(~((1 << int(drop)) - 1) & 0xFFFFFFFF)
+    increment = np.uint32((1 << (drop - 1)) - 1)
+    smallest_normal = np.uint32((127 - spec.bias + 1) << 23)
+    overflow = (spec.exp_max - spec.bias + 127) << 23          # float32 bits of 2**(emax + 1): inf from here
+    carrier = np.float32(2.0 ** (1 - spec.bias - spec.man_bits + 23))
+    full_range = spec.exp_bits == 8                               # bfloat16: float32's exponent and subnormals
+    size = min(_CHUNK, flat.size)
+    mag_buf, work_buf, mask_buf = (np.empty(size, np.uint32) for _ in range(3))
+    for start in range(0, flat.size, _CHUNK):
+        bits = flat[start:start + _CHUNK]
+        mag, work, rounded = mag_buf[:bits.size], work_buf[:bits.size], out[start:start + bits.size]
+        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
+        top = int(mag.max())
+        if top >= _F32_INF:
+            rounded[:] = from_bits(to_bits(bits.view(np.float32), fmt), fmt).view(np.uint32)
+            continue
+        np.right_shift(mag, drop, out=rounded)
+        rounded &= np.uint32(1)                                  # ties go to the even neighbour
+        rounded += mag
+        rounded += increment
+        rounded &= keep
+        if not full_range:
+            if top + (1 << int(drop)) >= overflow and rounded.max() >= overflow:
+                rounded[rounded >= overflow] = _F32_INF
+            np.subtract(mag, np.uint32(1), out=work)             # zeros wrap to the top: left out
+            if work.min() < smallest_normal - 1:                 # nonzero magnitudes below the smallest normal
+                _round_small(mag, rounded, work, carrier, smallest_normal, mask_buf[:bits.size])
+        np.bitwise_and(bits, np.uint32(0x80000000), out=work)
+        rounded |= work
+    return result
+
+
+def _round_small(mag: np.ndarray, rounded: np.ndarray, work: np.ndarray, carrier: np.float32,
+                 smallest_normal: np.uint32, mask: np.ndarray) -> None:
+    """rounded[i] = the float32 bits of mag[i] rounded onto the subnormal grid whose unit
+    `carrier` has as its ulp, where mag[i] < smallest_normal (branch-free, as _select_small)."""
+    values = work.view(np.float32)
+    np.add(mag.view(np.float32), carrier, out=values)
+    values -= carrier
+    _select_small(mag, rounded, work, smallest_normal, mask)
 
 
 def encode_arrays(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
