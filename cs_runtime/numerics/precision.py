@@ -133,7 +133,7 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
         rounded >>= drop
         np.minimum(rounded, inf_bits, out=rounded)           # overflow after rounding -> inf
         if mag.min() < smallest_normal:                      # zeros (half of a relu's outputs), subnormals
-            _select_small(mag, rounded, _encode_small(mag, shifted, spec), smallest_normal, mask_buf[:bits.size])
+            _encode_below_normal(mag, rounded, shifted, mask_buf[:bits.size], spec, smallest_normal)
         if mag.max() >= _F32_INF:
             _encode_special(mag, rounded, spec)
         np.right_shift(bits, np.uint32(16), out=shifted)     # every format here is 16 bits wide
@@ -183,6 +183,21 @@ def _encode_bfloat16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
             nans = np.flatnonzero(np.isnan(bits.view(np.float32)))
             chunk[nans] = (bits[nans] >> np.uint32(16)).astype(np.uint16) & np.uint16(0x8000) | np.uint16(0x7FC0)
     return result
+
+
+def _encode_below_normal(mag: np.ndarray, rounded: np.ndarray, work: np.ndarray, mask: np.ndarray, spec: _Spec,
+                         smallest_normal: np.uint32) -> None:
+    """Patterns in `rounded` for the magnitudes below the smallest normal. Where those are
+    all zeros (a relu's outputs, a dead unit's weight gradients), only the zeros are patched
+    (to pattern 0): (mag - 1) wraps to >= 2**31 exactly at zero, so >> 31, less 1, is a mask
+    that clears them; otherwise every small magnitude takes the subnormal rounding."""
+    np.subtract(mag, np.uint32(1), out=mask)
+    if mask.min() < smallest_normal - 1:
+        _select_small(mag, rounded, _encode_small(mag, work, spec), smallest_normal, mask)
+        return
+    mask >>= np.uint32(31)
+    mask -= np.uint32(1)
+    rounded &= mask
 
 
 def _select_small(mag: np.ndarray, rounded: np.ndarray, small: np.ndarray, smallest_normal: np.uint32,
