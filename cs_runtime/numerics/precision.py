@@ -119,22 +119,26 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     increment = np.uint32((1 << (drop - 1)) - 1)
     smallest_normal = np.uint32((127 - spec.bias + 1) << 23)
     inf_bits = np.uint32(spec.inf_bits)
+    # the least magnitude (float32 bits) that could round to inf, less one unit of the dropped bits
+    may_overflow = (spec.inf_bits << int(drop)) + int(rebias) - (1 << int(drop))
     size = min(_CHUNK, flat.size)
     mag_buf, shifted_buf, out_buf, mask_buf = (np.empty(size, np.uint32) for _ in range(4))
     for start in range(0, flat.size, _CHUNK):
         bits = flat[start:start + _CHUNK]
         mag, shifted, rounded = mag_buf[:bits.size], shifted_buf[:bits.size], out_buf[:bits.size]
         np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
+        top = int(mag.max())
         np.subtract(mag, rebias, out=shifted)                # wraps below the normal range: fixed below
         np.right_shift(shifted, drop, out=rounded)
         rounded &= np.uint32(1)                              # ties go to the even neighbour
         rounded += shifted
         rounded += increment
         rounded >>= drop
-        np.minimum(rounded, inf_bits, out=rounded)           # overflow after rounding -> inf
+        if top >= may_overflow:
+            np.minimum(rounded, inf_bits, out=rounded)       # overflow after rounding -> inf
         if mag.min() < smallest_normal:                      # zeros (half of a relu's outputs), subnormals
             _encode_below_normal(mag, rounded, shifted, mask_buf[:bits.size], spec, smallest_normal)
-        if mag.max() >= _F32_INF:
+        if top >= _F32_INF:
             _encode_special(mag, rounded, spec)
         np.right_shift(bits, np.uint32(16), out=shifted)     # every format here is 16 bits wide
         shifted &= np.uint32(0x8000)
