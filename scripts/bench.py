@@ -590,9 +590,10 @@ def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
 
 def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
     print(title)
-    print(f"{'row':<30}{'samples/sec':>14}{'vs ' + baseline:>12}{'weight B/step':>16}{'grad B/step':>14}")
+    ratio_width = max(12, len(baseline) + 5)   # the header 'vs <baseline>' and two spaces
+    print(f"{'row':<30}{'samples/sec':>14}{'vs ' + baseline:>{ratio_width}}{'weight B/step':>16}{'grad B/step':>14}")
     for row in rows:
-        print(f"{row['name']:<30}{row['samples_per_sec']:>14.1f}{row['ratio']:>12.2f}"
+        print(f"{row['name']:<30}{row['samples_per_sec']:>14.1f}{row['ratio']:>{ratio_width}.2f}"
               f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
 
 
