@@ -34,18 +34,18 @@ PARAMS = {
 }
 
 
-def _params(tmp_path, name, **runconfig):
-    params = {k: dict(v) for k, v in PARAMS.items()}
+def _params(tmp_path, name, base=PARAMS, **runconfig):
+    params = {k: dict(v) for k, v in base.items()}
     params["runconfig"].update(runconfig)
     path = tmp_path / name
     path.write_text(yaml.safe_dump(params))
     return path
 
 
-def _run(launcher, params, model_dir, timeout=300):
-    cmd = [*launcher, sys.executable, GPT_RUN, "--mode", "train", "--params", str(params),
-           "--model_dir", str(model_dir)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _run(launcher, params, model_dir, *extra, script=GPT_RUN):
+    cmd = [*launcher, sys.executable, script, "--mode", "train", "--params", str(params),
+           "--model_dir", str(model_dir), *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
 
@@ -159,27 +159,11 @@ BERT_PARAMS = {
 }
 
 
-def _bert_params(tmp_path, name, **runconfig):
-    params = {k: dict(v) for k, v in BERT_PARAMS.items()}
-    params["runconfig"].update(runconfig)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(params))
-    return path
-
-
-def _bert_run(launcher, params, model_dir, *extra):
-    cmd = [*launcher, sys.executable, BERT_RUN, "--mode", "train", "--params", str(params), "--model_dir",
-           str(model_dir), *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result
-
-
 @pytest.fixture(scope="module")
 def bert_cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torch_bert")
-    params = _bert_params(tmp, "params.yaml")
-    _bert_run([tool("csrun_cpu")], params, tmp / "cpu")
+    params = _params(tmp, "params.yaml", BERT_PARAMS)
+    _run([tool("csrun_cpu")], params, tmp / "cpu", script=BERT_RUN)
     return params, train_losses(tmp / "cpu"), final_weights(tmp / "cpu")
 
 
@@ -238,9 +222,9 @@ def test_three_input_bert_with_dropout_on_the_cluster_equals_the_cpu_path(tmp_pa
     rows of every feature) within 1e-5 (only sums over shards differ)."""
     _, losses, weights = bert_cpu_run
     extra = ("--multireplica",) if replicas > 1 else ()
-    params = _bert_params(tmp_path, "p.yaml", execution_strategy=strategy)
-    result = _bert_run([tool("csrun_wse"), "--num_csx", str(num_csx), "--num_workers_per_csx", "1"], params,
-                       tmp_path / "m", *extra)
+    params = _params(tmp_path, "p.yaml", BERT_PARAMS, execution_strategy=strategy)
+    result = _run([tool("csrun_wse"), "--num_csx", str(num_csx), "--num_workers_per_csx", "1"], params,
+                  tmp_path / "m", *extra, script=BERT_RUN)
     assert f"Step={BERT_STEPS}," in result.stdout, result.stdout[-2000:]
     got, got_w = train_losses(tmp_path / "m"), final_weights(tmp_path / "m")
     assert len(got) == BERT_STEPS and got_w.keys() == weights.keys()
