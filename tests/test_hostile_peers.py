@@ -24,7 +24,7 @@ import zmq
 from cs_runtime.wire import auth
 from cs_runtime.wire.transport import HANDSHAKE_IVL_MS
 from cs_runtime.launch.directory import DirectoryClient
-from tests.cluster_utils import kill_tree, run_cpu, run_wse, write_params, wse_command
+from tests.cluster_utils import FC_MNIST, kill_tree, run_cpu, run_wse, tool, write_params, wse_command
 from tests.test_faults import assert_matches, pids_by_role, process_env, read_until, rss_bytes, start_job
 
 pytestmark = pytest.mark.cluster  # the tests here start processes
@@ -145,12 +145,51 @@ def open_descriptors(pid: int) -> int:
         return 0
 
 
-def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothing(tmp_path):
-    # Long enough that every process still runs while it is flooded and its memory read.
-    params = write_params(tmp_path, runconfig={"max_steps": 600, "log_steps": 10, "checkpoint_steps": 0})
-    cpu = run_cpu(params, tmp_path / "cpu")
+# FC-MNIST whose input worker, when GATE_FIFO is set, stops before its GATE_AT-th batch until
+# the FIFO is opened for writing and closed: the job stays up (every role waits for that
+# batch, heartbeats go on) however fast this machine trains, and the run's numbers are the
+# ungated run's.
+GATED_RUN = """
+import os, runpy, sys
+fc = runpy.run_path(sys.argv.pop(1))
+
+class Gated:
+    def __init__(self, x, y):
+        self.x, self.y, self.fetched = x, y, 0
+    def __len__(self):
+        return len(self.x)
+    def get(self, indices):
+        self.fetched += 1
+        if self.fetched == int(os.environ["GATE_AT"]):
+            open(os.environ["GATE_FIFO"]).read()
+        return self.x[indices], self.y[indices]
+
+def train_input_fn(params):
+    data = fc["train_input_fn"](params)
+    return Gated(*data) if os.environ.get("GATE_FIFO") else data
+
+fc["run"](fc["model_fn"], train_input_fn, fc["eval_input_fn"], model="fc_mnist")
+"""
+
+
+def gated_fc_mnist(cmd: list[str], script: Path) -> list[str]:
+    """`cmd` (a csrun_cpu / csrun_wse command of FC-MNIST) with its run.py gated."""
+    at = cmd.index(FC_MNIST)
+    return [*cmd[:at], str(script), FC_MNIST, *cmd[at + 1:]]
+
+
+def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothing(tmp_path, monkeypatch):
+    params = write_params(tmp_path, runconfig={"max_steps": 120, "log_steps": 10, "checkpoint_steps": 0})
+    script, gate = tmp_path / "gated_run.py", tmp_path / "gate"
+    script.write_text(GATED_RUN)
+    os.mkfifo(gate)
+    cpu_cmd = [tool("csrun_cpu"), sys.executable, FC_MNIST, "--mode", "train", "--params", str(params),
+               "--model_dir", str(tmp_path / "cpu")]
+    cpu = subprocess.run(gated_fc_mnist(cpu_cmd, script), capture_output=True, text=True, timeout=120)
     assert cpu.returncode == 0, cpu.stderr[-2000:]
-    proc = start_job(wse_command(params, tmp_path / "m"))
+    monkeypatch.setenv("GATE_FIFO", str(gate))
+    monkeypatch.setenv("GATE_AT", "60")   # past the first "| Train" line (step 10)
+    proc = start_job(gated_fc_mnist(wse_command(params, tmp_path / "m"), script))
     seen: list[str] = []
     ctx = zmq.Context()
     held: list[socket.socket] = []
@@ -179,6 +218,8 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
         fds_held = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
         dropped = sum(closed_by_server(conn, HANDSHAKE_IVL_MS / 1000 + 5) for conn in held)
         fds_after = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+        with open(gate, "w"):   # let the input worker go on: the job ends as the CPU run did
+            pass
         output = "".join(seen) + proc.stdout.read()
         assert proc.wait(timeout=180) == 0, output[-3000:]
     finally:
