@@ -336,10 +336,12 @@ class BertModelConfig(TransformerModelConfig):
     """examples/bert: the model zoo's BERT (pre-training) model section."""
 
     encoder_nonlinearity: Literal["gelu"] = "gelu"
-    # The pooler feeds the next-sentence head, which is not emulated: disable_nsp
-    # must be true (the model zoo's default, false, trains it; lm_checks says so).
-    pooler_nonlinearity: Optional[StrictStr] = None
+    # The next-sentence head (the model zoo's default; disable_nsp: true leaves it out):
+    # segment embeddings (num_segments of them, the model zoo's key, default 2), a pooler
+    # (dense + pooler_nonlinearity, default tanh, on the first token) and a 2-way classifier.
+    pooler_nonlinearity: Optional[Literal["tanh", "relu", "sigmoid", "gelu", "gelu_new"]] = None
     disable_nsp: Optional[StrictBool] = None
+    num_segments: Optional[PosInt] = None
     # The masked-LM loss is the model zoo's sum over predicted tokens * mlm_loss_weight
     # / batch_size (transformer_spec's default for BERT, with the weight 1.0 when None),
     mlm_loss_weight: Optional[PosFloat] = None
@@ -348,7 +350,8 @@ class BertModelConfig(TransformerModelConfig):
     # The masked-LM decoder's bias (the model zoo's default: true), tied or not.
     use_output_bias_in_mlm: Optional[StrictBool] = None
 
-    _lower_nl = field_validator("encoder_nonlinearity", "mlm_loss_scaling", mode="before")(_lower)
+    _lower_nl = field_validator("encoder_nonlinearity", "mlm_loss_scaling", "pooler_nonlinearity",
+                                mode="before")(_lower)
 
 
 MODEL_CONFIGS: dict[str, type[_ModelBase]] = {"fc_mnist": ModelConfig, "gpt2": GPT2ModelConfig,

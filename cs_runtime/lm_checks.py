@@ -34,10 +34,9 @@ def language_model_problems(params: Params, model: str) -> list[str]:
     if model == "bert" and m.mlm_loss_scaling != "batch_size" and m.mlm_loss_weight is not None:
         problems.append(f"model.mlm_loss_weight: applies with mlm_loss_scaling: batch_size only; with "
                         f"{m.mlm_loss_scaling} the loss is the mean over the masked tokens; remove one of them")
-    if model == "bert" and m.disable_nsp is not True:
-        problems.append("model.disable_nsp: the model zoo's BERT also learns next-sentence prediction (a pooler, "
-                        "segment embeddings and next_sentence_label data) unless disable_nsp: true; that head is "
-                        "not emulated, so set disable_nsp: true (--override model.disable_nsp=true)")
+    if model == "bert" and m.disable_nsp is True and m.num_segments is not None:
+        problems.append("model.num_segments: segment embeddings come with the next-sentence head here; with "
+                        "disable_nsp: true leave num_segments out")
     for name in ("train_input", "eval_input"):
         section = getattr(params, name)
         if seq_len(params, section) > m.max_position_embeddings:
@@ -61,6 +60,15 @@ def head_options(params: Params, model: str) -> dict:
     tied = True if m.share_embedding_weights is None else bool(m.share_embedding_weights)
     out_bias = bool(m.use_bias_in_output) if model == "gpt2" else m.use_output_bias_in_mlm is not False
     return {"tied": tied, "out_bias": out_bias}
+
+
+def nsp_options(params: Params) -> dict:
+    """BERT's next-sentence head as the model zoo builds it unless disable_nsp: true:
+    num_segments segment embeddings (default 2) and a pooler with pooler_nonlinearity (tanh)."""
+    m = params.model
+    if m.disable_nsp is True:
+        return {"nsp": False}
+    return {"nsp": True, "num_segments": m.num_segments or 2, "pooler_activation": m.pooler_nonlinearity or "tanh"}
 
 
 def mlm_loss_scaling(params: Params) -> str:

@@ -22,6 +22,9 @@ What the hand-written layers did, op by op:
   tied (share_embedding_weights), the decoder is linear(h, embed.tokens): the
   one program parameter both units read, which each layer holds a copy of
   under its own name (`tokens`); then the summed token cross-entropy;
+- nsp_head (BERT unless disable_nsp): pooler + classifier on the encoder's
+  first token and the summed next-sentence cross-entropy, a second loss value
+  the runner weights 1 / global batch (the embedding then adds segment rows);
 - a classifier's loss: the op softmax_cross_entropy (the dense layers' kernel:
   its share of the global batch's mean, the gradient divided by the global
   batch), so a 16-bit FC-MNIST rounds as the dense layers did, to the bit.
@@ -41,6 +44,9 @@ from cs_runtime.numerics.program import Node, Program, Value, infer_values
 
 CONTEXT = "dropout_context"   # int64 [seed, step, row_start, row_stop, global_batch, train]
 INPUT, LABELS, LOSS, LOGITS = "x", "labels", "loss", "logits"
+# BERT's next-sentence head: its inputs (features of a batch besides the token ids) and loss
+SEGMENTS, NSP_LABELS, NSP_LOSS, NSP_LOGITS = "segment_ids", "next_sentence_label", "nsp_loss", "nsp_logits"
+NSP_FEATURES = ["input_ids", SEGMENTS, NSP_LABELS]
 PAD_KEYS = "embed:key_keep"
 ACTIVATION_OPS = {"relu": ("relu", {}), "tanh": ("tanh", {}), "sigmoid": ("sigmoid", {}),
                   "gelu": ("gelu", {}), "gelu_new": ("gelu", {"approximate": "tanh"}),
@@ -110,6 +116,8 @@ def _dense(b: _Builder, layer, index: int, x: str, spec: ModelSpec) -> str:
 
 def _embedding(b: _Builder, layer, index: int, ids: str, spec: ModelSpec) -> str:
     h = b.op("add", b.op("embedding", b.param("tokens"), ids), b.op("position_embedding", b.param("positions"), ids))
+    if layer.segments:   # BERT with its next-sentence head: + the segment (token type) rows
+        h = b.op("add", h, b.op("embedding", b.param("segments"), SEGMENTS))
     if layer.norm == "post":
         h = b.layer_norm(h, "ln_gain", "ln_bias", layer)
     if layer.pad_id >= 0:
@@ -161,6 +169,18 @@ def _head(b: _Builder, layer, index: int, x: str, spec: ModelSpec) -> str:
     return b.op("add", logits, *bias) if bias else logits
 
 
+def _nsp_head(b: _Builder, layer, index: int, encoded: str) -> str:
+    """BERT's pooler (dense + its nonlinearity on the first token's final hidden state) and
+    the next-sentence classifier, then their summed cross-entropy (the runner weights it
+    1 / global batch: the model zoo's mean over the batch's sequences)."""
+    first = b.op("reshape", b.op("slice", encoded, dim=1, start=0, end=1), shape=[-1, layer.in_features])
+    pooled = b.activation(layer.activation, b.dense(first, "pooler_weight", "pooler_bias"))
+    logits = b.op("add", b.op("matmul", pooled, b.param("classifier_weight")), b.param("classifier_bias"),
+                  out=NSP_LOGITS)
+    return b.op("cross_entropy", logits, NSP_LABELS, out=NSP_LOSS, reduction="sum",
+                ignore_index=kernels.IGNORE_INDEX)
+
+
 LAYERS = {"dense": _dense, "embedding": _embedding, "transformer_block": _block, "lm_head": _head}
 
 
@@ -173,7 +193,10 @@ def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
     b = _Builder()
     token = spec.token_model
     x = INPUT
-    for index, layer in enumerate(spec.layers):
+    layers = [layer for layer in spec.layers if layer.op != "nsp_head"]
+    for index, layer in enumerate(layers):
+        if layer.op == "lm_head":
+            encoded = x
         if layer.op not in LAYERS:
             raise ValueError(f"model {spec.name}: layer {layer.name} (op {layer.op}) has no lowering")
         b.layer(layer)
@@ -183,17 +206,24 @@ def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
     # batch's mean, the gradient divided by the global batch (from the context) as the
     # dense layers' loss divided it, so 16-bit runs round alike to the bit.
     if token:
-        logits = b.op("reshape", x, out=LOGITS, shape=[-1, spec.layers[-1].out_features])
+        logits = b.op("reshape", x, out=LOGITS, shape=[-1, layers[-1].out_features])
         labels = b.op("reshape", LABELS, shape=[-1])
         b.op("cross_entropy", logits, labels, out=LOSS, reduction="sum", ignore_index=kernels.IGNORE_INDEX)
+        if nsp_head(spec):   # its own unit after the masked-LM head's, reading the encoder's output
+            b.layer(spec.layers[-1])
+            _nsp_head(b, spec.layers[-1], len(spec.layers) - 1, encoded)
     else:
         logits = x
         b.op("softmax_cross_entropy", logits, LABELS, CONTEXT, out=LOSS)
     inputs = {INPUT: Value((2, spec.layers[0].max_len) if token else (2, spec.layers[0].in_features),
-                           "int64" if token else "float32"),
-              LABELS: Value((2, spec.layers[0].max_len) if token else (2,), "int64"),
-              CONTEXT: Value((6,), "int64")}
-    program = Program(b.params, inputs, {}, b.nodes, {"loss": LOSS, "logits": logits}).validate()
+                           "int64" if token else "float32")}
+    outputs = {"loss": LOSS, "logits": logits}
+    if nsp_head(spec):
+        inputs.update({SEGMENTS: Value((2, spec.layers[0].max_len), "int64"), NSP_LABELS: Value((2,), "int64")})
+        outputs.update(nsp_loss=NSP_LOSS, nsp_logits=NSP_LOGITS)
+    inputs.update({LABELS: Value((2, spec.layers[0].max_len) if token else (2,), "int64"),
+                   CONTEXT: Value((6,), "int64")})
+    program = Program(b.params, inputs, {}, b.nodes, outputs).validate()
     return program, b.local
 
 
@@ -213,4 +243,12 @@ def lower_spec(spec: ModelSpec) -> ModelSpec:
     shared = {"inputs": [INPUT, LABELS], "context": CONTEXT, "loss": LOSS, "logits": LOGITS if spec.token_model
               else program.outputs["logits"], "reduction": "sum" if spec.token_model else "share", "ignore_index": kernels.IGNORE_INDEX,
               "values": {}, "consts": {}}
+    if nsp_head(spec):   # a batch's features by name; the next-sentence loss weighted on its own
+        shared.update(inputs=[INPUT, SEGMENTS, NSP_LABELS, LABELS], features=list(NSP_FEATURES), nsp_loss=NSP_LOSS,
+                      nsp_logits=NSP_LOGITS)
     return dataclasses.replace(spec, layers=layers, program=shared)
+
+
+def nsp_head(spec: ModelSpec) -> bool:
+    """Whether the spec ends with BERT's next-sentence head (its last layer)."""
+    return bool(spec.layers) and spec.layers[-1].op == "nsp_head"

@@ -85,7 +85,8 @@ RULES: dict[str, Callable[[Node, list[Array], Context], Array]] = {
     "div": lambda n, a, c: a[0] / a[1],
     "softmax_cross_entropy": _loss,
     "fused_dense": _fused_dense,
-    "embedding": lambda n, a, c: kernels.embedding_forward(a[0], a[1], a[2]),
+    "embedding": lambda n, a, c: kernels.embedding_forward(a[0], a[1], a[2]) + (a[4][a[3]] if len(a) == 5 else 0),
+    "first_token": lambda n, a, c: a[0][:, 0],
     "layer_norm": lambda n, a, c: kernels.layer_norm_forward(a[0], a[1], a[2], n.attrs["eps"])[0],
     "attention": _attention,
 }

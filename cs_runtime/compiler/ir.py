@@ -191,7 +191,13 @@ def _softmax_ce(node: Node, ins: list[Node]) -> tuple[Shape, str]:
 
 
 def _embedding(node: Node, ins: list[Node]) -> tuple[Shape, str]:
-    tokens, table, positions = ins
+    tokens, table, positions = ins[:3]
+    if len(ins) == 5:   # BERT with its next-sentence head: segment ids and their table
+        segments, seg_table = ins[3:]
+        _need(segments.dtype == "int32" and segments.shape == tokens.shape, node,
+              f"segment ids %{segments.name} must be int32 {_fmt_shape(tokens.shape)}")
+        _need(len(seg_table.shape) == 2 and seg_table.shape[1:] == table.shape[1:], node,
+              f"segment table {_fmt_shape(seg_table.shape)} and token table {_fmt_shape(table.shape)} differ")
     _need(tokens.dtype == "int32" and len(tokens.shape) == 2, node,
           f"token ids %{tokens.name} must be int32 [B, T], got {_fmt_shape(tokens.shape)} {tokens.dtype}")
     _need(table.dtype in FLOAT_DTYPES and positions.dtype in FLOAT_DTYPES, node, "tables must be float")
@@ -201,6 +207,12 @@ def _embedding(node: Node, ins: list[Node]) -> tuple[Shape, str]:
     _need(seq == BATCH or seq <= positions.shape[0], node,
           f"sequence length {seq} exceeds the {positions.shape[0]} position embeddings")
     return (tokens.shape[0], seq, table.shape[1]), table.dtype
+
+
+def _first_token(node: Node, ins: list[Node]) -> tuple[Shape, str]:
+    x = ins[0]
+    _need(len(x.shape) == 3, node, f"needs [B, T, D], got {_fmt_shape(x.shape)}")
+    return (x.shape[0], x.shape[2]), x.dtype
 
 
 def _layer_norm(node: Node, ins: list[Node]) -> tuple[Shape, str]:
@@ -256,7 +268,8 @@ OPS: dict[str, OpDef] = {
     "div": OpDef((2,), _elementwise),
     "softmax_cross_entropy": OpDef((2,), _softmax_ce, float_only=False),
     "fused_dense": OpDef((3, 4), _fused_dense),  # act(x @ w + b) [* dropout]
-    "embedding": OpDef((3,), _embedding, float_only=False),   # (ids, token table, positions)
+    "embedding": OpDef((3, 5), _embedding, float_only=False),   # (ids, token table, positions[, segments, table])
+    "first_token": OpDef((1,), _first_token),                 # [B, T, D] -> [B, D]: BERT's pooler input
     "layer_norm": OpDef((3,), _layer_norm),                   # (x, gain, bias)
     "attention": OpDef((1, 2), _attention, float_only=False),  # (qkv [, ids for the padding mask])
 }

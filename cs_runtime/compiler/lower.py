@@ -27,6 +27,7 @@ from .ir import BATCH, CompileError, Graph, validate
 
 INPUT = "x"
 LABELS = "labels"
+SEGMENTS, NSP_LABELS = "segment_ids", "next_sentence_label"
 
 
 def lower_dense(g: Graph, layer: LayerSpec, x: str) -> str:
@@ -81,8 +82,10 @@ def lower_embedding(g: Graph, layer: LayerSpec, x: str) -> str:
     if layer.max_len <= 0:
         raise CompileError(f"layer {layer.name} (op embedding): max_len {layer.max_len!r} is not a positive int")
     p = _params(g, layer)
-    h = g.add("embedding", (x, p["tokens"], p["positions"]), name=f"{layer.name}.embedding", layer=layer.name,
-              layer_op=layer.op, pad_id=int(layer.pad_id))
+    segments = (g.add("input", name=SEGMENTS, shape=g.node(x).shape, dtype="int32"), p["segments"]) \
+        if layer.segments else ()
+    h = g.add("embedding", (x, p["tokens"], p["positions"], *segments), name=f"{layer.name}.embedding",
+              layer=layer.name, layer_op=layer.op, pad_id=int(layer.pad_id))
     if layer.norm == "post":
         h = _norm(g, layer, h, p, "ln")
     return _dropout(g, layer, h, layer.dropout, "")
@@ -143,11 +146,22 @@ def lower_lm_head(g: Graph, layer: LayerSpec, x: str) -> str:
     return h
 
 
+def lower_nsp_head(g: Graph, layer: LayerSpec, encoded: str) -> str:
+    """BERT's pooler (dense + its nonlinearity on the first token) and next-sentence classifier,
+    on the encoder's output: the [B, 2] scores."""
+    p, at = _params(g, layer), {"layer": layer.name, "layer_op": layer.op}
+    h = g.add("first_token", (encoded,), name=f"{layer.name}.first_token", **at)
+    h = g.add("activation", (_dense(g, layer, h, p, "pooler"),), name=f"{layer.name}.pooler.act",
+              kind=layer.activation, **at)
+    return _dense(g, layer, h, p, "classifier")
+
+
 LOWERINGS: dict[str, Callable[[Graph, LayerSpec, str], str]] = {
     "dense": lower_dense,
     "embedding": lower_embedding,
     "transformer_block": lower_block,
     "lm_head": lower_lm_head,
+    "nsp_head": lower_nsp_head,
 }
 LOSSES = ("softmax_cross_entropy",)
 
@@ -169,7 +183,14 @@ def lower(spec: ModelSpec) -> Graph:
         x = g.add("input", name=INPUT, shape=(BATCH, first.max_len), dtype="int32")
     else:
         x = g.add("input", name=INPUT, shape=(BATCH, first.in_features))
+    encoded = nsp = None
     for layer in spec.layers:
+        if layer.op == "nsp_head":   # reads the encoder's output, not the masked-LM logits
+            _check_widths(layer)
+            nsp = lower_nsp_head(g, layer, encoded)
+            continue
+        if layer.op == "lm_head":
+            encoded = x
         if layer.op not in LOWERINGS:
             raise CompileError(f"layer {layer.name} (op {layer.op}): unsupported op {layer.op!r}; "
                                f"supported: {', '.join(LOWERINGS)}")
@@ -180,5 +201,9 @@ def lower(spec: ModelSpec) -> Graph:
     labels = g.add("input", name=LABELS, shape=g.node(x).shape[:-1], dtype="int32")
     g.output = g.add(spec.loss, (x, labels), name="loss", layer="loss", layer_op=spec.loss,
                      loss_scaling=spec.loss_scaling, loss_weight=float(spec.loss_weight))
+    if nsp is not None:   # the model zoo's total: masked-LM loss + the next-sentence mean
+        nsp_labels = g.add("input", name=NSP_LABELS, shape=g.node(nsp).shape[:-1], dtype="int32")
+        nsp_loss = g.add(spec.loss, (nsp, nsp_labels), name="nsp_loss", layer="loss", layer_op=spec.loss)
+        g.output = g.add("add", (g.output, nsp_loss), name="total_loss", layer="loss", layer_op="add")
     validate(g)
     return g

@@ -27,6 +27,7 @@ from cs_runtime.compiler.autodiff import FLOAT_DTYPES, backward_nodes, requires_
 from cs_runtime.numerics.program import Node, Program, Unit
 
 _INDEX = re.compile(r"^\d+$")
+LOSS_OUTPUTS = ("loss", "nsp_loss")   # the program outputs backward starts from
 
 
 def _candidate(module: str) -> str:
@@ -65,7 +66,8 @@ def split_units(program: Program, shapes: dict[str, tuple], dtypes: dict[str, st
     later_reads = _reads_after(groups, set(program.outputs.values()))
     # Gradients flow only into what leads to the loss: an output such as the logits
     # (kept for accuracy) gets no seed of zeros.
-    grad_later = _reads_after(groups, {program.outputs["loss"]})
+    # (BERT's next-sentence loss is a second loss value, seeded on its own: program_layer.loss.)
+    grad_later = _reads_after(groups, {v for k, v in program.outputs.items() if k in LOSS_OUTPUTS})
     units = []
     for index, (name, nodes) in enumerate(groups):
         units.append(_unit(name, nodes, program, needs, later_reads[index], grad_later[index], dtypes))

@@ -10,6 +10,9 @@ BERT (BertHDF5DataProcessor): `data` of shape [n, 2, max_sequence_length]
 (input_ids, attention_mask) and `labels`, either [n, 3, max_predictions]
 (labels, masked_lm_positions, masked_lm_mask: the "gather" layout) or
 [n, 1, max_sequence_length] (the masked tokens' ids, -100 elsewhere).
+With the next-sentence head (disable_nsp false) `data` is [n, 3, length], its
+third row the segment_ids, and `next_sentence_labels` ([n] or [n, 1], 0 or 1)
+labels each sample.
 Padding is token id 0 with attention_mask 0, as the model zoo's BERT
 vocabularies have it ([PAD] = 0): this model masks padding keys by that id.
 
@@ -27,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cs_runtime.data.text import TextDataError
+from cs_runtime.data.text import NSP_FEATURES, TextDataError
 from cs_runtime.numerics.kernels import IGNORE_INDEX
 
 PAD_ID = 0
+NSP_KEY = "next_sentence_labels"   # BERT with its next-sentence head: each sample's label
 SCAN_ROWS = 4096      # samples read at a time when the ids are checked
 
 
@@ -135,12 +139,20 @@ class GptHdf5Dataset(_Hdf5Files):
 
 
 class BertHdf5Dataset(_Hdf5Files):
-    """Masked-LM samples: x the (already masked) input_ids, y the original ids at the masked positions."""
+    """Masked-LM samples: x the (already masked) input_ids, y the original ids at the masked positions.
+    With `nsp` (the next-sentence head) `data` has a third row, the segment_ids, and
+    `next_sentence_labels` ([n] or [n, 1]) each sample's label; x is then a dict of the three."""
+
+    def __init__(self, data_dir, seq_len: int, vocab_size: int, nsp: bool = False, num_segments: int = 2):
+        self.nsp, self.num_segments = nsp, num_segments
+        super().__init__(data_dir, seq_len, vocab_size)
 
     def check_file(self, f, path: Path) -> int:
-        data = _dataset(f, path, "data", 2, self.seq_len)
+        data = _dataset(f, path, "data", 3 if self.nsp else 2, self.seq_len)
         labels = _dataset(f, path, "labels", None, None)
         n = data.shape[0]
+        if self.nsp:
+            self._check_nsp(f, path, data, n)
         if labels.shape[0] != n or labels.shape[1] not in (1, 3) or (
                 labels.shape[1] == 1 and labels.shape[2] != self.seq_len):
             raise TextDataError(f"{path}: labels of shape {labels.shape} do not fit data {data.shape}: expected "
@@ -155,6 +167,18 @@ class BertHdf5Dataset(_Hdf5Files):
             _check_ids(path, "labels", y[y != IGNORE_INDEX], self.vocab_size)
         return n
 
+    def _check_nsp(self, f, path: Path, data, n: int) -> None:
+        if NSP_KEY not in f:
+            raise TextDataError(f"{path}: no dataset {NSP_KEY!r}: the next-sentence head needs each sample's "
+                                f"label (or set model.disable_nsp: true)")
+        nsp = f[NSP_KEY][()].reshape(-1) if f[NSP_KEY].ndim else None
+        if nsp is None or len(nsp) != n or nsp.dtype.kind not in "iu" or np.any((nsp < 0) | (nsp > 1)):
+            raise TextDataError(f"{path}: {NSP_KEY} must be n = {n} integers 0 or 1 ([n] or [n, 1])")
+        for start in range(0, n, SCAN_ROWS):
+            segments = data[start:start + SCAN_ROWS, 2]
+            if segments.size and (segments.min() < 0 or segments.max() >= self.num_segments):
+                raise TextDataError(f"{path}: segment_ids outside [0, {self.num_segments}) (model.num_segments)")
+
     def labels_of(self, lab: np.ndarray, path) -> np.ndarray:
         """[n, seq_len] labels, IGNORE_INDEX where nothing is predicted."""
         if lab.shape[1] == 1:
@@ -168,5 +192,9 @@ class BertHdf5Dataset(_Hdf5Files):
         return y
 
     def get(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        data, lab = self.read(indices, ("data", "labels"))
-        return data[:, 0].astype(np.int32), self.labels_of(lab, self.data_dir).astype(np.int64)
+        if not self.nsp:
+            data, lab = self.read(indices, ("data", "labels"))
+            return data[:, 0].astype(np.int32), self.labels_of(lab, self.data_dir).astype(np.int64)
+        data, lab, nsp = self.read(indices, ("data", "labels", NSP_KEY))
+        features = (data[:, 0].astype(np.int32), data[:, 2].astype(np.int32), nsp.reshape(len(nsp)))
+        return dict(zip(NSP_FEATURES, features)), self.labels_of(lab, self.data_dir).astype(np.int64)

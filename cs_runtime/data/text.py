@@ -144,6 +144,9 @@ def pack_lines(tokens: np.ndarray, room: int) -> list[tuple[int, int]]:
     return spans
 
 
+NSP_FEATURES = ("input_ids", "segment_ids", "next_sentence_label")   # a pair sample's features by name
+
+
 class BertDataset:
     """Masked-LM samples: [CLS] whole lines [SEP] [PAD]..., of seq_len tokens.
 
@@ -153,27 +156,61 @@ class BertDataset:
     text tokens, at least one per sample) 80% become [MASK], 10% a random
     byte, 10% stay; the label is the original id there and IGNORE_INDEX
     elsewhere.
+
+    With `nsp` (the next-sentence head), a sample is a pair, as BERT's
+    pre-training data: [CLS] A [SEP] B [SEP], each segment whole lines packed
+    into half the room; A is span i, B the span after it (next_sentence_label
+    0, "is next") or, for about half the samples by a hash of (seed, i), a
+    random other span (label 1). segment_ids are 0 over [CLS] A [SEP] (and the
+    padding), 1 over B [SEP]. Features then come as a dict (NSP_FEATURES).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, masked_lm_prob: float, seed: int,
-                 max_predictions: int | None = None, vocab_size: int = VOCAB_SIZE):
-        if seq_len < 3:
-            raise TextDataError(f"BERT samples need seq_len >= 3, got {seq_len}")
+                 max_predictions: int | None = None, vocab_size: int = VOCAB_SIZE, nsp: bool = False):
+        if seq_len < (5 if nsp else 3):
+            raise TextDataError(f"BERT samples need seq_len >= {5 if nsp else 3}, got {seq_len}")
         self.tokens, self.seq_len, self.prob, self.seed = tokens, seq_len, masked_lm_prob, seed
-        self.max_predictions, self.vocab_size = max_predictions, vocab_size
-        self.spans = np.array(pack_lines(tokens, seq_len - 2), dtype=np.int64).reshape(-1, 2)
-        if len(self.spans) == 0:
-            raise TextDataError("the corpus is empty")
+        self.max_predictions, self.vocab_size, self.nsp = max_predictions, vocab_size, nsp
+        room = (seq_len - 3) // 2 if nsp else seq_len - 2
+        self.spans = np.array(pack_lines(tokens, room), dtype=np.int64).reshape(-1, 2)
+        if len(self.spans) < (3 if nsp else 1):
+            raise TextDataError("the corpus is empty" if len(self.spans) == 0 else
+                                f"the corpus makes {len(self.spans)} segments; sentence pairs need 3")
 
     def __len__(self) -> int:
-        return len(self.spans)
+        return len(self.spans) - 1 if self.nsp else len(self.spans)   # a pair's A has a span after it
 
-    def get(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        indices = np.asarray(indices)
+    def pairs(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(B's span index, next_sentence_label) of each sample: the next span (0) or, drawn
+        from (seed, sample), a random span other than A's and the next (1)."""
+        u = hash_uniform(hash_key(self.seed, 7411), indices, (2,))
+        random = u[:, 0] < 0.5
+        n = len(self.spans)
+        other = (indices + 2 + (u[:, 1] * (n - 2)).astype(np.int64)) % n   # i + 2 .. i + n - 1: never i, i + 1
+        return np.where(random, other, indices + 1), random.astype(np.int64)
+
+    def _layout(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(token ids [n, t] before masking, segment ids or None, next-sentence labels or None)."""
         n, t = len(indices), self.seq_len
         ids = np.full((n, t), PAD, dtype=np.int32)
-        for row, (start, stop) in enumerate(self.spans[indices]):
-            ids[row, 0], ids[row, 1:stop - start + 1], ids[row, stop - start + 1] = CLS, self.tokens[start:stop], SEP
+        if not self.nsp:
+            for row, (start, stop) in enumerate(self.spans[indices]):
+                ids[row, 0], ids[row, 1:stop - start + 1], ids[row, stop - start + 1] = \
+                    CLS, self.tokens[start:stop], SEP
+            return ids, None, None
+        second, labels = self.pairs(indices)
+        segments = np.zeros((n, t), dtype=np.int32)
+        for row, ((a0, a1), (b0, b1)) in enumerate(zip(self.spans[indices], self.spans[second])):
+            a, b = a1 - a0, b1 - b0
+            ids[row, :a + 2] = [CLS, *self.tokens[a0:a1], SEP]
+            ids[row, a + 2:a + b + 3] = [*self.tokens[b0:b1], SEP]
+            segments[row, a + 2:a + b + 3] = 1
+        return ids, segments, labels
+
+    def get(self, indices: np.ndarray):
+        indices = np.asarray(indices)
+        ids, segments, nsp_labels = self._layout(indices)
+        n, t = ids.shape
         u = hash_uniform(hash_key(self.seed, 31337), indices, (3, t))
         text = ids >= OFFSET
         chosen = text & (u[:, 0] < self.prob)
@@ -187,6 +224,8 @@ class BertDataset:
         x[chosen & (u[:, 1] < 0.8)] = MASK
         swap = chosen & (u[:, 1] >= 0.8) & (u[:, 1] < 0.9)
         x[swap] = OFFSET + (u[:, 2][swap] * (self.vocab_size - OFFSET)).astype(np.int32)
+        if self.nsp:
+            return dict(zip(NSP_FEATURES, (x, segments, nsp_labels))), y
         return x, y
 
     def _first_chosen(self, chosen: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -8,7 +8,9 @@ one line naming the sample instead of training on it: numpy would read label
 A classifier takes float features [B, in_features], all finite, and integer
 labels [B] in [0, classes). A token model (first layer an embedding) takes
 integer ids [B, T] with 1 <= T <= max_len and ids in [0, vocabulary), and
-integer labels [B, T] in [0, classes) or the ignore index (no loss there).
+integer labels [B, T] in [0, classes) or the ignore index (no loss there);
+BERT with its next-sentence head takes them as input_ids of a dict with
+segment_ids ([B, T], below its segment count) and next_sentence_label ([B], 0 or 1).
 A compiled program (a captured torch model) takes its inputs (one array, or
 a dict of arrays by feature name for a model of several) and a target of the
 ranks, trailing dimensions and kinds (integer or float) it was captured
@@ -35,6 +37,8 @@ def check_batch(spec, x, y: np.ndarray) -> None:
     x: one array, or (a model of several inputs) a dict of arrays by feature name."""
     if spec.program is not None and spec.program.get("values"):   # a captured model: against its capture
         return _check_program(spec.program, x, y)
+    if spec.program is not None and spec.program.get("nsp_loss"):   # BERT with its next-sentence head
+        x = _check_sentence_pairs(spec, x, y)
     if isinstance(x, dict):
         raise BadBatch(f"features {sorted(x)} by name, but model {spec.name} takes one feature array")
     if len(x) != len(y):
@@ -91,6 +95,26 @@ def _check_program(shared: dict, x, y: np.ndarray) -> None:
                        f"label {{}} outside [0, {classes}) and not the ignore index {ignore}")
 
 
+def _check_sentence_pairs(spec, x, y: np.ndarray) -> np.ndarray:
+    """BERT's next-sentence features: token ids, segment ids of the same shape below the
+    embedding's segment count, one next_sentence_label (0 or 1) a sample. Returns the ids."""
+    ids_name, segments_name, labels_name = spec.program["features"]
+    if not isinstance(x, dict) or set(x) != {ids_name, segments_name, labels_name}:
+        got = sorted(x) if isinstance(x, dict) else "one array"
+        raise BadBatch(f"features {got}, the model takes {ids_name}, {segments_name}, {labels_name} "
+                       f"(BERT with its next-sentence head)")
+    ids, segments, nsp = x[ids_name], x[segments_name], x[labels_name]
+    count = spec.layers[0].segments
+    if not np.issubdtype(segments.dtype, np.integer) or segments.shape != ids.shape:
+        raise BadBatch(f"{segments_name} are {segments.dtype} {tuple(segments.shape)}, the token ids "
+                       f"{tuple(ids.shape)}: expected integers of that shape")
+    if not np.issubdtype(nsp.dtype, np.integer) or nsp.shape != (len(y),):
+        raise BadBatch(f"{labels_name} are {nsp.dtype} {tuple(nsp.shape)}, expected integers [{len(y)}]")
+    _first_outside(segments, (segments < 0) | (segments >= count), f"segment id {{}} outside [0, {count})")
+    _first_outside(nsp, (nsp < 0) | (nsp > 1), f"{labels_name} {{}} is not 0 or 1")
+    return ids
+
+
 def _check_features(width: int, x: np.ndarray, y: np.ndarray) -> None:
     if not np.issubdtype(x.dtype, np.floating):
         raise BadBatch(f"features are {x.dtype}, expected floats")
@@ -116,7 +140,7 @@ def _check_tokens(embedding, x: np.ndarray, y: np.ndarray) -> None:
 
 
 def _check_labels(spec, y: np.ndarray) -> None:
-    classes = spec.layers[-1].out_features
+    classes = [l for l in spec.layers if l.op != "nsp_head"][-1].out_features   # the masked-LM head's vocabulary
     outside = (y < 0) | (y >= classes)
     if spec.token_model:
         outside &= y != IGNORE_INDEX

@@ -71,6 +71,7 @@ class LayerSpec:
     pad_id: int = -1             # embedding: token id of padding (-1: none)
     tied: str = ""               # lm_head: the embedding layer whose token table is its decoder, transposed
     out_bias: bool = True        # lm_head: the decoder adds a bias
+    segments: int = 0            # embedding: segment (token type) ids it embeds (0: none)
     # "program": one unit of a compiled program, as data (program_layer.py)
     unit: dict | None = field(default=None, compare=False, repr=False)
 
@@ -176,7 +177,8 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
                      num_layers: int, num_heads: int, ffn_features: int, dropout: float, attn_dropout: float,
                      eps: float, pad_id: int = -1, activation: str | None = None,
                      loss_scaling: str | None = None, loss_weight: float = 1.0, tied: bool = False,
-                     out_bias: bool = True) -> ModelSpec:
+                     out_bias: bool = True, nsp: bool = False, num_segments: int = 2,
+                     pooler_activation: str = "tanh") -> ModelSpec:
     """GPT-2 (style "gpt2": causal, pre-norm) or BERT (style "bert": bidirectional,
     post-norm, padding mask, MLM transform in the head): embedding, blocks, head.
 
@@ -189,7 +191,11 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
     loss_weight, the model zoo's mlm_loss_weight) for BERT.
 
     `tied`: the head's decoder is the token embedding, transposed (the model
-    zoo's share_embedding_weights); `out_bias`: the decoder adds a bias."""
+    zoo's share_embedding_weights); `out_bias`: the decoder adds a bias.
+
+    `nsp` (BERT): the next-sentence head, as the model zoo's BertPretrainModel
+    without disable_nsp: `num_segments` segment embeddings in the embedding, and a
+    last layer "nsp_head" (pooler with `pooler_activation`, then a 2-way classifier)."""
     if style not in ("gpt2", "bert"):
         raise ValueError(f"unknown transformer style {style!r}; expected gpt2 or bert")
     if hidden_size % num_heads:
@@ -200,13 +206,17 @@ def transformer_spec(name: str, *, style: str, vocab_size: int, max_len: int, hi
         raise ValueError(f"transformer activation {activation!r} is not one of {', '.join(GELU_KINDS)}")
     norm = "pre" if gpt else "post"
     layers = [LayerSpec("embed", "embedding", vocab_size, hidden_size, dropout=dropout, max_len=max_len,
-                        norm=norm, eps=eps, pad_id=pad_id)]
+                        norm=norm, eps=eps, pad_id=pad_id, segments=num_segments if nsp else 0)]
     for i in range(num_layers):
         layers.append(LayerSpec(f"block{i}", "transformer_block", hidden_size, hidden_size, activation, dropout,
                                 num_heads=num_heads, ffn_features=ffn_features, causal=gpt, norm=norm,
                                 attn_dropout=attn_dropout, eps=eps))
     layers.append(LayerSpec("lm_head", "lm_head", hidden_size, vocab_size, activation="none" if gpt else activation,
                             eps=eps, tied="embed" if tied else "", out_bias=bool(out_bias)))
+    if nsp:
+        if gpt:
+            raise ValueError("the next-sentence head is BERT's (style bert)")
+        layers.append(LayerSpec("nsp_head", "nsp_head", hidden_size, 2, activation=pooler_activation))
     return ModelSpec(name, tuple(layers), loss_scaling=loss_scaling or ("num_tokens" if gpt else "batch_size"),
                      loss_weight=float(loss_weight))
 

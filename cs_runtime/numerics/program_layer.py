@@ -65,6 +65,8 @@ def check(spec) -> None:
             and (not shared.get("output") or shared["output"] in shared.get("values", {}))
             and all(isinstance(n, str) for n in shared["inputs"]) and isinstance(shared.get("loss"), str)
             and isinstance(shared.get("context", ""), str) and shared.get("reduction", "mean") in REDUCTIONS
+            and isinstance(shared.get("nsp_loss", ""), str) and isinstance(shared.get("nsp_logits", ""), str)
+            and (not shared.get("nsp_loss") or shared.get("reduction") == "sum")
             and isinstance(shared.get("consts"), dict) and isinstance(shared.get("values", {}), dict)):
         raise ProgramError(f"model {spec.name}: malformed program data")
     shared_values(spec)
@@ -212,12 +214,28 @@ def loss(spec, live: dict, labels: np.ndarray, global_batch: int, label_count: i
         return share, {name: np.asarray(1.0, dtype=value.dtype)}, share * global_batch, correct, count
     if spec.program.get("reduction") == "sum":
         weight = kernels.token_loss_weight(spec.loss_scaling, spec.loss_weight, global_batch, label_count)
-        return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value), correct, count
+        share, delta, loss_sum = float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value)
+        if spec.program.get("nsp_loss"):
+            share, loss_sum = _add_nsp(spec, live, delta, share, loss_sum, global_batch, label_count)
+        return share, delta, loss_sum, correct, count
     weight = rows / global_batch
     if spec.program.get("label_mean") and label_count:
         # A mean over labelled targets (a masked LM's): shards hold different numbers of them.
         weight = int(np.count_nonzero(labels != kernels.IGNORE_INDEX)) / label_count
     return float(value) * weight, {name: np.asarray(weight, dtype=value.dtype)}, float(value) * count, correct, count
+
+
+def _add_nsp(spec, live: dict, delta: dict, share: float, loss_sum: float, global_batch: int,
+             label_count: int | None) -> tuple[float, float]:
+    """BERT's total loss, as the model zoo's BertPretrainModelLoss adds it: the masked-LM
+    loss + the next-sentence cross-entropy's mean over the global batch's sequences (its
+    own seed, 1 / global batch). Eval's loss per masked token gets the next-sentence mean
+    too: its sum counted label_count / global batch times, so the report is the two means added."""
+    name = spec.program["nsp_loss"]
+    value = live[name]
+    delta[name] = np.asarray(1.0 / global_batch, dtype=value.dtype)
+    per_label = (label_count or 0) / global_batch
+    return share + float(value) / global_batch, loss_sum + float(value) * per_label
 
 
 def step_outputs(spec, live) -> dict:

@@ -16,6 +16,9 @@ A GPT-2 or BERT model is three kinds of layer (cs_runtime/numerics/model.py's
   transposed: the head holds a copy of it ("tokens"), which the executor keeps
   equal to the embedding's (one gradient, their sum; program_layer.tie_grads)
   and checkpoints store once.
+- "nsp_head" (BERT unless disable_nsp): the pooler (dense + its nonlinearity on
+  the first token's final hidden state) and the next-sentence classifier
+  (dense to 2); the embedding then also adds a segment table ("segments").
 
 Here: each op's parameter shapes and initialisation. Their maths is a program
 over the op set (cs_runtime/compiler/families.py lowers each layer to one unit;
@@ -34,6 +37,8 @@ import numpy as np
 def embedding_shapes(layer) -> dict[str, tuple[int, ...]]:
     d = layer.out_features
     shapes = {"tokens": (layer.in_features, d), "positions": (layer.max_len, d)}
+    if layer.segments:   # BERT with its next-sentence head: a segment (token type) table
+        shapes["segments"] = (layer.segments, d)
     if layer.norm == "post":
         shapes.update(ln_gain=(d,), ln_bias=(d,))
     return shapes
@@ -61,6 +66,12 @@ def head_shapes(layer) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def nsp_head_shapes(layer) -> dict[str, tuple[int, ...]]:
+    """BERT's next-sentence head: the pooler (width -> width) and the classifier (width -> 2)."""
+    d, c = layer.in_features, layer.out_features
+    return {"pooler_weight": (d, d), "pooler_bias": (d,), "classifier_weight": (d, c), "classifier_bias": (c,)}
+
+
 INIT_STD = 0.02                                  # initializer_range of GPT-2 and BERT
 RESIDUAL_PROJECTIONS = ("proj_weight", "out_weight")  # the matrices whose output joins a residual sum
 
@@ -85,4 +96,5 @@ def init_std(layer, name: str, num_blocks: int) -> float:
 
 # The parameter shapes of each transformer layer op.
 LAYER_SHAPES: dict[str, Callable[[Any], dict[str, tuple[int, ...]]]] = {
-    "embedding": embedding_shapes, "transformer_block": block_shapes, "lm_head": head_shapes}
+    "embedding": embedding_shapes, "transformer_block": block_shapes, "lm_head": head_shapes,
+    "nsp_head": nsp_head_shapes}
