@@ -15,7 +15,8 @@ The names are the model zoo's modules' `state_dict()` names: FC-MNIST's
 `MNIST` (fc_layers.N, last_layer), GPT-2's `GPT2LMHeadModel` (embedding_layer,
 transformer_decoder.layers.N, lm_head; its final norm is registered twice, as
 `ln_f` and `transformer_decoder.norm`, and both names are written), BERT's
-`BertPretrainModel` with disable_nsp (bert_encoder, bert_mlm_head). A compiled
+`BertPretrainModel` (bert_encoder, bert_mlm_head; without disable_nsp also the
+segment embeddings, bert_encoder.pooler and bert_cls_head). A compiled
 program (a captured torch module) already uses its module's names and layout.
 
 A tied head (share_embedding_weights) has no decoder matrix of its own: the
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FAMILIES = ("fc_mnist", "gpt2", "bert", "program")
+NSP_SEGMENTS = "bert_encoder.embedding_layer.segment_embeddings.weight"   # BERT with its next-sentence head
 
 
 class NameMapError(ValueError):
@@ -85,7 +87,8 @@ DECODERS = {"gpt2": ("lm_head", "embedding_layer.word_embeddings.weight"),
                      "bert_encoder.embedding_layer.word_embeddings.weight")}
 
 
-def entries(family: str, count: int, tied: bool = False, out_bias: bool = True) -> tuple[list[Entry], dict[str, str]]:
+def entries(family: str, count: int, tied: bool = False, out_bias: bool = True,
+            nsp: bool = False) -> tuple[list[Entry], dict[str, str]]:
     """(the table, aliases: a second name -> the table's name of the same tensor).
     `count`: dense layers of an MLP, transformer blocks of GPT-2 / BERT; `tied`, `out_bias`:
     the language model's head (a decoder tied to the token embedding, with a bias)."""
@@ -113,6 +116,10 @@ def entries(family: str, count: int, tied: bool = False, out_bias: bool = True) 
         head, tied_alias = _decoder(*DECODERS["bert"], tied, out_bias)
         table += (_linear("bert_mlm_head.mlm_transform.ffn.ffn.0.linear_layer", "lm_head", "transform_")
                   + _norm("bert_mlm_head.mlm_transform.ln", "lm_head", "ln_") + head)
+        if nsp:   # the next-sentence head: segment table, pooler, classifier (BertPretrainModel's names)
+            table += [Entry(NSP_SEGMENTS, "embed", "segments"),
+                      *_linear("bert_encoder.pooler.pooler.ffn.0.linear_layer", "nsp_head", "pooler_"),
+                      *_linear("bert_cls_head.classifier.ffn.0.linear_layer", "nsp_head", "classifier_")]
         return table, tied_alias
     raise NameMapError(f"no torch naming for model family {family!r}; known: {', '.join(FAMILIES[:-1])}")
 
@@ -128,6 +135,8 @@ def family_of(model: dict) -> tuple[str, int]:
     if ops and all(op == "dense" for op in ops):
         return "fc_mnist", len(ops)
     blocks = ops.count("transformer_block")
+    if ops[-1:] == ["nsp_head"]:
+        ops = ops[:-1]
     if ops[:1] == ["embedding"] and ops[-1:] == ["lm_head"] and blocks == len(ops) - 2:
         return ("bert" if layers[0].get("norm") == "post" else "gpt2"), blocks
     raise NameMapError(f"model {model.get('name')!r} (layers {', '.join(map(str, ops))}) has no torch naming here")
@@ -244,14 +253,16 @@ def family_from_weights(weights: dict) -> tuple[str, int]:
 
 
 def head_of(model: dict) -> dict:
-    """{tied, out_bias} of a described language model's head (ModelSpec.describe())."""
-    head = (model.get("layers") or [{}])[-1]
-    return {"tied": bool(head.get("tied", "")), "out_bias": bool(head.get("out_bias", True))}
+    """{tied, out_bias, nsp} of a described language model's head (ModelSpec.describe())."""
+    layers = model.get("layers") or [{}]
+    nsp = layers[-1].get("op") == "nsp_head"
+    head = layers[-2] if nsp else layers[-1]
+    return {"tied": bool(head.get("tied", "")), "out_bias": bool(head.get("out_bias", True)), "nsp": nsp}
 
 
 def head_from_weights(weights: dict) -> dict:
     head = weights.get("lm_head", {})
-    return {"tied": "decoder_weight" not in head, "out_bias": "decoder_bias" in head}
+    return {"tied": "decoder_weight" not in head, "out_bias": "decoder_bias" in head, "nsp": "nsp_head" in weights}
 
 
 def head_from_names(family: str, tensors) -> dict:
@@ -263,7 +274,7 @@ def head_from_names(family: str, tensors) -> dict:
     weight = f"{prefix}.weight"
     tied = weight not in tensors or (isinstance(tensors, dict) and embedding in tensors and np.array_equal(
         np.asarray(tensors[weight]), np.asarray(tensors[embedding])))
-    return {"tied": tied, "out_bias": f"{prefix}.bias" in tensors}
+    return {"tied": tied, "out_bias": f"{prefix}.bias" in tensors, "nsp": family == "bert" and NSP_SEGMENTS in tensors}
 
 
 def table_for(model: dict | None, names=None, weights: dict | None = None) -> tuple[list[Entry], dict[str, str]]:
