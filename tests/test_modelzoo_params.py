@@ -252,9 +252,9 @@ def test_fc_mnist_files_validate_as_shipped(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.cluster
-def test_language_model_files_validate_to_the_numerics_not_yet_emulated(tmp_path: Path) -> None:
-    """GPT-2 small and BERT base pass the params schema as shipped, the tied head and the
-    16-bit setting included; what stops BERT is the emulated model (its next-sentence head)."""
+def test_language_model_files_validate_as_shipped(tmp_path: Path) -> None:
+    """GPT-2 small and BERT base validate as shipped, the tied head, the 16-bit setting and
+    BERT's next-sentence head (disable_nsp left at its default, false) included."""
     for name in ("gpt2_small_trainer", "gpt2_small_r18"):
         result = run_script("gpt2", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
         assert result.returncode == 0, result.stdout + result.stderr
@@ -263,18 +263,19 @@ def test_language_model_files_validate_to_the_numerics_not_yet_emulated(tmp_path
         assert f"gpt2 is valid: 14 layers, {124_439_808 + 1024 * 768:,} parameters" in result.stdout
     for name in ("bert_base_r18", "bert_base_trainer"):
         result = run_script("bert", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
-        assert result.returncode == 2
-        assert [line.split(":")[1].strip() for line in result.stdout.splitlines()] == ["model.disable_nsp"]
+        assert result.returncode == 0, result.stdout + result.stderr
+        # BERT base pre-training, tied head, with the next-sentence head: HF's BertForPreTraining,
+        # 110,106,428 (segment table, pooler and the 2-way classifier included)
+        assert f"bert is valid: 15 layers, {110_106_428:,} parameters" in result.stdout, result.stdout
     result = run_script("bert", FILES / "bert_base_trainer.yaml", tmp_path / "model_dir", "--validate_only",
                         "--override", "trainer.init.model.disable_nsp=true")
     assert result.returncode == 0, result.stdout + result.stderr
-    # BERT base's masked-LM model, tied head: 109,514,298 parameters (HF's BertForMaskedLM with
-    # its 2 segment embeddings, which the emulated model has not, so 2 * 768 fewer)
+    # Masked LM only: 109,514,298 (HF's BertForMaskedLM) less its 2 segment embeddings
     assert f"bert is valid: 14 layers, {109_514_298 - 2 * 768:,} parameters" in result.stdout
 
 
-# The shipped GPT-2 small / BERT base shrunk to test size: only sizes, data, steps (and BERT's
-# next-sentence head, which the emulated model has not; float32, so the 1e-5 comparison holds:
+# The shipped GPT-2 small / BERT base shrunk to test size: only sizes, data, steps (BERT keeps
+# its next-sentence head; float32, so the 1e-5 comparison holds:
 # 16-bit transformers have their own tests, test_transformer_precision.py).
 SHRINK = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "filter_size": 64, "vocab_size": 512,
           "max_position_embeddings": 16}
@@ -285,12 +286,12 @@ LM_FILES = {
                            "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
                            ["trainer.init.precision.enabled=false"]),
     "bert_base_r18": ("bert", "model.", "train_input.", "eval_input.", "runconfig.max_steps",
-                      ["model.mixed_precision=false", "model.disable_nsp=true",
+                      ["model.mixed_precision=false",
                        "train_input.max_sequence_length=16", "eval_input.max_sequence_length=16",
                        "train_input.max_predictions_per_seq=3", "eval_input.max_predictions_per_seq=3"]),
     "bert_base_trainer": ("bert", "trainer.init.model.", "trainer.fit.train_dataloader.",
                           "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
-                          ["trainer.init.precision.enabled=false", "trainer.init.model.disable_nsp=true",
+                          ["trainer.init.precision.enabled=false",
                            *(f"trainer.fit.{loader}.{key}" for loader in ("train_dataloader", "val_dataloader")
                              for key in ("max_sequence_length=16", "max_predictions_per_seq=3"))]),
 }
@@ -332,6 +333,9 @@ def test_language_model_files_train_tied_on_the_cs_system_as_on_the_cpu(tmp_path
     assert "model/embed/tokens" in cpu_w and not [k for k in cpu_w if k.startswith("model/lm_head/")
                                                   and k.rsplit("/", 1)[1] in ("tokens", "decoder_weight")]
     assert ("model/lm_head/decoder_bias" in cpu_w) == (model == "bert")   # GPT-2: use_bias_in_output false
+    # BERT trains its next-sentence head as shipped (disable_nsp false): segment table, pooler, classifier
+    nsp = {"model/embed/segments", "model/nsp_head/pooler_weight", "model/nsp_head/classifier_weight"}
+    assert (nsp <= cpu_w.keys()) == (model == "bert")
     assert cpu_w.keys() == wse_w.keys()
     for key in cpu_w:
         np.testing.assert_allclose(wse_w[key], cpu_w[key], rtol=1e-5, atol=1e-7, err_msg=key)
