@@ -123,6 +123,30 @@ def test_bert_padding_must_be_the_padding_id(tmp_path: Path) -> None:
         BertHdf5Dataset(tmp_path, 8, 30)
 
 
+@needs_h5py
+def test_bert_next_sentence_fields_are_read(tmp_path: Path) -> None:
+    """With the next-sentence head: segment_ids the third row of data, next_sentence_labels its own."""
+    rng = np.random.default_rng(0)
+    n, seq = 5, 8
+    ids = rng.integers(4, 30, (n, seq))
+    ids[2, 6:] = 0
+    segments = np.where(np.arange(seq) >= 4, 1, 0)[None].repeat(n, 0) * (ids != 0)
+    labels = np.where(rng.random((n, 1, seq)) < 0.3, ids[:, None], -100)
+    nsp = np.array([[0], [1], [1], [0], [1]])
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["data"] = np.stack([ids, (ids != 0).astype(int), segments], axis=1)
+        f["labels"] = labels
+        f["next_sentence_labels"] = nsp
+    x, y = BertHdf5Dataset(tmp_path, seq, 30, nsp=True).get(np.array([4, 1, 2]))
+    assert np.array_equal(x["input_ids"], ids[[4, 1, 2]]) and np.array_equal(x["segment_ids"], segments[[4, 1, 2]])
+    assert np.array_equal(x["next_sentence_label"], [1, 1, 1])
+    assert np.array_equal(y, np.where(labels[[4, 1, 2], 0] < 0, -100, labels[[4, 1, 2], 0]))
+    with h5py.File(tmp_path / "a.h5", "a") as f:
+        del f["next_sentence_labels"]
+    with pytest.raises(TextDataError, match="no dataset 'next_sentence_labels'"):
+        BertHdf5Dataset(tmp_path, seq, 30, nsp=True)
+
+
 def test_without_h5py_the_files_are_one_line(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "x.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
     monkeypatch.setitem(sys.modules, "h5py", None)
