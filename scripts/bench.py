@@ -417,7 +417,7 @@ def span_cost(traced_dir: Path, steps: int, batch: int, rate_off: float) -> dict
 def handwritten_mlp_step(sizes: list[int], weights: dict, x, y, step: int, fmt: str, dropout: float,
                          seed: int, loss_scale: float) -> list[dict]:
     """The baseline of the executor rows: a dense ReLU MLP's forward, softmax
-    cross-entropy and backward written out in numpy (what model.py's dense
+    cross-entropy and backward written out in numpy (what the runtime's dense
     layers did before every model ran as a compiled program), with the 16-bit
     rule of docs/numerics.md: matmul inputs and weights rounded to `fmt`,
     float32 accumulation, weight gradients rounded. Returns each layer's
