@@ -417,25 +417,31 @@ def span_cost(traced_dir: Path, steps: int, batch: int, rate_off: float) -> dict
 def handwritten_mlp_step(sizes: list[int], weights: dict, x, y, step: int, fmt: str, dropout: float,
                          seed: int, loss_scale: float) -> list[dict]:
     """The baseline of the executor rows: a dense ReLU MLP's forward, softmax
-    cross-entropy and backward written out in numpy (what model.py's dense
+    cross-entropy and backward written out in numpy (what the runtime's dense
     layers did before every model ran as a compiled program), with the 16-bit
     rule of docs/numerics.md: matmul inputs and weights rounded to `fmt`,
     float32 accumulation, weight gradients rounded. Returns each layer's
-    gradients, scaled by `loss_scale`, as the executor's model_backward does."""
+    gradients, scaled by `loss_scale`, as the executor's model_backward does.
+    Each layer's products run on the BLAS thread count numerics/blas.py gives
+    them, as the executor's do: another count may pick other kernels, other bits."""
     import numpy as np
 
-    from cs_runtime.numerics import kernels
+    from cs_runtime.numerics import blas, kernels
     from cs_runtime.numerics.precision import quantize
 
     def q(a):
         return a if fmt == "float32" else quantize(a, fmt)
+
+    def threads(i):
+        return blas.dense_layer_threads(len(x), sizes[i], sizes[i + 1])
     n, batch = len(sizes) - 1, len(x)
     inputs, outs, masks = [], [], []
     h = x
     for i in range(n):
         h = q(h)
         inputs.append(h)
-        z = h @ q(weights[f"fc{i}"]["weight"])
+        with threads(i):
+            z = h @ q(weights[f"fc{i}"]["weight"])
         z += q(weights[f"fc{i}"]["bias"])
         if i < n - 1:   # hidden: relu (in place), then dropout
             h = np.maximum(z, 0, out=z)
@@ -456,9 +462,10 @@ def handwritten_mlp_step(sizes: list[int], weights: dict, x, y, step: int, fmt: 
                 delta = delta * masks[i]
             delta = delta * (outs[i] > 0)
         dz = q(delta)
-        grads[i] = {"weight": q(inputs[i].T @ dz), "bias": q(delta.sum(axis=0))}
-        if i:
-            delta = dz @ q(weights[f"fc{i}"]["weight"]).T
+        with threads(i):
+            grads[i] = {"weight": q(inputs[i].T @ dz), "bias": q(delta.sum(axis=0))}
+            if i:
+                delta = dz @ q(weights[f"fc{i}"]["weight"]).T
     return grads
 
 

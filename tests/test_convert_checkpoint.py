@@ -14,6 +14,7 @@ import pytest
 
 from cs_runtime import checkpoint as ckpt
 from cs_runtime import torch_names
+from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_forward, transformer_spec
 from cs_runtime.numerics.optim import Optimizer
 from scripts import convert_checkpoint as convert
@@ -236,7 +237,9 @@ def test_torch_state_dict_loads_weights_only_into_a_torch_mlp(tmp_path: Path) ->
     module = MNIST()
     module.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     x = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
-    ours, _ = model_forward(spec, x, state.weights, ShardContext(0, 0, 5, slice(0, 5), train=False))
+    program = lower_spec(spec)   # what every path runs; its live values hold the logits
+    ctx = ShardContext(0, 0, 5, slice(0, 5), train=False, labels=np.zeros(5, np.int64))
+    ours = model_forward(program, x, state.weights, ctx)[0][program.program["logits"]]
     with torch.no_grad():
         np.testing.assert_allclose(module(torch.from_numpy(x)).numpy(), ours, rtol=1e-5, atol=1e-6)
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from cs_runtime.compiler.families import lower_spec
-from cs_runtime.numerics.model import (ModelSpec, ShardContext, init_weights, mlp_spec, model_backward,
-                                       model_forward, model_loss, transformer_spec)
-from cs_runtime.numerics import program_layer
+from cs_runtime.numerics.model import ModelSpec, ShardContext, init_weights, mlp_spec, model_forward, transformer_spec
+from cs_runtime.numerics import model, program_layer
 from cs_runtime.numerics.program_layer import unit_of
+from tests import dense_reference
 
 
 def gpt(**kw):
@@ -41,9 +41,10 @@ def batch(spec, rng, n=4):
 
 def step(spec, weights, x, y, rows: slice, global_batch: int, label_count: int | None, train: bool = True):
     ctx = ShardContext(5, 3, global_batch, rows, train, labels=y)
-    out, caches = model_forward(spec, x, weights, ctx)
-    result = model_loss(spec, out, y, global_batch, label_count)
-    return result, (model_backward(spec, result.delta, caches, weights, 3) if train else None)
+    run = model if spec.program is not None else dense_reference   # the runtime runs only programs
+    out, caches = run.model_forward(spec, x, weights, ctx)
+    result = run.model_loss(spec, out, y, global_batch, label_count)
+    return result, (run.model_backward(spec, result.delta, caches, weights, 3) if train else None)
 
 
 MLPS = {"mlp_relu": lambda: mlp_spec("m", [20, 32, 16, 5], "relu", 0.3),
@@ -56,9 +57,9 @@ SPECS = {**MLPS, "gpt2": gpt, "bert": bert}
 @pytest.mark.parametrize("name", sorted(MLPS))
 @pytest.mark.parametrize("shard", [None, 1])
 def test_lowered_mlp_equals_the_dense_layers(name, shard):
-    """Loss, counts and every gradient of the program = the dense kernels' (which mixed
-    precision still runs; float32 rounding apart), with dropout on, on the whole batch
-    and on the second half of it."""
+    """Loss, counts and every gradient of the program = the hand-written dense layers'
+    (tests/dense_reference.py; float32 rounding apart), with dropout on, on the whole
+    batch and on the second half of it."""
     spec = SPECS[name]()
     lowered = lower_spec(spec)
     x, y = batch(spec, np.random.default_rng(0))

@@ -1,10 +1,10 @@
 """A params.yaml dense model (FC-MNIST's MLP) lowered to its program
 (cs_runtime/compiler/families.py) trains to the same bits as the hand-written
-dense layers of model.py, in float32 and every 16-bit format: losses, skipped
-steps and every weight, with dropout, dynamic loss scaling and data-parallel
-shards. The CPU path, the WSE and the pipelined executor run the program, so
-this is what keeps their numbers those of the dense layers (the WSE's
-own check against the dense layers: test_mixed_precision.py)."""
+dense layers of tests/dense_reference.py, in float32 and every 16-bit format:
+losses, skipped steps and every weight, with dropout, dynamic loss scaling and
+data-parallel shards. The CPU path, the WSE and the pipelined executor run the
+program, so this is what keeps their numbers those of the dense layers (the
+WSEs' own check against the CPU path: test_mixed_precision.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +14,10 @@ import pytest
 
 from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics import precision as P
-from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_backward, model_forward, model_loss
+from cs_runtime.numerics import model
+from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec
 from cs_runtime.numerics.optim import Optimizer
+from tests import dense_reference
 
 SIZES, BATCH, STEPS = [30, 24, 16, 7], 12, 16
 
@@ -27,14 +29,15 @@ def train(spec, batches, scaler: P.LossScaler, shards: int):
     optimizer = Optimizer("sgd", momentum=0.9)
     state = {name: optimizer.init_state(w) for name, w in weights.items()}
     history = []
+    run = model if spec.program is not None else dense_reference
     for step, (x, y) in enumerate(batches):
         total, summed = None, [0.0, 0, 0.0, 0]
         for rank in range(shards):
             rows = slice(rank * BATCH // shards, (rank + 1) * BATCH // shards)
             ctx = ShardContext(3, step, BATCH, rows, True, labels=y[rows])
-            out, caches = model_forward(spec, x[rows], weights, ctx)
-            result = model_loss(spec, out, y[rows], BATCH)
-            grads = model_backward(spec, P.scaled(result.delta, scaler.scale), caches, weights, step)
+            out, caches = run.model_forward(spec, x[rows], weights, ctx)
+            result = run.model_loss(spec, out, y[rows], BATCH)
+            grads = run.model_backward(spec, P.scaled(result.delta, scaler.scale), caches, weights, step)
             grads = [{k: np.asarray(g, np.float32) for k, g in layer.items()} for layer in grads]
             total = grads if total is None else [{k: t[k] + g[k] for k in t} for t, g in zip(total, grads)]
             summed = [a + b for a, b in zip(summed, (result.loss, result.correct, result.loss_sum, result.count))]

@@ -14,16 +14,8 @@ import pytest
 from cs_runtime.numerics import precision as P
 from cs_runtime.config import ParamsError, params_from_dict
 from cs_runtime.data.mnist import load_mnist
-from cs_runtime.numerics.model import (
-    ShardContext,
-    dense_backward,
-    dense_forward,
-    init_weights,
-    mlp_spec,
-    model_backward,
-    model_forward,
-    softmax_cross_entropy,
-)
+from cs_runtime.compiler.families import lower_spec
+from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_backward, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode, float_arrays
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
@@ -36,6 +28,7 @@ from tests.cluster_utils import (
     train_losses,
     write_params,
 )
+from tests.dense_reference import dense_backward, dense_forward
 
 FORMATS16 = ("float16", "bfloat16", "cbfloat16")
 
@@ -107,10 +100,10 @@ def deep_sigmoid_grads(fmt: str, loss_scale: float = 1.0) -> list[dict]:
     """Weight gradients of one step of a deep sigmoid MLP: its deltas shrink ~4x per layer."""
     x, y = load_mnist(None, "train")
     x = x.reshape(len(x), -1)[:64].astype(np.float32)
-    spec = dataclasses.replace(mlp_spec("deep", [784] + [64] * 8 + [10], "sigmoid", 0.0), precision=fmt)
+    spec = lower_spec(dataclasses.replace(mlp_spec("deep", [784] + [64] * 8 + [10], "sigmoid", 0.0), precision=fmt))
     weights = init_weights(spec, 1)
-    logits, caches = model_forward(spec, x, weights, ShardContext(1, 0, 64, slice(0, 64), True))
-    _, delta, _ = softmax_cross_entropy(logits, y[:64], 64)
+    logits, caches = model_forward(spec, x, weights, ShardContext(1, 0, 64, slice(0, 64), True, labels=y[:64]))
+    delta = model_loss(spec, logits, y[:64], 64).delta
     grads = model_backward(spec, P.scaled(delta, loss_scale), caches, weights)
     assert P.unscale_and_check(grads, loss_scale)
     return grads
@@ -367,14 +360,13 @@ def shard_grads_16bit(params_path, num_csx: int) -> tuple[dict, list[list[dict]]
     import examples.fc_mnist.run as fc
     from cs_runtime.config import load_params
     from cs_runtime.data.inputs import InputStream
-    from cs_runtime.numerics.model import model_loss
     p = load_params(str(params_path))
-    spec = dataclasses.replace(fc.model_fn(p), precision=p.precision)
+    spec = lower_spec(dataclasses.replace(fc.model_fn(p), precision=p.precision))
     weights = init_weights(spec, p.runconfig.seed)
     stream = InputStream.build("train", fc.train_input_fn(p), p.train_input, p.runconfig.seed)
     per_wse = []
     for shard in stream.shards(0, num_csx):
-        ctx = ShardContext(p.runconfig.seed, 0, shard.global_batch, shard.rows, True)
+        ctx = ShardContext(p.runconfig.seed, 0, shard.global_batch, shard.rows, True, labels=shard.y)
         logits, caches = model_forward(spec, shard.x, weights, ctx)
         delta = model_loss(spec, logits, shard.y, shard.global_batch).delta
         per_wse.append(model_backward(spec, delta, caches, weights))

@@ -1,5 +1,8 @@
-"""Tests for cs_runtime.model: kernels against finite differences, the loss
-against numpy, and the data-parallel property the whole cluster relies on.
+"""Tests for cs_runtime.numerics.model (specs, initialisation) and the dense-layer
+reference (tests/dense_reference.py): the layer against finite differences, the
+loss against numpy, and the data-parallel property the whole cluster relies on.
+The runtime runs only lowered programs; test_lowered_dense.py checks that the
+program trains to the reference's bits.
 
     python -m pytest tests/test_model.py -q
 
@@ -15,20 +18,11 @@ import numpy as np
 import pytest
 
 from cs_runtime.data.mnist import shard_rows
-from cs_runtime.numerics.model import (
-    ACTIVATIONS,
-    LayerSpec,
-    ModelSpec,
-    ShardContext,
-    activate,
-    dense_backward,
-    dense_forward,
-    dropout_mask,
-    init_weights,
-    layer_forward,
-    mlp_spec,
-    softmax_cross_entropy,
-)
+from cs_runtime.numerics import model
+from cs_runtime.numerics.kernels import rows_keep_mask as dropout_mask
+from cs_runtime.numerics.model import ACTIVATIONS, LayerSpec, ModelSpec, ShardContext, init_weights, mlp_spec
+from tests.dense_reference import (activate, dense_backward, dense_forward, layer_forward,
+                                   softmax_cross_entropy)
 
 H = 1e-6  # central-difference step
 
@@ -226,6 +220,18 @@ def run_shard(spec, weights, x, y, ctx: ShardContext):
         delta, grads[layer.name] = dense_backward(layer, delta, caches[index],
                                                   weights[layer.name]["weight"], need_dx=index > 0)
     return loss, grads, correct
+
+
+def test_the_runtime_runs_only_lowered_layers():
+    """An unlowered spec is an error naming the fix, at a layer and at the loss."""
+    spec, weights, x, y = model_and_batch("relu", dropout=0.0, batch=4)
+    ctx = ShardContext(0, 0, 4, slice(0, 4), train=True, labels=y)
+    with pytest.raises(ValueError, match="fc0.*lower_spec"):
+        model.model_forward(spec, x, weights, ctx)
+    with pytest.raises(ValueError, match="fc1.*lower_spec"):
+        model.layer_backward(spec, 1, np.zeros((4, 7)), None, weights["fc1"])
+    with pytest.raises(ValueError, match="loss.*lower_spec"):
+        model.model_loss(spec, np.zeros((4, 4)), y, 4)
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])

@@ -533,7 +533,7 @@ def test_to_dict_round_trips(name: str, model: str) -> None:
 def test_mlm_loss_weight_scales_bert_loss_as_the_model_zoo() -> None:
     """mlm_loss_weight * (sum of the masked tokens' cross-entropy) / batch_size, by hand."""
     from examples.bert.run import model_fn
-    from cs_runtime.numerics.model import model_loss
+    from tests.dense_reference import model_loss   # the loss of the spec, by the formula
     model = {"name": "bert", "vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 1, "num_heads": 2,
              "filter_size": 16, "max_position_embeddings": 6, "dropout_rate": 0.0, "attention_dropout_rate": 0.0,
              "layer_norm_epsilon": 1e-5, "disable_nsp": True, "mlm_loss_weight": 0.25}
@@ -564,7 +564,7 @@ BERT_MODEL = {"name": "bert", "vocab_size": 11, "hidden_size": 8, "num_hidden_la
 
 def test_mlm_loss_scaling_num_masked_is_the_mean_over_the_masked_tokens() -> None:
     from examples.bert.run import model_fn
-    from cs_runtime.numerics.model import model_loss
+    from tests.dense_reference import model_loss   # the loss of the spec, by the formula
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((3, 6, 11)).astype(np.float32)
     labels = np.full((3, 6), -100, dtype=np.int64)

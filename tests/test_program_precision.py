@@ -1,7 +1,7 @@
 """Mixed precision for compiled programs (no torch needed): the matmul-like ops
 round as a dense layer does (cs_runtime/numerics/mixed_ops.py), so an MLP
-written as a program trains to the same bits as the dense layers of
-model.py, loss scaling and skipped steps included."""
+written as a program trains to the same bits as the hand-written dense layers
+of tests/dense_reference.py, loss scaling and skipped steps included."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +13,13 @@ from cs_runtime.compiler.units import program_spec, split_units
 from cs_runtime.numerics import mixed_ops
 from cs_runtime.numerics import precision as P
 from cs_runtime.numerics.executor import unit_backward, unit_forward
-from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_backward, model_forward, model_loss
+from cs_runtime.numerics import model
+from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec
 from cs_runtime.numerics.ops import OPS
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program import Node, Program, Value, infer_values
 from cs_runtime.numerics.program_layer import unit_of
+from tests import dense_reference
 
 FORMATS16 = ("float16", "bfloat16", "cbfloat16")
 SIZES, BATCH = [20, 16, 12, 5], 8
@@ -58,16 +60,17 @@ def _train(spec, batches, seed_grad, scaler: P.LossScaler):
     optimizer = Optimizer("sgd", momentum=0.9)
     state = {name: optimizer.init_state(w) for name, w in weights.items()}
     losses, applied = [], []
+    run = model if spec.program is not None else dense_reference
     for step, x in enumerate(batches):
         y = np.zeros(BATCH, np.int64)
         ctx = ShardContext(0, step, BATCH, slice(0, BATCH), True, labels=y)
-        out, caches = model_forward(spec, x, weights, ctx)
+        out, caches = run.model_forward(spec, x, weights, ctx)
         if spec.program is None:       # the dense layers: the program's loss, by hand
             loss, delta = float((out * seed_grad).sum()), seed_grad
         else:
-            result = model_loss(spec, out, y, BATCH)
+            result = run.model_loss(spec, out, y, BATCH)
             loss, delta = result.loss, result.delta
-        grads = model_backward(spec, P.scaled(delta, scaler.scale), caches, weights, step)
+        grads = run.model_backward(spec, P.scaled(delta, scaler.scale), caches, weights, step)
         _, ok, _ = optimizer.update_model([layer.name for layer in spec.layers], weights, grads, state, 0.05,
                                           step, None, scaler.scale, scaler.skips_nonfinite)
         scaler.update(ok)

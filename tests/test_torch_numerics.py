@@ -124,7 +124,7 @@ GELU_RTOL, GELU_ATOL, GELU_GRAD_ATOL = 1e-6, 2.0 ** -23 * 10, 2.0 ** -23 * 20
 
 @pytest.mark.parametrize("kind,approximate", [("gelu", "none"), ("gelu_new", "tanh"), ("gelu_tanh", "tanh")])
 def test_gelu_forward_and_gradient_equal_torch(kind, approximate):
-    from cs_runtime.numerics.model import activate, activation_grad
+    from tests.dense_reference import activate, activation_grad
     x = np.concatenate([np.linspace(-10, 10, 4001), np.random.default_rng(0).standard_normal(4000) * 3])
     x = x.astype(np.float32)
     t = torch.from_numpy(x.copy()).requires_grad_(True)
@@ -139,7 +139,7 @@ def test_gelu_forward_and_gradient_equal_torch(kind, approximate):
 def test_exact_gelu_against_float64_erfc():
     """Ours is accurate in both tails, where float32 1 + erf would cancel."""
     import math
-    from cs_runtime.numerics.model import activate
+    from cs_runtime.numerics.kernels import activate
     x = np.linspace(-12, 12, 2401).astype(np.float32)
     want = np.array([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in x.astype(np.float64)])
     np.testing.assert_allclose(activate("gelu", x), want, rtol=3e-7, atol=1e-38)
@@ -147,7 +147,7 @@ def test_exact_gelu_against_float64_erfc():
 
 def test_exact_and_tanh_gelu_are_told_apart():
     """The two differ by far more than the tolerance, so each test above pins one."""
-    from cs_runtime.numerics.model import activate
+    from cs_runtime.numerics.kernels import activate
     x = torch.linspace(-4, 4, 801)
     exact = activate("gelu", x.numpy())
     np.testing.assert_allclose(exact, torch.nn.functional.gelu(x).numpy(), rtol=GELU_RTOL, atol=GELU_ATOL)
@@ -210,7 +210,8 @@ def modelzoo_mlm_loss(logits, labels, mlm_loss_weight=1.0, precomputed=False):
 def ours(logits, labels, scaling, weight=1.0, shards=1):
     """Our loss and gradient, the batch split over `shards` WSEs as the cluster splits it."""
     from cs_runtime.data.mnist import shard_rows
-    from cs_runtime.numerics.model import ModelSpec, model_loss
+    from cs_runtime.numerics.model import ModelSpec
+    from tests.dense_reference import model_loss   # the token loss's formula, as a lowered program's
     spec = ModelSpec("bert", (), loss_scaling=scaling, loss_weight=weight)
     count = int((labels != -100).sum())
     loss, grads = 0.0, []

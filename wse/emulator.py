@@ -195,12 +195,8 @@ class WeightStreamingExecutor:
         if step != self.step or index != len(self.caches) - 1 or self.delta is None:
             raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
         fmt = self.spec.precision
-        out = None
-        if self.arena is not None and fmt == "float32":   # computed straight into shared memory
-            out = {name: self.grad_buffer(index, name, shape, np.float32)
-                   for name, shape in self.spec.layers[index].param_shapes().items()}
         with trace.span("bwd", step=step, layer=index):
-            self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights, out,
+            self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights,
                                                weights_rounded=True, grads_on_wire=True)
         with trace.span("send_grads", step=step, layer=index):
             self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},

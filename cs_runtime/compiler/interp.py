@@ -1,7 +1,7 @@
 """A tiny numpy interpreter for the kernel graph.
 
-It gives every op its meaning, reusing the kernels of cs_runtime/numerics/model.py so
-the IR means exactly what the executors compute. Constant folding calls it at
+It gives every op its meaning with the kernels of cs_runtime/numerics/kernels.py,
+the numpy behind the op set the executor runs. Constant folding calls it at
 compile time, and the tests use it as the oracle of every rewrite: a rewritten
 graph must compute the same numbers as the original.
 
@@ -16,7 +16,6 @@ from typing import Callable
 import numpy as np
 
 from cs_runtime.numerics import kernels
-from cs_runtime.numerics.model import activate, softmax_cross_entropy
 
 from .ir import Graph, Node
 
@@ -47,7 +46,7 @@ def _matmul(node: Node, args: list[Array]) -> Array:
 
 
 def _fused_dense(node: Node, args: list[Array], ctx: Context) -> Array:
-    a = activate(node.attrs["activation"], _matmul(node, args) + args[2])
+    a = kernels.activate(node.attrs["activation"], _matmul(node, args) + args[2])
     return _dropout(a, args[3], node.attrs["dropout"], node, ctx) if len(args) == 4 else a
 
 
@@ -58,7 +57,7 @@ def _loss(node: Node, args: list[Array], ctx: Context) -> Array:
         weight = kernels.token_loss_weight(node.attrs.get("loss_scaling", "num_tokens"),
                                            node.attrs.get("loss_weight", 1.0), len(labels), count)
         return np.float32(kernels.token_cross_entropy(logits, labels, weight)[0])
-    loss, _, _ = softmax_cross_entropy(logits, labels, len(labels))
+    loss, _, _ = kernels.softmax_cross_entropy(logits, labels, len(labels))
     return np.float32(loss)
 
 
@@ -77,7 +76,7 @@ RULES: dict[str, Callable[[Node, list[Array], Context], Array]] = {
     "const": lambda n, a, c: np.asarray(n.attrs["value"], dtype=n.dtype),
     "matmul": lambda n, a, c: _matmul(n, a),
     "bias_add": lambda n, a, c: a[0] + a[1],
-    "activation": lambda n, a, c: activate(n.attrs["kind"], a[0]),
+    "activation": lambda n, a, c: kernels.activate(n.attrs["kind"], a[0]),
     "dropout": lambda n, a, c: _dropout(a[0], a[1], n.attrs["p"], n, c),
     "add": lambda n, a, c: a[0] + a[1],
     "sub": lambda n, a, c: a[0] - a[1],

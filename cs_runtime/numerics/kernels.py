@@ -203,6 +203,19 @@ GELUS = {"gelu": (gelu, gelu_grad), "gelu_new": (gelu_tanh, gelu_tanh_grad),
          "gelu_tanh": (gelu_tanh, gelu_tanh_grad)}
 
 
+def activate(kind: str, z: np.ndarray) -> np.ndarray:
+    """A built-in layer's activation by name (the kernel graph's activation op, compiler/interp.py)."""
+    if kind == "relu":
+        return np.maximum(z, 0.0)
+    if kind == "tanh":
+        return np.tanh(z)
+    if kind == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-z))
+    if kind in GELUS:
+        return GELUS[kind][0](z)
+    return z
+
+
 # ---------------------------------------------------------------- embedding
 
 def embedding_forward(tokens: np.ndarray, table: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -1,7 +1,8 @@
 """The 16-bit rule of a compiled program's matmul-like ops: the dense layer's rule.
 
 With mixed precision (a format other than float32), a dense layer
-(model.py: dense_forward / dense_backward) computes
+(a built-in one lowered to these ops; its hand-written reference is
+tests/dense_reference.py) computes
 
     forward    z = q(x) @ q(W) + q(b)             (float32 accumulation)
     backward   dW = q(x).T @ q(dz)   db = sum(dz)   dx = q(dz) @ q(W).T

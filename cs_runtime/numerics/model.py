@@ -1,34 +1,33 @@
 """The model: layer specs, weight initialisation, and running it layer by layer.
 
 A model is a list of `LayerSpec`s (one weight-streaming unit each) followed by
-a softmax cross-entropy loss. Each layer runs as a unit of a compiled program
-(program_layer.py, through numerics/executor.py): a captured torch model's
-units, or a built-in layer lowered by cs_runtime/compiler/families.py. The
-same program runs in the CPU oracle and in every WSE emulator, so the maths is
+its loss. Each layer runs as a unit of a compiled program (program_layer.py,
+through numerics/executor.py): a captured torch model's units, or a built-in
+layer lowered by cs_runtime/compiler/families.py. Every run lowers its spec
+first, in every precision (compiler/stage.py runnable), and nothing else
+runs: a layer without its unit is an error here (`not_lowered`). The same
+program runs in the CPU oracle and in every WSE emulator, so the maths is
 identical by construction; only the rows of the batch (data-parallel shards)
-and the summation order of gradients across WSEs differ. Every run lowers
-its spec first, in every precision (compiler/stage.py runnable); the dense
-layer functions below run only an unlowered spec (tests), and are the
-reference the lowered program equals bit for bit (tests/test_lowered_dense.py).
+and the summation order of gradients across WSEs differ. The hand-written
+dense layer the lowered program equals bit for bit is the tests' reference
+(tests/dense_reference.py).
 
 Conventions that make data parallel equal the oracle:
 - losses and gradients are scaled by one factor for the whole global batch on
   every shard (1/global_batch; a token model's normaliser, from the global
   batch's label count), so the sum over shards (SwarmX's reduce) is the
   global batch's loss;
-- the dropout mask of step s, layer l is drawn for the whole global batch from
-  a generator seeded by (seed, s, l) and each shard takes its own rows, so a
-  sample gets the same mask whichever WSE holds it.
+- the dropout mask of step s, layer l is a function of (seed, s, l, the
+  sample's row in the global batch) (kernels.rows_keep_mask), so a sample gets
+  the same mask whichever WSE holds it.
 
-Mixed precision (`ModelSpec.precision` other than float32): every matmul
-takes its inputs (activations or deltas, and weights) rounded to the 16-bit
-format and accumulates in float32; biases are used in the 16-bit format too
-(they stream as the weights do), and the weight gradients come out in the
-16-bit format, as a 16-bit matmul on the wafer emits them. Activation
-functions, the loss and the master weights stay float32. A compiled
-program's matmul-like ops follow the same rule (mixed_ops.py): a GPT-2 or
-BERT's matmuls and attention, while its layer norms, softmax, GELU and
-embedding compute in float32.
+Mixed precision (`ModelSpec.precision` other than float32): every matmul-like
+op takes its inputs (activations or deltas, and weights) rounded to the
+16-bit format and accumulates in float32; biases are used in the 16-bit
+format too (they stream as the weights do), and the weight gradients come
+out in the 16-bit format, as a 16-bit matmul on the wafer emits them
+(mixed_ops.py). Activation functions, layer norms, softmax, the loss and the
+master weights stay float32.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ import numpy as np
 
 from cs_runtime.numerics import blas, kernels, program_layer
 from cs_runtime import spans
-from cs_runtime.numerics.precision import FORMATS, quantize, to_bits
+from cs_runtime.numerics.precision import FORMATS
 from cs_runtime.numerics.transformer import LAYER_SHAPES, init_param, init_std
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none")
@@ -249,112 +248,6 @@ def init_weights(spec: ModelSpec, seed: int) -> dict[str, dict[str, np.ndarray]]
     return weights
 
 
-# ---------------------------------------------------------------- activations
-
-def activate(kind: str, z: np.ndarray) -> np.ndarray:
-    if kind == "relu":
-        return np.maximum(z, 0.0)
-    if kind == "tanh":
-        return np.tanh(z)
-    if kind == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-z))
-    if kind in kernels.GELUS:
-        return kernels.GELUS[kind][0](z)
-    return z
-
-
-def activation_grad(kind: str, z: np.ndarray | None, a: np.ndarray | None) -> np.ndarray:
-    """d act / d z of tanh and sigmoid (from the activation a) and the GELUs (from
-    the pre-activation z). relu's is read off the layer's output in dense_backward,
-    and "none" has no factor to apply."""
-    if kind == "tanh":
-        return 1.0 - a * a
-    if kind == "sigmoid":
-        return a * (1.0 - a)
-    if kind in kernels.GELUS:
-        return kernels.GELUS[kind][1](z).astype(z.dtype, copy=False)
-    raise ValueError(f"activation_grad: no derivative table entry for {kind!r}")
-
-
-# ---------------------------------------------------------------- dropout
-
-def dropout_mask(seed: int, step: int, layer_index: int, global_batch: int, width: int,
-                 rows: slice, p: float) -> np.ndarray:
-    """Scaled keep-mask (0 or 1/(1-p)) for `rows` of the global batch of `step` (kernels.rows_keep_mask)."""
-    return kernels.rows_keep_mask(seed, step, layer_index, global_batch, width, rows, p)
-
-
-# ---------------------------------------------------------------- dense layer
-
-def _rounded(x: np.ndarray, fmt: str) -> np.ndarray:
-    """x as a matmul input of `fmt` (untouched in float32, so float64 gradient checks stay exact)."""
-    return x if fmt == "float32" else quantize(x, fmt)
-
-
-def _on_wire(x: np.ndarray, fmt: str) -> np.ndarray:
-    """x in `fmt`'s storage (16-bit patterns), as a gradient leaves a WSE: one conversion, not two."""
-    return x if fmt == "float32" else to_bits(x, fmt)
-
-
-@dataclass
-class DenseCache:
-    x: np.ndarray              # the matmul input (rounded, in mixed precision)
-    out: np.ndarray            # the layer's output, after activation and dropout
-    z: np.ndarray | None       # pre-activation, kept where the derivative needs it (the GELUs)
-    a: np.ndarray | None       # activation before dropout (tanh, sigmoid: the derivative is a function of it)
-    mask: np.ndarray | None
-
-
-def dense_forward(layer: LayerSpec, x: np.ndarray, weight: np.ndarray, bias: np.ndarray,
-                  mask: np.ndarray | None, fmt: str = "float32",
-                  weights_rounded: bool = False) -> tuple[np.ndarray, DenseCache]:
-    """`weights_rounded`: weight and bias already hold `fmt`'s values (they
-    arrived in it), so rounding them again would change nothing."""
-    x = _rounded(x, fmt)   # kept rounded: the weight gradient's matmul takes the same input
-    z = x @ (weight if weights_rounded else _rounded(weight, fmt))
-    z += bias if weights_rounded else _rounded(bias, fmt)
-    if layer.activation == "relu":
-        # In place: relu's derivative is read off the output (out > 0 exactly where
-        # z > 0 and dropout kept the unit; where it did not, the delta is 0 anyway).
-        out = np.maximum(z, 0, out=z)
-        if mask is not None:
-            out *= mask
-        return out, DenseCache(x, out, None, None, mask)
-    a = activate(layer.activation, z)
-    out = a * mask if mask is not None else a
-    return out, DenseCache(x, out, z if layer.activation in GELU_KINDS else None, a, mask)
-
-
-def dense_backward(layer: LayerSpec, dout: np.ndarray, cache: DenseCache, weight: np.ndarray,
-                   need_dx: bool = True, fmt: str = "float32", out: dict | None = None,
-                   weights_rounded: bool = False, grads_on_wire: bool = False):
-    """Returns (dx or None, {"weight": dW, "bias": db}); the gradients in `fmt`'s values
-    (with `grads_on_wire`, in `fmt`'s storage: the same values, as they are sent).
-    `dout` is left as it is. In float32, `out` may hold the buffers to write the
-    gradients into (a WSE's shared memory, so they are not copied there)."""
-    dz = dout if cache.mask is None else dout * cache.mask
-    if layer.activation == "relu":
-        dz = dz * (cache.out > 0) if dz is dout else np.multiply(dz, cache.out > 0, out=dz)
-    elif layer.activation != "none":
-        dz = dz * activation_grad(layer.activation, cache.z, cache.a)
-    dz_in = _rounded(dz, fmt)
-    if out is not None and fmt == "float32":
-        grads = {"weight": np.matmul(cache.x.T, dz, out=out["weight"]), "bias": dz.sum(axis=0, out=out["bias"])}
-    else:
-        finish = _on_wire if grads_on_wire else _rounded
-        grads = {"weight": finish(cache.x.T @ dz_in, fmt), "bias": finish(dz.sum(axis=0), fmt)}
-    dx = dz_in @ (weight if weights_rounded else _rounded(weight, fmt)).T if need_dx else None
-    return dx, grads
-
-
-# ---------------------------------------------------------------- loss
-
-def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray, global_batch: int):
-    """Returns (sum of per-sample losses / global_batch, dlogits in float32, number correct)."""
-    loss, dlogits, correct = kernels.softmax_cross_entropy(logits, labels, global_batch)
-    return loss, dlogits.astype(np.float32, copy=False), correct
-
-
 # ---------------------------------------------------------------- one shard, whole model
 
 @dataclass
@@ -372,8 +265,9 @@ class ShardContext:
     labels: np.ndarray | None = field(default=None, repr=False)
 
 
-def not_lowered(spec: ModelSpec, layer: LayerSpec) -> ValueError:
-    return ValueError(f"model {spec.name}: layer {layer.name} (op {layer.op}) runs as a compiled program; "
+def not_lowered(spec: ModelSpec, layer: LayerSpec | None = None) -> ValueError:
+    what = f"layer {layer.name} (op {layer.op})" if layer is not None else "its loss"
+    return ValueError(f"model {spec.name}: {what} runs as a compiled program; "
                       f"lower the spec first (cs_runtime.compiler.families.lower_spec)")
 
 
@@ -389,24 +283,20 @@ def blas_threads(spec: ModelSpec, layer: LayerSpec, batch):
     return blas.dense_layer_threads(rows, layer.in_features, layer.out_features)
 
 
-def layer_forward(spec: ModelSpec, index: int, x: np.ndarray, weights: dict, ctx: ShardContext,
-                  weights_rounded: bool = False):
-    """(output, cache). `weights_rounded`: the weights hold the model's 16-bit values already."""
-    with blas_threads(spec, spec.layers[index], x):
-        return _layer_forward(spec, index, x, weights, ctx, weights_rounded)
-
-
-def _layer_forward(spec: ModelSpec, index: int, x, weights: dict, ctx: ShardContext, weights_rounded: bool):
+def lowered(spec: ModelSpec, index: int) -> LayerSpec:
+    """The layer, which must be a unit of a compiled program: nothing else runs."""
     layer = spec.layers[index]
-    if layer.unit is not None:
-        return program_layer.forward(spec, index, x, weights, ctx, weights_rounded)
-    if layer.op != "dense":
+    if layer.unit is None:
         raise not_lowered(spec, layer)
-    mask = None
-    if ctx.train and layer.dropout > 0:
-        mask = dropout_mask(ctx.seed, ctx.step, index, ctx.global_batch, layer.out_features,
-                            ctx.rows, layer.dropout)
-    return dense_forward(layer, x, weights["weight"], weights["bias"], mask, spec.precision, weights_rounded)
+    return layer
+
+
+def layer_forward(spec: ModelSpec, index: int, x, weights: dict, ctx: ShardContext,
+                  weights_rounded: bool = False):
+    """(output, cache). `x`: the batch's input at the first layer, the program's live
+    values after it. `weights_rounded`: the weights hold the model's 16-bit values already."""
+    with blas_threads(spec, lowered(spec, index), x):
+        return program_layer.forward(spec, index, x, weights, ctx, weights_rounded)
 
 
 def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardContext):
@@ -420,25 +310,12 @@ def model_forward(spec: ModelSpec, x: np.ndarray, weights: dict, ctx: ShardConte
     return x, caches
 
 
-def layer_backward(spec: ModelSpec, index: int, delta: np.ndarray, cache, weights: dict,
-                   out: dict | None = None, weights_rounded: bool = False, grads_on_wire: bool = False):
-    """(delta for the layer below or None for the first layer, {param: gradient}).
-    A dense float32 layer writes its gradients into `out`'s buffers when given;
-    with `grads_on_wire` a dense layer's gradients come in the format's storage."""
-    layer = spec.layers[index]
-    with blas_threads(spec, layer, cache[1] if layer.unit is not None else cache.x):
-        return _layer_backward(spec, index, delta, cache, weights, out, weights_rounded, grads_on_wire)
-
-
-def _layer_backward(spec: ModelSpec, index: int, delta, cache, weights: dict, out: dict | None,
-                    weights_rounded: bool, grads_on_wire: bool):
-    layer = spec.layers[index]
-    if layer.unit is not None:
+def layer_backward(spec: ModelSpec, index: int, delta, cache, weights: dict,
+                   weights_rounded: bool = False, grads_on_wire: bool = False):
+    """(delta for the layer below or None for the first layer, {param: gradient});
+    with `grads_on_wire` the gradients come in the format's storage, as a WSE sends them."""
+    with blas_threads(spec, lowered(spec, index), cache[1]):   # cache: (the unit's, the live values)
         return program_layer.backward(spec, index, delta, cache, weights, weights_rounded, grads_on_wire)
-    if layer.op != "dense":
-        raise not_lowered(spec, layer)
-    return dense_backward(layer, delta, cache, weights["weight"], need_dx=index > 0, fmt=spec.precision,
-                          out=out, weights_rounded=weights_rounded, grads_on_wire=grads_on_wire)
 
 
 def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: dict, step: int = -1) -> list[dict]:
@@ -448,7 +325,7 @@ def model_backward(spec: ModelSpec, delta: np.ndarray, caches: list, weights: di
         with spans.span("bwd", step=step, layer=index):
             delta, grads[index] = layer_backward(spec, index, delta, caches[index],
                                                  weights[spec.layers[index].name])
-    return program_layer.tie_grads(spec, grads) if spec.program is not None else grads
+    return program_layer.tie_grads(spec, grads)
 
 
 @dataclass
@@ -462,16 +339,12 @@ class LossResult:
 
 def model_loss(spec: ModelSpec, logits: np.ndarray, labels: np.ndarray, global_batch: int,
                label_count: int | None = None) -> LossResult:
-    """The model's loss on one shard: the mean over samples for a classifier; for
-    a token model the labelled tokens' summed loss normalised as
-    `spec.loss_scaling` says (`label_count`: labelled tokens in the global batch).
-    Eval reports the mean per sample, or per labelled token.
-    A compiled program computed its loss already (`logits` are its live values)."""
-    if spec.program is not None:
-        share, delta, loss_sum, correct, count = program_layer.loss(spec, logits, labels, global_batch, label_count)
-        return LossResult(share, delta, correct, loss_sum, count)
-    if logits.ndim == 2:
-        loss, delta, correct = softmax_cross_entropy(logits, labels, global_batch)
-        return LossResult(loss, delta, correct, loss * global_batch, len(labels))
-    weight = kernels.token_loss_weight(spec.loss_scaling, spec.loss_weight, global_batch, label_count)
-    return LossResult(*kernels.token_cross_entropy(logits, labels, weight))
+    """The model's loss on one shard, which the program's last unit computed (`logits`:
+    its live values): the mean over samples for a classifier; for a token model the
+    labelled tokens' summed loss normalised as `spec.loss_scaling` says (`label_count`:
+    labelled tokens in the global batch). Eval reports the mean per sample, or per
+    labelled token (program_layer.loss)."""
+    if spec.program is None:
+        raise not_lowered(spec)
+    share, delta, loss_sum, correct, count = program_layer.loss(spec, logits, labels, global_batch, label_count)
+    return LossResult(share, delta, correct, loss_sum, count)
