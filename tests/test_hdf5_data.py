@@ -147,6 +147,18 @@ def test_bert_next_sentence_fields_are_read(tmp_path: Path) -> None:
         BertHdf5Dataset(tmp_path, seq, 30, nsp=True)
 
 
+@needs_h5py
+def test_a_model_zoo_bert_file_with_the_next_sentence_head_on_names_disable_nsp(tmp_path: Path) -> None:
+    """The model zoo's BERT files are masked-LM only (two data rows): one line, naming the fix."""
+    ids, mask, positions, lm_mask, lm_labels = bert_sample_arrays()
+    with h5py.File(tmp_path / "bert.h5", "w") as f:
+        f.create_dataset("data", data=np.stack([ids, mask], axis=1))
+        f.create_dataset("labels", data=np.stack([lm_labels, positions, lm_mask], axis=1))
+    with pytest.raises(TextDataError, match="masked-LM only: set model.disable_nsp: true"):
+        BertHdf5Dataset(tmp_path, 8, 30, nsp=True)
+    assert len(BertHdf5Dataset(tmp_path, 8, 30)) == len(ids)   # the same file with the head off
+
+
 def test_without_h5py_the_files_are_one_line(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "x.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
     monkeypatch.setitem(sys.modules, "h5py", None)

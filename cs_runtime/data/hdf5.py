@@ -10,9 +10,10 @@ BERT (BertHDF5DataProcessor): `data` of shape [n, 2, max_sequence_length]
 (input_ids, attention_mask) and `labels`, either [n, 3, max_predictions]
 (labels, masked_lm_positions, masked_lm_mask: the "gather" layout) or
 [n, 1, max_sequence_length] (the masked tokens' ids, -100 elsewhere).
-With the next-sentence head (disable_nsp false) `data` is [n, 3, length], its
-third row the segment_ids, and `next_sentence_labels` ([n] or [n, 1], 0 or 1)
-labels each sample.
+The model zoo's BERT files are masked-LM only; to train the next-sentence head
+(disable_nsp false) on HDF5 data this project also reads (its own extension)
+`data` of [n, 3, length], the third row the segment_ids, and
+`next_sentence_labels` ([n] or [n, 1], 0 or 1).
 Padding is token id 0 with attention_mask 0, as the model zoo's BERT
 vocabularies have it ([PAD] = 0): this model masks padding keys by that id.
 
@@ -148,6 +149,10 @@ class BertHdf5Dataset(_Hdf5Files):
         super().__init__(data_dir, seq_len, vocab_size)
 
     def check_file(self, f, path: Path) -> int:
+        if self.nsp and NSP_KEY not in f:   # first: a model zoo file is masked-LM only (2 data rows)
+            raise TextDataError(f"{path}: no dataset {NSP_KEY!r}: the next-sentence head needs each sample's "
+                                f"label and segment_ids (the model zoo's BERT files are masked-LM only: set "
+                                f"model.disable_nsp: true)")
         data = _dataset(f, path, "data", 3 if self.nsp else 2, self.seq_len)
         labels = _dataset(f, path, "labels", None, None)
         n = data.shape[0]
@@ -168,9 +173,6 @@ class BertHdf5Dataset(_Hdf5Files):
         return n
 
     def _check_nsp(self, f, path: Path, data, n: int) -> None:
-        if NSP_KEY not in f:
-            raise TextDataError(f"{path}: no dataset {NSP_KEY!r}: the next-sentence head needs each sample's "
-                                f"label (or set model.disable_nsp: true)")
         nsp = f[NSP_KEY][()].reshape(-1) if f[NSP_KEY].ndim else None
         if nsp is None or len(nsp) != n or nsp.dtype.kind not in "iu" or np.any((nsp < 0) | (nsp > 1)):
             raise TextDataError(f"{path}: {NSP_KEY} must be n = {n} integers 0 or 1 ([n] or [n, 1])")
