@@ -14,6 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cs_runtime import checkpoint as ckpt
+from cs_runtime.compiler.families import lower_spec
 from cs_runtime.config import load_params
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
@@ -46,11 +47,11 @@ def text(acc: EventAccumulator, tag: str) -> str:
 def oracle_layer_norms(params_path, model_dir, step: int) -> list[float]:
     """Each layer's gradient norm at 0-based step `step`, from the checkpoint written before it."""
     params = load_params(params_path)
-    spec = model_fn(params)
+    spec = lower_spec(model_fn(params))   # the program every path runs
     weights = ckpt.load(model_dir / f"checkpoint_{step}.npz").weights
     stream = InputStream.build("train", train_input_fn(params), params.train_input, params.runconfig.seed)
     shard = stream.shard(step)
-    ctx = ShardContext(params.runconfig.seed, step, shard.global_batch, shard.rows, True)
+    ctx = ShardContext(params.runconfig.seed, step, shard.global_batch, shard.rows, True, labels=shard.y)
     logits, caches = model_forward(spec, shard.x, weights, ctx)
     grads = model_backward(spec, model_loss(spec, logits, shard.y, shard.global_batch, shard.label_count).delta, caches, weights)
     return [float(np.linalg.norm(np.concatenate([g.ravel().astype(np.float64) for g in layer.values()])))
