@@ -27,7 +27,9 @@ per path against the 0.9x target.
 `--rows torch_gpt` times a traced GPT-2 (examples/torch_gpt/model.py, 4 layers
 x 256 wide, sequence 128, AdamW) on the CPU path's calls against torch eager
 CPU training the same module on the same batches, in this process; the ratio
-is ours / torch's samples/sec (needs torch). `--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
+is ours / torch's samples/sec (needs torch). `--rows scaling` is the scaling shape:
+weight streaming on 1, 2 and 4 WSEs at the preset's batch, then on 1 WSE at half and twice
+the batch, with the weight bytes per step and per sample. `--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
 weight streaming) and the CPU path, each with --trace off and on, alternated
 --repeats times; the median of each, and on / off. For each: samples/sec (from
 the chief's progress lines, every 2 steps, leaving out the first 2 steps as the
@@ -134,6 +136,37 @@ def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra
     return row
 
 
+SCALING_WSES = (1, 2, 4)
+SCALING_BATCHES = (0.5, 1, 2)   # times the preset's batch
+
+
+def scaling_rows(tmp: Path, preset: dict, steps: int) -> list[dict]:
+    """The scaling shape: weight streaming on 1, 2 and 4 WSEs at the preset's batch, then on
+    1 WSE at half, once and twice it; each with its weight bytes per step and per sample
+    (what a step streams does not depend on the batch: per sample it halves as the batch doubles)."""
+    rows = []
+    wse = [str(BIN / "csrun_wse")]
+    params = write_params(tmp, preset, steps, "weight_streaming")
+    for n in SCALING_WSES:
+        rows.append({**run_row(f"ws_{n}wse_batch{preset['batch_size']}", [*wse, "--num_csx", str(n)], params,
+                               tmp / f"scale_ws{n}"), "batch": preset["batch_size"]})
+    for factor in SCALING_BATCHES:
+        batch = max(SCALING_WSES[-1], int(preset["batch_size"] * factor))
+        if batch == preset["batch_size"]:
+            continue   # the 1-WSE row above
+        sized = {**preset, "batch_size": batch}
+        params = write_params(tmp, sized, steps, "weight_streaming")   # run before the next one is written
+        rows.append({**run_row(f"ws_1wse_batch{batch}", wse, params, tmp / f"scale_b{batch}"), "batch": batch})
+    base = rows[0]["samples_per_sec"]
+    for row in rows:
+        row["ratio"] = row["samples_per_sec"] / base
+    print_rows(f"scaling: weight streaming, {os.cpu_count()} CPUs, steps={steps}", rows[0]["name"], rows)
+    print(f"{'row':<30}{'weight B/sample':>16}")
+    for row in rows:
+        print(f"{row['name']:<30}{row.get('weight_bytes_per_step', 0) / row['batch']:>16.0f}")
+    return rows
+
+
 def steady_rate(rates: list[float]) -> float:
     """samples/sec over every progress interval but the first (the warm-up steps).
 
@@ -203,9 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
-    parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor"),
+    parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor",
+                                           "scaling"),
                         default="all",
-                        help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only")
+                        help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only; scaling: "
+                             "weight streaming on 1, 2 and 4 WSEs, and on 1 at half, once and twice the batch")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a tiny model, 4 steps, the CPU path and 1-WSE float32 and float16 "
                              "weight streaming, no torch rows or ceilings (numbers only show it runs)")
@@ -236,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             print_rows(f"the executor vs a hand-written numpy dense step: preset {args.preset}, in this process, "
                        f"CPU time per step, median of {args.repeats} alternated", "hand-written", result["executor_rows"])
             executor_verdicts(result["executor_rows"])
+        if args.rows == "scaling" and args.preset != "transformer":
+            result["scaling_rows"] = scaling_rows(tmp, preset, steps)
         if args.rows in ("all", "torch_gpt"):
             result["torch_gpt_rows"] = torch_gpt_rows(args.steps or 6)
         if args.rows in ("all", "input") and args.preset != "transformer":   # FC-MNIST rows
