@@ -167,7 +167,10 @@ def model_facts(preset: dict) -> dict:
 CEILING_REPEATS = 3   # each transport ceiling runs this often, alternated; the median counts
 
 
-def ceilings(facts: dict, batch: int, steps: int) -> dict:
+TRANSPORT_ROWS = ("memcpy", "zmq", "protocol", "protocol_shm")
+
+
+def ceilings(facts: dict, batch: int, steps: int, matmul: bool = True, rows=TRANSPORT_ROWS) -> dict:
     """Transport and compute ceilings for the bytes and the largest matmul of one step.
 
     The transport rows share two cores with ZeroMQ's I/O threads and vary by
@@ -176,14 +179,29 @@ def ceilings(facts: dict, batch: int, steps: int) -> dict:
     # one step streams every layer forward and backward: the same bytes twice
     step_bytes = ",".join(str(b) for b in facts["layer_bytes"] * 2)
     k, n = facts["largest"]
-    runs: dict[str, list[float]] = {what: [] for what in ("memcpy", "zmq", "protocol", "protocol_shm")}
+    runs: dict[str, list[float]] = {what: [] for what in rows}
     for _ in range(CEILING_REPEATS):
         for what, values in runs.items():
             values.append(baseline(what, "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"])
     result = {what: statistics.median(values) for what, values in runs.items()}
-    result["matmul"] = baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
-                                "--steps", str(steps))["flops_per_sec"]
+    if matmul:
+        result["matmul"] = baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
+                                    "--steps", str(steps))["flops_per_sec"]
     return result
+
+
+def wire_rows(name: str, preset: dict, steps: int) -> dict:
+    """--rows wire: the transport ceilings alone (no training rows, no matmul), with their verdicts."""
+    facts = model_facts(preset)
+    ceiling = ceilings(facts, preset["batch_size"], max(5, min(steps, 50)), matmul=False)
+    mem, raw = ceiling["memcpy"], ceiling["zmq"]
+    print(f"preset={name}: one step's weight tensors ({2 * sum(facts['layer_bytes']):,} bytes), "
+          f"median of {CEILING_REPEATS} alternated runs of each row")
+    for what, value in ceiling.items():
+        print(f"{what:<14}{value / 1e9:>8.2f} GB/s")
+    print(f"protocol over tcp {ceiling['protocol'] / raw:.2f} of raw pyzmq; "
+          f"by shared memory {ceiling['protocol_shm'] / mem:.2f} of memcpy")
+    return {"model": facts, "ceilings": ceiling}
 
 
 def torch_rows(facts: dict, batch: int, steps: int) -> list[dict]:
@@ -203,9 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
-    parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor"),
+    parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor",
+                                           "wire"),
                         default="all",
-                        help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only")
+                        help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only; "
+                             "wire: the transport ceilings alone, with their verdicts")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a tiny model, 4 steps, the CPU path and 1-WSE float32 and float16 "
                              "weight streaming, no torch rows or ceilings (numbers only show it runs)")
@@ -225,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
             result.update(transformer_rows(tmp, preset, steps))
         elif args.rows in ("all", "model", "precision", "quick"):
             result.update(model_rows(tmp, args.preset, preset, steps, args.rows))
+        if args.rows == "wire" and args.preset != "transformer":
+            result.update(wire_rows(args.preset, preset, steps))
+            result["rows"] = []
         if args.rows == "trace" and args.preset != "transformer":
             result["trace_rows"] = trace_rows(tmp, preset, steps, args.repeats)
             print_rows(f"timeline cost: preset {args.preset}, steps={steps}, median of {args.repeats}",
