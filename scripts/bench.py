@@ -193,13 +193,16 @@ def ceilings(facts: dict, batch: int, steps: int, matmul: bool = True, rows=TRAN
 def wire_rows(name: str, preset: dict, steps: int) -> dict:
     """--rows wire: the transport ceilings alone (no training rows, no matmul), with their verdicts."""
     facts = model_facts(preset)
-    ceiling = ceilings(facts, preset["batch_size"], max(5, min(steps, 50)), matmul=False)
+    # protocol_fresh: the tcp row as it was before kept buffers (fresh join, then a copy)
+    ceiling = ceilings(facts, preset["batch_size"], max(5, min(steps, 50)), matmul=False,
+                       rows=(*TRANSPORT_ROWS, "protocol_fresh"))
     mem, raw = ceiling["memcpy"], ceiling["zmq"]
     print(f"preset={name}: one step's weight tensors ({2 * sum(facts['layer_bytes']):,} bytes), "
           f"median of {CEILING_REPEATS} alternated runs of each row")
     for what, value in ceiling.items():
-        print(f"{what:<14}{value / 1e9:>8.2f} GB/s")
-    print(f"protocol over tcp {ceiling['protocol'] / raw:.2f} of raw pyzmq; "
+        print(f"{what:<16}{value / 1e9:>8.2f} GB/s")
+    print(f"protocol over tcp {ceiling['protocol'] / raw:.2f} of raw pyzmq "
+          f"(into fresh buffers: {ceiling['protocol_fresh'] / raw:.2f}); "
           f"by shared memory {ceiling['protocol_shm'] / mem:.2f} of memcpy")
     return {"model": facts, "ceilings": ceiling}
 

@@ -234,27 +234,27 @@ class Endpoint:
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
         return self
 
-    def recv(self, timeout_ms: int | None = None):
+    def recv(self, timeout_ms: int | None = None, into=None):
         """Next valid message as (identity, Message), or None on timeout.
 
         Malformed messages and messages of another job are logged once per
-        sender and dropped; the caller's state is untouched.
+        sender and dropped; the caller's state is untouched. `into`: the
+        receiver's kept buffers for streamed arrays (protocol.decode).
         """
         while True:
             got = self.recv_raw(timeout_ms)
             if got is None:
                 return None
             identity, frames = got
-            msg = self.decode_or_drop(identity, frames)
+            msg = self.decode_or_drop(identity, frames, into)
             if msg is not None:
                 return identity, msg
 
-    def decode_or_drop(self, identity, frames) -> Message | None:
+    def decode_or_drop(self, identity, frames, into=None) -> Message | None:
         try:
-            msg = decode(frames, self.segments)
-            # Every sender stamps its job; an unstamped message is as foreign as another job's.
-            if self.job and msg.job != self.job:
-                raise ProtocolError(f"message for job {msg.job[:40]!r}, this is job {self.job!r}")
+            # Every sender stamps its job; an unstamped message is as foreign as another job's
+            # (decode refuses it before it copies a byte into a kept buffer).
+            msg = decode(frames, self.segments, into, job=self.job or None)
         except ProtocolError as exc:
             self.warn_once(identity, str(exc))
             return None
