@@ -123,6 +123,7 @@ class Endpoint:
         self._warned_senders: set = set()
         self.segments = None      # shm.Segments: big arrays by reference, same host only
         self.last_user = ""       # the CURVE public key (Z85) of the peer that sent the last message
+        self._has_user_ids = False   # a CURVE server's messages carry the ZAP handler's User-Id
         self.peer_address = ""    # what a connecting socket connected to (named when a send is refused)
 
     def share_memory(self, segments) -> "Endpoint":
@@ -136,6 +137,8 @@ class Endpoint:
         raise_descriptor_limit()
         self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         auth.secure_server(self.ctx, self.sock, host, self.keys, self.any_client)
+        # Only then is there a User-Id to read: asking any other socket raises per message.
+        self._has_user_ids = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
             return f"tcp://{host}:{port}"
@@ -202,10 +205,12 @@ class Endpoint:
         identity = None
         if self.is_router:
             identity, frames = frames[0].bytes, frames[1:]
-        try:   # the ZAP handler's User-Id: the client's public key (CURVE only)
-            self.last_user = frames[0].get("User-Id") if frames else ""
-        except zmq.ZMQError:
-            self.last_user = ""
+        self.last_user = ""
+        if self._has_user_ids and frames:
+            try:   # the ZAP handler's User-Id: the client's public key (CURVE only)
+                self.last_user = frames[0].get("User-Id")
+            except zmq.ZMQError:
+                pass
         return identity, frames
 
     def recv_waiting(self, timeout_ms: int, limit: int) -> list[tuple[bytes | None, list[bytes]]]:
