@@ -105,6 +105,7 @@ class WeightStreamingExecutor:
         self.spec, self.seed, self.up, self.inputs = spec, seed, up, inputs
         self.arena = arena
         self.grad_buffers: dict[tuple[int, str], object] = {}
+        self.weight_buffers: dict[tuple[int, str], np.ndarray] = {}
         # 16-bit formats: each layer's weights widened to float32, into buffers reused every
         # step, once per step: the forward pass's copy serves the backward pass too.
         self.widened: dict[int, dict[str, np.ndarray]] = {}
@@ -202,6 +203,25 @@ class WeightStreamingExecutor:
             self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
                                  arrays=self.shared(index, encode_arrays(grads, fmt))))
 
+    def weight_buffer(self, index: int, name: str) -> np.ndarray | None:
+        """Layer `index`'s buffer for weight `name` as it travels (the model's wire dtype), kept
+        for the job: a WEIGHTS message that arrives in several frames is joined into it, not
+        into fresh pages every message (protocol.decode's `into`). None for what the model
+        does not have (decoded as usual; the executor then refuses it).
+
+        Reusing it is safe: messages are decoded one at a time, each after the previous one
+        was handled, and the only earlier message of the same layer still referenced (by
+        the forward cache, when layer l's backward weights arrive) carried the same bytes:
+        MemoryX updates a layer only after the gradients that this backward pass sends."""
+        buffer = self.weight_buffers.get((index, name))
+        if buffer is None:
+            layers = self.spec.layers
+            shape = layers[index].param_shapes().get(name) if 0 <= index < len(layers) else None
+            if shape is None:
+                return None
+            buffer = self.weight_buffers[(index, name)] = np.empty(shape, wire_dtype(self.spec.precision))
+        return buffer
+
     def grad_buffer(self, index: int, name: str, shape: tuple, dtype) -> np.ndarray:
         """Layer `index`'s buffer for gradient `name` in this WSE's arena, reused every step."""
         buffer = self.grad_buffers.get((index, name))
@@ -254,8 +274,14 @@ class WSE:
 
     def serve(self) -> None:
         while True:
-            _, msg = self.up.recv()
+            _, msg = self.up.recv(into=self.kept_weights)
             self.handle(msg)
+
+    def kept_weights(self, mtype: Msg, step: int, index: int, name: str) -> np.ndarray | None:
+        """Where a streamed weight of several frames is joined (protocol.decode's `into`)."""
+        if mtype != Msg.WEIGHTS or not isinstance(self.executor, WeightStreamingExecutor):
+            return None
+        return self.executor.weight_buffer(index, name)
 
     def handle(self, msg: Message) -> None:
         if msg.type == Msg.GET_TRACE:

@@ -444,7 +444,7 @@ def decode(frames: list, segments=None, into=None, job: str | None = None) -> Me
     """Frames -> Message, after validating everything. Raises ProtocolError.
 
     `segments` (shm.Segments) resolves shared-memory references; without it they are refused.
-    `into(type, layer, name)` may hand decode a buffer the receiver keeps for an array of a
+    `into(type, step, layer, name)` may hand decode a buffer the receiver keeps for an array of a
     streamed message (KEPT_TYPES) that arrives in several frames: the frames are joined
     straight into it (no fresh buffer per message, no second copy), and the message's array
     is a read-only view of it. None: a fresh buffer, as without `into`. A buffer not of the
@@ -466,13 +466,15 @@ def decode(frames: list, segments=None, into=None, job: str | None = None) -> Me
                 continue
             if dtype != stored and dtype not in ("int64", "int32", "bool"):   # labels, ids, masks ride along
                 raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
-    # Every destination is checked before the first byte lands in any: a refused message
-    # leaves every buffer of the receiver as it was.
-    kept = _destinations(into, mtype, header["layer"], specs) if into is not None and mtype in KEPT_TYPES else {}
+    # Every reference and destination is checked before the first byte lands in a kept
+    # buffer: a refused message leaves the receiver's buffers as they were.
+    shared = {name: _shared_array(segments, name, dtype, shape, ref)
+              for name, dtype, shape, ref, _ in specs if ref is not None}
+    kept = _destinations(into, mtype, header, specs) if into is not None and mtype in KEPT_TYPES else {}
     arrays = {}
     for name, dtype, shape, ref, parts in specs:
         if ref is not None:
-            arrays[name] = _shared_array(segments, name, dtype, shape, ref)
+            arrays[name] = shared[name]
             continue
         # Read-only view on the received buffer; kernels copy when they must write.
         # ZeroMQ frames (and inproc zero-copy buffers) are writable, so say it explicitly:
@@ -513,7 +515,7 @@ def _shared_array(segments, name: str, dtype: str, shape: tuple, ref: tuple) -> 
         raise ProtocolError(f"array {name[:40]!r}: {exc}") from None
 
 
-def _destinations(into, mtype: Msg, layer: int, specs: list) -> dict:
+def _destinations(into, mtype: Msg, header: dict, specs: list) -> dict:
     """name -> the receiver's buffer (bytes, uint8) for each multi-frame array it keeps one for.
 
     Called after the header and frame sizes are validated; a buffer that does not match
@@ -522,7 +524,7 @@ def _destinations(into, mtype: Msg, layer: int, specs: list) -> dict:
     for name, dtype, shape, ref, parts in specs:
         if ref is not None or len(parts) < 2:   # a view on its frame or segment: nothing to join
             continue
-        buffer = into(mtype, layer, name)
+        buffer = into(mtype, header["step"], header["layer"], name)
         if buffer is None:
             continue
         if not (isinstance(buffer, np.ndarray) and buffer.dtype.name == dtype and buffer.shape == shape
