@@ -264,7 +264,7 @@ def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | 
         for buffer in own:
             # decoded and validated, as a WSE does; a tensor of several frames is joined
             # straight into the kept buffer, any other (one frame, or shared memory) copied there
-            _, msg = pull.recv(into=None if fresh else lambda _type, _step, _layer, _name, b=buffer: b)
+            _, msg = pull.recv(into=None if fresh else lambda *_header, b=buffer: b)
             got = msg.arrays["weight"]
             if fresh or not np.may_share_memory(got, buffer):
                 np.copyto(buffer, got)

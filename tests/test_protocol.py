@@ -751,8 +751,8 @@ class Kept:
     def __init__(self, **buffers):
         self.buffers, self.asked = buffers, []
 
-    def __call__(self, mtype, step, layer, name):
-        self.asked.append((mtype, step, layer, name))
+    def __call__(self, mtype, step, layer, name, dtype):
+        self.asked.append((mtype, step, layer, name, dtype))
         return self.buffers.get(name)
 
 
@@ -761,7 +761,7 @@ def test_a_split_array_is_joined_into_the_receivers_buffer_bit_for_bit():
     frames = encode(Message(Msg.WEIGHTS, step=4, layer=2, meta={"phase": "fwd"}, arrays={"w": big, "b": small}))
     kept = Kept(w=np.full_like(big, np.nan), b=np.zeros(5, np.float32))
     out = decode([bytes(f) for f in frames], into=kept)
-    assert kept.asked == [(Msg.WEIGHTS, 4, 2, "w")]   # one-frame arrays stay views on their frame
+    assert kept.asked == [(Msg.WEIGHTS, 4, 2, "w", "float32")]   # one-frame arrays stay views on their frame
     assert np.shares_memory(out.arrays["w"], kept.buffers["w"]) and not out.arrays["w"].flags.writeable
     assert kept.buffers["w"].tobytes() == big.tobytes()
     np.testing.assert_array_equal(out.arrays["b"], small)
@@ -777,7 +777,7 @@ def test_into_declining_or_a_type_not_streamed_gets_a_fresh_buffer():
     big = _split()
     kept = Kept()
     out = decode(encode(Message(Msg.GRADS, arrays={"w": big})), into=kept)
-    assert kept.asked == [(Msg.GRADS, -1, -1, "w")] and out.arrays["w"].tobytes() == big.tobytes()
+    assert kept.asked == [(Msg.GRADS, -1, -1, "w", "float32")] and out.arrays["w"].tobytes() == big.tobytes()
     buffer = np.zeros_like(big)
     kept = Kept(w=buffer)
     out = decode(encode(Message(Msg.STATE, arrays={"w": big})), into=kept)   # not in KEPT_TYPES
@@ -840,7 +840,7 @@ def test_endpoint_recv_joins_into_kept_buffers_under_curve(ctx):
         big = _split(nbytes_extra=12)
         buffer = np.empty_like(big)
         client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
-        got = server.recv(timeout_ms=5000, into=lambda mtype, step, layer, name: buffer)
+        got = server.recv(timeout_ms=5000, into=lambda *_header: buffer)
         assert got is not None, "the split array never arrived"
         assert np.shares_memory(got[1].arrays["weight"], buffer) and buffer.tobytes() == big.tobytes()
         assert got[1].job == "job1" and server.last_user == keys.client_public.decode()

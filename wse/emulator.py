@@ -105,7 +105,7 @@ class WeightStreamingExecutor:
         self.spec, self.seed, self.up, self.inputs = spec, seed, up, inputs
         self.arena = arena
         self.grad_buffers: dict[tuple[int, str], object] = {}
-        self.weight_buffers: dict[tuple[int, str], np.ndarray] = {}
+        self.weight_buffers: dict[tuple[int, str, str], np.ndarray] = {}
         # 16-bit formats: each layer's weights widened to float32, into buffers reused every
         # step, once per step: the forward pass's copy serves the backward pass too.
         self.widened: dict[int, dict[str, np.ndarray]] = {}
@@ -203,9 +203,9 @@ class WeightStreamingExecutor:
             self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
                                  arrays=self.shared(index, encode_arrays(grads, fmt))))
 
-    def weight_buffer(self, index: int, name: str) -> np.ndarray | None:
-        """Layer `index`'s buffer for weight `name` as it travels (the model's wire dtype), kept
-        for the job: a WEIGHTS message that arrives in several frames is joined into it, not
+    def weight_buffer(self, index: int, name: str, dtype: str) -> np.ndarray | None:
+        """Layer `index`'s buffer for weight `name` as it travels (in `dtype`, the message's:
+        float32 or the model's 16-bit storage), kept for the job: a WEIGHTS message that arrives in several frames is joined into it, not
         into fresh pages every message (protocol.decode's `into`). None for what the model
         does not have (decoded as usual; the executor then refuses it).
 
@@ -213,13 +213,13 @@ class WeightStreamingExecutor:
         was handled, and the only earlier message of the same layer still referenced (by
         the forward cache, when layer l's backward weights arrive) carried the same bytes:
         MemoryX updates a layer only after the gradients that this backward pass sends."""
-        buffer = self.weight_buffers.get((index, name))
+        buffer = self.weight_buffers.get((index, name, dtype))
         if buffer is None:
             layers = self.spec.layers
             shape = layers[index].param_shapes().get(name) if 0 <= index < len(layers) else None
-            if shape is None:
+            if shape is None or dtype not in ("float32", wire_dtype(self.spec.precision).name):
                 return None
-            buffer = self.weight_buffers[(index, name)] = np.empty(shape, wire_dtype(self.spec.precision))
+            buffer = self.weight_buffers[(index, name, dtype)] = np.empty(shape, dtype)
         return buffer
 
     def grad_buffer(self, index: int, name: str, shape: tuple, dtype) -> np.ndarray:
@@ -277,11 +277,11 @@ class WSE:
             _, msg = self.up.recv(into=self.kept_weights)
             self.handle(msg)
 
-    def kept_weights(self, mtype: Msg, step: int, index: int, name: str) -> np.ndarray | None:
+    def kept_weights(self, mtype: Msg, step: int, index: int, name: str, dtype: str) -> np.ndarray | None:
         """Where a streamed weight of several frames is joined (protocol.decode's `into`)."""
         if mtype != Msg.WEIGHTS or not isinstance(self.executor, WeightStreamingExecutor):
             return None
-        return self.executor.weight_buffer(index, name)
+        return self.executor.weight_buffer(index, name, dtype)
 
     def handle(self, msg: Message) -> None:
         if msg.type == Msg.GET_TRACE:

@@ -444,8 +444,9 @@ def decode(frames: list, segments=None, into=None, job: str | None = None) -> Me
     """Frames -> Message, after validating everything. Raises ProtocolError.
 
     `segments` (shm.Segments) resolves shared-memory references; without it they are refused.
-    `into(type, step, layer, name)` may hand decode a buffer the receiver keeps for an array of a
-    streamed message (KEPT_TYPES) that arrives in several frames: the frames are joined
+    `into(type, step, layer, name, dtype)` may hand decode a buffer the receiver keeps for an
+    array of a streamed message (KEPT_TYPES) that arrives in several frames (`dtype`: the
+    header's, one of ALLOWED_DTYPES; the shape is for the receiver to know): the frames are joined
     straight into it (no fresh buffer per message, no second copy), and the message's array
     is a read-only view of it. None: a fresh buffer, as without `into`. A buffer not of the
     header's dtype and shape (C-contiguous, writable) refuses the message, before any copy.
@@ -524,7 +525,7 @@ def _destinations(into, mtype: Msg, header: dict, specs: list) -> dict:
     for name, dtype, shape, ref, parts in specs:
         if ref is not None or len(parts) < 2:   # a view on its frame or segment: nothing to join
             continue
-        buffer = into(mtype, header["step"], header["layer"], name)
+        buffer = into(mtype, header["step"], header["layer"], name, dtype)
         if buffer is None:
             continue
         if not (isinstance(buffer, np.ndarray) and buffer.dtype.name == dtype and buffer.shape == shape
