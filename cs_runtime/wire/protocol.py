@@ -440,7 +440,7 @@ def frames_for(nbytes: int) -> int:
     return max(1, -(-nbytes // MAX_FRAME_BYTES))
 
 
-def decode(frames: list, segments=None, into=None, job: str | None = None) -> Message:
+def decode(frames: list, segments=None, into=None, job: str | None = None, build: bool = True) -> Message:
     """Frames -> Message, after validating everything. Raises ProtocolError.
 
     `segments` (shm.Segments) resolves shared-memory references; without it they are refused.
@@ -450,7 +450,9 @@ def decode(frames: list, segments=None, into=None, job: str | None = None) -> Me
     straight into it (no fresh buffer per message, no second copy), and the message's array
     is a read-only view of it. None: a fresh buffer, as without `into`. A buffer not of the
     header's dtype and shape (C-contiguous, writable) refuses the message, before any copy.
-    `job`: a message stamped with another job (or none) is refused.
+    `job`: a message stamped with another job (or none) is refused. `build=False`: for a
+    forwarder that passes a streamed message's frames on as they came (SwarmX): everything is
+    validated as above, but a KEPT_TYPES message's arrays are not built (no join; msg.arrays empty).
     """
     if not frames:
         raise ProtocolError("empty message")
@@ -471,6 +473,8 @@ def decode(frames: list, segments=None, into=None, job: str | None = None) -> Me
     # buffer: a refused message leaves the receiver's buffers as they were.
     shared = {name: _shared_array(segments, name, dtype, shape, ref)
               for name, dtype, shape, ref, _ in specs if ref is not None}
+    if not build and mtype in KEPT_TYPES:
+        return Message(mtype, header["job"], header["step"], header["layer"], header["meta"], {})
     kept = _destinations(into, mtype, header, specs) if into is not None and mtype in KEPT_TYPES else {}
     arrays = {}
     for name, dtype, shape, ref, parts in specs:

@@ -255,11 +255,11 @@ class Endpoint:
             if msg is not None:
                 return identity, msg
 
-    def decode_or_drop(self, identity, frames, into=None) -> Message | None:
+    def decode_or_drop(self, identity, frames, into=None, build: bool = True) -> Message | None:
         try:
             # Every sender stamps its job; an unstamped message is as foreign as another job's
             # (decode refuses it before it copies a byte into a kept buffer).
-            msg = decode(frames, self.segments, into, job=self.job or None)
+            msg = decode(frames, self.segments, into, job=self.job or None, build=build)
         except ProtocolError as exc:
             self.warn_once(identity, str(exc))
             return None
