@@ -860,3 +860,10 @@ def test_a_forwarder_validates_a_streamed_message_without_building_its_arrays():
         decode([frames[0], frames[1], bytes(frames[2])[:-4], frames[3]], build=False)
     # other types are built as ever (their checks need the arrays)
     assert "w" in decode(encode(Message(Msg.STATE, arrays={"w": big})), build=False).arrays
+
+
+def test_a_big_endian_destination_is_refused():
+    big = _split()
+    with pytest.raises(ProtocolError, match="does not fit"):
+        decode(encode(Message(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays={"w": big})),
+               into=Kept(w=np.zeros(big.shape, ">f4")))

@@ -67,6 +67,7 @@ MAX_SETTINGS_BYTES = 16 * 1024**2
 # Arrays on the wire are one of these; float16 covers the 16-bit formats
 # (bfloat16 / cbfloat16 travel as their raw uint16 bit patterns).
 ALLOWED_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"}
+_WIRE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
 
 # TRACE messages (cs_runtime/trace.py): spans as parallel 1-D arrays, names once.
 MAX_SPAN_NAMES = 256
@@ -532,7 +533,8 @@ def _destinations(into, mtype: Msg, header: dict, specs: list) -> dict:
         buffer = into(mtype, header["step"], header["layer"], name, dtype)
         if buffer is None:
             continue
-        if not (isinstance(buffer, np.ndarray) and buffer.dtype.name == dtype and buffer.shape == shape
+        # dtype equality, not its name: '>f4' is also named float32 (and .name is slow)
+        if not (isinstance(buffer, np.ndarray) and buffer.dtype == _WIRE_DTYPES[dtype] and buffer.shape == shape
                 and buffer.flags.c_contiguous and buffer.flags.writeable):
             got = f"{getattr(buffer, 'dtype', type(buffer).__name__)} {getattr(buffer, 'shape', '')}"
             raise ProtocolError(f"array {name[:40]!r}: {dtype} {list(shape)} does not fit the receiver's "
