@@ -29,7 +29,8 @@ x 256 wide, sequence 128, AdamW) on the CPU path's calls against torch eager
 CPU training the same module on the same batches, in this process; the ratio
 is ours / torch's samples/sec (needs torch). `--rows wire` runs the transport
 ceilings alone (below; and the tcp row as it was before kept buffers,
-protocol_fresh) on the preset's bytes, with the two transport verdicts. `--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
+protocol_fresh) on the preset's bytes, with the two transport verdicts.
+`--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
 weight streaming) and the CPU path, each with --trace off and on, alternated
 --repeats times; the median of each, and on / off. For each: samples/sec (from
 the chief's progress lines, every 2 steps, leaving out the first 2 steps as the

@@ -352,8 +352,8 @@ def run_matmul(args) -> dict:
 
 
 RUNS = {"torch": run_torch, "ddp": run_ddp, "zmq": run_zmq, "protocol": run_protocol,
-        "protocol_shm": run_protocol_shm, "protocol_fresh": run_protocol_fresh, "memcpy": run_memcpy, "matmul": run_matmul,
-        "transformer": run_transformer}
+        "protocol_shm": run_protocol_shm, "protocol_fresh": run_protocol_fresh, "memcpy": run_memcpy,
+        "matmul": run_matmul, "transformer": run_transformer}
 
 
 def main(argv: list[str] | None = None) -> None:

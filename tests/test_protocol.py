@@ -751,7 +751,7 @@ class Kept:
     def __init__(self, **buffers):
         self.buffers, self.asked = buffers, []
 
-    def __call__(self, mtype, step, layer, name, dtype):
+    def __call__(self, mtype, step, layer, name, dtype, shape):
         self.asked.append((mtype, step, layer, name, dtype))
         return self.buffers.get(name)
 

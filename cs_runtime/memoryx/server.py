@@ -152,7 +152,7 @@ class MemoryX:
             with trace.span(span_name, step=step, layer=index):
                 self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
 
-    def kept_grads(self, mtype: Msg, index: int, name: str, dtype: str) -> np.ndarray | None:
+    def kept_grads(self, mtype: Msg, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
         """Where a GRADS array of several frames is joined (protocol.decode's `into`): a buffer
         per parameter in the dtype it travels in (the model's 16-bit storage from one WSE,
         float32 from one WSE or SwarmX's sums), kept for the job, not fresh pages every step. Safe to
@@ -166,7 +166,7 @@ class MemoryX:
             if weight is None or dtype not in ("float32", wire_dtype(self.spec.precision).name):
                 return None
             buffer = self.grad_wire[(index, name, dtype)] = np.empty(weight.shape, dtype)
-        return buffer
+        return buffer if buffer.shape == shape else None   # not its weight's shape: decoded as ever
 
     def received_grads(self, msg: Message) -> dict:
         """A GRADS message's tensors as float32: 16-bit ones widened into buffers kept for
@@ -197,8 +197,10 @@ class MemoryX:
         at_once = not (self.max_norm or self.skip_nonfinite or loss_scale != 1.0
                        or program_layer.has_tied(self.spec))
         grads, squares = {}, {}
-        def into(mtype, at_step, index, name, dtype):   # never a buffer a gradient of this step lies in
-            return self.kept_grads(mtype, index, name, dtype) if at_step == step and index not in grads else None
+        def into(mtype, at_step, index, name, dtype, shape):   # never a buffer a gradient of this step lies in
+            if at_step != step or index in grads:
+                return None
+            return self.kept_grads(mtype, index, name, dtype, shape)
         while len(grads) < n:
             identity, msg = self.router.recv(into=into)
             if msg.type != Msg.GRADS or msg.step != step:

@@ -445,9 +445,9 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
     """Frames -> Message, after validating everything. Raises ProtocolError.
 
     `segments` (shm.Segments) resolves shared-memory references; without it they are refused.
-    `into(type, step, layer, name, dtype)` may hand decode a buffer the receiver keeps for an
-    array of a streamed message (KEPT_TYPES) that arrives in several frames (`dtype`: the
-    header's, one of ALLOWED_DTYPES; the shape is for the receiver to know): the frames are joined
+    `into(type, step, layer, name, dtype, shape)` may hand decode a buffer the receiver keeps for
+    an array of a streamed message (KEPT_TYPES) that arrives in several frames (dtype and shape
+    as the validated header says): the frames are joined
     straight into it (no fresh buffer per message, no second copy), and the message's array
     is a read-only view of it. None: a fresh buffer, as without `into`. A buffer not of the
     header's dtype and shape (C-contiguous, writable) refuses the message, before any copy.
@@ -530,7 +530,7 @@ def _destinations(into, mtype: Msg, header: dict, specs: list) -> dict:
     for name, dtype, shape, ref, parts in specs:
         if ref is not None or len(parts) < 2:   # a view on its frame or segment: nothing to join
             continue
-        buffer = into(mtype, header["step"], header["layer"], name, dtype)
+        buffer = into(mtype, header["step"], header["layer"], name, dtype, shape)
         if buffer is None:
             continue
         # dtype equality, not its name: '>f4' is also named float32 (and .name is slow)
