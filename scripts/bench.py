@@ -29,7 +29,10 @@ x 256 wide, sequence 128, AdamW) on the CPU path's calls against torch eager
 CPU training the same module on the same batches, in this process; the ratio
 is ours / torch's samples/sec (needs torch). `--rows scaling` is the scaling shape:
 weight streaming on 1, 2 and 4 WSEs at the preset's batch, then on 1 WSE at half and twice
-the batch, with the weight bytes per step and per sample. `--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
+the batch, with the weight bytes per step and per sample. `--rows wire` runs the transport
+ceilings alone (below; and the tcp row as it was before kept buffers,
+protocol_fresh) on the preset's bytes, with the two transport verdicts.
+`--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
 weight streaming) and the CPU path, each with --trace off and on, alternated
 --repeats times; the median of each, and on / off. For each: samples/sec (from
 the chief's progress lines, every 2 steps, leaving out the first 2 steps as the
@@ -200,7 +203,10 @@ def model_facts(preset: dict) -> dict:
 CEILING_REPEATS = 3   # each transport ceiling runs this often, alternated; the median counts
 
 
-def ceilings(facts: dict, batch: int, steps: int) -> dict:
+TRANSPORT_ROWS = ("memcpy", "zmq", "protocol", "protocol_shm")
+
+
+def ceilings(facts: dict, batch: int, steps: int, matmul: bool = True, rows=TRANSPORT_ROWS) -> dict:
     """Transport and compute ceilings for the bytes and the largest matmul of one step.
 
     The transport rows share two cores with ZeroMQ's I/O threads and vary by
@@ -209,14 +215,32 @@ def ceilings(facts: dict, batch: int, steps: int) -> dict:
     # one step streams every layer forward and backward: the same bytes twice
     step_bytes = ",".join(str(b) for b in facts["layer_bytes"] * 2)
     k, n = facts["largest"]
-    runs: dict[str, list[float]] = {what: [] for what in ("memcpy", "zmq", "protocol", "protocol_shm")}
+    runs: dict[str, list[float]] = {what: [] for what in rows}
     for _ in range(CEILING_REPEATS):
         for what, values in runs.items():
             values.append(baseline(what, "--bytes", step_bytes, "--steps", str(steps))["bytes_per_sec"])
     result = {what: statistics.median(values) for what, values in runs.items()}
-    result["matmul"] = baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
-                                "--steps", str(steps))["flops_per_sec"]
+    if matmul:
+        result["matmul"] = baseline("matmul", "--m", str(batch), "--k", str(k), "--n", str(n),
+                                    "--steps", str(steps))["flops_per_sec"]
     return result
+
+
+def wire_rows(name: str, preset: dict, steps: int) -> dict:
+    """--rows wire: the transport ceilings alone (no training rows, no matmul), with their verdicts."""
+    facts = model_facts(preset)
+    # protocol_fresh: the tcp row as it was before kept buffers (fresh join, then a copy)
+    ceiling = ceilings(facts, preset["batch_size"], max(5, min(steps, 50)), matmul=False,
+                       rows=(*TRANSPORT_ROWS, "protocol_fresh"))
+    mem, raw = ceiling["memcpy"], ceiling["zmq"]
+    print(f"preset={name}: one step's weight tensors ({2 * sum(facts['layer_bytes']):,} bytes), "
+          f"median of {CEILING_REPEATS} alternated runs of each row")
+    for what, value in ceiling.items():
+        print(f"{what:<16}{value / 1e9:>8.2f} GB/s")
+    print(f"protocol over tcp {ceiling['protocol'] / raw:.2f} of raw pyzmq "
+          f"(into fresh buffers: {ceiling['protocol_fresh'] / raw:.2f}); "
+          f"by shared memory {ceiling['protocol_shm'] / mem:.2f} of memcpy")
+    return {"model": facts, "ceilings": ceiling}
 
 
 def torch_rows(facts: dict, batch: int, steps: int) -> list[dict]:
@@ -237,10 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
     parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor",
-                                           "scaling"),
+                                           "scaling", "wire"),
                         default="all",
                         help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only; scaling: "
-                             "weight streaming on 1, 2 and 4 WSEs, and on 1 at half, once and twice the batch")
+                             "weight streaming on 1, 2 and 4 WSEs, and on 1 at half, once and twice the batch; "
+                             "wire: the transport ceilings alone, with their verdicts")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a tiny model, 4 steps, the CPU path and 1-WSE float32 and float16 "
                              "weight streaming, no torch rows or ceilings (numbers only show it runs)")
@@ -260,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
             result.update(transformer_rows(tmp, preset, steps))
         elif args.rows in ("all", "model", "precision", "quick"):
             result.update(model_rows(tmp, args.preset, preset, steps, args.rows))
+        if args.rows == "wire" and args.preset != "transformer":
+            result.update(wire_rows(args.preset, preset, steps))
+            result["rows"] = []
         if args.rows == "trace" and args.preset != "transformer":
             result["trace_rows"] = trace_rows(tmp, preset, steps, args.repeats)
             print_rows(f"timeline cost: preset {args.preset}, steps={steps}, median of {args.repeats}",

@@ -5,6 +5,7 @@
     python scripts/bench_baselines.py zmq --bytes 4000000,4000000 --steps 20
     python scripts/bench_baselines.py protocol --bytes 4000000,4000000 --steps 20
     python scripts/bench_baselines.py protocol_shm --bytes 4000000,4000000 --steps 20
+    python scripts/bench_baselines.py protocol_fresh --bytes 4000000,4000000 --steps 20
     python scripts/bench_baselines.py memcpy --bytes ... --steps 20
     python scripts/bench_baselines.py matmul --m 512 --k 2048 --n 2048 --steps 20
     python scripts/bench_baselines.py transformer --style gpt2 --batch 32 --seq 128 --steps 20
@@ -250,7 +251,7 @@ def run_zmq(args) -> dict:
     return {"bytes_per_sec": sum(args.bytes) * args.steps / seconds}
 
 
-def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | None) -> None:
+def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | None, fresh: bool) -> None:
     import zmq
     from cs_runtime.wire.shm import Segments
     from cs_runtime.wire.transport import Endpoint
@@ -261,13 +262,18 @@ def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | 
     own = [np.empty(n // 4, dtype=np.float32) for n in sizes]
     for _ in range(steps + WARMUP_STEPS):
         for buffer in own:
-            _, msg = pull.recv()            # decoded and validated, as a WSE does
-            np.copyto(buffer, msg.arrays["weight"])
+            # decoded and validated, as a WSE does; a tensor of several frames is joined
+            # straight into the kept buffer, any other (one frame, or shared memory) copied there
+            _, msg = pull.recv(into=None if fresh else lambda *_header, b=buffer: b)
+            got = msg.arrays["weight"]
+            if fresh or not np.may_share_memory(got, buffer):
+                np.copyto(buffer, got)
     ctx.destroy(linger=0)
 
 
-def run_protocol(args, shared: bool = False) -> dict:
-    """The project's own path: WEIGHTS messages through Endpoint, over tcp or by shared-memory reference."""
+def run_protocol(args, shared: bool = False, fresh: bool = False) -> dict:
+    """The project's own path: WEIGHTS messages through Endpoint, over tcp or by shared-memory reference.
+    fresh: decoded into fresh buffers, then copied to the kept ones (the receive before kept buffers)."""
     import multiprocessing
     import tempfile
     import zmq
@@ -287,7 +293,7 @@ def run_protocol(args, shared: bool = False) -> dict:
     else:
         layers = [{"weight": np.ones(n // 4, dtype=np.float32)} for n in args.bytes]
     receiver = multiprocessing.get_context("spawn").Process(
-        target=protocol_receiver, args=(address, args.bytes, args.steps, folder))
+        target=protocol_receiver, args=(address, args.bytes, args.steps, folder, fresh))
     receiver.start()
 
     def one_step(step):
@@ -313,6 +319,10 @@ def run_protocol(args, shared: bool = False) -> dict:
 
 def run_protocol_shm(args) -> dict:
     return run_protocol(args, shared=True)
+
+
+def run_protocol_fresh(args) -> dict:
+    return run_protocol(args, fresh=True)
 
 
 def run_memcpy(args) -> dict:
@@ -342,8 +352,8 @@ def run_matmul(args) -> dict:
 
 
 RUNS = {"torch": run_torch, "ddp": run_ddp, "zmq": run_zmq, "protocol": run_protocol,
-        "protocol_shm": run_protocol_shm, "memcpy": run_memcpy, "matmul": run_matmul,
-        "transformer": run_transformer}
+        "protocol_shm": run_protocol_shm, "protocol_fresh": run_protocol_fresh, "memcpy": run_memcpy,
+        "matmul": run_matmul, "transformer": run_transformer}
 
 
 def main(argv: list[str] | None = None) -> None:

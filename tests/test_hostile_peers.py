@@ -18,13 +18,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 
 from cs_runtime.wire import auth
 from cs_runtime.wire.transport import HANDSHAKE_IVL_MS
 from cs_runtime.launch.directory import DirectoryClient
-from tests.cluster_utils import FC_MNIST, kill_tree, run_cpu, run_wse, tool, write_params, wse_command
+from tests.cluster_utils import (FC_MNIST, final_weights, kill_tree, run_cpu, run_wse, tool, train_losses, write_params,
+                                 wse_command)
 from tests.test_faults import assert_matches, pids_by_role, process_env, read_until, rss_bytes, start_job
 
 pytestmark = pytest.mark.cluster  # the tests here start processes
@@ -248,3 +250,19 @@ def test_tensors_bigger_than_a_frame_cross_tcp_split_and_match_the_oracle(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dropped bad message" not in result.stderr
     assert_matches(tmp_path / "m", tmp_path / "cpu")
+
+
+@pytest.mark.parametrize("num_csx", [1, 2])
+def test_16_bit_tensors_bigger_than_a_frame_over_tcp_equal_the_shared_memory_run(tmp_path, num_csx):
+    """784 x 1024 float16 weights (1.5 MiB) over tcp: joined into the WSE's and MemoryX's kept buffers
+    (float16 from one WSE, SwarmX's float32 sums from two), the same numbers as by shared memory."""
+    params = write_params(tmp_path, model={"hidden_sizes": [1024], "mixed_precision": True},
+                          runconfig={"max_steps": 6, "log_steps": 2, "checkpoint_steps": 0})
+    for run, extra in (("tcp", ("--no_shm",)), ("shm", ())):
+        result = run_wse(params, tmp_path / run, num_csx=num_csx, extra_launcher=extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "dropped bad message" not in result.stderr
+    np.testing.assert_array_equal(train_losses(tmp_path / "tcp"), train_losses(tmp_path / "shm"))
+    want, got = final_weights(tmp_path / "shm"), final_weights(tmp_path / "tcp")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])

@@ -733,3 +733,137 @@ def test_a_batch_whose_arrays_break_the_contract_is_refused_naming_why(arrays, m
 def test_a_feature_name_that_is_no_identifier_is_refused_before_it_is_sent():
     with pytest.raises(ValueError, match="feature name 'a b' is not a Python identifier"):
         protocol.batch_arrays({"a b": np.zeros(3)}, np.zeros(3))
+
+
+# --------------------------------------------------------------------------
+# decode(into=...): multi-frame arrays joined into buffers the receiver keeps
+# --------------------------------------------------------------------------
+
+def _split(nbytes_extra: int = 1000, seed: int = 3) -> np.ndarray:
+    """A float32 array over two frames (two full, and a bit)."""
+    n = (2 * protocol.MAX_FRAME_BYTES + nbytes_extra) // 4
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+class Kept:
+    """An `into` that hands out one buffer per name and records what it was asked."""
+
+    def __init__(self, **buffers):
+        self.buffers, self.asked = buffers, []
+
+    def __call__(self, mtype, step, layer, name, dtype, shape):
+        self.asked.append((mtype, step, layer, name, dtype))
+        return self.buffers.get(name)
+
+
+def test_a_split_array_is_joined_into_the_receivers_buffer_bit_for_bit():
+    big, small = _split(), np.arange(5, dtype=np.float32)
+    frames = encode(Message(Msg.WEIGHTS, step=4, layer=2, meta={"phase": "fwd"}, arrays={"w": big, "b": small}))
+    kept = Kept(w=np.full_like(big, np.nan), b=np.zeros(5, np.float32))
+    out = decode([bytes(f) for f in frames], into=kept)
+    assert kept.asked == [(Msg.WEIGHTS, 4, 2, "w", "float32")]   # one-frame arrays stay views on their frame
+    assert np.shares_memory(out.arrays["w"], kept.buffers["w"]) and not out.arrays["w"].flags.writeable
+    assert kept.buffers["w"].tobytes() == big.tobytes()
+    np.testing.assert_array_equal(out.arrays["b"], small)
+    assert (kept.buffers["b"] == 0).all()
+    # the same buffer serves the next message: no fresh memory, the new bytes
+    again = _split(seed=4)
+    decode(encode(Message(Msg.WEIGHTS, step=5, layer=2, meta={"phase": "fwd"}, arrays={"w": again, "b": small})),
+           into=kept)
+    assert kept.buffers["w"].tobytes() == again.tobytes()
+
+
+def test_into_declining_or_a_type_not_streamed_gets_a_fresh_buffer():
+    big = _split()
+    kept = Kept()
+    out = decode(encode(Message(Msg.GRADS, arrays={"w": big})), into=kept)
+    assert kept.asked == [(Msg.GRADS, -1, -1, "w", "float32")] and out.arrays["w"].tobytes() == big.tobytes()
+    buffer = np.zeros_like(big)
+    kept = Kept(w=buffer)
+    out = decode(encode(Message(Msg.STATE, arrays={"w": big})), into=kept)   # not in KEPT_TYPES
+    assert kept.asked == [] and not np.shares_memory(out.arrays["w"], buffer) and (buffer == 0).all()
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros(10, np.float32),                                     # the wrong shape
+    np.zeros((2 * protocol.MAX_FRAME_BYTES + 1000) // 4, np.int32),   # the wrong dtype
+    np.zeros((2 * protocol.MAX_FRAME_BYTES + 1000) // 2, np.float32)[::2],   # not contiguous
+    "not an array",
+])
+def test_a_destination_that_does_not_fit_the_header_refuses_the_message_before_any_copy(bad):
+    big = _split()
+    innocent = np.zeros_like(big)
+    kept = Kept(first=innocent, w=bad)
+    frames = encode(Message(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays={"first": big, "w": big}))
+    with pytest.raises(ProtocolError, match="does not fit the receiver's buffer"):
+        decode(frames, into=kept)
+    assert (innocent == 0).all()     # the array before it was not joined either
+
+
+def test_a_read_only_destination_is_refused():
+    big = _split()
+    buffer = np.zeros_like(big)
+    buffer.flags.writeable = False
+    with pytest.raises(ProtocolError, match="does not fit"):
+        decode(encode(Message(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays={"w": big})), into=Kept(w=buffer))
+
+
+def test_bad_sizes_another_job_or_a_bad_reference_are_refused_before_a_byte_is_copied(tmp_path):
+    cap = protocol.MAX_FRAME_BYTES
+    buffer = np.zeros(2 * cap, np.uint8)
+    kept = Kept(a=buffer)
+    h = pack(header(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays=[["a", "uint8", [2 * cap]]]))
+    for frames in ([h, b"\1" * (cap - 1), b"\1" * (cap + 1)], [h, b"\1" * cap]):
+        with pytest.raises(ProtocolError):
+            decode(frames, into=kept)
+    with pytest.raises(ProtocolError, match="this is job"):
+        decode([h, b"\1" * cap, b"\1" * cap], into=kept, job="job2")
+    # a framed array to keep, then a shared-memory reference this socket cannot follow
+    h = pack(header(Msg.WEIGHTS, meta={"phase": "fwd"},
+                    arrays=[["a", "uint8", [2 * cap]], ["r", "float32", [4], "cs-job1-x-1", 0]]))
+    with pytest.raises(ProtocolError, match="shared-memory reference"):
+        decode([h, b"\1" * cap, b"\1" * cap], into=kept)
+    assert kept.asked == [] and not buffer.any()
+    decode([pack(header(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays=[["a", "uint8", [2 * cap]]])),
+            b"\1" * cap, b"\2" * cap], into=kept, job="job1")
+    assert (buffer[:cap] == 1).all() and (buffer[cap:] == 2).all()
+
+
+def test_endpoint_recv_joins_into_kept_buffers_under_curve(ctx):
+    from cs_runtime.wire import auth
+    folder = auth.create_job_dir()
+    keys = auth.load_keys(str(folder))
+    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1", keys=keys)
+    client = Endpoint(ctx, zmq.DEALER, "client", job="job1", keys=keys)
+    try:
+        client.connect(server.bind("127.0.0.1"))
+        big = _split(nbytes_extra=12)
+        buffer = np.empty_like(big)
+        client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
+        got = server.recv(timeout_ms=5000, into=lambda *_header: buffer)
+        assert got is not None, "the split array never arrived"
+        assert np.shares_memory(got[1].arrays["weight"], buffer) and buffer.tobytes() == big.tobytes()
+        assert got[1].job == "job1" and server.last_user == keys.client_public.decode()
+    finally:
+        client.close()
+        server.close()
+        auth.stop_authenticator(ctx)
+        auth.remove_job_dir(folder)
+
+
+def test_a_forwarder_validates_a_streamed_message_without_building_its_arrays():
+    big = _split()
+    frames = encode(Message(Msg.WEIGHTS, step=1, layer=3, meta={"phase": "bwd"}, arrays={"w": big}))
+    msg = decode(frames, build=False, into=Kept(w=np.zeros(3)))   # into is not even asked
+    assert (msg.type, msg.step, msg.layer, msg.meta, msg.arrays) == (Msg.WEIGHTS, 1, 3, {"phase": "bwd"}, {})
+    with pytest.raises(ProtocolError, match="frame has"):
+        decode([frames[0], frames[1], bytes(frames[2])[:-4], frames[3]], build=False)
+    # other types are built as ever (their checks need the arrays)
+    assert "w" in decode(encode(Message(Msg.STATE, arrays={"w": big})), build=False).arrays
+
+
+def test_a_big_endian_destination_is_refused():
+    big = _split()
+    with pytest.raises(ProtocolError, match="does not fit"):
+        decode(encode(Message(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays={"w": big})),
+               into=Kept(w=np.zeros(big.shape, ">f4")))

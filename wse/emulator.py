@@ -105,6 +105,7 @@ class WeightStreamingExecutor:
         self.spec, self.seed, self.up, self.inputs = spec, seed, up, inputs
         self.arena = arena
         self.grad_buffers: dict[tuple[int, str], object] = {}
+        self.weight_buffers: dict[tuple[int, str, str], np.ndarray] = {}
         # 16-bit formats: each layer's weights widened to float32, into buffers reused every
         # step, once per step: the forward pass's copy serves the backward pass too.
         self.widened: dict[int, dict[str, np.ndarray]] = {}
@@ -202,6 +203,26 @@ class WeightStreamingExecutor:
             self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
                                  arrays=self.shared(index, encode_arrays(grads, fmt))))
 
+    def weight_buffer(self, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
+        """Layer `index`'s buffer for weight `name` as it travels (in `dtype`, the message's:
+        float32 or the model's 16-bit storage), kept for the job: a WEIGHTS array that arrives
+        in several frames is joined into it, not into fresh pages every message
+        (protocol.decode's `into`). None for what the model does not have, or not of this
+        `shape` (decoded as usual; the executor then refuses it).
+
+        Reusing it is safe: messages are decoded one at a time, each after the previous one
+        was handled, and the only earlier message of the same layer still referenced (by
+        the forward cache, when layer l's backward weights arrive) carried the same bytes:
+        MemoryX updates a layer only after the gradients that this backward pass sends."""
+        buffer = self.weight_buffers.get((index, name, dtype))
+        if buffer is None:
+            layers = self.spec.layers
+            known = layers[index].param_shapes().get(name) if 0 <= index < len(layers) else None
+            if known is None or dtype not in ("float32", wire_dtype(self.spec.precision).name):
+                return None
+            buffer = self.weight_buffers[(index, name, dtype)] = np.empty(known, dtype)
+        return buffer if buffer.shape == shape else None
+
     def grad_buffer(self, index: int, name: str, shape: tuple, dtype) -> np.ndarray:
         """Layer `index`'s buffer for gradient `name` in this WSE's arena, reused every step."""
         buffer = self.grad_buffers.get((index, name))
@@ -254,8 +275,15 @@ class WSE:
 
     def serve(self) -> None:
         while True:
-            _, msg = self.up.recv()
+            _, msg = self.up.recv(into=self.kept_weights)
             self.handle(msg)
+
+    def kept_weights(self, mtype: Msg, step: int, index: int, name: str, dtype: str,
+                     shape: tuple) -> np.ndarray | None:
+        """Where a streamed weight of several frames is joined (protocol.decode's `into`)."""
+        if mtype != Msg.WEIGHTS or not isinstance(self.executor, WeightStreamingExecutor):
+            return None
+        return self.executor.weight_buffer(index, name, dtype, shape)
 
     def handle(self, msg: Message) -> None:
         if msg.type == Msg.GET_TRACE:

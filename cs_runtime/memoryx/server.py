@@ -55,6 +55,7 @@ class MemoryX:
         self.arena: shm.Arena | None = None
         self.wire: list[dict] | None = None    # 16-bit weight buffers in the arena
         self.grad_buffers: dict[tuple[int, str], np.ndarray] = {}   # 16-bit gradients widened
+        self.grad_wire: dict[tuple[int, str, str], np.ndarray] = {}   # gradients as they travel (kept_grads)
 
     def serve(self) -> None:
         while True:
@@ -119,7 +120,7 @@ class MemoryX:
         if self.segments is not None:
             self.segments.release(self.arena)
         self.arena, self.wire = None, None
-        self.grad_buffers = {}
+        self.grad_buffers, self.grad_wire = {}, {}
 
     def wire_layer(self, index: int) -> dict:
         """Layer `index`'s weights as they travel: the masters themselves in float32, else
@@ -151,6 +152,22 @@ class MemoryX:
             with trace.span(span_name, step=step, layer=index):
                 self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
 
+    def kept_grads(self, mtype: Msg, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
+        """Where a GRADS array of several frames is joined (protocol.decode's `into`): a buffer
+        per parameter in the dtype it travels in (the model's 16-bit storage from one WSE,
+        float32 from one WSE or SwarmX's sums), kept for the job, not fresh pages every step. Safe to
+        reuse: a step's gradients are read only within train_step, which ends before the chief
+        starts the next step (the optimizer reads them, never keeps them)."""
+        if mtype != Msg.GRADS or not 0 <= index < len(self.spec.layers):
+            return None
+        buffer = self.grad_wire.get((index, name, dtype))
+        if buffer is None:
+            weight = self.weights[self.spec.layers[index].name].get(name)
+            if weight is None or dtype not in ("float32", wire_dtype(self.spec.precision).name):
+                return None
+            buffer = self.grad_wire[(index, name, dtype)] = np.empty(weight.shape, dtype)
+        return buffer if buffer.shape == shape else None   # not its weight's shape: decoded as ever
+
     def received_grads(self, msg: Message) -> dict:
         """A GRADS message's tensors as float32: 16-bit ones widened into buffers kept for
         the job (no fresh pages every step); float32 ones as they came (no copy)."""
@@ -180,8 +197,12 @@ class MemoryX:
         at_once = not (self.max_norm or self.skip_nonfinite or loss_scale != 1.0
                        or program_layer.has_tied(self.spec))
         grads, squares = {}, {}
+        def into(mtype, at_step, index, name, dtype, shape):   # never a buffer a gradient of this step lies in
+            if at_step != step or index in grads:
+                return None
+            return self.kept_grads(mtype, index, name, dtype, shape)
         while len(grads) < n:
-            identity, msg = self.router.recv()
+            identity, msg = self.router.recv(into=into)
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)
                 continue

@@ -115,7 +115,9 @@ class SwarmX:
                 self.from_router(*self.router.recv_raw())
 
     def from_above(self, identity, frames) -> None:
-        msg = self.memoryx.decode_or_drop(identity, frames)
+        # Validated, but a WEIGHTS message's arrays not built: its frames go on as they came,
+        # and joining a split tensor here would only copy it into fresh pages for nothing.
+        msg = self.memoryx.decode_or_drop(identity, frames, build=False)
         if msg is None:
             return
         if msg.type in BROADCAST:

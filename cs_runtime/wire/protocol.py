@@ -67,6 +67,7 @@ MAX_SETTINGS_BYTES = 16 * 1024**2
 # Arrays on the wire are one of these; float16 covers the 16-bit formats
 # (bfloat16 / cbfloat16 travel as their raw uint16 bit patterns).
 ALLOWED_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"}
+_WIRE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
 
 # TRACE messages (cs_runtime/trace.py): spans as parallel 1-D arrays, names once.
 MAX_SPAN_NAMES = 256
@@ -127,6 +128,11 @@ class Msg(str, enum.Enum):
     GET_TRACE = "get_trace"      # chief -> MemoryX, SwarmX (-> every WSE), input workers: your spans
     TRACE = "trace"              # each -> chief (WSEs via SwarmX): spans + the clocks of the round trip
 
+
+# The streamed tensors: decode joins their multi-frame arrays into buffers the receiver
+# keeps, when it offers them (see decode). Types with checks on the array values (TRACE,
+# LOAD_MODEL's settings) are not among them: those checks run after the arrays are built.
+KEPT_TYPES = frozenset({Msg.WEIGHTS, Msg.GRADS})
 
 # Required meta keys per type, with the Python types they must have.
 _NUM = (int, float)
@@ -435,15 +441,26 @@ def frames_for(nbytes: int) -> int:
     return max(1, -(-nbytes // MAX_FRAME_BYTES))
 
 
-def decode(frames: list, segments=None) -> Message:
+def decode(frames: list, segments=None, into=None, job: str | None = None, build: bool = True) -> Message:
     """Frames -> Message, after validating everything. Raises ProtocolError.
 
     `segments` (shm.Segments) resolves shared-memory references; without it they are refused.
+    `into(type, step, layer, name, dtype, shape)` may hand decode a buffer the receiver keeps for
+    an array of a streamed message (KEPT_TYPES) that arrives in several frames (dtype and shape
+    as the validated header says): the frames are joined
+    straight into it (no fresh buffer per message, no second copy), and the message's array
+    is a read-only view of it. None: a fresh buffer, as without `into`. A buffer not of the
+    header's dtype and shape (C-contiguous, writable) refuses the message, before any copy.
+    `job`: a message stamped with another job (or none) is refused. `build=False`: for a
+    forwarder that passes a streamed message's frames on as they came (SwarmX): everything is
+    validated as above, but a KEPT_TYPES message's arrays are not built (no join; msg.arrays empty).
     """
     if not frames:
         raise ProtocolError("empty message")
     header = _unpack_header(_as_bytes(frames[0]))
     mtype = _check_header(header)
+    if job is not None and header["job"] != job:
+        raise ProtocolError(f"message for job {header['job'][:40]!r}, this is job {job!r}")
     specs = _check_array_specs(header["arrays"], frames[1:])
     fmt = header["meta"].get("format")
     if fmt is not None:
@@ -453,15 +470,22 @@ def decode(frames: list, segments=None) -> Message:
                 continue
             if dtype != stored and dtype not in ("int64", "int32", "bool"):   # labels, ids, masks ride along
                 raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
+    # Every reference and destination is checked before the first byte lands in a kept
+    # buffer: a refused message leaves the receiver's buffers as they were.
+    shared = {name: _shared_array(segments, name, dtype, shape, ref)
+              for name, dtype, shape, ref, _ in specs if ref is not None}
+    if not build and mtype in KEPT_TYPES:
+        return Message(mtype, header["job"], header["step"], header["layer"], header["meta"], {})
+    kept = _destinations(into, mtype, header, specs) if into is not None and mtype in KEPT_TYPES else {}
     arrays = {}
     for name, dtype, shape, ref, parts in specs:
         if ref is not None:
-            arrays[name] = _shared_array(segments, name, dtype, shape, ref)
+            arrays[name] = shared[name]
             continue
         # Read-only view on the received buffer; kernels copy when they must write.
         # ZeroMQ frames (and inproc zero-copy buffers) are writable, so say it explicitly:
         # a receiver must never scribble on memory the sender may still own.
-        arr = np.frombuffer(_joined(parts), dtype=dtype).reshape(shape)
+        arr = np.frombuffer(_joined(parts, kept.get(name)), dtype=dtype).reshape(shape)
         arr.flags.writeable = False
         arrays[name] = arr
     if mtype == Msg.TRACE:
@@ -497,11 +521,35 @@ def _shared_array(segments, name: str, dtype: str, shape: tuple, ref: tuple) -> 
         raise ProtocolError(f"array {name[:40]!r}: {exc}") from None
 
 
-def _joined(parts: list):
-    """One buffer of an array's frames: the frame itself when there is one (no copy)."""
-    if len(parts) == 1:
+def _destinations(into, mtype: Msg, header: dict, specs: list) -> dict:
+    """name -> the receiver's buffer (bytes, uint8) for each multi-frame array it keeps one for.
+
+    Called after the header and frame sizes are validated; a buffer that does not match
+    the header refuses the whole message here, before anything is copied."""
+    kept = {}
+    for name, dtype, shape, ref, parts in specs:
+        if ref is not None or len(parts) < 2:   # a view on its frame or segment: nothing to join
+            continue
+        buffer = into(mtype, header["step"], header["layer"], name, dtype, shape)
+        if buffer is None:
+            continue
+        # dtype equality, not its name: '>f4' is also named float32 (and .name is slow)
+        if not (isinstance(buffer, np.ndarray) and buffer.dtype == _WIRE_DTYPES[dtype] and buffer.shape == shape
+                and buffer.flags.c_contiguous and buffer.flags.writeable):
+            got = f"{getattr(buffer, 'dtype', type(buffer).__name__)} {getattr(buffer, 'shape', '')}"
+            raise ProtocolError(f"array {name[:40]!r}: {dtype} {list(shape)} does not fit the receiver's "
+                                f"buffer ({got})")
+        kept[name] = buffer.reshape(-1).view(np.uint8)
+    return kept
+
+
+def _joined(parts: list, out: np.ndarray | None = None):
+    """One buffer of an array's frames: the frame itself when there is one (no copy), else
+    the frames copied one after another into `out` (uint8, their total size) or a fresh buffer."""
+    if len(parts) == 1 and out is None:
         return _as_buffer(parts[0])
-    out = np.empty(sum(_frame_len(p) for p in parts), np.uint8)
+    if out is None:
+        out = np.empty(sum(_frame_len(p) for p in parts), np.uint8)
     start = 0
     for part in parts:
         chunk = np.frombuffer(_as_buffer(part), np.uint8)

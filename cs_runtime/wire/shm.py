@@ -30,6 +30,7 @@ left all the same by the next launcher.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -177,11 +178,13 @@ class Segments:
         self.folder = folder.resolve()
         self.job = job    # set: only this job's segments are mapped (a CS system serves many jobs)
         self.uid = os.getuid()
-        self.spans: dict[str, tuple[int, int, mmap.mmap]] = {}   # name -> (address, size, map)
+        # name -> (address, size, the whole segment as a uint8 array): resolve slices it, far
+        # cheaper per message than a fresh buffer export of the mapping
+        self.spans: dict[str, tuple[int, int, np.ndarray]] = {}
         self.arenas_made = 0
 
     def add_arena(self, arena: Arena) -> None:
-        self.spans[arena.name] = (arena.base.ctypes.data, arena.size, arena.map)
+        self.spans[arena.name] = (arena.base.ctypes.data, arena.size, arena.base)
 
     def release(self, arena: Arena | None) -> None:
         """Forget and delete an arena of this process (at the end of a job)."""
@@ -204,11 +207,12 @@ class Segments:
         return None
 
     def resolve(self, name: str, offset: int, dtype: str, shape: tuple) -> np.ndarray:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        start, size, mapped = self.spans.get(name) or self._map(name)
+        # Python ints: no overflow, and no numpy reduction per message
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        start, size, whole = self.spans.get(name) or self._map(name)
         if not (isinstance(offset, int) and 0 <= offset and offset + nbytes <= size):
             raise SharedMemoryError(f"reference {name}+{offset} ({nbytes} bytes) outside the segment of {size}")
-        arr = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset).view(dtype).reshape(shape)
+        arr = whole[offset:offset + nbytes].view(dtype).reshape(shape)
         arr.flags.writeable = False
         return arr
 
@@ -233,7 +237,8 @@ class Segments:
                 raise SharedMemoryError(f"segment {name} cannot be mapped: {exc}") from None
         finally:
             os.close(fd)
-        span = (np.frombuffer(mapped, dtype=np.uint8).ctypes.data, st.st_size, mapped)
+        whole = np.frombuffer(mapped, dtype=np.uint8)   # read-only: the mapping is PROT_READ
+        span = (whole.ctypes.data, st.st_size, whole)
         self.spans[name] = span
         return span
 

@@ -123,6 +123,7 @@ class Endpoint:
         self._warned_senders: set = set()
         self.segments = None      # shm.Segments: big arrays by reference, same host only
         self.last_user = ""       # the CURVE public key (Z85) of the peer that sent the last message
+        self._has_user_ids = False   # a CURVE server's messages carry the ZAP handler's User-Id
         self.peer_address = ""    # what a connecting socket connected to (named when a send is refused)
 
     def share_memory(self, segments) -> "Endpoint":
@@ -136,6 +137,8 @@ class Endpoint:
         raise_descriptor_limit()
         self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         auth.secure_server(self.ctx, self.sock, host, self.keys, self.any_client)
+        # Only then is there a User-Id to read: asking any other socket raises per message.
+        self._has_user_ids = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
             return f"tcp://{host}:{port}"
@@ -202,10 +205,12 @@ class Endpoint:
         identity = None
         if self.is_router:
             identity, frames = frames[0].bytes, frames[1:]
-        try:   # the ZAP handler's User-Id: the client's public key (CURVE only)
-            self.last_user = frames[0].get("User-Id") if frames else ""
-        except zmq.ZMQError:
-            self.last_user = ""
+        self.last_user = ""
+        if self._has_user_ids and frames:
+            try:   # the ZAP handler's User-Id: the client's public key (CURVE only)
+                self.last_user = frames[0].get("User-Id")
+            except zmq.ZMQError:
+                pass
         return identity, frames
 
     def recv_waiting(self, timeout_ms: int, limit: int) -> list[tuple[bytes | None, list[bytes]]]:
@@ -234,27 +239,27 @@ class Endpoint:
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
         return self
 
-    def recv(self, timeout_ms: int | None = None):
+    def recv(self, timeout_ms: int | None = None, into=None):
         """Next valid message as (identity, Message), or None on timeout.
 
         Malformed messages and messages of another job are logged once per
-        sender and dropped; the caller's state is untouched.
+        sender and dropped; the caller's state is untouched. `into`: the
+        receiver's kept buffers for streamed arrays (protocol.decode).
         """
         while True:
             got = self.recv_raw(timeout_ms)
             if got is None:
                 return None
             identity, frames = got
-            msg = self.decode_or_drop(identity, frames)
+            msg = self.decode_or_drop(identity, frames, into)
             if msg is not None:
                 return identity, msg
 
-    def decode_or_drop(self, identity, frames) -> Message | None:
+    def decode_or_drop(self, identity, frames, into=None, build: bool = True) -> Message | None:
         try:
-            msg = decode(frames, self.segments)
-            # Every sender stamps its job; an unstamped message is as foreign as another job's.
-            if self.job and msg.job != self.job:
-                raise ProtocolError(f"message for job {msg.job[:40]!r}, this is job {self.job!r}")
+            # Every sender stamps its job; an unstamped message is as foreign as another job's
+            # (decode refuses it before it copies a byte into a kept buffer).
+            msg = decode(frames, self.segments, into, job=self.job or None, build=build)
         except ProtocolError as exc:
             self.warn_once(identity, str(exc))
             return None
