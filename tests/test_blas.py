@@ -1,5 +1,6 @@
 """The BLAS threads rule (cs_runtime/numerics/blas.py): a small dense layer's products on
-one thread, everything else on the process's own count, the same on every path."""
+one thread, a large one's on the process's own count, every other layer's on one thread,
+the same on every path."""
 import numpy as np
 import pytest
 
