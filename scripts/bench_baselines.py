@@ -122,11 +122,12 @@ def run_transformer(args) -> dict:
 
     for _ in range(WARMUP_STEPS):
         step()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         step()
+    # CPU seconds too: on a shared machine they say more than the wall clock (both threads' spin included)
     return {"samples_per_sec": args.batch * args.steps / (time.perf_counter() - start),
-            "threads": torch.get_num_threads()}
+            "cpu_s_per_step": (time.process_time() - cpu) / args.steps, "threads": torch.get_num_threads()}
 
 
 def torch_model(torch, sizes: list[int]):

@@ -1,5 +1,6 @@
 """The BLAS threads rule (cs_runtime/numerics/blas.py): a small dense layer's products on
-one thread, everything else on the process's own count, the same on every path."""
+one thread, a large one's on the process's own count, every other layer's on one thread,
+the same on every path."""
 import numpy as np
 import pytest
 
@@ -73,10 +74,14 @@ def test_every_layer_of_a_model_step_follows_the_rule(monkeypatch, hidden, rows,
 
 
 @needs_setter
-def test_other_layers_keep_the_process_count():
-    block = LayerSpec("block0", "transformer_block", 64, 64, "gelu", num_heads=4, ffn_features=256, max_len=16)
-    with model.blas_threads(ModelSpec("t", (block,)), block, np.zeros((8, 16))):
-        assert blas.current() == blas.started_with()     # small, but not a dense layer: not judged
+def test_other_layers_run_on_one_thread():
+    """A transformer layer's products run on one thread whatever their size (blas.unit_threads)."""
+    before = blas.current()
+    for rows in (8, 4096):
+        block = LayerSpec("block0", "transformer_block", 256, 256, "gelu", num_heads=4, ffn_features=1024, max_len=16)
+        with model.blas_threads(ModelSpec("t", (block,)), block, np.zeros((rows, 256))):
+            assert blas.current() == 1
+        assert blas.current() == before
 
 
 def _step(spec, weights, x, y):

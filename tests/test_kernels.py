@@ -116,3 +116,15 @@ def test_dropout_masks_are_per_sample_whatever_the_shard():
     assert 0.1 < (whole == 0).mean() < 0.4
     assert np.array_equal(K.keep_mask(key, slice(3, 6), (4, 5), 0.25, np.float32), whole[3:6])
     assert not np.array_equal(K.keep_mask(K.hash_key(1, 3, 3, 0), slice(0, 8), (4, 5), 0.25, np.float32), whole)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_dropout_keep_mask_is_the_draws_compared_with_p(dtype):
+    """keep_mask (in chunks, compared on the integers) gives the bits of the plain formula:
+    (hash_uniform >= float32(p)) as dtype, times 1/(1-p); several chunks, p at the edges."""
+    key = K.hash_key(3, 5, 7, 11)
+    for rows, per_sample in ((slice(0, 3), (5, 7)), (slice(7, 9), (40000,)), (slice(2, 4), (4, 128, 128))):
+        for p in (0.0, 0.1, 1 / 3, 0.5, 1e-7, 0.9999):
+            want = (K.hash_uniform(key, rows, per_sample) >= np.float32(p)).astype(dtype) * dtype(1.0 / (1.0 - p))
+            got = K.keep_mask(key, rows, per_sample, p, dtype)
+            assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()

@@ -2,9 +2,10 @@
 
 The rule, in one place for every path (the CPU path, a WSE in weight
 streaming or pipelined, and numerics run in any other process): a dense
-layer whose products are under SMALL_PRODUCT_FLOPS runs them on one thread;
-every other product keeps the thread count its process started with (the
-launcher's share of the cores, or OPENBLAS_NUM_THREADS).
+layer whose products are under SMALL_PRODUCT_FLOPS runs them on one thread,
+a larger one on the thread count its process started with (the launcher's
+share of the cores, or OPENBLAS_NUM_THREADS); every other layer (transformer
+layers, captured units) runs its products on one thread (unit_threads says why).
 
 Why one thread: OpenBLAS splits a product of more than about 13M
 multiply-adds over its threads, and the product ends only when every thread
@@ -99,7 +100,30 @@ def threads_for(flops: int) -> int:
 def dense_layer_threads(rows: int, in_features: int, out_features: int) -> Iterator[None]:
     """A dense layer's products (forward, weight gradient and input gradient, each
     2 * rows * in * out FLOPs) on the count the rule gives them; the process's count after."""
-    threads = threads_for(2 * rows * in_features * out_features)
+    with _threads(threads_for(2 * rows * in_features * out_features)):
+        yield
+
+
+@contextmanager
+def unit_threads() -> Iterator[None]:
+    """Every other layer (a transformer's embedding, blocks and heads; a captured model's
+    units): its products on one thread, whatever their size; the process's count after.
+
+    Why: between its products such a unit runs attention and elementwise work on one core
+    for as long again, during which OpenBLAS's second thread spins for its next job (about
+    0.1 s before it sleeps), and its weight-gradient products (inner dimension: every token
+    of the batch) split badly over two threads. On the shared 2-core machine, GPT-2 of the
+    transformer preset (32 x 128 tokens, width 256) took 1.4 s of CPU per step on one
+    thread and 3 to 8.6 s on two, whose wall time was no shorter (docs/benchmarks.md);
+    a 4096 x 256 x 1024 weight gradient took 23 ms on one thread, 50 to 72 ms of CPU and
+    70 to 140 ms of wall time on two."""
+    with _threads(1 if _openblas().set_threads is not None else 0):
+        yield
+
+
+@contextmanager
+def _threads(threads: int) -> Iterator[None]:
+    """`threads` (0: leave the count alone) inside, the process's count after."""
     blas = _openblas()
     if threads == 0 or threads == blas.current:
         yield

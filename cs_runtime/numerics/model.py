@@ -31,7 +31,6 @@ master weights stay float32.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
@@ -272,11 +271,12 @@ def not_lowered(spec: ModelSpec, layer: LayerSpec | None = None) -> ValueError:
 
 
 def blas_threads(spec: ModelSpec, layer: LayerSpec, batch):
-    """A dense layer's matrix products on the BLAS thread count numerics/blas.py's rule gives
-    them (the same on every path, so the same shapes give the same bits); any other layer
-    keeps the process's count. `batch`: the batch's input, or a program's live values (which hold it)."""
+    """A layer's matrix products on the BLAS thread count numerics/blas.py's rule gives
+    them (the same on every path, so the same shapes give the same bits): a dense layer's
+    by their size, any other layer's on one thread. `batch`: the batch's input, or a
+    program's live values (which hold it)."""
     if layer.op != "dense":
-        return nullcontext()
+        return blas.unit_threads()
     if isinstance(batch, dict):
         batch = batch[spec.program["inputs"][0]]
     rows = batch.size // batch.shape[-1] if batch.ndim > 1 else len(batch)   # [..., features]: every row
