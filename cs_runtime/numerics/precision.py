@@ -53,6 +53,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:   # optional: a one-pass bfloat16 encoder in C++ (the same patterns: tests/test_precision_chunks.py)
+    from ml_dtypes import bfloat16 as _ML_BFLOAT16
+except ImportError:    # pragma: no cover - the numpy path below
+    _ML_BFLOAT16 = None
+
 FORMATS = frozenset({"float32", "float16", "bfloat16", "cbfloat16"})
 
 
@@ -329,8 +334,19 @@ def to_bits(x: np.ndarray, fmt: str, out: np.ndarray | None = None) -> np.ndarra
         _encode(x, _SPECS[fmt], _output(out, x.shape, np.float16).view(np.uint16))
         return out
     if fmt == "bfloat16":
-        return _encode_bfloat16(x, out)
+        if _ML_BFLOAT16 is None:
+            return _encode_bfloat16(x, out)
+        return _encode_bfloat16_ml(x, out)
     return _encode(x, _SPECS[fmt], out)
+
+
+def _encode_bfloat16_ml(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`_encode_bfloat16` by ml_dtypes' cast: the same rounding (nearest even on the bits,
+    canonical quiet nan with its sign) in one pass, half the time of the numpy passes."""
+    result = _output(out, x.shape, np.uint16)
+    with np.errstate(invalid="ignore"):     # nans: encoded, not an error
+        np.copyto(result.view(_ML_BFLOAT16), x, casting="unsafe")
+    return result
 
 
 def from_bits(b: np.ndarray, fmt: str, out: np.ndarray | None = None) -> np.ndarray:
