@@ -72,6 +72,24 @@ def test_bfloat16_fast_path_matches_the_general_encoder():
     assert bad.size == 0, f"{bad.size} differ, first bits {x.view(np.uint32)[bad[:3]]}: {got[bad[:3]]} != {want[bad[:3]]}"
 
 
+def test_bfloat16_numpy_path_and_ml_dtypes_path_agree():
+    """Both bfloat16 encoders (the numpy passes, and ml_dtypes' cast where it is installed)
+    give the general encoder's patterns: ties with bfloat16's 16 dropped bits, subnormals,
+    nans and all, into fresh arrays and into given buffers."""
+    k = np.random.default_rng(3).integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32)
+    ties = (k & ~np.uint32(0xFFFF)) | np.uint32(0x8000)
+    x = _with_nans(np.concatenate([_patterns().view(np.uint32), ties, ties + 1, ties - 1]).view(np.float32))
+    with np.errstate(invalid="ignore"):
+        want = _encode(x, _SPECS["bfloat16"])
+    encoders = [precision._encode_bfloat16]
+    if precision._ML_BFLOAT16 is not None:
+        encoders.append(precision._encode_bfloat16_ml)
+    for encode in encoders:
+        assert np.array_equal(encode(x), want), encode.__name__
+        out = np.empty(x.shape, np.uint16)
+        assert encode(x, out) is out and np.array_equal(out, want), encode.__name__
+
+
 def test_out_buffers_get_the_same_patterns_and_values():
     x = _with_nans(_patterns()).reshape(-1, 4)
     for fmt in ("float32", "float16", "bfloat16", "cbfloat16"):

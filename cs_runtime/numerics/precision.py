@@ -53,6 +53,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+try:   # optional: a one-pass bfloat16 encoder in C++ (the same patterns: tests/test_precision_chunks.py)
+    from ml_dtypes import bfloat16 as _ML_BFLOAT16
+except ImportError:    # pragma: no cover - the numpy path below
+    _ML_BFLOAT16 = None
+
 FORMATS = frozenset({"float32", "float16", "bfloat16", "cbfloat16"})
 
 
@@ -253,36 +258,42 @@ def _encode_special(mag: np.ndarray, out: np.ndarray, spec: _Spec) -> None:
 def _decode(b: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.ndarray:
     """Bit patterns of `spec` -> float32, exactly, chunk by chunk; into `out` when given.
 
-    The magnitude's fields shifted into place read as a float32 whose exponent
-    is `127 - bias` too small; multiplying by 2**(127 - bias) is exact, for
-    zeros and subnormals too (those read as float32 subnormals). Inf and nan
-    (rare) are computed on their own, in a chunk that holds some."""
+    The patterns read as int16 and widened to int32 sign-extend: the sign lands in
+    bit 31 (and in every bit above the pattern's 15 field bits). Shifted left into
+    float32's field positions, with the copies of the sign between cleared, they read
+    as a float32 of the right sign whose exponent is `127 - bias` too small;
+    multiplying by 2**(127 - bias) is exact, for zeros and subnormals too (those read
+    as float32 subnormals). Four passes where splitting off the sign took seven.
+    bfloat16 is float32's upper half: the shift is the whole conversion. Inf and nan
+    (rare) are computed on their own, in a chunk that holds some (its max or min says so)."""
     b = np.asarray(b)
-    flat = b.reshape(-1)
+    flat = b.reshape(-1).view(np.int16)
     result = _output(out, b.shape, np.float32)
-    out = result.reshape(-1).view(np.uint32)
-    shift = np.uint32(23 - spec.man_bits)
+    out = result.reshape(-1).view(np.int32)
+    shift = np.int32(23 - spec.man_bits)
+    keep = np.int32(np.uint32(0x80000000 | ((1 << (15 + int(shift))) - 1)).view(np.int32))   # sign, fields
     scale = np.float32(2.0 ** (127 - spec.bias))
-    size = min(_CHUNK, flat.size)
-    mag_buf, sign_buf = np.empty(size, np.uint32), np.empty(size, np.uint32)
+    # inf and nan patterns read as magnitudes from 2**(exp_max - bias) (inf in float32 for bfloat16)
+    special = np.float32(np.inf) if spec.exp_max - spec.bias > 127 else np.float32(2.0 ** (spec.exp_max - spec.bias))
     for start in range(0, flat.size, _CHUNK):
         patterns = flat[start:start + _CHUNK]
-        mag, sign, value = mag_buf[:patterns.size], sign_buf[:patterns.size], out[start:start + patterns.size]
-        np.copyto(mag, patterns, casting="unsafe")
-        np.bitwise_and(mag, np.uint32(0x8000), out=sign)
-        mag ^= sign
-        np.left_shift(mag, shift, out=value)
+        value = out[start:start + patterns.size]
+        np.copyto(value, patterns)                           # sign-extending
+        value <<= shift
+        if keep != -1:                                       # bfloat16: no copies of the sign below bit 31
+            value &= keep
         if scale != 1:                                       # bfloat16 has float32's exponent already
-            floats = value.view(np.float32)
-            np.multiply(floats, scale, out=floats)
-        if mag.max() >= spec.inf_bits:
+            np.multiply(value.view(np.float32), scale, out=value.view(np.float32))
+        floats = value.view(np.float32)
+        if not (floats.max() < special and floats.min() > -special):   # nan fails both: max propagates it
+            mag = patterns.view(np.uint16) & np.uint16(0x7FFF)
             rare = np.flatnonzero(mag >= spec.inf_bits)
             if spec.numpy_half:                              # nan payloads as numpy's conversion keeps them
-                value[rare] = mag[rare].astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+                widened = patterns[rare].view(np.float16).astype(np.float32).view(np.int32)
             else:
-                value[rare] = _decode_rare(mag[rare].astype(np.int64), spec)
-        sign <<= np.uint32(16)
-        value |= sign
+                sign = (patterns[rare].view(np.uint16).astype(np.uint32) & np.uint32(0x8000)) << np.uint32(16)
+                widened = (_decode_rare(mag[rare].astype(np.int64), spec) | sign).view(np.int32)
+            value[rare] = widened
     return result
 
 
@@ -323,8 +334,19 @@ def to_bits(x: np.ndarray, fmt: str, out: np.ndarray | None = None) -> np.ndarra
         _encode(x, _SPECS[fmt], _output(out, x.shape, np.float16).view(np.uint16))
         return out
     if fmt == "bfloat16":
-        return _encode_bfloat16(x, out)
+        if _ML_BFLOAT16 is None:
+            return _encode_bfloat16(x, out)
+        return _encode_bfloat16_ml(x, out)
     return _encode(x, _SPECS[fmt], out)
+
+
+def _encode_bfloat16_ml(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`_encode_bfloat16` by ml_dtypes' cast: the same rounding (nearest even on the bits,
+    canonical quiet nan with its sign) in one pass, half the time of the numpy passes."""
+    result = _output(out, x.shape, np.uint16)
+    with np.errstate(invalid="ignore"):     # nans: encoded, not an error
+        np.copyto(result.view(_ML_BFLOAT16), x, casting="unsafe")
+    return result
 
 
 def from_bits(b: np.ndarray, fmt: str, out: np.ndarray | None = None) -> np.ndarray:
