@@ -128,3 +128,11 @@ def test_dropout_keep_mask_is_the_draws_compared_with_p(dtype):
             want = (K.hash_uniform(key, rows, per_sample) >= np.float32(p)).astype(dtype) * dtype(1.0 / (1.0 - p))
             got = K.keep_mask(key, rows, per_sample, p, dtype)
             assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def test_splitmix64_in_place_rounds_equal_the_python_int_finaliser():
+    """The array finaliser (its rounds shared with keep_mask) against the plain-int one, and
+    splitmix64's published first output for the state 0."""
+    x = np.array([0, 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 12345678901234567], dtype=np.uint64)
+    assert [int(v) for v in K.splitmix64(x)] == [K._splitmix64_int(int(v)) for v in x]
+    assert int(K.splitmix64(np.zeros(1, np.uint64))[0]) == 0xE220A8397B1DCDAF

@@ -34,9 +34,21 @@ _M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser, elementwise on uint64 (wraps mod 2**64 by design)."""
     z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    _splitmix64_rounds(z, np.empty_like(z))
+    return z
+
+
+def _splitmix64_rounds(z: np.ndarray, t: np.ndarray) -> None:
+    """splitmix64's shift-xor-multiply rounds on z (already + _GOLDEN), in place; t: scratch
+    of z's shape. keep_mask runs them on cache-sized pieces, splitmix64 on whole arrays."""
+    np.right_shift(z, np.uint64(30), out=t)
+    z ^= t
+    z *= _M1
+    np.right_shift(z, np.uint64(27), out=t)
+    z ^= t
+    z *= _M2
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
 
 
 _MASK64 = (1 << 64) - 1
@@ -96,15 +108,8 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
         first = start * n + lo
         zc[:] = np.arange(first, first + m, dtype=np.uint64)
         zc ^= key
-        zc += _GOLDEN                                # splitmix64, pass by pass, into zc
-        np.right_shift(zc, np.uint64(30), out=tc)
-        zc ^= tc
-        zc *= _M1
-        np.right_shift(zc, np.uint64(27), out=tc)
-        zc ^= tc
-        zc *= _M2
-        np.right_shift(zc, np.uint64(31), out=tc)
-        zc ^= tc
+        zc += _GOLDEN                                # splitmix64, in place in zc
+        _splitmix64_rounds(zc, tc)
         zc >>= np.uint64(40)                         # 24 random bits
         np.greater_equal(zc, threshold, out=kc)
         np.multiply(kc, scale, out=out[lo:lo + m], dtype=dtype)
