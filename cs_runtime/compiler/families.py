@@ -41,12 +41,13 @@ from cs_runtime.compiler.units import split_units
 from cs_runtime.numerics import kernels
 from cs_runtime.numerics.model import GELU_KINDS, ModelSpec
 from cs_runtime.numerics.program import Node, Program, Value, infer_values
+from cs_runtime.numerics.transformer import NSP_FEATURES
 
 CONTEXT = "dropout_context"   # int64 [seed, step, row_start, row_stop, global_batch, train]
 INPUT, LABELS, LOSS, LOGITS = "x", "labels", "loss", "logits"
 # BERT's next-sentence head: its inputs (features of a batch besides the token ids) and loss
-SEGMENTS, NSP_LABELS, NSP_LOSS, NSP_LOGITS = "segment_ids", "next_sentence_label", "nsp_loss", "nsp_logits"
-NSP_FEATURES = ["input_ids", SEGMENTS, NSP_LABELS]
+_, SEGMENTS, NSP_LABELS = NSP_FEATURES
+NSP_LOSS, NSP_LOGITS = "nsp_loss", "nsp_logits"
 PAD_KEYS = "embed:key_keep"
 ACTIVATION_OPS = {"relu": ("relu", {}), "tanh": ("tanh", {}), "sigmoid": ("sigmoid", {}),
                   "gelu": ("gelu", {}), "gelu_new": ("gelu", {"approximate": "tanh"}),

@@ -22,12 +22,13 @@ from __future__ import annotations
 from typing import Callable
 
 from cs_runtime.numerics.model import LayerSpec, ModelSpec
+from cs_runtime.numerics.transformer import NSP_FEATURES
 
 from .ir import BATCH, CompileError, Graph, validate
 
 INPUT = "x"
 LABELS = "labels"
-SEGMENTS, NSP_LABELS = "segment_ids", "next_sentence_label"
+_, SEGMENTS, NSP_LABELS = NSP_FEATURES
 
 
 def lower_dense(g: Graph, layer: LayerSpec, x: str) -> str:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cs_runtime.data.text import NSP_FEATURES, TextDataError
+from cs_runtime.data.text import TextDataError
+from cs_runtime.numerics.transformer import NSP_FEATURES
 from cs_runtime.numerics.kernels import IGNORE_INDEX
 
 PAD_ID = 0

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cs_runtime.numerics.kernels import IGNORE_INDEX, hash_key, hash_uniform
+from cs_runtime.numerics.transformer import NSP_FEATURES   # a pair sample's features by name
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
@@ -142,9 +143,6 @@ def pack_lines(tokens: np.ndarray, room: int) -> list[tuple[int, int]]:
     if end > start:
         spans.append((start, end))
     return spans
-
-
-NSP_FEATURES = ("input_ids", "segment_ids", "next_sentence_label")   # a pair sample's features by name
 
 
 class BertDataset:
