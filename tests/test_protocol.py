@@ -505,6 +505,24 @@ def ctx():
     c.destroy(linger=0)
 
 
+@pytest.fixture
+def curve_pair(ctx):
+    """(server, client, keys): a CURVE ROUTER and a DEALER connected to it, of job1."""
+    from cs_runtime.wire import auth
+    folder = auth.create_job_dir()
+    keys = auth.load_keys(str(folder))
+    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1", keys=keys)
+    client = Endpoint(ctx, zmq.DEALER, "client", job="job1", keys=keys)
+    try:
+        client.connect(server.bind("127.0.0.1"))
+        yield server, client, keys
+    finally:
+        client.close()
+        server.close()
+        auth.stop_authenticator(ctx)
+        auth.remove_job_dir(folder)
+
+
 def test_endpoint_round_trip_over_tcp_zero_copy(ctx):
     server = Endpoint(ctx, zmq.ROUTER, "server", job="job1")
     client = Endpoint(ctx, zmq.DEALER, "client", job="job1")
@@ -531,26 +549,15 @@ def test_endpoint_round_trip_over_tcp_zero_copy(ctx):
         server.close()
 
 
-def test_endpoint_carries_arrays_of_many_frames_under_curve_within_the_frame_cap(ctx):
+def test_endpoint_carries_arrays_of_many_frames_under_curve_within_the_frame_cap(curve_pair):
     """Each frame, CURVE's wrapping included, fits the socket's MAXMSGSIZE (else libzmq
     drops the connection silently and the message never comes)."""
-    from cs_runtime.wire import auth
-    folder = auth.create_job_dir()
-    keys = auth.load_keys(str(folder))
-    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1", keys=keys)
-    client = Endpoint(ctx, zmq.DEALER, "client", job="job1", keys=keys)
-    try:
-        client.connect(server.bind("127.0.0.1"))
-        big = np.random.default_rng(2).standard_normal(protocol.MAX_FRAME_BYTES // 4 * 3 - 5).astype(np.float32)
-        client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
-        got = server.recv(timeout_ms=5000)
-        assert got is not None, "the split array never arrived"
-        np.testing.assert_array_equal(got[1].arrays["weight"], big)
-    finally:
-        client.close()
-        server.close()
-        auth.stop_authenticator(ctx)
-        auth.remove_job_dir(folder)
+    server, client, _ = curve_pair
+    big = np.random.default_rng(2).standard_normal(protocol.MAX_FRAME_BYTES // 4 * 3 - 5).astype(np.float32)
+    client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
+    got = server.recv(timeout_ms=5000)
+    assert got is not None, "the split array never arrived"
+    np.testing.assert_array_equal(got[1].arrays["weight"], big)
 
 
 def test_a_header_over_the_cap_is_refused_by_its_sender_naming_the_peer_and_the_limit(ctx, caplog):
@@ -829,26 +836,15 @@ def test_bad_sizes_another_job_or_a_bad_reference_are_refused_before_a_byte_is_c
     assert (buffer[:cap] == 1).all() and (buffer[cap:] == 2).all()
 
 
-def test_endpoint_recv_joins_into_kept_buffers_under_curve(ctx):
-    from cs_runtime.wire import auth
-    folder = auth.create_job_dir()
-    keys = auth.load_keys(str(folder))
-    server = Endpoint(ctx, zmq.ROUTER, "server", job="job1", keys=keys)
-    client = Endpoint(ctx, zmq.DEALER, "client", job="job1", keys=keys)
-    try:
-        client.connect(server.bind("127.0.0.1"))
-        big = _split(nbytes_extra=12)
-        buffer = np.empty_like(big)
-        client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
-        got = server.recv(timeout_ms=5000, into=lambda *_header: buffer)
-        assert got is not None, "the split array never arrived"
-        assert np.shares_memory(got[1].arrays["weight"], buffer) and buffer.tobytes() == big.tobytes()
-        assert got[1].job == "job1" and server.last_user == keys.client_public.decode()
-    finally:
-        client.close()
-        server.close()
-        auth.stop_authenticator(ctx)
-        auth.remove_job_dir(folder)
+def test_endpoint_recv_joins_into_kept_buffers_under_curve(curve_pair):
+    server, client, keys = curve_pair
+    big = _split(nbytes_extra=12)
+    buffer = np.empty_like(big)
+    client.send(Message(Msg.GRADS, step=1, layer=0, arrays={"weight": big}))
+    got = server.recv(timeout_ms=5000, into=lambda *_header: buffer)
+    assert got is not None, "the split array never arrived"
+    assert np.shares_memory(got[1].arrays["weight"], buffer) and buffer.tobytes() == big.tobytes()
+    assert got[1].job == "job1" and server.last_user == keys.client_public.decode()
 
 
 def test_a_forwarder_validates_a_streamed_message_without_building_its_arrays():
