@@ -5,7 +5,9 @@ streaming or pipelined, and numerics run in any other process): a dense
 layer whose products are under SMALL_PRODUCT_FLOPS runs them on one thread,
 a larger one on the thread count its process started with (the launcher's
 share of the cores, or OPENBLAS_NUM_THREADS); every other layer (transformer
-layers, captured units) runs its products on one thread (unit_threads says why).
+layers, captured units) runs its products on one thread (unit_threads says why),
+and numerics/parallel.py cuts the large ones into pieces that run side by side on
+Python threads, each on one BLAS thread.
 
 Why one thread: OpenBLAS splits a product of more than about 13M
 multiply-adds over its threads, and the product ends only when every thread

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cs_runtime.numerics import parallel
+
 IGNORE_INDEX = -100     # labels with this value take no part in the loss
 MASKED_SCORE = -1e9     # attention score of a key a query may not see
 
@@ -99,20 +101,23 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
     out = np.empty((stop - start) * n, dtype=dtype)
     threshold = np.uint64(math.ceil(float(np.float32(p)) * 2.0 ** 24))
     scale = dtype(1.0 / (1.0 - p))
-    z = np.empty(min(_MASK_CHUNK, out.size), dtype=np.uint64)
-    t = np.empty_like(z)
-    keep = np.empty(z.shape, dtype=bool)
-    for lo in range(0, out.size, _MASK_CHUNK):   # counters start*n + i: row r's element j is r*n + j
-        m = min(_MASK_CHUNK, out.size - lo)
-        zc, tc, kc = z[:m], t[:m], keep[:m]
-        first = start * n + lo
-        zc[:] = np.arange(first, first + m, dtype=np.uint64)
-        zc ^= key
-        zc += _GOLDEN                                # splitmix64, in place in zc
-        _splitmix64_rounds(zc, tc)
-        zc >>= np.uint64(40)                         # 24 random bits
-        np.greater_equal(zc, threshold, out=kc)
-        np.multiply(kc, scale, out=out[lo:lo + m], dtype=dtype)
+
+    def fill(begin: int, end: int) -> None:          # out[begin:end], a chunk at a time
+        z = np.empty(min(_MASK_CHUNK, end - begin), dtype=np.uint64)
+        t = np.empty_like(z)
+        keep = np.empty(z.shape, dtype=bool)
+        for lo in range(begin, end, _MASK_CHUNK):    # counters start*n + i: row r's element j is r*n + j
+            m = min(_MASK_CHUNK, end - lo)
+            zc, tc, kc = z[:m], t[:m], keep[:m]
+            first = start * n + lo
+            zc[:] = np.arange(first, first + m, dtype=np.uint64)
+            zc ^= key
+            zc += _GOLDEN                            # splitmix64, in place in zc
+            _splitmix64_rounds(zc, tc)
+            zc >>= np.uint64(40)                     # 24 random bits
+            np.greater_equal(zc, threshold, out=kc)
+            np.multiply(kc, scale, out=out[lo:lo + m], dtype=dtype)
+    parallel.over_rows(out.size, fill, align=_MASK_CHUNK)
     return out.reshape((stop - start, *per_sample))
 
 
@@ -195,9 +200,12 @@ def _by_pieces(fn, x: np.ndarray) -> np.ndarray:
     """fn (float64 in, float64 out) over x a cache-sized piece at a time, in x's dtype."""
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(flat.shape, dtype=x.dtype)
-    for start in range(0, flat.size, _PIECE):
-        piece = flat[start:start + _PIECE]
-        out[start:start + _PIECE] = fn(piece.astype(np.float64))
+
+    def fill(begin: int, end: int) -> None:
+        for start in range(begin, end, _PIECE):
+            stop = min(start + _PIECE, end)
+            out[start:stop] = fn(flat[start:stop].astype(np.float64))
+    parallel.over_rows(flat.size, fill, align=_PIECE)
     return out.reshape(x.shape)
 
 
@@ -372,6 +380,44 @@ def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
     dk = dscores.transpose(0, 1, 3, 2) @ q
     merged = [t.transpose(0, 2, 1, 3).reshape(b, s, heads * hd) for t in (dq, dk, dv)]
     return np.concatenate(merged, axis=-1)
+
+
+def _sample_pieces(qkv: np.ndarray, heads: int, work) -> None:
+    """work(lo, hi) over the batch's samples in parallel.py's fixed cut: attention never
+    mixes samples, so each piece is the whole computation for its samples, the same bits."""
+    b, s, _ = qkv.shape
+    parallel.over_rows(b, work, elements=b * heads * s * s)
+
+
+def _rows(t: np.ndarray | None, lo: int, hi: int) -> np.ndarray | None:
+    """A per-sample operand's samples lo:hi (one broadcast over the batch stays whole)."""
+    return t if t is None or np.ndim(t) == 0 or t.shape[0] == 1 else t[lo:hi]
+
+
+def attention_output(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.ndarray | None = None,
+                     drop: np.ndarray | None = None) -> np.ndarray:
+    """attention_forward's output alone, a piece of the batch at a time (side by side
+    where parallel.py allows), with nothing kept for the backward."""
+    b, s, three_d = qkv.shape
+    out = np.empty((b, s, three_d // 3), qkv.dtype)
+
+    def piece(lo: int, hi: int) -> None:
+        out[lo:hi] = attention_forward(qkv[lo:hi], heads, causal, _rows(key_keep, lo, hi), _rows(drop, lo, hi))[0]
+    _sample_pieces(qkv, heads, piece)
+    return out
+
+
+def attention_grad(dout: np.ndarray, qkv: np.ndarray, heads: int, causal: bool,
+                   key_keep: np.ndarray | None = None, drop: np.ndarray | None = None) -> np.ndarray:
+    """d qkv from the packed projection alone: the probabilities recomputed (not kept
+    from the forward) and attention_backward, a piece of the batch at a time."""
+    grad = np.empty(qkv.shape, np.result_type(dout, qkv))
+
+    def piece(lo: int, hi: int) -> None:
+        cache = attention_probs(qkv[lo:hi], heads, causal, _rows(key_keep, lo, hi), _rows(drop, lo, hi))
+        grad[lo:hi] = attention_backward(dout[lo:hi], cache)
+    _sample_pieces(qkv, heads, piece)
+    return grad
 
 
 # ---------------------------------------------------------------- loss

@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from cs_runtime.numerics import kernels
+from cs_runtime.numerics import kernels, parallel
+from cs_runtime.numerics.parallel import matmul as mm
 
 
 class OpError(ValueError):
@@ -193,16 +194,16 @@ def _matmul_vjp(g, inputs, out, attrs, wanted=(True, True)):
     a, b = inputs[:2]
     if b.ndim == 2 and a.ndim > 2:   # [..., k] @ [k, n]: one 2-d GEMM per gradient, not one per leading index
         g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
-        return [(g2 @ b.T).reshape(a.shape) if wanted[0] else None, a2.T @ g2 if wanted[1] else None]
-    return [unbroadcast(g @ _swap(b), a.shape) if wanted[0] else None,
-            unbroadcast(_swap(a) @ g, b.shape) if wanted[1] else None]
+        return [mm(g2, b.T).reshape(a.shape) if wanted[0] else None, mm(a2.T, g2) if wanted[1] else None]
+    return [unbroadcast(mm(g, _swap(b)), a.shape) if wanted[0] else None,
+            unbroadcast(mm(_swap(a), g), b.shape) if wanted[1] else None]
 
 
 def _flat_matmul(x, w):
     """x [..., k] @ w [k, n] as one 2-d GEMM (numpy runs a stacked one as many small ones)."""
     if w.ndim == 2 and x.ndim > 2:
-        return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[1])
-    return x @ w
+        return mm(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+    return mm(x, w)
 
 
 for _name in ("matmul", "mm", "bmm"):
@@ -221,7 +222,7 @@ def _linear_forward(inputs, attrs):
 def _linear_vjp(g, inputs, out, attrs):
     x, w = inputs[0], inputs[1]
     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    grads = [(g2 @ w).reshape(x.shape), g2.T @ x2]
+    grads = [mm(g2, w).reshape(x.shape), mm(g2.T, x2)]
     if len(inputs) > 2:
         grads.append(g2.sum(axis=0))
     return grads
@@ -248,10 +249,10 @@ def _addmm_shape(shapes, attrs):
 
 def _addmm_vjp(g, inputs, out, attrs):
     bias, a, b = inputs
-    return [unbroadcast(g, bias.shape), g @ b.T, a.T @ g]
+    return [unbroadcast(g, bias.shape), mm(g, b.T), mm(a.T, g)]
 
 
-_register("addmm", lambda i, a: i[0] + i[1] @ i[2], _addmm_vjp, _addmm_shape,
+_register("addmm", lambda i, a: i[0] + mm(i[1], i[2]), _addmm_vjp, _addmm_shape,
           lambda s, out, a: 2 * _numel(out) * int(s[1][-1]), saves_inputs=(1, 2))
 
 
@@ -311,8 +312,12 @@ def _by_pieces(fn, x):
         return fn(x)
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(flat.shape, dtype=x.dtype)
-    for start in range(0, flat.size, _PIECE):
-        out[start:start + _PIECE] = fn(flat[start:start + _PIECE])
+
+    def fill(begin: int, end: int) -> None:
+        for start in range(begin, end, _PIECE):
+            stop = min(start + _PIECE, end)
+            out[start:stop] = fn(flat[start:stop])
+    parallel.over_rows(flat.size, fill, align=_PIECE)
     return out.reshape(x.shape)
 
 
@@ -431,15 +436,31 @@ def _ln_axes(x, attrs):
 # expressions (y = (x - mean) * rstd * gain + bias; the vjp below), so the numbers are
 # the same bit for bit with a third of the new arrays.
 
+def _by_rows(x, axes, work) -> None:
+    """work(lo, hi) over the first axis's rows of x in parallel.py's fixed cut, when the
+    normalised axes leave one (every row is normalised on its own: the same bits)."""
+    if len(axes) == x.ndim:
+        work(None, None)
+    else:
+        parallel.over_rows(x.shape[0], work, elements=x.size, align=1)
+
+
 def _layer_norm_stats(x, attrs):
     """(x-hat in a new array, rstd)."""
     axes = _ln_axes(x, attrs)
-    centred = x - x.mean(axis=axes, keepdims=True)
-    square = centred * centred
-    var = square.mean(axis=axes, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + x.dtype.type(attrs.get("eps", 1e-5)))
-    centred *= rstd
-    return centred, rstd
+    eps = x.dtype.type(attrs.get("eps", 1e-5))
+    xhat = np.empty(x.shape, x.dtype)
+    rstd = np.empty(x.shape[:x.ndim - len(axes)] + (1,) * len(axes), x.dtype)
+
+    def rows(lo, hi):
+        part = x[lo:hi]
+        centred = np.subtract(part, part.mean(axis=axes, keepdims=True), out=xhat[lo:hi])
+        square = centred * centred
+        var = square.mean(axis=axes, keepdims=True)
+        np.divide(1.0, np.sqrt(var + eps), out=rstd[lo:hi])
+        centred *= rstd[lo:hi]
+    _by_rows(x, axes, rows)
+    return xhat, rstd
 
 
 def _layer_norm_forward(inputs, attrs):
@@ -459,16 +480,24 @@ def _layer_norm_vjp(g, inputs, out, attrs):
     axes = _ln_axes(x, attrs)
     lead = tuple(range(x.ndim - len(axes)))
     has_gain = len(inputs) > 1 and inputs[1] is not None
-    dx = g * inputs[1] if has_gain else g.copy()
-    scratch = dx * xhat
-    projection = scratch.mean(axis=axes, keepdims=True)
-    dx -= dx.mean(axis=axes, keepdims=True)
-    np.multiply(xhat, projection, out=scratch)
-    dx -= scratch
-    dx *= rstd
+    dx = np.empty(np.broadcast_shapes(g.shape, x.shape), np.result_type(g, inputs[1]) if has_gain else g.dtype)
+
+    def rows(lo, hi):
+        d = dx[lo:hi]
+        if has_gain:
+            np.multiply(g[lo:hi], inputs[1], out=d)
+        else:
+            d[...] = g[lo:hi]
+        scratch = d * xhat[lo:hi]
+        projection = scratch.mean(axis=axes, keepdims=True)
+        d -= d.mean(axis=axes, keepdims=True)
+        np.multiply(xhat[lo:hi], projection, out=scratch)
+        d -= scratch
+        d *= rstd[lo:hi]
+    _by_rows(x, axes, rows)
     grads = [dx]
     if len(inputs) > 1:
-        grads.append(np.multiply(g, xhat, out=scratch).sum(axis=lead) if has_gain else None)
+        grads.append(np.multiply(g, xhat).sum(axis=lead) if has_gain else None)
     if len(inputs) > 2:
         grads.append(g.sum(axis=lead))
     return grads
@@ -622,14 +651,14 @@ def _attention_parts(inputs, attrs):
 
 def _attention_forward(inputs, attrs):
     qkv, keep, drop = _attention_parts(inputs, attrs)
-    return kernels.attention_forward(qkv, int(attrs["heads"]), bool(attrs.get("causal")), keep, drop)[0]
+    return kernels.attention_output(qkv, int(attrs["heads"]), bool(attrs.get("causal")), keep, drop)
 
 
 def _attention_vjp(g, inputs, out, attrs):
     """Recomputes the probabilities from the packed projection rather than keeping them."""
     qkv, keep, drop = _attention_parts(inputs, attrs)
-    cache = kernels.attention_probs(qkv, int(attrs["heads"]), bool(attrs.get("causal")), keep, drop)
-    return [kernels.attention_backward(g, cache), *([None] * (len(inputs) - 1))]
+    grad = kernels.attention_grad(g, qkv, int(attrs["heads"]), bool(attrs.get("causal")), keep, drop)
+    return [grad, *([None] * (len(inputs) - 1))]
 
 
 def _attention_shape(shapes, attrs):

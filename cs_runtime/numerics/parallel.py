@@ -1,0 +1,142 @@
+"""Large products and passes cut into pieces that run side by side, with the bits of one.
+
+Why: the one-thread rule (blas.py) keeps a transformer's products off OpenBLAS's
+threads, which spin while they wait and lose their work to every other process
+on a shared host. On free cores that leaves one core idle. Here a large product
+or pass is cut into PIECES by its shape alone, each piece computed on one BLAS
+thread, and the pieces run on a small pool of Python threads (numpy lets go of
+the GIL inside BLAS calls and ufunc loops). A waiting thread blocks: on a busy
+host a piece that waits for a core costs time, never another process's CPU.
+
+Why the bits stay the same: a piece is the same computation whether it runs
+beside the others or after them, and the cuts depend on the shape only, so every
+path (the CPU path, a WSE in weight streaming or pipelined) computes the same
+pieces. A product cut by rows is also the same, bit for bit, as the uncut
+product on one OpenBLAS thread (each output row comes from the same kernel with
+the same inner loop; tests/test_parallel.py checks the shapes the models use),
+so the cut changes nothing next to earlier runs either. Work is cut wherever the
+one-thread rule holds, with one thread or many, so the cut never depends on the
+thread count.
+
+How many threads: the count the process's BLAS started with, which the launcher
+sets to a WSE's share of the host's cores and to 1 for every other role
+(launch/launcher.py), and csrun_cpu leaves at the host's cores. With one thread
+the pieces run one after another. Where BLAS runs its own threads (a dense
+layer's large products) nothing is cut.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from . import blas
+
+# Pieces a large product or pass is cut into: fixed (not the thread count), so the
+# same shapes are cut the same way in every process. More pieces than threads, so a
+# thread that gets no core holds up little; a product's pieces keep at least
+# MIN_PIECE_ROWS rows, as each piece packs the whole right operand again.
+PIECES = 4
+MIN_PIECE_ROWS = 128
+
+# Work under this many FLOPs (a multiply-add counts 2) or elements is not cut: a
+# hand-off to a pool thread costs some tens of microseconds.
+MIN_FLOPS = 1 << 23
+MIN_ELEMENTS = 1 << 16
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def threads() -> int:
+    """Threads this process runs pieces on: its BLAS's starting count, 1 when unknown."""
+    return max(1, blas.started_with())
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=threads() - 1, thread_name_prefix="numerics")
+        return _pool
+
+
+def _cutting() -> bool:
+    """Whether work is cut now: where the one-thread rule holds, whatever the thread count
+    (so the cut, and the bits, never depend on how many threads a process has)."""
+    return blas.current() == 1
+
+
+def cuts(n: int, pieces: int = PIECES, align: int = 8) -> list[tuple[int, int]]:
+    """range(n) in at most `pieces` contiguous parts, each start a multiple of `align`
+    (fewer parts when n is small): the fixed cut every process makes of the same n."""
+    step = max(align, -(-(-(-n // pieces)) // align) * align)     # ceil(n / pieces), rounded up to align
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def run(tasks: list[Callable[[], None]]) -> None:
+    """Run every task (a piece of one computation), returning when all are done; the first
+    error is raised. This thread and, when the process has more than one, pool threads
+    take the next task in turn until none is left: a pool thread that waits for a core
+    leaves its share to this one, so a busy host costs at most the piece it holds."""
+    if len(tasks) < 2 or threads() < 2:
+        for task in tasks:
+            task()
+        return
+    pending, lock = iter(tasks), threading.Lock()
+
+    def take_in_turn() -> None:
+        while True:
+            with lock:
+                task = next(pending, None)
+            if task is None:
+                return
+            task()
+    helpers = [_executor().submit(take_in_turn) for _ in range(min(threads(), len(tasks)) - 1)]
+    try:
+        take_in_turn()
+    finally:
+        errors = [helper.exception() for helper in helpers]     # waits for every piece held
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+def over_rows(n: int, work: Callable[[int, int], None], elements: int | None = None, align: int = 8) -> None:
+    """work(lo, hi) for the fixed cut of range(n) (starts a multiple of `align`), side by
+    side, when `elements` (the whole pass's size; n when not given) makes cutting worth it;
+    else one call over everything. `work` must compute each index the same way whatever
+    lo and hi are: elementwise, or a row at a time."""
+    if (n if elements is None else elements) < MIN_ELEMENTS or n < 2 or not _cutting():
+        work(0, n)
+        return
+    run([lambda lo=lo, hi=hi: work(lo, hi) for lo, hi in cuts(n, align=align)])
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b, cut by the rows of a 2-d a, or by the leading index of stacked operands of
+    the same leading shape; any other case, or a small product, is a plain a @ b."""
+    if a.ndim < 2 or b.ndim < 2:
+        return a @ b
+    lead = a.shape[:-2]
+    flops = 2 * math.prod(lead) * a.shape[-2] * a.shape[-1] * b.shape[-1]
+    if a.ndim == 2 and b.ndim == 2:
+        rows = a.shape[0]
+        pick = lambda lo, hi: (a[lo:hi], b)
+    elif a.ndim == b.ndim and lead == b.shape[:-2]:
+        rows = a.shape[0]
+        pick = lambda lo, hi: (a[lo:hi], b[lo:hi])
+    else:
+        return a @ b
+    pieces = min(PIECES, rows // MIN_PIECE_ROWS) if a.ndim == 2 else PIECES
+    if flops < MIN_FLOPS or rows < 2 or pieces < 2 or not _cutting():
+        return a @ b
+    out = np.empty((*lead, a.shape[-2], b.shape[-1]), np.result_type(a, b))
+
+    def piece(lo: int, hi: int) -> None:
+        np.matmul(*pick(lo, hi), out=out[lo:hi])
+    run([lambda lo=lo, hi=hi: piece(lo, hi) for lo, hi in cuts(rows, pieces, align=8 if a.ndim == 2 else 1)])
+    return out

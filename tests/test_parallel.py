@@ -1,0 +1,135 @@
+"""Work cut into pieces that run side by side (cs_runtime/numerics/parallel.py): every cut
+computation gives the bits of the uncut one, and the pieces do run on two threads."""
+import threading
+
+import numpy as np
+import pytest
+
+from cs_runtime.numerics import blas, kernels, ops, parallel
+
+needs_setter = pytest.mark.skipif(blas.started_with() == 0,
+                                  reason="numpy's BLAS here is not an OpenBLAS with a thread setter: nothing is cut")
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    """Pieces on two threads, under the one-thread rule (as a transformer layer runs them)."""
+    monkeypatch.setattr(parallel, "threads", lambda: 2)
+    with blas.unit_threads():
+        yield
+
+
+def uncut(monkeypatch, fn, *args):
+    """fn(*args) with nothing cut: the reference."""
+    with monkeypatch.context() as patch:
+        patch.setattr(parallel, "_cutting", lambda: False)
+        return fn(*args)
+
+
+def test_cuts_cover_the_range_once_in_aligned_parts():
+    for n, pieces, align in ((4096, 4, 8), (256, 2, 8), (12, 4, 8), (5, 4, 8), (100, 4, 8), (70000, 4, 1 << 15)):
+        parts = parallel.cuts(n, pieces, align)
+        assert len(parts) <= pieces and parts[0][0] == 0 and parts[-1][1] == n
+        assert all(hi == next_lo for (_, hi), (next_lo, _) in zip(parts, parts[1:]))
+        assert all(lo % align == 0 and hi > lo for lo, hi in parts)
+    assert parallel.cuts(0) == []
+
+
+def test_pieces_run_side_by_side_and_every_piece_runs_once(monkeypatch):
+    """Two pieces that each wait for the other: done only if they run on two threads at once."""
+    monkeypatch.setattr(parallel, "threads", lambda: 2)
+    arrived = [threading.Event(), threading.Event()]
+    ran = []
+
+    def piece(i):
+        arrived[i].set()
+        ran.append((i, arrived[1 - i].wait(timeout=60)))
+    parallel.run([lambda: piece(0), lambda: piece(1)])
+    assert sorted(ran) == [(0, True), (1, True)]
+
+
+def test_with_one_thread_the_pieces_run_in_order_here(monkeypatch):
+    monkeypatch.setattr(parallel, "threads", lambda: 1)
+    here, ran = threading.get_ident(), []
+    parallel.run([lambda i=i: ran.append((i, threading.get_ident())) for i in range(5)])
+    assert ran == [(i, here) for i in range(5)]
+
+
+def test_a_failing_piece_raises_after_the_others_finish(monkeypatch):
+    monkeypatch.setattr(parallel, "threads", lambda: 2)
+    done = []
+
+    def fail():
+        raise ValueError("piece 2 failed")
+    with pytest.raises(ValueError, match="piece 2 failed"):
+        parallel.run([lambda: done.append(0), lambda: done.append(1), fail, lambda: done.append(3)])
+    assert sorted(done) == [0, 1, 3]
+
+
+# The products of the transformer preset (4096 tokens, width 256, MLP 1024; weight
+# gradients with the tokens inside), BERT-like and odd shapes, and stacked attention heads.
+SHAPES_2D = [((4096, 256), (256, 768), False), ((4096, 1024), (1024, 256), False), ((4096, 256), (256, 260), False),
+             ((256, 4096), (4096, 768), True), ((1024, 4096), (4096, 256), True), ((1000, 300), (300, 77), False)]
+
+
+@needs_setter
+@pytest.mark.parametrize("a_shape, b_shape, transposed", SHAPES_2D)
+def test_a_cut_product_is_the_uncut_product_bit_for_bit(monkeypatch, two_threads, a_shape, b_shape, transposed):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(a_shape[::-1] if transposed else a_shape).astype(np.float32)
+    a = a.T if transposed else a                 # a weight gradient's operand: a transposed view
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    assert 2 * a.shape[0] * a.shape[1] * b.shape[1] >= parallel.MIN_FLOPS
+    got = parallel.matmul(a, b)
+    assert got.tobytes() == (a @ b).tobytes() == uncut(monkeypatch, parallel.matmul, a, b).tobytes()
+
+
+@needs_setter
+def test_stacked_products_are_cut_by_their_leading_index(monkeypatch, two_threads):
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((32, 4, 128, 64)).astype(np.float32)
+    k = rng.standard_normal((32, 4, 128, 64)).astype(np.float32)
+    got = parallel.matmul(q, np.swapaxes(k, -1, -2))
+    assert got.tobytes() == (q @ np.swapaxes(k, -1, -2)).tobytes()
+    small = q[:, :, :4, :4]                      # under MIN_FLOPS: not cut, still right
+    assert parallel.matmul(small, small).tobytes() == (small @ small).tobytes()
+    broadcast = rng.standard_normal((128, 64)).astype(np.float32)    # other shapes: plain a @ b
+    assert parallel.matmul(q, broadcast.T @ broadcast).tobytes() == (q @ (broadcast.T @ broadcast)).tobytes()
+
+
+@needs_setter
+@pytest.mark.parametrize("causal, padded, dropped", [(True, False, True), (False, True, True), (False, False, False)])
+def test_attention_by_pieces_of_the_batch_is_attention_whole(monkeypatch, two_threads, causal, padded, dropped):
+    rng = np.random.default_rng(3)
+    b, s, heads, width = 16, 64, 4, 128
+    assert b * heads * s * s >= parallel.MIN_ELEMENTS
+    qkv = rng.standard_normal((b, s, 3 * width)).astype(np.float32)
+    keep = rng.random((b, s)) > 0.2 if padded else None
+    drop = kernels.keep_mask(kernels.hash_key(1, 2, 3), slice(0, b), (heads, s, s), 0.1, np.float32) if dropped else None
+    dout = rng.standard_normal((b, s, width)).astype(np.float32)
+    out, cache = kernels.attention_forward(qkv, heads, causal, keep, drop)
+    assert kernels.attention_output(qkv, heads, causal, keep, drop).tobytes() == out.tobytes()
+    want = kernels.attention_backward(dout, cache)
+    assert kernels.attention_grad(dout, qkv, heads, causal, keep, drop).tobytes() == want.tobytes()
+
+
+@needs_setter
+def test_masks_gelus_and_layer_norm_by_pieces_are_the_same_bits(monkeypatch, two_threads):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((32, 128, 1024)).astype(np.float32)
+    key = kernels.hash_key(5, 6, 7)
+    for fn, args in ((kernels.keep_mask, (key, slice(3, 35), (128, 1024), 0.1, np.float32)),
+                     (kernels.gelu, (x,)), (kernels.gelu_grad, (x,)), (ops.gelu_tanh, (x,)), (ops.gelu_tanh_grad, (x,))):
+        assert fn(*args).tobytes() == uncut(monkeypatch, fn, *args).tobytes(), fn.__name__
+    h = x[:, :, :256]
+    gain, bias = rng.standard_normal(256).astype(np.float32), rng.standard_normal(256).astype(np.float32)
+    g = rng.standard_normal(h.shape).astype(np.float32)
+    attrs = {"normalized_shape": [256], "eps": 1e-5}
+    layer_norm = ops.OPS["layer_norm"]
+    for inputs in ([h, gain, bias], [h, None, bias], [h]):
+        forward = layer_norm.forward(inputs, attrs)
+        assert forward.tobytes() == uncut(monkeypatch, layer_norm.forward, inputs, attrs).tobytes()
+        cut, whole = layer_norm.vjp(g, inputs, forward, attrs), uncut(monkeypatch, layer_norm.vjp, g, inputs, forward, attrs)
+        assert len(cut) == len(whole)
+        for got, want in zip(cut, whole):
+            assert (got is None and want is None) or got.tobytes() == want.tobytes()
