@@ -22,7 +22,8 @@ def two_threads(monkeypatch):
 def uncut(monkeypatch, fn, *args):
     """fn(*args) with nothing cut: the reference."""
     with monkeypatch.context() as patch:
-        patch.setattr(parallel, "_cutting", lambda: False)
+        patch.setattr(parallel, "_cutting_products", lambda: False)
+        patch.setattr(parallel, "MIN_ELEMENTS", 1 << 62)
         return fn(*args)
 
 
@@ -133,3 +134,46 @@ def test_masks_gelus_and_layer_norm_by_pieces_are_the_same_bits(monkeypatch, two
         assert len(cut) == len(whole)
         for got, want in zip(cut, whole):
             assert (got is None and want is None) or got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "cbfloat16"])
+def test_16_bit_conversions_by_pieces_are_the_same_bits(monkeypatch, two_threads, fmt):
+    """Encode, decode, round and the gradient sum, over arrays of several pieces that hold
+    zeros, subnormals, overflow, inf and nan in different pieces."""
+    from cs_runtime.numerics import precision
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(300_000) * np.exp2(rng.integers(-30, 30, 300_000))).astype(np.float32)
+    x[::7] = 0.0
+    x[200_000:200_010] = [np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45, 7e4, -7e4, 3e38, -0.0]
+    bits = precision.to_bits(x, fmt)
+    assert bits.tobytes() == uncut(monkeypatch, precision.to_bits, x, fmt).tobytes()
+    assert precision.from_bits(bits, fmt).tobytes() == uncut(monkeypatch, precision.from_bits, bits, fmt).tobytes()
+    assert precision.quantize(x, fmt).tobytes() == uncut(monkeypatch, precision.quantize, x, fmt).tobytes()
+    total = rng.standard_normal(x.size).astype(np.float32)
+    summed = precision.add_from_bits(total.copy(), bits, fmt)
+    assert summed.tobytes() == uncut(monkeypatch, precision.add_from_bits, total.copy(), bits, fmt).tobytes()
+
+
+@pytest.mark.parametrize("mask", [None, "per_sample", "broadcast", "float"])
+def test_scaled_dot_product_attention_by_pieces_is_the_same_bits(monkeypatch, two_threads, mask):
+    """A captured model's attention (torch's F.scaled_dot_product_attention), cut by samples
+    where every operand is per sample; a float mask (its gradient sums over samples) is not cut."""
+    rng = np.random.default_rng(6)
+    b, heads, t, d = 16, 4, 64, 32
+    q, k, v = (rng.standard_normal((b, heads, t, d)).astype(np.float32) for _ in range(3))
+    inputs = [q, k, v]
+    if mask == "per_sample":
+        inputs.append(rng.random((b, 1, t, t)) > 0.1)
+    elif mask == "broadcast":
+        inputs.append(np.tril(np.ones((1, 1, t, t), bool)))
+    elif mask == "float":
+        inputs.append(rng.standard_normal((1, 1, t, t)).astype(np.float32))
+    sdpa = ops.OPS["scaled_dot_product_attention"]
+    attrs = {"is_causal": mask is None}
+    out = sdpa.forward(inputs, attrs)
+    assert out.tobytes() == uncut(monkeypatch, sdpa.forward, inputs, attrs).tobytes()
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    cut, whole = sdpa.vjp(g, inputs, out, attrs), uncut(monkeypatch, sdpa.vjp, g, inputs, out, attrs)
+    assert len(cut) == len(whole) == len(inputs)
+    for got, want in zip(cut, whole):
+        assert (got is None and want is None) or got.tobytes() == want.tobytes()

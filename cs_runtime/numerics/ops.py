@@ -957,12 +957,57 @@ def _sdpa_probs(inputs, attrs):
     return softmax(scores, -1).astype(q.dtype, copy=False), q.dtype.type(scale)
 
 
+def _sdpa_samples(inputs) -> int:
+    """The batch size when every operand is per sample, so that attention cut by samples
+    is the same computation (a float mask's gradient sums over samples: not then); else 0."""
+    q, k, v = inputs[:3]
+    mask = inputs[3] if len(inputs) > 3 else None
+    if q.ndim < 3 or not q.ndim == k.ndim == v.ndim or not q.shape[0] == k.shape[0] == v.shape[0]:
+        return 0
+    if mask is not None and (mask.dtype != bool or mask.ndim != q.ndim):
+        return 0
+    return q.shape[0]
+
+
+def _sdpa_rows(inputs, lo, hi):
+    """The operands of samples lo:hi (a mask broadcast over the batch stays whole)."""
+    return [t if i == 3 and t.shape[0] == 1 else t[lo:hi] for i, t in enumerate(inputs)]
+
+
 def _sdpa_forward(inputs, attrs):
+    samples = _sdpa_samples(inputs)
+    if not samples:
+        return _sdpa_forward_whole(inputs, attrs)
+    q, v = inputs[0], inputs[2]
+    out = np.empty((*q.shape[:-1], v.shape[-1]), np.result_type(q, inputs[1], v))
+
+    def rows(lo, hi):
+        out[lo:hi] = _sdpa_forward_whole(_sdpa_rows(inputs, lo, hi), attrs)
+    parallel.over_rows(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * inputs[1].shape[-2], align=1)
+    return out
+
+
+def _sdpa_forward_whole(inputs, attrs):
     probs, _ = _sdpa_probs(inputs, attrs)
     return probs @ np.ascontiguousarray(inputs[2])
 
 
 def _sdpa_vjp(g, inputs, out, attrs):
+    """_sdpa_vjp_whole, a piece of the batch at a time where the operands allow (parallel.py)."""
+    samples = _sdpa_samples(inputs)
+    if not samples:
+        return _sdpa_vjp_whole(g, inputs, out, attrs)
+    grads = [np.empty(t.shape, np.result_type(g, t)) for t in inputs[:3]]
+
+    def rows(lo, hi):
+        for whole, piece in zip(grads, _sdpa_vjp_whole(g[lo:hi], _sdpa_rows(inputs, lo, hi), None, attrs)):
+            whole[lo:hi] = piece
+    q, k = inputs[:2]
+    parallel.over_rows(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * k.shape[-2], align=1)
+    return grads + [None] * (len(inputs) > 3)
+
+
+def _sdpa_vjp_whole(g, inputs, out, attrs):
     """Recomputes the probabilities from q and k (flash-attention style) rather than keeping them.
     dscores = probs * (dprobs - rowsum(dprobs * probs)) * scale, in place on dprobs."""
     q, k, v = (np.ascontiguousarray(t) for t in inputs[:3])

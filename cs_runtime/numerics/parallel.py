@@ -14,15 +14,16 @@ path (the CPU path, a WSE in weight streaming or pipelined) computes the same
 pieces. A product cut by rows is also the same, bit for bit, as the uncut
 product on one OpenBLAS thread (each output row comes from the same kernel with
 the same inner loop; tests/test_parallel.py checks the shapes the models use),
-so the cut changes nothing next to earlier runs either. Work is cut wherever the
-one-thread rule holds, with one thread or many, so the cut never depends on the
-thread count.
+so the cut changes nothing next to earlier runs either. Elementwise passes (and
+row-by-row ones: attention per sample, layer norm per row) are cut by size alone;
+products wherever the one-thread rule holds, with one thread or many. The cut never
+depends on the thread count.
 
 How many threads: the count the process's BLAS started with, which the launcher
 sets to a WSE's share of the host's cores and to 1 for every other role
 (launch/launcher.py), and csrun_cpu leaves at the host's cores. With one thread
 the pieces run one after another. Where BLAS runs its own threads (a dense
-layer's large products) nothing is cut.
+layer's large products) products are not cut.
 """
 from __future__ import annotations
 
@@ -64,9 +65,9 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
-def _cutting() -> bool:
-    """Whether work is cut now: where the one-thread rule holds, whatever the thread count
-    (so the cut, and the bits, never depend on how many threads a process has)."""
+def _cutting_products() -> bool:
+    """Whether products are cut now: where the one-thread rule holds, whatever the thread
+    count (so the cut never depends on how many threads a process has)."""
     return blas.current() == 1
 
 
@@ -78,15 +79,12 @@ def cuts(n: int, pieces: int = PIECES, align: int = 8) -> list[tuple[int, int]]:
 
 
 def run(tasks: list[Callable[[], None]]) -> None:
-    """Run every task (a piece of one computation), returning when all are done; the first
-    error is raised. This thread and, when the process has more than one, pool threads
-    take the next task in turn until none is left: a pool thread that waits for a core
-    leaves its share to this one, so a busy host costs at most the piece it holds."""
-    if len(tasks) < 2 or threads() < 2:
-        for task in tasks:
-            task()
-        return
-    pending, lock = iter(tasks), threading.Lock()
+    """Run every task (a piece of one computation) once, returning when all are done; then
+    the first error, if any, is raised. This thread and, when the process has more than
+    one, pool threads take the next task in turn until none is left: a pool thread that
+    waits for a core leaves its share to this one, so a busy host costs at most the piece
+    it holds."""
+    pending, lock, errors = iter(tasks), threading.Lock(), []
 
     def take_in_turn() -> None:
         while True:
@@ -94,15 +92,21 @@ def run(tasks: list[Callable[[], None]]) -> None:
                 task = next(pending, None)
             if task is None:
                 return
-            task()
-    helpers = [_executor().submit(take_in_turn) for _ in range(min(threads(), len(tasks)) - 1)]
-    try:
-        take_in_turn()
-    finally:
-        errors = [helper.exception() for helper in helpers]     # waits for every piece held
-    for error in errors:
-        if error is not None:
-            raise error
+            try:
+                task()
+            except BaseException as error:      # noqa: BLE001 - raised by run, after every piece
+                errors.append(error)
+    helpers = [] if threads() < 2 else [_executor().submit(take_in_turn)
+                                          for _ in range(min(threads(), len(tasks)) - 1)]
+    take_in_turn()
+    for helper in helpers:
+        # A helper no pool thread has started has nothing left to do (and waiting for it
+        # could wait for this very thread, when a piece runs pieces of its own): cancelled.
+        # One that started finishes the piece it holds.
+        if not helper.cancel():
+            helper.result()
+    if errors:
+        raise errors[0]
 
 
 def over_rows(n: int, work: Callable[[int, int], None], elements: int | None = None, align: int = 8) -> None:
@@ -110,7 +114,7 @@ def over_rows(n: int, work: Callable[[int, int], None], elements: int | None = N
     side, when `elements` (the whole pass's size; n when not given) makes cutting worth it;
     else one call over everything. `work` must compute each index the same way whatever
     lo and hi are: elementwise, or a row at a time."""
-    if (n if elements is None else elements) < MIN_ELEMENTS or n < 2 or not _cutting():
+    if (n if elements is None else elements) < MIN_ELEMENTS or n < 2:
         work(0, n)
         return
     run([lambda lo=lo, hi=hi: work(lo, hi) for lo, hi in cuts(n, align=align)])
@@ -132,7 +136,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     else:
         return a @ b
     pieces = min(PIECES, rows // MIN_PIECE_ROWS) if a.ndim == 2 else PIECES
-    if flops < MIN_FLOPS or rows < 2 or pieces < 2 or not _cutting():
+    if flops < MIN_FLOPS or rows < 2 or pieces < 2 or not _cutting_products():
         return a @ b
     out = np.empty((*lead, a.shape[-2], b.shape[-1]), np.result_type(a, b))
 

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cs_runtime.numerics import parallel
+
 try:   # optional: a one-pass bfloat16 encoder in C++ (the same patterns: tests/test_precision_chunks.py)
     from ml_dtypes import bfloat16 as _ML_BFLOAT16
 except ImportError:    # pragma: no cover - the numpy path below
@@ -126,29 +128,31 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     inf_bits = np.uint32(spec.inf_bits)
     # the least magnitude (float32 bits) that could round to inf, less one unit of the dropped bits
     may_overflow = (spec.inf_bits << int(drop)) + int(rebias) - (1 << int(drop))
-    size = min(_CHUNK, flat.size)
-    mag_buf, shifted_buf, out_buf, mask_buf = (np.empty(size, np.uint32) for _ in range(4))
-    for start in range(0, flat.size, _CHUNK):
-        bits = flat[start:start + _CHUNK]
-        mag, shifted, rounded = mag_buf[:bits.size], shifted_buf[:bits.size], out_buf[:bits.size]
-        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
-        top = int(mag.max())
-        np.subtract(mag, rebias, out=shifted)                # wraps below the normal range: fixed below
-        np.right_shift(shifted, drop, out=rounded)
-        rounded &= np.uint32(1)                              # ties go to the even neighbour
-        rounded += shifted
-        rounded += increment
-        rounded >>= drop
-        if top >= may_overflow:
-            np.minimum(rounded, inf_bits, out=rounded)       # overflow after rounding -> inf
-        if mag.min() < smallest_normal:                      # zeros (half of a relu's outputs), subnormals
-            _encode_below_normal(mag, rounded, shifted, mask_buf[:bits.size], spec, smallest_normal)
-        if top >= _F32_INF:
-            _encode_special(mag, rounded, spec)
-        np.right_shift(bits, np.uint32(16), out=shifted)     # every format here is 16 bits wide
-        shifted &= np.uint32(0x8000)
-        rounded |= shifted
-        np.copyto(out[start:start + bits.size], rounded, casting="unsafe")
+
+    def fill(begin: int, end: int) -> None:
+        mag_buf, shifted_buf, out_buf, mask_buf = (np.empty(min(_CHUNK, end - begin), np.uint32) for _ in range(4))
+        for start in range(begin, end, _CHUNK):
+            bits = flat[start:min(start + _CHUNK, end)]
+            mag, shifted, rounded = mag_buf[:bits.size], shifted_buf[:bits.size], out_buf[:bits.size]
+            np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
+            top = int(mag.max())
+            np.subtract(mag, rebias, out=shifted)            # wraps below the normal range: fixed below
+            np.right_shift(shifted, drop, out=rounded)
+            rounded &= np.uint32(1)                          # ties go to the even neighbour
+            rounded += shifted
+            rounded += increment
+            rounded >>= drop
+            if top >= may_overflow:
+                np.minimum(rounded, inf_bits, out=rounded)   # overflow after rounding -> inf
+            if mag.min() < smallest_normal:                  # zeros (half of a relu's outputs), subnormals
+                _encode_below_normal(mag, rounded, shifted, mask_buf[:bits.size], spec, smallest_normal)
+            if top >= _F32_INF:
+                _encode_special(mag, rounded, spec)
+            np.right_shift(bits, np.uint32(16), out=shifted)  # every format here is 16 bits wide
+            shifted &= np.uint32(0x8000)
+            rounded |= shifted
+            np.copyto(out[start:start + bits.size], rounded, casting="unsafe")
+    parallel.over_rows(flat.size, fill, align=_CHUNK)
     return result
 
 
@@ -176,21 +180,23 @@ def _encode_bfloat16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
     flat = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
     result = _output(out, x.shape, np.uint16)
     out = result.reshape(-1)
-    size = min(_CHUNK, flat.size)
-    lsb_buf, sum_buf = np.empty(size, np.uint32), np.empty(size, np.uint32)
-    for start in range(0, flat.size, _CHUNK):
-        bits = flat[start:start + _CHUNK]
-        lsb, rounded = lsb_buf[:bits.size], sum_buf[:bits.size]
-        np.right_shift(bits, np.uint32(16), out=lsb)
-        lsb &= np.uint32(1)                                  # ties go to the even neighbour
-        lsb += np.uint32(0x7FFF)
-        np.add(bits, lsb, out=rounded)
-        rounded >>= np.uint32(16)
-        chunk = out[start:start + bits.size]
-        np.copyto(chunk, rounded, casting="unsafe")
-        if np.isnan(bits.view(np.float32).max()):
-            nans = np.flatnonzero(np.isnan(bits.view(np.float32)))
-            chunk[nans] = (bits[nans] >> np.uint32(16)).astype(np.uint16) & np.uint16(0x8000) | np.uint16(0x7FC0)
+
+    def fill(begin: int, end: int) -> None:
+        lsb_buf, sum_buf = (np.empty(min(_CHUNK, end - begin), np.uint32) for _ in range(2))
+        for start in range(begin, end, _CHUNK):
+            bits = flat[start:min(start + _CHUNK, end)]
+            lsb, rounded = lsb_buf[:bits.size], sum_buf[:bits.size]
+            np.right_shift(bits, np.uint32(16), out=lsb)
+            lsb &= np.uint32(1)                              # ties go to the even neighbour
+            lsb += np.uint32(0x7FFF)
+            np.add(bits, lsb, out=rounded)
+            rounded >>= np.uint32(16)
+            chunk = out[start:start + bits.size]
+            np.copyto(chunk, rounded, casting="unsafe")
+            if np.isnan(bits.view(np.float32).max()):
+                nans = np.flatnonzero(np.isnan(bits.view(np.float32)))
+                chunk[nans] = (bits[nans] >> np.uint32(16)).astype(np.uint16) & np.uint16(0x8000) | np.uint16(0x7FC0)
+    parallel.over_rows(flat.size, fill, align=_CHUNK)
     return result
 
 
@@ -275,26 +281,34 @@ def _decode(b: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     scale = np.float32(2.0 ** (127 - spec.bias))
     # inf and nan patterns read as magnitudes from 2**(exp_max - bias) (inf in float32 for bfloat16)
     special = np.float32(np.inf) if spec.exp_max - spec.bias > 127 else np.float32(2.0 ** (spec.exp_max - spec.bias))
-    for start in range(0, flat.size, _CHUNK):
-        patterns = flat[start:start + _CHUNK]
-        value = out[start:start + patterns.size]
-        np.copyto(value, patterns)                           # sign-extending
-        value <<= shift
-        if keep != -1:                                       # bfloat16: no copies of the sign below bit 31
-            value &= keep
-        if scale != 1:                                       # bfloat16 has float32's exponent already
-            np.multiply(value.view(np.float32), scale, out=value.view(np.float32))
-        floats = value.view(np.float32)
-        if not (floats.max() < special and floats.min() > -special):   # nan fails both: max propagates it
-            mag = patterns.view(np.uint16) & np.uint16(0x7FFF)
-            rare = np.flatnonzero(mag >= spec.inf_bits)
-            if spec.numpy_half:                              # nan payloads as numpy's conversion keeps them
-                widened = patterns[rare].view(np.float16).astype(np.float32).view(np.int32)
-            else:
-                sign = (patterns[rare].view(np.uint16).astype(np.uint32) & np.uint32(0x8000)) << np.uint32(16)
-                widened = (_decode_rare(mag[rare].astype(np.int64), spec) | sign).view(np.int32)
-            value[rare] = widened
+
+    def fill(begin: int, end: int) -> None:
+        for start in range(begin, end, _CHUNK):
+            patterns = flat[start:min(start + _CHUNK, end)]
+            value = out[start:start + patterns.size]
+            np.copyto(value, patterns)                       # sign-extending
+            value <<= shift
+            if keep != -1:                                   # bfloat16: no copies of the sign below bit 31
+                value &= keep
+            if scale != 1:                                   # bfloat16 has float32's exponent already
+                np.multiply(value.view(np.float32), scale, out=value.view(np.float32))
+            floats = value.view(np.float32)
+            if not (floats.max() < special and floats.min() > -special):   # nan fails both: max propagates it
+                _decode_special(patterns, value, spec)
+    parallel.over_rows(flat.size, fill, align=_CHUNK)
     return result
+
+
+def _decode_special(patterns: np.ndarray, value: np.ndarray, spec: _Spec) -> None:
+    """The float32 bits (in `value`) of the inf and nan patterns among `patterns` (int16)."""
+    mag = patterns.view(np.uint16) & np.uint16(0x7FFF)
+    rare = np.flatnonzero(mag >= spec.inf_bits)
+    if spec.numpy_half:                                      # nan payloads as numpy's conversion keeps them
+        widened = patterns[rare].view(np.float16).astype(np.float32).view(np.int32)
+    else:
+        sign = (patterns[rare].view(np.uint16).astype(np.uint32) & np.uint32(0x8000)) << np.uint32(16)
+        widened = (_decode_rare(mag[rare].astype(np.int64), spec) | sign).view(np.int32)
+    value[rare] = widened
 
 
 def _decode_rare(b: np.ndarray, spec: _Spec) -> np.ndarray:
@@ -344,8 +358,12 @@ def _encode_bfloat16_ml(x: np.ndarray, out: np.ndarray | None = None) -> np.ndar
     """`_encode_bfloat16` by ml_dtypes' cast: the same rounding (nearest even on the bits,
     canonical quiet nan with its sign) in one pass, half the time of the numpy passes."""
     result = _output(out, x.shape, np.uint16)
-    with np.errstate(invalid="ignore"):     # nans: encoded, not an error
-        np.copyto(result.view(_ML_BFLOAT16), x, casting="unsafe")
+    source, target = np.ascontiguousarray(x).reshape(-1), result.reshape(-1).view(_ML_BFLOAT16)
+
+    def fill(begin: int, end: int) -> None:
+        with np.errstate(invalid="ignore"):     # nans: encoded, not an error
+            np.copyto(target[begin:end], source[begin:end], casting="unsafe")
+    parallel.over_rows(source.size, fill, align=_CHUNK)
     return result
 
 
@@ -421,29 +439,31 @@ def _round(x: np.ndarray, fmt: str) -> np.ndarray:
     overflow = (spec.exp_max - spec.bias + 127) << 23          # float32 bits of 2**(emax + 1): inf from here
     carrier = np.float32(2.0 ** (1 - spec.bias - spec.man_bits + 23))
     full_range = spec.exp_bits == 8                               # bfloat16: float32's exponent and subnormals
-    size = min(_CHUNK, flat.size)
-    mag_buf, work_buf, mask_buf = (np.empty(size, np.uint32) for _ in range(3))
-    for start in range(0, flat.size, _CHUNK):
-        bits = flat[start:start + _CHUNK]
-        mag, work, rounded = mag_buf[:bits.size], work_buf[:bits.size], out[start:start + bits.size]
-        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
-        top = int(mag.max())
-        if top >= _F32_INF:
-            rounded[:] = from_bits(to_bits(bits.view(np.float32), fmt), fmt).view(np.uint32)
-            continue
-        np.right_shift(mag, drop, out=rounded)
-        rounded &= np.uint32(1)                                  # ties go to the even neighbour
-        rounded += mag
-        rounded += increment
-        rounded &= keep
-        if not full_range:
-            if top + (1 << int(drop)) >= overflow and rounded.max() >= overflow:
-                rounded[rounded >= overflow] = _F32_INF
-            np.subtract(mag, np.uint32(1), out=work)             # zeros wrap to the top: left out
-            if work.min() < smallest_normal - 1:                 # nonzero magnitudes below the smallest normal
-                _round_small(mag, rounded, work, carrier, smallest_normal, mask_buf[:bits.size])
-        np.bitwise_and(bits, np.uint32(0x80000000), out=work)
-        rounded |= work
+
+    def fill(begin: int, end: int) -> None:
+        mag_buf, work_buf, mask_buf = (np.empty(min(_CHUNK, end - begin), np.uint32) for _ in range(3))
+        for start in range(begin, end, _CHUNK):
+            bits = flat[start:min(start + _CHUNK, end)]
+            mag, work, rounded = mag_buf[:bits.size], work_buf[:bits.size], out[start:start + bits.size]
+            np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
+            top = int(mag.max())
+            if top >= _F32_INF:
+                rounded[:] = from_bits(to_bits(bits.view(np.float32), fmt), fmt).view(np.uint32)
+                continue
+            np.right_shift(mag, drop, out=rounded)
+            rounded &= np.uint32(1)                              # ties go to the even neighbour
+            rounded += mag
+            rounded += increment
+            rounded &= keep
+            if not full_range:
+                if top + (1 << int(drop)) >= overflow and rounded.max() >= overflow:
+                    rounded[rounded >= overflow] = _F32_INF
+                np.subtract(mag, np.uint32(1), out=work)         # zeros wrap to the top: left out
+                if work.min() < smallest_normal - 1:             # nonzero magnitudes below the smallest normal
+                    _round_small(mag, rounded, work, carrier, smallest_normal, mask_buf[:bits.size])
+            np.bitwise_and(bits, np.uint32(0x80000000), out=work)
+            rounded |= work
+    parallel.over_rows(flat.size, fill, align=_CHUNK)
     return result
 
 
