@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 
 import numpy as np
 
 from cs_runtime import spans
+from cs_runtime.numerics import parallel
 from cs_runtime.numerics.precision import unscale_and_check
 
 # A normalisation layer's weight in a captured torch model's state_dict names
@@ -142,9 +144,13 @@ class Optimizer:
             return
         flat_w, flat_g = w.reshape(-1), g.reshape(-1)
         flat_slots = {name: slot.reshape(-1) for name, slot in slots.items()}
-        for start in range(0, flat_w.size, UPDATE_CHUNK):
-            piece = slice(start, start + UPDATE_CHUNK)
-            self._update_piece(flat_w[piece], flat_g[piece], {k: v[piece] for k, v in flat_slots.items()}, lr, t, wd)
+
+        def fill(begin: int, end: int) -> None:     # elementwise: pieces side by side (parallel.py)
+            for start in range(begin, end, UPDATE_CHUNK):
+                piece = slice(start, min(start + UPDATE_CHUNK, end))
+                self._update_piece(flat_w[piece], flat_g[piece], {k: v[piece] for k, v in flat_slots.items()},
+                                   lr, t, wd)
+        parallel.over_rows(flat_w.size, fill, align=UPDATE_CHUNK)
 
     def _update_piece(self, w, g, slots, lr, t: int, wd: float) -> None:
         wd = np.float32(wd)
@@ -184,10 +190,12 @@ class Optimizer:
         return g + m * buf if self.nesterov else buf
 
     def _scratch(self, shape: tuple) -> np.ndarray:
-        """A float32 buffer of this shape, reused across pieces, layers and steps."""
-        buf = self._buffers.get(shape)
+        """A float32 buffer of this shape, reused across pieces, layers and steps (one per
+        thread: pieces of a parameter update side by side)."""
+        key = (shape, threading.get_ident())
+        buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[shape] = np.empty(shape, np.float32)
+            buf = self._buffers[key] = np.empty(shape, np.float32)
         return buf
 
 
