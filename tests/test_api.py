@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,8 @@ import cs_torch as cstorch
 from cs_runtime.numerics.model import init_weights, mlp_spec
 from cs_runtime.wire.auth import KEYS_ENV
 from examples.fc_mnist.train_cstorch import eval_input_fn, train_input_fn
-from tests.cluster_utils import REPO, alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu
+from tests.cluster_utils import (REPO, alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu,
+                                 wait_until)
 
 pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
 
@@ -119,17 +121,29 @@ def test_ctrl_c_stops_every_process(tmp_path):
     # with it ignored (a background job of a non-interactive shell), else Python ignores it too.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
+    # The output is read on a thread: a process that outlived the job would hold the pipe
+    # open, and the test should then name it, not wait on the pipe.
+    lines, step_10, reader = [], threading.Event(), None
+
+    def read_output():
         for line in proc.stdout:
+            lines.append(line)
             if line.startswith("step 10:"):
-                break
+                step_10.set()
+        step_10.set()
+    try:
+        reader = threading.Thread(target=read_output, daemon=True)
+        reader.start()
+        assert step_10.wait(timeout=240) and proc.poll() is None, "".join(lines)[-3000:]
         procs = job_processes(proc.pid)
         assert len(procs) == 4, procs
         proc.send_signal(signal.SIGINT)
-        output = proc.stdout.read()
         assert proc.wait(timeout=60) != 0
-        assert "KeyboardInterrupt" in output
-        assert [pid for pid, _ in procs if alive(pid)] == []
+        assert wait_until(lambda: not any(alive(pid) for pid, _ in procs), 30), \
+            f"still running after Ctrl-C: {[(pid, args) for pid, args in procs if alive(pid)]}"
+        reader.join(timeout=30)
+        assert not reader.is_alive(), f"the job's output is still open: {descendants(os.getpid())}"
+        assert "KeyboardInterrupt" in "".join(lines)
     finally:
         kill_tree(proc)
 

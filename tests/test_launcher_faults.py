@@ -24,20 +24,11 @@ from cs_runtime.launch import orphan
 from cs_runtime.launch.directory import EXIT_DIRECTORY_LOST
 from cs_runtime.launch.launcher import DIRECTORY_PATIENCE_S, Supervisor
 from cs_runtime.wire import auth
-from tests.cluster_utils import (alive, assert_matches_oracle, descendants, kill_tree, wse_command, write_params)
+from tests.cluster_utils import (alive, assert_matches_oracle, descendants, kill_tree, wait_until, wse_command,
+                                 write_params)
 from tests.test_cluster import ROLE_PATTERNS
 
 SETTLE_S = 20.0   # deadline for the job's processes to be gone once the launcher is
-
-
-def wait_until(condition, timeout: float, every: float = 0.05) -> bool:
-    """Poll `condition` until it holds or `timeout` passes; whether it held."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(every)
-    return True
 
 
 def process_env(pid: int) -> dict[str, str]:
