@@ -194,7 +194,7 @@ def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
     b = _Builder()
     token = spec.token_model
     x = INPUT
-    layers = [layer for layer in spec.layers if layer.op != "nsp_head"]
+    layers = spec.model_layers
     for index, layer in enumerate(layers):
         if layer.op == "lm_head":
             encoded = x

@@ -140,7 +140,7 @@ def _check_tokens(embedding, x: np.ndarray, y: np.ndarray) -> None:
 
 
 def _check_labels(spec, y: np.ndarray) -> None:
-    classes = [l for l in spec.layers if l.op != "nsp_head"][-1].out_features   # the masked-LM head's vocabulary
+    classes = spec.model_layers[-1].out_features   # the output head's classes (a masked-LM head's vocabulary)
     outside = (y < 0) | (y >= classes)
     if spec.token_model:
         outside &= y != IGNORE_INDEX

@@ -150,6 +150,12 @@ class ModelSpec:
         return replace(self, program=None, layers=tuple(replace(l, unit=None) for l in self.layers))
 
     @property
+    def model_layers(self) -> tuple[LayerSpec, ...]:
+        """The layers up to the output head, without BERT's next-sentence head (always the
+        last layer when there is one): the masked-LM head is then the last of them."""
+        return tuple(layer for layer in self.layers if layer.op != "nsp_head")
+
+    @property
     def token_model(self) -> bool:
         """Input is token ids and the loss is per token (the model starts with an embedding)."""
         return bool(self.layers) and self.layers[0].op == "embedding"
