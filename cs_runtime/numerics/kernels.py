@@ -117,7 +117,7 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
             zc >>= np.uint64(40)                     # 24 random bits
             np.greater_equal(zc, threshold, out=kc)
             np.multiply(kc, scale, out=out[lo:lo + m], dtype=dtype)
-    parallel.over_rows(out.size, fill, align=_MASK_CHUNK)
+    parallel.in_pieces(out.size, fill, align=_MASK_CHUNK)
     return out.reshape((stop - start, *per_sample))
 
 
@@ -205,7 +205,7 @@ def _by_pieces(fn, x: np.ndarray) -> np.ndarray:
         for start in range(begin, end, _PIECE):
             stop = min(start + _PIECE, end)
             out[start:stop] = fn(flat[start:stop].astype(np.float64))
-    parallel.over_rows(flat.size, fill, align=_PIECE)
+    parallel.in_pieces(flat.size, fill, align=_PIECE)
     return out.reshape(x.shape)
 
 
@@ -386,7 +386,7 @@ def _sample_pieces(qkv: np.ndarray, heads: int, work) -> None:
     """work(lo, hi) over the batch's samples in parallel.py's fixed cut: attention never
     mixes samples, so each piece is the whole computation for its samples, the same bits."""
     b, s, _ = qkv.shape
-    parallel.over_rows(b, work, elements=b * heads * s * s)
+    parallel.in_pieces(b, work, elements=b * heads * s * s)
 
 
 def _rows(t: np.ndarray | None, lo: int, hi: int) -> np.ndarray | None:

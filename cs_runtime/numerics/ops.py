@@ -317,7 +317,7 @@ def _by_pieces(fn, x):
         for start in range(begin, end, _PIECE):
             stop = min(start + _PIECE, end)
             out[start:stop] = fn(flat[start:stop])
-    parallel.over_rows(flat.size, fill, align=_PIECE)
+    parallel.in_pieces(flat.size, fill, align=_PIECE)
     return out.reshape(x.shape)
 
 
@@ -442,7 +442,7 @@ def _by_rows(x, axes, work) -> None:
     if len(axes) == x.ndim:
         work(None, None)
     else:
-        parallel.over_rows(x.shape[0], work, elements=x.size, align=1)
+        parallel.in_pieces(x.shape[0], work, elements=x.size, align=1)
 
 
 def _layer_norm_stats(x, attrs):
@@ -983,7 +983,7 @@ def _sdpa_forward(inputs, attrs):
 
     def rows(lo, hi):
         out[lo:hi] = _sdpa_forward_whole(_sdpa_rows(inputs, lo, hi), attrs)
-    parallel.over_rows(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * inputs[1].shape[-2], align=1)
+    parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * inputs[1].shape[-2], align=1)
     return out
 
 
@@ -1003,7 +1003,7 @@ def _sdpa_vjp(g, inputs, out, attrs):
         for whole, piece in zip(grads, _sdpa_vjp_whole(g[lo:hi], _sdpa_rows(inputs, lo, hi), None, attrs)):
             whole[lo:hi] = piece
     q, k = inputs[:2]
-    parallel.over_rows(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * k.shape[-2], align=1)
+    parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * k.shape[-2], align=1)
     return grads + [None] * (len(inputs) > 3)
 
 

@@ -150,7 +150,7 @@ class Optimizer:
                 piece = slice(start, min(start + UPDATE_CHUNK, end))
                 self._update_piece(flat_w[piece], flat_g[piece], {k: v[piece] for k, v in flat_slots.items()},
                                    lr, t, wd)
-        parallel.over_rows(flat_w.size, fill, align=UPDATE_CHUNK)
+        parallel.in_pieces(flat_w.size, fill, align=UPDATE_CHUNK)
 
     def _update_piece(self, w, g, slots, lr, t: int, wd: float) -> None:
         wd = np.float32(wd)

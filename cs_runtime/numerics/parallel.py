@@ -74,7 +74,8 @@ def _cutting_products() -> bool:
 def cuts(n: int, pieces: int = PIECES, align: int = 8) -> list[tuple[int, int]]:
     """range(n) in at most `pieces` contiguous parts, each start a multiple of `align`
     (fewer parts when n is small): the fixed cut every process makes of the same n."""
-    step = max(align, -(-(-(-n // pieces)) // align) * align)     # ceil(n / pieces), rounded up to align
+    per_piece = -(-n // pieces)                                   # ceil(n / pieces)
+    step = max(align, -(-per_piece // align) * align)             # rounded up to a multiple of align
     return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
@@ -109,7 +110,7 @@ def run(tasks: list[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-def over_rows(n: int, work: Callable[[int, int], None], elements: int | None = None, align: int = 8) -> None:
+def in_pieces(n: int, work: Callable[[int, int], None], elements: int | None = None, align: int = 8) -> None:
     """work(lo, hi) for the fixed cut of range(n) (starts a multiple of `align`), side by
     side, when `elements` (the whole pass's size; n when not given) makes cutting worth it;
     else one call over everything. `work` must compute each index the same way whatever
@@ -123,24 +124,16 @@ def over_rows(n: int, work: Callable[[int, int], None], elements: int | None = N
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b, cut by the rows of a 2-d a, or by the leading index of stacked operands of
     the same leading shape; any other case, or a small product, is a plain a @ b."""
-    if a.ndim < 2 or b.ndim < 2:
+    if a.ndim < 2 or a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2]:
         return a @ b
-    lead = a.shape[:-2]
-    flops = 2 * math.prod(lead) * a.shape[-2] * a.shape[-1] * b.shape[-1]
-    if a.ndim == 2 and b.ndim == 2:
-        rows = a.shape[0]
-        pick = lambda lo, hi: (a[lo:hi], b)
-    elif a.ndim == b.ndim and lead == b.shape[:-2]:
-        rows = a.shape[0]
-        pick = lambda lo, hi: (a[lo:hi], b[lo:hi])
-    else:
+    stacked, rows = a.ndim > 2, a.shape[0]
+    flops = 2 * math.prod(a.shape[:-1]) * a.shape[-1] * b.shape[-1]
+    pieces = PIECES if stacked else min(PIECES, rows // MIN_PIECE_ROWS)
+    if flops < MIN_FLOPS or pieces < 2 or not _cutting_products():
         return a @ b
-    pieces = min(PIECES, rows // MIN_PIECE_ROWS) if a.ndim == 2 else PIECES
-    if flops < MIN_FLOPS or rows < 2 or pieces < 2 or not _cutting_products():
-        return a @ b
-    out = np.empty((*lead, a.shape[-2], b.shape[-1]), np.result_type(a, b))
+    out = np.empty((*a.shape[:-1], b.shape[-1]), np.result_type(a, b))
 
     def piece(lo: int, hi: int) -> None:
-        np.matmul(*pick(lo, hi), out=out[lo:hi])
-    run([lambda lo=lo, hi=hi: piece(lo, hi) for lo, hi in cuts(rows, pieces, align=8 if a.ndim == 2 else 1)])
+        np.matmul(a[lo:hi], b[lo:hi] if stacked else b, out=out[lo:hi])
+    run([lambda lo=lo, hi=hi: piece(lo, hi) for lo, hi in cuts(rows, pieces, align=1 if stacked else 8)])
     return out

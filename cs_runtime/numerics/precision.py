@@ -152,7 +152,7 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
             shifted &= np.uint32(0x8000)
             rounded |= shifted
             np.copyto(out[start:start + bits.size], rounded, casting="unsafe")
-    parallel.over_rows(flat.size, fill, align=_CHUNK)
+    parallel.in_pieces(flat.size, fill, align=_CHUNK)
     return result
 
 
@@ -196,7 +196,7 @@ def _encode_bfloat16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
             if np.isnan(bits.view(np.float32).max()):
                 nans = np.flatnonzero(np.isnan(bits.view(np.float32)))
                 chunk[nans] = (bits[nans] >> np.uint32(16)).astype(np.uint16) & np.uint16(0x8000) | np.uint16(0x7FC0)
-    parallel.over_rows(flat.size, fill, align=_CHUNK)
+    parallel.in_pieces(flat.size, fill, align=_CHUNK)
     return result
 
 
@@ -295,7 +295,7 @@ def _decode(b: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
             floats = value.view(np.float32)
             if not (floats.max() < special and floats.min() > -special):   # nan fails both: max propagates it
                 _decode_special(patterns, value, spec)
-    parallel.over_rows(flat.size, fill, align=_CHUNK)
+    parallel.in_pieces(flat.size, fill, align=_CHUNK)
     return result
 
 
@@ -363,7 +363,7 @@ def _encode_bfloat16_ml(x: np.ndarray, out: np.ndarray | None = None) -> np.ndar
     def fill(begin: int, end: int) -> None:
         with np.errstate(invalid="ignore"):     # nans: encoded, not an error
             np.copyto(target[begin:end], source[begin:end], casting="unsafe")
-    parallel.over_rows(source.size, fill, align=_CHUNK)
+    parallel.in_pieces(source.size, fill, align=_CHUNK)
     return result
 
 
@@ -463,7 +463,7 @@ def _round(x: np.ndarray, fmt: str) -> np.ndarray:
                     _round_small(mag, rounded, work, carrier, smallest_normal, mask_buf[:bits.size])
             np.bitwise_and(bits, np.uint32(0x80000000), out=work)
             rounded |= work
-    parallel.over_rows(flat.size, fill, align=_CHUNK)
+    parallel.in_pieces(flat.size, fill, align=_CHUNK)
     return result
 
 
