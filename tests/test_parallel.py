@@ -196,3 +196,28 @@ def test_an_update_by_pieces_is_the_same_bits(monkeypatch, two_threads, kind):
             opt.update(params, {"w": g}, state, 0.01)
         return params["w"]
     assert train().tobytes() == uncut(monkeypatch, train).tobytes()
+
+
+def test_a_forked_child_runs_pieces_on_a_pool_of_its_own(monkeypatch):
+    """The parent's pool threads do not survive a fork: the child starts its own."""
+    import os
+    monkeypatch.setattr(parallel, "threads", lambda: 2)
+    parallel.run([lambda: None, lambda: None])          # the parent's pool exists
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                         # the child: two pieces that wait for each other
+        arrived = [threading.Event(), threading.Event()]
+
+        def piece(i):
+            arrived[i].set()
+            assert arrived[1 - i].wait(timeout=30)
+        try:
+            parallel.run([lambda: piece(0), lambda: piece(1)])
+            os.write(write, b"ok")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read()
+    os.waitpid(pid, 0)
+    assert said == b"ok"
