@@ -221,3 +221,20 @@ def test_a_forked_child_runs_pieces_on_a_pool_of_its_own(monkeypatch):
         said = pipe.read()
     os.waitpid(pid, 0)
     assert said == b"ok"
+
+
+def test_binary_ops_by_pieces_are_the_plain_ufunc(monkeypatch, two_threads):
+    """Residual adds, dropout's multiply: cut by the first axis where the result has an
+    operand's shape; broadcasts either way, scalars and mixed dtypes as numpy gives them."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((32, 128, 256)).astype(np.float32)
+    cases = [(x, rng.standard_normal(x.shape).astype(np.float32)), (x, rng.standard_normal(256).astype(np.float32)),
+             (rng.standard_normal((1, 128, 256)).astype(np.float32), x), (x, np.float32(0.5)), (x, 2.0),
+             (x, x[:, :1]), (x.astype(np.int32), 1.5), (x[:, :2, :2], x[:, :2, :2])]
+    for a, b in cases:
+        for ufunc in (np.add, np.multiply):
+            want = ufunc(a, b)
+            got = parallel.binary(ufunc, a, b, commutative=True)
+            assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    with pytest.raises(ValueError):
+        parallel.binary(np.add, x, x[:5, :5])          # shapes that do not broadcast: numpy's own error

@@ -154,7 +154,7 @@ def _alpha(b, attrs):
 
 def _add_forward(inputs, attrs):
     a, b = _operands(inputs, attrs)
-    return np.add(a, _alpha(b, attrs))
+    return parallel.binary(np.add, a, _alpha(b, attrs), commutative=True)
 
 
 def _sub_forward(inputs, attrs):
@@ -164,7 +164,7 @@ def _sub_forward(inputs, attrs):
 
 _register("add", _add_forward, _add_vjp, _binary_shape, _elementwise_cost(1))
 _register("sub", _sub_forward, _sub_vjp, _binary_shape, _elementwise_cost(1))
-_register("mul", lambda i, a: np.multiply(*_operands(i, a)), _mul_vjp, _binary_shape, _elementwise_cost(1),
+_register("mul", lambda i, a: parallel.binary(np.multiply, *_operands(i, a), commutative=True), _mul_vjp, _binary_shape, _elementwise_cost(1),
           saves_inputs=(0, 1))
 _register("div", lambda i, a: np.divide(*_operands(i, a)), _div_vjp, _binary_shape, _elementwise_cost(1),
           saves_inputs=(0, 1))
@@ -567,7 +567,7 @@ def _dropout_forward(inputs, attrs):
     """p = 0 (or eval): the identity. Otherwise the second input is the scaled
     keep-mask (0 or 1/(1-p)), drawn by whoever runs the program."""
     if len(inputs) > 1:
-        return inputs[0] * inputs[1]
+        return parallel.binary(np.multiply, inputs[0], inputs[1], commutative=True)
     if attrs.get("p", 0.0) and attrs.get("train", True):
         raise OpError(f"dropout with p={attrs['p']} needs its keep-mask as a second input")
     return inputs[0]
@@ -576,7 +576,8 @@ def _dropout_forward(inputs, attrs):
 def _dropout_vjp(g, inputs, out, attrs, wanted=(True, True)):
     if len(inputs) == 1:
         return [g]
-    return [g * inputs[1] if wanted[0] else None, g * inputs[0] if wanted[1] else None]
+    return [parallel.binary(np.multiply, g, inputs[1], commutative=True) if wanted[0] else None,
+            parallel.binary(np.multiply, g, inputs[0], commutative=True) if wanted[1] else None]
 
 
 _register("dropout", _dropout_forward, _dropout_vjp, _same_shape, _elementwise_cost(1), saves_inputs=(0, 1),

@@ -27,6 +27,7 @@ layer's large products) products are not cut.
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
@@ -95,21 +96,24 @@ def run(tasks: list[Callable[[], None]]) -> None:
     one, pool threads take the next task in turn until none is left: a pool thread that
     waits for a core leaves its share to this one, so a busy host costs at most the piece
     it holds."""
-    pending, lock, errors = iter(tasks), threading.Lock(), []
+    pending, lock, errors = collections.deque(tasks), threading.Lock(), []
 
-    def take_in_turn() -> None:
+    def take_in_turn(from_front: bool) -> None:
         while True:
             with lock:
-                task = next(pending, None)
-            if task is None:
-                return
+                if not pending:
+                    return
+                task = pending.popleft() if from_front else pending.pop()
             try:
                 task()
             except BaseException as error:      # noqa: BLE001 - raised by run, after every piece
                 errors.append(error)
-    helpers = [] if threads() < 2 else [_executor().submit(take_in_turn)
+    # This thread takes from the front, the pool from the back: with the cores free, each
+    # thread then gets the same half of every cut, and the next pass over the values finds
+    # its half in its own core's cache.
+    helpers = [] if threads() < 2 else [_executor().submit(take_in_turn, False)
                                           for _ in range(min(threads(), len(tasks)) - 1)]
-    take_in_turn()
+    take_in_turn(True)
     for helper in helpers:
         # A helper no pool thread has started has nothing left to do (and waiting for it
         # could wait for this very thread, when a piece runs pieces of its own): cancelled.
@@ -146,4 +150,22 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     def piece(lo: int, hi: int) -> None:
         np.matmul(a[lo:hi], b[lo:hi] if stacked else b, out=out[lo:hi])
     run([lambda lo=lo, hi=hi: piece(lo, hi) for lo, hi in cuts(rows, pieces, align=1 if stacked else 8)])
+    return out
+
+
+def binary(ufunc: np.ufunc, a, b, commutative: bool = False) -> np.ndarray:
+    """ufunc(a, b), a piece of the first axis at a time where the result has a's shape (or,
+    with `commutative`, b's: the operands swapped, which changes no bit of an add or a
+    multiply); anything else, or a small one, in one call."""
+    if commutative and isinstance(b, np.ndarray) and isinstance(a, np.ndarray) and b.size > a.size:
+        a, b = b, a
+    if (not isinstance(a, np.ndarray) or a.ndim == 0 or a.size < MIN_ELEMENTS
+            or np.broadcast_shapes(a.shape, np.shape(b)) != a.shape):
+        return ufunc(a, b)
+    out = np.empty(a.shape, np.result_type(a, b))
+    per_row = np.ndim(b) == a.ndim and np.shape(b)[0] == a.shape[0]
+
+    def piece(lo: int, hi: int) -> None:
+        ufunc(a[lo:hi], b[lo:hi] if per_row else b, out=out[lo:hi])
+    in_pieces(a.shape[0], piece, elements=a.size, align=1)
     return out
