@@ -238,3 +238,21 @@ def test_binary_ops_by_pieces_are_the_plain_ufunc(monkeypatch, two_threads):
             assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
     with pytest.raises(ValueError):
         parallel.binary(np.add, x, x[:5, :5])          # shapes that do not broadcast: numpy's own error
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "cbfloat16"])
+def test_16_bit_attention_by_pieces_is_the_same_bits(monkeypatch, two_threads, fmt):
+    """A GPT-2 / BERT block's attention in a 16-bit format (operands rounded), cut by samples."""
+    from cs_runtime.numerics import mixed_ops
+    rng = np.random.default_rng(9)
+    b, s, heads, width = 16, 64, 4, 128
+    qkv = rng.standard_normal((b, s, 3 * width)).astype(np.float32)
+    keep = rng.random((b, s)) > 0.2
+    drop = kernels.keep_mask(kernels.hash_key(4, 5, 6), slice(0, b), (heads, s, s), 0.1, np.float32)
+    attrs = {"heads": heads, "causal": False, "key_keep": True, "drop": True}
+    inputs = [qkv, keep, drop]
+    out = mixed_ops.forward("self_attention", inputs, attrs, fmt)
+    assert out.tobytes() == uncut(monkeypatch, mixed_ops.forward, "self_attention", inputs, attrs, fmt).tobytes()
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    got = mixed_ops.vjp("self_attention", g, inputs, out, attrs, fmt)[0]
+    assert got.tobytes() == uncut(monkeypatch, mixed_ops.vjp, "self_attention", g, inputs, out, attrs, fmt)[0].tobytes()

@@ -382,14 +382,14 @@ def attention_backward(dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
     return np.concatenate(merged, axis=-1)
 
 
-def _sample_pieces(qkv: np.ndarray, heads: int, work) -> None:
+def by_samples(qkv: np.ndarray, heads: int, work) -> None:
     """work(lo, hi) over the batch's samples in parallel.py's fixed cut: attention never
     mixes samples, so each piece is the whole computation for its samples, the same bits."""
     b, s, _ = qkv.shape
     parallel.in_pieces(b, work, elements=b * heads * s * s)
 
 
-def _rows(t: np.ndarray | None, lo: int, hi: int) -> np.ndarray | None:
+def sample_rows(t: np.ndarray | None, lo: int, hi: int) -> np.ndarray | None:
     """A per-sample operand's samples lo:hi (one broadcast over the batch stays whole)."""
     return t if t is None or np.ndim(t) == 0 or t.shape[0] == 1 else t[lo:hi]
 
@@ -402,8 +402,9 @@ def attention_output(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.nda
     out = np.empty((b, s, three_d // 3), qkv.dtype)
 
     def piece(lo: int, hi: int) -> None:
-        out[lo:hi] = attention_forward(qkv[lo:hi], heads, causal, _rows(key_keep, lo, hi), _rows(drop, lo, hi))[0]
-    _sample_pieces(qkv, heads, piece)
+        keep, dropped = sample_rows(key_keep, lo, hi), sample_rows(drop, lo, hi)
+        out[lo:hi] = attention_forward(qkv[lo:hi], heads, causal, keep, dropped)[0]
+    by_samples(qkv, heads, piece)
     return out
 
 
@@ -414,9 +415,10 @@ def attention_grad(dout: np.ndarray, qkv: np.ndarray, heads: int, causal: bool,
     grad = np.empty(qkv.shape, np.result_type(dout, qkv))
 
     def piece(lo: int, hi: int) -> None:
-        cache = attention_probs(qkv[lo:hi], heads, causal, _rows(key_keep, lo, hi), _rows(drop, lo, hi))
+        keep, dropped = sample_rows(key_keep, lo, hi), sample_rows(drop, lo, hi)
+        cache = attention_probs(qkv[lo:hi], heads, causal, keep, dropped)
         grad[lo:hi] = attention_backward(dout[lo:hi], cache)
-    _sample_pieces(qkv, heads, piece)
+    by_samples(qkv, heads, piece)
     return grad
 
 

@@ -125,12 +125,34 @@ def _attention_cache(inputs, attrs, fmt) -> kernels.AttentionCache:
 
 
 def _attention_forward(inputs, attrs, fmt):
+    """_attention_forward_rows a piece of the batch at a time (kernels.by_samples)."""
+    qkv = inputs[0]
+    out = np.empty((*qkv.shape[:2], qkv.shape[2] // 3), qkv.dtype)
+
+    def piece(lo, hi):
+        out[lo:hi] = _attention_forward_rows([kernels.sample_rows(x, lo, hi) for x in inputs], attrs, fmt)
+    kernels.by_samples(qkv, int(attrs["heads"]), piece)
+    return out
+
+
+def _attention_forward_rows(inputs, attrs, fmt):
     cache = _attention_cache(inputs, attrs, fmt)
     b, heads, t, hd = cache.q.shape
     return (cache.dropped @ cache.v).transpose(0, 2, 1, 3).reshape(b, t, heads * hd)
 
 
 def _attention_vjp(g, inputs, attrs, fmt):
+    """_attention_vjp_rows a piece of the batch at a time (kernels.by_samples)."""
+    qkv = inputs[0]
+    grad = np.empty(qkv.shape, np.result_type(g, qkv))
+
+    def piece(lo, hi):
+        grad[lo:hi] = _attention_vjp_rows(g[lo:hi], [kernels.sample_rows(x, lo, hi) for x in inputs], attrs, fmt)
+    kernels.by_samples(qkv, int(attrs["heads"]), piece)
+    return grad
+
+
+def _attention_vjp_rows(g, inputs, attrs, fmt):
     """d qkv, as kernels.attention_backward, with the matmul operands rounded
     (the upstream gradient and the score gradient; the heads and probabilities are)."""
     cache = _attention_cache(inputs, attrs, fmt)
