@@ -214,8 +214,8 @@ class ClusterExecutor:
         this step's LOSS: the WSE finds it queued as it finishes this step instead of idling
         through four hops (LOSS up through SwarmX, TRAIN_STEP down) and the chief's logging.
         The WSE handles its messages in order, so the maths is that of lockstep steps. Weight
-        streaming does not send ahead: its processes keep both cores busy already, and
-        overlapping steps there measured no faster (docs/benchmarks.md)."""
+        streaming does not send ahead: tried (MemoryX queueing the next TRAIN_STEP), it
+        measured no faster there (docs/benchmarks.md)."""
         self.start_step(step, lr, loss_scale, norms)
         if then is not None and self.pipelined:
             self.start_step(*then)
