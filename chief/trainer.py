@@ -254,8 +254,8 @@ class Trainer:
 
     def next_step_args(self, step: int) -> tuple | None:
         """step_args of the step after `step` when they are known before `step` ends, else None.
-        A cluster sends that step ahead, so that the WSE (pipelined) or MemoryX (weight
-        streaming) finds it queued instead of idling through the hops of the chief's round trip.
+        A pipelined cluster sends that step ahead, so that the WSE finds it queued instead of
+        idling through the hops of the chief's round trip (chief/cluster_executor.py).
         Not known: a dynamic loss scale (it follows the step's result); not sent: after the
         last step, or when a checkpoint comes between (it must hold this step's weights)."""
         nxt = step + 1

@@ -125,6 +125,7 @@ class NodePlan:
 
 
 def plan_nodes(nodes: list[Node], keep: set[str] | None = None, shapes_of=frozenset()) -> NodePlan:
+    """run_nodes' plan of `nodes` with this `keep` and `shapes_of` (see run_nodes)."""
     last_use = {}
     if keep is not None:
         for i, node in enumerate(nodes):
