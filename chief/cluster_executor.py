@@ -87,6 +87,8 @@ class ClusterExecutor:
         self.traffic: dict[str, int] = {}   # bytes of the last training step
         self.outputs: dict = {}   # what the last step handed back besides its loss (the model's output)
         self.input_monitor = InputMonitor(self.penv.num_csx, self.penv.num_workers)
+        self.pollers: dict[str, zmq.Poller] = {}   # wait's, by the endpoint awaited
+        self.sent_ahead: tuple | None = None   # the TRAIN_STEP sent before its turn (train_step's `then`)
 
     def dealer(self, role: str, peer: dict) -> Endpoint:
         ep = Endpoint(self.ctx, zmq.DEALER, f"chief->{role}", self.penv.job)
@@ -101,9 +103,7 @@ class ClusterExecutor:
     # ------------------------------------------------------------ waiting
     def wait(self, endpoint: Endpoint, mtype: Msg, step: int = -1) -> Message:
         """Next `mtype` message on `endpoint`, serving workers meanwhile."""
-        poller = zmq.Poller()
-        for ep in (endpoint, self.workers, self.swarmx):
-            poller.register(ep.sock, zmq.POLLIN)
+        poller = self.poller(endpoint)
         while True:
             ready = dict(poller.poll(POLL_MS))
             if self.failure:
@@ -121,6 +121,15 @@ class ClusterExecutor:
                 if msg.type == mtype and (step < 0 or msg.step == step):
                     return msg
                 self.unexpected(got)
+
+    def poller(self, endpoint: Endpoint) -> zmq.Poller:
+        """The poller of `endpoint`, the workers and SwarmX: made once, not once a wait."""
+        poller = self.pollers.get(endpoint.name)
+        if poller is None:
+            poller = self.pollers[endpoint.name] = zmq.Poller()
+            for ep in (endpoint, self.workers, self.swarmx):
+                poller.register(ep.sock, zmq.POLLIN)
+        return poller
 
     def unexpected(self, got) -> None:
         if got is None:
@@ -186,19 +195,38 @@ class ClusterExecutor:
     def pipelined(self) -> bool:
         return self.strategy == "pipelined"
 
-    def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
-                   norms: bool = True) -> tuple[float, float, bool]:
-        """(loss, gradient norm (nan unless `norms`), whether the update was applied)."""
+    def start_step(self, step: int, lr: float, loss_scale: float, norms: bool) -> None:
+        """Send TRAIN_STEP `step`, unless it went ahead already with these very arguments."""
+        args = (step, lr, loss_scale, norms)
+        if self.sent_ahead is not None:
+            if self.sent_ahead != args:   # a bug of the caller's, never a result of the run
+                raise ServiceError(f"step {step} was sent ahead as {self.sent_ahead}, now asked as {args}")
+            self.sent_ahead = None
+            return
         start = Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr, "loss_scale": loss_scale, "norms": norms})
+        (self.swarmx if self.pipelined else self.memoryx).send(start)
+
+    def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
+                   norms: bool = True, then: tuple | None = None) -> tuple[float, float, bool]:
+        """(loss, gradient norm (nan unless `norms`), whether the update was applied).
+
+        `then`: the next step's (step, lr, loss_scale, norms). Pipelined, it is sent now, before
+        this step's LOSS: the WSE finds it queued as it finishes this step instead of idling
+        through four hops (LOSS up through SwarmX, TRAIN_STEP down) and the chief's logging.
+        The WSE handles its messages in order, so the maths is that of lockstep steps. Weight
+        streaming does not send ahead: tried (MemoryX queueing the next TRAIN_STEP), it
+        measured no faster beyond the noise there (docs/benchmarks.md)."""
+        self.start_step(step, lr, loss_scale, norms)
+        if then is not None and self.pipelined:
+            self.start_step(*then)
+            self.sent_ahead = tuple(then)
         if self.pipelined:
-            self.swarmx.send(start)
             loss = self.wait(self.swarmx, Msg.LOSS, step)
             self.outputs = float_arrays(loss)
             self.input_monitor.on_step(input_wait(loss))
             self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
             self.layer_grad_norms = list(loss.meta.get("layer_grad_norms", []))
             return float(loss.meta["loss"]), float(loss.meta["grad_norm"]), bool(loss.meta.get("applied", True))
-        self.memoryx.send(start)
         loss = self.wait(self.swarmx, Msg.LOSS, step)
         self.outputs = float_arrays(loss)   # the model's output, when the job asked for it
         self.input_monitor.on_step(input_wait(loss))

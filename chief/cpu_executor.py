@@ -64,8 +64,9 @@ class CpuExecutor:
             raise ValueError(line) from None
 
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
-                   norms: bool = True) -> tuple[float, float, bool]:
-        """(loss, gradient norm (nan unless `norms`), whether the update was applied)."""
+                   norms: bool = True, then: tuple | None = None) -> tuple[float, float, bool]:
+        """(loss, gradient norm (nan unless `norms`), whether the update was applied).
+        `then` (the next step's arguments, for a cluster to send ahead): nothing to do here."""
         result, caches, _ = self.forward("train", step, train=True)
         grads = model_backward(self.spec, scaled(result.delta, loss_scale), caches, self.weights, step)
         names = [layer.name for layer in self.spec.layers]

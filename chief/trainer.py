@@ -208,10 +208,10 @@ class Trainer:
         first_step, steps_since = self.global_step, 0
         while self.global_step < self.max_steps:
             step = self.global_step
-            lr = self.params.optimizer.lr_at(step)
-            loss_scale = self.scaler.scale
+            args = self.step_args(step)
+            lr, loss_scale = args[1], args[2]
             with trace.span("train_step", step=step):
-                loss, grad_norm, applied = self.executor.train_step(step, lr, loss_scale, self.logs_at(step + 1))
+                loss, grad_norm, applied = self.executor.train_step(*args, then=self.next_step_args(step))
             if not math.isfinite(loss):
                 raise RunError(f"loss is {loss} at step {step + 1}; stopping (lower the learning rate?)")
             self.after_step(step, applied, loss_scale)
@@ -248,6 +248,21 @@ class Trainer:
         if summary:
             print(summary, flush=True)
 
+    def step_args(self, step: int) -> tuple[int, float, float, bool]:
+        """What TRAIN_STEP `step` carries: (step, lr, loss scale, whether it computes the norms)."""
+        return step, self.params.optimizer.lr_at(step), self.scaler.scale, self.logs_at(step + 1)
+
+    def next_step_args(self, step: int) -> tuple | None:
+        """step_args of the step after `step` when they are known before `step` ends, else None.
+        A pipelined cluster sends that step ahead, so that the WSE finds it queued instead of
+        idling through the hops of the chief's round trip (chief/cluster_executor.py).
+        Not known: a dynamic loss scale (it follows the step's result); not sent: after the
+        last step, or when a checkpoint comes between (it must hold this step's weights)."""
+        nxt = step + 1
+        if nxt >= self.max_steps or self.scaler.mode == "dynamic" or self.due_at(nxt):
+            return None
+        return self.step_args(nxt)
+
     def logs_at(self, global_step: int) -> bool:
         """Whether the progress line and the step's summaries are written after `global_step`
         steps; the gradient norms are computed for those steps only."""
@@ -262,7 +277,11 @@ class Trainer:
                         "loss scale now %g", step + 1, loss_scale, self.scaler.scale)
 
     def checkpoint_due(self) -> bool:
-        return bool(self.rc.checkpoint_steps) and self.global_step % self.rc.checkpoint_steps == 0
+        return self.due_at(self.global_step)
+
+    def due_at(self, global_step: int) -> bool:
+        """Whether a checkpoint is written once `global_step` steps are done."""
+        return bool(self.rc.checkpoint_steps) and global_step % self.rc.checkpoint_steps == 0
 
     def evaluate(self) -> None:
         total_loss, correct, count = 0.0, 0, 0

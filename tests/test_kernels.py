@@ -136,3 +136,14 @@ def test_splitmix64_in_place_rounds_equal_the_python_int_finaliser():
     x = np.array([0, 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 12345678901234567], dtype=np.uint64)
     assert [int(v) for v in K.splitmix64(x)] == [K._splitmix64_int(int(v)) for v in x]
     assert int(K.splitmix64(np.zeros(1, np.uint64))[0]) == 0xE220A8397B1DCDAF
+
+
+@pytest.mark.parametrize("global_batch, width, rows, p", [
+    (128, 256, slice(0, 128), 0.1), (7, 33, slice(2, 5), 0.3), (5, 3, slice(0, 5), 0.0),
+    (1, 1, slice(0, 1), 0.5), (9, 4, slice(4, 9), 1 - 1e-9)])
+def test_rows_keep_mask_is_the_generator_float_draws_compared_with_p(global_batch, width, rows, p):
+    """rows_keep_mask works on the PCG64 bits; the mask is that of the float32 draws themselves."""
+    draws = np.random.default_rng([11, 3, 2, 104729]).random((global_batch, width), dtype=np.float32)[rows]
+    expected = (draws >= p).astype(np.float32) / np.float32(1.0 - p)
+    got = K.rows_keep_mask(11, 3, 2, global_batch, width, rows, p)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), expected.view(np.uint32))

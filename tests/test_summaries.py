@@ -50,3 +50,29 @@ def test_a_full_disk_at_a_flush_is_a_run_error_and_leaves_atexit_nothing_to_retr
     summaries.abandon()
     event_writer.close()   # what tensorboardX's atexit clean-up calls: nothing left to fail
     assert summaries.writers == {}
+
+
+def test_scalars_reach_the_file_in_order_through_a_thread_queue(tmp_path):
+    """The writer thread's queue passes events by reference (no multiprocessing queue: it pickled
+    each event through a pipe); tensorboardX's module is left as it was; the file holds every event."""
+    import multiprocessing
+    import struct
+
+    from tensorboardX import event_file_writer
+    from tensorboardX.proto import event_pb2
+
+    s = Summaries(tmp_path)
+    writer = s.writer("train")
+    assert isinstance(writer.file_writer.event_writer._event_queue, summaries_module._ThreadQueue)
+    assert event_file_writer.multiprocessing is multiprocessing
+    for step in range(1, 26):
+        writer.add_scalar("loss", 1.0 / step, step)
+    s.close()
+    (path,) = (tmp_path / "train").glob("events*")
+    data, at, got = path.read_bytes(), 0, []
+    while at < len(data):
+        size = struct.unpack("<Q", data[at:at + 8])[0]
+        event = event_pb2.Event.FromString(data[at + 12:at + 12 + size])
+        at += 16 + size
+        got += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+    assert got == [(step, "loss", pytest.approx(1.0 / step)) for step in range(1, 26)]

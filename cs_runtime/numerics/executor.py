@@ -18,6 +18,8 @@ In float32 (the default) nothing is rounded.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -51,8 +53,9 @@ def _positions(names, exact: frozenset) -> frozenset:
 def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset()) -> None:
     """inputs: (upstream gradient, forward inputs..., forward output)."""
     of = node.attrs["of"]
-    g, *fwd, out = (env[name] if name else None for name in node.inputs)
-    wanted = tuple(bool(name) for name in node.outputs)   # the rest: no gradient asked for
+    values = [env[name] if name else None for name in node.inputs]
+    g, fwd, out = values[0], values[1:-1], values[-1]
+    wanted = tuple(map(bool, node.outputs))   # the rest: no gradient asked for
     if fmt != "float32" and of in mixed_ops.MATMUL_LIKE:
         grads = mixed_ops.vjp(of, g, fwd, out, node.attrs.get("attrs", {}), fmt,
                               _positions(node.inputs[1:-1], exact), wanted)
@@ -60,8 +63,10 @@ def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
         grads = OPS[of].grads(g, fwd, out, node.attrs.get("attrs", {}), wanted)
     for name, grad, x in zip(node.outputs, grads, fwd):
         if name:
-            # Gradients take the dtype and shape of what they are the gradient of.
-            env[name] = np.asarray(grad, dtype=x.dtype).reshape(x.shape)
+            # Gradients take the dtype and shape of what they are the gradient of (most have them).
+            if not (isinstance(grad, np.ndarray) and grad.dtype == x.dtype and grad.shape == x.shape):
+                grad = np.asarray(grad, dtype=x.dtype).reshape(x.shape)
+            env[name] = grad
 
 
 # Ops run into their first input's buffer when nothing else can see it (run_nodes):
@@ -70,58 +75,93 @@ IN_PLACE = {"add": (mixed_ops.MATMUL_LIKE, lambda a, b: np.add(a, b, out=a)),
             "relu": (frozenset({"add"}), lambda a: np.maximum(a, 0, out=a))}
 
 
-def _in_place(node: Node, env: dict, producer: dict, last_use: dict, i: int, keep) -> bool:
-    """Run `node` into its first input's buffer: a dense layer's bias add into its matmul's
-    output and relu into that, as the hand-written layer did, saving an allocation and a
-    pass over memory each. Only for a value this run made with an op that returns a fresh
-    array (never a view), read by nothing after this node and kept for nobody."""
+def _may_run_in_place(node: Node, producer: dict, last_use: dict, i: int, keep) -> bool:
+    """Whether `node` may run into its first input's buffer: a dense layer's bias add into its
+    matmul's output and relu into that, as the hand-written layer did, saving an allocation and
+    a pass over memory each. Only for a value this run made with an op that returns a fresh
+    array (never a view), read by nothing after this node and kept for nobody. What the arrays
+    themselves must be is checked as they come (_run_in_place)."""
     rule = IN_PLACE.get(node.op)
     if rule is None or node.attrs or keep is None:
         return False
     name = node.inputs[0]
-    if producer.get(name) not in rule[0] or last_use.get(name) != i or name in keep or name in node.inputs[1:]:
-        return False
-    a, rest = env[name], [env[n] for n in node.inputs[1:]]
+    return (producer.get(name) in rule[0] and last_use.get(name) == i and name not in keep
+            and name not in node.inputs[1:])
+
+
+def _fits(shape: tuple, other: tuple) -> bool:
+    """Whether `other` broadcasts onto `shape` leaving it as it is (np.broadcast_shapes(shape,
+    other) == shape, without the cost of building the broadcast)."""
+    lead = len(shape) - len(other)
+    return lead >= 0 and all(o == 1 or o == d for d, o in zip(shape[lead:], other))
+
+
+def _run_in_place(node: Node, env: dict) -> bool:
+    """Run `node` into its first input's buffer when the arrays allow: a writeable float array,
+    the others of its dtype and broadcasting onto it. False: nothing done."""
+    a, rest = env[node.inputs[0]], [env[n] for n in node.inputs[1:]]
     if not (isinstance(a, np.ndarray) and a.flags.writeable and a.dtype.kind == "f"
-            and all(isinstance(b, np.ndarray) and b.dtype == a.dtype for b in rest)
-            and np.broadcast_shapes(a.shape, *(b.shape for b in rest)) == a.shape):
+            and all(isinstance(b, np.ndarray) and b.dtype == a.dtype and _fits(a.shape, b.shape) for b in rest)):
         return False
-    env[node.outputs[0]] = rule[1](a, *rest)
+    env[node.outputs[0]] = IN_PLACE[node.op][1](a, *rest)
     return True
 
 
+@functools.lru_cache(maxsize=256)
 def _stand_in(shape, dtype) -> np.ndarray:
+    """A zero-cost read-only array of this shape: one per shape, shared by every step."""
     return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape))
 
 
-def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
-              shapes_of: set[str] = frozenset(), shapes: dict | None = None, fmt: str = "float32",
-              exact: frozenset = frozenset()) -> dict:
-    """Run the nodes in order, adding their outputs to env (returned). With
-    `keep`, values last read by a node and not in `keep` are dropped as the
-    run goes (what a unit's forward need not hold for its backward); the
-    (shape, dtype) of each value in `shapes_of` is noted in `shapes`."""
-    nodes = list(nodes)
+@dataclass(frozen=True)
+class NodePlan:
+    """What run_nodes works out from a node list, its `keep` and its `shapes_of` alone, per
+    node: whether it may run in place, the outputs whose shape is noted, the values dropped
+    after it (last read there and not kept). The same every step: a unit's plans are made
+    once (unit_plan), not in every call."""
+    in_place: tuple[bool, ...]
+    noted: tuple[tuple[str, ...], ...]
+    drops: tuple[tuple[str, ...], ...]
+
+
+def plan_nodes(nodes: list[Node], keep: set[str] | None = None, shapes_of=frozenset()) -> NodePlan:
+    """run_nodes' plan of `nodes` with this `keep` and `shapes_of` (see run_nodes)."""
     last_use = {}
     if keep is not None:
         for i, node in enumerate(nodes):
             for name in node.inputs:
                 last_use[name] = i
+    producer: dict[str, str] = {}
+    in_place, noted, drops = [], [], []
+    for i, node in enumerate(nodes):
+        in_place.append(_may_run_in_place(node, producer, last_use, i, keep))
+        producer[node.outputs[0]] = node.op
+        noted.append(tuple(name for name in node.outputs if name in shapes_of))
+        dropped = () if keep is None else (name for name in node.inputs if last_use.get(name) == i and name not in keep)
+        drops.append(tuple(dict.fromkeys(dropped)))
+    return NodePlan(tuple(in_place), tuple(noted), tuple(drops))
+
+
+def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
+              shapes_of: set[str] = frozenset(), shapes: dict | None = None, fmt: str = "float32",
+              exact: frozenset = frozenset(), plan: NodePlan | None = None) -> dict:
+    """Run the nodes in order, adding their outputs to env (returned). With
+    `keep`, values last read by a node and not in `keep` are dropped as the
+    run goes (what a unit's forward need not hold for its backward); the
+    (shape, dtype) of each value in `shapes_of` is noted in `shapes`. `plan`:
+    plan_nodes of these nodes, keep and shapes_of, made earlier (else made here)."""
+    nodes = list(nodes)
+    plan = plan or plan_nodes(nodes, keep, shapes_of)
     for name in shapes_of:
         if name in env:
             shapes[name] = (env[name].shape, env[name].dtype)
-    producer: dict[str, str] = {}
-    for i, node in enumerate(nodes):
-        if not _in_place(node, env, producer, last_use, i, keep):
+    for node, in_place, noted, drops in zip(nodes, plan.in_place, plan.noted, plan.drops):
+        if not (in_place and _run_in_place(node, env)):
             run_node(node, env, fmt, exact)
-        producer[node.outputs[0]] = node.op
-        for name in node.outputs:
-            if name in shapes_of:
-                shapes[name] = (env[name].shape, env[name].dtype)
-        if keep is not None:
-            for name in node.inputs:
-                if last_use.get(name) == i and name not in keep:
-                    env.pop(name, None)
+        for name in noted:
+            shapes[name] = (env[name].shape, env[name].dtype)
+        for name in drops:
+            env.pop(name, None)
     return env
 
 
@@ -172,6 +212,30 @@ def rounded_reads(unit) -> frozenset:
     return cached[1]
 
 
+@dataclass(frozen=True)
+class UnitPlan:
+    """A unit's sets and node plans, as unit_forward and unit_backward use them every step."""
+    keep: frozenset        # what its forward holds on to: its writes and what its backward reads
+    shape_only: frozenset
+    params: frozenset
+    forward: NodePlan
+    backward: NodePlan
+
+
+_UNIT_PLANS: dict[int, tuple[object, UnitPlan]] = {}
+
+
+def unit_plan(unit) -> UnitPlan:
+    """The unit's plan, made once per unit object (a unit is not changed once built)."""
+    cached = _UNIT_PLANS.get(id(unit))
+    if cached is None or cached[0] is not unit:
+        keep, shape_only = frozenset(unit.writes) | frozenset(unit.kept), frozenset(unit.shape_only)
+        plan = UnitPlan(keep, shape_only, frozenset(unit.params), plan_nodes(unit.forward, keep, shape_only),
+                        plan_nodes(unit.backward))
+        cached = _UNIT_PLANS[id(unit)] = (unit, plan)
+    return cached[1]
+
+
 def _read(value, fmt: str, rounded_here: bool):
     if rounded_here and isinstance(value, np.ndarray) and value.dtype.kind == "f":
         return quantize(value, fmt)
@@ -188,8 +252,9 @@ def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_
     once = rounded_reads(unit) if fmt != "float32" else frozenset()
     env.update((r, _read(live[r], fmt, r in once)) for r in unit.reads)
     shapes = {}
-    run_nodes(unit.forward, env, keep=set(unit.writes) | set(unit.kept), shapes_of=set(unit.shape_only),
-              shapes=shapes, fmt=fmt, exact=frozenset(unit.params) | once)
+    plan = unit_plan(unit)
+    run_nodes(unit.forward, env, keep=plan.keep, shapes_of=plan.shape_only, shapes=shapes, fmt=fmt,
+              exact=plan.params | once if once else plan.params, plan=plan.forward)
     live.update((w, env[w]) for w in unit.writes)
     cache = {k: env[k] for k in unit.kept}
     cache.update((k, _stand_in(*shapes[k])) for k in unit.shape_only)
@@ -211,7 +276,8 @@ def unit_backward(unit, weights: dict, cache: dict, live: dict, dlive: dict, fmt
         g = dlive.pop(w, None)
         env[f"d:{w}"] = g if g is not None else np.zeros_like(live[w])
     once = rounded_reads(unit) if fmt != "float32" else frozenset()   # the cache holds them rounded
-    run_nodes(unit.backward, env, fmt=fmt, exact=frozenset(unit.params) | once)
+    plan = unit_plan(unit)
+    run_nodes(unit.backward, env, fmt=fmt, exact=plan.params | once if once else plan.params, plan=plan.backward)
     for value, name in unit.input_grads.items():
         dlive[value] = dlive[value] + env[name] if value in dlive else env[name]
     grads = {p: env[name] for p, name in unit.param_grads.items()}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ MAX_SETTINGS_BYTES = 16 * 1024**2
 # (bfloat16 / cbfloat16 travel as their raw uint16 bit patterns).
 ALLOWED_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"}
 _WIRE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
+# The names of those little-endian dtypes, looked up by dtype: numpy's dtype.name is a
+# Python-level property costing microseconds, and encode named every array twice.
+_WIRE_NAMES = {dtype: name for name, dtype in _WIRE_DTYPES.items()}
 
 # TRACE messages (cs_runtime/trace.py): spans as parallel 1-D arrays, names once.
 MAX_SPAN_NAMES = 256
@@ -407,15 +411,18 @@ def encode(msg: Message, segments=None) -> list:
         arrays = {**arrays, SETTINGS_ARRAY: np.frombuffer(packed, np.uint8)}
     for name, arr in arrays.items():
         arr = np.asarray(arr, order="C")  # not ascontiguousarray: it turns 0-d into shape (1,)
-        if arr.dtype.name not in ALLOWED_DTYPES:
-            raise ProtocolError(f"array {name!r}: dtype {arr.dtype.name} is not allowed on the wire")
-        # The wire is little endian; '>f4' is also named "float32" and would arrive scrambled.
-        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        dtype = _WIRE_NAMES.get(arr.dtype)   # an allowed dtype, little endian already: as it is
+        if dtype is None:
+            if arr.dtype.name not in ALLOWED_DTYPES:
+                raise ProtocolError(f"array {name!r}: dtype {arr.dtype.name} is not allowed on the wire")
+            # The wire is little endian; '>f4' is also named "float32" and would arrive scrambled.
+            arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+            dtype = arr.dtype.name
         ref = segments.locate(arr) if segments is not None else None
         if ref is not None:
-            specs.append([name, arr.dtype.name, list(arr.shape), *ref])
+            specs.append([name, dtype, list(arr.shape), *ref])
             continue
-        specs.append([name, arr.dtype.name, list(arr.shape)])
+        specs.append([name, dtype, list(arr.shape)])
         frames.extend(_array_frames(arr))
     header = {"t": msg.type.value, "v": PROTOCOL_VERSION, "job": msg.job, "step": msg.step,
               "layer": msg.layer, "meta": meta, "arrays": specs}
@@ -464,7 +471,7 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
     specs = _check_array_specs(header["arrays"], frames[1:])
     fmt = header["meta"].get("format")
     if fmt is not None:
-        stored = wire_dtype(fmt).name
+        stored = _storage_name(fmt)
         for name, dtype, _, _, _ in specs:
             if name == SETTINGS_ARRAY:
                 continue
@@ -495,6 +502,12 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         meta = {**meta, "spec": _settings_meta(arrays.pop(SETTINGS_ARRAY, None))}
         JobSettings.from_meta(meta["spec"])
     return Message(mtype, header["job"], header["step"], header["layer"], meta, arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _storage_name(fmt: str) -> str:
+    """The dtype name a format's tensors travel in (decode checks it on every message)."""
+    return wire_dtype(fmt).name
 
 
 def _settings_meta(packed) -> dict:
@@ -584,17 +597,21 @@ def _unpack_header(raw: bytes) -> dict:
     return header
 
 
+_HEADER_FIELDS = (("t", str), ("v", int), ("job", str), ("step", int), ("layer", int), ("meta", dict),
+                  ("arrays", list))
+_MSG_BY_VALUE = {m.value: m for m in Msg}   # a dict lookup: Msg(value) goes through enum's machinery
+
+
 def _check_header(header: dict) -> Msg:
-    expected = {"t": str, "v": int, "job": str, "step": int, "layer": int, "meta": dict, "arrays": list}
-    for key, typ in expected.items():
-        if not isinstance(header.get(key), typ) or isinstance(header.get(key), bool) and typ is int:
+    for key, typ in _HEADER_FIELDS:
+        value = header.get(key)
+        if not isinstance(value, typ) or isinstance(value, bool) and typ is int:
             raise ProtocolError(f"header field {key!r} missing or not {typ.__name__}")
     if header["v"] != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {header['v']} (expected {PROTOCOL_VERSION})")
-    try:
-        mtype = Msg(header["t"])
-    except ValueError:
-        raise ProtocolError(f"unknown message type {header['t'][:40]!r}") from None
+    mtype = _MSG_BY_VALUE.get(header["t"])
+    if mtype is None:
+        raise ProtocolError(f"unknown message type {header['t'][:40]!r}")
     meta = header["meta"]
     for key, typ in META_SCHEMA[mtype].items():
         if not _is(meta.get(key), typ):
