@@ -85,7 +85,7 @@ def hash_uniform(key: np.uint64, rows: slice | np.ndarray, per_sample: tuple[int
 
 # keep_mask hashes this many elements at a time: its uint64 passes stay in the cache
 # (a whole GPT-2 block's masks are ~4M elements, 32 MB a pass).
-_MASK_CHUNK = 1 << 15
+_MASK_CHUNK = parallel.CHUNK
 
 
 def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float, dtype) -> np.ndarray:
@@ -199,7 +199,7 @@ def normal_cdf(x: np.ndarray) -> np.ndarray:
     return tail
 
 
-_PIECE = 1 << 14   # elements per pass: the float64 temporaries stay in L2 cache
+_PIECE = parallel.CHUNK   # elements per pass: the float64 temporaries stay in the cache
 
 
 def _by_pieces(fn, x: np.ndarray) -> np.ndarray:

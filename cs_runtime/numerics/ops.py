@@ -301,7 +301,7 @@ def _gelu_tanh_inner(x):
     return np.tanh(t, out=t)
 
 
-_PIECE = 1 << 15   # elements per piece: a piece's temporaries stay in the L2 cache
+_PIECE = parallel.CHUNK   # elements per piece: a piece's temporaries stay in the cache
 
 
 def _by_pieces(fn, x):

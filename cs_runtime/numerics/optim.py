@@ -35,7 +35,7 @@ from cs_runtime.numerics.precision import unscale_and_check
 # (ln_1.weight, norm.weight, layernorm.weight, bn1.weight); this project's own
 # layers call theirs *_gain.
 NORM_WEIGHT = re.compile(r"(^|[._])(ln|bn|norm|layer_?norm|batch_?norm)[^.]*\.weight$", re.IGNORECASE)
-UPDATE_CHUNK = 1 << 15   # elements of a parameter updated at a time (128 KB per array: in L2 cache)
+UPDATE_CHUNK = parallel.CHUNK   # elements of a parameter updated at a time (its arrays' chunks stay in cache)
 STEP_SLOT = "step"       # Adam's count of applied updates, a slot like the moments
 
 

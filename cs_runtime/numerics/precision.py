@@ -102,7 +102,7 @@ def _check(fmt: str) -> None:
 
 # Elements per pass of the conversions: each pass over a chunk stays in the core's
 # cache, so the dozen integer passes of a conversion cost about one pass over memory.
-_CHUNK = 1 << 15
+_CHUNK = parallel.CHUNK
 
 
 def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.ndarray:
@@ -385,7 +385,7 @@ def from_bits(b: np.ndarray, fmt: str, out: np.ndarray | None = None) -> np.ndar
 
 
 # Elements per block of add_from_bits: its float32 scratch (2 MB) stays in cache.
-_ADD_BLOCK = 16 * _CHUNK
+_ADD_BLOCK = 1 << 19
 
 
 def add_from_bits(total: np.ndarray, b: np.ndarray, fmt: str) -> np.ndarray:
