@@ -70,7 +70,7 @@ def test_a_failing_piece_raises_after_the_others_finish(monkeypatch):
 # The products of the transformer preset (4096 tokens, width 256, MLP 1024; weight
 # gradients with the tokens inside), BERT-like and odd shapes, and stacked attention heads.
 SHAPES_2D = [((4096, 256), (256, 768), False), ((4096, 1024), (1024, 256), False), ((4096, 256), (256, 260), False),
-             ((256, 4096), (4096, 768), True), ((1024, 4096), (4096, 256), True), ((1000, 300), (300, 77), False)]
+             ((256, 4096), (4096, 768), True), ((1024, 4096), (4096, 256), True), ((1000, 600), (600, 77), False)]
 
 
 @needs_setter
