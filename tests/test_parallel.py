@@ -106,7 +106,9 @@ def test_attention_by_pieces_of_the_batch_is_attention_whole(monkeypatch, two_th
     assert b * heads * s * s >= parallel.MIN_ELEMENTS
     qkv = rng.standard_normal((b, s, 3 * width)).astype(np.float32)
     keep = rng.random((b, s)) > 0.2 if padded else None
-    drop = kernels.keep_mask(kernels.hash_key(1, 2, 3), slice(0, b), (heads, s, s), 0.1, np.float32) if dropped else None
+    drop = None
+    if dropped:
+        drop = kernels.keep_mask(kernels.hash_key(1, 2, 3), slice(0, b), (heads, s, s), 0.1, np.float32)
     dout = rng.standard_normal((b, s, width)).astype(np.float32)
     out, cache = kernels.attention_forward(qkv, heads, causal, keep, drop)
     assert kernels.attention_output(qkv, heads, causal, keep, drop).tobytes() == out.tobytes()
@@ -119,8 +121,9 @@ def test_masks_gelus_and_layer_norm_by_pieces_are_the_same_bits(monkeypatch, two
     rng = np.random.default_rng(4)
     x = rng.standard_normal((32, 128, 1024)).astype(np.float32)
     key = kernels.hash_key(5, 6, 7)
-    for fn, args in ((kernels.keep_mask, (key, slice(3, 35), (128, 1024), 0.1, np.float32)),
-                     (kernels.gelu, (x,)), (kernels.gelu_grad, (x,)), (ops.gelu_tanh, (x,)), (ops.gelu_tanh_grad, (x,))):
+    passes = ((kernels.keep_mask, (key, slice(3, 35), (128, 1024), 0.1, np.float32)), (kernels.gelu, (x,)),
+              (kernels.gelu_grad, (x,)), (ops.gelu_tanh, (x,)), (ops.gelu_tanh_grad, (x,)))
+    for fn, args in passes:
         assert fn(*args).tobytes() == uncut(monkeypatch, fn, *args).tobytes(), fn.__name__
     h = x[:, :, :256]
     gain, bias = rng.standard_normal(256).astype(np.float32), rng.standard_normal(256).astype(np.float32)
@@ -130,7 +133,8 @@ def test_masks_gelus_and_layer_norm_by_pieces_are_the_same_bits(monkeypatch, two
     for inputs in ([h, gain, bias], [h, None, bias], [h]):
         forward = layer_norm.forward(inputs, attrs)
         assert forward.tobytes() == uncut(monkeypatch, layer_norm.forward, inputs, attrs).tobytes()
-        cut, whole = layer_norm.vjp(g, inputs, forward, attrs), uncut(monkeypatch, layer_norm.vjp, g, inputs, forward, attrs)
+        cut = layer_norm.vjp(g, inputs, forward, attrs)
+        whole = uncut(monkeypatch, layer_norm.vjp, g, inputs, forward, attrs)
         assert len(cut) == len(whole)
         for got, want in zip(cut, whole):
             assert (got is None and want is None) or got.tobytes() == want.tobytes()

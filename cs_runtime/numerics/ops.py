@@ -164,8 +164,8 @@ def _sub_forward(inputs, attrs):
 
 _register("add", _add_forward, _add_vjp, _binary_shape, _elementwise_cost(1))
 _register("sub", _sub_forward, _sub_vjp, _binary_shape, _elementwise_cost(1))
-_register("mul", lambda i, a: parallel.binary(np.multiply, *_operands(i, a), commutative=True), _mul_vjp, _binary_shape, _elementwise_cost(1),
-          saves_inputs=(0, 1))
+_register("mul", lambda i, a: parallel.binary(np.multiply, *_operands(i, a), commutative=True), _mul_vjp,
+          _binary_shape, _elementwise_cost(1), saves_inputs=(0, 1))
 _register("div", lambda i, a: np.divide(*_operands(i, a)), _div_vjp, _binary_shape, _elementwise_cost(1),
           saves_inputs=(0, 1))
 _register("neg", lambda i, a: -i[0], lambda g, i, o, a: [-g], _same_shape, _elementwise_cost(1))
