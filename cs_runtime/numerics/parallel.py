@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import blas
+from cs_runtime.numerics import blas
 
 # Pieces a large product or pass is cut into: fixed (not the thread count), so the
 # same shapes are cut the same way in every process. More pieces than threads, so a
