@@ -278,10 +278,10 @@ def test_self_attention_with_a_dropout_mask_matches_the_kernel():
 
 def test_tanh_gelu_by_pieces_has_the_bits_of_one_pass():
     """The tanh GELU and its derivative, run a cache-sized piece at a time, equal the whole-array pass."""
-    from cs_runtime.numerics import ops
+    from cs_runtime.numerics import ops, parallel
     rng = np.random.default_rng(4)
     for dtype in (np.float32, np.float64):
-        for shape in ((3, 7), (ops._PIECE + 5,), (4, 128, 300)):
+        for shape in ((3, 7), (parallel.CHUNK + 5,), (4, 128, 300)):
             x = (rng.standard_normal(shape) * 3).astype(dtype)
             for pieces, whole in ((ops.gelu_tanh, ops._gelu_tanh), (ops.gelu_tanh_grad, ops._gelu_tanh_grad)):
                 got, want = pieces(x), whole(x)

@@ -83,11 +83,6 @@ def hash_uniform(key: np.uint64, rows: slice | np.ndarray, per_sample: tuple[int
     return (bits.astype(np.float32) * np.float32(2.0 ** -24)).reshape((-1, *per_sample))
 
 
-# keep_mask hashes this many elements at a time: its uint64 passes stay in the cache
-# (a whole GPT-2 block's masks are ~4M elements, 32 MB a pass).
-_MASK_CHUNK = parallel.CHUNK
-
-
 def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float, dtype) -> np.ndarray:
     """Dropout's scaled keep-mask (0 or 1/(1-p)) for `rows` of a global batch: element
     (r, j) kept where hash_uniform's draw is >= p, the same bits as
@@ -102,22 +97,19 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
     threshold = np.uint64(math.ceil(float(np.float32(p)) * 2.0 ** 24))
     scale = dtype(1.0 / (1.0 - p))
 
-    def fill(begin: int, end: int) -> None:          # out[begin:end], a chunk at a time
-        z = np.empty(min(_MASK_CHUNK, end - begin), dtype=np.uint64)
-        t = np.empty_like(z)
-        keep = np.empty(z.shape, dtype=bool)
-        for lo in range(begin, end, _MASK_CHUNK):    # counters start*n + i: row r's element j is r*n + j
-            m = min(_MASK_CHUNK, end - lo)
-            zc, tc, kc = z[:m], t[:m], keep[:m]
-            first = start * n + lo
-            zc[:] = np.arange(first, first + m, dtype=np.uint64)
-            zc ^= key
-            zc += _GOLDEN                            # splitmix64, in place in zc
-            _splitmix64_rounds(zc, tc)
-            zc >>= np.uint64(40)                     # 24 random bits
-            np.greater_equal(zc, threshold, out=kc)
-            np.multiply(kc, scale, out=out[lo:lo + m], dtype=dtype)
-    parallel.in_pieces(out.size, fill, align=_MASK_CHUNK)
+    def fill(lo: int, hi: int, z: np.ndarray, t: np.ndarray, keep: np.ndarray) -> None:
+        first = start * n + lo                       # counters start*n + i: row r's element j is r*n + j
+        z[:] = np.arange(first, first + hi - lo, dtype=np.uint64)
+        z ^= key
+        z += _GOLDEN                                 # splitmix64, in place in z
+        _splitmix64_rounds(z, t)
+        z >>= np.uint64(40)                          # 24 random bits
+        np.greater_equal(z, threshold, out=keep)
+        np.multiply(keep, scale, out=out[lo:hi], dtype=dtype)
+    # a chunk at a time: its uint64 passes stay in the cache (a GPT-2 block's masks are
+    # ~4M elements, 32 MB a pass)
+    parallel.in_chunks(out.size, fill, lambda size: (np.empty(size, np.uint64), np.empty(size, np.uint64),
+                                                     np.empty(size, bool)))
     return out.reshape((stop - start, *per_sample))
 
 
@@ -199,20 +191,9 @@ def normal_cdf(x: np.ndarray) -> np.ndarray:
     return tail
 
 
-_PIECE = parallel.CHUNK   # elements per pass: the float64 temporaries stay in the cache
-
-
-def _by_pieces(fn, x: np.ndarray) -> np.ndarray:
-    """fn (float64 in, float64 out) over x a cache-sized piece at a time, in x's dtype."""
-    flat = np.ascontiguousarray(x).reshape(-1)
-    out = np.empty(flat.shape, dtype=x.dtype)
-
-    def fill(begin: int, end: int) -> None:
-        for start in range(begin, end, _PIECE):
-            stop = min(start + _PIECE, end)
-            out[start:stop] = fn(flat[start:stop].astype(np.float64))
-    parallel.in_pieces(flat.size, fill, align=_PIECE)
-    return out.reshape(x.shape)
+def _in_float64(fn, x: np.ndarray) -> np.ndarray:
+    """fn (float64 in, float64 out) over x a cache-sized chunk at a time, in x's dtype."""
+    return parallel.map_chunks(lambda chunk: fn(chunk.astype(np.float64)), x)
 
 
 def _gelu64(x: np.ndarray) -> np.ndarray:
@@ -233,12 +214,12 @@ def _gelu_grad64(x: np.ndarray) -> np.ndarray:
 
 def gelu(x: np.ndarray) -> np.ndarray:
     """Exact GELU: x * Phi(x) (evaluated in float64, returned in x's dtype)."""
-    return _by_pieces(_gelu64, x)
+    return _in_float64(_gelu64, x)
 
 
 def gelu_grad(x: np.ndarray) -> np.ndarray:
     """d/dx x * Phi(x) = Phi(x) + x * phi(x)."""
-    return _by_pieces(_gelu_grad64, x)
+    return _in_float64(_gelu_grad64, x)
 
 
 _C = 0.7978845608  # sqrt(2 / pi)

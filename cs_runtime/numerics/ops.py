@@ -301,32 +301,15 @@ def _gelu_tanh_inner(x):
     return np.tanh(t, out=t)
 
 
-_PIECE = parallel.CHUNK   # elements per piece: a piece's temporaries stay in the cache
-
-
-def _by_pieces(fn, x):
-    """fn (elementwise, fresh output in x's dtype) over x a cache-sized piece at a time: the
-    same bits, but each of fn's passes reads and writes the cache, not memory (GPT-2's
-    MLP activations are 4M floats a block, 16 MB a pass)."""
-    if x.size <= _PIECE:
-        return fn(x)
-    flat = np.ascontiguousarray(x).reshape(-1)
-    out = np.empty(flat.shape, dtype=x.dtype)
-
-    def fill(begin: int, end: int) -> None:
-        for start in range(begin, end, _PIECE):
-            stop = min(start + _PIECE, end)
-            out[start:stop] = fn(flat[start:stop])
-    parallel.in_pieces(flat.size, fill, align=_PIECE)
-    return out.reshape(x.shape)
-
+# A chunk at a time (parallel.map_chunks): the same bits, but each pass reads and writes
+# the cache, not memory (GPT-2's MLP activations are 4M floats a block, 16 MB a pass).
 
 def gelu_tanh(x):
-    return _by_pieces(_gelu_tanh, x)
+    return parallel.map_chunks(_gelu_tanh, x)
 
 
 def gelu_tanh_grad(x):
-    return _by_pieces(_gelu_tanh_grad, x)
+    return parallel.map_chunks(_gelu_tanh_grad, x)
 
 
 def _gelu_tanh(x):

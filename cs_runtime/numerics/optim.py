@@ -35,7 +35,6 @@ from cs_runtime.numerics.precision import unscale_and_check
 # (ln_1.weight, norm.weight, layernorm.weight, bn1.weight); this project's own
 # layers call theirs *_gain.
 NORM_WEIGHT = re.compile(r"(^|[._])(ln|bn|norm|layer_?norm|batch_?norm)[^.]*\.weight$", re.IGNORECASE)
-UPDATE_CHUNK = parallel.CHUNK   # elements of a parameter updated at a time (its arrays' chunks stay in cache)
 STEP_SLOT = "step"       # Adam's count of applied updates, a slot like the moments
 
 
@@ -145,12 +144,10 @@ class Optimizer:
         flat_w, flat_g = w.reshape(-1), g.reshape(-1)
         flat_slots = {name: slot.reshape(-1) for name, slot in slots.items()}
 
-        def fill(begin: int, end: int) -> None:     # elementwise: pieces side by side (parallel.py)
-            for start in range(begin, end, UPDATE_CHUNK):
-                piece = slice(start, min(start + UPDATE_CHUNK, end))
-                self._update_piece(flat_w[piece], flat_g[piece], {k: v[piece] for k, v in flat_slots.items()},
-                                   lr, t, wd)
-        parallel.in_pieces(flat_w.size, fill, align=UPDATE_CHUNK)
+        def chunk(start: int, stop: int) -> None:   # elementwise: chunks side by side (parallel.py)
+            self._update_piece(flat_w[start:stop], flat_g[start:stop],
+                               {k: v[start:stop] for k, v in flat_slots.items()}, lr, t, wd)
+        parallel.in_chunks(flat_w.size, chunk)
 
     def _update_piece(self, w, g, slots, lr, t: int, wd: float) -> None:
         wd = np.float32(wd)

@@ -146,6 +146,34 @@ def in_pieces(n: int, work: Callable[[int, int], None], elements: int | None = N
     run([lambda lo=lo, hi=hi: work(lo, hi) for lo, hi in cuts(n, align=align)])
 
 
+def in_chunks(n: int, work: Callable[..., None], scratch: Callable[[int], tuple] | None = None) -> None:
+    """work(start, stop, *buffers) for every CHUNK of range(n) (the last one shorter), the
+    chunks in pieces side by side (in_pieces). `scratch(size)`: a chunk's working arrays,
+    made once per piece and handed to each of its chunks cut to the chunk's length (pieces
+    side by side cannot share them)."""
+    def piece(begin: int, end: int) -> None:
+        buffers = scratch(min(CHUNK, end - begin)) if scratch is not None else ()
+        for start in range(begin, end, CHUNK):
+            stop = min(start + CHUNK, end)
+            work(start, stop, *(buffer[:stop - start] for buffer in buffers))
+    in_pieces(n, piece, align=CHUNK)
+
+
+def map_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """fn (elementwise, a fresh array out) over x a chunk at a time, in x's dtype and shape:
+    each of fn's passes then reads and writes the cache, not memory. The values of fn(x)
+    cast to x's dtype."""
+    if x.size <= CHUNK:
+        return fn(x).astype(x.dtype, copy=False)
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty(flat.shape, x.dtype)
+
+    def work(start: int, stop: int) -> None:
+        out[start:stop] = fn(flat[start:stop])
+    in_chunks(flat.size, work)
+    return out.reshape(x.shape)
+
+
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b, cut by the rows of a 2-d a, or by the leading index of stacked operands of
     the same leading shape; any other case, or a small product, is a plain a @ b."""

@@ -100,8 +100,8 @@ def _check(fmt: str) -> None:
         raise ValueError(f"unknown precision format {fmt!r}; expected one of {sorted(FORMATS)}")
 
 
-# Elements per pass of the conversions: each pass over a chunk stays in the core's
-# cache, so the dozen integer passes of a conversion cost about one pass over memory.
+# Elements per pass of the conversions (parallel.in_chunks): each pass over a chunk stays
+# in the core's cache, so the dozen integer passes of a conversion cost about one pass over memory.
 _CHUNK = parallel.CHUNK
 
 
@@ -129,31 +129,33 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     # the least magnitude (float32 bits) that could round to inf, less one unit of the dropped bits
     may_overflow = (spec.inf_bits << int(drop)) + int(rebias) - (1 << int(drop))
 
-    def fill(begin: int, end: int) -> None:
-        mag_buf, shifted_buf, out_buf, mask_buf = (np.empty(min(_CHUNK, end - begin), np.uint32) for _ in range(4))
-        for start in range(begin, end, _CHUNK):
-            bits = flat[start:min(start + _CHUNK, end)]
-            mag, shifted, rounded = mag_buf[:bits.size], shifted_buf[:bits.size], out_buf[:bits.size]
-            np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
-            top = int(mag.max())
-            np.subtract(mag, rebias, out=shifted)            # wraps below the normal range: fixed below
-            np.right_shift(shifted, drop, out=rounded)
-            rounded &= np.uint32(1)                          # ties go to the even neighbour
-            rounded += shifted
-            rounded += increment
-            rounded >>= drop
-            if top >= may_overflow:
-                np.minimum(rounded, inf_bits, out=rounded)   # overflow after rounding -> inf
-            if mag.min() < smallest_normal:                  # zeros (half of a relu's outputs), subnormals
-                _encode_below_normal(mag, rounded, shifted, mask_buf[:bits.size], spec, smallest_normal)
-            if top >= _F32_INF:
-                _encode_special(mag, rounded, spec)
-            np.right_shift(bits, np.uint32(16), out=shifted)  # every format here is 16 bits wide
-            shifted &= np.uint32(0x8000)
-            rounded |= shifted
-            np.copyto(out[start:start + bits.size], rounded, casting="unsafe")
-    parallel.in_pieces(flat.size, fill, align=_CHUNK)
+    def chunk(start: int, stop: int, mag, shifted, rounded, mask) -> None:
+        bits = flat[start:stop]
+        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
+        top = int(mag.max())
+        np.subtract(mag, rebias, out=shifted)                # wraps below the normal range: fixed below
+        np.right_shift(shifted, drop, out=rounded)
+        rounded &= np.uint32(1)                              # ties go to the even neighbour
+        rounded += shifted
+        rounded += increment
+        rounded >>= drop
+        if top >= may_overflow:
+            np.minimum(rounded, inf_bits, out=rounded)       # overflow after rounding -> inf
+        if mag.min() < smallest_normal:                      # zeros (half of a relu's outputs), subnormals
+            _encode_below_normal(mag, rounded, shifted, mask, spec, smallest_normal)
+        if top >= _F32_INF:
+            _encode_special(mag, rounded, spec)
+        np.right_shift(bits, np.uint32(16), out=shifted)     # every format here is 16 bits wide
+        shifted &= np.uint32(0x8000)
+        rounded |= shifted
+        np.copyto(out[start:stop], rounded, casting="unsafe")
+    parallel.in_chunks(flat.size, chunk, _uint32_buffers(4))
     return result
+
+
+def _uint32_buffers(count: int):
+    """parallel.in_chunks' scratch: `count` uint32 working arrays of a chunk."""
+    return lambda size: tuple(np.empty(size, np.uint32) for _ in range(count))
 
 
 def _output(out: np.ndarray | None, shape: tuple, dtype) -> np.ndarray:
@@ -181,22 +183,19 @@ def _encode_bfloat16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
     result = _output(out, x.shape, np.uint16)
     out = result.reshape(-1)
 
-    def fill(begin: int, end: int) -> None:
-        lsb_buf, sum_buf = (np.empty(min(_CHUNK, end - begin), np.uint32) for _ in range(2))
-        for start in range(begin, end, _CHUNK):
-            bits = flat[start:min(start + _CHUNK, end)]
-            lsb, rounded = lsb_buf[:bits.size], sum_buf[:bits.size]
-            np.right_shift(bits, np.uint32(16), out=lsb)
-            lsb &= np.uint32(1)                              # ties go to the even neighbour
-            lsb += np.uint32(0x7FFF)
-            np.add(bits, lsb, out=rounded)
-            rounded >>= np.uint32(16)
-            chunk = out[start:start + bits.size]
-            np.copyto(chunk, rounded, casting="unsafe")
-            if np.isnan(bits.view(np.float32).max()):
-                nans = np.flatnonzero(np.isnan(bits.view(np.float32)))
-                chunk[nans] = (bits[nans] >> np.uint32(16)).astype(np.uint16) & np.uint16(0x8000) | np.uint16(0x7FC0)
-    parallel.in_pieces(flat.size, fill, align=_CHUNK)
+    def chunk(start: int, stop: int, lsb, rounded) -> None:
+        bits = flat[start:stop]
+        np.right_shift(bits, np.uint32(16), out=lsb)
+        lsb &= np.uint32(1)                                  # ties go to the even neighbour
+        lsb += np.uint32(0x7FFF)
+        np.add(bits, lsb, out=rounded)
+        rounded >>= np.uint32(16)
+        patterns = out[start:stop]
+        np.copyto(patterns, rounded, casting="unsafe")
+        if np.isnan(bits.view(np.float32).max()):
+            nans = np.flatnonzero(np.isnan(bits.view(np.float32)))
+            patterns[nans] = (bits[nans] >> np.uint32(16)).astype(np.uint16) & np.uint16(0x8000) | np.uint16(0x7FC0)
+    parallel.in_chunks(flat.size, chunk, _uint32_buffers(2))
     return result
 
 
@@ -282,20 +281,18 @@ def _decode(b: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     # inf and nan patterns read as magnitudes from 2**(exp_max - bias) (inf in float32 for bfloat16)
     special = np.float32(np.inf) if spec.exp_max - spec.bias > 127 else np.float32(2.0 ** (spec.exp_max - spec.bias))
 
-    def fill(begin: int, end: int) -> None:
-        for start in range(begin, end, _CHUNK):
-            patterns = flat[start:min(start + _CHUNK, end)]
-            value = out[start:start + patterns.size]
-            np.copyto(value, patterns)                       # sign-extending
-            value <<= shift
-            if keep != -1:                                   # bfloat16: no copies of the sign below bit 31
-                value &= keep
-            if scale != 1:                                   # bfloat16 has float32's exponent already
-                np.multiply(value.view(np.float32), scale, out=value.view(np.float32))
-            floats = value.view(np.float32)
-            if not (floats.max() < special and floats.min() > -special):   # nan fails both: max propagates it
-                _decode_special(patterns, value, spec)
-    parallel.in_pieces(flat.size, fill, align=_CHUNK)
+    def chunk(start: int, stop: int) -> None:
+        patterns, value = flat[start:stop], out[start:stop]
+        np.copyto(value, patterns)                           # sign-extending
+        value <<= shift
+        if keep != -1:                                       # bfloat16: no copies of the sign below bit 31
+            value &= keep
+        if scale != 1:                                       # bfloat16 has float32's exponent already
+            np.multiply(value.view(np.float32), scale, out=value.view(np.float32))
+        floats = value.view(np.float32)
+        if not (floats.max() < special and floats.min() > -special):   # nan fails both: max propagates it
+            _decode_special(patterns, value, spec)
+    parallel.in_chunks(flat.size, chunk)
     return result
 
 
@@ -440,30 +437,27 @@ def _round(x: np.ndarray, fmt: str) -> np.ndarray:
     carrier = np.float32(2.0 ** (1 - spec.bias - spec.man_bits + 23))
     full_range = spec.exp_bits == 8                               # bfloat16: float32's exponent and subnormals
 
-    def fill(begin: int, end: int) -> None:
-        mag_buf, work_buf, mask_buf = (np.empty(min(_CHUNK, end - begin), np.uint32) for _ in range(3))
-        for start in range(begin, end, _CHUNK):
-            bits = flat[start:min(start + _CHUNK, end)]
-            mag, work, rounded = mag_buf[:bits.size], work_buf[:bits.size], out[start:start + bits.size]
-            np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
-            top = int(mag.max())
-            if top >= _F32_INF:
-                rounded[:] = from_bits(to_bits(bits.view(np.float32), fmt), fmt).view(np.uint32)
-                continue
-            np.right_shift(mag, drop, out=rounded)
-            rounded &= np.uint32(1)                              # ties go to the even neighbour
-            rounded += mag
-            rounded += increment
-            rounded &= keep
-            if not full_range:
-                if top + (1 << int(drop)) >= overflow and rounded.max() >= overflow:
-                    rounded[rounded >= overflow] = _F32_INF
-                np.subtract(mag, np.uint32(1), out=work)         # zeros wrap to the top: left out
-                if work.min() < smallest_normal - 1:             # nonzero magnitudes below the smallest normal
-                    _round_small(mag, rounded, work, carrier, smallest_normal, mask_buf[:bits.size])
-            np.bitwise_and(bits, np.uint32(0x80000000), out=work)
-            rounded |= work
-    parallel.in_pieces(flat.size, fill, align=_CHUNK)
+    def chunk(start: int, stop: int, mag, work, mask) -> None:
+        bits, rounded = flat[start:stop], out[start:stop]
+        np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
+        top = int(mag.max())
+        if top >= _F32_INF:
+            rounded[:] = from_bits(to_bits(bits.view(np.float32), fmt), fmt).view(np.uint32)
+            return
+        np.right_shift(mag, drop, out=rounded)
+        rounded &= np.uint32(1)                                  # ties go to the even neighbour
+        rounded += mag
+        rounded += increment
+        rounded &= keep
+        if not full_range:
+            if top + (1 << int(drop)) >= overflow and rounded.max() >= overflow:
+                rounded[rounded >= overflow] = _F32_INF
+            np.subtract(mag, np.uint32(1), out=work)             # zeros wrap to the top: left out
+            if work.min() < smallest_normal - 1:                 # nonzero magnitudes below the smallest normal
+                _round_small(mag, rounded, work, carrier, smallest_normal, mask)
+        np.bitwise_and(bits, np.uint32(0x80000000), out=work)
+        rounded |= work
+    parallel.in_chunks(flat.size, chunk, _uint32_buffers(3))
     return result
 
 
