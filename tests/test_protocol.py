@@ -863,3 +863,22 @@ def test_a_big_endian_destination_is_refused():
     with pytest.raises(ProtocolError, match="does not fit"):
         decode(encode(Message(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays={"w": big})),
                into=Kept(w=np.zeros(big.shape, ">f4")))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_kept_buffers_hold_a_models_parameters_in_the_dtypes_that_travel(fmt):
+    """The WSE's weights and MemoryX's gradients are joined into these: one buffer per
+    (layer, parameter, dtype), the same every message; None for anything else."""
+    from dataclasses import replace
+    spec = replace(mlp_spec("m", [6, 4, 3], "relu", 0.0), precision=fmt)
+    kept = protocol.KeptBuffers(spec)
+    storage = "float32" if fmt == "float32" else "uint16"
+    shape = spec.layers[1].param_shapes()["weight"]
+    first = kept.get(1, "weight", storage, shape)
+    assert first.shape == shape and first.dtype == np.dtype(storage) and first.flags.writeable
+    assert kept.get(1, "weight", storage, shape) is first                       # kept, not made again
+    assert kept.get(1, "weight", "float32", shape).dtype == np.float32          # float32 always travels
+    assert kept.get(1, "weight", "int64", shape) is None                        # no other dtype
+    assert kept.get(1, "no_such_param", storage, shape) is None
+    assert kept.get(2, "weight", storage, shape) is None and kept.get(-1, "weight", storage, shape) is None
+    assert kept.get(1, "weight", storage, (shape[0] + 1, shape[1])) is None     # not the parameter's shape

@@ -35,7 +35,8 @@ from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batc
 from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, ProtocolError, batch_features, float_arrays
+from cs_runtime.wire.protocol import (JobSettings, KeptBuffers, Message, Msg, ProtocolError, batch_features,
+                                      float_arrays)
 from cs_runtime.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
@@ -105,7 +106,7 @@ class WeightStreamingExecutor:
         self.spec, self.seed, self.up, self.inputs = spec, seed, up, inputs
         self.arena = arena
         self.grad_buffers: dict[tuple[int, str], object] = {}
-        self.weight_buffers: dict[tuple[int, str, str], np.ndarray] = {}
+        self.weight_buffers = KeptBuffers(spec)
         # 16-bit formats: each layer's weights widened to float32, into buffers reused every
         # step, once per step: the forward pass's copy serves the backward pass too.
         self.widened: dict[int, dict[str, np.ndarray]] = {}
@@ -214,14 +215,7 @@ class WeightStreamingExecutor:
         was handled, and the only earlier message of the same layer still referenced (by
         the forward cache, when layer l's backward weights arrive) carried the same bytes:
         MemoryX updates a layer only after the gradients that this backward pass sends."""
-        buffer = self.weight_buffers.get((index, name, dtype))
-        if buffer is None:
-            layers = self.spec.layers
-            known = layers[index].param_shapes().get(name) if 0 <= index < len(layers) else None
-            if known is None or dtype not in ("float32", wire_dtype(self.spec.precision).name):
-                return None
-            buffer = self.weight_buffers[(index, name, dtype)] = np.empty(known, dtype)
-        return buffer if buffer.shape == shape else None
+        return self.weight_buffers.get(index, name, dtype, shape)
 
     def grad_buffer(self, index: int, name: str, shape: tuple, dtype) -> np.ndarray:
         """Layer `index`'s buffer for gradient `name` in this WSE's arena, reused every step."""

@@ -35,7 +35,7 @@ from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import JobSettings, Message, Msg
+from cs_runtime.wire.protocol import JobSettings, KeptBuffers, Message, Msg
 from cs_runtime.service import ProcessEnv, join_cs_system, service_main
 from cs_runtime.wire.transport import Endpoint
 
@@ -55,7 +55,7 @@ class MemoryX:
         self.arena: shm.Arena | None = None
         self.wire: list[dict] | None = None    # 16-bit weight buffers in the arena
         self.grad_buffers: dict[tuple[int, str], np.ndarray] = {}   # 16-bit gradients widened
-        self.grad_wire: dict[tuple[int, str, str], np.ndarray] = {}   # gradients as they travel (kept_grads)
+        self.grad_wire: KeptBuffers | None = None   # gradients as they travel (kept_grads)
 
     def serve(self) -> None:
         while True:
@@ -97,6 +97,7 @@ class MemoryX:
         trace.RECORDER.reset(settings.trace)
         self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, msg.arrays)
         self.share_weights()
+        self.grad_wire = KeptBuffers(self.spec)
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
                  self.spec.num_params())
 
@@ -120,7 +121,7 @@ class MemoryX:
         if self.segments is not None:
             self.segments.release(self.arena)
         self.arena, self.wire = None, None
-        self.grad_buffers, self.grad_wire = {}, {}
+        self.grad_buffers, self.grad_wire = {}, None
 
     def wire_layer(self, index: int) -> dict:
         """Layer `index`'s weights as they travel: the masters themselves in float32, else
@@ -158,15 +159,9 @@ class MemoryX:
         float32 from one WSE or SwarmX's sums), kept for the job, not fresh pages every step. Safe to
         reuse: a step's gradients are read only within train_step, which ends before the chief
         starts the next step (the optimizer reads them, never keeps them)."""
-        if mtype != Msg.GRADS or not 0 <= index < len(self.spec.layers):
+        if mtype != Msg.GRADS or self.grad_wire is None:
             return None
-        buffer = self.grad_wire.get((index, name, dtype))
-        if buffer is None:
-            weight = self.weights[self.spec.layers[index].name].get(name)
-            if weight is None or dtype not in ("float32", wire_dtype(self.spec.precision).name):
-                return None
-            buffer = self.grad_wire[(index, name, dtype)] = np.empty(weight.shape, dtype)
-        return buffer if buffer.shape == shape else None   # not its weight's shape: decoded as ever
+        return self.grad_wire.get(index, name, dtype, shape)
 
     def received_grads(self, msg: Message) -> dict:
         """A GRADS message's tensors as float32: 16-bit ones widened into buffers kept for

@@ -504,6 +504,31 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
     return Message(mtype, header["job"], header["step"], header["layer"], meta, arrays)
 
 
+class KeptBuffers:
+    """The buffers a receiver keeps for a model's streamed arrays (decode's `into`): one per
+    (layer, parameter, dtype), made on first use in the parameter's shape, kept for the job
+    instead of fresh pages every message. Only float32 and the model's 16-bit storage
+    travel; another dtype, a parameter the model (a numerics.model.ModelSpec) does not have,
+    or another shape gets None: decode then builds a fresh array, and the receiver's own
+    checks refuse what does not fit."""
+
+    def __init__(self, spec):
+        self.layers = spec.layers
+        self.dtypes = frozenset({"float32", _storage_name(spec.precision)})
+        self.buffers: dict[tuple[int, str, str], np.ndarray] = {}
+
+    def get(self, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
+        buffer = self.buffers.get((index, name, dtype))
+        if buffer is None:
+            known = None
+            if dtype in self.dtypes and 0 <= index < len(self.layers):
+                known = self.layers[index].param_shapes().get(name)
+            if known is None:
+                return None
+            buffer = self.buffers[(index, name, dtype)] = np.empty(known, dtype)
+        return buffer if buffer.shape == tuple(shape) else None
+
+
 @functools.lru_cache(maxsize=None)
 def _storage_name(fmt: str) -> str:
     """The dtype name a format's tensors travel in (decode checks it on every message)."""
