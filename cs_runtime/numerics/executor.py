@@ -182,9 +182,6 @@ def unit_params(unit, weights: dict, fmt: str = "float32", weights_rounded: bool
     return own if weights_rounded else rounded(own, fmt)
 
 
-_ROUNDED_READS: dict[int, tuple[object, frozenset]] = {}
-
-
 def _rounds(node: Node, name: str) -> bool:
     """Whether every input position of `node` holding `name` is one its 16-bit rule rounds."""
     op = node.attrs["of"] if node.op == "vjp" else node.op
@@ -199,17 +196,14 @@ def rounded_reads(unit) -> frozenset:
     layer below) that only the rounded operands of its matmul-like ops read, forward and
     backward. In a 16-bit format they are rounded once as they come in and used as they
     are in both passes (the weight gradient's matmul takes the same rounded input), as a
-    dense layer rounds its input once; rounding again would change nothing but the time."""
-    cached = _ROUNDED_READS.get(id(unit))
-    if cached is None or cached[0] is not unit:
-        readers: dict[str, list[Node]] = {}
-        for node in (*unit.forward, *unit.backward):
-            for name in set(node.inputs):
-                readers.setdefault(name, []).append(node)
-        found = frozenset(r for r in unit.reads if r not in unit.params and r not in unit.writes and readers.get(r)
-                          and all(_rounds(node, r) for node in readers[r]))
-        cached = _ROUNDED_READS[id(unit)] = (unit, found)
-    return cached[1]
+    dense layer rounds its input once; rounding again would change nothing but the time.
+    Worked out once per unit, in its plan (unit_plan)."""
+    readers: dict[str, list[Node]] = {}
+    for node in (*unit.forward, *unit.backward):
+        for name in set(node.inputs):
+            readers.setdefault(name, []).append(node)
+    return frozenset(r for r in unit.reads if r not in unit.params and r not in unit.writes and readers.get(r)
+                     and all(_rounds(node, r) for node in readers[r]))
 
 
 @dataclass(frozen=True)
@@ -218,8 +212,17 @@ class UnitPlan:
     keep: frozenset        # what its forward holds on to: its writes and what its backward reads
     shape_only: frozenset
     params: frozenset
+    rounded_reads: frozenset   # in a 16-bit format, rounded once as they come in (rounded_reads)
     forward: NodePlan
     backward: NodePlan
+
+    def once(self, fmt: str) -> frozenset:
+        """The reads rounded as they come in, in `fmt` (none in float32)."""
+        return self.rounded_reads if fmt != "float32" else frozenset()
+
+    def exact(self, fmt: str) -> frozenset:
+        """The values that hold fmt's values already: the parameters, and the reads rounded once."""
+        return self.params | self.rounded_reads if fmt != "float32" else self.params
 
 
 _UNIT_PLANS: dict[int, tuple[object, UnitPlan]] = {}
@@ -230,8 +233,8 @@ def unit_plan(unit) -> UnitPlan:
     cached = _UNIT_PLANS.get(id(unit))
     if cached is None or cached[0] is not unit:
         keep, shape_only = frozenset(unit.writes) | frozenset(unit.kept), frozenset(unit.shape_only)
-        plan = UnitPlan(keep, shape_only, frozenset(unit.params), plan_nodes(unit.forward, keep, shape_only),
-                        plan_nodes(unit.backward))
+        plan = UnitPlan(keep, shape_only, frozenset(unit.params), rounded_reads(unit),
+                        plan_nodes(unit.forward, keep, shape_only), plan_nodes(unit.backward))
         cached = _UNIT_PLANS[id(unit)] = (unit, plan)
     return cached[1]
 
@@ -249,12 +252,12 @@ def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_
     in 16 bits, the parameters it rounded itself, so the backward does not round them again)."""
     env = unit_params(unit, weights, fmt, weights_rounded)
     params = dict(env) if fmt != "float32" and not weights_rounded else {}   # rounded here
-    once = rounded_reads(unit) if fmt != "float32" else frozenset()
+    plan = unit_plan(unit)
+    once = plan.once(fmt)
     env.update((r, _read(live[r], fmt, r in once)) for r in unit.reads)
     shapes = {}
-    plan = unit_plan(unit)
     run_nodes(unit.forward, env, keep=plan.keep, shapes_of=plan.shape_only, shapes=shapes, fmt=fmt,
-              exact=plan.params | once if once else plan.params, plan=plan.forward)
+              exact=plan.exact(fmt), plan=plan.forward)
     live.update((w, env[w]) for w in unit.writes)
     cache = {k: env[k] for k in unit.kept}
     cache.update((k, _stand_in(*shapes[k])) for k in unit.shape_only)
@@ -275,9 +278,8 @@ def unit_backward(unit, weights: dict, cache: dict, live: dict, dlive: dict, fmt
     for w in unit.grad_writes:
         g = dlive.pop(w, None)
         env[f"d:{w}"] = g if g is not None else np.zeros_like(live[w])
-    once = rounded_reads(unit) if fmt != "float32" else frozenset()   # the cache holds them rounded
-    plan = unit_plan(unit)
-    run_nodes(unit.backward, env, fmt=fmt, exact=plan.params | once if once else plan.params, plan=plan.backward)
+    plan = unit_plan(unit)   # the cache holds the reads rounded once (plan.exact)
+    run_nodes(unit.backward, env, fmt=fmt, exact=plan.exact(fmt), plan=plan.backward)
     for value, name in unit.input_grads.items():
         dlive[value] = dlive[value] + env[name] if value in dlive else env[name]
     grads = {p: env[name] for p, name in unit.param_grads.items()}
