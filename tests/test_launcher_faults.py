@@ -65,6 +65,31 @@ def test_clean_up_leaves_a_key_folder_another_process_made(tmp_path):
     assert keys.exists()
 
 
+@pytest.mark.cluster
+def test_a_stopped_sibling_service_is_killed_before_the_running_ones(tmp_path, monkeypatch):
+    """Every running service of an orphaned job kills the others at once; were the stopped one last,
+    two running services could kill each other first and leave it stopped for good."""
+    def service(role: str, job: str = "job1") -> subprocess.Popen:   # a process that waits on its stdin
+        started_with = {**os.environ, "CS_JOB_ID": job, "CS_ROLE": role}
+        return subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=started_with)
+    running, stopped, other_job = [service("memoryx"), service("swarmx")], service("wse"), service("wse", "job2")
+    everyone = running + [stopped, other_job]
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        assert wait_until(lambda: orphan._stopped(stopped.pid), 10.0)
+        order = []
+        monkeypatch.setattr(orphan.os, "kill", lambda pid, sig: order.append((pid, sig)))
+        killed = orphan.kill_sibling_services("job1")
+        assert killed == [pid for pid, _ in order] and {sig for _, sig in order} == {signal.SIGKILL}
+        assert killed[0] == stopped.pid
+        assert sorted(killed[1:]) == sorted(p.pid for p in running)   # and not job2's
+    finally:
+        monkeypatch.undo()
+        for proc in everyone:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 # --------------------------------------------------------------------------
 # the failure line after the launcher's own stall (no process started)
 # --------------------------------------------------------------------------

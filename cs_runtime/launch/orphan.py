@@ -84,21 +84,43 @@ SERVICE_ROLES = ("memoryx", "swarmx", "wse")
 
 
 def kill_sibling_services(job: str) -> list[int]:
-    """SIGKILL every other service process of `job` on this host (a stopped one would stay forever)."""
+    """SIGKILL every other service process of `job` on this host (a stopped one would stay forever).
+
+    The stopped ones go first: every running service of the job does the same at the same time,
+    and two that kill each other before they reach a stopped sibling would leave it for good.
+    """
     if not job:
         return []
+    siblings = _sibling_services(job)
     killed = []
+    for pid in sorted(siblings, key=lambda pid: not _stopped(pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
+
+
+def _sibling_services(job: str) -> list[int]:
+    """The other service processes started for `job` (found by the CS_JOB_ID and CS_ROLE they got)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         started_with = _environ(entry)
         if started_with.get(env.JOB_ID.name) == job and started_with.get(env.ROLE.name) in SERVICE_ROLES:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-            except (ProcessLookupError, PermissionError):
-                pass
-    return killed
+            found.append(int(entry.name))
+    return found
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (state T) or stopped under a tracer (t)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("T", "t")   # the name in parentheses may hold spaces
 
 
 def _environ(proc: Path) -> dict[str, str]:
