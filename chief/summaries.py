@@ -109,7 +109,7 @@ class _ThreadQueue(queue.Queue):
 def summary_writer(logdir: Path):
     """A tensorboardX SummaryWriter whose event queue is a _ThreadQueue (it makes its one file
     writer, and that its queue, as it is constructed)."""
-    from tensorboardX import SummaryWriter, event_file_writer
+    SummaryWriter, event_file_writer = _tensorboardx()
     made_with = getattr(event_file_writer, "multiprocessing", None)
     if made_with is None:   # another tensorboardX: its own queue, whatever it is
         return SummaryWriter(str(logdir))
@@ -118,3 +118,19 @@ def summary_writer(logdir: Path):
         return SummaryWriter(str(logdir))
     finally:
         event_file_writer.multiprocessing = made_with
+
+
+def _tensorboardx():
+    """tensorboardX's SummaryWriter and event_file_writer, imported without torch. Its writer
+    module tries `import torch` only to accept torch tensors as values; where torch is installed
+    that cost every chief 1.1 s and a few hundred MB before its first step, for scalars that are
+    floats. A script that imported torch itself (a cstorch script) has it already: no cost."""
+    blocked = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None   # while this is here, `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter, event_file_writer
+    finally:
+        if blocked:
+            del sys.modules["torch"]   # the script may still import torch later, for real
+    return SummaryWriter, event_file_writer

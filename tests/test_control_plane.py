@@ -131,6 +131,57 @@ def test_a_known_heartbeat_is_answered_from_its_bytes_and_keeps_its_peer_alive(c
         directory.close()
 
 
+def test_the_jobs_end_is_sent_at_once_to_every_peer_still_beating(ctx):
+    """Not at each one's next heartbeat (up to half a second later): one that said it is leaving is told nothing."""
+    directory = DirectoryServer(ctx, "job-e", {"worker": 1, "chief": 1}, host="127.0.0.1")
+    beats = {}
+    try:
+        clients = [DirectoryClient(ctx, directory.address, role, 0, "job-e") for role in ("worker", "chief")]
+        for client in clients:   # kept: LINGER 0
+            client.register({})
+        serve_until(directory, lambda: len(directory.peers) == 2)
+        for role in ("worker", "chief"):
+            beats[role] = Endpoint(ctx, zmq.DEALER, "heartbeat", "job-e").connect(directory.address)
+            assert answer_to(directory, beats[role], {"role": role, "rank": 0}).meta["done"] is False
+        answer_to(directory, beats["chief"], {"role": "chief", "rank": 0, "leaving": True})
+        directory.done = True
+        directory.announce()
+        news = beats["worker"].recv(5000)
+        assert news is not None and news[1].type == Msg.STATUS and news[1].meta == {"ok": True, "reason": "",
+                                                                                     "done": True}
+        assert beats["chief"].recv(300) is None
+    finally:
+        for beat in beats.values():
+            beat.close()
+        directory.close()
+
+
+def test_a_heartbeat_acts_on_news_between_its_beats(ctx, monkeypatch):
+    """It used to sleep between beats and read the news only after its next one."""
+    import threading
+    from cs_runtime.launch import directory as directory_module
+    finished = threading.Event()
+    monkeypatch.setattr(directory_module, "_exit_done", finished.set)   # not os._exit: this is pytest
+    monkeypatch.setattr(directory_module, "HEARTBEAT_INTERVAL", 60.0)   # the next beat: far away
+    fake = Endpoint(ctx, zmq.ROUTER, "directory", "job-n")
+    address = fake.bind("127.0.0.1")
+    beat = Heartbeat(ctx, address, "worker", 0, "job-n", on_failure=lambda reason: None)
+    beat.start()
+    try:
+        first = fake.recv(10000)
+        assert first is not None and first[1].type == Msg.HEARTBEAT
+        fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": False}), first[0])
+        assert fake.recv(300) is None   # answered: it waits for its next beat, a minute away
+        fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": True}), first[0])
+        assert finished.wait(10)   # not a minute
+        beat.join(10)
+        assert not beat.is_alive()
+    finally:
+        beat.stop()
+        beat.join(5)
+        fake.close()
+
+
 def test_recv_waiting_takes_every_waiting_message_in_one_batch(ctx):
     server = Endpoint(ctx, zmq.ROUTER, "server", "job-b")
     address = server.bind("127.0.0.1")

@@ -1,10 +1,14 @@
-"""The chief's TensorBoard writers on a full disk: one line and exit 2, never a traceback or a hang.
+"""The chief's TensorBoard writers: on a full disk one line and exit 2, never a traceback or a hang;
+events in order; and no torch imported for them.
 
     python -m pytest tests/test_summaries.py -q
 """
 from __future__ import annotations
 
 import errno
+import importlib.util
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -14,6 +18,7 @@ pytest.importorskip("tensorboardX", reason="the chief's summaries are written wi
 from chief import summaries as summaries_module  # noqa: E402
 from chief.summaries import Summaries  # noqa: E402
 from cs_runtime.run_args import RunError  # noqa: E402
+from tests.cluster_utils import REPO  # noqa: E402
 
 
 def full_disk(*_args, **_kwargs):
@@ -76,3 +81,16 @@ def test_scalars_reach_the_file_in_order_through_a_thread_queue(tmp_path):
         at += 16 + size
         got += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
     assert got == [(step, "loss", pytest.approx(1.0 / step)) for step in range(1, 26)]
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed: nothing to keep out")
+def test_the_chiefs_writer_does_not_import_torch_and_a_script_still_can(tmp_path):
+    """tensorboardX's writer imports torch when it can (1.1 s and a few hundred MB per chief)."""
+    check = ("import sys; from chief.summaries import summary_writer\n"
+             f"writer = summary_writer({str(tmp_path)!r}); writer.add_scalar('loss', 1.5, 1); writer.close()\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n"
+             "import torch; print(torch.zeros(2).sum().item())\n")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "0.0", done.stderr[-2000:]
+    assert list(tmp_path.glob("events.out.tfevents.*"))

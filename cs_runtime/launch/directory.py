@@ -133,6 +133,8 @@ class DirectoryServer:
         self._status: tuple[tuple[str, bool], Message, list[bytes]] | None = None
         # A heartbeat's header bytes, once validated, -> (role, rank, leaving): at most two per peer.
         self._known_beats: dict[bytes, tuple[tuple[str, int], bool]] = {}
+        # A registered peer's heartbeat socket, as last heard: where `announce` sends the news unasked.
+        self._beat_identities: dict[tuple[str, int], bytes] = {}
 
     def serve_once(self, timeout_ms: int, batch: int = SERVE_BATCH) -> int:
         """Handle the messages waiting (up to `batch`), waiting up to timeout_ms for the first; how many."""
@@ -143,6 +145,7 @@ class DirectoryServer:
             peer = self.peers.get(known[0]) if known is not None else None
             if peer is not None:
                 self.liveness.heard(known[0], peer, known[1], now)
+                self._note_beat(known[0], known[1], identity)
                 self._send_status(identity)
                 continue
             msg = self.endpoint.decode_or_drop(identity, frames)
@@ -184,7 +187,20 @@ class DirectoryServer:
             self.liveness.heard(key, peer, leaving, now)
             if len(self._known_beats) < 2 * len(self.peers):   # bounded: two forms per peer
                 self._known_beats[header] = (key, leaving)
+            self._note_beat(key, leaving, identity)
         self._send_status(identity)
+
+    def _note_beat(self, key: tuple[str, int], leaving: bool, identity: bytes) -> None:
+        if leaving:   # its last beat: nothing more to tell it
+            self._beat_identities.pop(key, None)
+        else:
+            self._beat_identities[key] = identity
+
+    def announce(self) -> None:
+        """Send the job's state now to every peer still beating, not at its next heartbeat (up to
+        HEARTBEAT_INTERVAL later): set `done` first. A job's processes then exit as soon as it ends."""
+        for identity in self._beat_identities.values():
+            self._send_status(identity)
 
     def status(self) -> Message:
         """The answer to every heartbeat, made (and encoded) once per change of the job's state."""
@@ -312,6 +328,8 @@ class Heartbeat(threading.Thread):
         self.on_lost = on_failure or _exit_lost
         self.stopped = threading.Event()
         self.said_leaving = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()   # stop() wakes the thread from its wait on the socket
+        self._wake_lock = threading.Lock()
 
     def run(self) -> None:
         endpoint = Endpoint(self.ctx, zmq.DEALER, "heartbeat", self.job).connect(self.address)
@@ -323,21 +341,22 @@ class Heartbeat(threading.Thread):
             while not self.stopped.is_set():
                 endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank}))
                 next_beat += HEARTBEAT_INTERVAL  # a fixed period: the answer's delay does not add to it
-                got = endpoint.recv(max(0, int((next_beat - time.monotonic()) * 1000)))
-                while got is not None:
-                    last_answer, patience = time.monotonic(), HEARTBEAT_TIMEOUT * 2
-                    if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
-                        if self.role == "chief":  # the chief's log names what failed
-                            log.error("the job is stopping: %s", got[1].meta["reason"])
-                        return self.on_failure(f"job failed: {got[1].meta['reason']}")
-                    if got[1].type == Msg.STATUS and got[1].meta["done"]:
-                        return _exit_done()
+                # The answer, and what the directory sends unasked (the job's end), as they come.
+                while self._wait(endpoint, next_beat):
                     got = endpoint.recv(0)
+                    while got is not None:
+                        last_answer, patience = time.monotonic(), HEARTBEAT_TIMEOUT * 2
+                        if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
+                            if self.role == "chief":  # the chief's log names what failed
+                                log.error("the job is stopping: %s", got[1].meta["reason"])
+                            return self.on_failure(f"job failed: {got[1].meta['reason']}")
+                        if got[1].type == Msg.STATUS and got[1].meta["done"]:
+                            return _exit_done()
+                        got = endpoint.recv(0)
                 orphan.leave_if_orphaned()   # a service whose launcher died without its signal arriving
                 if time.monotonic() - last_answer > patience:
                     return self.on_lost(f"directory at {self.address} stopped answering")
                 next_beat = max(next_beat, time.monotonic())  # late (a stall): beat now, no burst of beats
-                self.stopped.wait(max(0.0, next_beat - time.monotonic()))
             # The last heartbeat says this process is leaving, so the time it takes
             # to exit is not mistaken for a hang.
             endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank, "leaving": True}))
@@ -345,8 +364,24 @@ class Heartbeat(threading.Thread):
         finally:
             self.said_leaving.set()
             endpoint.close()
+            self._close_wake()
+
+    def _wait(self, endpoint: Endpoint, until: float) -> bool:
+        """Whether a message waits on the socket before `until` (False once stopped)."""
+        remaining_ms = max(0, int((until - time.monotonic()) * 1000))
+        ready = zmq.zmq_poll([(endpoint.sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)], remaining_ms)
+        return not self.stopped.is_set() and any(item is endpoint.sock for item, _ in ready)
 
     def stop(self) -> None:
         self.stopped.set()
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
         if self.is_alive():
             self.said_leaving.wait(HEARTBEAT_TIMEOUT)
+
+    def _close_wake(self) -> None:
+        with self._wake_lock:   # not while stop() writes to it (a closed fd's number is reused)
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = -1

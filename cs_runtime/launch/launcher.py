@@ -288,6 +288,7 @@ class Supervisor:
         """The chief is done: heartbeat answers now say so and every process exits 0
         by itself (under srun a step that ends cleanly, not a cancelled one)."""
         self.directory.done = True
+        self.directory.announce()
         end = time.monotonic() + seconds
         while time.monotonic() < end and any(t.proc.poll() is None for t in self.group.tasks):
             self.directory.serve_once(50)
