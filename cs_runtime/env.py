@@ -129,6 +129,14 @@ PROCESS_VARS = tuple(v.name for v in ALL if v.scope == "process")
 # What a CS system may assign a pooled service process (cs_runtime/service.py).
 SERVICE_VARS = tuple(v.name for v in ALL if v.service)
 
+# Not ours, but set for a process that runs BLAS threads (csrun_cpu; a WSE given more than one
+# core), unless the user set it. After a threaded product OpenBLAS's threads spin for the next
+# one for 2**28 cycles (about 0.1 s): on a 2-core host, a core taken between a WSE's products from
+# its 16-bit conversions and from MemoryX (float16 weight streaming on `large`: 0.74 -> 0.83 of
+# float32). 2**4 cycles: they sleep at once; waking them costs microseconds beside a product
+# worth threading (milliseconds: numerics/blas.py). The products and their bits are unchanged.
+BLAS_SPIN = ("OPENBLAS_THREAD_TIMEOUT", "4")
+
 
 def table() -> str:
     """The variables as a markdown table."""

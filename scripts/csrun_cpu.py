@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from cs_runtime.env import BLAS_SPIN
 from cs_runtime.version import version_line
 
 USAGE = "usage: csrun_cpu [-h] [--version] [--trace] python run.py --mode MODE --params FILE [run.py options]"
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CS_")}
     env["CS_TARGET"] = "cpu"
+    env.setdefault(*BLAS_SPIN)   # the host's cores: OpenBLAS's threads, and the pieces' beside them
     env["CS_TRACE"] = "1" if traced else "0"
     try:
         os.execvpe(argv[0], argv, env)

@@ -113,3 +113,14 @@ def test_a_small_models_step_has_the_same_bits_whatever_count_its_process_starte
     for g, g1 in zip(grads, grads1):
         for name in g:
             np.testing.assert_array_equal(g1[name], g[name], err_msg=name)
+
+
+def test_a_process_with_blas_threads_gets_openblass_short_spin_unless_the_user_set_one(monkeypatch):
+    from cs_runtime.env import BLAS_SPIN
+    from cs_runtime.launch.launcher import with_threads
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    name, short = BLAS_SPIN
+    assert with_threads({}, 2)[name] == short and with_threads({}, 2)["OPENBLAS_NUM_THREADS"] == "2"
+    assert name not in with_threads({}, 1)          # one thread: nothing spins
+    assert with_threads({name: "20"}, 2)[name] == "20"   # the user's own

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from cs_runtime import env as cs_env
 from cs_runtime.launch.directory import EXIT_DIRECTORY_LOST, HEARTBEAT_TIMEOUT, DirectoryServer, register_timeout
 from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
@@ -48,8 +49,12 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def with_threads(env: dict, threads: int) -> dict:
-    """env with the BLAS thread count set, unless the user set it for the job."""
-    return {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
+    """env with the BLAS thread count set, unless the user set it for the job (and, with more
+    than one thread, OpenBLAS's short spin, unless set)."""
+    env = {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
+    if threads > 1:
+        env.setdefault(*cs_env.BLAS_SPIN)
+    return env
 
 
 
