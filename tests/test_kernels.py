@@ -36,6 +36,15 @@ def test_gelu_matches_its_gradient_and_known_values(kind):
     assert_close(grad(x), numeric, RTOL, f"{kind}'")
 
 
+@pytest.mark.parametrize("kind", sorted(K.GELUS))
+def test_gelus_gradient_at_minus_zero_is_its_gradient_at_zero(kind):
+    """The exact GELU's Phi(-0.0) was 1.5 (1 - tail added for x >= 0 to a tail kept for the sign bit)."""
+    grad = K.GELUS[kind][1]
+    at_zero = grad(np.array([0.0, -0.0], np.float32))
+    assert np.abs(at_zero - 0.5).max() < 1e-6   # the fit: within 2 ulp of 0.5 on either side
+    assert abs(K.normal_cdf(np.array([-0.0]))[0] - 0.5) < 1e-7
+
+
 def test_embedding_and_layer_norm_forward_the_interpreter_runs():
     """The compiler's interpreter gives its embedding and layer_norm ops these meanings
     (their gradients are the op set's: tests/test_ops.py)."""

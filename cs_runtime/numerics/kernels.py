@@ -40,17 +40,20 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z
 
 
-def _splitmix64_rounds(z: np.ndarray, t: np.ndarray) -> None:
+def _splitmix64_rounds(z: np.ndarray, t: np.ndarray, top_bits_only: bool = False) -> None:
     """splitmix64's shift-xor-multiply rounds on z (already + _GOLDEN), in place; t: scratch
-    of z's shape. keep_mask runs them on cache-sized pieces, splitmix64 on whole arrays."""
+    of z's shape. keep_mask runs them on cache-sized pieces, splitmix64 on whole arrays.
+    top_bits_only: z's top 33 bits are right, the rest not (the last round, z ^= z >> 31,
+    leaves them as they are: it is skipped)."""
     np.right_shift(z, np.uint64(30), out=t)
     z ^= t
     z *= _M1
     np.right_shift(z, np.uint64(27), out=t)
     z ^= t
     z *= _M2
-    np.right_shift(z, np.uint64(31), out=t)
-    z ^= t
+    if not top_bits_only:
+        np.right_shift(z, np.uint64(31), out=t)
+        z ^= t
 
 
 _MASK64 = (1 << 64) - 1
@@ -94,7 +97,9 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
     n = int(np.prod(per_sample))
     start, stop = rows.start, rows.stop
     out = np.empty((stop - start) * n, dtype=dtype)
-    threshold = np.uint64(math.ceil(float(np.float32(p)) * 2.0 ** 24))
+    threshold = math.ceil(float(np.float32(p)) * 2.0 ** 24)
+    # z >> 40 >= threshold, compared without the shift (p = 1: nothing is kept, as before)
+    keep_from = np.uint64(threshold << 40) if threshold < 1 << 24 else None
     scale = dtype(1.0 / (1.0 - p))
 
     def fill(lo: int, hi: int, z: np.ndarray, t: np.ndarray, keep: np.ndarray) -> None:
@@ -102,9 +107,11 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
         z[:] = np.arange(first, first + hi - lo, dtype=np.uint64)
         z ^= key
         z += _GOLDEN                                 # splitmix64, in place in z
-        _splitmix64_rounds(z, t)
-        z >>= np.uint64(40)                          # 24 random bits
-        np.greater_equal(z, threshold, out=keep)
+        _splitmix64_rounds(z, t, top_bits_only=True)   # 24 random bits: z's top ones
+        if keep_from is None:
+            keep[:] = False
+        else:
+            np.greater_equal(z, keep_from, out=keep)
         np.multiply(keep, scale, out=out[lo:hi], dtype=dtype)
     # a chunk at a time: its uint64 passes stay in the cache (a GPT-2 block's masks are
     # ~4M elements, 32 MB a pass)
@@ -164,7 +171,7 @@ def _half_erfc_nonnegative(z: np.ndarray) -> np.ndarray:
     array, not a new one)."""
     t = np.multiply(z, 0.5)
     t += 1.0
-    np.reciprocal(t, out=t)
+    np.divide(1.0, t, out=t)   # np.reciprocal's result, by a vectorised loop (3x faster)
     poly = np.full_like(z, _ERFC[-1])
     for c in _ERFC[-2:0:-1]:
         poly *= t
@@ -185,9 +192,10 @@ def normal_cdf(x: np.ndarray) -> np.ndarray:
     z = np.abs(x, dtype=np.float64)
     z *= _SQRT_HALF
     tail = _half_erfc_nonnegative(z)
-    # x < 0: the tail itself; x >= 0: 1 - tail (np.where's out= with where= is 20x slower)
+    # x < 0: the tail itself; x >= 0: 1 - tail (np.where's out= with where= is 20x slower).
+    # The sign bit says which was flipped, -0.0's included (x >= 0 would add 1 to its +0.5).
     np.copysign(tail, -x, out=tail)
-    tail += x >= 0
+    tail += np.signbit(tail)
     return tail
 
 
