@@ -129,13 +129,23 @@ PROCESS_VARS = tuple(v.name for v in ALL if v.scope == "process")
 # What a CS system may assign a pooled service process (cs_runtime/service.py).
 SERVICE_VARS = tuple(v.name for v in ALL if v.service)
 
-# Not ours, but set for a process that runs BLAS threads (csrun_cpu; a WSE given more than one
-# core), unless the user set it. After a threaded product OpenBLAS's threads spin for the next
-# one for 2**28 cycles (about 0.1 s): on a 2-core host, a core taken between a WSE's products from
-# its 16-bit conversions and from MemoryX (float16 weight streaming on `large`: 0.74 -> 0.83 of
-# float32). 2**4 cycles: they sleep at once; waking them costs microseconds beside a product
-# worth threading (milliseconds: numerics/blas.py). The products and their bits are unchanged.
+# Other programs' variables, set for the processes that compute (each unless the user set it).
+#
+# BLAS_SPIN, for a process that runs BLAS threads (csrun_cpu; a WSE given more than one core):
+# after a threaded product OpenBLAS's threads spin for the next one for 2**28 cycles (about
+# 0.1 s): on a 2-core host, a core taken between a WSE's products from its 16-bit conversions
+# and from MemoryX (float16 weight streaming on `large`: 0.67 -> 0.74 of float32). 2**4 cycles:
+# they sleep at once; waking them costs microseconds beside a product worth threading
+# (milliseconds: numerics/blas.py). The products and their bits are unchanged.
 BLAS_SPIN = ("OPENBLAS_THREAD_TIMEOUT", "4")
+# ALLOCATOR, for every process of a job and csrun_cpu: glibc's malloc hands an array over its
+# mmap threshold (at most 32 MB) fresh pages from the kernel, and gives freed memory at the top
+# of its heap back (the trim threshold); every step's activations and weights were then new
+# pages the kernel zeroed on first touch (10% of a GPT-2 weight-streaming run's CPU, in
+# clear_page). From the heap, kept: freed arrays are reused as a caching allocator's are. The
+# same peak memory on the transformer preset; GPT-2 weight streaming 36 -> 45 samples/s.
+# Other C libraries ignore these names.
+ALLOCATOR = (("MALLOC_MMAP_THRESHOLD_", str(1 << 30)), ("MALLOC_TRIM_THRESHOLD_", str(1 << 34)))
 
 
 def table() -> str:

@@ -49,11 +49,12 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def with_threads(env: dict, threads: int) -> dict:
-    """env with the BLAS thread count set, unless the user set it for the job (and, with more
-    than one thread, OpenBLAS's short spin, unless set)."""
+    """env for a process of the job: the BLAS thread count (unless the user set it for the job),
+    with more than one thread OpenBLAS's short spin, and the allocator's settings (cs_runtime/env.py;
+    each unless set)."""
     env = {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
-    if threads > 1:
-        env.setdefault(*cs_env.BLAS_SPIN)
+    for name, value in (*cs_env.ALLOCATOR, *((cs_env.BLAS_SPIN,) if threads > 1 else ())):
+        env.setdefault(name, value)
     return env
 
 
