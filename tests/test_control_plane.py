@@ -7,6 +7,7 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +33,30 @@ def serve_until(directory: DirectoryServer, done, timeout: float = 10.0) -> None
     while not done():
         assert time.monotonic() < deadline, "the directory did not get there"
         directory.serve_once(20)
+
+
+def status(done: bool = False) -> Message:
+    """The directory's answer to a heartbeat: the job is fine (and, `done`, over)."""
+    return Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": done})
+
+
+@contextmanager
+def heartbeat_answered_once(ctx, job: str):
+    """A worker's Heartbeat against a fake directory (a ROUTER), its first beat answered:
+    (the fake, the heartbeat, the heartbeat's identity there); both stopped after."""
+    fake = Endpoint(ctx, zmq.ROUTER, "directory", job)
+    address = fake.bind("127.0.0.1")
+    beat = Heartbeat(ctx, address, "worker", 0, job, on_failure=lambda reason: None)
+    beat.start()
+    try:
+        first = fake.recv(10000)
+        assert first is not None and first[1].type == Msg.HEARTBEAT
+        fake.send(status(), first[0])
+        yield fake, beat, first[0]
+    finally:
+        beat.stop()
+        beat.join(5)
+        fake.close()
 
 
 def test_lookups_are_answered_when_the_last_expected_peer_registers(ctx):
@@ -163,23 +188,12 @@ def test_a_heartbeat_acts_on_news_between_its_beats(ctx, monkeypatch):
     finished = threading.Event()
     monkeypatch.setattr(directory_module, "_exit_done", finished.set)   # not os._exit: this is pytest
     monkeypatch.setattr(directory_module, "HEARTBEAT_INTERVAL", 60.0)   # the next beat: far away
-    fake = Endpoint(ctx, zmq.ROUTER, "directory", "job-n")
-    address = fake.bind("127.0.0.1")
-    beat = Heartbeat(ctx, address, "worker", 0, "job-n", on_failure=lambda reason: None)
-    beat.start()
-    try:
-        first = fake.recv(10000)
-        assert first is not None and first[1].type == Msg.HEARTBEAT
-        fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": False}), first[0])
+    with heartbeat_answered_once(ctx, "job-n") as (fake, beat, peer):
         assert fake.recv(300) is None   # answered: it waits for its next beat, a minute away
-        fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": True}), first[0])
+        fake.send(status(done=True), peer)
         assert finished.wait(10)   # not a minute
         beat.join(10)
         assert not beat.is_alive()
-    finally:
-        beat.stop()
-        beat.join(5)
-        fake.close()
 
 
 def test_recv_waiting_takes_every_waiting_message_in_one_batch(ctx):
@@ -239,27 +253,16 @@ def test_the_launcher_and_the_cs_system_share_one_registration_deadline(monkeypa
 def test_heartbeats_go_out_twice_a_second_not_faster(ctx):
     """The documented rate is 2/s per process; the heartbeat used to wait a fixed time
     after each answer as well, nearly doubling it."""
-    fake = Endpoint(ctx, zmq.ROUTER, "directory", "job-h")
-    address = fake.bind("127.0.0.1")
-    beat = Heartbeat(ctx, address, "worker", 0, "job-h", on_failure=lambda reason: None)
-    beat.start()
-    try:
-        first = fake.recv(10000)
-        assert first is not None and first[1].type == Msg.HEARTBEAT
-        fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": False}), first[0])
+    with heartbeat_answered_once(ctx, "job-h") as (fake, _beat, _peer):
         window, count = 8 * HEARTBEAT_INTERVAL, 0
         end = time.monotonic() + window
         while (got := fake.recv(max(1, int((end - time.monotonic()) * 1000)))) is not None:
             count += got[1].type == Msg.HEARTBEAT
-            fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": False}), got[0])
+            fake.send(status(), got[0])
             if time.monotonic() >= end:
                 break
         # 8 intervals: at most 8 heartbeats (+1 at the edge); the old schedule sent about 15
         assert 1 <= count <= 9, count
-    finally:
-        beat.stop()
-        beat.join(5)
-        fake.close()
 
 
 def test_a_heartbeat_waits_for_its_first_answer_as_long_as_registration_may_take(ctx, monkeypatch):
@@ -283,7 +286,7 @@ def test_a_heartbeat_waits_for_its_first_answer_as_long_as_registration_may_take
                 got = fake.recv(10000)
                 while got[1].meta["rank"] != 1:   # the first one's heartbeats, still queued
                     got = fake.recv(10000)
-                fake.send(Message(Msg.STATUS, meta={"ok": True, "reason": "", "done": False}), got[0])
+                fake.send(status(), got[0])
                 started = time.monotonic()
             assert gave_up.wait(20)
             waited = time.monotonic() - started
