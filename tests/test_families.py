@@ -9,6 +9,9 @@ shard by shard, and for what it keeps of the layer: names, shapes, wire form.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,6 +19,8 @@ from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics.model import ModelSpec, ShardContext, init_weights, mlp_spec, model_forward, transformer_spec
 from cs_runtime.numerics import model, program_layer
 from cs_runtime.numerics.program_layer import unit_of
+from cs_runtime.numerics.ops import OPS
+from cs_runtime.numerics.program import ProgramError, Unit
 from tests import dense_reference
 
 
@@ -104,6 +109,53 @@ def test_a_lowered_spec_crosses_the_wire_as_data_and_is_validated():
     bad["layers"][1]["unit"]["local"] = {"block1.qkv_weight": "qkv_weight"}   # not the layer's parameters
     with pytest.raises(ValueError, match="layer block0: the unit's parameters are not the layer's"):
         ModelSpec.from_dict(bad)
+
+
+@pytest.mark.parametrize("name", ["mlp_gelu", "gpt2", "bert"])
+def test_gelu_keeps_its_derivative_for_the_backward_and_the_gradients_keep_their_bits(name, monkeypatch):
+    """A GELU's forward keeps its derivative (r:<output>, the size of its input) in place
+    of its input, and every gradient is bit for bit the one of the rule that recomputes
+    the derivative from the input (the op without its residual)."""
+    spec = SPECS[name]()
+    lowered = lower_spec(spec)
+    units = [unit_of(layer) for layer in lowered.layers]
+    gelus = [(n, u) for u in units for n in u.forward if n.op == "gelu"]
+    assert gelus
+    for node, unit in gelus:
+        assert node.outputs[1] == "r:" + node.outputs[0] and node.outputs[1] in unit.kept
+        assert node.inputs[0] not in unit.kept
+    x, y = batch(spec, np.random.default_rng(0))
+    weights = init_weights(spec, 1)
+    count = int((y != -100).sum()) if spec.token_model else None
+    result, grads = step(lowered, weights, x, y, slice(0, 4), 4, count)
+    monkeypatch.setitem(OPS, "gelu", dataclasses.replace(OPS["gelu"], residual=None, residual_vjp=None))
+    recomputing = lower_spec(spec)
+    assert not any(len(n.outputs) > 1 for layer in recomputing.layers for n in unit_of(layer).forward)
+    want, want_grads = step(recomputing, weights, x, y, slice(0, 4), 4, count)
+    assert result.loss == want.loss
+    for got, expected in zip(grads, want_grads):
+        assert sorted(got) == sorted(expected)
+        assert all(got[p].tobytes() == expected[p].tobytes() for p in got)
+
+
+def test_a_residual_only_an_op_that_makes_one_may_have():
+    """A unit from the wire whose node claims a residual its op does not make is refused."""
+    meta = unit_of(lower_spec(mlp_spec("m", [20, 32, 5], "gelu", 0.2)).layers[0]).to_meta()
+    relu = copy.deepcopy(meta)
+    node = next(n for n in relu["forward"] if n[0] == "gelu")
+    node[0] = "relu"
+    with pytest.raises(ProgramError, match="2 outputs; the op makes one$"):
+        Unit.from_meta(relu)
+    vjp = copy.deepcopy(meta)
+    node = next(n for n in vjp["backward"] if n[0] == "vjp" and n[3].get("residual"))
+    node[3]["of"] = "relu"
+    with pytest.raises(ProgramError, match="the vjp of relu takes no residual"):
+        Unit.from_meta(vjp)
+    three = copy.deepcopy(meta)
+    node = next(n for n in three["forward"] if n[0] == "gelu")
+    node[2].append("extra")
+    with pytest.raises(ProgramError, match="3 outputs; the op makes one and its residual"):
+        Unit.from_meta(three)
 
 
 def test_only_what_leads_to_the_loss_gets_a_gradient_seed():

@@ -286,3 +286,23 @@ def test_tanh_gelu_by_pieces_has_the_bits_of_one_pass():
             for pieces, whole in ((ops.gelu_tanh, ops._gelu_tanh), (ops.gelu_tanh_grad, ops._gelu_tanh_grad)):
                 got, want = pieces(x), whole(x)
                 assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelus_residual_is_its_derivative_with_the_bits_of_the_vjp(approximate):
+    """A training step's GELU forward returns (value, derivative) in one pass; the value has
+    the forward's bits and the residual's vjp the bits of the rule that starts from x, in
+    float32 (the kernels, small and of several chunks) and float64 (math.erf), specials too."""
+    from cs_runtime.numerics import parallel
+    gelu, attrs = OPS["gelu"], {"approximate": approximate}
+    rng = np.random.default_rng(6)
+    for dtype in (np.float32, np.float64):
+        for shape in ((3, 7), (parallel.CHUNK + 5,)):
+            x = (rng.standard_normal(shape) * 4).astype(dtype)
+            x.reshape(-1)[:6] = [0.0, -0.0, 12.0, -12.0, 1e-30, -40.0]
+            g = rng.standard_normal(shape).astype(dtype)
+            value, residual = gelu.residual([x], attrs)
+            assert value.dtype == residual.dtype == dtype and value.shape == residual.shape == x.shape
+            assert value.tobytes() == gelu.forward([x], attrs).tobytes()
+            want = gelu.vjp(g, [x], value, attrs)[0]
+            assert gelu.residual_vjp(g, residual, attrs)[0].tobytes() == want.tobytes()

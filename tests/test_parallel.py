@@ -125,6 +125,11 @@ def test_masks_gelus_and_layer_norm_by_pieces_are_the_same_bits(monkeypatch, two
               (kernels.gelu_grad, (x,)), (ops.gelu_tanh, (x,)), (ops.gelu_tanh_grad, (x,)))
     for fn, args in passes:
         assert fn(*args).tobytes() == uncut(monkeypatch, fn, *args).tobytes(), fn.__name__
+    for pair, value, grad in ((kernels.gelu_and_grad, kernels.gelu, kernels.gelu_grad),
+                              (ops.gelu_tanh_and_grad, ops.gelu_tanh, ops.gelu_tanh_grad)):
+        got = pair(x)
+        assert [a.tobytes() for a in got] == [a.tobytes() for a in uncut(monkeypatch, pair, x)], pair.__name__
+        assert [a.tobytes() for a in got] == [value(x).tobytes(), grad(x).tobytes()], pair.__name__
     h = x[:, :, :256]
     gain, bias = rng.standard_normal(256).astype(np.float32), rng.standard_normal(256).astype(np.float32)
     g = rng.standard_normal(h.shape).astype(np.float32)

@@ -1,7 +1,7 @@
 """The backward program, built from one vector-Jacobian rule per op.
 
-    nodes, grads = backward_nodes(forward, wrt={"fc1.weight", "x"}, seeds=["loss"],
-                                  needs_grad=requires_grad(program, dtypes))
+    forward, nodes, grads = backward_nodes(forward, wrt={"fc1.weight", "x"}, seeds=["loss"],
+                                           needs_grad=requires_grad(program, dtypes))
 
 Reverse-mode over the forward node list: for each forward node whose output
 has a gradient, one `vjp` node reads (that gradient, the forward inputs, the
@@ -10,6 +10,10 @@ one; a value read by several nodes gets its contributions summed by one
 `add_n` node. The seed gradients are named "d:<value>" (inputs of the
 backward program); `grads` maps each value of `wrt` to the name of its
 gradient (absent where no path leads from it to a seed).
+
+An op with a residual (Op.residual: GELU) instead gets a second output in the
+returned forward, "r:<output>", which its vjp node reads in place of the
+output (attrs["residual"]); its inputs then lend only their shape.
 """
 from __future__ import annotations
 
@@ -32,8 +36,16 @@ def requires_grad(program: Program, dtypes: dict[str, str]) -> set[str]:
     return needs
 
 
+RESIDUAL_PREFIX = "r:"
+
+
+def residual_output(name: str) -> str:
+    """The forward value a residual belongs to (its shape and dtype are the residual's)."""
+    return name[len(RESIDUAL_PREFIX):] if name.startswith(RESIDUAL_PREFIX) else name
+
+
 def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str],
-                   needs_grad: set[str]) -> tuple[list[Node], dict[str, str]]:
+                   needs_grad: set[str]) -> tuple[list[Node], list[Node], dict[str, str]]:
     contributions: dict[str, list[str]] = {seed: [f"d:{seed}"] for seed in seeds}
     nodes: list[Node] = []
     counter = iter(range(1 << 30))
@@ -49,7 +61,9 @@ def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str],
         contributions[value] = [name]
         return name
 
-    for node in reversed(forward):
+    forward = list(forward)
+    for index in reversed(range(len(forward))):
+        node = forward[index]
         out = node.outputs[0]
         if node.op in NON_DIFFERENTIABLE or out not in needs_grad:
             continue
@@ -70,13 +84,19 @@ def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str],
         # rest only lend their shape and dtype (the executor passes stand-ins), so
         # the forward need not keep them.
         op = OPS[node.op]
-        reads = [i in op.saves_inputs for i in range(len(node.inputs))] + [op.saves_output]
-        attrs = {"of": node.op, "attrs": dict(node.attrs), "reads": reads}
-        nodes.append(Node("vjp", (g, *node.inputs, out), tuple(outputs), attrs, node.module, node.source))
+        attrs = {"of": node.op, "attrs": dict(node.attrs)}
+        if op.residual is not None:
+            saved = RESIDUAL_PREFIX + out
+            forward[index] = Node(node.op, node.inputs, (out, saved), node.attrs, node.module, node.source)
+            attrs.update(reads=[False] * len(node.inputs) + [True], residual=True)
+        else:
+            saved = out
+            attrs["reads"] = [i in op.saves_inputs for i in range(len(node.inputs))] + [op.saves_output]
+        nodes.append(Node("vjp", (g, *node.inputs, saved), tuple(outputs), attrs, node.module, node.source))
     grads = {}
     for value in sorted(wrt):
         name = total(value, "", "")
         if name is not None:
             grads[value] = name
-    return nodes, grads
+    return forward, nodes, grads
 

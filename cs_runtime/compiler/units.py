@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from cs_runtime.compiler.autodiff import FLOAT_DTYPES, backward_nodes, requires_grad
+from cs_runtime.compiler.autodiff import FLOAT_DTYPES, backward_nodes, requires_grad, residual_output
 from cs_runtime.numerics.program import Node, Program, Unit
 
 _INDEX = re.compile(r"^\d+$")
@@ -93,7 +93,8 @@ def _unit(name, nodes, program, needs, read_later, toward_loss, dtypes) -> Unit:
     grad_writes = tuple(w for w in writes if w in needs and w in toward_loss)
     grad_reads_wanted = {r for r in reads if r in needs}
     trainable = {p for p in params if program.params[p].dtype in FLOAT_DTYPES}
-    backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs)
+    nodes, backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs)
+    produced.update(o for n in nodes for o in n.outputs)   # the residuals kept for the backward
     param_grads = {p: grads[p] for p in params if p in grads}
     input_grads = {r: grads[r] for r in reads if r in grads}
     fwd_values = produced | set(reads)
@@ -113,13 +114,17 @@ def unit_flops(unit: Unit, shapes: dict[str, tuple]) -> tuple[int, int]:
     """(forward FLOPs, backward FLOPs ~ 2x forward for the ops that have a backward)."""
     from cs_runtime.numerics.ops import OPS
     fwd = sum(OPS[n.op].flops([shapes[i] for i in n.inputs], shapes[n.outputs[0]], n.attrs) for n in unit.forward)
-    bwd = sum(2 * OPS[n.attrs["of"]].flops([shapes[i] for i in n.inputs[1:-1]], shapes[n.inputs[-1]],
-                                           n.attrs["attrs"]) for n in unit.backward if n.op == "vjp")
+    bwd = sum(2 * OPS[n.attrs["of"]].flops([shapes[i] for i in n.inputs[1:-1]],
+                                           shapes[residual_output(n.inputs[-1])], n.attrs["attrs"])
+              for n in unit.backward if n.op == "vjp")
     return fwd, bwd
 
 
 def kept_bytes(unit: Unit, shapes: dict[str, tuple], dtypes: dict[str, str]) -> int:
-    return sum(int(np.prod(shapes[k], dtype=np.int64)) * np.dtype(dtypes[k]).itemsize for k in unit.kept)
+    """Bytes of the values the unit's forward keeps for its backward (a residual has the
+    shape and dtype of the output it belongs to)."""
+    values = [residual_output(k) for k in unit.kept]
+    return sum(int(np.prod(shapes[v], dtype=np.int64)) * np.dtype(dtypes[v]).itemsize for v in values)
 
 
 # ---------------------------------------------------------------- the spec every path runs

@@ -37,7 +37,9 @@ def run_node(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
             _run_vjp(node, env, fmt, exact)
             return
         inputs = [env[name] for name in node.inputs]
-        if fmt != "float32" and node.op in mixed_ops.MATMUL_LIKE:
+        if len(node.outputs) == 2:   # the output and its residual, for the vjp (autodiff.py)
+            out, env[node.outputs[1]] = OPS[node.op].residual(inputs, node.attrs)
+        elif fmt != "float32" and node.op in mixed_ops.MATMUL_LIKE:
             out = mixed_ops.forward(node.op, inputs, node.attrs, fmt, _positions(node.inputs, exact))
         else:
             out = OPS[node.op].forward(inputs, node.attrs)
@@ -51,12 +53,14 @@ def _positions(names, exact: frozenset) -> frozenset:
 
 
 def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset()) -> None:
-    """inputs: (upstream gradient, forward inputs..., forward output)."""
+    """inputs: (upstream gradient, forward inputs..., forward output or its residual)."""
     of = node.attrs["of"]
     values = [env[name] if name else None for name in node.inputs]
     g, fwd, out = values[0], values[1:-1], values[-1]
     wanted = tuple(map(bool, node.outputs))   # the rest: no gradient asked for
-    if fmt != "float32" and of in mixed_ops.MATMUL_LIKE:
+    if node.attrs.get("residual"):
+        grads = OPS[of].residual_vjp(g, out, node.attrs.get("attrs", {}))
+    elif fmt != "float32" and of in mixed_ops.MATMUL_LIKE:
         grads = mixed_ops.vjp(of, g, fwd, out, node.attrs.get("attrs", {}), fmt,
                               _positions(node.inputs[1:-1], exact), wanted)
     else:

@@ -220,6 +220,19 @@ def _gelu_grad64(x: np.ndarray) -> np.ndarray:
     return density
 
 
+def _gelu_and_grad64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(_gelu64(x), _gelu_grad64(x)), the same operations in the same order, Phi(x) made once."""
+    cdf = normal_cdf(x)
+    slope = np.square(x)
+    slope *= -0.5
+    np.exp(slope, out=slope)
+    slope *= _INV_SQRT_2PI
+    slope *= x
+    slope += cdf
+    cdf *= x
+    return cdf, slope
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
     """Exact GELU: x * Phi(x) (evaluated in float64, returned in x's dtype)."""
     return _in_float64(_gelu64, x)
@@ -228,6 +241,12 @@ def gelu(x: np.ndarray) -> np.ndarray:
 def gelu_grad(x: np.ndarray) -> np.ndarray:
     """d/dx x * Phi(x) = Phi(x) + x * phi(x)."""
     return _in_float64(_gelu_grad64, x)
+
+
+def gelu_and_grad(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(gelu(x), gelu_grad(x)), bit for bit, in one pass: what a training step's forward
+    computes, so that its backward only multiplies (ops.py's gelu residual)."""
+    return parallel.map_chunks_pair(lambda chunk: _gelu_and_grad64(chunk.astype(np.float64)), x)
 
 
 _C = 0.7978845608  # sqrt(2 / pi)

@@ -48,6 +48,12 @@ class Op:
     # others (None): a first layer's matmul has no input gradient to compute, a dropout
     # mask never needs one.
     partial: bool = False
+    # A training step's forward may also return a residual: an array of the output's shape
+    # and dtype, made from the forward's own intermediates, from which residual_vjp
+    # (g, residual, attrs) -> gradients computes the same gradients as vjp without going
+    # back to the inputs (autodiff.backward_nodes keeps it in place of what vjp reads).
+    residual: Callable | None = None          # (inputs, attrs) -> (output, residual)
+    residual_vjp: Callable | None = None
 
     def grads(self, g, inputs, out, attrs, wanted=None) -> list:
         """The vjp, told which gradients are wanted when it can use that."""
@@ -59,8 +65,10 @@ class Op:
 OPS: dict[str, Op] = {}
 
 
-def _register(name, forward, vjp, shape, flops, saves_output=False, saves_inputs=(), partial=False):
-    OPS[name] = Op(name, forward, vjp, shape, flops, saves_output, tuple(saves_inputs), partial)
+def _register(name, forward, vjp, shape, flops, saves_output=False, saves_inputs=(), partial=False,
+              residual=None, residual_vjp=None):
+    OPS[name] = Op(name, forward, vjp, shape, flops, saves_output, tuple(saves_inputs), partial,
+                   residual, residual_vjp)
 
 
 def _numel(shape) -> int:
@@ -312,16 +320,34 @@ def gelu_tanh_grad(x):
     return parallel.map_chunks(_gelu_tanh_grad, x)
 
 
+def gelu_tanh_and_grad(x):
+    """(gelu_tanh(x), gelu_tanh_grad(x)), bit for bit, tanh evaluated once."""
+    return parallel.map_chunks_pair(_gelu_tanh_and_grad, x)
+
+
 def _gelu_tanh(x):
-    t = _gelu_tanh_inner(x)
+    return _gelu_tanh_from(_gelu_tanh_inner(x), x)
+
+
+def _gelu_tanh_from(t, x):
+    """The tanh GELU from t = _gelu_tanh_inner(x), into t."""
     t += 1.0
     t *= 0.5 * x
     return t
 
 
-def _gelu_tanh_grad(x):
-    """0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)."""
+def _gelu_tanh_and_grad(x):
     t = _gelu_tanh_inner(x)
+    value = _gelu_tanh_from(t.copy(), x)
+    return value, _gelu_tanh_grad_from(t, x)
+
+
+def _gelu_tanh_grad(x):
+    return _gelu_tanh_grad_from(_gelu_tanh_inner(x), x)
+
+
+def _gelu_tanh_grad_from(t, x):
+    """0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x), into t."""
     b = t * t
     np.subtract(1.0, b, out=b)
     b *= 0.5 * x
@@ -356,9 +382,24 @@ def _gelu_vjp(g, inputs, out, attrs):
     return [grad]
 
 
+# In a training step the forward makes GELU's derivative with its value (Phi(x), or the
+# tanh, once for both) and keeps it in place of x, the same size: the backward multiplies.
+
+def _gelu_and_slope(inputs, attrs):
+    x = inputs[0]
+    if attrs.get("approximate", "none") == "tanh":
+        return gelu_tanh_and_grad(x)
+    return kernels.gelu_and_grad(x) if x.dtype == np.float32 else (gelu_exact(x), gelu_exact_grad(x))
+
+
+def _gelu_vjp_from_slope(g, slope, attrs):
+    return [slope * g]    # the bits of _gelu_vjp's grad * g
+
+
 _register("relu", lambda i, a: np.maximum(i[0], 0), lambda g, i, o, a: [g * (o > 0)], _same_shape,
           _elementwise_cost(1), saves_output=True)
-_register("gelu", _gelu_forward, _gelu_vjp, _same_shape, _elementwise_cost(10), saves_inputs=(0,))
+_register("gelu", _gelu_forward, _gelu_vjp, _same_shape, _elementwise_cost(10), saves_inputs=(0,),
+          residual=_gelu_and_slope, residual_vjp=_gelu_vjp_from_slope)
 _register("tanh", lambda i, a: np.tanh(i[0]), lambda g, i, o, a: [g * (1 - o * o)], _same_shape,
           _elementwise_cost(4), saves_output=True)
 _register("sigmoid", lambda i, a: _sigmoid(i[0]), lambda g, i, o, a: [g * (o * (1 - o))], _same_shape,

@@ -174,6 +174,21 @@ def map_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndar
     return out.reshape(x.shape)
 
 
+def map_chunks_pair(fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+                    x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """map_chunks for an fn with two results (two fresh arrays, each of x's shape): a value
+    and what its derivative needs, made from the same intermediates in one pass."""
+    if x.size <= CHUNK:
+        return tuple(r.astype(x.dtype, copy=False) for r in fn(x))
+    flat = np.ascontiguousarray(x).reshape(-1)
+    first, second = np.empty(flat.shape, x.dtype), np.empty(flat.shape, x.dtype)
+
+    def work(start: int, stop: int) -> None:
+        first[start:stop], second[start:stop] = fn(flat[start:stop])
+    in_chunks(flat.size, work)
+    return first.reshape(x.shape), second.reshape(x.shape)
+
+
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b, cut by the rows of a 2-d a, or by the leading index of stacked operands of
     the same leading shape; any other case, or a small product, is a plain a @ b."""

@@ -85,6 +85,8 @@ class Program:
                 raise ProgramError(f"node {i}: unknown op {node.op!r} ({node.where()})")
             if node.op == "vjp" and node.attrs.get("of") not in OPS:
                 raise ProgramError(f"node {i}: vjp of unknown op {node.attrs.get('of')!r}")
+            if _residual_problem(node):
+                raise ProgramError(f"node {i} ({node.where()}): {_residual_problem(node)}")
             for name in node.inputs:
                 if name and name not in defined:
                     raise ProgramError(f"node {i} ({node.where()}) reads {name!r} before it is defined")
@@ -255,10 +257,24 @@ class Unit:
 def _check_node(node: Node, defined: set, unit: str) -> None:
     if node.op not in OPS and not (node.op == "vjp" and node.attrs.get("of") in OPS):
         raise ProgramError(f"unit {unit}: unknown op {node.op!r} ({node.where()})")
+    problem = _residual_problem(node)
+    if problem:
+        raise ProgramError(f"unit {unit}: {node.where()}: {problem}")
     for name in node.inputs:
         if name and name not in defined:
             raise ProgramError(f"unit {unit}: {node.where()} reads {name!r}, not defined before it")
     defined.update(o for o in node.outputs if o)
+
+
+def _residual_problem(node: Node) -> str:
+    """Why a node's residual (a forward's second output, a vjp's residual flag) cannot be,
+    or "": only an op that makes one (Op.residual) may have it."""
+    if node.op == "vjp":
+        return "" if not node.attrs.get("residual") or OPS[node.attrs["of"]].residual_vjp else \
+            f"the vjp of {node.attrs['of']} takes no residual"
+    if len(node.outputs) == 1 or (len(node.outputs) == 2 and OPS[node.op].residual and all(node.outputs)):
+        return ""
+    return f"{len(node.outputs)} outputs; the op makes one" + (" and its residual" if OPS[node.op].residual else "")
 
 
 def _out_dtype(node: Node, dtypes: dict[str, str]) -> str:
