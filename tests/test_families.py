@@ -112,23 +112,25 @@ def test_a_lowered_spec_crosses_the_wire_as_data_and_is_validated():
 
 
 @pytest.mark.parametrize("name", ["mlp_gelu", "gpt2", "bert"])
-def test_gelu_keeps_its_derivative_for_the_backward_and_the_gradients_keep_their_bits(name, monkeypatch):
+def test_residuals_are_kept_for_the_backward_and_the_gradients_keep_their_bits(name, monkeypatch):
     """A GELU's forward keeps its derivative (r:<output>, the size of its input) in place
-    of its input, and every gradient is bit for bit the one of the rule that recomputes
-    the derivative from the input (the op without its residual)."""
+    of its input, attention its probabilities beside its inputs; every gradient is bit
+    for bit the one of the rules that recompute them (the ops without their residuals)."""
     spec = SPECS[name]()
     lowered = lower_spec(spec)
     units = [unit_of(layer) for layer in lowered.layers]
-    gelus = [(n, u) for u in units for n in u.forward if n.op == "gelu"]
-    assert gelus
-    for node, unit in gelus:
+    kinds = {"gelu"} | ({"self_attention"} if spec.token_model else set())
+    made = [(n, u) for u in units for n in u.forward if len(n.outputs) == 2]
+    assert {n.op for n, _ in made} == kinds
+    for node, unit in made:
         assert node.outputs[1] == "r:" + node.outputs[0] and node.outputs[1] in unit.kept
-        assert node.inputs[0] not in unit.kept
+        assert (node.inputs[0] in unit.kept) == (node.op == "self_attention")
     x, y = batch(spec, np.random.default_rng(0))
     weights = init_weights(spec, 1)
     count = int((y != -100).sum()) if spec.token_model else None
     result, grads = step(lowered, weights, x, y, slice(0, 4), 4, count)
-    monkeypatch.setitem(OPS, "gelu", dataclasses.replace(OPS["gelu"], residual=None, residual_vjp=None))
+    for op in kinds:
+        monkeypatch.setitem(OPS, op, dataclasses.replace(OPS[op], residual=None, residual_vjp=None))
     recomputing = lower_spec(spec)
     assert not any(len(n.outputs) > 1 for layer in recomputing.layers for n in unit_of(layer).forward)
     want, want_grads = step(recomputing, weights, x, y, slice(0, 4), 4, count)

@@ -6,6 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
+from cs_runtime.numerics import parallel
 from cs_runtime.numerics.ops import OPS, OpError
 
 
@@ -288,21 +289,50 @@ def test_tanh_gelu_by_pieces_has_the_bits_of_one_pass():
                 assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_gelus_residual_is_its_derivative_with_the_bits_of_the_vjp(approximate):
-    """A training step's GELU forward returns (value, derivative) in one pass; the value has
-    the forward's bits and the residual's vjp the bits of the rule that starts from x, in
-    float32 (the kernels, small and of several chunks) and float64 (math.erf), specials too."""
-    from cs_runtime.numerics import parallel
-    gelu, attrs = OPS["gelu"], {"approximate": approximate}
-    rng = np.random.default_rng(6)
-    for dtype in (np.float32, np.float64):
-        for shape in ((3, 7), (parallel.CHUNK + 5,)):
-            x = (rng.standard_normal(shape) * 4).astype(dtype)
-            x.reshape(-1)[:6] = [0.0, -0.0, 12.0, -12.0, 1e-30, -40.0]
-            g = rng.standard_normal(shape).astype(dtype)
-            value, residual = gelu.residual([x], attrs)
-            assert value.dtype == residual.dtype == dtype and value.shape == residual.shape == x.shape
-            assert value.tobytes() == gelu.forward([x], attrs).tobytes()
-            want = gelu.vjp(g, [x], value, attrs)[0]
-            assert gelu.residual_vjp(g, residual, attrs)[0].tobytes() == want.tobytes()
+def _pieced_attention(rng):
+    """Attention large enough to run a piece of the batch at a time (parallel.py)."""
+    qkv = rng.standard_normal((16, 64, 3 * 128)).astype(np.float32)
+    drop = (rng.random((16, 4, 64, 64)) > 0.1).astype(np.float32) / np.float32(0.9)
+    keep = rng.random((16, 64)) > 0.2
+    q, k, v = (rng.standard_normal((16, 4, 64, 32)).astype(np.float32) for _ in range(3))
+    return [("self_attention_pieces", "self_attention", [qkv, keep, drop],
+             {"heads": 4, "causal": False, "key_keep": True, "drop": True}),
+            ("self_attention_causal", "self_attention", [qkv[:2]], {"heads": 4, "causal": True}),
+            ("sdpa_pieces", "scaled_dot_product_attention", [q, k, v, keep[:, None, None, :]], {}),
+            ("sdpa_pieces_causal", "scaled_dot_product_attention", [q, k, v], {"is_causal": True})]
+
+
+def _residual_cases():
+    rng = np.random.default_rng(8)
+    small = [(c[0], c[1], c[2](rng), c[3]) for c in CASES if OPS[c[1]].residual is not None]
+    exact = [("gelu_specials", "gelu", [np.array([0.0, -0.0, 12.0, -12.0, 1e-30, -40.0, 3.0])], {})]
+    chunks = [(f"gelu_chunks_{a}", "gelu", [(rng.standard_normal(parallel.CHUNK + 5) * 4).astype(np.float32)],
+               {"approximate": a}) for a in ("none", "tanh")]
+    return small + exact + chunks + _pieced_attention(rng)
+
+
+RESIDUAL_CASES = _residual_cases()
+
+
+@pytest.mark.parametrize("case", RESIDUAL_CASES, ids=[c[0] for c in RESIDUAL_CASES])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_residual_gives_the_forward_and_the_vjp_their_bits(case, dtype):
+    """An op's training forward (output, residual) has the output's bits, and its vjp from
+    the residual, reading only the inputs it declares (the rest NaN), the bits of the vjp
+    from the inputs: GELU's derivative and attention's probabilities, made once."""
+    _, name, inputs, attrs = case
+    op = OPS[name]
+    inputs = [x.astype(dtype) if x.dtype.kind == "f" else x for x in inputs]
+    out = op.forward(inputs, attrs)
+    value, residual = op.residual(inputs, attrs)
+    assert value.dtype == out.dtype and value.tobytes() == out.tobytes()
+    shape = op.residual_shape([x.shape for x in inputs], out.shape, attrs) if op.residual_shape else out.shape
+    assert residual.shape == tuple(shape) and residual.dtype == out.dtype
+    g = np.random.default_rng(9).standard_normal(out.shape).astype(out.dtype)
+    want = op.vjp(g, inputs, out, attrs)
+    blank = [x if i in op.residual_reads or x.dtype.kind != "f" else np.full(x.shape, np.nan, x.dtype)
+             for i, x in enumerate(inputs)]
+    got = op.residual_vjp(g, blank, residual, attrs)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes())

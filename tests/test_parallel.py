@@ -114,6 +114,10 @@ def test_attention_by_pieces_of_the_batch_is_attention_whole(monkeypatch, two_th
     assert kernels.attention_output(qkv, heads, causal, keep, drop).tobytes() == out.tobytes()
     want = kernels.attention_backward(dout, cache)
     assert kernels.attention_grad(dout, qkv, heads, causal, keep, drop).tobytes() == want.tobytes()
+    # a training step's forward keeps the probabilities, and its backward starts from them
+    kept_out, probs = kernels.attention_output_and_probs(qkv, heads, causal, keep, drop)
+    assert kept_out.tobytes() == out.tobytes() and probs.tobytes() == cache.probs.tobytes()
+    assert kernels.attention_grad_from_probs(dout, qkv, probs, heads, drop).tobytes() == want.tobytes()
 
 
 @needs_setter

@@ -11,9 +11,9 @@ one; a value read by several nodes gets its contributions summed by one
 backward program); `grads` maps each value of `wrt` to the name of its
 gradient (absent where no path leads from it to a seed).
 
-An op with a residual (Op.residual: GELU) instead gets a second output in the
-returned forward, "r:<output>", which its vjp node reads in place of the
-output (attrs["residual"]); its inputs then lend only their shape.
+An op with a residual (Op.residual: GELU, attention) instead gets a second
+output in the returned forward, "r:<output>", which its vjp node reads in
+place of the output (attrs["residual"]), with the inputs in Op.residual_reads.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def backward_nodes(forward: list[Node], wrt: set[str], seeds: list[str],
         if op.residual is not None:
             saved = RESIDUAL_PREFIX + out
             forward[index] = Node(node.op, node.inputs, (out, saved), node.attrs, node.module, node.source)
-            attrs.update(reads=[False] * len(node.inputs) + [True], residual=True)
+            attrs.update(reads=[i in op.residual_reads for i in range(len(node.inputs))] + [True], residual=True)
         else:
             saved = out
             attrs["reads"] = [i in op.saves_inputs for i in range(len(node.inputs))] + [op.saves_output]

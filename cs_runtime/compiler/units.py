@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from cs_runtime.compiler.autodiff import FLOAT_DTYPES, backward_nodes, requires_grad, residual_output
+from cs_runtime.numerics.ops import OPS
 from cs_runtime.numerics.program import Node, Program, Unit
 
 _INDEX = re.compile(r"^\d+$")
@@ -112,7 +113,6 @@ def _unit(name, nodes, program, needs, read_later, toward_loss, dtypes) -> Unit:
 
 def unit_flops(unit: Unit, shapes: dict[str, tuple]) -> tuple[int, int]:
     """(forward FLOPs, backward FLOPs ~ 2x forward for the ops that have a backward)."""
-    from cs_runtime.numerics.ops import OPS
     fwd = sum(OPS[n.op].flops([shapes[i] for i in n.inputs], shapes[n.outputs[0]], n.attrs) for n in unit.forward)
     bwd = sum(2 * OPS[n.attrs["of"]].flops([shapes[i] for i in n.inputs[1:-1]],
                                            shapes[residual_output(n.inputs[-1])], n.attrs["attrs"])
@@ -121,10 +121,17 @@ def unit_flops(unit: Unit, shapes: dict[str, tuple]) -> tuple[int, int]:
 
 
 def kept_bytes(unit: Unit, shapes: dict[str, tuple], dtypes: dict[str, str]) -> int:
-    """Bytes of the values the unit's forward keeps for its backward (a residual has the
-    shape and dtype of the output it belongs to)."""
-    values = [residual_output(k) for k in unit.kept]
-    return sum(int(np.prod(shapes[v], dtype=np.int64)) * np.dtype(dtypes[v]).itemsize for v in values)
+    """Bytes of the values the unit's forward keeps for its backward (a residual has its
+    output's dtype and the shape its op says: Op.residual_shape)."""
+    residuals = {n.outputs[1]: n for n in unit.forward if len(n.outputs) == 2}
+
+    def shape(value):
+        node = residuals.get(value)
+        if node is None or OPS[node.op].residual_shape is None:
+            return shapes[residual_output(value)]
+        return OPS[node.op].residual_shape([shapes[i] for i in node.inputs], shapes[node.outputs[0]], node.attrs)
+    return sum(int(np.prod(shape(k), dtype=np.int64)) * np.dtype(dtypes[residual_output(k)]).itemsize
+               for k in unit.kept)
 
 
 # ---------------------------------------------------------------- the spec every path runs

@@ -37,13 +37,16 @@ def run_node(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
             _run_vjp(node, env, fmt, exact)
             return
         inputs = [env[name] for name in node.inputs]
-        if len(node.outputs) == 2:   # the output and its residual, for the vjp (autodiff.py)
-            out, env[node.outputs[1]] = OPS[node.op].residual(inputs, node.attrs)
-        elif fmt != "float32" and node.op in mixed_ops.MATMUL_LIKE:
+        residual = None   # a second output: the op's residual, for its vjp (autodiff.py)
+        if fmt != "float32" and node.op in mixed_ops.MATMUL_LIKE:
             out = mixed_ops.forward(node.op, inputs, node.attrs, fmt, _positions(node.inputs, exact))
+        elif len(node.outputs) == 2:
+            out, residual = OPS[node.op].residual(inputs, node.attrs)
         else:
             out = OPS[node.op].forward(inputs, node.attrs)
         env[node.outputs[0]] = out
+        if len(node.outputs) == 2:
+            env[node.outputs[1]] = residual   # None where the 16-bit rule starts from the inputs
     except (OpError, ValueError, IndexError) as exc:
         raise OpError(f"{node.where()}: {exc}") from exc
 
@@ -58,11 +61,11 @@ def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
     values = [env[name] if name else None for name in node.inputs]
     g, fwd, out = values[0], values[1:-1], values[-1]
     wanted = tuple(map(bool, node.outputs))   # the rest: no gradient asked for
-    if node.attrs.get("residual"):
-        grads = OPS[of].residual_vjp(g, out, node.attrs.get("attrs", {}))
-    elif fmt != "float32" and of in mixed_ops.MATMUL_LIKE:
+    if fmt != "float32" and of in mixed_ops.MATMUL_LIKE:
         grads = mixed_ops.vjp(of, g, fwd, out, node.attrs.get("attrs", {}), fmt,
                               _positions(node.inputs[1:-1], exact), wanted)
+    elif node.attrs.get("residual"):
+        grads = OPS[of].residual_vjp(g, fwd, out, node.attrs.get("attrs", {}))
     else:
         grads = OPS[of].grads(g, fwd, out, node.attrs.get("attrs", {}), wanted)
     for name, grad, x in zip(node.outputs, grads, fwd):

@@ -343,23 +343,32 @@ def attention_scores_mask(seq: int, causal: bool, key_keep: np.ndarray | None) -
     return allowed
 
 
+def _heads(qkv: np.ndarray, heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, k, v [B, heads, T, head_dim] (views) of a packed [B, T, 3D] projection."""
+    return tuple(_split_heads(t, heads) for t in np.split(qkv, 3, axis=-1))
+
+
 def attention_probs(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.ndarray | None = None,
-                    drop: np.ndarray | None = None) -> AttentionCache:
-    """The heads and attention probabilities of attention_forward (all its backward needs)."""
+                    drop: np.ndarray | None = None, into: np.ndarray | None = None) -> AttentionCache:
+    """The heads and attention probabilities of attention_forward (all its backward needs);
+    the probabilities made in `into` ([B, heads, T, T]) when given."""
     b, s, three_d = qkv.shape
     d = three_d // 3
-    q, k, v = (_split_heads(t, heads) for t in np.split(qkv, 3, axis=-1))
+    q, k, v = _heads(qkv, heads)
     scale = qkv.dtype.type(1.0 / np.sqrt(d // heads))
-    scores = q @ k.transpose(0, 1, 3, 2)
+    scores = np.matmul(q, k.transpose(0, 1, 3, 2), out=into)
     scores *= scale
     allowed = attention_scores_mask(s, causal, key_keep)
     if allowed is not None:
-        scores = np.where(allowed, scores, qkv.dtype.type(MASKED_SCORE))
+        np.copyto(scores, qkv.dtype.type(MASKED_SCORE), where=~allowed)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    dropped = probs * drop if drop is not None else probs
-    return AttentionCache(q, k, v, probs, dropped, drop)
+    return AttentionCache(q, k, v, probs, _dropped(probs, drop), drop)
+
+
+def _dropped(probs: np.ndarray, drop: np.ndarray | None) -> np.ndarray:
+    return probs * drop if drop is not None else probs
 
 
 def attention_forward(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.ndarray | None = None,
@@ -420,6 +429,37 @@ def attention_output(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.nda
         out[lo:hi] = attention_forward(qkv[lo:hi], heads, causal, keep, dropped)[0]
     by_samples(qkv, heads, piece)
     return out
+
+
+def attention_output_and_probs(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.ndarray | None = None,
+                               drop: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(attention_output, the probabilities before dropout [B, heads, T, T]): a training
+    step's forward, which keeps the probabilities so that its backward need not recompute
+    them (attention_grad_from_probs); a piece of the batch at a time."""
+    b, s, three_d = qkv.shape
+    out = np.empty((b, s, three_d // 3), qkv.dtype)
+    probs = np.empty((b, heads, s, s), qkv.dtype)
+
+    def piece(lo: int, hi: int) -> None:
+        cache = attention_probs(qkv[lo:hi], heads, causal, sample_rows(key_keep, lo, hi),
+                                sample_rows(drop, lo, hi), into=probs[lo:hi])
+        out[lo:hi] = (cache.dropped @ cache.v).transpose(0, 2, 1, 3).reshape(hi - lo, s, three_d // 3)
+    by_samples(qkv, heads, piece)
+    return out, probs
+
+
+def attention_grad_from_probs(dout: np.ndarray, qkv: np.ndarray, probs: np.ndarray, heads: int,
+                              drop: np.ndarray | None = None) -> np.ndarray:
+    """attention_grad's d qkv, the bits the same, from the probabilities the forward kept
+    (attention_output_and_probs): the masks are in them already."""
+    grad = np.empty(qkv.shape, np.result_type(dout, qkv))
+
+    def piece(lo: int, hi: int) -> None:
+        kept, dropped = probs[lo:hi], sample_rows(drop, lo, hi)
+        cache = AttentionCache(*_heads(qkv[lo:hi], heads), kept, _dropped(kept, dropped), dropped)
+        grad[lo:hi] = attention_backward(dout[lo:hi], cache)
+    by_samples(qkv, heads, piece)
+    return grad
 
 
 def attention_grad(dout: np.ndarray, qkv: np.ndarray, heads: int, causal: bool,

@@ -48,12 +48,15 @@ class Op:
     # others (None): a first layer's matmul has no input gradient to compute, a dropout
     # mask never needs one.
     partial: bool = False
-    # A training step's forward may also return a residual: an array of the output's shape
-    # and dtype, made from the forward's own intermediates, from which residual_vjp
-    # (g, residual, attrs) -> gradients computes the same gradients as vjp without going
-    # back to the inputs (autodiff.backward_nodes keeps it in place of what vjp reads).
+    # A training step's forward may also return a residual: an array of the output's dtype
+    # made from the forward's own intermediates, from which residual_vjp computes the
+    # gradients of vjp, the same bits, with less work (autodiff.backward_nodes keeps it and
+    # the inputs in residual_reads, in place of what vjp reads). Only in float32: a 16-bit
+    # format's matmul-like rule (mixed_ops.py) starts from the inputs.
     residual: Callable | None = None          # (inputs, attrs) -> (output, residual)
-    residual_vjp: Callable | None = None
+    residual_vjp: Callable | None = None      # (g, inputs, residual, attrs) -> list of gradients
+    residual_reads: tuple[int, ...] = ()      # the inputs residual_vjp reads (the rest: stand-ins)
+    residual_shape: Callable | None = None    # (input shapes, output shape, attrs); None: the output's
 
     def grads(self, g, inputs, out, attrs, wanted=None) -> list:
         """The vjp, told which gradients are wanted when it can use that."""
@@ -66,9 +69,9 @@ OPS: dict[str, Op] = {}
 
 
 def _register(name, forward, vjp, shape, flops, saves_output=False, saves_inputs=(), partial=False,
-              residual=None, residual_vjp=None):
+              residual=None, residual_vjp=None, residual_reads=(), residual_shape=None):
     OPS[name] = Op(name, forward, vjp, shape, flops, saves_output, tuple(saves_inputs), partial,
-                   residual, residual_vjp)
+                   residual, residual_vjp, tuple(residual_reads), residual_shape)
 
 
 def _numel(shape) -> int:
@@ -392,7 +395,7 @@ def _gelu_and_slope(inputs, attrs):
     return kernels.gelu_and_grad(x) if x.dtype == np.float32 else (gelu_exact(x), gelu_exact_grad(x))
 
 
-def _gelu_vjp_from_slope(g, slope, attrs):
+def _gelu_vjp_from_slope(g, inputs, slope, attrs):
     return [slope * g]    # the bits of _gelu_vjp's grad * g
 
 
@@ -680,10 +683,27 @@ def _attention_forward(inputs, attrs):
 
 
 def _attention_vjp(g, inputs, out, attrs):
-    """Recomputes the probabilities from the packed projection rather than keeping them."""
+    """Recomputes the probabilities from the packed projection (outside a training step's
+    forward, which keeps them: the residual below)."""
     qkv, keep, drop = _attention_parts(inputs, attrs)
     grad = kernels.attention_grad(g, qkv, int(attrs["heads"]), bool(attrs.get("causal")), keep, drop)
     return [grad, *([None] * (len(inputs) - 1))]
+
+
+def _attention_and_probs(inputs, attrs):
+    qkv, keep, drop = _attention_parts(inputs, attrs)
+    return kernels.attention_output_and_probs(qkv, int(attrs["heads"]), bool(attrs.get("causal")), keep, drop)
+
+
+def _attention_vjp_from_probs(g, inputs, probs, attrs):
+    qkv, _, drop = _attention_parts(inputs, attrs)
+    grad = kernels.attention_grad_from_probs(g, qkv, probs, int(attrs["heads"]), drop)
+    return [grad, *([None] * (len(inputs) - 1))]
+
+
+def _attention_probs_shape(shapes, out, attrs):
+    b, t, _ = out
+    return (b, int(attrs["heads"]), t, t)
 
 
 def _attention_shape(shapes, attrs):
@@ -701,8 +721,12 @@ def _attention_cost(shapes, out, attrs):
 # Multi-head self-attention of a packed [B, T, 3D] q/k/v projection (a built-in model's
 # block): causal or not, keys masked by key_keep (bool [B, T]), probabilities dropped by
 # a mask (dropout_mask with `heads`). Scores of masked keys are kernels.MASKED_SCORE.
+# A training step keeps the probabilities (before dropout; [B, heads, T, T]) as well as the
+# inputs: the backward does not compute them again (a third of its time). The key mask
+# stays read: a 16-bit format's rule recomputes from the inputs.
 _register("self_attention", _attention_forward, _attention_vjp, _attention_shape, _attention_cost,
-          saves_inputs=(0, 1, 2))
+          saves_inputs=(0, 1, 2), residual=_attention_and_probs, residual_vjp=_attention_vjp_from_probs,
+          residual_reads=(0, 1, 2), residual_shape=_attention_probs_shape)
 
 
 # ---------------------------------------------------------------- views and copies
@@ -971,15 +995,19 @@ def _sdpa_probs(inputs, attrs):
     blocks: numpy runs a stacked matmul as one BLAS call per head, and strided heads
     (a view of the packed projection) make each of them slower."""
     q, k = np.ascontiguousarray(inputs[0]), np.ascontiguousarray(inputs[1])
-    scale = attrs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    scale = _sdpa_scale(q, attrs)
     scores = q @ _swap(k)
-    scores *= q.dtype.type(scale)
+    scores *= scale
     mask = inputs[3] if len(inputs) > 3 else None
     if mask is not None:
         scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
     if attrs.get("is_causal"):
         scores += _causal_bias(q.shape[-2], k.shape[-2], scores.dtype)
-    return softmax(scores, -1).astype(q.dtype, copy=False), q.dtype.type(scale)
+    return softmax(scores, -1).astype(q.dtype, copy=False), scale
+
+
+def _sdpa_scale(q, attrs):
+    return q.dtype.type(attrs.get("scale") or 1.0 / math.sqrt(q.shape[-1]))
 
 
 def _sdpa_samples(inputs) -> int:
@@ -1017,27 +1045,60 @@ def _sdpa_forward_whole(inputs, attrs):
     return probs @ np.ascontiguousarray(inputs[2])
 
 
-def _sdpa_vjp(g, inputs, out, attrs):
-    """_sdpa_vjp_whole, a piece of the batch at a time where the operands allow (parallel.py)."""
+def _sdpa_and_probs(inputs, attrs):
+    """(_sdpa_forward's output, the probabilities): a training step's forward, which keeps
+    them for the backward (_sdpa_vjp_from_probs)."""
+    q, v = inputs[0], inputs[2]
     samples = _sdpa_samples(inputs)
     if not samples:
-        return _sdpa_vjp_whole(g, inputs, out, attrs)
+        probs, _ = _sdpa_probs(inputs, attrs)
+        return probs @ np.ascontiguousarray(v), probs
+    out = np.empty((*q.shape[:-1], v.shape[-1]), np.result_type(q, inputs[1], v))
+    probs = np.empty(_sdpa_probs_shape([t.shape for t in inputs], out.shape, attrs), q.dtype)
+
+    def rows(lo, hi):
+        part = _sdpa_rows(inputs, lo, hi)
+        probs[lo:hi] = _sdpa_probs(part, attrs)[0]
+        out[lo:hi] = probs[lo:hi] @ np.ascontiguousarray(part[2])
+    parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * inputs[1].shape[-2], align=1)
+    return out, probs
+
+
+def _sdpa_probs_shape(shapes, out, attrs):
+    batch = broadcast_shape(*(tuple(s)[:-2] for s in shapes[:2]), *(tuple(s)[:-2] for s in shapes[3:4]))
+    return (*batch, int(shapes[0][-2]), int(shapes[1][-2]))
+
+
+def _sdpa_vjp(g, inputs, out, attrs, probs=None):
+    """_sdpa_vjp_whole, a piece of the batch at a time where the operands allow (parallel.py);
+    from the probabilities the forward kept, when given."""
+    samples = _sdpa_samples(inputs)
+    if not samples:
+        return _sdpa_vjp_whole(g, inputs, out, attrs, probs)
     grads = [np.empty(t.shape, np.result_type(g, t)) for t in inputs[:3]]
 
     def rows(lo, hi):
-        for whole, piece in zip(grads, _sdpa_vjp_whole(g[lo:hi], _sdpa_rows(inputs, lo, hi), None, attrs)):
+        kept = None if probs is None else probs[lo:hi]
+        for whole, piece in zip(grads, _sdpa_vjp_whole(g[lo:hi], _sdpa_rows(inputs, lo, hi), None, attrs, kept)):
             whole[lo:hi] = piece
     q, k = inputs[:2]
     parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * k.shape[-2], align=1)
     return grads + [None] * (len(inputs) > 3)
 
 
-def _sdpa_vjp_whole(g, inputs, out, attrs):
-    """Recomputes the probabilities from q and k (flash-attention style) rather than keeping them.
+def _sdpa_vjp_from_probs(g, inputs, probs, attrs):
+    return _sdpa_vjp(g, inputs, None, attrs, probs)
+
+
+def _sdpa_vjp_whole(g, inputs, out, attrs, probs=None):
+    """Recomputes the probabilities from q and k (flash-attention style) unless given.
     dscores = probs * (dprobs - rowsum(dprobs * probs)) * scale, in place on dprobs."""
     q, k, v = (np.ascontiguousarray(t) for t in inputs[:3])
     g = np.ascontiguousarray(g)
-    probs, scale = _sdpa_probs([q, k, v, *inputs[3:]], attrs)
+    if probs is None:
+        probs, scale = _sdpa_probs([q, k, v, *inputs[3:]], attrs)
+    else:
+        scale = _sdpa_scale(q, attrs)
     dv = unbroadcast(_swap(probs) @ g, v.shape)
     dscores = g @ _swap(v)
     dscores -= (dscores * probs).sum(axis=-1, keepdims=True)
@@ -1062,8 +1123,10 @@ def _sdpa_cost(shapes, out, attrs):
     return 2 * _numel(q) * int(k[-2]) + 2 * _numel(out) * int(k[-2]) + 5 * _numel((*q[:-1], k[-2]))
 
 
+# As self_attention, a training step keeps the probabilities beside the inputs.
 _register("scaled_dot_product_attention", _sdpa_forward, _sdpa_vjp, _sdpa_shape, _sdpa_cost,
-          saves_inputs=(0, 1, 2, 3))
+          saves_inputs=(0, 1, 2, 3), residual=_sdpa_and_probs, residual_vjp=_sdpa_vjp_from_probs,
+          residual_reads=(0, 1, 2, 3), residual_shape=_sdpa_probs_shape)
 
 
 # ---------------------------------------------------------------- convolution and pooling
