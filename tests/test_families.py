@@ -140,6 +140,30 @@ def test_residuals_are_kept_for_the_backward_and_the_gradients_keep_their_bits(n
         assert all(got[p].tobytes() == expected[p].tobytes() for p in got)
 
 
+def test_eval_makes_no_residual():
+    """Where no backward follows (eval), GELU and attention run their plain forward: the
+    same output, nothing kept for a backward."""
+    spec = lower_spec(bert())
+    x, y = batch(spec, np.random.default_rng(0))
+    weights = init_weights(spec, 1)
+    runs = {}
+    for train in (True, False):
+        ctx = ShardContext(5, 3, 4, slice(0, 4), train, labels=y)
+        runs[train] = model.model_forward(spec, x, weights, ctx)
+    residuals = [[k for k in cache if k.startswith("r:")] for cache, _ in runs[False][1]]
+    assert any(residuals)
+    for (trained, _), (evaluated, _), names in zip(runs[True][1], runs[False][1], residuals):
+        assert all(evaluated[k] is None and isinstance(trained[k], np.ndarray) for k in names)
+    # dropout is off in eval, so compare eval with a training forward without dropout
+    no_drop = lower_spec(transformer_spec("bert", style="bert", vocab_size=50, max_len=12, hidden_size=16,
+                                          num_layers=2, num_heads=2, ffn_features=32, dropout=0.0,
+                                          attn_dropout=0.0, eps=1e-12, pad_id=0))
+    outs = [model.model_forward(no_drop, x, weights, ShardContext(5, 3, 4, slice(0, 4), t, labels=y))[0]
+            for t in (True, False)]
+    logits = no_drop.program["logits"]
+    assert outs[0][logits].tobytes() == outs[1][logits].tobytes()
+
+
 def test_a_residual_only_an_op_that_makes_one_may_have():
     """A unit from the wire whose node claims a residual its op does not make is refused."""
     meta = unit_of(lower_spec(mlp_spec("m", [20, 32, 5], "gelu", 0.2)).layers[0]).to_meta()

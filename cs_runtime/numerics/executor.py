@@ -30,8 +30,10 @@ from cs_runtime.numerics.precision import quantize, to_bits
 from cs_runtime.numerics.program import Node
 
 
-def run_node(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset()) -> None:
-    """`exact`: names of values that hold fmt's values already (a unit's parameters)."""
+def run_node(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset(),
+             residuals: bool = True) -> None:
+    """`exact`: names of values that hold fmt's values already (a unit's parameters).
+    `residuals`: False where no backward follows (eval), so none is made."""
     try:
         if node.op == "vjp":
             _run_vjp(node, env, fmt, exact)
@@ -40,13 +42,13 @@ def run_node(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
         residual = None   # a second output: the op's residual, for its vjp (autodiff.py)
         if fmt != "float32" and node.op in mixed_ops.MATMUL_LIKE:
             out = mixed_ops.forward(node.op, inputs, node.attrs, fmt, _positions(node.inputs, exact))
-        elif len(node.outputs) == 2:
+        elif len(node.outputs) == 2 and residuals:
             out, residual = OPS[node.op].residual(inputs, node.attrs)
         else:
             out = OPS[node.op].forward(inputs, node.attrs)
         env[node.outputs[0]] = out
         if len(node.outputs) == 2:
-            env[node.outputs[1]] = residual   # None where the 16-bit rule starts from the inputs
+            env[node.outputs[1]] = residual   # None in eval, and where the 16-bit rule starts from the inputs
     except (OpError, ValueError, IndexError) as exc:
         raise OpError(f"{node.where()}: {exc}") from exc
 
@@ -151,12 +153,13 @@ def plan_nodes(nodes: list[Node], keep: set[str] | None = None, shapes_of=frozen
 
 def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
               shapes_of: set[str] = frozenset(), shapes: dict | None = None, fmt: str = "float32",
-              exact: frozenset = frozenset(), plan: NodePlan | None = None) -> dict:
+              exact: frozenset = frozenset(), plan: NodePlan | None = None, residuals: bool = True) -> dict:
     """Run the nodes in order, adding their outputs to env (returned). With
     `keep`, values last read by a node and not in `keep` are dropped as the
     run goes (what a unit's forward need not hold for its backward); the
     (shape, dtype) of each value in `shapes_of` is noted in `shapes`. `plan`:
-    plan_nodes of these nodes, keep and shapes_of, made earlier (else made here)."""
+    plan_nodes of these nodes, keep and shapes_of, made earlier (else made here); `residuals`:
+    see run_node."""
     nodes = list(nodes)
     plan = plan or plan_nodes(nodes, keep, shapes_of)
     for name in shapes_of:
@@ -164,7 +167,7 @@ def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
             shapes[name] = (env[name].shape, env[name].dtype)
     for node, in_place, noted, drops in zip(nodes, plan.in_place, plan.noted, plan.drops):
         if not (in_place and _run_in_place(node, env)):
-            run_node(node, env, fmt, exact)
+            run_node(node, env, fmt, exact, residuals)
         for name in noted:
             shapes[name] = (env[name].shape, env[name].dtype)
         for name in drops:
@@ -252,11 +255,13 @@ def _read(value, fmt: str, rounded_here: bool):
     return value
 
 
-def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_rounded: bool = False) -> dict:
+def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_rounded: bool = False,
+                 train: bool = True) -> dict:
     """Run a unit's forward on its parameters and the live values it reads;
     add what it writes to `live` and return what its backward keeps (the values
     its rules read, and zero-cost stand-ins of those whose shape is all they need;
-    in 16 bits, the parameters it rounded itself, so the backward does not round them again)."""
+    in 16 bits, the parameters it rounded itself, so the backward does not round them again).
+    Not `train` (eval): the ops' residuals are not made (run_node)."""
     env = unit_params(unit, weights, fmt, weights_rounded)
     params = dict(env) if fmt != "float32" and not weights_rounded else {}   # rounded here
     plan = unit_plan(unit)
@@ -264,7 +269,7 @@ def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_
     env.update((r, _read(live[r], fmt, r in once)) for r in unit.reads)
     shapes = {}
     run_nodes(unit.forward, env, keep=plan.keep, shapes_of=plan.shape_only, shapes=shapes, fmt=fmt,
-              exact=plan.exact(fmt), plan=plan.forward)
+              exact=plan.exact(fmt), plan=plan.forward, residuals=train)
     live.update((w, env[w]) for w in unit.writes)
     cache = {k: env[k] for k in unit.kept}
     cache.update((k, _stand_in(*shapes[k])) for k in unit.shape_only)

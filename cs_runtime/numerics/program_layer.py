@@ -168,7 +168,8 @@ def forward(spec, index: int, x, weights: dict, ctx, weights_rounded: bool = Fal
             live[spec.program["context"]] = context(ctx, batch_rows(x))
     else:
         live = dict(x)
-    cache = unit_forward(unit_of(layer), _program_weights(layer, weights), live, spec.precision, weights_rounded)
+    cache = unit_forward(unit_of(layer), _program_weights(layer, weights), live, spec.precision, weights_rounded,
+                         train=bool(ctx.train))
     return live, (cache, live)
 
 
