@@ -209,50 +209,78 @@ def free_port() -> int:
 
 # Every transport row delivers each tensor into a buffer the receiver owns (one
 # np.copyto), as the memcpy row does, so all four measure the same thing:
-# bytes of the sender's tensors landed in the receiver's memory per second.
+# bytes of the sender's tensors landed in the receiver's memory per second. The
+# receiver times its own steps after the warm-up (timed_steps), as the memcpy row
+# does: from the sender's side the time would also hold the receiver's exit (the
+# interpreter's teardown, a tenth of a second) and whatever of its warm-up was still
+# queued, which the memcpy row has not.
 
-def zmq_receiver(address: str, sizes: list[int], steps: int) -> None:
+def timed_steps(steps: int, receive_step, seconds) -> None:
+    """receive_step() WARMUP_STEPS times, then `steps` times timed; the timed seconds
+    put on `seconds` (a queue the sender reads)."""
+    for _ in range(WARMUP_STEPS):
+        receive_step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        receive_step()
+    seconds.put(time.perf_counter() - start)
+
+
+def zmq_receiver(address: str, sizes: list[int], steps: int, seconds) -> None:
     import zmq
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(address)
     own = [np.empty(n // 4, dtype=np.float32) for n in sizes]
-    for _ in range(steps + WARMUP_STEPS):
+
+    def receive_step() -> None:
         for buffer in own:
             np.copyto(buffer, np.frombuffer(pull.recv(copy=False).buffer, dtype=np.float32))
+    timed_steps(steps, receive_step, seconds)
     ctx.destroy(linger=0)
+
+
+def receive_timed(target, args: tuple, send_steps) -> float:
+    """Start the receiver (a spawned process running target(*args, seconds)), run
+    send_steps(), and return the seconds the receiver timed."""
+    import multiprocessing
+    spawn = multiprocessing.get_context("spawn")
+    seconds = spawn.SimpleQueue()
+    receiver = spawn.Process(target=target, args=(*args, seconds))
+    receiver.start()
+    try:
+        send_steps()
+        receiver.join()
+        if receiver.exitcode != 0 or seconds.empty():
+            raise SystemExit(f"bench_baselines: the receiver failed (exit {receiver.exitcode})")
+        return seconds.get()
+    finally:
+        if receiver.is_alive():
+            receiver.kill()
 
 
 def run_zmq(args) -> dict:
     """PUSH -> PULL over loopback tcp, one frame per tensor, zero-copy sends, no protocol."""
-    import multiprocessing
     import zmq
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     port = push.bind_to_random_port("tcp://127.0.0.1")
     buffers = [np.ones(n // 4, dtype=np.float32) for n in args.bytes]
-    receiver = multiprocessing.get_context("spawn").Process(
-        target=zmq_receiver, args=(f"tcp://127.0.0.1:{port}", args.bytes, args.steps))
-    receiver.start()
+
+    def send_steps() -> None:
+        for _ in range(WARMUP_STEPS + args.steps):
+            for b in buffers:
+                push.send(b, copy=False)
     try:
-        for _ in range(WARMUP_STEPS):
-            for b in buffers:
-                push.send(b, copy=False)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            for b in buffers:
-                push.send(b, copy=False)
-        receiver.join()        # the last byte has arrived when the receiver has exited
-        seconds = time.perf_counter() - start
+        seconds = receive_timed(zmq_receiver, (f"tcp://127.0.0.1:{port}", args.bytes, args.steps), send_steps)
     finally:
-        if receiver.is_alive():
-            receiver.kill()
         ctx.destroy(linger=0)
     return {"bytes_per_sec": sum(args.bytes) * args.steps / seconds}
 
 
-def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | None, fresh: bool) -> None:
+def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | None, fresh: bool,
+                      seconds) -> None:
     import zmq
     from cs_runtime.wire.shm import Segments
     from cs_runtime.wire.transport import Endpoint
@@ -261,7 +289,8 @@ def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | 
     if folder:
         pull.share_memory(Segments(Path(folder)))
     own = [np.empty(n // 4, dtype=np.float32) for n in sizes]
-    for _ in range(steps + WARMUP_STEPS):
+
+    def receive_step() -> None:
         for buffer in own:
             # decoded and validated, as a WSE does; a tensor of several frames is joined
             # straight into the kept buffer, any other (one frame, or shared memory) copied there
@@ -269,13 +298,13 @@ def protocol_receiver(address: str, sizes: list[int], steps: int, folder: str | 
             got = msg.arrays["weight"]
             if fresh or not np.may_share_memory(got, buffer):
                 np.copyto(buffer, got)
+    timed_steps(steps, receive_step, seconds)
     ctx.destroy(linger=0)
 
 
 def run_protocol(args, shared: bool = False, fresh: bool = False) -> dict:
     """The project's own path: WEIGHTS messages through Endpoint, over tcp or by shared-memory reference.
     fresh: decoded into fresh buffers, then copied to the kept ones (the receive before kept buffers)."""
-    import multiprocessing
     import tempfile
     import zmq
     from cs_runtime.wire.protocol import Message, Msg
@@ -293,24 +322,14 @@ def run_protocol(args, shared: bool = False, fresh: bool = False) -> dict:
         layers = [{"weight": arena.copy_of(np.ones(n // 4, dtype=np.float32))} for n in args.bytes]
     else:
         layers = [{"weight": np.ones(n // 4, dtype=np.float32)} for n in args.bytes]
-    receiver = multiprocessing.get_context("spawn").Process(
-        target=protocol_receiver, args=(address, args.bytes, args.steps, folder, fresh))
-    receiver.start()
 
-    def one_step(step):
-        for index, arrays in enumerate(layers):
-            push.send(Message(Msg.WEIGHTS, step=step, layer=index, meta={"phase": "fwd"}, arrays=arrays))
+    def send_steps() -> None:
+        for step in range(WARMUP_STEPS + args.steps):
+            for index, arrays in enumerate(layers):
+                push.send(Message(Msg.WEIGHTS, step=step, layer=index, meta={"phase": "fwd"}, arrays=arrays))
     try:
-        for step in range(WARMUP_STEPS):
-            one_step(step)
-        start = time.perf_counter()
-        for step in range(args.steps):
-            one_step(step)
-        receiver.join()
-        seconds = time.perf_counter() - start
+        seconds = receive_timed(protocol_receiver, (address, args.bytes, args.steps, folder, fresh), send_steps)
     finally:
-        if receiver.is_alive():
-            receiver.kill()
         ctx.destroy(linger=0)
         if arena is not None:
             arena.close()
