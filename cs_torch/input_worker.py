@@ -18,7 +18,6 @@ from cs_runtime import env
 from cs_runtime.config import params_from_dict
 from cs_runtime.service import setup_logging
 from cs_runtime.run_args import RunArgs, UserFunctions
-from cs_torch.data import INPUT_ENV
 
 SCRIPT_RUN_NAME = "__cs_torch_input__"
 

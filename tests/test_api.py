@@ -18,7 +18,7 @@ import cs_torch as cstorch
 from cs_runtime.numerics.model import init_weights, mlp_spec
 from cs_runtime.wire.auth import KEYS_ENV
 from examples.fc_mnist.train_cstorch import eval_input_fn, train_input_fn
-from tests.cluster_utils import (REPO, alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu,
+from tests.cluster_utils import (REPO, alive, assert_matches_oracle, descendants, kill_tree, run_cpu,
                                  wait_until)
 
 pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)

@@ -14,7 +14,6 @@ from cs_runtime.config import (
     EvalInputConfig,
     LinearSchedule,
     OptimizerConfig,
-    Params,
     ParamsError,
     load_params,
     params_from_dict,

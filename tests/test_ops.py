@@ -27,7 +27,6 @@ def _torch_attention(F, qkv, heads, **kw):
 
 def _cases():
     """(id, op, inputs(rng), attrs, torch function of (F, torch, tensors) or None)."""
-    r = np.random.default_rng
     return [
         ("linear", "linear", lambda g: [_f(g, 2, 3, 4), _f(g, 5, 4), _f(g, 5)], {},
          lambda F, t, x: F.linear(*x)),

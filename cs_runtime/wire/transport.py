@@ -17,7 +17,6 @@ files for a checkpoint. Together: about 1 MB per connection, for 2 s.
 from __future__ import annotations
 
 import logging
-import os
 import resource
 import socket as pysocket
 from collections import Counter
