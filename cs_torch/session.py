@@ -46,7 +46,7 @@ from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.wire.protocol import ENDED_PHASES
 from cs_runtime.launch import job as launch
 from cs_runtime.launch.job import JobOptions
-from cs_runtime.launch.launcher import JobFailed, with_threads
+from cs_runtime.launch.launcher import JobFailed, numerics_env
 from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
 
@@ -353,7 +353,7 @@ class Session:
     def _start_workers(self, loader: DataLoader, params) -> None:
         spec = {"input": loader.worker_spec(), "params": params.to_dict(), "mode": self.mode,
                 "model_dir": self.model_dir}
-        env = {**with_threads(self.job.env, 1), INPUT_ENV: json.dumps(spec)}
+        env = {**numerics_env(self.job.env, 1), INPUT_ENV: json.dumps(spec)}
         # The supervisor's registration deadline counts from now: the loop may begin long after the block.
         self.job.supervisor.started = time.monotonic()
         for rank in range(self.layout.num_workers):

@@ -122,22 +122,22 @@ def test_a_small_models_step_has_the_same_bits_whatever_count_its_process_starte
 
 def test_a_jobs_processes_get_openblass_short_spin_and_the_allocators_settings_unless_set(monkeypatch):
     from cs_runtime.env import ALLOCATOR, BLAS_SPIN
-    from cs_runtime.launch.launcher import with_threads
+    from cs_runtime.launch.launcher import numerics_env
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
     name, short = BLAS_SPIN
-    assert with_threads({}, 2)[name] == short and with_threads({}, 2)["OPENBLAS_NUM_THREADS"] == "2"
-    assert name not in with_threads({}, 1)          # one thread: nothing spins
-    assert with_threads({name: "20"}, 2)[name] == "20"   # the user's own
+    assert numerics_env({}, 2)[name] == short and numerics_env({}, 2)["OPENBLAS_NUM_THREADS"] == "2"
+    assert name not in numerics_env({}, 1)          # one thread: nothing spins
+    assert numerics_env({name: "20"}, 2)[name] == "20"   # the user's own
     for threads in (1, 2):   # every process: the allocator keeps freed memory for reuse
-        assert all(with_threads({}, threads)[k] == v for k, v in ALLOCATOR)
-    assert with_threads({"MALLOC_TRIM_THRESHOLD_": "0"}, 1)["MALLOC_TRIM_THRESHOLD_"] == "0"
+        assert all(numerics_env({}, threads)[k] == v for k, v in ALLOCATOR)
+    assert numerics_env({"MALLOC_TRIM_THRESHOLD_": "0"}, 1)["MALLOC_TRIM_THRESHOLD_"] == "0"
 
 
 @pytest.mark.cluster
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator's settings are glibc's")
 def test_with_the_allocators_settings_a_freed_array_is_reused_not_faulted_in_again():
-    from cs_runtime.launch.launcher import with_threads
+    from cs_runtime.launch.launcher import numerics_env
     count = ("import numpy as np, resource\n"
              "pages = 48 * 2**20 // 4096\n"
              "for _ in range(3): a = np.ones(pages * 1024, np.float32); del a   # warm\n"
@@ -147,7 +147,7 @@ def test_with_the_allocators_settings_a_freed_array_is_reused_not_faulted_in_aga
     plain = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     faults = {name: float(subprocess.run([sys.executable, "-c", count], env=env, capture_output=True, text=True,
                                          timeout=60, check=True).stdout)
-              for name, env in (("plain", plain), ("set", with_threads(plain, 1)))}
+              for name, env in (("plain", plain), ("set", numerics_env(plain, 1)))}
     # Faults per 4 KB page of a 48 MB array: plain, each allocation is new memory (one fault a
     # page, or one per 2 MB huge page: still far above what reuse costs); set, almost none.
     assert faults["set"] < 0.01 and faults["set"] < faults["plain"] / 4, faults

@@ -61,7 +61,7 @@ from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, DirectoryServer
 from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
 from cs_runtime.launch.launcher import (SERVICE_MODULES, ProcessGroup, Task, describe_exit, registration_overdue,
-                                       spawn, with_threads)
+                                       numerics_env, spawn)
 from cs_runtime.wire.protocol import ENDED_PHASES, USER_NAME, Message, MessageTooLarge, Msg
 from cs_runtime.service import AWAIT_JOB_ENV
 from cs_runtime.wire.shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
@@ -179,7 +179,7 @@ class ServicePool:
         self.not_before: dict[str, float] = {}
 
     def spawn(self, role: str) -> subprocess.Popen:
-        env = with_threads(self.env, self.wse_threads if role == "wse" else 1)
+        env = numerics_env(self.env, self.wse_threads if role == "wse" else 1)
         return spawn([sys.executable, "-m", SERVICE_MODULES[role]], env, SERVICE_DEATH_SIGNAL,
                      stdin=subprocess.PIPE, stdout=sys.stderr)   # services log to stderr; stdout stays the server's own
 

@@ -29,7 +29,7 @@ from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.launch import remote
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.launch.launcher import (SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, check_file_limit,
-                                       with_threads)
+                                       numerics_env)
 from cs_runtime.launch.remote import LaunchError
 from cs_runtime.launch.restart import RESTART_ENV, Outcome, run_with_restarts
 from cs_runtime.launch.task import role_argv
@@ -139,7 +139,7 @@ def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | 
         env = {**env, "CS_SHM_DIR": shm_dir}
     wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
     for role, count in (("memoryx", 1), ("swarmx", 1), ("wse", num_csx)):
-        role_env = with_threads(env, wse_threads if role == "wse" else 1)
+        role_env = numerics_env(env, wse_threads if role == "wse" else 1)
         for rank in range(count):
             group.start(role, rank, [sys.executable, "-m", SERVICE_MODULES[role]],
                         {**role_env, "CS_ROLE": role, "CS_RANK": str(rank)})
@@ -154,7 +154,7 @@ def start_local_tasks(group: ProcessGroup, env: dict, command: list[str], num_wo
 
 def start_tasks(group: ProcessGroup, directory: DirectoryServer, layout: Layout, env: dict,
                 options: JobOptions, job: str) -> None:
-    env = with_threads(env, 1)    # the chief drives, the workers feed: neither multiplies matrices
+    env = numerics_env(env, 1)    # the chief drives, the workers feed: neither multiplies matrices
     if layout.launcher == "ssh":
         remote.start_ssh_tasks(group, directory, layout.placement, env, options.command, options.ssh_options)
     elif layout.launcher == "slurm":

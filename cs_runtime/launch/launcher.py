@@ -48,10 +48,10 @@ SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def with_threads(env: dict, threads: int) -> dict:
-    """env for a process of the job: the BLAS thread count (unless the user set it for the job),
-    with more than one thread OpenBLAS's short spin, and the allocator's settings (cs_runtime/env.py;
-    each unless set)."""
+def numerics_env(env: dict, threads: int) -> dict:
+    """env for a process of the job, with what its numerics run under: the BLAS thread count
+    (unless the user set it for the job), with more than one thread OpenBLAS's short spin, and
+    the allocator's settings (cs_runtime/env.py; each unless set)."""
     env = {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
     for name, value in (*cs_env.ALLOCATOR, *((cs_env.BLAS_SPIN,) if threads > 1 else ())):
         env.setdefault(name, value)

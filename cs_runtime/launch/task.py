@@ -69,10 +69,10 @@ def role_of_service(task: int) -> tuple[str, int]:
 
 def service_argv(role: str, base: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """A service's command, and its environment: a WSE gets the node's cores divided between the WSEs."""
-    from cs_runtime.launch.launcher import SERVICE_MODULES, with_threads
+    from cs_runtime.launch.launcher import SERVICE_MODULES, numerics_env
     wses = int(base.get("CS_NUM_CSX", "1"))
     threads = max(1, (os.cpu_count() or 1) // wses) if role == "wse" else 1
-    return [sys.executable, "-m", SERVICE_MODULES[role]], with_threads(base, threads)
+    return [sys.executable, "-m", SERVICE_MODULES[role]], numerics_env(base, threads)
 
 
 def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str, str]:
