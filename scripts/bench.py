@@ -46,7 +46,8 @@ float32 matmul of the largest layer at the batch size (FLOP/s); a numpy
 memcpy and a raw pyzmq PUSH/PULL between two processes of one step's
 weight bytes, layer by layer; and the project's own protocol path (WEIGHTS
 messages through Endpoint, validated on receipt) over the same bytes, over
-tcp and by shared-memory reference (what csrun_wse uses on one host). Timings drift on
+tcp and by shared-memory reference (what csrun_wse uses on one host); each transport
+row's receiver times its own steps after the warm-up, as the memcpy row does. Timings drift on
 shared machines: compare ratios within one run, never absolute numbers
 across runs. Results also go to --json.
 """

@@ -51,8 +51,8 @@ class Op:
     # A training step's forward may also return a residual: an array of the output's dtype
     # made from the forward's own intermediates, from which residual_vjp computes the
     # gradients of vjp, the same bits, with less work (autodiff.backward_nodes keeps it and
-    # the inputs in residual_reads, in place of what vjp reads). Only in float32: a 16-bit
-    # format's matmul-like rule (mixed_ops.py) starts from the inputs.
+    # the inputs in residual_reads, in place of what vjp reads). A matmul-like op (attention)
+    # makes none in a 16-bit format: its rule there (mixed_ops.py) starts from the rounded inputs.
     residual: Callable | None = None          # (inputs, attrs) -> (output, residual)
     residual_vjp: Callable | None = None      # (g, inputs, residual, attrs) -> list of gradients
     residual_reads: tuple[int, ...] = ()      # the inputs residual_vjp reads (the rest: stand-ins)
