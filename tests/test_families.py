@@ -113,13 +113,14 @@ def test_a_lowered_spec_crosses_the_wire_as_data_and_is_validated():
 
 @pytest.mark.parametrize("name", ["mlp_gelu", "gpt2", "bert"])
 def test_residuals_are_kept_for_the_backward_and_the_gradients_keep_their_bits(name, monkeypatch):
-    """A GELU's forward keeps its derivative (r:<output>, the size of its input) in place
-    of its input, attention its probabilities beside its inputs; every gradient is bit
-    for bit the one of the rules that recompute them (the ops without their residuals)."""
+    """A GELU's forward keeps its derivative (r:<output>, the size of its input) and layer
+    norm its statistics in place of their input, attention its probabilities beside its
+    inputs; every gradient is bit for bit the one of the rules that recompute them (the
+    ops without their residuals)."""
     spec = SPECS[name]()
     lowered = lower_spec(spec)
     units = [unit_of(layer) for layer in lowered.layers]
-    kinds = {"gelu"} | ({"self_attention"} if spec.token_model else set())
+    kinds = {"gelu"} | ({"self_attention", "layer_norm"} if spec.token_model else set())
     made = [(n, u) for u in units for n in u.forward if len(n.outputs) == 2]
     assert {n.op for n, _ in made} == kinds
     for node, unit in made:
@@ -153,7 +154,7 @@ def test_eval_makes_no_residual():
     residuals = [[k for k in cache if k.startswith("r:")] for cache, _ in runs[False][1]]
     assert any(residuals)
     for (trained, _), (evaluated, _), names in zip(runs[True][1], runs[False][1], residuals):
-        assert all(evaluated[k] is None and isinstance(trained[k], np.ndarray) for k in names)
+        assert all(evaluated[k] is None and trained[k] is not None for k in names)
     # dropout is off in eval, so compare eval with a training forward without dropout
     no_drop = lower_spec(transformer_spec("bert", style="bert", vocab_size=50, max_len=12, hidden_size=16,
                                           num_layers=2, num_heads=2, ffn_features=32, dropout=0.0,

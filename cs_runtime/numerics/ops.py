@@ -48,15 +48,16 @@ class Op:
     # others (None): a first layer's matmul has no input gradient to compute, a dropout
     # mask never needs one.
     partial: bool = False
-    # A training step's forward may also return a residual: an array of the output's dtype
-    # made from the forward's own intermediates, from which residual_vjp computes the
+    # A training step's forward may also return a residual: arrays of the output's dtype (one,
+    # or a tuple) made from the forward's own intermediates, from which residual_vjp computes the
     # gradients of vjp, the same bits, with less work (autodiff.backward_nodes keeps it and
     # the inputs in residual_reads, in place of what vjp reads). A matmul-like op (attention)
     # makes none in a 16-bit format: its rule there (mixed_ops.py) starts from the rounded inputs.
     residual: Callable | None = None          # (inputs, attrs) -> (output, residual)
     residual_vjp: Callable | None = None      # (g, inputs, residual, attrs) -> list of gradients
     residual_reads: tuple[int, ...] = ()      # the inputs residual_vjp reads (the rest: stand-ins)
-    residual_shape: Callable | None = None    # (input shapes, output shape, attrs); None: the output's
+    residual_shape: Callable | None = None    # its (largest) array's shape, from (input shapes, output
+    #                                           shape, attrs); None: the output's
 
     def grads(self, g, inputs, out, attrs, wanted=None) -> list:
         """The vjp, told which gradients are wanted when it can use that."""
@@ -492,18 +493,39 @@ def _layer_norm_stats(x, attrs):
 
 def _layer_norm_forward(inputs, attrs):
     y, _ = _layer_norm_stats(inputs[0], attrs)
+    return _scale_and_shift(y, inputs, out=y)
+
+
+def _scale_and_shift(xhat, inputs, out=None):
+    """xhat * gain + bias (either absent or None: left out), into `out` (xhat's dtype; xhat
+    itself to work in place), else into a new array."""
+    y = np.empty_like(xhat) if out is None else out
     if len(inputs) > 1 and inputs[1] is not None:
-        y *= inputs[1]
+        np.multiply(xhat, inputs[1], out=y)
+    elif y is not xhat:
+        y[...] = xhat
     if len(inputs) > 2:
         y += inputs[2]
     return y
 
 
+def _layer_norm_and_stats(inputs, attrs):
+    """(the output, (x-hat, rstd)): a training step's forward keeps the statistics, so the
+    backward need not compute them again from x (which it then does not keep)."""
+    xhat, rstd = _layer_norm_stats(inputs[0], attrs)
+    return _scale_and_shift(xhat, inputs), (xhat, rstd)
+
+
 def _layer_norm_vjp(g, inputs, out, attrs):
-    """Recomputes x-hat from x (one pass over the row) rather than keeping it.
-    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = g * gain."""
+    """Recomputes x-hat from x (one pass over the row): outside a training step's forward,
+    which keeps it (_layer_norm_vjp_from_stats)."""
+    return _layer_norm_vjp_from_stats(g, inputs, _layer_norm_stats(inputs[0], attrs), attrs)
+
+
+def _layer_norm_vjp_from_stats(g, inputs, stats, attrs):
+    """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = g * gain."""
     x = inputs[0]
-    xhat, rstd = _layer_norm_stats(x, attrs)
+    xhat, rstd = stats
     axes = _ln_axes(x, attrs)
     lead = tuple(range(x.ndim - len(axes)))
     has_gain = len(inputs) > 1 and inputs[1] is not None
@@ -540,8 +562,11 @@ def _layer_norm_shape(shapes, attrs):
     return x
 
 
+# A training step keeps x-hat (the size of x, which the backward then does not keep) and each
+# row's rstd: the backward does not compute them again.
 _register("layer_norm", _layer_norm_forward, _layer_norm_vjp, _layer_norm_shape, _elementwise_cost(8),
-          saves_inputs=(0, 1))
+          saves_inputs=(0, 1), residual=_layer_norm_and_stats, residual_vjp=_layer_norm_vjp_from_stats,
+          residual_reads=(1,))
 
 
 # ---------------------------------------------------------------- embedding, gather
