@@ -5,6 +5,7 @@ _decode), so numpy's half type checks that path bit for bit: normals, ties,
 subnormals, zeros, overflow, inf and nan, in arrays spanning several chunks
 whose rare values sit in some chunks and not others."""
 import numpy as np
+import pytest
 
 from cs_runtime.numerics import precision
 from cs_runtime.numerics.precision import _CHUNK, _SPECS, _decode, _encode, from_bits, to_bits
@@ -163,3 +164,49 @@ def test_quantize_is_encode_then_decode_bit_for_bit():
             assert got.shape == x.shape and got.dtype == np.float32
             bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
             assert bad.size == 0, f"{fmt}: {bad.size} differ, first {x.reshape(-1)[bad[:3]]}"
+
+
+def _small_only(fmt: str) -> np.ndarray:
+    """float32 values a chunk holds where the one-addition path (_Magic) takes it: below the
+    format's largest finite binade, with zeros and subnormals: every finite pattern of the
+    format up to there, the halfways between neighbours and a float32 ulp either side,
+    float32 subnormals, signed zeros, and random magnitudes over the whole range."""
+    spec, magic = _SPECS[fmt], precision._MAGIC[_SPECS[fmt]]
+    patterns = np.arange(0, 1 << 15, dtype=np.uint16)
+    values = from_bits(patterns, fmt)
+    values = values[np.isfinite(values) & (values.view(np.uint32) < magic.rare_from)]
+    halfway = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)
+    near = [halfway.view(np.uint32) + d for d in (np.uint32(1), np.uint32(0) - np.uint32(1))]
+    rng = np.random.default_rng(11)
+    random = np.exp2(rng.uniform(-160, (magic.rare_from >> 23) - 127, 100_000)).astype(np.float32)
+    tiny = np.arange(0, 1 << 23, 4099, dtype=np.uint32).view(np.float32)     # float32 subnormals
+    zeros = np.array([0.0, -0.0], np.float32)
+    x = np.concatenate([values, halfway, *(n.view(np.float32) for n in near), random, tiny, zeros])
+    x = x[(x.view(np.uint32) & np.uint32(0x7FFFFFFF)) < magic.rare_from]
+    assert 1 << spec.man_bits < x.size <= 4 * _CHUNK
+    return np.concatenate([x, -x])
+
+
+def _by_the_integer_path(fn, x: np.ndarray, fmt: str) -> np.ndarray:
+    """fn(x) with each chunk sent down the integer path: a value at the largest finite binade
+    in every chunk (its own result dropped)."""
+    big = np.float32(2.0 ** ((precision._MAGIC[_SPECS[fmt]].rare_from >> 23) - 127))
+    step = _CHUNK - 1
+    pieces = [np.append(x[i:i + step], big) for i in range(0, x.size, step)]
+    return np.concatenate([fn(p)[:-1] for p in pieces])
+
+
+@pytest.mark.parametrize("fmt", ["float16", "cbfloat16"])
+def test_the_one_addition_path_has_the_integer_paths_bits(fmt):
+    """Chunks that hold zeros or subnormals (and nothing that could overflow) are rounded and
+    encoded by one float32 addition (precision._Magic); the patterns and the rounded values
+    are the integer path's, bit for bit (and numpy's half type's, for float16)."""
+    x = _small_only(fmt)
+    got_bits, got_values = to_bits(x, fmt), precision.quantize(x, fmt)
+    want_bits = _by_the_integer_path(lambda a: to_bits(a, fmt), x, fmt)
+    want_values = _by_the_integer_path(lambda a: precision.quantize(a, fmt), x, fmt)
+    assert np.array_equal(got_bits.view(np.uint16), want_bits.view(np.uint16))
+    assert np.array_equal(got_values.view(np.uint32), want_values.view(np.uint32))
+    assert np.array_equal(from_bits(got_bits, fmt).view(np.uint32), got_values.view(np.uint32))
+    if fmt == "float16":
+        assert np.array_equal(got_bits.view(np.uint16), x.astype(np.float16).view(np.uint16))

@@ -105,6 +105,68 @@ def _check(fmt: str) -> None:
 _CHUNK = parallel.CHUNK
 
 
+@dataclass(frozen=True)
+class _Magic:
+    """Round to nearest even onto a narrow format's grid, its subnormals included, by one
+    float32 addition (float16 and cbfloat16; bfloat16 has float32's exponent, and its
+    own paths).
+
+    For |x| in [2**E, 2**(E+1)), E clamped below to the format's least normal exponent
+    emin, M = 1.5 * 2**(E + 23 - man_bits) lies in a binade whose float32 ulp is the
+    format's spacing at E (2**(E - man_bits); at emin, the subnormals' too), and |x| + M
+    stays in it. So the float32 sum rounds |x| onto the grid, ties to even (M is an even
+    number of those ulps), and subtracting M leaves the rounded magnitude exactly; zeros
+    and anything far below the grid come out 0. The sum's bits less M's count the ulps:
+    2**man_bits + the mantissa field for a normal result, the field alone at emin, a carry
+    into the next binade included; ((E + bias - 1) << man_bits) more is the pattern. No
+    branch, and no second path for zeros or subnormals. A chunk whose largest magnitude
+    could round past the largest finite value (or is inf or nan) takes the integer path."""
+    emin: np.uint32        # float32 exponent bits of the format's least normal exponent
+    offset: np.uint32      # added to clamped exponent bits: M's bits
+    shift: np.uint32       # 23 - man_bits: M's bits >> shift = ((E + 150 - man_bits) << man_bits) | half
+    pattern_base: np.uint32   # what (M's bits >> shift) holds beyond (E + bias - 1) << man_bits
+    rare_from: int         # float32 exponent bits of the largest finite binade
+
+    @classmethod
+    def of(cls, spec: _Spec) -> "_Magic":
+        shift = 23 - spec.man_bits
+        emin = 1 - spec.bias
+        base = ((shift + 127 - spec.bias + 1) << spec.man_bits) + (0x400000 >> shift)
+        return cls(np.uint32((127 + emin) << 23), np.uint32((shift << 23) | 0x400000), np.uint32(shift),
+                   np.uint32(base), (127 + spec.exp_max - 1 - spec.bias) << 23)
+
+    def _sum(self, magnitude, m) -> None:
+        """m = M's bits; magnitude (|x|'s float32 bits, in place) = |x| + M, rounded onto the
+        grid by the addition."""
+        np.bitwise_and(magnitude, np.uint32(_F32_INF), out=m)
+        np.maximum(m, self.emin, out=m)
+        m += self.offset
+        np.add(magnitude.view(np.float32), m.view(np.float32), out=magnitude.view(np.float32))
+
+    def round(self, magnitude, bits, out, m, sign) -> None:
+        """out (float32 bits) = x rounded onto the grid, its sign kept (zeros' too)."""
+        self._sum(magnitude, m)
+        values = magnitude.view(np.float32)
+        values -= m.view(np.float32)            # exact: the rounded magnitude
+        np.bitwise_and(bits, np.uint32(0x80000000), out=sign)
+        np.bitwise_or(magnitude, sign, out=out)
+
+    def encode(self, magnitude, bits, out, m, sign) -> None:
+        """out (uint16) = the format's patterns of x."""
+        self._sum(magnitude, m)
+        magnitude -= m                          # the sum's bits less M's: the ulps, as an integer
+        m >>= self.shift
+        magnitude += m
+        magnitude -= self.pattern_base
+        np.right_shift(bits, np.uint32(16), out=sign)
+        sign &= np.uint32(0x8000)
+        magnitude |= sign
+        np.copyto(out, magnitude, casting="unsafe")
+
+
+_MAGIC = {spec: _Magic.of(spec) for spec in _SPECS.values() if spec.exp_bits < 8}
+
+
 def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.ndarray:
     """float32 -> bit patterns of `spec` (uint16), round to nearest even; into `out` when given.
 
@@ -129,10 +191,15 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     # the least magnitude (float32 bits) that could round to inf, less one unit of the dropped bits
     may_overflow = (spec.inf_bits << int(drop)) + int(rebias) - (1 << int(drop))
 
+    magic = _MAGIC.get(spec)
+
     def chunk(start: int, stop: int, mag, shifted, rounded, mask) -> None:
         bits = flat[start:stop]
         np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
-        top = int(mag.max())
+        top, low = int(mag.max()), int(mag.min())
+        if magic is not None and low < smallest_normal and top < magic.rare_from:
+            magic.encode(mag, bits, out[start:stop], shifted, rounded)   # zeros, subnormals: one path
+            return
         np.subtract(mag, rebias, out=shifted)                # wraps below the normal range: fixed below
         np.right_shift(shifted, drop, out=rounded)
         rounded &= np.uint32(1)                              # ties go to the even neighbour
@@ -141,7 +208,7 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
         rounded >>= drop
         if top >= may_overflow:
             np.minimum(rounded, inf_bits, out=rounded)       # overflow after rounding -> inf
-        if mag.min() < smallest_normal:                      # zeros (half of a relu's outputs), subnormals
+        if low < smallest_normal:                            # zeros (half of a relu's outputs), subnormals
             _encode_below_normal(mag, rounded, shifted, mask, spec, smallest_normal)
         if top >= _F32_INF:
             _encode_special(mag, rounded, spec)
@@ -437,6 +504,8 @@ def _round(x: np.ndarray, fmt: str) -> np.ndarray:
     carrier = np.float32(2.0 ** (1 - spec.bias - spec.man_bits + 23))
     full_range = spec.exp_bits == 8                               # bfloat16: float32's exponent and subnormals
 
+    magic = _MAGIC.get(spec)
+
     def chunk(start: int, stop: int, mag, work, mask) -> None:
         bits, rounded = flat[start:stop], out[start:stop]
         np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=mag)
@@ -444,6 +513,12 @@ def _round(x: np.ndarray, fmt: str) -> np.ndarray:
         if top >= _F32_INF:
             rounded[:] = from_bits(to_bits(bits.view(np.float32), fmt), fmt).view(np.uint32)
             return
+        if not full_range:
+            np.subtract(mag, np.uint32(1), out=work)             # zeros wrap to the top: left out
+            small = int(work.min()) < smallest_normal - 1        # nonzero magnitudes below the smallest normal
+            if small and magic is not None and top < magic.rare_from:
+                magic.round(mag, bits, rounded, work, mask)      # them and the rest: one path
+                return
         np.right_shift(mag, drop, out=rounded)
         rounded &= np.uint32(1)                                  # ties go to the even neighbour
         rounded += mag
@@ -452,8 +527,7 @@ def _round(x: np.ndarray, fmt: str) -> np.ndarray:
         if not full_range:
             if top + (1 << int(drop)) >= overflow and rounded.max() >= overflow:
                 rounded[rounded >= overflow] = _F32_INF
-            np.subtract(mag, np.uint32(1), out=work)             # zeros wrap to the top: left out
-            if work.min() < smallest_normal - 1:                 # nonzero magnitudes below the smallest normal
+            if small:
                 _round_small(mag, rounded, work, carrier, smallest_normal, mask)
         np.bitwise_and(bits, np.uint32(0x80000000), out=work)
         rounded |= work
