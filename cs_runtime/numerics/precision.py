@@ -119,13 +119,16 @@ class _Magic:
     and anything far below the grid come out 0. The sum's bits less M's count the ulps:
     2**man_bits + the mantissa field for a normal result, the field alone at emin, a carry
     into the next binade included; ((E + bias - 1) << man_bits) more is the pattern. No
-    branch, and no second path for zeros or subnormals. A chunk whose largest magnitude
-    could round past the largest finite value (or is inf or nan) takes the integer path."""
+    branch, and no second path for zeros or subnormals.
+
+    _encode and _round send it the chunks that hold a magnitude below the smallest normal
+    (where the integer path adds its subnormal select) and none that could round past the
+    largest finite value or is inf or nan (from `rare_from` up: the integer path's)."""
     emin: np.uint32        # float32 exponent bits of the format's least normal exponent
     offset: np.uint32      # added to clamped exponent bits: M's bits
     shift: np.uint32       # 23 - man_bits: M's bits >> shift = ((E + 150 - man_bits) << man_bits) | half
     pattern_base: np.uint32   # what (M's bits >> shift) holds beyond (E + bias - 1) << man_bits
-    rare_from: int         # float32 exponent bits of the largest finite binade
+    rare_from: int         # float32 bits of 2**(the largest finite binade's exponent)
 
     @classmethod
     def of(cls, spec: _Spec) -> "_Magic":
