@@ -13,7 +13,8 @@ in layer-pipelined mode with 1 and with 2
 replicas (--multireplica), and weight streaming with 1 WSE in mixed
 precision (float16 with dynamic loss scaling, bfloat16 and cbfloat16) with
 1 and 2 WSEs, whose weights and gradients stream in 16 bits; then a verdict
-per performance target (met, or missed by how much). `--rows precision`
+per performance target (met, or missed by how much, on the preset the target
+is defined on; elsewhere its ratio, not judged). `--rows precision`
 runs only the weight streaming rows; `--quick` is a smoke test (tiny model,
 4 steps, CPU path and 1-WSE float32 and float16: numbers mean nothing). Then the input-bound rows: FC-MNIST with an
 expensive per-sample augmentation (examples/fc_mnist/run_augmented.py) on
@@ -83,20 +84,22 @@ PRESETS = {
 TRANSFORMERS = ("gpt2", "bert")
 TRANSFORMER_PATHS = ("cpu", "weight_streaming_1wse", "pipelined")
 MIXED = ("float16", "bfloat16", "cbfloat16")
-# The targets of the performance issue: (what, row, baseline row, the least ratio that meets it).
-# A target is judged only when both of its rows ran; the wire targets compare ceilings.
+# The targets of the performance issue: (what, row, baseline row, the least ratio that meets it,
+# the preset it is defined on, or None: any). A target is judged when both of its rows ran on
+# its preset; elsewhere its ratio is shown, not judged (16-bit weight streaming is defined on
+# `large`, whose matmuls dwarf a step's messages; shared memory against memcpy on `large`'s 16 MB
+# tensors, where a message's fixed cost is small beside the copy). The wire targets compare ceilings.
 TARGETS = [
-    *((f"{fmt} weight streaming, {n} WSE(s), vs float32", f"ws_{n}wse_{fmt}", f"weight_streaming_{n}wse", 0.9)
-      for n in (1, 2) for fmt in MIXED),
-    ("pipelined vs torch (small preset)", "pipelined", "torch_cpu", 0.8),
-    ("weight streaming 1 WSE vs torch (small preset)", "weight_streaming_1wse", "torch_cpu", 0.5),
-    ("weight streaming 2 WSEs vs DDP (small preset)", "weight_streaming_2wse", "torch_ddp_2ranks", 1.0),
-    ("protocol over tcp vs raw pyzmq", "ceiling:protocol", "ceiling:zmq", 0.9),
-    ("protocol by shared memory vs memcpy", "ceiling:protocol_shm", "ceiling:memcpy", 0.8),
+    *((f"{fmt} weight streaming, {n} WSE(s), vs float32", f"ws_{n}wse_{fmt}", f"weight_streaming_{n}wse", 0.9,
+       "large") for n in (1, 2) for fmt in MIXED),
+    ("pipelined vs torch (small preset)", "pipelined", "torch_cpu", 0.8, "small"),
+    ("weight streaming 1 WSE vs torch (small preset)", "weight_streaming_1wse", "torch_cpu", 0.5, "small"),
+    ("weight streaming 2 WSEs vs DDP (small preset)", "weight_streaming_2wse", "torch_ddp_2ranks", 1.0, "small"),
+    ("protocol over tcp vs raw pyzmq", "ceiling:protocol", "ceiling:zmq", 0.9, None),
+    ("protocol by shared memory vs memcpy", "ceiling:protocol_shm", "ceiling:memcpy", 0.8, "large"),
 ]
-TARGETS += [(f"{m} {path} vs torch eager (transformer preset)", f"{m}_{path}", f"{m}_torch_eager", 0.9)
-            for m in TRANSFORMERS for path in TRANSFORMER_PATHS]
-SMALL_ONLY = "(small preset)"
+TARGETS += [(f"{m} {path} vs torch eager (transformer preset)", f"{m}_{path}", f"{m}_torch_eager", 0.9,
+             "transformer") for m in TRANSFORMERS for path in TRANSFORMER_PATHS]
 EXECUTOR_TARGET = 0.95   # the executor's speed over the hand-written dense step's (--rows executor)
 RATE_RE = re.compile(r", Rate=([\d.]+) samples/sec")
 # Steps left out of every rate, as bench_baselines.py leaves out the torch rows' first
@@ -399,22 +402,28 @@ def transformer_rows(tmp: Path, preset: dict, steps: int) -> dict:
 
 
 def verdicts(preset: str, rows: list[dict], ceiling: dict) -> list[dict]:
-    """Each target whose rows ran: the ratio measured, the target, met or missed and by how much."""
+    """Each target whose rows ran: the ratio measured, the target, and on the target's own preset
+    met or missed and by how much (elsewhere "judged": False, and the preset it is defined on)."""
     values = {r["name"]: r["samples_per_sec"] for r in rows}
     values.update({f"ceiling:{k}": v for k, v in ceiling.items()})
     judged = []
-    for what, row, base, target in TARGETS:
-        if row not in values or base not in values or (SMALL_ONLY in what and preset != "small"):
+    for what, row, base, target, defined_on in TARGETS:
+        if row not in values or base not in values:
             continue
         ratio = values[row] / values[base]
-        judged.append({"target": what, "row": row, "baseline": base, "ratio": ratio, "target_ratio": target,
-                       "met": ratio >= target, "margin": ratio / target - 1})
+        verdict = {"target": what, "row": row, "baseline": base, "ratio": ratio, "target_ratio": target,
+                   "judged": defined_on in (None, preset), "defined_on": defined_on}
+        if verdict["judged"]:
+            verdict.update(met=ratio >= target, margin=ratio / target - 1)
+        judged.append(verdict)
     if judged:
         print(f"{'target':<52}{'ratio':>7}{'target':>8}  verdict")
         for v in judged:
-            verdict = "met" if v["met"] else "missed"
-            print(f"{v['target']:<52}{v['ratio']:>7.2f}{v['target_ratio']:>8.2f}  "
-                  f"{verdict} by {abs(v['margin']) * 100:.0f}%")
+            if not v["judged"]:
+                said = f"not judged: defined on the {v['defined_on']} preset"
+            else:
+                said = f"{'met' if v['met'] else 'missed'} by {abs(v['margin']) * 100:.0f}%"
+            print(f"{v['target']:<52}{v['ratio']:>7.2f}{v['target_ratio']:>8.2f}  {said}")
     return judged
 
 

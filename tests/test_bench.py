@@ -33,8 +33,34 @@ def test_quick_bench_writes_rows_and_verdicts(tmp_path):
     # 16-bit weights stream half the bytes of float32 ones
     rows = {row["name"]: row for row in got["rows"]}
     assert rows["ws_1wse_float16"]["weight_bytes_per_step"] * 2 == rows["weight_streaming_1wse"]["weight_bytes_per_step"]
+    # the 16-bit target is defined on the large preset: shown here, not judged
     [verdict] = got["verdicts"]
     assert verdict["row"] == "ws_1wse_float16" and verdict["baseline"] == "weight_streaming_1wse"
     assert _positive_finite(verdict["ratio"]) and verdict["target_ratio"] == 0.9
-    assert verdict["met"] == (verdict["ratio"] >= 0.9)
-    assert "verdict" in result.stdout and ("met" in result.stdout or "missed" in result.stdout)
+    assert verdict["judged"] is False and verdict["defined_on"] == "large" and "met" not in verdict
+    assert "verdict" in result.stdout and "not judged: defined on the large preset" in result.stdout
+
+
+def test_a_target_is_judged_on_its_own_preset_and_shown_elsewhere(capsys):
+    """The verdicts: met or missed (by how much) on the target's preset; elsewhere the ratio
+    alone; a target whose rows did not run, nothing."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    rows = [{"name": "weight_streaming_1wse", "samples_per_sec": 100.0},
+            {"name": "ws_1wse_float16", "samples_per_sec": 80.0}]
+    ceiling = {"protocol": 95.0, "zmq": 100.0, "protocol_shm": 50.0, "memcpy": 100.0}
+    on_large = {v["target"]: v for v in bench.verdicts("large", rows, ceiling)}
+    assert set(on_large) == {"float16 weight streaming, 1 WSE(s), vs float32", "protocol over tcp vs raw pyzmq",
+                             "protocol by shared memory vs memcpy"}
+    fp16 = on_large["float16 weight streaming, 1 WSE(s), vs float32"]
+    assert fp16["judged"] and not fp16["met"] and fp16["margin"] == pytest.approx(0.8 / 0.9 - 1)
+    assert on_large["protocol over tcp vs raw pyzmq"]["met"]
+    assert "missed by 11%" in capsys.readouterr().out
+    on_small = {v["target"]: v for v in bench.verdicts("small", rows, ceiling)}
+    assert on_small["protocol over tcp vs raw pyzmq"]["judged"]                 # any preset
+    assert not on_small["protocol by shared memory vs memcpy"]["judged"]
+    assert not on_small["float16 weight streaming, 1 WSE(s), vs float32"]["judged"]
+    assert "not judged: defined on the large preset" in capsys.readouterr().out
