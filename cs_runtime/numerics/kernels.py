@@ -372,15 +372,16 @@ def _dropped(probs: np.ndarray, drop: np.ndarray | None) -> np.ndarray:
 
 
 def attention_forward(qkv: np.ndarray, heads: int, causal: bool, key_keep: np.ndarray | None = None,
-                      drop: np.ndarray | None = None):
+                      drop: np.ndarray | None = None, into: np.ndarray | None = None):
     """Multi-head self-attention from packed [B, T, 3D] projections -> [B, T, D].
 
     causal: query i sees keys j <= i (GPT). key_keep: bool [B, T], False for
     padding keys nobody may attend to (BERT). drop: scaled keep-mask on the
-    attention probabilities, [B, heads, T, T].
+    attention probabilities, [B, heads, T, T]. into: where the probabilities
+    are made (attention_probs).
     """
     b, s, three_d = qkv.shape
-    cache = attention_probs(qkv, heads, causal, key_keep, drop)
+    cache = attention_probs(qkv, heads, causal, key_keep, drop, into)
     out = (cache.dropped @ cache.v).transpose(0, 2, 1, 3).reshape(b, s, three_d // 3)
     return out, cache
 
@@ -441,9 +442,8 @@ def attention_output_and_probs(qkv: np.ndarray, heads: int, causal: bool, key_ke
     probs = np.empty((b, heads, s, s), qkv.dtype)
 
     def piece(lo: int, hi: int) -> None:
-        cache = attention_probs(qkv[lo:hi], heads, causal, sample_rows(key_keep, lo, hi),
-                                sample_rows(drop, lo, hi), into=probs[lo:hi])
-        out[lo:hi] = (cache.dropped @ cache.v).transpose(0, 2, 1, 3).reshape(hi - lo, s, three_d // 3)
+        out[lo:hi] = attention_forward(qkv[lo:hi], heads, causal, sample_rows(key_keep, lo, hi),
+                                       sample_rows(drop, lo, hi), into=probs[lo:hi])[0]
     by_samples(qkv, heads, piece)
     return out, probs
 

@@ -1047,6 +1047,12 @@ def _sdpa_samples(inputs) -> int:
     return q.shape[0]
 
 
+def _sdpa_by_samples(inputs, samples: int, rows) -> None:
+    """rows(lo, hi) over the samples in parallel.py's fixed cut (attention never mixes them)."""
+    q, k = inputs[:2]
+    parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * k.shape[-2], align=1)
+
+
 def _sdpa_rows(inputs, lo, hi):
     """The operands of samples lo:hi (a mask broadcast over the batch stays whole)."""
     return [t if i == 3 and t.shape[0] == 1 else t[lo:hi] for i, t in enumerate(inputs)]
@@ -1061,7 +1067,7 @@ def _sdpa_forward(inputs, attrs):
 
     def rows(lo, hi):
         out[lo:hi] = _sdpa_forward_whole(_sdpa_rows(inputs, lo, hi), attrs)
-    parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * inputs[1].shape[-2], align=1)
+    _sdpa_by_samples(inputs, samples, rows)
     return out
 
 
@@ -1085,7 +1091,7 @@ def _sdpa_and_probs(inputs, attrs):
         part = _sdpa_rows(inputs, lo, hi)
         probs[lo:hi] = _sdpa_probs(part, attrs)[0]
         out[lo:hi] = probs[lo:hi] @ np.ascontiguousarray(part[2])
-    parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * inputs[1].shape[-2], align=1)
+    _sdpa_by_samples(inputs, samples, rows)
     return out, probs
 
 
@@ -1106,8 +1112,7 @@ def _sdpa_vjp(g, inputs, out, attrs, probs=None):
         kept = None if probs is None else probs[lo:hi]
         for whole, piece in zip(grads, _sdpa_vjp_whole(g[lo:hi], _sdpa_rows(inputs, lo, hi), None, attrs, kept)):
             whole[lo:hi] = piece
-    q, k = inputs[:2]
-    parallel.in_pieces(samples, rows, elements=samples * math.prod(q.shape[1:-1]) * k.shape[-2], align=1)
+    _sdpa_by_samples(inputs, samples, rows)
     return grads + [None] * (len(inputs) > 3)
 
 

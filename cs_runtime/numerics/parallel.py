@@ -163,30 +163,28 @@ def map_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndar
     """fn (elementwise, a fresh array out) over x a chunk at a time, in x's dtype and shape:
     each of fn's passes then reads and writes the cache, not memory. The values of fn(x)
     cast to x's dtype."""
-    if x.size <= CHUNK:
-        return fn(x).astype(x.dtype, copy=False)
-    flat = np.ascontiguousarray(x).reshape(-1)
-    out = np.empty(flat.shape, x.dtype)
-
-    def work(start: int, stop: int) -> None:
-        out[start:stop] = fn(flat[start:stop])
-    in_chunks(flat.size, work)
-    return out.reshape(x.shape)
+    return _map_chunks(lambda chunk: (fn(chunk),), x, 1)[0]
 
 
 def map_chunks_pair(fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
                     x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """map_chunks for an fn with two results (two fresh arrays, each of x's shape): a value
     and what its derivative needs, made from the same intermediates in one pass."""
+    return _map_chunks(fn, x, 2)
+
+
+def _map_chunks(fn, x: np.ndarray, results: int) -> tuple[np.ndarray, ...]:
+    """fn's `results` arrays (a tuple) over x a chunk at a time, each in x's dtype and shape."""
     if x.size <= CHUNK:
         return tuple(r.astype(x.dtype, copy=False) for r in fn(x))
     flat = np.ascontiguousarray(x).reshape(-1)
-    first, second = np.empty(flat.shape, x.dtype), np.empty(flat.shape, x.dtype)
+    outs = tuple(np.empty(flat.shape, x.dtype) for _ in range(results))
 
     def work(start: int, stop: int) -> None:
-        first[start:stop], second[start:stop] = fn(flat[start:stop])
+        for out, got in zip(outs, fn(flat[start:stop])):
+            out[start:stop] = got
     in_chunks(flat.size, work)
-    return first.reshape(x.shape), second.reshape(x.shape)
+    return tuple(out.reshape(x.shape) for out in outs)
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
