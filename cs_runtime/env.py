@@ -148,6 +148,14 @@ BLAS_SPIN = ("OPENBLAS_THREAD_TIMEOUT", "4")
 ALLOCATOR = (("MALLOC_MMAP_THRESHOLD_", str(1 << 30)), ("MALLOC_TRIM_THRESHOLD_", str(1 << 34)))
 
 
+def with_numerics_defaults(env: dict, threaded: bool) -> dict:
+    """env (changed in place, and returned) with ALLOCATOR and, for a process that runs BLAS
+    threads, BLAS_SPIN: each unless set."""
+    for name, value in (*ALLOCATOR, *((BLAS_SPIN,) if threaded else ())):
+        env.setdefault(name, value)
+    return env
+
+
 def table() -> str:
     """The variables as a markdown table."""
     rows = ["| variable | default | parsed as | set by | meaning |", "|---|---|---|---|---|"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from cs_runtime.env import ALLOCATOR, BLAS_SPIN
+from cs_runtime.env import with_numerics_defaults
 from cs_runtime.version import version_line
 
 USAGE = "usage: csrun_cpu [-h] [--version] [--trace] python run.py --mode MODE --params FILE [run.py options]"
@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CS_")}
     env["CS_TARGET"] = "cpu"
-    for name, value in (*ALLOCATOR, BLAS_SPIN):   # unless set: cs_runtime/env.py says why
-        env.setdefault(name, value)
+    with_numerics_defaults(env, threaded=True)   # unless set: cs_runtime/env.py says why
     env["CS_TRACE"] = "1" if traced else "0"
     try:
         os.execvpe(argv[0], argv, env)

@@ -53,9 +53,7 @@ def numerics_env(env: dict, threads: int) -> dict:
     (unless the user set it for the job), with more than one thread OpenBLAS's short spin, and
     the allocator's settings (cs_runtime/env.py; each unless set)."""
     env = {**env, **{k: str(threads) for k in THREAD_VARS if k not in os.environ}}
-    for name, value in (*cs_env.ALLOCATOR, *((cs_env.BLAS_SPIN,) if threads > 1 else ())):
-        env.setdefault(name, value)
-    return env
+    return cs_env.with_numerics_defaults(env, threaded=threads > 1)
 
 
 
