@@ -72,6 +72,13 @@ AUGMENTED = REPO / "examples" / "fc_mnist" / "run_augmented.py"
 INPUT_WORKERS = (1, 2, 4)
 BIN = Path(sys.executable).parent
 
+
+def conversion_path() -> str:
+    """How this checkout's 16-bit conversions run: "C loops" or "numpy" (precision.py)."""
+    sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
+    from cs_runtime.numerics.precision import conversion_path as path
+    return path()
+
 PRESETS = {
     "small": {"hidden_sizes": [256, 128], "batch_size": 128, "steps": 300},          # FC-MNIST
     "medium": {"hidden_sizes": [1024, 1024, 1024], "batch_size": 256, "steps": 100},
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     preset = PRESETS[args.preset]
     steps = args.steps or preset["steps"]
     steps = max(2, -(-steps // WARMUP_STEPS)) * WARMUP_STEPS  # whole intervals, at least one after warm-up
-    result = {"preset": args.preset, "steps": steps}
+    result = {"preset": args.preset, "steps": steps, "conversions": conversion_path()}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
         if args.preset == "transformer" and args.rows in ("all", "model"):
@@ -685,7 +692,8 @@ def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], c
     base = by_name.get("torch_cpu") or by_name.get("cpu") or rows[0]
     batch = preset["batch_size"]
     one_pass = 2 * sum(facts["layer_bytes"])          # forward + backward, one hop
-    print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps}")
+    print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps} "
+          f"16-bit conversions: {conversion_path()}")
     if ceiling:
         mem, raw = ceiling["memcpy"], ceiling["zmq"]
         print(f"ceilings: numpy matmul {batch}x{facts['largest'][0]}x{facts['largest'][1]} "

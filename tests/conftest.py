@@ -9,6 +9,19 @@ import pytest
 from tests.cluster_utils import final_weights, run_cpu, train_losses, write_params
 
 
+@pytest.fixture(params=["C loops", "numpy"])
+def conversion_path(request, monkeypatch):
+    """Run a test on each path of the 16-bit conversions (cs_runtime/numerics/precision.py):
+    the optional C loops (setup.py builds them where a C compiler is found) and the numpy
+    passes, which must give the same bits."""
+    from cs_runtime.numerics import precision
+    if request.param == "numpy":
+        monkeypatch.setattr(precision, "_compiled", None)
+    elif precision._compiled is None:
+        pytest.skip("the conversions' C loops are not built (no C compiler at install): the numpy path alone")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory):
     """The CPU run every distributed run is compared with: (params, losses, final weights)."""

@@ -16,6 +16,8 @@ MAN_BITS = {"bfloat16": 7, "cbfloat16": 9}
 MAX_PATTERN = {"bfloat16": 0x7F7F, "cbfloat16": 0x7DFF}   # largest finite positive pattern
 INF_PATTERN = {"bfloat16": 0x7F80, "cbfloat16": 0x7E00}
 F32 = st.floats(width=32, allow_nan=False, allow_infinity=True)
+# Each test runs on both paths of the conversions: the C loops and the numpy passes (conftest.py).
+pytestmark = pytest.mark.usefixtures("conversion_path")
 
 
 def positive_table(fmt):

@@ -60,6 +60,11 @@ try:   # optional: a one-pass bfloat16 encoder in C++ (the same patterns: tests/
 except ImportError:    # pragma: no cover - the numpy path below
     _ML_BFLOAT16 = None
 
+try:   # optional: the conversions as C loops, built by setup.py where a C compiler was found
+    from cs_runtime.numerics import _convert as _compiled
+except ImportError:    # pragma: no cover - the numpy paths below
+    _compiled = None
+
 FORMATS = frozenset({"float32", "float16", "bfloat16", "cbfloat16"})
 
 
@@ -103,6 +108,28 @@ def _check(fmt: str) -> None:
 # Elements per pass of the conversions (parallel.in_chunks): each pass over a chunk stays
 # in the core's cache, so the dozen integer passes of a conversion cost about one pass over memory.
 _CHUNK = parallel.CHUNK
+
+
+def conversion_path() -> str:
+    """How this install converts to and from the 16-bit formats: "C loops" (_convert.c,
+    built by setup.py where a C compiler was found) or "numpy" (the same bits, slower)."""
+    return "numpy" if _compiled is None else "C loops"
+
+
+def _by_loops(conversion: str, source: np.ndarray, target: np.ndarray, spec: _Spec) -> bool:
+    """`source` converted into `target` (both flat and contiguous) by the C loop named
+    `conversion` (encode, round or decode), in pieces side by side. False when there are
+    no C loops, or the source held inf or nan: the caller's numpy path then converts the
+    whole array, as that path alone decides those values (numpy's nan payloads)."""
+    if _compiled is None:
+        return False
+    loop, held_special = getattr(_compiled, conversion), []
+
+    def piece(begin: int, end: int) -> None:
+        if loop(source[begin:end], target[begin:end], spec.exp_bits, spec.man_bits):
+            held_special.append(True)
+    parallel.in_pieces(source.size, piece, align=_CHUNK)
+    return not held_special
 
 
 @dataclass(frozen=True)
@@ -186,6 +213,8 @@ def _encode(x: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     flat = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
     result = _output(out, x.shape, np.uint16)
     out = result.reshape(-1)
+    if _by_loops("encode", flat, out, spec):
+        return result
     drop = np.uint32(23 - spec.man_bits)                     # mantissa bits dropped
     rebias = np.uint32((127 - spec.bias) << 23)              # float32 biased exponent of target field 0
     increment = np.uint32((1 << (drop - 1)) - 1)
@@ -345,6 +374,8 @@ def _decode(b: np.ndarray, spec: _Spec, out: np.ndarray | None = None) -> np.nda
     flat = b.reshape(-1).view(np.int16)
     result = _output(out, b.shape, np.float32)
     out = result.reshape(-1).view(np.int32)
+    if _by_loops("decode", flat, out, spec):
+        return result
     shift = np.int32(23 - spec.man_bits)
     keep = np.int32(np.uint32(0x80000000 | ((1 << (15 + int(shift))) - 1)).view(np.int32))   # sign, fields
     scale = np.float32(2.0 ** (127 - spec.bias))
@@ -415,6 +446,8 @@ def to_bits(x: np.ndarray, fmt: str, out: np.ndarray | None = None) -> np.ndarra
         _encode(x, _SPECS[fmt], _output(out, x.shape, np.float16).view(np.uint16))
         return out
     if fmt == "bfloat16":
+        if _compiled is not None:      # the C loop: quicker still (inf and nan by _encode's numpy path)
+            return _encode(x, _SPECS[fmt], out)
         if _ML_BFLOAT16 is None:
             return _encode_bfloat16(x, out)
         return _encode_bfloat16_ml(x, out)
@@ -499,6 +532,8 @@ def _round(x: np.ndarray, fmt: str) -> np.ndarray:
     flat = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
     result = np.empty(x.shape, np.float32)
     out = result.reshape(-1).view(np.uint32)
+    if _by_loops("round", flat, out, spec):
+        return result
     drop = np.uint32(23 - spec.man_bits)
     keep = np.uint32(~((1 << int(drop)) - 1) & 0xFFFFFFFF)
     increment = np.uint32((1 << (drop - 1)) - 1)
