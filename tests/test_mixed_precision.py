@@ -266,11 +266,15 @@ def test_two_wses_in_16_bits_stay_close_to_the_oracle(tmp_path, fmt):
         assert relative_error(w_got[name], w_want[name]) < 2e-2, name
 
 
-def scalars(model_dir, tag: str) -> dict[int, float]:
+def train_events(model_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(model_dir / "train"), size_guidance={"scalars": 0})
     acc.Reload()
-    return {e.step: e.value for e in acc.Scalars(tag)}
+    return acc
+
+
+def scalars(model_dir, tag: str) -> dict[int, float]:
+    return {e.step: e.value for e in train_events(model_dir).Scalars(tag)}
 
 
 @pytest.mark.cluster
@@ -299,6 +303,29 @@ def test_dynamic_loss_scale_halves_on_overflow_grows_when_clean_and_is_logged(tm
     assert f"{len(skipped)} step(s) skipped" in result.stdout
     losses = train_losses(tmp_path / "cpu")
     assert losses[-1] < 0.6 * losses[0]                            # and it still trained
+
+
+@pytest.mark.cluster
+def test_memoryx_unscaling_layer_by_layer_logs_the_cpu_paths_norms_on_skipped_steps_too(tmp_path):
+    """MemoryX unscales and checks each layer's gradients as they land (off the step's
+    critical path), the CPU path all layers at once after the backward: every step's
+    norms, the overflowed and skipped ones included, and the weights come out the same."""
+    params = write_params(tmp_path, name="f16.yaml", model={"mixed_precision": True, "fp16_type": "float16"},
+                          optimizer={"loss_scaling_factor": "dynamic", "initial_loss_scale": 2.0 ** 24},
+                          runconfig={"max_steps": 12, "log_steps": 1, "checkpoint_steps": 12, "seed": 3,
+                                     "execution_strategy": "weight_streaming"})
+    runs = {"cpu": run_cpu(params, tmp_path / "cpu"), "wse": run_wse(params, tmp_path / "wse")}
+    for name, result in runs.items():
+        assert result.returncode == 0, (name, result.stdout + result.stderr)
+    assert "gradients overflowed" in runs["cpu"].stdout + runs["cpu"].stderr, "no step overflowed at 2**24"
+    tags = [t for t in train_events(tmp_path / "cpu").Tags()["scalars"] if "grad_norm" in t]
+    assert len(tags) > 2, tags                                       # the global norm and each layer's
+    for tag in tags:
+        cpu, wse = scalars(tmp_path / "cpu", tag), scalars(tmp_path / "wse", tag)
+        assert sorted(cpu) == sorted(wse) and len(cpu) == 12, tag
+        assert np.array_equal([cpu[s] for s in sorted(cpu)], [wse[s] for s in sorted(wse)], equal_nan=True), tag
+    for (name, want), got in zip(final_weights(tmp_path / "cpu").items(), final_weights(tmp_path / "wse").values()):
+        np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 @pytest.mark.cluster

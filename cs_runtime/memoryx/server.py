@@ -32,7 +32,7 @@ from cs_runtime.checkpoint import flatten, unflatten_for
 from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
-from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, wire_dtype
+from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, unscale_and_check, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.wire.protocol import JobSettings, KeptBuffers, Message, Msg
@@ -187,10 +187,14 @@ class MemoryX:
         # gradients only arrive after every WSE received its backward weights.
         self.stream_weights(step, "bwd", reversed(range(n)), wire)
         # Without clipping or loss scaling each layer is updated as its gradients land;
-        # a parameter two layers read (tied) waits for both and takes their sum. Scaled
-        # gradients (a scale other than 1) are unscaled by update_model, after the last layer.
-        at_once = not (self.max_norm or self.skip_nonfinite or loss_scale != 1.0
-                       or program_layer.has_tied(self.spec))
+        # a parameter two layers read (tied) waits for both and takes their sum. With loss
+        # scaling each layer is unscaled and checked as it lands, off the step's critical
+        # path, and the update waits for the last (inf or nan anywhere skips the step);
+        # with tied parameters update_model unscales, after their parts are summed.
+        tied = program_layer.has_tied(self.spec)
+        at_once = not (self.max_norm or self.skip_nonfinite or loss_scale != 1.0 or tied)
+        check_each = (self.skip_nonfinite or loss_scale != 1.0) and not tied
+        finite = True
         grads, squares = {}, {}
         def into(mtype, at_step, index, name, dtype, shape):   # never a buffer a gradient of this step lies in
             if at_step != step or index in grads:
@@ -206,6 +210,10 @@ class MemoryX:
                 if norms:
                     squares[msg.layer] = squared_norms(grads[msg.layer])
                 self.update(msg.layer, grads[msg.layer], lr, step)
+            elif check_each:
+                finite = unscale_and_check([grads[msg.layer]], loss_scale) and finite
+                if norms or self.max_norm:
+                    squares[msg.layer] = squared_norms(grads[msg.layer])
         ordered = [grads[i] for i in range(n)]
         if at_once:
             applied = True
@@ -216,7 +224,9 @@ class MemoryX:
             names = [layer.name for layer in self.spec.layers]
             norm, applied, layer_norms = self.optimizer.update_model(
                 names, self.weights, ordered, self.opt_state, lr, step, self.max_norm, loss_scale,
-                self.skip_nonfinite, need_norms=norms, copies=program_layer.tied_copies(self.spec))
+                self.skip_nonfinite, need_norms=norms, copies=program_layer.tied_copies(self.spec),
+                found_finite=finite if check_each else None,
+                squares=[squares[i] for i in range(n)] if squares else None)
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
         self.router.send(Message(Msg.STEP_DONE, step=step,

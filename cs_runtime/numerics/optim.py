@@ -105,7 +105,8 @@ class Optimizer:
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
                      lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
                      skip_nonfinite: bool = False, need_norms: bool = True,
-                     copies: frozenset = frozenset()) -> tuple[float, bool, list[float]]:
+                     copies: frozenset = frozenset(), found_finite: bool | None = None,
+                     squares: list | None = None) -> tuple[float, bool, list[float]]:
         """Unscale, clip by the global norm, then update every layer.
 
         Returns (the norm of the unscaled gradients before clipping, whether the
@@ -116,11 +117,20 @@ class Optimizer:
         name) of each gradient that is another layer's copy of a tied
         parameter's (program_layer.tied_copies): counted in its layer's norm
         but not again in the global one, which counts each parameter once, as
-        torch's clip_grad_norm_ does.
+        torch's clip_grad_norm_ does. `found_finite`: the gradients were already
+        unscaled and checked (`unscale_and_check`, layer by layer as MemoryX receives
+        them), and this is what the check found; `squares`: each layer's
+        `squared_norms` of them, taken then too (no copies).
         """
         # Without loss scaling there is nothing to unscale, and no step is skipped.
-        finite = unscale_and_check(grads, loss_scale) if skip_nonfinite or loss_scale != 1.0 else True
-        norm, per_layer = grad_norms(grads, copies) if need_norms or max_norm else (math.nan, [])
+        if found_finite is not None:
+            finite = found_finite
+        else:
+            finite = unscale_and_check(grads, loss_scale) if skip_nonfinite or loss_scale != 1.0 else True
+        if squares is not None:
+            norm, per_layer = norms_of(squares)
+        else:
+            norm, per_layer = grad_norms(grads, copies) if need_norms or max_norm else (math.nan, [])
         if skip_nonfinite and not finite:
             return norm, False, per_layer
         factor = clip_factor(norm, max_norm)

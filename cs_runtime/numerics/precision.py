@@ -612,22 +612,23 @@ def scaled(x, scale: float):
 
 
 def unscale_and_check(grads: list[dict[str, np.ndarray]], scale: float) -> bool:
-    """True when every gradient is finite; then each is divided by `scale` in place.
+    """Each gradient divided by `scale` in place, then True when every one is finite.
 
-    A read-only array (e.g. straight off a socket) is replaced in its dict by
-    the unscaled copy instead. Non-finite gradients are left as they are: the
-    step is skipped anyway.
+    Overflowed or not, every gradient is unscaled, as torch's GradScaler.unscale_ does,
+    so layer by layer this gives what it gives for all layers at once (MemoryX unscales
+    each layer as it lands) and a skipped step's norms are those of the unscaled
+    gradients. A read-only array (e.g. straight off a socket) is replaced in its dict
+    by the unscaled copy instead.
     """
-    finite = all(bool(np.isfinite(g).all()) for layer in grads for g in layer.values())
-    if finite and scale != 1.0:
-        inv = np.float32(scale)
+    if scale != 1.0:
+        divisor = np.float32(scale)
         for layer in grads:
             for name, g in layer.items():
                 if g.flags.writeable:
-                    g /= inv
+                    g /= divisor
                 else:
-                    layer[name] = g / inv
-    return finite
+                    layer[name] = g / divisor
+    return all(bool(np.isfinite(g).all()) for layer in grads for g in layer.values())
 
 
 def matmul(a: np.ndarray, b: np.ndarray, fmt: str) -> np.ndarray:
@@ -707,7 +708,7 @@ class LossScaler:
         return scaled(x, self._scale)
 
     def unscale_and_check(self, grads: list[dict[str, np.ndarray]]) -> bool:
-        """True when every gradient is finite; then each is divided by scale in place."""
+        """Each gradient divided by scale in place; True when every one is finite."""
         return unscale_and_check(grads, self._scale)
 
     @property
