@@ -1,10 +1,17 @@
-"""Build: everything is in setup.cfg, but for the one optional C extension.
+"""Build: everything is in setup.cfg, but for the optional C extensions.
 
-cs_runtime/numerics/_convert.c holds the 16-bit conversions' loops. It is
-optional: where no C compiler is found the build warns and goes on, and
-cs_runtime/numerics/precision.py uses its numpy path, which gives the same bits
-(only slower)."""
+cs_runtime/numerics/_convert.c holds the 16-bit conversions' loops and
+_gelu.c the exact GELU's float64 loops. Both are optional: where no C compiler
+is found the build warns and goes on, and precision.py and kernels.py use their
+numpy paths, which give the same bits (only slower). -ffp-contract=off: no
+fused multiply-adds, so each operation rounds as numpy's does."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("cs_runtime.numerics._convert", ["cs_runtime/numerics/_convert.c"],
-                             extra_compile_args=["-O3"], optional=True)])
+FLAGS = ["-O3", "-ffp-contract=off"]
+
+setup(ext_modules=[
+    Extension("cs_runtime.numerics._convert", ["cs_runtime/numerics/_convert.c"], extra_compile_args=FLAGS,
+              optional=True),
+    Extension("cs_runtime.numerics._gelu", ["cs_runtime/numerics/_gelu.c"], extra_compile_args=FLAGS,
+              optional=True),
+])

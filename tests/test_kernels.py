@@ -45,6 +45,50 @@ def test_gelus_gradient_at_minus_zero_is_its_gradient_at_zero(kind):
     assert abs(K.normal_cdf(np.array([-0.0]))[0] - 0.5) < 1e-7
 
 
+def test_exact_gelus_c_loops_give_the_numpy_passes_bits(monkeypatch):
+    """The exact GELU by the C loops (_gelu.c, numpy's exp between them) against the numpy
+    passes, bit for bit: every float32 exponent with odd low bits, both tails, the kink,
+    subnormals, signed zeros, infs and nans, arrays of several chunks and of one."""
+    if K._gelu_loops is None:
+        pytest.skip("the exact GELU's C loops are not built (no C compiler at install): the numpy path alone")
+    rng = np.random.default_rng(8)
+    sweep = np.arange(0, 2 ** 32, 65537, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    near = (rng.standard_normal(300_000) * rng.choice([1e-3, 1.0, 3.0, 9.0], 300_000)).astype(np.float32)
+    special = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 3e38, -3e38, np.inf, -np.inf, np.nan], np.float32)
+    by_loops = {}
+    with np.errstate(all="ignore"):
+        for name, x in (("many chunks", np.concatenate([sweep, near, special])), ("one chunk", near[:1000]),
+                        ("2-d", near[:3000].reshape(30, 100)), ("empty", near[:0])):
+            by_loops[name] = (x, K.gelu(x), K.gelu_grad(x), *K.gelu_and_grad(x))
+        monkeypatch.setattr(K, "_gelu_loops", None)
+        for name, (x, *got) in by_loops.items():
+            want = (K.gelu(x), K.gelu_grad(x), *K.gelu_and_grad(x))
+            for what, a, b in zip(("gelu", "gelu_grad", "gelu_and_grad[0]", "gelu_and_grad[1]"), got, want):
+                assert a.shape == b.shape == x.shape and a.dtype == np.float32, (name, what)
+                same = (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
+                assert same.all(), f"{name} {what}: differ at {x[~same][:3]}"
+
+
+def test_exact_gelus_c_loops_round_each_float64_operation_as_numpy_does():
+    """The float32 results hide most float64 differences, so the C loop with the long
+    chain (the erfc polynomial, where a fused multiply-add would round once instead of
+    twice) is checked on its float64 outputs, against the same operations in numpy."""
+    if K._gelu_loops is None:
+        pytest.skip("the exact GELU's C loops are not built (no C compiler at install)")
+    x = (np.random.default_rng(9).standard_normal(100_000) * 3).astype(np.float32)
+    t, tail_arg, density_arg = (np.empty(x.size) for _ in range(3))
+    K._gelu_loops.prepare(x, t, tail_arg, density_arg)
+    x64 = x.astype(np.float64)
+    z = np.abs(x64) * K._SQRT_HALF
+    want_t = 1.0 / (z * 0.5 + 1.0)
+    poly = np.full_like(z, K._ERFC[-1])
+    for c in K._ERFC[-2:0:-1]:
+        poly = poly * want_t + c
+    poly = poly * want_t + K._ERFC[0]
+    for got, want in ((t, want_t), (tail_arg, poly - z * z), (density_arg, x64 * x64 * -0.5)):
+        assert got.tobytes() == want.tobytes()
+
+
 def test_embedding_and_layer_norm_forward_the_interpreter_runs():
     """The compiler's interpreter gives its embedding and layer_norm ops these meanings
     (their gradients are the op set's: tests/test_ops.py)."""

@@ -166,6 +166,14 @@ _ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
          0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
 
 
+try:   # optional: the float64 passes as C loops (setup.py), numpy's exp between them: the same bits
+    from cs_runtime.numerics import _gelu as _gelu_loops
+except ImportError:    # pragma: no cover - the numpy passes below
+    _gelu_loops = None
+else:
+    _gelu_loops.coefficients(_ERFC, _SQRT_HALF, _INV_SQRT_2PI)
+
+
 def _half_erfc_nonnegative(z: np.ndarray) -> np.ndarray:
     """erfc(z) / 2 for float64 z >= 0, overwriting z (in place: each pass is one
     array, not a new one)."""
@@ -233,19 +241,44 @@ def _gelu_and_grad64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cdf, slope
 
 
+def _by_loops(x: np.ndarray) -> bool:
+    return _gelu_loops is not None and x.dtype == np.float32
+
+
+def _gelu_and_grad_by_loops(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_gelu_and_grad64's results in float32, by the C loops (_gelu.c) and numpy's exp, a
+    chunk at a time: the same operations in the same order, so the same bits."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    values, slopes = np.empty_like(flat), np.empty_like(flat)
+
+    def chunk(start: int, stop: int, t, tail, density) -> None:
+        _gelu_loops.prepare(flat[start:stop], t, tail, density)
+        np.exp(tail, out=tail)
+        np.exp(density, out=density)
+        _gelu_loops.finish(flat[start:stop], t, tail, density, values[start:stop], slopes[start:stop])
+    parallel.in_chunks(flat.size, chunk, lambda size: tuple(np.empty(size, np.float64) for _ in range(3)))
+    return values.reshape(x.shape), slopes.reshape(x.shape)
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
     """Exact GELU: x * Phi(x) (evaluated in float64, returned in x's dtype)."""
+    if _by_loops(x):
+        return _gelu_and_grad_by_loops(x)[0]
     return _in_float64(_gelu64, x)
 
 
 def gelu_grad(x: np.ndarray) -> np.ndarray:
     """d/dx x * Phi(x) = Phi(x) + x * phi(x)."""
+    if _by_loops(x):
+        return _gelu_and_grad_by_loops(x)[1]
     return _in_float64(_gelu_grad64, x)
 
 
 def gelu_and_grad(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(gelu(x), gelu_grad(x)), bit for bit, in one pass: what a training step's forward
     computes, so that its backward only multiplies (ops.py's gelu residual)."""
+    if _by_loops(x):
+        return _gelu_and_grad_by_loops(x)
     return parallel.map_chunks_pair(lambda chunk: _gelu_and_grad64(chunk.astype(np.float64)), x)
 
 
