@@ -73,11 +73,19 @@ INPUT_WORKERS = (1, 2, 4)
 BIN = Path(sys.executable).parent
 
 
-def conversion_path() -> str:
-    """How this checkout's 16-bit conversions run: "C loops" or "numpy" (precision.py)."""
-    sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
-    from cs_runtime.numerics.precision import conversion_path as path
-    return path()
+def c_loops() -> dict:
+    """Which of this checkout's optional C loops (setup.py) are built: "C loops" or "numpy"
+    for the 16-bit conversions (precision.py) and the exact GELU (kernels.py)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
+    from cs_runtime.numerics import kernels, precision
+    return {"conversions": precision.conversion_path(), "exact_gelu": kernels.gelu_path()}
+
+
+def c_loops_line() -> str:
+    paths = c_loops()
+    return f"16-bit conversions: {paths['conversions']}; exact GELU: {paths['exact_gelu']}"
+
 
 PRESETS = {
     "small": {"hidden_sizes": [256, 128], "batch_size": 128, "steps": 300},          # FC-MNIST
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     preset = PRESETS[args.preset]
     steps = args.steps or preset["steps"]
     steps = max(2, -(-steps // WARMUP_STEPS)) * WARMUP_STEPS  # whole intervals, at least one after warm-up
-    result = {"preset": args.preset, "steps": steps, "conversions": conversion_path()}
+    result = {"preset": args.preset, "steps": steps, **c_loops()}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
         if args.preset == "transformer" and args.rows in ("all", "model"):
@@ -409,7 +417,7 @@ def transformer_rows(tmp: Path, preset: dict, steps: int) -> dict:
             row["ratio"] = row["samples_per_sec"] / base
         rows += ours
     print_rows(f"transformer preset: GPT-2 and BERT {preset['layers']} x {preset['hidden']}, sequence "
-               f"{preset['seq']}, batch {preset['batch_size']}, AdamW, steps={steps}",
+               f"{preset['seq']}, batch {preset['batch_size']}, AdamW, steps={steps}; {c_loops_line()}",
                "torch eager (or the CPU path)", rows)
     return {"rows": rows}
 
@@ -698,8 +706,8 @@ def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], c
     base = by_name.get("torch_cpu") or by_name.get("cpu") or rows[0]
     batch = preset["batch_size"]
     one_pass = 2 * sum(facts["layer_bytes"])          # forward + backward, one hop
-    print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps} "
-          f"16-bit conversions: {conversion_path()}")
+    print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps}; "
+          f"{c_loops_line()}")
     if ceiling:
         mem, raw = ceiling["memcpy"], ceiling["zmq"]
         print(f"ceilings: numpy matmul {batch}x{facts['largest'][0]}x{facts['largest'][1]} "

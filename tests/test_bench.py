@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cs_runtime.numerics.kernels import gelu_path
 from cs_runtime.numerics.precision import conversion_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +25,8 @@ def test_quick_bench_writes_rows_and_verdicts(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["preset"] == "tiny" and got["steps"] >= 4
-    assert got["conversions"] == conversion_path() and f"16-bit conversions: {got['conversions']}" in result.stdout
+    assert got["conversions"] == conversion_path() and got["exact_gelu"] == gelu_path()
+    assert f"16-bit conversions: {got['conversions']}; exact GELU: {got['exact_gelu']}" in result.stdout
     names = [row["name"] for row in got["rows"]]
     assert names == ["cpu", "weight_streaming_1wse", "ws_1wse_float16"]
     for row in got["rows"]:

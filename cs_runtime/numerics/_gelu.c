@@ -23,6 +23,7 @@ so there is one copy of them. tests/test_kernels.py checks these loops
 against the numpy passes bit for bit. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -42,7 +43,7 @@ static void prepare_loop(const float *restrict x, double *restrict t, double *re
                          double *restrict density_arg, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         double value = (double)x[i];
-        double z = (value < 0 ? -value : value) * sqrt_half;
+        double z = fabs(value) * sqrt_half;
         double u = 1.0 / (z * 0.5 + 1.0);
         double poly = erfc_terms[TERMS - 1];
         for (int k = TERMS - 2; k >= 1; k--)

@@ -241,6 +241,12 @@ def _gelu_and_grad64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cdf, slope
 
 
+def gelu_path() -> str:
+    """How this install runs the exact GELU's float64 passes: "C loops" (_gelu.c, built by
+    setup.py where a C compiler was found) or "numpy" (the same bits, slower)."""
+    return "numpy" if _gelu_loops is None else "C loops"
+
+
 def _by_loops(x: np.ndarray) -> bool:
     return _gelu_loops is not None and x.dtype == np.float32
 
