@@ -83,6 +83,13 @@ static int format_of(int exp_bits, int man_bits, Format *f) {
     return 0;
 }
 
+/* float32 bits plus half a unit of the bits the format drops, less one unless the kept
+   lsb is set: cut off, the dropped bits leave the nearest value, ties to even (a carry
+   runs into the exponent, as it should). */
+static inline uint32_t plus_half_to_even(uint32_t bits, const Format *f) {
+    return bits + f->increment + ((bits >> f->drop) & 1u);
+}
+
 /* The magnitude `mag` (float32 bits, < inf) below the smallest normal, rounded onto the
    subnormal grid by the addition: as a pattern (encode) or as float32 bits (round). */
 static inline uint32_t subnormal_pattern(uint32_t mag, const Format *f) {
@@ -101,7 +108,7 @@ static uint32_t encode_loop(const uint32_t *restrict src, uint16_t *restrict dst
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t bits = src[i], mag = bits & F32_ABS;
         uint32_t shifted = mag - f.rebias;   /* wraps below the normal range: replaced below */
-        uint32_t pattern = (shifted + f.increment + ((shifted >> f.drop) & 1u)) >> f.drop;
+        uint32_t pattern = plus_half_to_even(shifted, &f) >> f.drop;
         pattern = choose(mask_of(pattern > f.inf_pattern), f.inf_pattern, pattern);
         pattern = choose(mask_of(mag < f.smallest_normal), subnormal_pattern(mag, &f), pattern);
         special |= (uint32_t)(mag >= F32_INF);
@@ -118,7 +125,7 @@ static uint32_t round_loop(const uint32_t *restrict src, uint32_t *restrict dst,
     uint32_t special = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t bits = src[i], mag = bits & F32_ABS;
-        uint32_t rounded = (mag + f.increment + ((mag >> f.drop) & 1u)) & keep;
+        uint32_t rounded = plus_half_to_even(mag, &f) & keep;
         rounded = choose(mask_of(rounded >= f.overflow), F32_INF, rounded);
         rounded = choose(mask_of(mag < f.smallest_normal), subnormal_value(mag, &f), rounded);
         special |= (uint32_t)(mag >= F32_INF);
