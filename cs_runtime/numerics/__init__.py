@@ -5,4 +5,5 @@
     transformer.py  the transformer layer ops (attention, layer norm, embedding, LM head)
     optim.py        SGD, Adam, AdamW, schedules, gradient clipping
     precision.py    16-bit formats, rounding, loss scaling
+    compiled.py     the optional C loops (_convert.c, _gelu.c) where built, else None
 """

@@ -205,4 +205,14 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_convert", "The 16-bit conversions' loops (precision.py).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__convert(void) { return PyModule_Create(&module); }
+/* The interface's version (compiled.py): one more whenever a function or its arguments change. */
+#define API 1
+
+PyMODINIT_FUNC PyInit__convert(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "API", API) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cs_runtime.numerics import parallel
+from cs_runtime.numerics import compiled, parallel
 
 IGNORE_INDEX = -100     # labels with this value take no part in the loss
 MASKED_SCORE = -1e9     # attention score of a key a query may not see
@@ -166,11 +166,9 @@ _ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
          0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
 
 
-try:   # optional: the float64 passes as C loops (setup.py), numpy's exp between them: the same bits
-    from cs_runtime.numerics import _gelu as _gelu_loops
-except ImportError:    # pragma: no cover - the numpy passes below
-    _gelu_loops = None
-else:
+# optional: the float64 passes as C loops (_gelu.c), numpy's exp between them: the same bits
+_gelu_loops = compiled.load("_gelu", api=1)
+if _gelu_loops is not None:
     _gelu_loops.coefficients(_ERFC, _SQRT_HALF, _INV_SQRT_2PI)
 
 

@@ -53,17 +53,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cs_runtime.numerics import parallel
+from cs_runtime.numerics import compiled, parallel
 
 try:   # optional: a one-pass bfloat16 encoder in C++ (the same patterns: tests/test_precision_chunks.py)
     from ml_dtypes import bfloat16 as _ML_BFLOAT16
 except ImportError:    # pragma: no cover - the numpy path below
     _ML_BFLOAT16 = None
 
-try:   # optional: the conversions as C loops, built by setup.py where a C compiler was found
-    from cs_runtime.numerics import _convert as _compiled
-except ImportError:    # pragma: no cover - the numpy paths below
-    _compiled = None
+# optional: the conversions as C loops (_convert.c), where setup.py could build them
+_compiled = compiled.load("_convert", api=1)
 
 FORMATS = frozenset({"float32", "float16", "bfloat16", "cbfloat16"})
 
