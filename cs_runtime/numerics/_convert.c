@@ -205,7 +205,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_convert", "The 16-bit conversions' loops (precision.py).", -1, methods,
 };
 
-/* The interface's version (compiled.py): one more whenever a function or its arguments change. */
+/* The interface's version (compiled.py): one more whenever a function, its arguments or its results change. */
 #define API 1
 
 PyMODINIT_FUNC PyInit__convert(void) {

@@ -164,7 +164,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_gelu", "The exact GELU's float64 loops (kernels.py).", -1, methods,
 };
 
-/* The interface's version (compiled.py): one more whenever a function or its arguments change. */
+/* The interface's version (compiled.py): one more whenever a function, its arguments or its results change. */
 #define API 1
 
 PyMODINIT_FUNC PyInit__gelu(void) {
