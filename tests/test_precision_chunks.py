@@ -213,23 +213,3 @@ def test_the_one_addition_path_has_the_integer_paths_bits(fmt):
     if fmt == "float16":
         assert np.array_equal(got_bits.view(np.uint16), x.astype(np.float16).view(np.uint16))
 
-
-def test_the_c_loops_refuse_a_format_or_buffers_they_cannot_take(conversion_path):
-    """The C loops (_convert.c) check what they are handed: a format of 16 bits, buffers
-    of one element count, a writable target. The numpy path has nothing to check here."""
-    if conversion_path == "numpy":
-        pytest.skip("a check of the C loops")
-    loops = precision._compiled
-    floats, patterns = np.zeros(8, np.float32), np.zeros(8, np.uint16)
-    with pytest.raises(ValueError, match="no 16-bit format with 5 exponent and 9 mantissa bits"):
-        loops.encode(floats, patterns, 5, 9)
-    with pytest.raises(ValueError, match="same number of elements"):
-        loops.decode(patterns[:7], floats, 5, 10)
-    with pytest.raises(ValueError, match="same number of elements"):
-        loops.round(floats, np.zeros(7, np.float32), 5, 10)
-    with pytest.raises((TypeError, BufferError)):
-        loops.encode(floats, np.zeros(8, np.uint16)[::2].copy().tobytes(), 5, 10)   # read-only target
-    assert loops.encode(floats, patterns, 5, 10) is False
-    floats[3] = np.inf
-    assert loops.encode(floats, patterns, 5, 10) is True            # inf: left to the numpy path
-    assert loops.decode(np.array([0x7C00, 0], np.uint16), np.zeros(2, np.float32), 5, 10) is True
