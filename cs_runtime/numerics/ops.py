@@ -1059,40 +1059,34 @@ def _sdpa_rows(inputs, lo, hi):
 
 
 def _sdpa_forward(inputs, attrs):
-    samples = _sdpa_samples(inputs)
-    if not samples:
-        return _sdpa_forward_whole(inputs, attrs)
-    q, v = inputs[0], inputs[2]
-    out = np.empty((*q.shape[:-1], v.shape[-1]), np.result_type(q, inputs[1], v))
-
-    def rows(lo, hi):
-        out[lo:hi] = _sdpa_forward_whole(_sdpa_rows(inputs, lo, hi), attrs)
-    _sdpa_by_samples(inputs, samples, rows)
-    return out
-
-
-def _sdpa_forward_whole(inputs, attrs):
-    probs, _ = _sdpa_probs(inputs, attrs)
-    return probs @ np.ascontiguousarray(inputs[2])
+    return _sdpa_output(inputs, attrs, keep_probs=False)[0]
 
 
 def _sdpa_and_probs(inputs, attrs):
     """(_sdpa_forward's output, the probabilities): a training step's forward, which keeps
     them for the backward (_sdpa_vjp_from_probs)."""
-    q, v = inputs[0], inputs[2]
+    return _sdpa_output(inputs, attrs, keep_probs=True)
+
+
+def _sdpa_output(inputs, attrs, keep_probs: bool):
+    """(the output, the probabilities when `keep_probs`, else None), a piece of the batch at
+    a time where the operands allow (parallel.py)."""
     samples = _sdpa_samples(inputs)
     if not samples:
         probs, _ = _sdpa_probs(inputs, attrs)
-        return probs @ np.ascontiguousarray(v), probs
+        return probs @ np.ascontiguousarray(inputs[2]), probs if keep_probs else None
+    q, v = inputs[0], inputs[2]
     out = np.empty((*q.shape[:-1], v.shape[-1]), np.result_type(q, inputs[1], v))
-    probs = np.empty(_sdpa_probs_shape([t.shape for t in inputs], out.shape, attrs), q.dtype)
+    kept = np.empty(_sdpa_probs_shape([t.shape for t in inputs], out.shape, attrs), q.dtype) if keep_probs else None
 
     def rows(lo, hi):
         part = _sdpa_rows(inputs, lo, hi)
-        probs[lo:hi] = _sdpa_probs(part, attrs)[0]
-        out[lo:hi] = probs[lo:hi] @ np.ascontiguousarray(part[2])
+        probs, _ = _sdpa_probs(part, attrs)
+        if kept is not None:
+            kept[lo:hi] = probs
+        out[lo:hi] = probs @ np.ascontiguousarray(part[2])
     _sdpa_by_samples(inputs, samples, rows)
-    return out, probs
+    return out, kept
 
 
 def _sdpa_probs_shape(shapes, out, attrs):
