@@ -25,20 +25,9 @@ Built by setup.py as an optional extension: without a C compiler the install
 goes on and precision.py uses its numpy path, which gives the same bits.
 Buffers come through the buffer protocol, so this file needs no numpy headers;
 the GIL is let go during the loops, so pieces run on threads side by side. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_loops.h"
 #include <stdint.h>
 #include <string.h>
-
-/* One copy of each loop per instruction set, picked at load time (GCC/Clang on
-   x86-64 glibc): x86-64-v4 (AVX-512) runs them at about 0.25 ns an element here, v3 (AVX2)
-   0.4, the SSE2 baseline 0.85. A compiler that refuses the attribute fails the build,
-   and the install goes on with the numpy path. */
-#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define VECTOR_CLONES
-#endif
 
 #define F32_ABS 0x7FFFFFFFu
 #define F32_INF 0x7F800000u
@@ -149,41 +138,32 @@ static uint32_t decode_loop(const uint16_t *restrict src, uint32_t *restrict dst
 }
 
 /* (source, target, exp_bits, man_bits): both buffers contiguous, of one element count. */
-static int take_buffers(PyObject *args, Py_buffer *source, Py_buffer *target, Py_ssize_t source_size,
-                        Py_ssize_t target_size, Format *format, Py_ssize_t *n) {
+static int take_buffers(PyObject *args, Py_buffer *buffers, const Py_ssize_t *sizes, Format *format,
+                        Py_ssize_t *n) {
     int exp_bits, man_bits;
-    if (!PyArg_ParseTuple(args, "y*w*ii", source, target, &exp_bits, &man_bits))
+    if (!PyArg_ParseTuple(args, "y*w*ii", &buffers[0], &buffers[1], &exp_bits, &man_bits))
         return -1;
-    if (format_of(exp_bits, man_bits, format) < 0)
-        goto fail;
-    if (source->len % source_size || target->len % target_size
-            || source->len / source_size != target->len / target_size) {
-        PyErr_SetString(PyExc_ValueError, "source and target must hold the same number of elements");
-        goto fail;
+    if (format_of(exp_bits, man_bits, format) < 0) {
+        release_buffers(buffers, 2);
+        return -1;
     }
-    *n = source->len / source_size;
-    return 0;
-fail:
-    PyBuffer_Release(source);
-    PyBuffer_Release(target);
-    return -1;
+    return same_count(buffers, sizes, 2, n);
 }
 
 #define CONVERSION(name, loop, source_type, target_type)                                     \
     static PyObject *name(PyObject *self, PyObject *args) {                                  \
-        Py_buffer source, target;                                                             \
+        static const Py_ssize_t sizes[2] = {sizeof(source_type), sizeof(target_type)};      \
+        Py_buffer b[2];                                                                       \
         Format format;                                                                        \
         Py_ssize_t n;                                                                         \
         uint32_t special;                                                                     \
         (void)self;                                                                           \
-        if (take_buffers(args, &source, &target, sizeof(source_type), sizeof(target_type),   \
-                         &format, &n) < 0)                                                    \
+        if (take_buffers(args, b, sizes, &format, &n) < 0)                                    \
             return NULL;                                                                      \
         Py_BEGIN_ALLOW_THREADS                                                                \
-        special = loop((const source_type *)source.buf, (target_type *)target.buf, n, &format); \
+        special = loop((const source_type *)b[0].buf, (target_type *)b[1].buf, n, &format);  \
         Py_END_ALLOW_THREADS                                                                  \
-        PyBuffer_Release(&source);                                                            \
-        PyBuffer_Release(&target);                                                            \
+        release_buffers(b, 2);                                                                \
         return PyBool_FromLong(special != 0);                                                 \
     }
 
@@ -205,14 +185,4 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_convert", "The 16-bit conversions' loops (precision.py).", -1, methods,
 };
 
-/* The interface's version (compiled.py): one more whenever a function, its arguments or its results change. */
-#define API 1
-
-PyMODINIT_FUNC PyInit__convert(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "API", API) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__convert(void) { return module_with_api(&module, 1); }

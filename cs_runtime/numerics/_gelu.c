@@ -21,17 +21,10 @@ the exponentials stay numpy's, so the results are the same bits.
 The coefficients come from kernels.py (`coefficients`, called once at import),
 so there is one copy of them. tests/test_kernels.py checks these loops
 against the numpy passes bit for bit. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_loops.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-#if defined(__x86_64__) && defined(__GLIBC__) && (defined(__GNUC__) || defined(__clang__))
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define VECTOR_CLONES
-#endif
 
 #define TERMS 10
 static double erfc_terms[TERMS];       /* kernels._ERFC: c0 + c1 t + ... + c9 t**9 */
@@ -70,25 +63,10 @@ static void finish_loop(const float *restrict x, const double *restrict t, const
     }
 }
 
-/* Buffers of n elements each: `count` of them from args, with their element sizes. */
-static int same_count(Py_buffer *buffers, const Py_ssize_t *sizes, int count, Py_ssize_t *n) {
-    *n = buffers[0].len / sizes[0];
-    for (int i = 0; i < count; i++) {
-        if (buffers[i].len % sizes[i] || buffers[i].len / sizes[i] != *n) {
-            PyErr_SetString(PyExc_ValueError, "every buffer must hold the same number of elements");
-            return -1;
-        }
-    }
-    if (!have_coefficients) {
+static int coefficients_given(void) {
+    if (!have_coefficients)
         PyErr_SetString(PyExc_RuntimeError, "coefficients() was not called");
-        return -1;
-    }
-    return 0;
-}
-
-static void release(Py_buffer *buffers, int count) {
-    for (int i = 0; i < count; i++)
-        PyBuffer_Release(&buffers[i]);
+    return have_coefficients;
 }
 
 static PyObject *prepare(PyObject *self, PyObject *args) {
@@ -96,16 +74,14 @@ static PyObject *prepare(PyObject *self, PyObject *args) {
     static const Py_ssize_t sizes[4] = {sizeof(float), sizeof(double), sizeof(double), sizeof(double)};
     Py_ssize_t n;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*w*w*", &b[0], &b[1], &b[2], &b[3]))
+    if (!coefficients_given() || !PyArg_ParseTuple(args, "y*w*w*w*", &b[0], &b[1], &b[2], &b[3]))
         return NULL;
-    if (same_count(b, sizes, 4, &n) < 0) {
-        release(b, 4);
+    if (same_count(b, sizes, 4, &n) < 0)
         return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
     prepare_loop(b[0].buf, b[1].buf, b[2].buf, b[3].buf, n);
     Py_END_ALLOW_THREADS
-    release(b, 4);
+    release_buffers(b, 4);
     Py_RETURN_NONE;
 }
 
@@ -115,16 +91,14 @@ static PyObject *finish(PyObject *self, PyObject *args) {
                                         sizeof(float), sizeof(float)};
     Py_ssize_t n;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5]))
+    if (!coefficients_given() || !PyArg_ParseTuple(args, "y*y*y*y*w*w*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5]))
         return NULL;
-    if (same_count(b, sizes, 6, &n) < 0) {
-        release(b, 6);
+    if (same_count(b, sizes, 6, &n) < 0)
         return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
     finish_loop(b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[5].buf, n);
     Py_END_ALLOW_THREADS
-    release(b, 6);
+    release_buffers(b, 6);
     Py_RETURN_NONE;
 }
 
@@ -164,14 +138,4 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_gelu", "The exact GELU's float64 loops (kernels.py).", -1, methods,
 };
 
-/* The interface's version (compiled.py): one more whenever a function, its arguments or its results change. */
-#define API 1
-
-PyMODINIT_FUNC PyInit__gelu(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "API", API) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__gelu(void) { return module_with_api(&module, 1); }
