@@ -177,15 +177,14 @@ class ClusterExecutor:
         settings = JobSettings(self.spec, self.opt_spec, self.params.runconfig.seed, self.strategy, self.replicas,
                                self.params.optimizer.max_gradient_norm,
                                self.params.optimizer.loss_scaling_mode(), trace.RECORDER.enabled)
-        spec = settings.to_meta()
         state = flatten(weights, opt_state)
         if self.pipelined:
             # Every weight goes to the wafer once, here, and stays there.
-            self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec}, arrays=state))
+            self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": settings}, arrays=state))
         else:
-            self.memoryx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec}, arrays=state))
+            self.memoryx.send(Message(Msg.LOAD_MODEL, meta={"spec": settings}, arrays=state))
             self.wait(self.memoryx, Msg.ACK)
-            self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": spec}))
+            self.swarmx.send(Message(Msg.LOAD_MODEL, meta={"spec": settings}))
         self.wait(self.swarmx, Msg.ACK)
         self.plan_phases = phases
         self.answer_workers()
@@ -261,7 +260,7 @@ class ClusterExecutor:
         holder = self.swarmx if self.pipelined else self.memoryx  # who has the weights
         holder.send(Message(Msg.GET_STATE))
         msg = self.wait(holder, Msg.STATE)
-        return unflatten_for(self.spec, Optimizer(**self.opt_spec), msg.arrays)
+        return unflatten_for(self.spec, Optimizer(self.opt_spec), msg.arrays)
 
     def collect_traces(self) -> list[trace.ProcessTrace]:
         """Every process's spans, each with its clock offset from the GET_TRACE round trip.

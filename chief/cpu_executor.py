@@ -30,7 +30,7 @@ class CpuExecutor:
     def __init__(self, args: RunArgs, fns: UserFunctions, spec):
         self.spec, self.params = spec, args.params
         self.streams = build_streams(args, fns)
-        self.optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
+        self.optimizer = Optimizer(self.params.optimizer.optimizer_spec())
         self.max_norm = self.params.optimizer.max_gradient_norm
         self.skip_nonfinite = self.params.optimizer.loss_scaling_mode() != "none"
         self.layer_grad_norms: list[float] = []   # of the last training step, for TensorBoard

@@ -119,7 +119,7 @@ class Trainer:
 
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
-        optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
+        optimizer = Optimizer(self.params.optimizer.optimizer_spec())
         found = self.checkpoint_to_resume()
         if found is None:
             weights = init_weights(self.spec, self.rc.seed)

@@ -42,6 +42,7 @@ from pydantic import (
     model_validator,
 )
 
+from cs_runtime.numerics.optim import OptimizerSpec
 from cs_runtime.params_compat import (
     CompatError,
     apply_overrides,
@@ -539,8 +540,8 @@ class OptimizerConfig(_Section):
     exclude_bias_and_norm: StrictBool = True
     max_gradient_norm: Optional[PosFloat] = None  # None: no clipping
     max_gradient_value: Optional[NonNegFloat] = None
-    betas: tuple[Beta, Beta] = (0.9, 0.999)     # also beta1 / beta2
-    eps: PosFloat = 1e-6                        # also epsilon
+    betas: tuple[Beta, Beta] = OptimizerSpec.betas   # also beta1 / beta2
+    eps: PosFloat = OptimizerSpec.eps           # also epsilon
     correct_bias: Literal[True] = True          # Adam's bias correction (always applied)
     # Loss scaling for 16-bit gradients (cs_runtime/numerics/precision.py: LossScaler).
     loss_scaling_factor: LossScalingFactor = 1.0
@@ -610,20 +611,17 @@ class OptimizerConfig(_Section):
         if self.max_gradient_value:
             raise ValueError("max_gradient_value (clipping each gradient element) is not emulated; use "
                              "max_gradient_norm")
-        if (self.nesterov or self.dampening) and self.optimizer_type != "sgd":
-            raise ValueError(f"nesterov and dampening are SGD's settings, not {self.optimizer_type}'s")
-        if self.nesterov and (self.momentum <= 0 or self.dampening):
-            raise ValueError("nesterov: true requires a momentum and zero dampening (as torch.optim.SGD)")
+        self.optimizer_spec()   # the learning rule's own checks (OptimizerSpec), written once
         schedule = self.learning_rate
         if isinstance(schedule, list) and any(piece.steps is None for piece in schedule[:-1]):
             raise ValueError("learning_rate: every schedule but the last needs steps (or total_iters)")
         return self
 
-    def optimizer_spec(self) -> dict:
-        """The keyword arguments of cs_runtime.numerics.optim.Optimizer (sent to MemoryX as they are)."""
-        return {"kind": self.optimizer_type, "momentum": self.momentum, "weight_decay": self.weight_decay,
-                "betas": list(self.betas), "eps": self.eps, "exclude_bias_and_norm": self.exclude_bias_and_norm,
-                "nesterov": self.nesterov, "dampening": self.dampening}
+    def optimizer_spec(self) -> OptimizerSpec:
+        """The learning rule MemoryX, the WSEs and the CPU path apply (ValueError where it is inconsistent)."""
+        return OptimizerSpec(self.optimizer_type, momentum=self.momentum, weight_decay=self.weight_decay,
+                             betas=self.betas, eps=self.eps, exclude_bias_and_norm=self.exclude_bias_and_norm,
+                             nesterov=self.nesterov, dampening=self.dampening)
 
     def loss_scaling_mode(self) -> str:
         """none, static or dynamic (LossScaler's modes)."""

@@ -579,7 +579,7 @@ def executor_rows(preset: dict, repeats: int, formats=("float32", *MIXED)) -> li
     sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
     from cs_runtime.compiler.families import lower_spec
     from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_backward, model_forward, model_loss
-    from cs_runtime.numerics.optim import Optimizer
+    from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
     from cs_runtime.numerics.precision import scaled
     sizes, batch, dropout, seed = [784, *preset["hidden_sizes"], 10], preset["batch_size"], 0.1, 1
     rng = np.random.default_rng(0)
@@ -591,7 +591,7 @@ def executor_rows(preset: dict, repeats: int, formats=("float32", *MIXED)) -> li
         scale = 1.0 if fmt == "float32" else 1024.0    # a static loss scale in 16 bits
 
         def trainer(grads_of):
-            weights, optimizer = init_weights(spec, seed), Optimizer("sgd", momentum=0.9)
+            weights, optimizer = init_weights(spec, seed), Optimizer(OptimizerSpec("sgd", momentum=0.9))
             state = {name: optimizer.init_state(w) for name, w in weights.items()}
 
             def step(s):
@@ -651,7 +651,7 @@ def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
         sys.path.insert(0, str(REPO))
 
     from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss
-    from cs_runtime.numerics.optim import Optimizer
+    from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
     from cs_torch.capture import model_spec
     from examples.torch_gpt.model import GPT, GPTConfig, gpt_loss
     torch.manual_seed(0)
@@ -660,7 +660,7 @@ def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
     batches = [(rng.integers(0, 260, (batch, seq)), rng.integers(0, 260, (batch, seq))) for _ in range(steps + 1)]
     ids = torch.from_numpy(batches[0][0])
     spec = model_spec("torch_gpt_bench", copy.deepcopy(module), (ids,), ids, gpt_loss)
-    weights, optimizer = init_weights(spec, 0), Optimizer("adamw", weight_decay=0.01)
+    weights, optimizer = init_weights(spec, 0), Optimizer(OptimizerSpec("adamw", weight_decay=0.01))
     state = {name: optimizer.init_state(w) for name, w in weights.items()}
     names = [layer.name for layer in spec.layers]
 

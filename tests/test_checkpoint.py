@@ -14,7 +14,7 @@ import pytest
 
 from cs_runtime import checkpoint
 from cs_runtime.numerics.model import mlp_spec
-from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from cs_runtime.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -77,13 +77,13 @@ def test_unflatten_for_checks_the_model_and_fills_missing_slots():
     ck = make_checkpoint()
     spec = mlp_spec("fc", [4, 3, 2], "relu", 0.0)
     flat = checkpoint.flatten(ck.weights, {})   # weights only: the slots start at zero
-    weights, opt_state = checkpoint.unflatten_for(spec, Optimizer("sgd", momentum=0.9), flat)
+    weights, opt_state = checkpoint.unflatten_for(spec, Optimizer(OptimizerSpec("sgd", momentum=0.9)), flat)
     np.testing.assert_array_equal(weights["fc1"]["weight"], ck.weights["fc1"]["weight"])
     assert weights["fc1"]["weight"].flags.writeable
     assert not opt_state["fc0"]["bias"]["momentum"].any() and opt_state["fc0"]["bias"]["momentum"].shape == (3,)
     del flat["model/fc1/bias"]
     with pytest.raises(ValueError, match="fc1/bias missing or not of shape"):
-        checkpoint.unflatten_for(spec, Optimizer("sgd"), flat)
+        checkpoint.unflatten_for(spec, Optimizer(OptimizerSpec("sgd")), flat)
 
 
 def test_save_load_round_trip(tmp_path):

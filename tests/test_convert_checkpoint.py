@@ -16,7 +16,7 @@ from cs_runtime import checkpoint as ckpt
 from cs_runtime import torch_names
 from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_forward, transformer_spec
-from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from scripts import convert_checkpoint as convert
 
 try:   # imported here, at collection: h5py's import runs `uname -p`, which a test may not start
@@ -41,7 +41,7 @@ def specs():
 def trained_checkpoint(spec, kind: str = "adam", step: int = 7) -> ckpt.Checkpoint:
     """Weights and optimizer state that are not their initial values (every slot differs)."""
     weights = init_weights(spec, seed=3)
-    optimizer = Optimizer(kind, momentum=0.9)
+    optimizer = Optimizer(OptimizerSpec(kind, momentum=0.9))
     rng = np.random.default_rng(5)
     state = {}
     for layer, params in weights.items():

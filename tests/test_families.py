@@ -318,7 +318,7 @@ def test_a_tied_tables_gradient_is_the_sum_over_its_readers(style):
 
 
 def test_a_tied_table_counts_once_in_the_clipping_norm():
-    from cs_runtime.numerics.optim import Optimizer
+    from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
     spec = lower_spec(gpt(tied=True))
     weights = init_weights(spec, 0)
     grads = [{p: np.full(w.shape, 0.5, np.float32) for p, w in weights[l.name].items()} for l in spec.layers]
@@ -326,7 +326,7 @@ def test_a_tied_table_counts_once_in_the_clipping_norm():
     once = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in
                        [v for gs in grads[:-1] for v in gs.values()] +
                        [v for k, v in grads[-1].items() if k != "tokens"]))
-    opt = Optimizer("sgd")
+    opt = Optimizer(OptimizerSpec("sgd"))
     state = {name: opt.init_state(w) for name, w in weights.items()}
     norm, _, _ = opt.update_model([l.name for l in spec.layers], weights, grads, state, 0.1, 0, 1.0,
                                   copies=program_layer.tied_copies(spec))
@@ -336,9 +336,9 @@ def test_a_tied_table_counts_once_in_the_clipping_norm():
 
 def test_a_checkpoint_stores_a_tied_table_once_and_gives_each_reader_its_copy(tmp_path):
     from cs_runtime import checkpoint as ckpt
-    from cs_runtime.numerics.optim import Optimizer
+    from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
     spec = lower_spec(gpt(tied=True, out_bias=False))
-    opt = Optimizer("adamw")
+    opt = Optimizer(OptimizerSpec("adamw"))
     weights = init_weights(spec, 0)
     state = {name: opt.init_state(w) for name, w in weights.items()}
     once, once_state = ckpt.stored_once(spec, weights, state)

@@ -16,7 +16,7 @@ from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics import precision as P
 from cs_runtime.numerics import model
 from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec
-from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from tests import dense_reference
 
 SIZES, BATCH, STEPS = [30, 24, 16, 7], 12, 16
@@ -26,7 +26,7 @@ def train(spec, batches, scaler: P.LossScaler, shards: int):
     """The CPU path's step over `shards` data-parallel shards (gradients summed in rank
     order, as SwarmX sums them): per step (loss, correct, eval sum, count, applied), weights."""
     weights = init_weights(spec, 0)
-    optimizer = Optimizer("sgd", momentum=0.9)
+    optimizer = Optimizer(OptimizerSpec("sgd", momentum=0.9))
     state = {name: optimizer.init_state(w) for name, w in weights.items()}
     history = []
     run = model if spec.program is not None else dense_reference

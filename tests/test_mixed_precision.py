@@ -16,7 +16,7 @@ from cs_runtime.config import ParamsError, params_from_dict
 from cs_runtime.data.mnist import load_mnist
 from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_backward, model_forward, model_loss
-from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode, float_arrays
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
 from cs_runtime.swarmx.server import reduce_messages
@@ -130,7 +130,7 @@ def test_float16_loses_small_gradients_to_underflow_and_loss_scaling_recovers_th
 # ---------------------------------------------------------------- the update
 
 def test_update_model_skips_a_step_with_overflowed_gradients():
-    opt = Optimizer("sgd", momentum=0.9)
+    opt = Optimizer(OptimizerSpec("sgd", momentum=0.9))
     w = {"fc0": {"weight": np.ones((2, 2), np.float32)}}
     state = {"fc0": opt.init_state(w["fc0"])}
     bad = [{"weight": np.array([[1, np.inf], [0, 0]], np.float32)}]

@@ -19,7 +19,7 @@ import yaml
 from cs_runtime.config import ParamsError, load_params, params_from_dict
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.data.text import BertDataset, TextDataError, load_corpus
-from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from worker.input_worker import fetched_ahead
 
 from tests.cluster_utils import tool, train_losses
@@ -437,7 +437,7 @@ def test_no_weight_decay_of_biases_and_norm_gains() -> None:
               "ln_gain": np.ones(2, np.float32)}
     zero = {k: np.zeros_like(v) for k, v in params.items()}
     for exclude in (True, False):
-        opt = Optimizer("adamw", weight_decay=0.5, exclude_bias_and_norm=exclude)
+        opt = Optimizer(OptimizerSpec("adamw", weight_decay=0.5, exclude_bias_and_norm=exclude))
         w = {k: v.copy() for k, v in params.items()}
         opt.update(w, zero, opt.init_state(w), 0.1)
         assert np.allclose(w["weight"], 0.95)
@@ -445,7 +445,7 @@ def test_no_weight_decay_of_biases_and_norm_gains() -> None:
 
 
 def test_norm_weights_of_captured_torch_models_are_not_decayed_either() -> None:
-    opt = Optimizer("adamw", weight_decay=0.1, exclude_bias_and_norm=True)
+    opt = Optimizer(OptimizerSpec("adamw", weight_decay=0.1, exclude_bias_and_norm=True))
     spared = ["blocks.0.ln_1.weight", "ln_f.weight", "norm.weight", "bn1.weight", "layernorm.weight", "ln1_gain",
               "h.0.attn.c_attn.bias"]
     decayed = ["weight", "h.0.attn.c_attn.weight", "tokens", "decoder_weight", "fc_weight", "lnx"]

@@ -22,7 +22,7 @@ from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.batch_check import BadBatch, check_batch
 from cs_runtime.numerics.model import (ShardContext, init_weights, model_backward, model_forward, model_loss,
                                        transformer_spec)
-from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from tests.cluster_utils import REPO, final_weights, relative_error, tool, train_losses
 
 VOCAB, SEQ, WIDTH, BATCH, PAD, SEGMENTS = 40, 10, 16, 6, 0, 3
@@ -141,7 +141,7 @@ def test_the_cpu_path_trains_as_torch_eager_with_adamw():
     opt_t = torch.optim.AdamW([{"params": [p for n, p in named if decay(n)], "weight_decay": WEIGHT_DECAY},
                                {"params": [p for n, p in named if not decay(n)], "weight_decay": 0.0}],
                               lr=LR, eps=1e-8)
-    opt = Optimizer("adamw", weight_decay=WEIGHT_DECAY, exclude_bias_and_norm=True)
+    opt = Optimizer(OptimizerSpec("adamw", weight_decay=WEIGHT_DECAY, eps=1e-8, exclude_bias_and_norm=True))
     state = {name: opt.init_state(w) for name, w in weights.items()}
     names = [layer.name for layer in spec.layers]
     losses = []

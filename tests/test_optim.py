@@ -6,12 +6,12 @@ torch.nn.utils.clip_grad_norm_).
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from cs_runtime.numerics.optim import Optimizer, clip_factor, global_norm
+from cs_runtime.config import OptimizerConfig
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec, clip_factor, global_norm
 
 STEPS = 6
 LRS = [0.1, 0.05, 0.05, 0.02, 0.01, 0.01]  # the lr changes between steps, as schedules do
@@ -98,7 +98,7 @@ def check_against(opt, ref, params, grads, **ref_kwargs):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_sgd_matches_pytorch_rule(momentum, weight_decay):
     params, grads = problem(1)
-    opt = Optimizer("sgd", momentum=momentum, weight_decay=weight_decay)
+    opt = Optimizer(OptimizerSpec("sgd", momentum=momentum, weight_decay=weight_decay))
     check_against(opt, ref_sgd, params, grads, momentum=momentum, weight_decay=weight_decay)
 
 
@@ -106,7 +106,7 @@ def test_sgd_matches_pytorch_rule(momentum, weight_decay):
 @pytest.mark.parametrize("betas,eps", [((0.9, 0.999), 1e-8), ((0.8, 0.99), 1e-6)])
 def test_adam_matches_pytorch_rule(weight_decay, betas, eps):
     params, grads = problem(2)
-    opt = Optimizer("adam", weight_decay=weight_decay, betas=betas, eps=eps)
+    opt = Optimizer(OptimizerSpec("adam", weight_decay=weight_decay, betas=betas, eps=eps))
     check_against(opt, ref_adam, params, grads, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
@@ -114,18 +114,18 @@ def test_adam_matches_pytorch_rule(weight_decay, betas, eps):
 @pytest.mark.parametrize("betas,eps", [((0.9, 0.999), 1e-8), ((0.8, 0.99), 1e-6)])
 def test_adamw_matches_pytorch_rule(weight_decay, betas, eps):
     params, grads = problem(3)
-    opt = Optimizer("adamw", weight_decay=weight_decay, betas=betas, eps=eps)
+    opt = Optimizer(OptimizerSpec("adamw", weight_decay=weight_decay, betas=betas, eps=eps))
     check_against(opt, ref_adam, params, grads, betas=betas, eps=eps, weight_decay=weight_decay,
                   decoupled=True)
 
 
 def test_adam_and_adamw_differ_only_with_weight_decay():
     params, grads = problem(4)
-    a, _ = run(Optimizer("adam", weight_decay=0.1), params, grads)
-    w, _ = run(Optimizer("adamw", weight_decay=0.1), params, grads)
+    a, _ = run(Optimizer(OptimizerSpec("adam", weight_decay=0.1)), params, grads)
+    w, _ = run(Optimizer(OptimizerSpec("adamw", weight_decay=0.1)), params, grads)
     assert not np.allclose(a["weight"], w["weight"])
-    a0, _ = run(Optimizer("adam"), params, grads)
-    w0, _ = run(Optimizer("adamw"), params, grads)
+    a0, _ = run(Optimizer(OptimizerSpec("adam")), params, grads)
+    w0, _ = run(Optimizer(OptimizerSpec("adamw")), params, grads)
     np.testing.assert_array_equal(a0["weight"], w0["weight"])
 
 
@@ -133,7 +133,7 @@ def test_bias_correction_goes_on_from_the_saved_step_count():
     """Resuming after k updates must continue the bias correction from k, not from 0:
     the count is in the state, which a checkpoint saves."""
     params, grads = problem(5)
-    opt = Optimizer("adam")
+    opt = Optimizer(OptimizerSpec("adam"))
     full, full_state = run(opt, params, grads)
     first, state = run(opt, params, grads[:3])
     assert all(float(state[name]["step"]) == 3 for name in params)
@@ -148,7 +148,7 @@ def test_bias_correction_goes_on_from_the_saved_step_count():
 def test_a_checkpoint_without_step_counts_goes_on_from_its_global_step():
     """Checkpoints written before the count was state: every step counted then."""
     params, grads = problem(5)
-    opt = Optimizer("adam")
+    opt = Optimizer(OptimizerSpec("adam"))
     full, _ = run(opt, params, grads)
     first, state = run(opt, params, grads[:3])
     old = {name: {k: v for k, v in slots.items() if k != "step"} for name, slots in state.items()}
@@ -166,7 +166,7 @@ def test_update_is_in_place_and_leaves_grads_alone():
     for v in g.values():
         v.flags.writeable = False  # as decoded from the wire
     before = {k: v.copy() for k, v in g.items()}
-    opt = Optimizer("sgd", momentum=0.9, weight_decay=0.1)
+    opt = Optimizer(OptimizerSpec("sgd", momentum=0.9, weight_decay=0.1))
     state = opt.init_state(params)
     opt.update(params, g, state, 0.1)
     assert params["weight"] is weight and not np.array_equal(weight, problem(6)[0]["weight"])
@@ -185,7 +185,7 @@ def test_update_is_in_place_and_leaves_grads_alone():
     ("adamw", 0.0, ("exp_avg", "exp_avg_sq", "step")),
 ])
 def test_state_initialisation_slot_names(kind, momentum, slots):
-    opt = Optimizer(kind, momentum=momentum)
+    opt = Optimizer(OptimizerSpec(kind, momentum=momentum))
     assert opt.slot_names() == slots
     params, _ = problem()
     state = opt.init_state(params)
@@ -200,14 +200,39 @@ def test_state_initialisation_slot_names(kind, momentum, slots):
 
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="rmsprop"):
-        Optimizer("rmsprop")
+        Optimizer(OptimizerSpec("rmsprop"))
 
 
-def test_from_config():
-    cfg = SimpleNamespace(optimizer_type="adamw", momentum=0.0, weight_decay=0.01,
-                          betas=[0.8, 0.95], eps=1e-7)
-    opt = Optimizer.from_config(cfg)
+def test_spec_from_params_round_trips_the_wire():
+    """params.yaml's section, the spec, its wire form and the optimizer agree field by field."""
+    cfg = OptimizerConfig(optimizer_type="adamw", weight_decay=0.01, betas=[0.8, 0.95], eps=1e-7)
+    spec = cfg.optimizer_spec()
+    assert OptimizerSpec.from_dict(spec.to_dict()) == spec
+    opt = Optimizer(spec)
     assert (opt.kind, opt.weight_decay, opt.beta1, opt.beta2, opt.eps) == ("adamw", 0.01, 0.8, 0.95, 1e-7)
+
+
+def test_one_default_per_parameter():
+    """params.yaml's defaults are the spec's: Adam's eps is the Cerebras API's 1e-6 everywhere."""
+    cfg, spec = OptimizerConfig(optimizer_type="adam"), OptimizerSpec("adam")
+    assert spec.eps == 1e-6
+    assert (cfg.eps, tuple(cfg.betas)) == (spec.eps, spec.betas)
+    assert cfg.optimizer_spec() == OptimizerSpec("adam", exclude_bias_and_norm=True)
+
+
+@pytest.mark.parametrize("wire", [
+    {"momentum": 0.9},                                   # no kind
+    {"kind": "sgd", "lr": 0.1},                          # not a field
+    {"kind": "sgd", "momentum": -1},
+    {"kind": "sgd", "momentum": True},
+    {"kind": "adam", "betas": [0.9]},
+    {"kind": "adam", "betas": [0.9, 1.5]},
+    {"kind": "adam", "eps": float("nan")},
+    {"kind": "sgd", "nesterov": 1, "momentum": 0.9},
+])
+def test_spec_refuses_bad_wire_forms(wire):
+    with pytest.raises(ValueError):
+        OptimizerSpec.from_dict(wire)
 
 
 def test_global_norm_against_numpy():
@@ -250,7 +275,7 @@ def test_norms_are_skipped_when_not_wanted_unless_clipping_needs_them():
     grads = [{"w": rng.standard_normal((6, 5)).astype(np.float32)} for _ in range(2)]
     results = {}
     for need, max_norm in ((True, None), (False, None), (False, 0.5)):
-        opt = Optimizer("sgd", momentum=0.9)
+        opt = Optimizer(OptimizerSpec("sgd", momentum=0.9))
         weights = {f"l{i}": {"w": np.ones((6, 5), np.float32)} for i in range(2)}
         state = {name: opt.init_state(w) for name, w in weights.items()}
         got = opt.update_model(["l0", "l1"], weights, [dict(g) for g in grads], state, 0.1, 0, max_norm,
@@ -271,7 +296,7 @@ def test_norms_are_skipped_when_not_wanted_unless_clipping_needs_them():
 def test_sgd_nesterov_and_dampening_match_torch_optim_sgd(momentum, dampening, nesterov, weight_decay):
     torch = pytest.importorskip("torch", reason="the oracle is torch.optim.SGD; torch is an optional extra")
     params, grads = problem(5)
-    opt = Optimizer("sgd", momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, dampening=dampening)
+    opt = Optimizer(OptimizerSpec("sgd", momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, dampening=dampening))
     got, state = run(opt, params, grads)
     tensors = {name: torch.tensor(p.copy(), requires_grad=True) for name, p in params.items()}
     ref = torch.optim.SGD(list(tensors.values()), lr=LRS[0], momentum=momentum, dampening=dampening,
@@ -288,7 +313,7 @@ def test_sgd_nesterov_and_dampening_match_torch_optim_sgd(momentum, dampening, n
 
 
 def test_nesterov_and_dampening_are_checked():
-    with pytest.raises(ValueError, match="nesterov momentum requires a momentum and zero dampening"):
-        Optimizer("sgd", momentum=0.9, nesterov=True, dampening=0.1)
+    with pytest.raises(ValueError, match="nesterov: true requires a momentum and zero dampening"):
+        Optimizer(OptimizerSpec("sgd", momentum=0.9, nesterov=True, dampening=0.1))
     with pytest.raises(ValueError, match="nesterov and dampening are SGD's"):
-        Optimizer("adam", nesterov=True)
+        Optimizer(OptimizerSpec("adam", nesterov=True))

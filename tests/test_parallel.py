@@ -196,13 +196,13 @@ def test_scaled_dot_product_attention_by_pieces_is_the_same_bits(monkeypatch, tw
 def test_an_update_by_pieces_is_the_same_bits(monkeypatch, two_threads, kind):
     """Each piece of a parameter's update has its own scratch, so pieces side by side give
     the bits of one pass over the whole (three steps, moments carried)."""
-    from cs_runtime.numerics.optim import Optimizer
+    from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
     rng = np.random.default_rng(7)
     w0 = rng.standard_normal((300, 1000)).astype(np.float32)
     grads = [rng.standard_normal(w0.shape).astype(np.float32) for _ in range(3)]
 
     def train():
-        opt = Optimizer(kind, momentum=0.9, weight_decay=0.01)
+        opt = Optimizer(OptimizerSpec(kind, momentum=0.9, weight_decay=0.01))
         params = {"w": w0.copy()}
         state = opt.init_state(params)
         for g in grads:

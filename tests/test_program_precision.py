@@ -16,7 +16,7 @@ from cs_runtime.numerics.executor import unit_backward, unit_forward
 from cs_runtime.numerics import model
 from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec
 from cs_runtime.numerics.ops import OPS
-from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from cs_runtime.numerics.program import Node, Program, Value, infer_values
 from cs_runtime.numerics.program_layer import unit_of
 from tests import dense_reference
@@ -57,7 +57,7 @@ def _both_specs(fmt: str, seed_grad: np.ndarray):
 def _train(spec, batches, seed_grad, scaler: P.LossScaler):
     """The CPU path's step (chief/cpu_executor.py): forward, loss, scaled backward, update."""
     weights = init_weights(spec, 0)
-    optimizer = Optimizer("sgd", momentum=0.9)
+    optimizer = Optimizer(OptimizerSpec("sgd", momentum=0.9))
     state = {name: optimizer.init_state(w) for name, w in weights.items()}
     losses, applied = [], []
     run = model if spec.program is not None else dense_reference

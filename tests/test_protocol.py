@@ -40,6 +40,7 @@ from cs_runtime.wire.protocol import (
     encode,
 )
 from cs_runtime.numerics.model import mlp_spec
+from cs_runtime.numerics.optim import OptimizerSpec
 from cs_runtime.wire.transport import Endpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,13 +63,18 @@ FRONT_DOOR_SAMPLES = {"name": "wsjob-1", "owner": "ab" * 32, "labels": {"k": "v"
 
 
 # LOAD_MODEL's spec is the job's settings (protocol.JobSettings), checked field by field.
-SETTINGS = JobSettings(mlp_spec("m", [4, 3, 2], "relu", 0.0), {"kind": "sgd", "momentum": 0.9}, seed=1)
+SETTINGS = JobSettings(mlp_spec("m", [4, 3, 2], "relu", 0.0), OptimizerSpec("sgd", momentum=0.9), seed=1)
+
+
+def raw_load_model(spec: dict) -> Message:
+    """A LOAD_MODEL whose settings array holds `spec` as it is: what a peer of another mind could send."""
+    return Message(Msg.LOAD_MODEL, arrays={SETTINGS_ARRAY: np.frombuffer(msgpack.packb(spec), np.uint8)})
 
 
 def minimal_meta(mtype: Msg) -> dict:
     meta = {key: _sample_value(typ) for key, typ in META_SCHEMA[mtype].items()}
     if mtype == Msg.LOAD_MODEL:
-        meta["spec"] = SETTINGS.to_meta()
+        meta["spec"] = SETTINGS
     if mtype in FRONT_DOOR:
         meta.update({k: v for k, v in FRONT_DOOR_SAMPLES.items() if k in meta})
     return meta
@@ -279,21 +285,21 @@ def test_reject_wrong_typed_meta_field(mtype, key, value):
 
 def test_load_model_settings_round_trip_and_parse_to_the_same_settings():
     settings = JobSettings(mlp_spec("m", [4, 3, 2], "tanh", 0.1),
-                           {"kind": "adam", "betas": [0.8, 0.99], "exclude_bias_and_norm": True}, seed=5,
+                           OptimizerSpec("adam", betas=(0.8, 0.99), exclude_bias_and_norm=True), seed=5,
                            execution_strategy="pipelined", replicas=2, max_gradient_norm=1.5,
                            loss_scaling="dynamic", trace=True)
-    out = decode(encode(Message(Msg.LOAD_MODEL, meta={"spec": settings.to_meta()})))
-    assert JobSettings.from_meta(out.meta["spec"]) == settings
+    out = decode(encode(Message(Msg.LOAD_MODEL, meta={"spec": settings})))
+    assert out.meta["spec"] == settings
     assert settings.pipelined and settings.skips_nonfinite
 
 
 def test_load_model_settings_larger_than_a_header_travel_in_their_array():
     # A 12-block transformer's program outgrows the 64 KB header cap; the settings must not.
     wide = mlp_spec("m", [4] + [3] * 3000 + [2], "relu", 0.0)
-    settings = JobSettings(wide, {"kind": "sgd"}, seed=1)
-    frames = encode(Message(Msg.LOAD_MODEL, meta={"spec": settings.to_meta()}))
+    settings = JobSettings(wide, OptimizerSpec("sgd"), seed=1)
+    frames = encode(Message(Msg.LOAD_MODEL, meta={"spec": settings}))
     assert len(frames[0]) < MAX_HEADER_BYTES < len(msgpack.packb(settings.to_meta()))
-    assert JobSettings.from_meta(decode(frames).meta["spec"]) == settings
+    assert decode(frames).meta["spec"] == settings
 
 
 @pytest.mark.parametrize("settings_array", [None, np.zeros(4, np.float32), np.frombuffer(b"\xc1", np.uint8),
@@ -319,13 +325,12 @@ def test_reject_load_model_without_well_formed_settings(settings_array):
     ("model", {"name": "m", "layers": [{"name": "fc0", "op": "dense", "in_features": -4, "out_features": 2}]}),
 ])
 def test_reject_load_model_settings_naming_the_field(key, value):
-    meta = {"spec": {**SETTINGS.to_meta(), key: value}}
-    reject(encode(Message(Msg.LOAD_MODEL, meta=meta)), "load_model", repr(key))
+    reject(encode(raw_load_model({**SETTINGS.to_meta(), key: value})), "load_model", repr(key))
 
 
 def test_load_model_settings_defaults_fill_what_is_absent():
     spec = {"model": SETTINGS.model.to_dict(), "optimizer": {"kind": "sgd"}, "seed": 3}
-    settings = JobSettings.from_meta(decode(encode(Message(Msg.LOAD_MODEL, meta={"spec": spec}))).meta["spec"])
+    settings = decode(encode(raw_load_model(spec))).meta["spec"]
     assert (settings.execution_strategy, settings.replicas, settings.max_gradient_norm, settings.loss_scaling,
             settings.trace) == ("weight_streaming", 1, None, "none", False)
 

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch comparisons need PyTorch (pip install torch)")
 
 from cs_runtime import checkpoint as ckpt  # noqa: E402
-from cs_runtime.numerics.optim import Optimizer  # noqa: E402
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec  # noqa: E402
 from cs_runtime.numerics.precision import LossScaler  # noqa: E402
 
 STEPS = 30
@@ -66,7 +66,7 @@ def run_torch(kind: str, weight_decay: float, steps: int):
 def run_ours(kind: str, weight_decay: float, steps: int, state=None, params=None, scaler=None, first=0):
     x, y, start = regression_problem()
     params = params if params is not None else start
-    opt = Optimizer(kind, weight_decay=weight_decay)
+    opt = Optimizer(OptimizerSpec(kind, weight_decay=weight_decay))
     state = state if state is not None else {"fc": opt.init_state(params)}
     scaler = scaler or LossScaler("dynamic", initial_scale=2.0 ** 24, steps_per_increase=5,
                                   min_scale=1.0, max_scale=2.0 ** 40)

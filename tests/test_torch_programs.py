@@ -13,7 +13,7 @@ F = torch.nn.functional
 
 from cs_runtime.numerics import kernels  # noqa: E402
 from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss  # noqa: E402
-from cs_runtime.numerics.optim import Optimizer, grad_norms  # noqa: E402
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec, grad_norms  # noqa: E402
 from cs_torch.capture import CaptureError, load_into, model_spec  # noqa: E402
 from tests import torch_models  # noqa: E402
 
@@ -84,7 +84,7 @@ def _torch_optimizer(kind, params):
 
 
 def _ours(kind):
-    return Optimizer(kind, momentum=0.9 if kind == "sgd" else 0.0, weight_decay=0.01 if kind == "adamw" else 0.0)
+    return Optimizer(OptimizerSpec(kind, momentum=0.9 if kind == "sgd" else 0.0, weight_decay=0.01 if kind == "adamw" else 0.0))
 
 
 def train_cpu_path(spec, batches, opt_kind):
@@ -408,7 +408,7 @@ def test_gradient_clipping_counts_a_tied_weight_once_as_clip_grad_norm_does():
     eager = copy.deepcopy(module)
     torch_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     weights = init_weights(spec, seed=0)
-    ours = Optimizer("sgd")
+    ours = Optimizer(OptimizerSpec("sgd"))
     state = {name: ours.init_state(w) for name, w in weights.items()}
     names = [layer.name for layer in spec.layers]
     for step, (x, y) in enumerate(batches):

@@ -19,7 +19,7 @@ from cs_runtime.compiler.families import lower_spec   # noqa: E402
 from cs_runtime.numerics import program_layer   # noqa: E402
 from cs_runtime.numerics.model import (ShardContext, init_weights, model_backward, model_forward,   # noqa: E402
                                        model_loss, transformer_spec)
-from cs_runtime.numerics.optim import Optimizer   # noqa: E402
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec   # noqa: E402
 
 STEPS, LR, MAX_NORM, WEIGHT_DECAY = 4, 0.01, 1.0, 0.01
 LOSS_RTOL = 1e-5
@@ -122,7 +122,7 @@ def torch_run(spec, weights, batches) -> list[float]:
 
 def cpu_path_run(spec, weights, batches) -> list[float]:
     """What chief/cpu_executor runs for one step, on the whole batch."""
-    opt = Optimizer("adamw", weight_decay=WEIGHT_DECAY, exclude_bias_and_norm=True)
+    opt = Optimizer(OptimizerSpec("adamw", weight_decay=WEIGHT_DECAY, eps=1e-8, exclude_bias_and_norm=True))
     state = {name: opt.init_state(w) for name, w in weights.items()}
     names = [layer.name for layer in spec.layers]
     losses = []

@@ -256,7 +256,7 @@ class WSE:
 
     def make_executor(self, msg: Message):
         """The executor of LOAD_MODEL's settings; the timeline recorder set as they say."""
-        settings = JobSettings.from_meta(msg.meta["spec"])
+        settings: JobSettings = msg.meta["spec"]     # parsed and checked by protocol.decode
         trace.RECORDER.reset(settings.trace)
         spec = settings.model
         self.inputs.spec = spec

@@ -38,7 +38,7 @@ class PipelinedExecutor:
         self.replicas = settings.replicas
         self.max_norm = settings.max_gradient_norm
         self.skip_nonfinite = settings.skips_nonfinite
-        self.optimizer = Optimizer(**settings.optimizer)
+        self.optimizer = Optimizer(settings.optimizer)
         self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, arrays)
 
     def handle(self, msg: Message) -> bool:

@@ -28,7 +28,7 @@ def measure_consumption(args: RunArgs, fns: UserFunctions) -> None:
     p = args.params
     stream = InputStream.build("train", fns.train_input_fn(p), p.train_input, p.runconfig.seed)
     shard = stream.shards(0, num_csx)[0]
-    optimizer = Optimizer(**p.optimizer.optimizer_spec())
+    optimizer = Optimizer(p.optimizer.optimizer_spec())
     weights = init_weights(spec, p.runconfig.seed)
     opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
     names = [layer.name for layer in spec.layers]

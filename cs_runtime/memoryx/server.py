@@ -89,9 +89,9 @@ class MemoryX:
             self.router.warn_once(identity, f"unexpected {msg.type.value}")
 
     def load_model(self, msg: Message) -> None:
-        settings = JobSettings.from_meta(msg.meta["spec"])
+        settings: JobSettings = msg.meta["spec"]     # parsed and checked by protocol.decode
         self.spec = settings.model
-        self.optimizer = Optimizer(**settings.optimizer)
+        self.optimizer = Optimizer(settings.optimizer)
         self.max_norm = settings.max_gradient_norm
         self.skip_nonfinite = settings.skips_nonfinite
         trace.RECORDER.reset(settings.trace)

@@ -21,9 +21,11 @@ Updates are in place (out=) so a step allocates no weight-sized temporaries.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,27 +40,76 @@ NORM_WEIGHT = re.compile(r"(^|[._])(ln|bn|norm|layer_?norm|batch_?norm)[^.]*\.we
 STEP_SLOT = "step"       # Adam's count of applied updates, a slot like the moments
 
 
-class Optimizer:
-    def __init__(self, kind: str, momentum: float = 0.0, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 exclude_bias_and_norm: bool = False, nesterov: bool = False, dampening: float = 0.0):
-        if kind not in ("sgd", "adam", "adamw"):
-            raise ValueError(f"unknown optimizer_type {kind!r}")
-        if (nesterov or dampening) and kind != "sgd":
-            raise ValueError(f"nesterov and dampening are SGD's, not {kind}'s")
-        if nesterov and (momentum <= 0 or dampening):
-            raise ValueError("nesterov momentum requires a momentum and zero dampening")
-        self.kind, self.momentum, self.weight_decay = kind, momentum, weight_decay
-        self.nesterov, self.dampening = bool(nesterov), float(dampening)
-        self.exclude_bias_and_norm = exclude_bias_and_norm
-        self.beta1, self.beta2 = betas
-        self.eps = eps
-        self._buffers: dict[tuple, np.ndarray] = {}
+OPTIMIZER_KINDS = ("sgd", "adam", "adamw")
+_SPEC_NUMBERS = ("momentum", "weight_decay", "eps", "dampening")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The learning rule, checked once: what params.yaml's `optimizer` section and
+    cs_torch's optimizers become, what LOAD_MODEL carries to MemoryX and the WSEs
+    (as to_dict()), and what an Optimizer applies.
+
+    Defaults are the Cerebras PyTorch API's and the model zoo's (Adam's and
+    AdamW's eps 1e-6, betas (0.9, 0.999)); a caller that mirrors torch.optim
+    passes torch's eps (1e-8) itself.
+    """
+    kind: str
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    exclude_bias_and_norm: bool = False
+    nesterov: bool = False
+    dampening: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in OPTIMIZER_KINDS:
+            raise ValueError(f"unknown optimizer_type {self.kind!r} (one of {', '.join(OPTIMIZER_KINDS)})")
+        for name in _SPEC_NUMBERS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"optimizer {name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1
+                        for b in self.betas)):
+            raise ValueError(f"optimizer betas must be two numbers in [0, 1), got {self.betas!r}")
+        for name in ("exclude_bias_and_norm", "nesterov"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"optimizer {name} must be true or false, got {getattr(self, name)!r}")
+        if (self.nesterov or self.dampening) and self.kind != "sgd":
+            raise ValueError(f"nesterov and dampening are SGD's settings, not {self.kind}'s")
+        if self.nesterov and (self.momentum <= 0 or self.dampening):
+            raise ValueError("nesterov: true requires a momentum and zero dampening (as torch.optim.SGD)")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+
+    def to_dict(self) -> dict:
+        """The wire form (msgpack-able): every field, betas as a list."""
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
 
     @classmethod
-    def from_config(cls, cfg) -> "Optimizer":
-        return cls(cfg.optimizer_type, cfg.momentum, cfg.weight_decay, tuple(cfg.betas), cfg.eps,
-                   nesterov=getattr(cfg, "nesterov", False), dampening=getattr(cfg, "dampening", 0.0))
+    def from_dict(cls, d) -> "OptimizerSpec":
+        """The spec of to_dict()'s dict; ValueError on a missing `kind`, an unknown key or a bad value."""
+        if not isinstance(d, dict) or "kind" not in d:
+            raise ValueError("optimizer: not a mapping with a kind")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"optimizer: unknown field(s) {sorted(unknown)}")
+        betas = d.get("betas", cls.betas)
+        return cls(**{**d, "betas": tuple(betas) if isinstance(betas, (list, tuple)) else betas})
+
+
+class Optimizer:
+    """Applies an OptimizerSpec's rule to MemoryX's (or the CPU path's) weights."""
+
+    def __init__(self, spec: OptimizerSpec):
+        self.spec = spec
+        self.kind, self.momentum, self.weight_decay = spec.kind, spec.momentum, spec.weight_decay
+        self.nesterov, self.dampening = spec.nesterov, float(spec.dampening)
+        self.exclude_bias_and_norm = spec.exclude_bias_and_norm
+        self.beta1, self.beta2 = spec.betas
+        self.eps = spec.eps
+        self._buffers: dict[tuple, np.ndarray] = {}
 
     def slot_names(self) -> tuple[str, ...]:
         if self.kind == "sgd":

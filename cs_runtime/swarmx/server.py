@@ -138,7 +138,7 @@ class SwarmX:
             self.router.send(trace.reply(msg, "swarmx", self.penv.rank, received_ns), self.chief, share=False)
         elif identity == self.chief and msg.type in BROADCAST:
             if msg.type == Msg.LOAD_MODEL:
-                settings = JobSettings.from_meta(msg.meta["spec"])
+                settings: JobSettings = msg.meta["spec"]     # parsed and checked by protocol.decode
                 self.prepare_sums(settings)
                 trace.RECORDER.reset(settings.trace)
             if msg.type == Msg.JOB_END:

@@ -22,8 +22,9 @@ A socket that does not share memory refuses such references.
 
 LOAD_MODEL's settings (JobSettings: the model, a compiled program's units
 included) can outgrow the header cap, so they travel as msgpack bytes in a
-uint8 array named SETTINGS_ARRAY; `decode` unpacks and validates them and
-hands them back as meta["spec"], as if they had come in the header.
+uint8 array named SETTINGS_ARRAY. The sender puts a JobSettings in meta["spec"];
+`decode` unpacks and validates the array and hands the parsed JobSettings back as
+meta["spec"], so no receiver parses them again.
 
 No pickle anywhere: a header is plain msgpack data and an array is bytes whose
 dtype and shape the header states. `decode` checks everything (type, version,
@@ -47,6 +48,7 @@ import msgpack
 import numpy as np
 
 from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.numerics.optim import OptimizerSpec
 from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
@@ -289,7 +291,6 @@ def batch_features(msg: "Message", arrays: dict | None = None):
 # ------------------------------------------------------------ LOAD_MODEL
 STRATEGIES = ("weight_streaming", "pipelined")
 LOSS_SCALING = ("none", "static", "dynamic")
-OPTIMIZER_KINDS = ("sgd", "adam", "adamw")
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,7 @@ class JobSettings:
     """What the chief tells MemoryX, SwarmX and every WSE at LOAD_MODEL (meta "spec"):
     the model, the learning rule, and how the job trains. Parsed only by from_meta."""
     model: ModelSpec
-    optimizer: dict                    # numerics.optim.Optimizer's keyword arguments
+    optimizer: OptimizerSpec           # the learning rule (MemoryX; the WSE in pipelined mode)
     seed: int                          # runconfig.seed: dropout masks
     execution_strategy: str = "weight_streaming"
     replicas: int = 1                  # pipelined: copies of the model on one WSE
@@ -315,7 +316,7 @@ class JobSettings:
         return self.loss_scaling != "none"
 
     def to_meta(self) -> dict:
-        return {"model": self.model.to_dict(), "optimizer": dict(self.optimizer), "seed": self.seed,
+        return {"model": self.model.to_dict(), "optimizer": self.optimizer.to_dict(), "seed": self.seed,
                 "execution_strategy": self.execution_strategy, "replicas": self.replicas,
                 "max_gradient_norm": self.max_gradient_norm, "loss_scaling": self.loss_scaling,
                 "trace": self.trace}
@@ -333,17 +334,10 @@ class JobSettings:
             raise bad("model") from None
         if not all(_fields_typed(layer) for layer in model.layers):
             raise bad("model")
-        optimizer = meta.get("optimizer")
-        if not (isinstance(optimizer, dict) and optimizer.get("kind") in OPTIMIZER_KINDS
-                and set(optimizer) <= {"kind", "momentum", "weight_decay", "betas", "eps", "exclude_bias_and_norm",
-                                       "nesterov", "dampening"}
-                and all(_is(optimizer[k], _NUM) for k in ("momentum", "weight_decay", "eps", "dampening")
-                        if k in optimizer)
-                and isinstance(optimizer.get("exclude_bias_and_norm", False), bool)
-                and isinstance(optimizer.get("nesterov", False), bool)
-                and _sgd_settings_valid(optimizer)
-                and _is_pair(optimizer.get("betas", [0.9, 0.999]))):
-            raise bad("optimizer")
+        try:
+            optimizer = OptimizerSpec.from_dict(meta.get("optimizer"))
+        except (TypeError, ValueError):
+            raise bad("optimizer") from None
         checks = {"seed": lambda v: _is(v, int),
                   "execution_strategy": lambda v: v in STRATEGIES,
                   "replicas": lambda v: _is(v, int) and v >= 1,
@@ -356,14 +350,6 @@ class JobSettings:
             if not checks[key](value):
                 raise bad(key)
         return cls(model, optimizer, **fields)
-
-
-def _sgd_settings_valid(optimizer: dict) -> bool:
-    """nesterov and dampening only for SGD; nesterov with a momentum and no dampening (torch's rule)."""
-    nesterov, dampening = optimizer.get("nesterov", False), optimizer.get("dampening", 0)
-    if (nesterov or dampening) and optimizer.get("kind") != "sgd":
-        return False
-    return not nesterov or (optimizer.get("momentum", 0) > 0 and not dampening)
 
 
 _FIELD_TYPES = {"str": str, "int": int, "float": _NUM, "bool": bool}
@@ -382,10 +368,6 @@ def _fields_typed(layer) -> bool:
         if f.type == "int" and f.name != "pad_id" and value < 0:
             return False
     return True
-
-
-def _is_pair(value) -> bool:
-    return isinstance(value, list) and len(value) == 2 and all(_is(v, _NUM) for v in value)
 
 
 @dataclass
@@ -407,7 +389,7 @@ def encode(msg: Message, segments=None) -> list:
     meta, arrays = msg.meta, msg.arrays
     if msg.type == Msg.LOAD_MODEL and "spec" in meta:
         meta = {k: v for k, v in meta.items() if k != "spec"}
-        packed = msgpack.packb(msg.meta["spec"], use_bin_type=True)
+        packed = msgpack.packb(msg.meta["spec"].to_meta(), use_bin_type=True)
         arrays = {**arrays, SETTINGS_ARRAY: np.frombuffer(packed, np.uint8)}
     for name, arr in arrays.items():
         arr = np.asarray(arr, order="C")  # not ascontiguousarray: it turns 0-d into shape (1,)
@@ -499,8 +481,7 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         _check_trace(header["meta"], arrays)
     meta = header["meta"]
     if mtype == Msg.LOAD_MODEL:
-        meta = {**meta, "spec": _settings_meta(arrays.pop(SETTINGS_ARRAY, None))}
-        JobSettings.from_meta(meta["spec"])
+        meta = {**meta, "spec": JobSettings.from_meta(_settings_meta(arrays.pop(SETTINGS_ARRAY, None)))}
     return Message(mtype, header["job"], header["step"], header["layer"], meta, arrays)
 
 
