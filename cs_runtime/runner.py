@@ -13,7 +13,7 @@ the role the launcher gave it (environment CS_ROLE):
   the model, as --validate_only does, and exit (2 on a bad params file).
 
 The roles live above cs_runtime (chief/, worker/, wse/): each is imported by
-name from ROLE_ENTRY_POINTS, so no import of this package points up.
+name from cs_runtime.roles, so no import of this package points up.
 """
 from __future__ import annotations
 
@@ -22,20 +22,10 @@ import sys
 
 from cs_runtime import env
 from cs_runtime.run_args import RunArgs, UserFunctions, parse_args
+from cs_runtime.roles import entry_point
 from cs_runtime.service import setup_logging
 
 __all__ = ["RunArgs", "UserFunctions", "run"]
-
-# CS_ROLE -> (module, function(args, fns) -> exit code or None); any other role runs the CPU path.
-ROLE_ENTRY_POINTS = {
-    "": ("chief.trainer", "run_on_cpu"),
-    "chief": ("chief.trainer", "run_on_cluster"),
-    "worker": ("worker.input_worker", "serve_inputs"),
-    "input_probe": ("worker.probe", "measure_input"),
-    "wse_probe": ("wse.probe", "measure_consumption"),
-    "precheck": ("chief.trainer", "run_precheck"),
-}
-
 
 def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = None,
         model: str | None = None) -> None:
@@ -45,7 +35,7 @@ def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = N
     fns = UserFunctions(model_fn, train_input_fn, eval_input_fn)
     role = env.ROLE.get()
     setup_logging(role or "cpu")
-    module, function = ROLE_ENTRY_POINTS.get(role, ROLE_ENTRY_POINTS[""])
+    module, function = entry_point(role)
     code = getattr(importlib.import_module(module), function)(args, fns)
     if code is not None:
         sys.exit(code)

@@ -33,8 +33,6 @@ class BadInput(Exception):
     """Input a restart would only meet again (a bad sample): one line, exit EXIT_BAD_INPUT."""
 
 
-ROLES = ("chief", "worker", "memoryx", "swarmx", "wse")
-
 # A CS system (cs_runtime/appliance/server.py) starts its services ahead of time with
 # AWAIT_JOB_ENV set: each imports what it needs, then waits for the one job it
 # will serve, given as one JSON line on stdin (the variables below, nothing else).

@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # output line. `cs_runtime` itself is the package's __init__.
     ("cs_runtime", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
      "cs_runtime.numerics", "cs_runtime.data", "cs_runtime.user_script", "cs_runtime.probe_line",
-     "cs_runtime.torch_names"),
+     "cs_runtime.torch_names", "cs_runtime.roles"),
     # Bytes between processes: the protocol, transport, shared memory, keys.
     ("cs_runtime.wire",),
     # What a process of any role uses: sending its timeline, checkpoints, the

@@ -109,8 +109,8 @@ def test_ssh_options_add_to_the_defaults_and_override_what_they_name():
 
 
 def test_services_step_roles_then_the_tasks():
-    from cs_runtime.launch.task import role_of_service
-    assert [role_of_service(i) for i in range(4)] == [("memoryx", 0), ("swarmx", 0), ("wse", 0), ("wse", 1)]
+    from cs_runtime.roles import service_of_index
+    assert [service_of_index(i) for i in range(4)] == [("memoryx", 0), ("swarmx", 0), ("wse", 0), ("wse", 1)]
 
 
 def test_slurm_counts_expand_and_compress():

@@ -57,10 +57,11 @@ from pathlib import Path
 import zmq
 
 from cs_runtime import env as cs_env
+from cs_runtime.roles import ROLES, SERVICE_ROLES, module_of, service_counts, services_of_job
 from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, DirectoryServer
 from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
-from cs_runtime.launch.launcher import (SERVICE_MODULES, ProcessGroup, Task, describe_exit, registration_overdue,
+from cs_runtime.launch.launcher import (ProcessGroup, Task, describe_exit, registration_overdue,
                                        numerics_env, spawn)
 from cs_runtime.wire.protocol import ENDED_PHASES, USER_NAME, Message, MessageTooLarge, Msg
 from cs_runtime.service import AWAIT_JOB_ENV
@@ -78,7 +79,6 @@ RATE_PER_S, RATE_BURST = 20.0, 40   # requests per client (public key) a second,
 KEPT_CLIENTS = 4096          # rate buckets kept (the least recently seen go first)
 TURN_TIMEOUT_S = 120.0       # a job's chief must arrive this soon after its turn came
 RESPAWN_DELAY_S = 5.0        # an idle service that died is replaced after this (no spawn loop on a broken install)
-ROLES = (("memoryx", 1), ("swarmx", 1))   # per job, with one WSE per system
 
 
 def read_clients(path: str) -> dict[str, str]:
@@ -171,16 +171,15 @@ class ServicePool:
     """Service processes started ahead of time, each waiting for the one job it will serve."""
 
     def __init__(self, num_csx: int):
-        self.idle: dict[str, list[subprocess.Popen]] = {role: [] for role in SERVICE_MODULES}
-        # The WSEs split the cores between the systems; every other service gets one BLAS thread.
-        self.wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
+        self.idle: dict[str, list[subprocess.Popen]] = {role: [] for role in SERVICE_ROLES}
+        self.num_csx = num_csx
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CS_") or k == cs_env.LOG_LEVEL.name}
         self.env.update({AWAIT_JOB_ENV: "1", "PYTHONUNBUFFERED": "1"})
         self.not_before: dict[str, float] = {}
 
     def spawn(self, role: str) -> subprocess.Popen:
-        env = numerics_env(self.env, self.wse_threads if role == "wse" else 1)
-        return spawn([sys.executable, "-m", SERVICE_MODULES[role]], env, SERVICE_DEATH_SIGNAL,
+        env = numerics_env(self.env, ROLES[role].threads(self.num_csx))
+        return spawn([sys.executable, "-m", module_of(role)], env, SERVICE_DEATH_SIGNAL,
                      stdin=subprocess.PIPE, stdout=sys.stderr)   # services log to stderr; stdout stays the server's own
 
     def refill(self, targets: dict[str, int]) -> None:
@@ -214,7 +213,7 @@ class ServicePool:
                     proc.stdin.close()   # EOF: an idle service exits by itself
                 group.add(Task(role, 0, host_name(), proc))
         group.stop_all()
-        self.idle = {role: [] for role in SERVICE_MODULES}
+        self.idle = {role: [] for role in SERVICE_ROLES}
 
 
 class JobRuntime:
@@ -225,7 +224,7 @@ class JobRuntime:
         self.ctx = zmq.Context()     # its own ZAP handler, admitting only this job's keys
         self.keys_dir = auth.write_job_dir(job.keys) if job.keys else None
         keys = auth.load_keys(str(self.keys_dir)) if self.keys_dir else None
-        self.directory = DirectoryServer(self.ctx, job.run_id, {"memoryx": 1, "swarmx": 1, "wse": job.num_csx},
+        self.directory = DirectoryServer(self.ctx, job.run_id, service_counts(job.num_csx),
                                          host=host, keys=keys)
         env = {"CS_JOB_ID": job.run_id, "CS_IP": self.directory.address, "CS_NUM_CSX": str(job.num_csx),
                "CS_BIND_HOST": host}
@@ -234,10 +233,9 @@ class JobRuntime:
         if shm_dir:
             env[SHM_ENV] = shm_dir
         self.group = ProcessGroup()
-        for role, count in (*ROLES, ("wse", job.num_csx)):
-            for rank in range(count):
-                proc = pool.take(role, {**env, "CS_ROLE": role, "CS_RANK": str(rank)})
-                self.group.add(Task(role, rank, host_name(), proc))
+        for role, rank in services_of_job(job.num_csx):
+            proc = pool.take(role, {**env, "CS_ROLE": role, "CS_RANK": str(rank)})
+            self.group.add(Task(role, rank, host_name(), proc))
         self.started = time.monotonic()
 
     @property
@@ -329,7 +327,7 @@ class CSSystem:
             self.watch(job)
         self.drop_lost_submitters()
         self.schedule()
-        self.pool.refill({"memoryx": 1, "swarmx": 1, "wse": self.num_csx})
+        self.pool.refill(service_counts(self.num_csx))
 
     def running(self) -> list[JobRecord]:
         return [j for j in self.jobs if j.runtime is not None]

@@ -25,10 +25,11 @@ from pathlib import Path
 import zmq
 
 from cs_runtime import env as cs_env
+from cs_runtime.roles import ROLES, module_of, service_counts, services_of_job
 from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.launch import remote
 from cs_runtime.launch.directory import DirectoryServer
-from cs_runtime.launch.launcher import (SERVICE_MODULES, JobFailed, ProcessGroup, Supervisor, check_file_limit,
+from cs_runtime.launch.launcher import (JobFailed, ProcessGroup, Supervisor, check_file_limit,
                                        numerics_env)
 from cs_runtime.launch.remote import LaunchError
 from cs_runtime.launch.restart import RESTART_ENV, Outcome, run_with_restarts
@@ -137,12 +138,10 @@ def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | 
     """MemoryX, SwarmX and the WSEs, on this machine: with shm_dir they share memory for the weight stream."""
     if shm_dir:
         env = {**env, "CS_SHM_DIR": shm_dir}
-    wse_threads = max(1, (os.cpu_count() or 1) // num_csx)
-    for role, count in (("memoryx", 1), ("swarmx", 1), ("wse", num_csx)):
-        role_env = numerics_env(env, wse_threads if role == "wse" else 1)
-        for rank in range(count):
-            group.start(role, rank, [sys.executable, "-m", SERVICE_MODULES[role]],
-                        {**role_env, "CS_ROLE": role, "CS_RANK": str(rank)})
+    for role, rank in services_of_job(num_csx):
+        role_env = numerics_env(env, ROLES[role].threads(num_csx))
+        group.start(role, rank, [sys.executable, "-m", module_of(role)],
+                    {**role_env, "CS_ROLE": role, "CS_RANK": str(rank)})
 
 
 def start_local_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers: int) -> None:
@@ -221,7 +220,7 @@ def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = T
     ctx = zmq.Context()
     expected = {"chief": 1, "worker": layout.num_workers}
     if cs_ip is None:
-        expected.update(memoryx=1, swarmx=1, wse=options.num_csx)
+        expected.update(service_counts(options.num_csx))
     try:
         directory = DirectoryServer(ctx, job, expected, host=layout.bind, port=options.port)
     except PortInUse as exc:

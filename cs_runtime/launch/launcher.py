@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from cs_runtime import env as cs_env
+from cs_runtime.roles import SERVICE_ROLES
 from cs_runtime.launch.directory import EXIT_DIRECTORY_LOST, HEARTBEAT_TIMEOUT, DirectoryServer, register_timeout
 from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
 from cs_runtime.launch.restart import EXIT_BAD_INPUT
@@ -40,7 +41,6 @@ DIRECTORY_PATIENCE_S = 2 * HEARTBEAT_TIMEOUT
 
 PR_SET_PDEATHSIG = 1
 
-SERVICE_MODULES = {"memoryx": "cs_runtime.memoryx", "swarmx": "cs_runtime.swarmx", "wse": "wse"}
 
 # BLAS/OpenMP thread variables: the WSEs split the host's cores between them;
 # every other process does no heavy linear algebra and gets one thread, so
@@ -124,7 +124,7 @@ class ProcessGroup:
 
     def start(self, role: str, rank: int, argv: list[str], env: dict[str, str],
               host: str | None = None) -> Task:
-        death_signal = SERVICE_DEATH_SIGNAL if role in SERVICE_MODULES else signal.SIGKILL
+        death_signal = SERVICE_DEATH_SIGNAL if role in SERVICE_ROLES else signal.SIGKILL
         task = self.add(Task(role, rank, host or host_name(), spawn(argv, env, death_signal)))
         log.debug("started %s: %s", task.label, " ".join(argv))
         return task

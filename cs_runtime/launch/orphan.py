@@ -24,6 +24,7 @@ import signal
 from pathlib import Path
 
 from cs_runtime import env
+from cs_runtime.roles import SERVICE_ROLES
 from cs_runtime.wire.auth import OWNER_FILE, remove_job_dir
 from cs_runtime.wire.shm import remove_job_segments
 
@@ -78,9 +79,6 @@ def clean_up(job: str, shm_dir: str, keys_dir: str, launcher_pid: int | None) ->
         remove_job_dir(Path(keys_dir))
         gone.append(f"key folder {keys_dir}")
     return ", ".join(gone) or "nothing"
-
-
-SERVICE_ROLES = ("memoryx", "swarmx", "wse")
 
 
 def kill_sibling_services(job: str) -> list[int]:

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import zmq
 
 from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.roles import service_of_index
 from cs_runtime.wire import auth
 from cs_runtime.launch.launcher import ProcessGroup, Task, _signal_group, spawn
-from cs_runtime.launch.task import role_argv, role_of_service, role_of_task
+from cs_runtime.launch.task import role_argv, role_of_task
 from cs_runtime.wire.transport import source_address_towards
 
 # No password prompts; a host that does not answer, or stops answering, fails in seconds.
@@ -541,7 +542,7 @@ def start_srun_services(group: ProcessGroup, directory: DirectoryServer, node: s
             f"--job-name={job}-services", sys.executable, "-m", "cs_runtime.launch.task", "--slurm-services"]
     carrier = spawn(argv, srun_env(env), stdin=subprocess.DEVNULL)
     for index in range(count):
-        role, rank = role_of_service(index)
+        role, rank = service_of_index(index)
         task = SrunTask(role, rank, node, CarriedProcess(carrier, directory, role, rank))
         task.directory = directory
         group.add(task)

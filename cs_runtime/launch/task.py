@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from cs_runtime import env as cs_env
+from cs_runtime.roles import ROLES, SERVICE_ROLES, module_of, service_of_index
 
 STOP_GRACE_S = 3.0
 # Per-process identity: never passed from the launcher's environment.
@@ -62,17 +63,11 @@ def role_of_task(task: int) -> tuple[str, int]:
     return ("chief", 0) if task == 0 else ("worker", task - 1)
 
 
-def role_of_service(task: int) -> tuple[str, int]:
-    """The services' step: task 0 MemoryX, 1 SwarmX, 2.. WSE 0.."""
-    return ("memoryx", 0) if task == 0 else ("swarmx", 0) if task == 1 else ("wse", task - 2)
-
-
 def service_argv(role: str, base: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """A service's command, and its environment: a WSE gets the node's cores divided between the WSEs."""
-    from cs_runtime.launch.launcher import SERVICE_MODULES, numerics_env
-    wses = int(base.get("CS_NUM_CSX", "1"))
-    threads = max(1, (os.cpu_count() or 1) // wses) if role == "wse" else 1
-    return [sys.executable, "-m", SERVICE_MODULES[role]], numerics_env(base, threads)
+    from cs_runtime.launch.launcher import numerics_env
+    threads = ROLES[role].threads(int(base.get("CS_NUM_CSX", "1")))
+    return [sys.executable, "-m", module_of(role)], numerics_env(base, threads)
 
 
 def task_env(base: dict[str, str], role: str, rank: int, host: str) -> dict[str, str]:
@@ -129,13 +124,13 @@ def watch_stdin(stop: threading.Event) -> None:
 def run_tasks(tasks: list[tuple[str, int, list[str]]], base: dict[str, str], host: str,
               stop: threading.Event) -> list[int]:
     """Start every task, report each exit as it happens, stop the rest when `stop` is set; the codes."""
-    from cs_runtime.launch.launcher import SERVICE_MODULES, spawn
+    from cs_runtime.launch.launcher import spawn
     from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     reporter = ExitReporter(base)
     live = [(role, rank, spawn(argv, task_env(base, role, rank, host), stdin=subprocess.DEVNULL,
-                               death_signal=SERVICE_DEATH_SIGNAL if role in SERVICE_MODULES else signal.SIGKILL))
+                               death_signal=SERVICE_DEATH_SIGNAL if role in SERVICE_ROLES else signal.SIGKILL))
             for role, rank, argv in tasks]
     codes = []
     try:
@@ -298,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         base, tasks = dict(os.environ), [(role, rank, role_argv(argv[2:], role))]
     elif argv == ["--slurm-services"]:
-        role, rank = role_of_service(int(os.environ["SLURM_PROCID"]))
+        role, rank = service_of_index(int(os.environ["SLURM_PROCID"]))
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         command, base = service_argv(role, dict(os.environ))
         tasks = [(role, rank, command)]
