@@ -9,10 +9,9 @@ from __future__ import annotations
 from cs_runtime import trace
 from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batch
-from cs_runtime.numerics import program_layer
-from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
+from cs_runtime.numerics.local_step import apply_update, forward_backward
+from cs_runtime.numerics.model import ShardContext, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
-from cs_runtime.numerics.precision import scaled
 from cs_runtime.run_args import RunArgs, UserFunctions
 
 
@@ -43,14 +42,14 @@ class CpuExecutor:
     def load(self, weights, opt_state, phases) -> None:
         self.weights, self.opt_state = weights, opt_state
 
-    def forward(self, stream: str, step: int, train: bool):
+    def shard(self, stream: str, step: int, train: bool):
+        """This step's batch (checked) and its ShardContext: the whole global batch."""
         with trace.span("make_batch", step=step):
             shard = self.streams[stream].shard(step)
         self.check(stream, step, shard)
         ctx = ShardContext(self.params.runconfig.seed, step, shard.global_batch, shard.rows, train,
                            labels=shard.y)
-        logits, caches = model_forward(self.spec, shard.x, self.weights, ctx)
-        return model_loss(self.spec, logits, shard.y, shard.global_batch, shard.label_count), caches, shard
+        return ctx, shard
 
     def check(self, stream: str, step: int, shard) -> None:
         """Bad data stops the run (a ValueError: one line, exit 2) naming the sample and its data set index."""
@@ -67,16 +66,18 @@ class CpuExecutor:
                    norms: bool = True, then: tuple | None = None) -> tuple[float, float, bool]:
         """(loss, gradient norm (nan unless `norms`), whether the update was applied).
         `then` (the next step's arguments, for a cluster to send ahead): nothing to do here."""
-        result, caches, _ = self.forward("train", step, train=True)
-        grads = model_backward(self.spec, scaled(result.delta, loss_scale), caches, self.weights, step)
-        names = [layer.name for layer in self.spec.layers]
-        norm, applied, self.layer_grad_norms = self.optimizer.update_model(
-            names, self.weights, grads, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite,
-            need_norms=norms, copies=program_layer.tied_copies(self.spec))
+        ctx, shard = self.shard("train", step, train=True)
+        result, grads, _ = forward_backward(self.spec, shard.x, shard.y, self.weights, ctx, shard.label_count,
+                                            loss_scale, step)
+        norm, applied, self.layer_grad_norms = apply_update(
+            self.optimizer, self.spec, self.weights, grads, self.opt_state, lr, step, self.max_norm, loss_scale,
+            self.skip_nonfinite, need_norms=norms)
         return result.loss, norm, applied
 
     def eval_step(self, step: int) -> tuple[float, int, int]:
-        result, _, _ = self.forward("eval", step, train=False)
+        ctx, shard = self.shard("eval", step, train=False)
+        logits, _ = model_forward(self.spec, shard.x, self.weights, ctx)
+        result = model_loss(self.spec, logits, shard.y, shard.global_batch, shard.label_count)
         return result.loss_sum, result.correct, result.count
 
     def state(self):

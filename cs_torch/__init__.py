@@ -24,6 +24,27 @@ step_closure, checkpoint_closure, save, load, utils.data, optim with
 lr_scheduler, amp, summarize_scalar, summarize_tensor, metrics) is here too, imported on first use so
 that this package needs torch only when a torch model is brought; see
 docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
+
+    session.py          initialize(), module(), Session: a training loop of your own
+    data.py             dataloader(input_fn, batch_size): batches made by the job's input workers
+    input_worker.py     python -m cs_torch.input_worker (started by a Session)
+    nn.py               layers and the loss, PyTorch-style names for the project's model description
+    optim.py            optimizers by PyTorch's names (params.yaml's section; torch modules': optimizers.py)
+    optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW
+    lr_scheduler.py     cstorch.optim.lr_scheduler
+    amp.py              GradScaler and the half dtype
+    backends.py         cstorch.backend(): where a 2.x run executes
+    distributed.py      cstorch.distributed: the cluster settings of a backend
+    capture.py          a torch.nn.Module captured as a program (torch.export)
+    tracing.py          compile, @trace, @step_closure, @checkpoint_closure
+    recording.py        what the step in progress is doing, read by what records into it
+    engine.py           the 2.x step engine: one captured program, on the CPU path
+    cluster_step.py     a traced step as a job of the emulated CS system
+    cbtorch.py          the 1.x API (cbtorch); cbtorch_cluster.py: its loop on the CS system
+    saving.py           cstorch.save / cstorch.load
+    summary.py          summarize_scalar, summarize_tensor
+    metrics.py          cstorch.metrics
+    utils/              cstorch.utils: data (DataLoader, DataExecutor), tensorboard, CSConfig
 """
 import importlib
 from . import nn, optim

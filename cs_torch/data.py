@@ -10,7 +10,7 @@
 As on a real CS system, the input function does not run in your process: the
 Session starts input workers (`python -m cs_torch.input_worker`) that import
 it by name, build the same global batches as csrun_wse's workers (a pure
-function of the step: `cs_runtime.data.BatchPlan`) and stream each WSE its
+function of the step: `cs_runtime.data.batches.BatchPlan`) and stream each WSE its
 rows. What the loop gets is a `Batch` handle that says which loader it comes
 from; the data goes from the workers to the WSEs, never through your process.
 

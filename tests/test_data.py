@@ -9,15 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cs_runtime.data.mnist import (
-    BatchPlan,
-    DataError,
-    load_embedded_digits,
-    load_mnist,
-    read_idx,
-    shard_rows,
-    worker_steps,
-)
+from cs_runtime.data.batches import BatchPlan, shard_rows, worker_steps
+from cs_runtime.data.mnist import DataError, load_embedded_digits, load_mnist, read_idx
 
 
 # --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from cs_runtime.data.mnist import shard_rows
+from cs_runtime.data.batches import shard_rows
 from cs_runtime.numerics import model
 from cs_runtime.numerics.kernels import rows_keep_mask as dropout_mask
 from cs_runtime.numerics.model import ACTIVATIONS, LayerSpec, ModelSpec, ShardContext, init_weights, mlp_spec

@@ -209,7 +209,7 @@ def modelzoo_mlm_loss(logits, labels, mlm_loss_weight=1.0, precomputed=False):
 
 def ours(logits, labels, scaling, weight=1.0, shards=1):
     """Our loss and gradient, the batch split over `shards` WSEs as the cluster splits it."""
-    from cs_runtime.data.mnist import shard_rows
+    from cs_runtime.data.batches import shard_rows
     from cs_runtime.numerics.model import ModelSpec
     from tests.dense_reference import model_loss   # the token loss's formula, as a lowered program's
     spec = ModelSpec("bert", (), loss_scaling=scaling, loss_weight=weight)

@@ -24,7 +24,8 @@ import zmq
 
 from cs_runtime import trace
 from cs_runtime.launch.directory import DirectoryClient
-from cs_runtime.data.mnist import DataError, worker_steps
+from cs_runtime.data.batches import worker_steps
+from cs_runtime.data.mnist import DataError
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.precision import encode_arrays
 from cs_runtime.wire.protocol import Message, Msg, batch_arrays

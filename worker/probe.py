@@ -13,7 +13,7 @@ import sys
 import time
 
 from cs_runtime import env
-from cs_runtime.data.mnist import worker_steps
+from cs_runtime.data.batches import worker_steps
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.probe_line import say
 from cs_runtime.run_args import RunArgs, UserFunctions

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from cs_runtime.data.mnist import shard_rows
+from cs_runtime.data.batches import shard_rows
 from cs_runtime.checkpoint import flatten, unflatten_for
-from cs_runtime.numerics import program_layer
-from cs_runtime.numerics.model import ShardContext, model_backward, model_forward, model_loss
+from cs_runtime.numerics.local_step import apply_update, forward_backward
+from cs_runtime.numerics.model import ShardContext, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import step_outputs
-from cs_runtime.numerics.precision import scaled
 from cs_runtime.data.inputs import take_rows
 from cs_runtime.wire.protocol import JobSettings, Message, Msg, batch_features, float_arrays
 
@@ -70,16 +69,14 @@ class PipelinedExecutor:
         batch = self.inputs.take("train", step)
         loss, count, total, outputs = 0.0, 0, None, []
         for x, y, ctx in self.replica_contexts(batch, train=True):
-            logits, caches = model_forward(self.spec, x, self.weights, ctx)
+            part, grads, logits = forward_backward(self.spec, x, y, self.weights, ctx, batch.meta.get("label_count"),
+                                                   loss_scale, step)
             outputs.append(step_outputs(self.spec, logits))
-            part = model_loss(self.spec, logits, y, ctx.global_batch, batch.meta.get("label_count"))
-            grads = model_backward(self.spec, scaled(part.delta, loss_scale), caches, self.weights, step)
             loss, count = loss + part.loss, count + len(y)
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
-        names = [layer.name for layer in self.spec.layers]
-        norm, applied, layer_norms = self.optimizer.update_model(
-            names, self.weights, total, self.opt_state, lr, step, self.max_norm, loss_scale, self.skip_nonfinite,
-            need_norms=norms, copies=program_layer.tied_copies(self.spec))
+        norm, applied, layer_norms = apply_update(
+            self.optimizer, self.spec, self.weights, total, self.opt_state, lr, step, self.max_norm, loss_scale,
+            self.skip_nonfinite, need_norms=norms)
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
         meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                 "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}

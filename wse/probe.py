@@ -15,7 +15,8 @@ import time
 from cs_runtime.compiler.stage import build_spec, compile_model
 from cs_runtime import env
 from cs_runtime.data.inputs import InputStream
-from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss
+from cs_runtime.numerics.local_step import apply_update, forward_backward
+from cs_runtime.numerics.model import ShardContext, init_weights
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.probe_line import say
 from cs_runtime.run_args import RunArgs, UserFunctions
@@ -31,14 +32,11 @@ def measure_consumption(args: RunArgs, fns: UserFunctions) -> None:
     optimizer = Optimizer(p.optimizer.optimizer_spec())
     weights = init_weights(spec, p.runconfig.seed)
     opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
-    names = [layer.name for layer in spec.layers]
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds or steps < 3:
         ctx = ShardContext(p.runconfig.seed, steps, shard.global_batch, shard.rows, True, labels=shard.y)
-        logits, caches = model_forward(spec, shard.x, weights, ctx)
-        delta = model_loss(spec, logits, shard.y, shard.global_batch, shard.label_count).delta
-        grads = model_backward(spec, delta, caches, weights)
-        optimizer.update_model(names, weights, grads, opt_state, 1e-6, steps, None)
+        _, grads, _ = forward_backward(spec, shard.x, shard.y, weights, ctx, shard.label_count, step=steps)
+        apply_update(optimizer, spec, weights, grads, opt_state, 1e-6, steps)
         steps += 1
     elapsed = time.perf_counter() - start
     say("result", {"steps": steps, "seconds": elapsed, "batch_size": shard.global_batch, "num_csx": num_csx,

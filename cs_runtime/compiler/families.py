@@ -41,7 +41,7 @@ from cs_runtime.compiler.units import split_units
 from cs_runtime.numerics import kernels
 from cs_runtime.numerics.model import GELU_KINDS, ModelSpec
 from cs_runtime.numerics.program import Node, Program, Value, infer_values
-from cs_runtime.numerics.transformer import NSP_FEATURES
+from cs_runtime.numerics.transformer_params import NSP_FEATURES
 
 CONTEXT = "dropout_context"   # int64 [seed, step, row_start, row_stop, global_batch, train]
 INPUT, LABELS, LOSS, LOGITS = "x", "labels", "loss", "logits"

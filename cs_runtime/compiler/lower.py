@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cs_runtime.numerics.model import LayerSpec, ModelSpec
-from cs_runtime.numerics.transformer import NSP_FEATURES
+from cs_runtime.numerics.transformer_params import NSP_FEATURES
 
 from .ir import BATCH, CompileError, Graph, validate
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from cs_runtime.data.text import TextDataError
-from cs_runtime.numerics.transformer import NSP_FEATURES
+from cs_runtime.numerics.transformer_params import NSP_FEATURES
 from cs_runtime.numerics.kernels import IGNORE_INDEX
 
 PAD_ID = 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cs_runtime.data.mnist import BatchPlan, shard_rows
+from cs_runtime.data.batches import BatchPlan, shard_rows
 from cs_runtime.numerics.kernels import IGNORE_INDEX
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cs_runtime.numerics.kernels import IGNORE_INDEX, hash_key, hash_uniform
-from cs_runtime.numerics.transformer import NSP_FEATURES   # a pair sample's features by name
+from cs_runtime.numerics.transformer_params import NSP_FEATURES   # a pair sample's features by name
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")

@@ -7,5 +7,6 @@
     directory.py     the job's directory: registration and heartbeats of every process
     orphan.py        a service whose launcher died deletes the job's segments and key folder, then exits
     restart.py       --max_restarts: run a job again from its latest checkpoint
+    precheck.py      before the cluster starts: the script's functions and params, checked in one process
     reachability.py  an address answers: TCP, then a ZeroMQ handshake with the job's keys
 """

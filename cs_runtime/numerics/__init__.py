@@ -1,9 +1,18 @@
-"""The maths, in numpy: what every path (CPU, WSE, pipelined) computes.
+"""The maths, in numpy: what every path (CPU, WSE, pipelined) computes. No torch.
 
-    kernels.py      matmul-level kernels and their gradients
-    model.py        ModelSpec, weight init, per-layer forward/backward and the loss
-    transformer.py  the transformer layer ops (attention, layer norm, embedding, LM head)
-    optim.py        SGD, Adam, AdamW, schedules, gradient clipping
-    precision.py    16-bit formats, rounding, loss scaling
-    compiled.py     the optional C loops (_convert.c, _gelu.c) where built, else None
+    model.py             ModelSpec and LayerSpec, weight initialisation, the layers' parameter shapes
+    transformer_params.py  the transformer layers' parameter shapes and initialisation
+    program.py           a compiled program as data: parameters, inputs, constants, nodes
+    program_layer.py     layers whose maths is a compiled program (captured models' units, tied weights)
+    ops.py               the op set: per op a forward, a vector-Jacobian rule, a shape rule and a cost
+    mixed_ops.py         the 16-bit rule of the matmul-like ops
+    kernels.py           the numpy kernels behind the op set
+    local_step.py        one training step on weights held in this process (CPU path, pipelined WSE, probe)
+    executor.py          the one executor of compiled programs (forward, backward, a unit at a time)
+    batch_check.py       what a batch must be before a model computes on it
+    optim.py             the learning rule (OptimizerSpec) and its application: SGD, Adam, AdamW, clipping
+    precision.py         16-bit formats, rounding, loss scaling
+    parallel.py          large products and passes cut into pieces that run side by side, same bits
+    blas.py              how many BLAS threads a product gets
+    compiled.py          the optional C loops (_convert.c, _gelu.c) where built, else None
 """

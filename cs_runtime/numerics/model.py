@@ -38,7 +38,7 @@ import numpy as np
 from cs_runtime.numerics import blas, kernels, program_layer
 from cs_runtime import spans
 from cs_runtime.numerics.precision import FORMATS
-from cs_runtime.numerics.transformer import LAYER_SHAPES, init_param, init_std
+from cs_runtime.numerics.transformer_params import LAYER_SHAPES, init_param, init_std
 
 ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none")
 GELU_KINDS = tuple(kernels.GELUS)   # gelu is exact (erf); gelu_new and gelu_tanh the tanh approximation
@@ -47,7 +47,7 @@ GELU_KINDS = tuple(kernels.GELUS)   # gelu is exact (erf); gelu_new and gelu_tan
 @dataclass(frozen=True)
 class LayerSpec:
     """One weight-streaming unit. "dense": y = act(x @ W + b), then dropout.
-    The transformer ops (cs_runtime/numerics/transformer.py) use the fields after
+    The transformer layers (their parameters: cs_runtime/numerics/transformer_params.py) use the fields after
     `dropout`: "embedding" maps in_features (vocabulary) ids to out_features
     (model width); "transformer_block" keeps the width; "lm_head" maps the
     width to out_features (vocabulary) logits. `activation` of a

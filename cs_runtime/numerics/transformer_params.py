@@ -1,4 +1,4 @@
-"""Transformer layers: the units weight streaming moves, one at a time.
+"""Transformer layers (the units weight streaming moves, one at a time): their parameters.
 
 A GPT-2 or BERT model is three kinds of layer (cs_runtime/numerics/model.py's
 `LayerSpec` with these ops), each holding several named weight tensors:

@@ -1,4 +1,8 @@
-"""cstorch.utils: data (DataLoader, DataExecutor), tensorboard (SummaryWriter), CSConfig."""
+"""cstorch.utils.
+
+    data.py         DataLoader(input_fn, *args), DataExecutor, CSConfig
+    tensorboard.py  SummaryWriter and SummaryReader
+"""
 from . import data, tensorboard
 from .data import CSConfig
 
