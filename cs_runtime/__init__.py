@@ -18,5 +18,6 @@
     probe_line.py      the line a cs_input_analyzer probe prints
     version.py         the installed version, for every command's --version
 
+    cli/               the console commands (csrun_wse, csrun_cpu, cs_system, csctl, ...)
     wire/ numerics/ data/ compiler/ launch/ appliance/ memoryx/ swarmx/: each says what it holds.
 """

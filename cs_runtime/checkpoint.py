@@ -31,7 +31,7 @@ newest checkpoint that loads, and says which newer ones it skipped and why
 (cut short, bit-flipped): one bad file never stops a job that has a good one.
 
 `load` also reads the model zoo's HDF5 `.mdl` checkpoints (cs_runtime/checkpoint_mdl.py,
-with h5py); scripts/convert_checkpoint.py converts between this format, `.mdl`
+with h5py); cs_runtime/cli/convert_checkpoint.py converts between this format, `.mdl`
 and a PyTorch state_dict.
 """
 from __future__ import annotations

@@ -121,7 +121,7 @@ def output_to(path: Path):
 
 
 def run_in_process(args: list[str], log_path: Path) -> int:
-    from scripts import csrun_wse
+    from cs_runtime.cli import csrun_wse
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with output_to(log_path):
         try:

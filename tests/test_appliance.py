@@ -34,7 +34,7 @@ class Server:
         self.tmp = tmp
         self.log = open(tmp / "server.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scripts.cs_system", "serve", "--port", "0", "--num_csx", str(num_csx)],
+            [sys.executable, "-m", "cs_runtime.cli.cs_system", "serve", "--port", "0", "--num_csx", str(num_csx)],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=self.env("owner"))
         line = self.proc.stdout.readline()   # the server says where it serves once it does
         found = re.search(r" at (\S+:\d+)", line)
@@ -53,7 +53,7 @@ class Server:
         return proc
 
     def csctl(self, *args: str, user: str = "owner") -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "scripts.csctl", "--cs_ip", self.address, *args],
+        return subprocess.run([sys.executable, "-m", "cs_runtime.cli.csctl", "--cs_ip", self.address, *args],
                               capture_output=True, text=True, timeout=60, env=self.env(user))
 
     def jobs(self) -> dict[str, dict]:
@@ -229,7 +229,7 @@ def test_csctl_errors_are_one_line(server, tmp_path):
     bad_label = server.csctl("label", "job", "1", "no spaces=x")
     assert bad_label.returncode == 1 and bad_label.stderr.startswith("csctl: label key 'no spaces'")
     with socket_free_port() as port:
-        gone = subprocess.run([sys.executable, "-m", "scripts.csctl", "--cs_ip", f"127.0.0.1:{port}", "get", "jobs"],
+        gone = subprocess.run([sys.executable, "-m", "cs_runtime.cli.csctl", "--cs_ip", f"127.0.0.1:{port}", "get", "jobs"],
                               capture_output=True, text=True, timeout=60)
     assert gone.returncode == 1
     assert gone.stderr.startswith(f"csctl: the CS system at 127.0.0.1:{port} is unreachable")

@@ -440,7 +440,7 @@ def test_no_pickle_in_the_compiler() -> None:
 
 def _csrun_cpu(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     exe = shutil.which("csrun_cpu")
-    cmd = [exe] if exe else [sys.executable, "-m", "scripts.csrun_cpu"]
+    cmd = [exe] if exe else [sys.executable, "-m", "cs_runtime.cli.csrun_cpu"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([*cmd, sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60)

@@ -17,7 +17,7 @@ from cs_runtime import torch_names
 from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_forward, transformer_spec
 from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
-from scripts import convert_checkpoint as convert
+from cs_runtime.cli import convert_checkpoint as convert
 
 try:   # imported here, at collection: h5py's import runs `uname -p`, which a test may not start
     import h5py

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from scripts import csctl
+from cs_runtime.cli import csctl
 
 JOBS = [{"name": "wsjob-7", "age_s": 65.0, "duration_s": 3.0, "phase": "FAILED", "systems": [], "user": "ann",
          "labels": {"case": "bad"}, "reason": "params: optimizer.learning_rat: unknown key"},

@@ -36,7 +36,7 @@ class System:
 
     def __init__(self, tmp: Path, *flags: str):
         self.tmp, self.log = tmp, open(tmp / "server.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "scripts.cs_system", "serve", "--port", "0", *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "cs_runtime.cli.cs_system", "serve", "--port", "0", *flags],
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()
         found = re.search(r" at (\S+:\d+)", line)
@@ -50,7 +50,7 @@ class System:
 
     def csctl(self, user: str, *args: str) -> subprocess.CompletedProcess:
         env = {**os.environ, door_client.USER_DIR_ENV: str(self.tmp / user)}
-        return subprocess.run([sys.executable, "-m", "scripts.csctl", "--cs_ip", self.address, *args],
+        return subprocess.run([sys.executable, "-m", "cs_runtime.cli.csctl", "--cs_ip", self.address, *args],
                               capture_output=True, text=True, timeout=60, env=env)
 
     def stop(self) -> None:
@@ -194,7 +194,7 @@ def client_line(tmp: Path, user: str, monkeypatch) -> str:
 def test_csctl_key_prints_the_line_for_the_clients_file(tmp_path, monkeypatch):
     line = client_line(tmp_path, "alice", monkeypatch)
     env = {**os.environ, door_client.USER_DIR_ENV: str(tmp_path / "alice")}
-    out = subprocess.run([sys.executable, "-m", "scripts.csctl", "key"], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "cs_runtime.cli.csctl", "key"], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.split()[1] == line.split()[1]
     assert oct((tmp_path / "alice" / "client.key_secret").stat().st_mode & 0o777) == "0o600"
 
@@ -231,7 +231,7 @@ def test_a_bad_clients_file_is_named(tmp_path, text, why):
     path.write_text(text)
     with pytest.raises(ValueError, match=why):
         read_clients(str(path))
-    result = subprocess.run([sys.executable, "-m", "scripts.cs_system", "serve", "--port", "0", "--clients",
+    result = subprocess.run([sys.executable, "-m", "cs_runtime.cli.cs_system", "serve", "--port", "0", "--clients",
                              str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and why in result.stderr and len(result.stderr.splitlines()) == 1
 

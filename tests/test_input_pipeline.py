@@ -37,7 +37,7 @@ def test_slow_and_stalled_worker_show_as_input_bottleneck(tmp_path, oracle):
 
 def analyzer() -> list[str]:
     found = BIN / "cs_input_analyzer"
-    return [str(found)] if found.exists() else [sys.executable, "-m", "scripts.cs_input_analyzer"]
+    return [str(found)] if found.exists() else [sys.executable, "-m", "cs_runtime.cli.cs_input_analyzer"]
 
 
 def test_input_analyzer_measures_and_recommends(tmp_path, oracle):

@@ -55,8 +55,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The rest of the torch front end: the tracer, the session, the cluster
     # step and the DataExecutor that drives them.
     ("cs_torch",),
-    # Command lines and the user's code: nothing below imports them.
-    ("scripts", "examples"),
+    # Command lines (the installed ones in cs_runtime.cli, the development tools in scripts) and the
+    # user's code: nothing below imports them.
+    ("cs_runtime.cli", "scripts", "examples"),
 )
 
 # Separate processes: they share code only through the layers below them.

@@ -17,7 +17,7 @@ from cs_runtime.launch import job, remote
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.wire.transport import source_address_towards
-from scripts import csrun_wse
+from cs_runtime.cli import csrun_wse
 from tests.cluster_utils import REPO, alive
 
 

@@ -49,7 +49,7 @@ LAUNCHERS = ("local", "ssh", "slurm")
 
 @dataclass(frozen=True)
 class JobOptions:
-    """Everything a job is started with: csrun_wse's flags, checked (scripts/csrun_wse.py)."""
+    """Everything a job is started with: csrun_wse's flags, checked (cs_runtime/cli/csrun_wse.py)."""
     command: list[str]                        # python run.py ARGS...: every task of the job
     num_csx: int = 1                          # WSE emulators
     num_workers_per_csx: int | None = None    # local runs: input workers per WSE (None: 1)
