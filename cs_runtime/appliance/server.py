@@ -62,7 +62,8 @@ from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, 
 from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
 from cs_runtime.launch.launcher import (SERVICE_MODULES, ProcessGroup, Task, describe_exit, registration_overdue,
                                        numerics_env, spawn)
-from cs_runtime.wire.protocol import ENDED_PHASES, USER_NAME, Message, MessageTooLarge, Msg
+from cs_runtime.wire.protocol import (ENDED_PHASES, MAX_LABELS, USER_NAME, Message, MessageTooLarge, Msg,
+                                      printable)
 from cs_runtime.service import AWAIT_JOB_ENV
 from cs_runtime.wire.shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
 from cs_runtime.wire.transport import Endpoint, host_name
@@ -414,17 +415,17 @@ class CSSystem:
         job = self.owned(m["name"], m["owner"], verb[msg.type])
         if msg.type == Msg.JOB_POLL:
             job.last_poll = time.monotonic()
-        elif msg.type == Msg.JOB_DONE:
-            self.end(job, m["phase"] if m["phase"] in ENDED_PHASES else "FAILED", m["reason"])
+        elif msg.type == Msg.JOB_DONE:   # the reason is shown to every user and logged: escaped
+            self.end(job, m["phase"] if m["phase"] in ENDED_PHASES else "FAILED", printable(m["reason"]))
         elif msg.type == Msg.CANCEL:
             if job.over:
                 raise Refused(f"{job.name} has already ended ({job.phase})")
             self.end(job, "CANCELLED", "cancelled by its owner (csctl cancel job)")
             return Message(Msg.ACK, meta={"what": "cancel"})
-        else:
+        else:   # checked before anything changes: a refused request leaves the labels as they were
+            if len(job.labels.keys() | m["labels"].keys()) > MAX_LABELS:
+                raise Refused(f"{job.name}: more than {MAX_LABELS} labels (it has {len(job.labels)})")
             job.labels.update(m["labels"])
-            if len(job.labels) > 32:
-                raise Refused(f"{job.name}: more than 32 labels")
             return Message(Msg.ACK, meta={"what": "label"})
         return self.job_state(job)
 
