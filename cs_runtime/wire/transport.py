@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import resource
 import socket as pysocket
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 
 import zmq
 
@@ -89,6 +90,43 @@ class PortInUse(OSError):
     pass
 
 
+class SenderLog:
+    """"Once per sender" lines whose cost does not grow with the senders: the senders already
+    named are an LRU of KEPT, and at most PER_WINDOW lines go out per WINDOW_S; the rest are
+    counted and summed up in one line when the next window opens. (A stranger who reconnects
+    is a new sender each time: 68k connections used to be 68k lines and a set of 68k entries.)"""
+
+    KEPT, PER_WINDOW, WINDOW_S = 256, 20, 60.0
+
+    def __init__(self, name: str):
+        self.name = name
+        self.named: OrderedDict = OrderedDict()
+        self.window_start, self.lines, self.unsaid = float("-inf"), 0, Counter()
+
+    def once(self, level: int, key, text: str, *args) -> None:
+        if key in self.named:
+            self.named.move_to_end(key)
+            return
+        self.named[key] = None
+        if len(self.named) > self.KEPT:
+            self.named.popitem(last=False)
+        now = time.monotonic()
+        if now - self.window_start >= self.WINDOW_S:
+            self._sum_up()
+            self.window_start, self.lines = now, 0
+        if self.lines < self.PER_WINDOW:
+            self.lines += 1
+            log.log(level, text, *args)
+        else:
+            self.unsaid[logging.getLevelName(level)] += 1
+
+    def _sum_up(self) -> None:
+        for level, count in self.unsaid.items():
+            log.log(logging.getLevelName(level), "%s: %d more such %s lines not written in the last %.0f s "
+                    "(at most %d a window)", self.name, count, level, self.WINDOW_S, self.PER_WINDOW)
+        self.unsaid.clear()
+
+
 class Endpoint:
     """One ZeroMQ socket plus the protocol, byte counters and bad-sender log.
 
@@ -119,7 +157,7 @@ class Endpoint:
         self.bytes_received = 0
         self._received_mark = 0
         self.sent_by_type: Counter = Counter()
-        self._warned_senders: set = set()
+        self.sender_log = SenderLog(name)   # bad messages and undelivered answers, once per peer
         self.segments = None      # shm.Segments: big arrays by reference, same host only
         self.last_user = ""       # the CURVE public key (Z85) of the peer that sent the last message
         self._has_user_ids = False   # a CURVE server's messages carry the ZAP handler's User-Id
@@ -268,16 +306,13 @@ class Endpoint:
     def note_undelivered(self, identity, what: str, why: str) -> None:
         """Once per peer: a message of ours did not go out. Not a bad message (nothing
         was received), and usually the peer is simply done: an INFO line, not a warning."""
-        peer = ("undelivered", identity.hex() if identity else "peer")
-        if peer not in self._warned_senders:
-            self._warned_senders.add(peer)
-            log.info("%s: %s to %s not delivered: %s", self.name, what, peer[1], why)
+        peer = identity.hex() if identity else "peer"
+        self.sender_log.once(logging.INFO, ("undelivered", peer), "%s: %s to %s not delivered: %s",
+                             self.name, what, peer, why)
 
     def warn_once(self, identity, reason: str) -> None:
         sender = identity.hex() if identity else "peer"
-        if sender not in self._warned_senders:
-            self._warned_senders.add(sender)
-            log.warning("%s: dropped bad message from %s: %s", self.name, sender, reason)
+        self.sender_log.once(logging.WARNING, sender, "%s: dropped bad message from %s: %s", self.name, sender, reason)
 
     def take_received(self) -> int:
         """Array bytes received since the previous call (per-step traffic counts)."""
