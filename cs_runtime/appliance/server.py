@@ -75,8 +75,12 @@ ENDED_KEPT = 500             # ended jobs csctl still lists
 MAX_WAITING = 1000           # jobs queued or running at once; more are refused
 PAGE_BYTES = 48 * 1024       # a JOBS answer stays under the protocol's 64 KB header cap
 CLIENT_QUEUE = 8             # answers queued for one client before more are dropped
+CLIENT_SNDBUF = 64 * 1024    # kernel send buffer per client connection (Linux doubles it)
 RATE_PER_S, RATE_BURST = 20.0, 40   # requests per client (public key) a second, and its burst
-KEPT_CLIENTS = 4096          # rate buckets kept (the least recently seen go first)
+# Without --clients keys are free, so every address (all clients of one host together) has a
+# bucket too: what many fresh keys from one place can ask for, a second and at once.
+SOURCE_RATE_PER_S, SOURCE_BURST = 100.0, 200
+KEPT_CLIENTS = 4096          # rate buckets, and clients that do not read, kept (least recently seen go first)
 TURN_TIMEOUT_S = 120.0       # a job's chief must arrive this soon after its turn came
 RESPAWN_DELAY_S = 5.0        # an idle service that died is replaced after this (no spawn loop on a broken install)
 ROLES = (("memoryx", 1), ("swarmx", 1))   # per job, with one WSE per system
@@ -108,14 +112,23 @@ class RateLimit:
         self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()   # client -> (tokens, when)
 
     def allow(self, client: str) -> bool:
-        now = time.monotonic()
-        tokens, then = self.buckets.pop(client, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        tokens = self._tokens(client)
         allowed = tokens >= 1.0
-        self.buckets[client] = (tokens - 1.0 if allowed else tokens, now)
+        self.buckets[client] = (tokens - 1.0 if allowed else tokens, time.monotonic())
         while len(self.buckets) > KEPT_CLIENTS:
             self.buckets.popitem(last=False)
         return allowed
+
+    def wait_s(self, client: str) -> float:
+        """Seconds until `client` has a request again."""
+        return max(0.0, 1.0 - self._tokens(client)) / self.rate
+
+    def _tokens(self, client: str) -> float:
+        now = time.monotonic()
+        tokens, then = self.buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        self.buckets[client] = (tokens, now)
+        return tokens
 
 
 class Refused(Exception):
@@ -284,6 +297,8 @@ class CSSystem:
         self.clients = clients            # {public key: user}: the allow-list, or None (any key)
         self.turn_timeout_s = turn_timeout_s
         self.rate = RateLimit()
+        self.source_rate = None if clients is not None else RateLimit(SOURCE_RATE_PER_S, SOURCE_BURST)
+        self.deaf: OrderedDict[bytes, None] = OrderedDict()   # connections whose answers were dropped
         self.shm_dir = "/dev/shm" if shm and os.path.isdir("/dev/shm") else None
         if self.shm_dir:
             remove_orphaned_segments(Path(self.shm_dir))
@@ -292,7 +307,7 @@ class CSSystem:
         self.ctx = zmq.Context()
         admitted = True if clients is None else frozenset(clients)
         self.front = Endpoint(self.ctx, zmq.ROUTER, "cs_system", "", max_frame_bytes=DIRECTORY_MAX_FRAME,
-                              keys=keys, any_client=admitted).bound_queues(CLIENT_QUEUE)
+                              keys=keys, any_client=admitted).bound_queues(CLIENT_QUEUE, CLIENT_SNDBUF)
         try:
             self.port = int(self.front.bind(host, port).rsplit(":", 1)[1])
         except Exception:
@@ -341,18 +356,36 @@ class CSSystem:
             if got is None:
                 return
             identity, msg = got
+            if identity in self.deaf:
+                continue   # it left answers unread: nothing more is made for this connection
             client = self.front.last_user or identity.hex()
-            try:
-                if not self.rate.allow(client):
-                    raise Refused(f"too many requests: at most {RATE_PER_S:.0f} a second; slow down")
-                answer = self.answer(msg, client)
-            except Refused as refusal:
-                answer = Message(Msg.REFUSED, meta={"reason": str(refusal)})
+            answer = self.rate_refusal(client, self.front.last_address)
+            if answer is None:
+                try:
+                    answer = self.answer(msg, client)
+                except Refused as refusal:
+                    answer = Message(Msg.REFUSED, meta={"reason": str(refusal)})
             answer.step = msg.step        # the client matches answers to requests by it
             try:
-                self.front.send(answer, identity)
+                delivered = self.front.send(answer, identity)
             except MessageTooLarge as exc:   # the client would drop it: a refusal that says why, not a crash
-                self.front.send(Message(Msg.REFUSED, step=msg.step, meta={"reason": str(exc)}), identity)
+                delivered = self.front.send(Message(Msg.REFUSED, step=msg.step, meta={"reason": str(exc)}), identity)
+            if not delivered:
+                self.deaf[identity] = None
+                while len(self.deaf) > KEPT_CLIENTS:
+                    self.deaf.popitem(last=False)
+
+    def rate_refusal(self, client: str, source: str) -> Message | None:
+        """A REFUSED answer when `client` (its key), or without --clients its address, is over its rate."""
+        limits = [(self.rate, client, f"at most {RATE_PER_S:.0f} a second per client")]
+        if self.source_rate is not None:
+            limits.append((self.source_rate, f"source {source}",
+                           f"at most {SOURCE_RATE_PER_S:.0f} a second from {source or 'one address'}"))
+        for limit, key, rule in limits:
+            if not limit.allow(key):
+                return Message(Msg.REFUSED, meta={"reason": f"too many requests: {rule}; slow down",
+                                                  "retry_after": round(limit.wait_s(key), 3)})
+        return None
 
     def watch(self, job: JobRecord) -> None:
         failure = job.runtime.failure()

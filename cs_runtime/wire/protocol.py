@@ -256,7 +256,9 @@ OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": b
                                  "leaving": bool,   # HEARTBEAT: the sender's work is done; it is exiting
                                  # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
                                  # `after` of the next page (absent on the last page)
-                                 "after": int, "next": int}
+                                 "after": int, "next": int,
+                                 # REFUSED for the rate limit: seconds until a request is taken again
+                                 "retry_after": _NUM}
 
 
 # ------------------------------------------------------------ BATCH

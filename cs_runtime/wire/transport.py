@@ -162,6 +162,8 @@ class Endpoint:
         self.last_user = ""       # the CURVE public key (Z85) of the peer that sent the last message
         self._has_user_ids = False   # a CURVE server's messages carry the ZAP handler's User-Id
         self.peer_address = ""    # what a connecting socket connected to (named when a send is refused)
+        self.last_address = ""    # the IP address the last message came from (bound_queues' sockets only)
+        self._wants_address = False
 
     def share_memory(self, segments) -> "Endpoint":
         """Send arrays that lie in a shared segment by reference, and accept such references."""
@@ -193,8 +195,9 @@ class Endpoint:
         self.peer_address = address
         return self
 
-    def send(self, msg: Message, identity: bytes | None = None, share: bool = True) -> None:
-        """Send `msg` (to `identity` on a ROUTER); share=False: frames only, for peers elsewhere."""
+    def send(self, msg: Message, identity: bytes | None = None, share: bool = True) -> bool:
+        """Send `msg` (to `identity` on a ROUTER); share=False: frames only, for peers elsewhere.
+        False when it was not delivered (said once per peer): the peer is gone or does not read."""
         if not msg.job:
             msg.job = self.job
         try:
@@ -203,10 +206,11 @@ class Endpoint:
             peer = identity.hex() if identity is not None else self.peer_address or "its peer"
             raise MessageTooLarge(f"{self.name}: cannot send to {peer}: {exc}") from None
         if not self._send_frames(frames, identity, msg.type.value):
-            return
+            return False
         payload = array_bytes(msg)
         self.bytes_sent += payload
         self.sent_by_type[msg.type.value] += payload
+        return True
 
     def forward(self, frames: list, identity: bytes | None = None) -> None:
         """Send already-encoded frames on (SwarmX's zero-copy broadcast)."""
@@ -248,6 +252,11 @@ class Endpoint:
                 self.last_user = frames[0].get("User-Id")
             except zmq.ZMQError:
                 pass
+        if self._wants_address and frames:
+            try:
+                self.last_address = frames[0].get("Peer-Address")
+            except zmq.ZMQError:
+                self.last_address = ""
         return identity, frames
 
     def recv_waiting(self, timeout_ms: int, limit: int) -> list[tuple[bytes | None, list[bytes]]]:
@@ -268,12 +277,17 @@ class Endpoint:
             pass
         return waiting
 
-    def bound_queues(self, per_peer: int) -> "Endpoint":
-        """At most `per_peer` messages queued for, and from, each peer; an answer to a
-        peer that does not read is dropped, never queued without bound (a front door)."""
+    def bound_queues(self, per_peer: int, kernel_bytes: int) -> "Endpoint":
+        """At most `per_peer` messages queued for, and from, each peer, and `kernel_bytes` in
+        the kernel's send buffer of each connection (else a socket's own buffer, megabytes a
+        connection, takes what the queue limit keeps out); an answer to a peer that does not
+        read is dropped, never queued without bound (a front door). Messages then also
+        say where they came from (`last_address`)."""
         for option in (zmq.SNDHWM, zmq.RCVHWM):
             self.sock.setsockopt(option, per_peer)
+        self.sock.setsockopt(zmq.SNDBUF, kernel_bytes)
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
+        self._wants_address = True
         return self
 
     def recv(self, timeout_ms: int | None = None, into=None):
