@@ -9,9 +9,10 @@ its systems until it ends. When a job's turn comes the front door gives it a
 MemoryX, a SwarmX and one WSE per system, and a directory of its own; the
 next poll answer (phase COMPILING) tells the submitter that directory's
 address, and the submitter runs the chief and input workers against it as
-csrun_wse does for a local system. The phase becomes RUNNING when the chief,
-compiled, looks up MemoryX; the submitter reports how its tasks ended
-(JOB_DONE). csctl lists, cancels and labels jobs over the same front door.
+csrun_wse does for a local system. The chief registers with that directory
+and heartbeats to it; the phase becomes RUNNING when the chief, compiled and
+heartbeating, looks up MemoryX, and a chief silent for HEARTBEAT_TIMEOUT ends
+the job; the submitter reports how its tasks ended (JOB_DONE). csctl lists, cancels and labels jobs over the same front door.
 
 Isolation: a service process serves one job, then is stopped. The front
 door keeps a pool of service processes started ahead of time (imports
@@ -36,7 +37,7 @@ claims. Every client (by public key) may make RATE_PER_S requests a second
 does not read, later ones are dropped; a listing comes in pages that fit
 the protocol's header cap; and a job whose chief has not arrived within
 --turn_timeout seconds of its turn loses it, so no client can hold the
-systems by polling alone.
+systems by polling alone, nor by looking services up without a chief.
 """
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ KEPT_CLIENTS = 4096          # rate buckets, and clients that do not read, kept 
 TURN_TIMEOUT_S = 120.0       # a job's chief must arrive this soon after its turn came
 RESPAWN_DELAY_S = 5.0        # an idle service that died is replaced after this (no spawn loop on a broken install)
 ROLES = (("memoryx", 1), ("swarmx", 1))   # per job, with one WSE per system
+CHIEF = ("chief", 0)         # registers with its job's directory here and heartbeats while it trains
 
 
 def read_clients(path: str) -> dict[str, str]:
@@ -264,14 +266,21 @@ class JobRuntime:
 
     @property
     def chief_arrived(self) -> bool:
-        """The chief has compiled and looks for MemoryX: the job is training."""
-        return frozenset(("memoryx", "swarmx")) in self.directory.lookups
+        """The chief has compiled, looks for MemoryX and heartbeats here: the job is training.
+        A LOOKUP alone (anyone with the job's keys can send one) does not hold the turn."""
+        chief = self.directory.peers.get(CHIEF)
+        return frozenset(("memoryx", "swarmx")) in self.directory.lookups and chief is not None and chief.beating
 
     def failure(self) -> str | None:
-        """What went wrong with the job's services, if anything."""
+        """What went wrong with the job's services or its chief, if anything."""
         for task, rc in self.group.exited():
             return f"{task.label} exited with {describe_exit(rc)}"
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
+            if (peer.role, peer.rank) == CHIEF and peer.leaving:
+                continue   # its work is done; the submitter's JOB_DONE follows
+            if (peer.role, peer.rank) == CHIEF:
+                return (f"its chief on {peer.host} (pid {peer.pid}) stopped heartbeating for "
+                        f"{HEARTBEAT_TIMEOUT:g} s; the systems went to the next job")
             return f"{peer.role} {peer.rank} on {peer.host} (pid {peer.pid}) stopped answering"
         return registration_overdue(self.directory, self.group.tasks, self.started)
 
@@ -430,7 +439,7 @@ class CSSystem:
             runtime.stop(reason or f"job {phase.lower()}")
         self.free |= set(job.systems)
         job.phase, job.reason, job.ended, job.keys = phase, reason, time.time(), {}
-        log.info("%s %s%s", job.name, phase, f": {reason}" if reason else "")
+        log.info("%s (%s) %s%s", job.name, job.user, phase, f": {reason}" if reason else "")
         ended = [j for j in self.jobs if j.over]
         for old in ended[:max(0, len(ended) - ENDED_KEPT)]:
             self.jobs.remove(old)
