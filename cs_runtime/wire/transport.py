@@ -26,6 +26,7 @@ import zmq
 
 from cs_runtime import env
 from cs_runtime.wire import auth
+from cs_runtime.wire.gate import HandshakeGate
 from cs_runtime.wire.protocol import (MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, MessageTooLarge, ProtocolError,
                                       array_bytes, decode, encode)
 
@@ -143,7 +144,8 @@ class Endpoint:
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a peer that sends a bigger frame before allocating it,
         # authenticated or not (handshake commands are frames too).
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + CURVE_FRAME_OVERHEAD)
+        self.max_frame_bytes = max_frame_bytes + CURVE_FRAME_OVERHEAD
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
@@ -180,13 +182,15 @@ class Endpoint:
         self._has_user_ids = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-            return f"tcp://{host}:{port}"
-        try:
-            self.sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EADDRINUSE:
-                raise PortInUse(f"{self.name}: port {port} on {host} is already in use") from None
-            raise
+        else:
+            try:
+                self.sock.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EADDRINUSE:
+                    raise PortInUse(f"{self.name}: port {port} on {host} is already in use") from None
+                raise
+        # Strangers' handshakes in flight, bounded (each may hold a frame of up to MAXMSGSIZE).
+        HandshakeGate(self.sock, self.name, self.max_frame_bytes, HANDSHAKE_IVL_MS / 1000).start()
         return f"tcp://{host}:{port}"
 
     def connect(self, address: str) -> "Endpoint":
