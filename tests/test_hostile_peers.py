@@ -249,11 +249,11 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
         fds_held = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
         dropped = sum(closed_by_server(conn, HANDSHAKE_IVL_MS / 1000 + 5) for conn in held)
         fds_after = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
-        # Every port at once: 40 connections each, frames 1 byte under the cap, reconnecting for 3 s.
+        # Every port at once: 100 connections each, frames 1 byte under the cap, reconnecting for 3 s.
         rss_base = {name: rss_bytes(pid) for name, (pid, _) in targets.items()}
         peak = dict(rss_base)
         attacks = [threading.Thread(target=near_cap_handshakes, daemon=True,
-                                    args=(address, 40, 3.0, max_frame_of(name) - 1))
+                                    args=(address, 100, 3.0, max_frame_of(name) - 1))
                    for name, (_, address) in targets.items()]
         for attack in attacks:
             attack.start()
@@ -269,7 +269,6 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
             pass
         output = "".join(seen) + proc.stdout.read()
         assert proc.wait(timeout=180) == 0, output[-3000:]
-        print("REFUSALS", [l for l in output.splitlines() if "refused before" in l])
     finally:
         for conn in held:
             conn.close()
@@ -284,8 +283,8 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
     assert max(fds_held[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_held)
     assert dropped == len(held)
     print("near-cap handshakes: base", rss_base, "peak", peak, "final", rss_final)
-    assert max(peak[n] - rss_base[n] for n in targets) < 24 * 2**20, (rss_base, peak)   # was ~1 MB a connection
-    assert max(rss_final[n] - rss_base[n] for n in targets) < 6 * 2**20, (rss_base, rss_final)
+    assert max(peak[n] - rss_base[n] for n in targets) < 32 * 2**20, (rss_base, peak)   # was 1 MB a connection
+    assert max(rss_final[n] - rss_base[n] for n in targets) < 8 * 2**20, (rss_base, rss_final)
     assert max(fds_after[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_after)
     assert "dropped bad message" not in output and "Traceback" not in output
     assert_matches(tmp_path / "m", tmp_path / "cpu")

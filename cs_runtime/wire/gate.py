@@ -49,15 +49,28 @@ _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCON
 _DONE = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 
-def _malloc_trim():
-    """glibc's malloc_trim, or None elsewhere (the process's own symbols: no library search)."""
+def _glibc(name: str):
+    """A function of glibc's allocator, or None elsewhere (the process's own symbols: no library search)."""
     try:
-        return ctypes.CDLL(None).malloc_trim
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
 
 
-_trim = _malloc_trim()
+_trim, _mallopt = _glibc("malloc_trim"), _glibc("mallopt")
+_M_ARENA_MAX = -8
+_one_arena = False
+
+
+def one_malloc_arena() -> None:
+    """Every thread of this process allocates from glibc's main arena from now on. libzmq's I/O
+    thread otherwise gets an arena of its own, and memory freed at the top of a thread's arena
+    stays resident (malloc_trim returns only the main arena's top): a flood's megabytes did.
+    Called before a process binds, so before its I/O thread's first allocation."""
+    global _one_arena
+    if not _one_arena and _mallopt is not None:
+        _mallopt(_M_ARENA_MAX, 1)
+    _one_arena = True
 
 
 def _dup(fd: int) -> pysocket.socket:

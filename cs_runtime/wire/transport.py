@@ -26,7 +26,7 @@ import zmq
 
 from cs_runtime import env
 from cs_runtime.wire import auth
-from cs_runtime.wire.gate import HandshakeGate
+from cs_runtime.wire.gate import HandshakeGate, one_malloc_arena
 from cs_runtime.wire.protocol import (MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, MessageTooLarge, ProtocolError,
                                       array_bytes, decode, encode)
 
@@ -176,6 +176,7 @@ class Endpoint:
         """Bind on `host` (default: bind_host()) at `port` (0: any free one); the address."""
         host = host or bind_host()
         raise_descriptor_limit()
+        one_malloc_arena()
         self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         auth.secure_server(self.ctx, self.sock, host, self.keys, self.any_client)
         # Only then is there a User-Id to read: asking any other socket raises per message.
