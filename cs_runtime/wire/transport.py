@@ -12,7 +12,9 @@ arrays are split), so that is every socket's MAXMSGSIZE (64 KB on sockets
 that carry no arrays); a connection that has not finished its handshake
 within HANDSHAKE_IVL_MS is closed; and a process that binds raises its
 descriptor limit to the hard limit, so held connections cannot starve it of
-files for a checkpoint. Together: about 1 MB per connection, for 2 s.
+files for a checkpoint; and a gate per bound socket (gate.py) shuts down
+connections beyond a few in handshake at once. Together: a few MB a
+process, however many connections.
 """
 from __future__ import annotations
 
