@@ -313,7 +313,7 @@ class CSSystem:
             remove_orphaned_segments(Path(self.shm_dir))
         os.environ.pop(auth.KEYS_ENV, None)   # this process has no job of its own
         self.keys_dir, keys = (None, None) if insecure else auth.create_system_dir()
-        self.watch = auth.FolderWatch(self.keys_dir) if self.keys_dir else None   # gone with us, however
+        self.keys_watch = auth.FolderWatch(self.keys_dir) if self.keys_dir else None   # gone with us, however
         self.ctx = zmq.Context()
         admitted = True if clients is None else frozenset(clients)
         self.front = Endpoint(self.ctx, zmq.ROUTER, "cs_system", "", max_frame_bytes=DIRECTORY_MAX_FRAME,
@@ -549,4 +549,4 @@ class CSSystem:
         self.ctx.destroy(linger=0)
         if self.keys_dir:
             auth.remove_job_dir(self.keys_dir)
-            self.watch.close()
+            self.keys_watch.close()
