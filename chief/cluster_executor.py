@@ -74,6 +74,10 @@ class ClusterExecutor:
         self.job_dir.register({"router": self.workers.bind()})
         self.heartbeat = self.job_dir.start_heartbeats(None if exit_on_failure else self.on_job_failure)
         services = DirectoryClient(self.ctx, self.penv.cs_ip, "chief", 0, self.penv.job)
+        self.system_heartbeat = None
+        if self.penv.cs_ip != self.penv.rendezvous:   # a shared CS system: its turn is held while we beat
+            services.register({})
+            self.system_heartbeat = services.start_heartbeats(None if exit_on_failure else self.on_job_failure)
         found = services.lookup(["memoryx", "swarmx"])
         self.memoryx = self.dealer("memoryx", found["memoryx"][0])
         self.swarmx = self.dealer("swarmx", found["swarmx"][0])
@@ -322,5 +326,7 @@ class ClusterExecutor:
             if ep.recv(JOB_END_TIMEOUT_MS) is None:
                 log.warning("%s did not acknowledge the end of the job", ep.name)
         self.heartbeat.stop()
+        if self.system_heartbeat is not None:
+            self.system_heartbeat.stop()
         stop_authenticator(self.ctx)  # its ZAP thread must not outlive the context
         self.ctx.destroy(linger=0)

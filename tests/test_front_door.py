@@ -21,6 +21,7 @@ import zmq
 from cs_runtime.appliance import client as door_client
 from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.appliance.server import RATE_BURST, RateLimit, read_clients
+from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.wire import auth
 from cs_runtime.wire.protocol import MAX_HEADER_BYTES, Message, Msg, encode
 from tests.cluster_utils import assert_matches_oracle, kill_tree, wse_command
@@ -241,11 +242,20 @@ def test_a_bad_clients_file_is_named(tmp_path, text, why):
 # --------------------------------------------------------------------------
 
 def test_a_hog_that_only_polls_loses_its_turn_and_the_next_job_runs(system_factory, oracle, tmp_path, monkeypatch):
+    """It polls, and with its own job's keys looks MemoryX and SwarmX up as a chief would; without
+    a chief's heartbeat that does not make it RUNNING, and its turn ends."""
     system = system_factory("--turn_timeout", "15")
     door = system.door(monkeypatch, "hog")
+    ctx = zmq.Context()
     try:
         hog = SubmittedJob(door, 1, {"case": "hog"}, auth.load_keys(str(KEYS[0])))
-        assert hog.wait_turn()["phase"] == "COMPILING"    # its turn: it never starts a chief
+        state = hog.wait_turn()
+        assert state["phase"] == "COMPILING"    # its turn: it never starts a chief
+        monkeypatch.setenv(auth.KEYS_ENV, str(KEYS[0]))
+        lookup = DirectoryClient(ctx, state["cs_ip"], "chief", 0, state["job"])
+        assert lookup.lookup(["memoryx", "swarmx"], timeout=30)["memoryx"]
+        lookup.close()
+        assert door.request(hog.poll()).meta["phase"] == "COMPILING"   # a lookup is not a chief
         env = {**os.environ, door_client.USER_DIR_ENV: str(tmp_path / "owner")}
         cmd = wse_command(oracle[0], tmp_path / "m", extra_launcher=("--cs_ip", system.address))
         legit = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -259,6 +269,9 @@ def test_a_hog_that_only_polls_loses_its_turn_and_the_next_job_runs(system_facto
         assert time.monotonic() - t0 < 120, "the legitimate job waited for the hog"
         assert hog.state["phase"] == "FAILED", hog.state
         assert "its chief did not arrive within 15 s of its turn" in hog.state["reason"]
+        said = (system.tmp / "server.log").read_text()
+        assert f"{hog.name} ({door_client.user_name()}) FAILED: its chief did not arrive" in said
     finally:
         door.close()
+        ctx.destroy(linger=0)
     assert_matches_oracle(tmp_path / "m", oracle)

@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -63,6 +65,22 @@ def test_clean_up_leaves_a_key_folder_another_process_made(tmp_path):
     (keys / auth.OWNER_FILE).write_text("78")
     assert orphan.clean_up("job1", "", str(keys), launcher_pid=77) == "nothing"
     assert keys.exists()
+
+
+def test_the_start_of_any_command_removes_the_key_folders_of_dead_launchers(tmp_path, monkeypatch):
+    import importlib
+    from cs_runtime import cli
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    never_a_pid = 2**22 + 1   # above the kernel's PID_MAX_LIMIT
+    made = {}
+    for prefix, owner in ((auth.JOB_DIR_PREFIX, never_a_pid), (auth.SYSTEM_DIR_PREFIX, never_a_pid),
+                          (auth.JOB_DIR_PREFIX, os.getpid())):
+        folder = tmp_path / f"{prefix}{len(made)}"
+        folder.mkdir(mode=0o700)
+        (folder / auth.OWNER_FILE).write_text(str(owner))
+        made[folder] = owner
+    importlib.reload(cli)   # what `python -m cs_runtime.cli.<command>` and every console command run first
+    assert [f.name for f in made if f.exists()] == [f"{auth.JOB_DIR_PREFIX}2"]   # a live maker's stays
 
 
 @pytest.mark.cluster
@@ -236,3 +254,66 @@ def test_a_stopped_launcher_is_named_and_the_restart_ends_with_the_oracles_numbe
         kill_tree(proc)
         if chief is not None and alive(chief):
             os.kill(chief, signal.SIGKILL)
+
+
+def key_folders_of(launcher_pid: int) -> list[Path]:
+    """The job key folders the launcher `launcher_pid` made that are still there."""
+    found = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{auth.JOB_DIR_PREFIX}*"):
+        try:
+            if (folder / auth.OWNER_FILE).read_text() == str(launcher_pid):
+                found.append(folder)
+        except OSError:
+            continue
+    return found
+
+
+GONE_WITHIN_S = 5.0   # "at once": the folder's watcher acts on the launcher's death, not a later job
+
+
+def kill_launcher_and_check_nothing_is_left(proc: subprocess.Popen, when: str) -> None:
+    job = [pid for pid, _ in descendants(proc.pid)]   # its tasks, its services, the folder's watcher
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    try:
+        assert wait_until(lambda: not key_folders_of(proc.pid), GONE_WITHIN_S), (when, key_folders_of(proc.pid))
+        assert wait_until(lambda: not any(alive(pid) for pid in job), GONE_WITHIN_S), \
+            (when, [(pid, args) for pid, args in descendants(1) if pid in job])
+    finally:
+        for pid in job:   # what this test failed to see go, it stops itself
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.cluster
+def test_a_launcher_killed_during_start_up_leaves_nothing_of_the_job_within_seconds(tmp_path):
+    """Before its services exist nobody else knows the key folder: its watcher removes it."""
+    delay = random.uniform(0.1, 1.5)
+    params = write_params(tmp_path, runconfig={"max_steps": 100000})
+    proc = subprocess.Popen(wse_command(params, tmp_path / "m"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)   # the moment drawn for the kill, not a synchronisation
+        assert proc.poll() is None
+        kill_launcher_and_check_nothing_is_left(proc, f"killed {delay:.2f} s after its start")
+    finally:
+        kill_tree(proc)
+
+
+@pytest.mark.cluster
+def test_a_launcher_killed_just_after_a_restart_line_leaves_nothing_of_the_job_within_seconds(tmp_path):
+    """Between two attempts the first one's services are gone and the next one's not yet there."""
+    params = write_params(tmp_path, runconfig={"max_steps": 100000, "log_steps": 5})
+    proc, _ = start_training(params, tmp_path / "m", "--max_restarts", "1")
+    try:
+        memoryx = next(pid for pid, args in descendants(proc.pid) if ROLE_PATTERNS["memoryx"] in args)
+        os.kill(memoryx, signal.SIGKILL)
+        for line in proc.stdout:
+            if "restarting the whole job" in line:
+                break
+        else:
+            raise AssertionError("no restart line")
+        kill_launcher_and_check_nothing_is_left(proc, "killed just after its restart line")
+    finally:
+        kill_tree(proc)

@@ -889,3 +889,25 @@ def test_kept_buffers_hold_a_models_parameters_in_the_dtypes_that_travel(fmt):
     assert kept.get(1, "no_such_param", storage, shape) is None
     assert kept.get(2, "weight", storage, shape) is None and kept.get(-1, "weight", storage, shape) is None
     assert kept.get(1, "weight", storage, (shape[0] + 1, shape[1])) is None     # not the parameter's shape
+
+
+def test_once_per_sender_lines_are_bounded_in_memory_and_in_log(caplog):
+    """A stranger reconnecting is a new sender each time: 5000 of them leave at most KEPT senders
+    kept and PER_WINDOW lines (plus one sum-up line when the next window opens)."""
+    from cs_runtime.wire.transport import SenderLog
+    ctx = zmq.Context()
+    endpoint = Endpoint(ctx, zmq.ROUTER, "target", "job")
+    try:
+        with caplog.at_level(logging.INFO, logger="cs_runtime.wire.transport"):
+            for sender in range(5000):
+                endpoint.warn_once(sender.to_bytes(4, "big"), "garbage")
+            endpoint.warn_once((4999).to_bytes(4, "big"), "garbage")   # known: said already
+            assert len(endpoint.sender_log.named) == SenderLog.KEPT
+            assert len(caplog.records) == SenderLog.PER_WINDOW
+            endpoint.sender_log.window_start -= SenderLog.WINDOW_S   # the next window
+            endpoint.note_undelivered(b"\x01", "an answer", "the peer has disconnected")
+        assert "4980 more such WARNING lines" in caplog.records[-2].getMessage()
+        assert "not delivered" in caplog.records[-1].getMessage()
+    finally:
+        endpoint.close()
+        ctx.destroy(linger=0)

@@ -164,10 +164,19 @@ class FrontDoor:
                 return got[1]
 
     def request(self, msg: Message, timeout_s: float = REQUEST_TIMEOUT_S) -> Message:
-        """Send and wait for the answer; a refusal or no answer raises FrontDoorError."""
-        got = self.answer(self.send(msg), timeout_s)
-        if got is None:
-            raise FrontDoorError(f"cannot reach the CS system at {self.where} (no answer within {timeout_s:.0f} s)")
+        """Send and wait for the answer; a refusal or no answer raises FrontDoorError. Asked to
+        slow down (the server's rate limit), it waits as long as the refusal says and asks
+        again, within timeout_s: a client paces itself instead of failing half way."""
+        deadline = _now() + timeout_s
+        while True:
+            got = self.answer(self.send(msg), max(0.0, deadline - _now()))
+            if got is None:
+                raise FrontDoorError(f"cannot reach the CS system at {self.where} "
+                                     f"(no answer within {timeout_s:.0f} s)")
+            wait = got.meta.get("retry_after") if got.type == Msg.REFUSED else None
+            if wait is None or _now() + wait >= deadline:
+                break
+            time.sleep(wait)   # pacing: the server said when it takes a request again
         if got.type == Msg.REFUSED:
             raise FrontDoorError(got.meta["reason"])
         return got
@@ -232,7 +241,9 @@ class SubmittedJob:
         """Non-blocking: the latest state, sending a poll every POLL_S; raises FrontDoorError when silent."""
         if self.unanswered is not None:
             got = self.door.answer(self.unanswered, 0)
-            if got is not None:
+            if got is not None and "retry_after" in got.meta:
+                self.unanswered = None   # slowed down (its host's clients share a budget): as unanswered
+            elif got is not None:
                 self.unanswered, self.last_answer = None, _now()
                 if got.type == Msg.REFUSED:
                     raise FrontDoorError(got.meta["reason"])

@@ -9,9 +9,10 @@ its systems until it ends. When a job's turn comes the front door gives it a
 MemoryX, a SwarmX and one WSE per system, and a directory of its own; the
 next poll answer (phase COMPILING) tells the submitter that directory's
 address, and the submitter runs the chief and input workers against it as
-csrun_wse does for a local system. The phase becomes RUNNING when the chief,
-compiled, looks up MemoryX; the submitter reports how its tasks ended
-(JOB_DONE). csctl lists, cancels and labels jobs over the same front door.
+csrun_wse does for a local system. The chief registers with that directory
+and heartbeats to it; the phase becomes RUNNING when the chief, compiled and
+heartbeating, looks up MemoryX, and a chief silent for HEARTBEAT_TIMEOUT ends
+the job; the submitter reports how its tasks ended (JOB_DONE). csctl lists, cancels and labels jobs over the same front door.
 
 Isolation: a service process serves one job, then is stopped. The front
 door keeps a pool of service processes started ahead of time (imports
@@ -36,7 +37,7 @@ claims. Every client (by public key) may make RATE_PER_S requests a second
 does not read, later ones are dropped; a listing comes in pages that fit
 the protocol's header cap; and a job whose chief has not arrived within
 --turn_timeout seconds of its turn loses it, so no client can hold the
-systems by polling alone.
+systems by polling alone, nor by looking services up without a chief.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, 
 from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
 from cs_runtime.launch.launcher import (ProcessGroup, Task, describe_exit, registration_overdue,
                                        numerics_env, spawn)
-from cs_runtime.wire.protocol import ENDED_PHASES, USER_NAME, Message, MessageTooLarge, Msg
+from cs_runtime.wire.protocol import (ENDED_PHASES, MAX_LABELS, USER_NAME, Message, MessageTooLarge, Msg,
+                                      printable)
 from cs_runtime.service import AWAIT_JOB_ENV
 from cs_runtime.wire.shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
 from cs_runtime.wire.transport import Endpoint, host_name
@@ -75,10 +77,15 @@ ENDED_KEPT = 500             # ended jobs csctl still lists
 MAX_WAITING = 1000           # jobs queued or running at once; more are refused
 PAGE_BYTES = 48 * 1024       # a JOBS answer stays under the protocol's 64 KB header cap
 CLIENT_QUEUE = 8             # answers queued for one client before more are dropped
+CLIENT_SNDBUF = 64 * 1024    # kernel send buffer per client connection (Linux doubles it)
 RATE_PER_S, RATE_BURST = 20.0, 40   # requests per client (public key) a second, and its burst
-KEPT_CLIENTS = 4096          # rate buckets kept (the least recently seen go first)
+# Without --clients keys are free, so every address (all clients of one host together) has a
+# bucket too: what many fresh keys from one place can ask for, a second and at once.
+SOURCE_RATE_PER_S, SOURCE_BURST = 100.0, 200
+KEPT_CLIENTS = 4096          # rate buckets, and clients that do not read, kept (least recently seen go first)
 TURN_TIMEOUT_S = 120.0       # a job's chief must arrive this soon after its turn came
 RESPAWN_DELAY_S = 5.0        # an idle service that died is replaced after this (no spawn loop on a broken install)
+CHIEF = ("chief", 0)         # registers with its job's directory here and heartbeats while it trains
 
 
 def read_clients(path: str) -> dict[str, str]:
@@ -107,14 +114,23 @@ class RateLimit:
         self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()   # client -> (tokens, when)
 
     def allow(self, client: str) -> bool:
-        now = time.monotonic()
-        tokens, then = self.buckets.pop(client, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        tokens = self._tokens(client)
         allowed = tokens >= 1.0
-        self.buckets[client] = (tokens - 1.0 if allowed else tokens, now)
+        self.buckets[client] = (tokens - 1.0 if allowed else tokens, time.monotonic())
         while len(self.buckets) > KEPT_CLIENTS:
             self.buckets.popitem(last=False)
         return allowed
+
+    def wait_s(self, client: str) -> float:
+        """Seconds until `client` has a request again."""
+        return max(0.0, 1.0 - self._tokens(client)) / self.rate
+
+    def _tokens(self, client: str) -> float:
+        now = time.monotonic()
+        tokens, then = self.buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        self.buckets[client] = (tokens, now)
+        return tokens
 
 
 class Refused(Exception):
@@ -248,14 +264,21 @@ class JobRuntime:
 
     @property
     def chief_arrived(self) -> bool:
-        """The chief has compiled and looks for MemoryX: the job is training."""
-        return frozenset(("memoryx", "swarmx")) in self.directory.lookups
+        """The chief has compiled, looks for MemoryX and heartbeats here: the job is training.
+        A LOOKUP alone (anyone with the job's keys can send one) does not hold the turn."""
+        chief = self.directory.peers.get(CHIEF)
+        return frozenset(("memoryx", "swarmx")) in self.directory.lookups and chief is not None and chief.beating
 
     def failure(self) -> str | None:
-        """What went wrong with the job's services, if anything."""
+        """What went wrong with the job's services or its chief, if anything."""
         for task, rc in self.group.exited():
             return f"{task.label} exited with {describe_exit(rc)}"
         for peer in self.directory.silent_peers(HEARTBEAT_TIMEOUT):
+            if (peer.role, peer.rank) == CHIEF and peer.leaving:
+                continue   # its work is done; the submitter's JOB_DONE follows
+            if (peer.role, peer.rank) == CHIEF:
+                return (f"its chief on {peer.host} (pid {peer.pid}) stopped heartbeating for "
+                        f"{HEARTBEAT_TIMEOUT:g} s; the systems went to the next job")
             return f"{peer.role} {peer.rank} on {peer.host} (pid {peer.pid}) stopped answering"
         return registration_overdue(self.directory, self.group.tasks, self.started)
 
@@ -281,15 +304,18 @@ class CSSystem:
         self.clients = clients            # {public key: user}: the allow-list, or None (any key)
         self.turn_timeout_s = turn_timeout_s
         self.rate = RateLimit()
+        self.source_rate = None if clients is not None else RateLimit(SOURCE_RATE_PER_S, SOURCE_BURST)
+        self.deaf: OrderedDict[bytes, None] = OrderedDict()   # connections whose answers were dropped
         self.shm_dir = "/dev/shm" if shm and os.path.isdir("/dev/shm") else None
         if self.shm_dir:
             remove_orphaned_segments(Path(self.shm_dir))
         os.environ.pop(auth.KEYS_ENV, None)   # this process has no job of its own
         self.keys_dir, keys = (None, None) if insecure else auth.create_system_dir()
+        self.keys_watch = auth.FolderWatch(self.keys_dir) if self.keys_dir else None   # gone with us, however
         self.ctx = zmq.Context()
         admitted = True if clients is None else frozenset(clients)
         self.front = Endpoint(self.ctx, zmq.ROUTER, "cs_system", "", max_frame_bytes=DIRECTORY_MAX_FRAME,
-                              keys=keys, any_client=admitted).bound_queues(CLIENT_QUEUE)
+                              keys=keys, any_client=admitted).bound_queues(CLIENT_QUEUE, CLIENT_SNDBUF)
         try:
             self.port = int(self.front.bind(host, port).rsplit(":", 1)[1])
         except Exception:
@@ -338,18 +364,36 @@ class CSSystem:
             if got is None:
                 return
             identity, msg = got
+            if identity in self.deaf:
+                continue   # it left answers unread: nothing more is made for this connection
             client = self.front.last_user or identity.hex()
-            try:
-                if not self.rate.allow(client):
-                    raise Refused(f"too many requests: at most {RATE_PER_S:.0f} a second; slow down")
-                answer = self.answer(msg, client)
-            except Refused as refusal:
-                answer = Message(Msg.REFUSED, meta={"reason": str(refusal)})
+            answer = self.rate_refusal(client, self.front.last_address)
+            if answer is None:
+                try:
+                    answer = self.answer(msg, client)
+                except Refused as refusal:
+                    answer = Message(Msg.REFUSED, meta={"reason": str(refusal)})
             answer.step = msg.step        # the client matches answers to requests by it
             try:
-                self.front.send(answer, identity)
+                delivered = self.front.send(answer, identity)
             except MessageTooLarge as exc:   # the client would drop it: a refusal that says why, not a crash
-                self.front.send(Message(Msg.REFUSED, step=msg.step, meta={"reason": str(exc)}), identity)
+                delivered = self.front.send(Message(Msg.REFUSED, step=msg.step, meta={"reason": str(exc)}), identity)
+            if not delivered:
+                self.deaf[identity] = None
+                while len(self.deaf) > KEPT_CLIENTS:
+                    self.deaf.popitem(last=False)
+
+    def rate_refusal(self, client: str, source: str) -> Message | None:
+        """A REFUSED answer when `client` (its key), or without --clients its address, is over its rate."""
+        limits = [(self.rate, client, f"at most {RATE_PER_S:.0f} a second per client")]
+        if self.source_rate is not None:
+            limits.append((self.source_rate, f"source {source}",
+                           f"at most {SOURCE_RATE_PER_S:.0f} a second from {source or 'one address'}"))
+        for limit, key, rule in limits:
+            if not limit.allow(key):
+                return Message(Msg.REFUSED, meta={"reason": f"too many requests: {rule}; slow down",
+                                                  "retry_after": round(limit.wait_s(key), 3)})
+        return None
 
     def watch(self, job: JobRecord) -> None:
         failure = job.runtime.failure()
@@ -394,7 +438,7 @@ class CSSystem:
             runtime.stop(reason or f"job {phase.lower()}")
         self.free |= set(job.systems)
         job.phase, job.reason, job.ended, job.keys = phase, reason, time.time(), {}
-        log.info("%s %s%s", job.name, phase, f": {reason}" if reason else "")
+        log.info("%s (%s) %s%s", job.name, job.user, phase, f": {reason}" if reason else "")
         ended = [j for j in self.jobs if j.over]
         for old in ended[:max(0, len(ended) - ENDED_KEPT)]:
             self.jobs.remove(old)
@@ -412,17 +456,17 @@ class CSSystem:
         job = self.owned(m["name"], m["owner"], verb[msg.type])
         if msg.type == Msg.JOB_POLL:
             job.last_poll = time.monotonic()
-        elif msg.type == Msg.JOB_DONE:
-            self.end(job, m["phase"] if m["phase"] in ENDED_PHASES else "FAILED", m["reason"])
+        elif msg.type == Msg.JOB_DONE:   # the reason is shown to every user and logged: escaped
+            self.end(job, m["phase"] if m["phase"] in ENDED_PHASES else "FAILED", printable(m["reason"]))
         elif msg.type == Msg.CANCEL:
             if job.over:
                 raise Refused(f"{job.name} has already ended ({job.phase})")
             self.end(job, "CANCELLED", "cancelled by its owner (csctl cancel job)")
             return Message(Msg.ACK, meta={"what": "cancel"})
-        else:
+        else:   # checked before anything changes: a refused request leaves the labels as they were
+            if len(job.labels.keys() | m["labels"].keys()) > MAX_LABELS:
+                raise Refused(f"{job.name}: more than {MAX_LABELS} labels (it has {len(job.labels)})")
             job.labels.update(m["labels"])
-            if len(job.labels) > 32:
-                raise Refused(f"{job.name}: more than 32 labels")
             return Message(Msg.ACK, meta={"what": "label"})
         return self.job_state(job)
 
@@ -503,3 +547,4 @@ class CSSystem:
         self.ctx.destroy(linger=0)
         if self.keys_dir:
             auth.remove_job_dir(self.keys_dir)
+            self.keys_watch.close()

@@ -7,3 +7,9 @@
     cs_input_analyzer.py  cs_input_analyzer: how many input workers a model needs
     convert_checkpoint.py cs_convert_checkpoint: checkpoints to and from PyTorch and the model zoo's .mdl
 """
+# Whichever of them starts first removes the key folders of this user's launchers that died
+# without cleaning up (kill -9 of the launcher and of its folder's watcher together): secret
+# keys do not wait for the next job.
+from cs_runtime.wire.auth import remove_dead_owners_folders  # noqa: E402
+
+remove_dead_owners_folders()

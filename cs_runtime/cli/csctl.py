@@ -20,7 +20,7 @@ from cs_runtime import env
 from cs_runtime.flags import add_flag
 from cs_runtime.appliance.client import (SYSTEM_ENV, FrontDoor, FrontDoorError, client_key_pair, owner_token,
                                          user_name)
-from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels
+from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels, printable
 from cs_runtime.version import version_line
 
 COLUMNS = ("NAME", "AGE", "DURATION", "PHASE", "SYSTEMS", "USER", "LABELS")
@@ -86,6 +86,7 @@ def table(jobs: list[dict]) -> str:
     rows = [COLUMNS] + [(j["name"], age(j["age_s"]), age(j["duration_s"]), j["phase"],
                          ",".join(j["systems"]) or "-", j["user"],
                          ",".join(f"{k}={v}" for k, v in sorted(j["labels"].items())) or "-") for j in jobs]
+    rows = [tuple(printable(str(cell), 10_000) for cell in row) for row in rows]   # whatever the server sent
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -101,7 +102,7 @@ def get(jobs: list[dict], wanted: str | None, output: str, where: str) -> str:
     job = found[0]
     if output == "json":
         return json.dumps(job, indent=2)
-    return table([job]) + (f"\nREASON: {job['reason']}" if job.get("reason") else "")
+    return table([job]) + (f"\nREASON: {printable(job['reason'])}" if job.get("reason") else "")
 
 
 def run(ns: argparse.Namespace) -> str:

@@ -330,6 +330,7 @@ def job_keys(insecure: bool):
     encrypted, to the CS system's services for this job). None with `insecure`."""
     outside = os.environ.pop(auth.KEYS_ENV, None)
     keys_dir = None if insecure else auth.create_job_dir()
+    watch = None if keys_dir is None else auth.FolderWatch(keys_dir)   # removes it should we be killed
     if keys_dir is not None:
         os.environ[auth.KEYS_ENV] = str(keys_dir)  # read by auth.job_keys() and base_env
     try:
@@ -340,6 +341,7 @@ def job_keys(insecure: bool):
             os.environ[auth.KEYS_ENV] = outside
         if keys_dir is not None:
             auth.remove_job_dir(keys_dir)
+            watch.close()
 
 
 def run(options: JobOptions) -> int:

@@ -4,4 +4,5 @@
     transport.py  ZeroMQ endpoints that send and receive protocol messages
     shm.py        same-host shared-memory segments that carry the weight stream by reference
     auth.py       the job's CURVE keys and the ZAP authenticator
+    gate.py       a bound on handshakes in flight per listening socket and per source address
 """

@@ -153,6 +153,12 @@ def remove_stale_job_dirs(prefix: str = JOB_DIR_PREFIX) -> None:
             remove_job_dir(folder)
 
 
+def remove_dead_owners_folders() -> None:
+    """Every job and CS system key folder of this user whose maker is gone."""
+    remove_stale_job_dirs(JOB_DIR_PREFIX)
+    remove_stale_job_dirs(SYSTEM_DIR_PREFIX)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists (one of another user's counts as alive)."""
     try:
@@ -166,6 +172,46 @@ def pid_alive(pid: int) -> bool:
 
 def remove_job_dir(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+# The watcher: waits for EOF on a pipe whose only writer is the process that made the folder
+# (the write end is not inherited by its children), then removes the folder if it is still
+# there. Plain `python -S`, nothing imported but os and shutil: it starts in some 20 ms.
+_WATCHER = """
+import os, shutil, sys
+fd, folder = int(sys.argv[1]), sys.argv[2]
+try:
+    while os.read(fd, 64):
+        pass
+except OSError:
+    pass
+shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
+class FolderWatch:
+    """A small process that removes `folder` as soon as this process is gone, however it ends
+    (kill -9 included): the key folder of a launcher killed before its services started, or
+    between a restart's attempts, when no service is there to remove it. `close()` (at the
+    job's end, after removing the folder) lets it exit."""
+
+    def __init__(self, folder: Path):
+        import subprocess
+        import sys
+        read_end, self._write_end = os.pipe()   # both not inheritable (PEP 446): passed explicitly
+        try:
+            # Its own session: a signal to the launcher's terminal group must not take it first.
+            self.proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, str(read_end), str(folder)],
+                                         pass_fds=(read_end,), start_new_session=True,
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        finally:
+            os.close(read_end)
+
+    def close(self) -> None:
+        if self._write_end >= 0:
+            os.close(self._write_end)
+            self._write_end = -1
+            self.proc.wait()
 
 
 @functools.lru_cache(maxsize=8)

@@ -192,6 +192,9 @@ LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
 MAX_LABELS = 32
 OWNER_TOKEN = re.compile(r"^[0-9a-f]{64}$")
 USER_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+# JOB_DONE's reason: free text from a client, stored and shown to every user; this long at most,
+# so that a job's row (labels, user, reason, services) always fits a listing's page.
+MAX_REASON_CHARS = 1000
 # A job's CURVE keys (the submitter's, for the services that serve it): Z85, 40 characters each.
 JOB_KEY_NAMES = ("server_public", "server_secret", "client_public", "client_secret")
 Z85_KEY = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
@@ -216,6 +219,16 @@ def _check_front_door(mtype: "Msg", meta: dict) -> None:
             raise ProtocolError("submit: keys must be empty or the four Z85 CURVE keys of the job")
     if mtype in (Msg.JOB_STATE, Msg.JOB_DONE) and meta["phase"] not in PHASES:
         raise ProtocolError(f"{mtype.value}: unknown phase {meta['phase'][:20]!r}")
+    if mtype == Msg.JOB_DONE and len(meta["reason"]) > MAX_REASON_CHARS:
+        raise ProtocolError(f"job_done: reason of {len(meta['reason'])} characters, over {MAX_REASON_CHARS}")
+
+
+def printable(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """`text` as one line that cannot move a terminal's cursor or forge a log line or a table row:
+    control and format characters (newlines, ANSI escapes, bidi overrides) are written as escapes,
+    and the result is cut at `limit` characters."""
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 def check_labels(labels, error=ValueError) -> None:
@@ -245,7 +258,9 @@ OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": b
                                  "leaving": bool,   # HEARTBEAT: the sender's work is done; it is exiting
                                  # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
                                  # `after` of the next page (absent on the last page)
-                                 "after": int, "next": int}
+                                 "after": int, "next": int,
+                                 # REFUSED for the rate limit: seconds until a request is taken again
+                                 "retry_after": _NUM}
 
 
 # ------------------------------------------------------------ BATCH

@@ -12,19 +12,23 @@ arrays are split), so that is every socket's MAXMSGSIZE (64 KB on sockets
 that carry no arrays); a connection that has not finished its handshake
 within HANDSHAKE_IVL_MS is closed; and a process that binds raises its
 descriptor limit to the hard limit, so held connections cannot starve it of
-files for a checkpoint. Together: about 1 MB per connection, for 2 s.
+files for a checkpoint; and a gate per bound socket (gate.py) shuts down
+connections beyond a few in handshake at once. Together: a few MB a
+process, however many connections.
 """
 from __future__ import annotations
 
 import logging
 import resource
 import socket as pysocket
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 
 import zmq
 
 from cs_runtime import env
 from cs_runtime.wire import auth
+from cs_runtime.wire.gate import HandshakeGate, one_malloc_arena
 from cs_runtime.wire.protocol import (MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message, MessageTooLarge, ProtocolError,
                                       array_bytes, decode, encode)
 
@@ -89,6 +93,43 @@ class PortInUse(OSError):
     pass
 
 
+class SenderLog:
+    """"Once per sender" lines whose cost does not grow with the senders: the senders already
+    named are an LRU of KEPT, and at most PER_WINDOW lines go out per WINDOW_S; the rest are
+    counted and summed up in one line when the next window opens. (A stranger who reconnects
+    is a new sender each time: 68k connections used to be 68k lines and a set of 68k entries.)"""
+
+    KEPT, PER_WINDOW, WINDOW_S = 256, 20, 60.0
+
+    def __init__(self, name: str):
+        self.name = name
+        self.named: OrderedDict = OrderedDict()
+        self.window_start, self.lines, self.unsaid = float("-inf"), 0, Counter()
+
+    def once(self, level: int, key, text: str, *args) -> None:
+        if key in self.named:
+            self.named.move_to_end(key)
+            return
+        self.named[key] = None
+        if len(self.named) > self.KEPT:
+            self.named.popitem(last=False)
+        now = time.monotonic()
+        if now - self.window_start >= self.WINDOW_S:
+            self._sum_up()
+            self.window_start, self.lines = now, 0
+        if self.lines < self.PER_WINDOW:
+            self.lines += 1
+            log.log(level, text, *args)
+        else:
+            self.unsaid[logging.getLevelName(level)] += 1
+
+    def _sum_up(self) -> None:
+        for level, count in self.unsaid.items():
+            log.log(logging.getLevelName(level), "%s: %d more such %s lines not written in the last %.0f s "
+                    "(at most %d a window)", self.name, count, level, self.WINDOW_S, self.PER_WINDOW)
+        self.unsaid.clear()
+
+
 class Endpoint:
     """One ZeroMQ socket plus the protocol, byte counters and bad-sender log.
 
@@ -105,7 +146,8 @@ class Endpoint:
         self.sock.setsockopt(zmq.LINGER, 0)
         # ZeroMQ drops a peer that sends a bigger frame before allocating it,
         # authenticated or not (handshake commands are frames too).
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + CURVE_FRAME_OVERHEAD)
+        self.max_frame_bytes = max_frame_bytes + CURVE_FRAME_OVERHEAD
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
@@ -119,11 +161,13 @@ class Endpoint:
         self.bytes_received = 0
         self._received_mark = 0
         self.sent_by_type: Counter = Counter()
-        self._warned_senders: set = set()
+        self.sender_log = SenderLog(name)   # bad messages and undelivered answers, once per peer
         self.segments = None      # shm.Segments: big arrays by reference, same host only
         self.last_user = ""       # the CURVE public key (Z85) of the peer that sent the last message
         self._has_user_ids = False   # a CURVE server's messages carry the ZAP handler's User-Id
         self.peer_address = ""    # what a connecting socket connected to (named when a send is refused)
+        self.last_address = ""    # the IP address the last message came from (bound_queues' sockets only)
+        self._wants_address = False
 
     def share_memory(self, segments) -> "Endpoint":
         """Send arrays that lie in a shared segment by reference, and accept such references."""
@@ -134,19 +178,22 @@ class Endpoint:
         """Bind on `host` (default: bind_host()) at `port` (0: any free one); the address."""
         host = host or bind_host()
         raise_descriptor_limit()
+        one_malloc_arena()
         self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         auth.secure_server(self.ctx, self.sock, host, self.keys, self.any_client)
         # Only then is there a User-Id to read: asking any other socket raises per message.
         self._has_user_ids = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
         if not port:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-            return f"tcp://{host}:{port}"
-        try:
-            self.sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EADDRINUSE:
-                raise PortInUse(f"{self.name}: port {port} on {host} is already in use") from None
-            raise
+        else:
+            try:
+                self.sock.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EADDRINUSE:
+                    raise PortInUse(f"{self.name}: port {port} on {host} is already in use") from None
+                raise
+        # Strangers' handshakes in flight, bounded (each may hold a frame of up to MAXMSGSIZE).
+        HandshakeGate(self.sock, self.name, self.max_frame_bytes, HANDSHAKE_IVL_MS / 1000).start()
         return f"tcp://{host}:{port}"
 
     def connect(self, address: str) -> "Endpoint":
@@ -155,8 +202,9 @@ class Endpoint:
         self.peer_address = address
         return self
 
-    def send(self, msg: Message, identity: bytes | None = None, share: bool = True) -> None:
-        """Send `msg` (to `identity` on a ROUTER); share=False: frames only, for peers elsewhere."""
+    def send(self, msg: Message, identity: bytes | None = None, share: bool = True) -> bool:
+        """Send `msg` (to `identity` on a ROUTER); share=False: frames only, for peers elsewhere.
+        False when it was not delivered (said once per peer): the peer is gone or does not read."""
         if not msg.job:
             msg.job = self.job
         try:
@@ -165,10 +213,11 @@ class Endpoint:
             peer = identity.hex() if identity is not None else self.peer_address or "its peer"
             raise MessageTooLarge(f"{self.name}: cannot send to {peer}: {exc}") from None
         if not self._send_frames(frames, identity, msg.type.value):
-            return
+            return False
         payload = array_bytes(msg)
         self.bytes_sent += payload
         self.sent_by_type[msg.type.value] += payload
+        return True
 
     def forward(self, frames: list, identity: bytes | None = None) -> None:
         """Send already-encoded frames on (SwarmX's zero-copy broadcast)."""
@@ -210,6 +259,11 @@ class Endpoint:
                 self.last_user = frames[0].get("User-Id")
             except zmq.ZMQError:
                 pass
+        if self._wants_address and frames:
+            try:
+                self.last_address = frames[0].get("Peer-Address")
+            except zmq.ZMQError:
+                self.last_address = ""
         return identity, frames
 
     def recv_waiting(self, timeout_ms: int, limit: int) -> list[tuple[bytes | None, list[bytes]]]:
@@ -230,12 +284,17 @@ class Endpoint:
             pass
         return waiting
 
-    def bound_queues(self, per_peer: int) -> "Endpoint":
-        """At most `per_peer` messages queued for, and from, each peer; an answer to a
-        peer that does not read is dropped, never queued without bound (a front door)."""
+    def bound_queues(self, per_peer: int, kernel_bytes: int) -> "Endpoint":
+        """At most `per_peer` messages queued for, and from, each peer, and `kernel_bytes` in
+        the kernel's send buffer of each connection (else a socket's own buffer, megabytes a
+        connection, takes what the queue limit keeps out); an answer to a peer that does not
+        read is dropped, never queued without bound (a front door). Messages then also
+        say where they came from (`last_address`)."""
         for option in (zmq.SNDHWM, zmq.RCVHWM):
             self.sock.setsockopt(option, per_peer)
+        self.sock.setsockopt(zmq.SNDBUF, kernel_bytes)
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
+        self._wants_address = True
         return self
 
     def recv(self, timeout_ms: int | None = None, into=None):
@@ -268,16 +327,13 @@ class Endpoint:
     def note_undelivered(self, identity, what: str, why: str) -> None:
         """Once per peer: a message of ours did not go out. Not a bad message (nothing
         was received), and usually the peer is simply done: an INFO line, not a warning."""
-        peer = ("undelivered", identity.hex() if identity else "peer")
-        if peer not in self._warned_senders:
-            self._warned_senders.add(peer)
-            log.info("%s: %s to %s not delivered: %s", self.name, what, peer[1], why)
+        peer = identity.hex() if identity else "peer"
+        self.sender_log.once(logging.INFO, ("undelivered", peer), "%s: %s to %s not delivered: %s",
+                             self.name, what, peer, why)
 
     def warn_once(self, identity, reason: str) -> None:
         sender = identity.hex() if identity else "peer"
-        if sender not in self._warned_senders:
-            self._warned_senders.add(sender)
-            log.warning("%s: dropped bad message from %s: %s", self.name, sender, reason)
+        self.sender_log.once(logging.WARNING, sender, "%s: dropped bad message from %s: %s", self.name, sender, reason)
 
     def take_received(self) -> int:
         """Array bytes received since the previous call (per-step traffic counts)."""
