@@ -218,7 +218,7 @@ class ClusterExecutor:
         through four hops (LOSS up through SwarmX, TRAIN_STEP down) and the chief's logging.
         The WSE handles its messages in order, so the maths is that of lockstep steps. Weight
         streaming does not send ahead: tried (MemoryX queueing the next TRAIN_STEP), it
-        measured no faster beyond the noise there (docs/benchmarks.md)."""
+        measured no faster beyond the noise there (CHANGELOG.md)."""
         self.start_step(step, lr, loss_scale, norms)
         if then is not None and self.pipelined:
             self.start_step(*then)

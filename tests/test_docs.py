@@ -1,7 +1,9 @@
 """The docs hold together: every relative link in README.md, CHANGELOG.md and docs/*.md
 points at a file that exists (and, for `page.md#anchor`, at a heading of that page),
-every docs/ page is in the README's index, and every repository path a page quotes
-in backticks exists. Reads files only; no processes."""
+every docs/ page is in the README's index, every repository path a page quotes
+in backticks exists, and the pages that describe the code as it is (design.md,
+benchmarks.md) stay under 20 KB: their history belongs in CHANGELOG.md. Reads files
+only; no processes."""
 from __future__ import annotations
 
 import re
@@ -15,6 +17,9 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(    |\t)")           # indented code blocks: not prose
 # A quoted path of the repository: starts with one of its top-level folders.
 TOP = ("cs_runtime/", "chief/", "worker/", "wse/", "cs_torch/", "scripts/", "examples/", "tests/", "docs/")
+# Pages that hold the current state only; past rounds go to CHANGELOG.md.
+CURRENT_STATE_PAGES = ("docs/design.md", "docs/benchmarks.md")
+MAX_PAGE_BYTES = 20_000
 QUOTED_PATH = re.compile(r"`((?:%s)[A-Za-z0-9_./-]*)`" % "|".join(re.escape(t) for t in TOP))
 
 
@@ -67,3 +72,11 @@ def test_readme_indexes_every_docs_page() -> None:
 def test_anchor_rule() -> None:
     assert anchor("run.py's flags (`cs_runtime/runner.py`)") == "runpys-flags-cs_runtimerunnerpy"
     assert anchor("One step, message by message") == "one-step-message-by-message"
+
+
+@pytest.mark.parametrize("name", CURRENT_STATE_PAGES)
+def test_current_state_pages_stay_small(name: str) -> None:
+    size = len((REPO / name).read_bytes())
+    assert size < MAX_PAGE_BYTES, (
+        f"{name} is {size:,} bytes, over the {MAX_PAGE_BYTES:,}-byte limit: it keeps the current state only; "
+        "move past rounds (what was tried, by how much) to CHANGELOG.md")

@@ -116,7 +116,7 @@ def unit_threads() -> Iterator[None]:
     0.1 s before it sleeps), and its weight-gradient products (inner dimension: every token
     of the batch) split badly over two threads. On the shared 2-core machine, GPT-2 of the
     transformer preset (32 x 128 tokens, width 256) took 1.4 s of CPU per step on one
-    thread and 3 to 8.6 s on two, whose wall time was no shorter (docs/benchmarks.md);
+    thread and 3 to 8.6 s on two, whose wall time was no shorter (CHANGELOG.md);
     a 4096 x 256 x 1024 weight gradient took 23 ms on one thread, 50 to 72 ms of CPU and
     70 to 140 ms of wall time on two."""
     with _threads(1 if _openblas().set_threads is not None else 0):
