@@ -13,6 +13,7 @@ import time
 import zmq
 
 from chief.input_monitor import InputMonitor
+from cs_runtime.errors import CsError
 from cs_runtime import trace
 from cs_runtime.checkpoint import flatten, unflatten_for
 from cs_runtime.wire.auth import stop_authenticator
@@ -30,7 +31,7 @@ JOB_END_TIMEOUT_MS = 2000
 TRACE_TIMEOUT_S = 30     # for every process's spans at the end of a --trace run
 
 
-class ServiceError(RuntimeError):
+class ServiceError(CsError, RuntimeError):
     pass
 
 

@@ -23,12 +23,13 @@ from cs_runtime.compiler.stage import build_spec, compile_model
 from chief.cpu_executor import CpuExecutor
 from cs_runtime import checkpoint as ckpt
 from cs_runtime import env
+from cs_runtime import errors
 from cs_runtime import trace
 from cs_runtime.config import Params
+from cs_runtime.wire.transport import host_name
 from cs_runtime.numerics.model import ModelSpec, init_weights
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import LossScaler
-from cs_runtime.launch.restart import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
 log = logging.getLogger("chief")
@@ -76,11 +77,13 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
         finally:
             executor.close()
         return 0
-    except (RunError, ckpt.CheckpointError, ValueError) as exc:
-        # Bad input (params, data, checkpoint) or a diverged loss: a restart would fail alike.
-        for line in str(exc).splitlines():   # a ParamsError may hold several problems, a line each
-            print(f"error: {line}", flush=True)   # said once: stdout, not the log as well
-        return EXIT_BAD_INPUT
+    except Exception as exc:
+        # Bad input (params, data, checkpoint) or a diverged loss: one line, exit 2, no restart.
+        # The user's own code: its frames. Ours: the whole traceback (re-raised).
+        code = errors.report(exc, f"{'chief' if on_cluster else 'cpu'} on {host_name()}")
+        if code is None:
+            raise
+        return code
 
 
 def ensure_writable(model_dir: str) -> None:

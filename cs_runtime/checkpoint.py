@@ -47,13 +47,14 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.model import ModelSpec
 
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)\.npz$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserInputError):
     pass
 
 

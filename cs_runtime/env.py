@@ -15,9 +15,10 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+from cs_runtime.errors import UserInputError
 
 
-class EnvError(ValueError):
+class EnvError(UserInputError):
     """A variable's value does not parse; the message names the variable."""
 
 

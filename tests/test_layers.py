@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # variables, flag spelling, the span recorder (the kernels record spans),
     # the maths, the data sets, running the user's script as a role, the probes'
     # output line. `cs_runtime` itself is the package's __init__.
-    ("cs_runtime", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
+    ("cs_runtime", "cs_runtime.errors", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
      "cs_runtime.numerics", "cs_runtime.data", "cs_runtime.user_script", "cs_runtime.probe_line",
      "cs_runtime.torch_names"),
     # Bytes between processes: the protocol, transport, shared memory, keys.

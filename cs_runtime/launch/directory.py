@@ -313,6 +313,10 @@ def _exit_done() -> None:
     os._exit(0)
 
 
+# What a socket's calls raise once its context is being destroyed by another thread.
+CONTEXT_GONE_ERRNOS = (zmq.ENOTSOCK, zmq.ETERM)
+
+
 class Heartbeat(threading.Thread):
     """Background thread with its own socket (ZeroMQ sockets are not thread safe).
 
@@ -361,6 +365,11 @@ class Heartbeat(threading.Thread):
             # to exit is not mistaken for a hang.
             endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank, "leaving": True}))
             endpoint.recv(int(HEARTBEAT_INTERVAL * 1000))
+        except zmq.ZMQError as exc:
+            # The process is closing its context under this thread (an error on its way out):
+            # it is leaving anyway, and its own line says why; no second traceback from here.
+            if exc.errno not in CONTEXT_GONE_ERRNOS and not self.ctx.closed:
+                raise
         finally:
             self.said_leaving.set()
             endpoint.close()

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from cs_runtime.errors import CsError
 from cs_runtime import env as cs_env
 from cs_runtime.launch.directory import EXIT_DIRECTORY_LOST, HEARTBEAT_TIMEOUT, DirectoryServer, register_timeout
 from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
@@ -173,7 +174,7 @@ def registration_overdue(directory: DirectoryServer, tasks: list[Task], started:
     return None
 
 
-class JobFailed(RuntimeError):
+class JobFailed(CsError, RuntimeError):
     """A process of the job failed or stopped answering, or the job was interrupted or ended by
     its CS system; the message names which. The supervisor raises it (a restart may help unless
     `retryable` is False); cs_torch.Session raises it from the step that met it. `code`: the
