@@ -56,17 +56,60 @@ def run_on_cluster(args: RunArgs, fns: UserFunctions) -> int:
 
 def run_precheck(args: RunArgs, fns: UserFunctions) -> int:
     """csrun_wse's check before it starts anything: the params (already read by
-    parse_args) and the model, as --validate_only (or --compile_only) does."""
+    parse_args), what would fail only once the cluster runs (check_before_start),
+    and the model, as --validate_only (or --compile_only) does."""
+    writes = not args.validate_only
     if not args.compile_only:
         args.validate_only = True
-    return run_chief(args, fns, on_cluster=False)
+    return run_chief(args, fns, on_cluster=False, before=lambda: check_before_start(args, writes))
 
 
-def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
+def check_before_start(args: RunArgs, writes: bool) -> None:
+    """Every WSE gets rows of each batch; where the chief will run here (a local job), model_dir
+    takes files, each data_dir exists and an eval has its checkpoint. RunError otherwise."""
+    num_csx = env.NUM_CSX.get()
+    for name in input_sections(args.mode):
+        batch = getattr(args.params, name).batch_size
+        if batch < num_csx:
+            raise RunError(f"{name}.batch_size {batch} leaves {num_csx - batch} of the {num_csx} WSEs (--num_csx) "
+                           f"without rows; use a batch of {num_csx} or more, or fewer WSEs")
+    if not env.PRECHECK_HERE.get():
+        return
+    if writes:
+        ensure_writable(args.model_dir)
+    for name in input_sections(args.mode):
+        data_dir = getattr(args.params, name).data_dir
+        if data_dir is not None and not os.path.exists(data_dir):
+            raise RunError(f"{name}.data_dir {data_dir}: no such file or folder")
+    if writes:
+        check_eval_has_checkpoint(args)
+
+
+def input_sections(mode: str) -> tuple[str, ...]:
+    """The params sections whose input a mode reads."""
+    return {"train": ("train_input",), "eval": ("eval_input",)}.get(mode, ("train_input", "eval_input"))
+
+
+def check_eval_has_checkpoint(args: RunArgs) -> None:
+    """--mode eval without a checkpoint would score random weights as if trained: RunError."""
+    if args.mode == "eval" and args.checkpoint_path is None and ckpt.latest(args.model_dir) is None:
+        raise RunError(no_checkpoint_to_evaluate(args.model_dir))
+
+
+def no_checkpoint_to_evaluate(model_dir: str) -> str:
+    return (f"--mode eval needs trained weights: no checkpoint in {model_dir} and no --checkpoint_path "
+            "(train first, or give --checkpoint_path)")
+
+
+def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) -> int:
     trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
+        if before is not None:
+            before()
         if not args.validate_only:   # validate_only writes nothing
             ensure_writable(args.model_dir)
+        if not (args.validate_only or args.compile_only):
+            check_eval_has_checkpoint(args)
         spec = build_spec(args, fns)
         compiled = compile_model(spec, args)
         if args.validate_only or args.compile_only:
@@ -80,7 +123,7 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
     except Exception as exc:
         # Bad input (params, data, checkpoint) or a diverged loss: one line, exit 2, no restart.
         # The user's own code: its frames. Ours: the whole traceback (re-raised).
-        code = errors.report(exc, f"{'chief' if on_cluster else 'cpu'} on {host_name()}")
+        code = errors.report(exc, f"{env.ROLE.get() or 'cpu'} on {host_name()}")
         if code is None:
             raise
         return code
@@ -124,6 +167,8 @@ class Trainer:
     def initial_state(self) -> ckpt.Checkpoint:
         optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
         found = self.checkpoint_to_resume()
+        if found is None and self.args.mode == "eval":   # random weights would score as if trained
+            raise RunError(no_checkpoint_to_evaluate(str(self.model_dir)))
         if found is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
