@@ -24,6 +24,7 @@ from chief.cpu_executor import CpuExecutor
 from cs_runtime import checkpoint as ckpt
 from cs_runtime import env
 from cs_runtime import errors
+from cs_runtime import run_lock
 from cs_runtime import trace
 from cs_runtime.config import Params
 from cs_runtime.wire.transport import host_name
@@ -77,6 +78,7 @@ def check_before_start(args: RunArgs, writes: bool) -> None:
         return
     if writes:
         ensure_writable(args.model_dir)
+        run_lock.check_free(args.model_dir)
     for name in input_sections(args.mode):
         data_dir = getattr(args.params, name).data_dir
         if data_dir is not None and not os.path.exists(data_dir):
@@ -88,6 +90,30 @@ def check_before_start(args: RunArgs, writes: bool) -> None:
 def input_sections(mode: str) -> tuple[str, ...]:
     """The params sections whose input a mode reads."""
     return {"train": ("train_input",), "eval": ("eval_input",)}.get(mode, ("train_input", "eval_input"))
+
+
+def compile_and_run(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
+    if not (args.validate_only or args.compile_only):
+        check_eval_has_checkpoint(args)
+    spec = build_spec(args, fns)
+    compiled = compile_model(spec, args)
+    if args.validate_only or args.compile_only:
+        return 0
+    executor = make_executor(args, fns, spec, compiled, on_cluster)
+    try:
+        Trainer(args, spec, executor, fns).run()
+    finally:
+        executor.close()
+    return 0
+
+
+def hold_model_dir(model_dir: str) -> run_lock.RunLock:
+    """This run's hold on model_dir (ModelDirInUse while another run has it); a dead run's lock
+    taken over is said."""
+    lock, taken_over = run_lock.hold(model_dir, env.JOB_ID.get() or f"a {env.ROLE.get() or 'CPU'} run")
+    if taken_over:
+        log.warning("%s", taken_over)
+    return lock
 
 
 def check_eval_has_checkpoint(args: RunArgs) -> None:
@@ -108,18 +134,12 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) 
             before()
         if not args.validate_only:   # validate_only writes nothing
             ensure_writable(args.model_dir)
-        if not (args.validate_only or args.compile_only):
-            check_eval_has_checkpoint(args)
-        spec = build_spec(args, fns)
-        compiled = compile_model(spec, args)
-        if args.validate_only or args.compile_only:
-            return 0
-        executor = make_executor(args, fns, spec, compiled, on_cluster)
+            lock = hold_model_dir(args.model_dir)
         try:
-            Trainer(args, spec, executor, fns).run()
+            return compile_and_run(args, fns, on_cluster)
         finally:
-            executor.close()
-        return 0
+            if not args.validate_only:
+                lock.release()
     except Exception as exc:
         # Bad input (params, data, checkpoint) or a diverged loss: one line, exit 2, no restart.
         # The user's own code: its frames. Ours: the whole traceback (re-raised).
@@ -176,7 +196,7 @@ class Trainer:
         state, path = found
         ckpt.with_tied_copies(self.spec, state.weights, state.opt_state)
         expected = {l.name: l.param_shapes() for l in self.spec.layers}
-        ckpt.check_compatible(state, expected, path)
+        ckpt.check_compatible(state, expected, path, builds=self.spec.name)
         for layer, params in state.weights.items():
             optimizer.fill_missing(state.opt_state.setdefault(layer, {}), params, state.global_step)
         if "loss_scaler" in state.meta:
@@ -192,12 +212,15 @@ class Trainer:
         if path is not None and not (restarted and ckpt.latest(self.model_dir) is not None):
             return ckpt.load(path), Path(path)
         # A restarted job goes on from where it got to, not from where it began.
-        found = ckpt.load_newest(self.model_dir)
+        found = ckpt.load_newest(self.model_dir, set_aside=True)
         if found is None:
             return None
         state, path, skipped = found
         for reason in skipped:
-            log.warning("skipping %s; resuming from an older one", reason)
+            log.warning("skipping %s; %s", reason,
+                        "resuming from an older one" if state is not None else "no checkpoint to resume from")
+        if state is None:
+            return None
         log.info("Found checkpoint %s in model_dir: resuming from it", path)
         return state, path
 

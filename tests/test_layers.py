@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # What a process of any role uses: sending its timeline, checkpoints, the
     # compiler, the arguments every role is handed (run_args).
     ("cs_runtime.trace", "cs_runtime.checkpoint", "cs_runtime.checkpoint_mdl", "cs_runtime.compiler",
-     "cs_runtime.run_args"),
+     "cs_runtime.run_args", "cs_runtime.run_lock"),
     # Starting and joining a job: the launcher and its directory, the shared CS
     # system, and the service roles. `service` sits here, not a layer lower,
     # because a service joins its job through launch's directory client.
