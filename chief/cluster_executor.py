@@ -12,6 +12,7 @@ import time
 
 import zmq
 
+from chief import story as run_story
 from chief.input_monitor import InputMonitor
 from cs_runtime.errors import CsError
 from cs_runtime import trace
@@ -73,7 +74,8 @@ class ClusterExecutor:
         # (the CURVE handshake may not be done), and the workers would wait for the chief for ever.
         self.job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "chief", 0, self.penv.job)
         self.job_dir.register({"router": self.workers.bind()})
-        self.heartbeat = self.job_dir.start_heartbeats(None if exit_on_failure else self.on_job_failure)
+        self.heartbeat = self.job_dir.start_heartbeats(None if exit_on_failure else self.on_job_failure,
+                                                       run_story.tell_stopped if exit_on_failure else None)
         services = DirectoryClient(self.ctx, self.penv.cs_ip, "chief", 0, self.penv.job)
         found = services.lookup(["memoryx", "swarmx"])
         self.memoryx = self.dealer("memoryx", found["memoryx"][0])

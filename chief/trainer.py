@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from chief.cluster_executor import ClusterExecutor
+from chief import story as run_story
 from chief.summaries import Summaries
 from cs_runtime.compiler.stage import build_spec, compile_model
 from chief.cpu_executor import CpuExecutor
@@ -34,6 +37,7 @@ from cs_runtime.numerics.precision import LossScaler
 from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
 log = logging.getLogger("chief")
+PROCESS_STARTED = time.monotonic() - run_story.process_age()   # the first step's line counts from it
 
 # TensorBoard tags as the model zoo's 2.x runner names them (cerebras.modelzoo's
 # run_utils): rates at each log step, the learning rate of param group 0, the global
@@ -47,12 +51,23 @@ TAG_GRAD_NORM = "model_wise_grad_norm"
 
 def run_on_cpu(args: RunArgs, fns: UserFunctions) -> int:
     """The chief of `python run.py` / csrun_cpu: the whole model in this process."""
+    stop_on_sigterm()
     return run_chief(args, fns, on_cluster=False)
 
 
 def run_on_cluster(args: RunArgs, fns: UserFunctions) -> int:
     """Task 0 of csrun_wse: drive the CS system's services."""
+    stop_on_sigterm()
     return run_chief(args, fns, on_cluster=True)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler, `timeout`, the launcher stopping the job) ends the run as Ctrl-C
+    does: with the step reached and the last checkpoint said, not silently."""
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def run_precheck(args: RunArgs, fns: UserFunctions) -> int:
@@ -140,6 +155,8 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) 
         finally:
             if not args.validate_only:
                 lock.release()
+    except KeyboardInterrupt:   # Ctrl-C of csrun_cpu: the trainer said where it got to; no traceback
+        return 130
     except Exception as exc:
         # Bad input (params, data, checkpoint) or a diverged loss: one line, exit 2, no restart.
         # The user's own code: its frames. Ours: the whole traceback (re-raised).
@@ -182,6 +199,7 @@ class Trainer:
         self.summaries = Summaries(self.model_dir)
         self.scaler = make_loss_scaler(self.params)
         self.skipped_steps = 0
+        self.story = run_story.RunStory(self.model_dir, PROCESS_STARTED)
 
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
@@ -202,6 +220,7 @@ class Trainer:
         if "loss_scaler" in state.meta:
             self.scaler.load_state_dict(state.meta["loss_scaler"])
         log.info("Restored checkpoint %s at global step %d", path, state.global_step)
+        self.story.checkpoint_saved(Path(path))
         return state
 
     def checkpoint_to_resume(self) -> tuple[ckpt.Checkpoint, Path] | None:
@@ -227,10 +246,18 @@ class Trainer:
     # ------------------------------------------------------------ the run
     def run(self) -> None:
         self.summaries.exit_on_disk_errors()
+        self.story.open_log(self.args.mode, sys.argv)
+        run_story.write_effective_params(self.model_dir, self.args.mode, self.params.to_dict())
+        run_story.CURRENT = self.story
         try:
             self._run()
+        except KeyboardInterrupt:
+            self.story.stopped("interrupted")
+            raise
         finally:
+            run_story.CURRENT = None
             self.summaries.abandon()   # after a failure: no flush left for atexit to fail at
+            self.story.close_log()
 
     def _run(self) -> None:
         start = self.initial_state()
@@ -252,8 +279,7 @@ class Trainer:
         if mode in ("eval", "train_and_eval"):
             self.evaluate()
         self.summaries.close()
-        if trace.RECORDER.enabled:
-            self.write_trace()
+        self.story.summary(self.write_trace() if trace.RECORDER.enabled else None)
 
     def stop_step(self) -> int:
         """The global step training stops at (runconfig: max_steps, num_steps or num_epochs)."""
@@ -277,6 +303,7 @@ class Trainer:
         self.writer("train")  # opened (and tensorboardX imported) before the clock starts
         t_start = t_last = time.monotonic()
         first_step, steps_since = self.global_step, 0
+        self.story.begin_training(self.global_step, self.max_steps)
         while self.global_step < self.max_steps:
             step = self.global_step
             args = self.step_args(step)
@@ -288,6 +315,7 @@ class Trainer:
             self.after_step(step, applied, loss_scale)
             self.global_step += 1
             steps_since += 1
+            self.story.step_done(self.global_step, loss)
             self.scalar("train", "loss", loss)
             if self.scaler.skips_nonfinite:
                 self.scalar("train", "loss_scale", loss_scale)
@@ -297,10 +325,10 @@ class Trainer:
                 global_rate = (self.global_step - first_step) * batch / max(now - t_start, 1e-9)
                 t_last, steps_since = now, 0
                 scale_note = f", LossScale={loss_scale:g}" if self.scaler.skips_nonfinite else ""
-                eta = eta_text((self.max_steps - self.global_step) * (now - t_start) / (self.global_step - first_step))
-                print(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}"
-                      f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec, "
-                      f"Progress={self.global_step}/{self.max_steps}, ETA={eta}", flush=True)
+                eta = run_story.clock((self.max_steps - self.global_step) * (now - t_start) / (self.global_step - first_step))
+                self.story.say(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}"
+                               f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} "
+                               f"samples/sec, Progress={self.global_step}/{self.max_steps}, ETA={eta}")
                 self.scalar("train", TAG_RATE, rate)
                 self.scalar("train", TAG_GLOBAL_RATE, global_rate)
                 self.scalar("train", TAG_STEPS_RATE, global_rate / batch)
@@ -308,16 +336,19 @@ class Trainer:
                 self.scalar("train", TAG_GRAD_NORM, grad_norm)
                 for layer, norm in zip(self.spec.layers, getattr(self.executor, "layer_grad_norms", ())):
                     self.scalar("train", f"per_layer_grad_norm/{layer.name}", norm)
+            elif self.story.progress_due():   # a slow run between log_steps lines: still alive, and where
+                self.story.say(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
+                               f"Progress={self.global_step}/{self.max_steps}, ETA={self.story.eta()}")
             if self.checkpoint_due():
                 self.save_checkpoint()
         if not self.checkpoint_due():  # the final step always has a checkpoint
             self.save_checkpoint()
         if self.skipped_steps:
-            print(f"| Train: {self.skipped_steps} step(s) skipped for overflowed gradients; "
-                  f"final loss scale {self.scaler.scale:g}", flush=True)
+            self.story.say(f"| Train: {self.skipped_steps} step(s) skipped for overflowed gradients; "
+                           f"final loss scale {self.scaler.scale:g}")
         summary = self.executor.traffic_summary()
         if summary:
-            print(summary, flush=True)
+            self.story.say(summary)
 
     def step_args(self, step: int) -> tuple[int, float, float, bool]:
         """What TRAIN_STEP `step` carries: (step, lr, loss scale, whether it computes the norms)."""
@@ -361,8 +392,9 @@ class Trainer:
                 loss_sum, c, n = self.executor.eval_step(step)
             total_loss, correct, count = total_loss + loss_sum, correct + c, count + n
         loss, accuracy = total_loss / max(count, 1), correct / max(count, 1)
-        print(f"| Eval Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
-              f"Accuracy={accuracy:.4f} ({correct}/{count})", flush=True)
+        self.story.say(f"| Eval Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
+                       f"Accuracy={accuracy:.4f} ({correct}/{count})")
+        self.story.evaluated(f"eval loss {loss:.5f}, accuracy {accuracy:.4f}")
         self.scalar("eval", "loss", loss)
         self.scalar("eval", "accuracy", accuracy)
 
@@ -377,6 +409,7 @@ class Trainer:
                 "device": self.executor.device, "loss_scaler": self.scaler.state_dict()}
         state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)
         path = ckpt.save(self.model_dir, state, self.rc.max_checkpoints)
+        self.story.checkpoint_saved(path)
         # Summaries up to the checkpoint are on disk too: a restart resumes here
         # and never writes the earlier steps again.
         self.summaries.flush()
@@ -390,26 +423,21 @@ class Trainer:
         if report.is_file():
             writer.add_text("compile_report", as_code(report.read_text()), self.global_step)
 
-    def write_trace(self) -> None:
+    def write_trace(self) -> Path:
         """Merge every process's spans into model_dir/trace.json and say where it is."""
         own = trace.ProcessTrace("chief", trace.RECORDER.take(), 0, trace.RECORDER.dropped)
         processes = [own, *self.executor.collect_traces()]
         path = self.model_dir / "trace.json"
         spans = trace.write_chrome_trace(path, processes)
-        print(f"| Trace: {path} ({spans} spans from {len(processes)} process(es)); "
-              f"open it in https://ui.perfetto.dev or chrome://tracing", flush=True)
+        self.story.say(f"| Trace: {path} ({spans} spans from {len(processes)} process(es)); "
+                       f"open it in https://ui.perfetto.dev or chrome://tracing")
+        return path
 
     def writer(self, split: str):
         return self.summaries.writer(split)
 
     def scalar(self, split: str, tag: str, value: float) -> None:
         self.writer(split).add_scalar(tag, value, self.global_step)
-
-
-def eta_text(seconds: float) -> str:
-    """0:01:05: the time left at the run's rate so far."""
-    seconds = int(round(max(seconds, 0.0)))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def as_code(text: str) -> str:

@@ -285,8 +285,10 @@ class DirectoryClient:
             by_role[peer["role"]].append(peer)
         return {r: sorted(p, key=lambda p: p["rank"]) for r, p in by_role.items()}
 
-    def start_heartbeats(self, on_failure=None) -> "Heartbeat":
-        beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure)
+    def start_heartbeats(self, on_failure=None, before_exit=None) -> "Heartbeat":
+        """before_exit(reason): called before the process leaves because the job stopped (the
+        chief says there how far the run got)."""
+        beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure, before_exit)
         beat.start()
         return beat
 
@@ -325,8 +327,9 @@ class Heartbeat(threading.Thread):
     when it reports the job done: so no process outlives its job.
     """
 
-    def __init__(self, ctx, address, role, rank, job, on_failure=None):
+    def __init__(self, ctx, address, role, rank, job, on_failure=None, before_exit=None):
         super().__init__(name="heartbeat", daemon=True)
+        self.before_exit = before_exit or (lambda reason: None)
         self.ctx, self.address, self.role, self.rank, self.job = ctx, address, role, rank, job
         self.on_failure = on_failure or _exit_now
         self.on_lost = on_failure or _exit_lost
@@ -353,12 +356,14 @@ class Heartbeat(threading.Thread):
                         if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
                             if self.role == "chief":  # the chief's log names what failed
                                 log.error("the job is stopping: %s", got[1].meta["reason"])
+                            self.before_exit(got[1].meta["reason"])
                             return self.on_failure(f"job failed: {got[1].meta['reason']}")
                         if got[1].type == Msg.STATUS and got[1].meta["done"]:
                             return _exit_done()
                         got = endpoint.recv(0)
                 orphan.leave_if_orphaned()   # a service whose launcher died without its signal arriving
                 if time.monotonic() - last_answer > patience:
+                    self.before_exit(f"the launcher's directory at {self.address} stopped answering")
                     return self.on_lost(f"directory at {self.address} stopped answering")
                 next_beat = max(next_beat, time.monotonic())  # late (a stall): beat now, no burst of beats
             # The last heartbeat says this process is leaving, so the time it takes

@@ -232,7 +232,8 @@ class Supervisor:
             self.failure = failure
             self.directory.failure = str(failure)
             # The line first (the fault is known now), then a moment for remote processes to hear.
-            print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
+            # An interruption is the user's wish, not a failure; the chief then says how far the run got.
+            print(f"csrun: job {'stopped' if self.signal else 'failed'}: {failure}", file=sys.stderr, flush=True)
             self._drain_status(1.0)
             return 128 + self.signal if self.signal else failure.code
         finally:
