@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -125,7 +126,8 @@ class RunStory:
             parts.append(self.eval_line)
         parts.append(f"last checkpoint {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint written")
         self.say("; ".join(parts))
-        self.say(f"| TensorBoard: tensorboard --logdir {self.model_dir}")
+        missing = "" if shutil.which("tensorboard") else " (not installed here: pip install tensorboard)"
+        self.say(f"| TensorBoard: tensorboard --logdir {self.model_dir}{missing}")
         if trace_path is not None:
             self.say(f"| Timeline: {trace_path} (https://ui.perfetto.dev)")
         self.say(f"| Log: {self.model_dir / RUN_LOG}")
