@@ -137,7 +137,7 @@ class RunStory:
         if self.ended:
             return
         self.ended = True
-        where = f"at step {self.step} of {self.max_steps}" if self.max_steps else "before its first step"
+        where = f"at step {self.step} of {self.max_steps}" if self.max_steps else "before training"
         resume = (f"last checkpoint {self.last_checkpoint}; run the same command again to resume from it"
                   if self.last_checkpoint else "no checkpoint yet: a rerun starts from the beginning")
         self.say(f"| Stopped {where} after {clock(time.monotonic() - self.started)} ({why}); {resume}",

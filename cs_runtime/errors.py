@@ -42,7 +42,7 @@ def is_user_input(exc: BaseException) -> bool:
 
 # Folders whose frames are not the user's: this project's packages, Python's own library.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_USER_FOLDERS_IN_REPO = ("examples", "tests")   # a model script there is a user's script
+_USER_FOLDERS_IN_REPO = ("examples",)   # a model script there is written as a user's would be
 
 
 def _library_folders() -> tuple[str, ...]:
