@@ -6,4 +6,5 @@
     cluster_executor.py  the CS system's side: drives MemoryX, SwarmX and the WSEs
     input_monitor.py     is the input pipeline keeping the WSEs fed? measured from the chief
     summaries.py         the TensorBoard event files, and a full disk met while writing them
+    story.py             what a run tells: its first step, progress by time, the end summary, how to resume
 """

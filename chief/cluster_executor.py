@@ -12,7 +12,9 @@ import time
 
 import zmq
 
+from chief import story as run_story
 from chief.input_monitor import InputMonitor
+from cs_runtime.errors import CsError
 from cs_runtime import trace
 from cs_runtime.checkpoint import flatten, unflatten_for
 from cs_runtime.wire.auth import stop_authenticator
@@ -30,7 +32,7 @@ JOB_END_TIMEOUT_MS = 2000
 TRACE_TIMEOUT_S = 30     # for every process's spans at the end of a --trace run
 
 
-class ServiceError(RuntimeError):
+class ServiceError(CsError, RuntimeError):
     pass
 
 
@@ -72,7 +74,8 @@ class ClusterExecutor:
         # (the CURVE handshake may not be done), and the workers would wait for the chief for ever.
         self.job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "chief", 0, self.penv.job)
         self.job_dir.register({"router": self.workers.bind()})
-        self.heartbeat = self.job_dir.start_heartbeats(None if exit_on_failure else self.on_job_failure)
+        self.heartbeat = self.job_dir.start_heartbeats(None if exit_on_failure else self.on_job_failure,
+                                                       run_story.tell_stopped if exit_on_failure else None)
         services = DirectoryClient(self.ctx, self.penv.cs_ip, "chief", 0, self.penv.job)
         self.system_heartbeat = None
         if self.penv.cs_ip != self.penv.rendezvous:   # a shared CS system: its turn is held while we beat

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,20 +20,24 @@ from pathlib import Path
 import yaml
 
 from chief.cluster_executor import ClusterExecutor
+from chief import story as run_story
 from chief.summaries import Summaries
 from cs_runtime.compiler.stage import build_spec, compile_model
 from chief.cpu_executor import CpuExecutor
 from cs_runtime import checkpoint as ckpt
 from cs_runtime import env
+from cs_runtime import errors
+from cs_runtime import run_lock
 from cs_runtime import trace
 from cs_runtime.config import Params
+from cs_runtime.wire.transport import host_name
 from cs_runtime.numerics.model import ModelSpec, init_weights
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.precision import LossScaler
-from cs_runtime.launch.restart import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
 log = logging.getLogger("chief")
+PROCESS_STARTED = time.monotonic() - run_story.process_age()   # the first step's line counts from it
 
 # TensorBoard tags as the model zoo's 2.x runner names them (cerebras.modelzoo's
 # run_utils): rates at each log step, the learning rate of param group 0, the global
@@ -45,42 +51,119 @@ TAG_GRAD_NORM = "model_wise_grad_norm"
 
 def run_on_cpu(args: RunArgs, fns: UserFunctions) -> int:
     """The chief of `python run.py` / csrun_cpu: the whole model in this process."""
+    stop_on_sigterm()
     return run_chief(args, fns, on_cluster=False)
 
 
 def run_on_cluster(args: RunArgs, fns: UserFunctions) -> int:
     """Task 0 of csrun_wse: drive the CS system's services."""
+    stop_on_sigterm()
     return run_chief(args, fns, on_cluster=True)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler, `timeout`, the launcher stopping the job) ends the run as Ctrl-C
+    does: with the step reached and the last checkpoint said, not silently."""
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def run_precheck(args: RunArgs, fns: UserFunctions) -> int:
     """csrun_wse's check before it starts anything: the params (already read by
-    parse_args) and the model, as --validate_only (or --compile_only) does."""
+    parse_args), what would fail only once the cluster runs (check_before_start),
+    and the model, as --validate_only (or --compile_only) does."""
+    writes = not args.validate_only
     if not args.compile_only:
         args.validate_only = True
-    return run_chief(args, fns, on_cluster=False)
+    return run_chief(args, fns, on_cluster=False, before=lambda: check_before_start(args, writes))
 
 
-def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
+def check_before_start(args: RunArgs, writes: bool) -> None:
+    """Every WSE gets rows of each batch; where the chief will run here (a local job), model_dir
+    takes files, each data_dir exists and an eval has its checkpoint. RunError otherwise."""
+    num_csx = env.NUM_CSX.get()
+    for name in input_sections(args.mode):
+        batch = getattr(args.params, name).batch_size
+        if batch < num_csx:
+            raise RunError(f"{name}.batch_size {batch} leaves {num_csx - batch} of the {num_csx} WSEs (--num_csx) "
+                           f"without rows; use a batch of {num_csx} or more, or fewer WSEs")
+    if not env.PRECHECK_HERE.get():
+        return
+    if writes:
+        ensure_writable(args.model_dir)
+        run_lock.check_free(args.model_dir)
+    for name in input_sections(args.mode):
+        data_dir = getattr(args.params, name).data_dir
+        if data_dir is not None and not os.path.exists(data_dir):
+            raise RunError(f"{name}.data_dir {data_dir}: no such file or folder")
+    if writes:
+        check_eval_has_checkpoint(args)
+
+
+def input_sections(mode: str) -> tuple[str, ...]:
+    """The params sections whose input a mode reads."""
+    return {"train": ("train_input",), "eval": ("eval_input",)}.get(mode, ("train_input", "eval_input"))
+
+
+def compile_and_run(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
+    if not (args.validate_only or args.compile_only):
+        check_eval_has_checkpoint(args)
+    spec = build_spec(args, fns)
+    compiled = compile_model(spec, args)
+    if args.validate_only or args.compile_only:
+        return 0
+    executor = make_executor(args, fns, spec, compiled, on_cluster)
+    try:
+        Trainer(args, spec, executor, fns).run()
+    finally:
+        executor.close()
+    return 0
+
+
+def hold_model_dir(model_dir: str) -> run_lock.RunLock:
+    """This run's hold on model_dir (ModelDirInUse while another run has it); a dead run's lock
+    taken over is said."""
+    lock, taken_over = run_lock.hold(model_dir, env.JOB_ID.get() or f"a {env.ROLE.get() or 'CPU'} run")
+    if taken_over:
+        log.warning("%s", taken_over)
+    return lock
+
+
+def check_eval_has_checkpoint(args: RunArgs) -> None:
+    """--mode eval without a checkpoint would score random weights as if trained: RunError."""
+    if args.mode == "eval" and args.checkpoint_path is None and ckpt.latest(args.model_dir) is None:
+        raise RunError(no_checkpoint_to_evaluate(args.model_dir))
+
+
+def no_checkpoint_to_evaluate(model_dir: str) -> str:
+    return (f"--mode eval needs trained weights: no checkpoint in {model_dir} and no --checkpoint_path "
+            "(train first, or give --checkpoint_path)")
+
+
+def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) -> int:
     trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
+        if before is not None:
+            before()
         if not args.validate_only:   # validate_only writes nothing
             ensure_writable(args.model_dir)
-        spec = build_spec(args, fns)
-        compiled = compile_model(spec, args)
-        if args.validate_only or args.compile_only:
-            return 0
-        executor = make_executor(args, fns, spec, compiled, on_cluster)
+            lock = hold_model_dir(args.model_dir)
         try:
-            Trainer(args, spec, executor, fns).run()
+            return compile_and_run(args, fns, on_cluster)
         finally:
-            executor.close()
-        return 0
-    except (RunError, ckpt.CheckpointError, ValueError) as exc:
-        # Bad input (params, data, checkpoint) or a diverged loss: a restart would fail alike.
-        for line in str(exc).splitlines():   # a ParamsError may hold several problems, a line each
-            print(f"error: {line}", flush=True)   # said once: stdout, not the log as well
-        return EXIT_BAD_INPUT
+            if not args.validate_only:
+                lock.release()
+    except KeyboardInterrupt:   # Ctrl-C of csrun_cpu: the trainer said where it got to; no traceback
+        return 130
+    except Exception as exc:
+        # Bad input (params, data, checkpoint) or a diverged loss: one line, exit 2, no restart.
+        # The user's own code: its frames. Ours: the whole traceback (re-raised).
+        code = errors.report(exc, f"{env.ROLE.get() or 'cpu'} on {host_name()}")
+        if code is None:
+            raise
+        return code
 
 
 def ensure_writable(model_dir: str) -> None:
@@ -116,11 +199,14 @@ class Trainer:
         self.summaries = Summaries(self.model_dir)
         self.scaler = make_loss_scaler(self.params)
         self.skipped_steps = 0
+        self.story = run_story.RunStory(self.model_dir, PROCESS_STARTED)
 
     # ------------------------------------------------------------ start state
     def initial_state(self) -> ckpt.Checkpoint:
         optimizer = Optimizer(self.params.optimizer.optimizer_spec())
         found = self.checkpoint_to_resume()
+        if found is None and self.args.mode == "eval":   # random weights would score as if trained
+            raise RunError(no_checkpoint_to_evaluate(str(self.model_dir)))
         if found is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
@@ -128,12 +214,13 @@ class Trainer:
         state, path = found
         ckpt.with_tied_copies(self.spec, state.weights, state.opt_state)
         expected = {l.name: l.param_shapes() for l in self.spec.layers}
-        ckpt.check_compatible(state, expected, path)
+        ckpt.check_compatible(state, expected, path, builds=self.spec.name)
         for layer, params in state.weights.items():
             optimizer.fill_missing(state.opt_state.setdefault(layer, {}), params, state.global_step)
         if "loss_scaler" in state.meta:
             self.scaler.load_state_dict(state.meta["loss_scaler"])
         log.info("Restored checkpoint %s at global step %d", path, state.global_step)
+        self.story.checkpoint_saved(Path(path))
         return state
 
     def checkpoint_to_resume(self) -> tuple[ckpt.Checkpoint, Path] | None:
@@ -144,22 +231,33 @@ class Trainer:
         if path is not None and not (restarted and ckpt.latest(self.model_dir) is not None):
             return ckpt.load(path), Path(path)
         # A restarted job goes on from where it got to, not from where it began.
-        found = ckpt.load_newest(self.model_dir)
+        found = ckpt.load_newest(self.model_dir, set_aside=True)
         if found is None:
             return None
         state, path, skipped = found
         for reason in skipped:
-            log.warning("skipping %s; resuming from an older one", reason)
+            log.warning("skipping %s; %s", reason,
+                        "resuming from an older one" if state is not None else "no checkpoint to resume from")
+        if state is None:
+            return None
         log.info("Found checkpoint %s in model_dir: resuming from it", path)
         return state, path
 
     # ------------------------------------------------------------ the run
     def run(self) -> None:
         self.summaries.exit_on_disk_errors()
+        self.story.open_log(self.args.mode, sys.argv)
+        run_story.write_effective_params(self.model_dir, self.args.mode, self.params.to_dict())
+        run_story.CURRENT = self.story
         try:
             self._run()
+        except KeyboardInterrupt:
+            self.story.stopped("interrupted")
+            raise
         finally:
+            run_story.CURRENT = None
             self.summaries.abandon()   # after a failure: no flush left for atexit to fail at
+            self.story.close_log()
 
     def _run(self) -> None:
         start = self.initial_state()
@@ -181,8 +279,7 @@ class Trainer:
         if mode in ("eval", "train_and_eval"):
             self.evaluate()
         self.summaries.close()
-        if trace.RECORDER.enabled:
-            self.write_trace()
+        self.story.summary(self.write_trace() if trace.RECORDER.enabled else None)
 
     def stop_step(self) -> int:
         """The global step training stops at (runconfig: max_steps, num_steps or num_epochs)."""
@@ -206,6 +303,7 @@ class Trainer:
         self.writer("train")  # opened (and tensorboardX imported) before the clock starts
         t_start = t_last = time.monotonic()
         first_step, steps_since = self.global_step, 0
+        self.story.begin_training(self.global_step, self.max_steps)
         while self.global_step < self.max_steps:
             step = self.global_step
             args = self.step_args(step)
@@ -217,6 +315,7 @@ class Trainer:
             self.after_step(step, applied, loss_scale)
             self.global_step += 1
             steps_since += 1
+            self.story.step_done(self.global_step, loss)
             self.scalar("train", "loss", loss)
             if self.scaler.skips_nonfinite:
                 self.scalar("train", "loss_scale", loss_scale)
@@ -226,10 +325,10 @@ class Trainer:
                 global_rate = (self.global_step - first_step) * batch / max(now - t_start, 1e-9)
                 t_last, steps_since = now, 0
                 scale_note = f", LossScale={loss_scale:g}" if self.scaler.skips_nonfinite else ""
-                eta = eta_text((self.max_steps - self.global_step) * (now - t_start) / (self.global_step - first_step))
-                print(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}"
-                      f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} samples/sec, "
-                      f"Progress={self.global_step}/{self.max_steps}, ETA={eta}", flush=True)
+                eta = run_story.clock((self.max_steps - self.global_step) * (now - t_start) / (self.global_step - first_step))
+                self.story.say(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}"
+                               f"{scale_note}, Rate={rate:.1f} samples/sec, GlobalRate={global_rate:.1f} "
+                               f"samples/sec, Progress={self.global_step}/{self.max_steps}, ETA={eta}")
                 self.scalar("train", TAG_RATE, rate)
                 self.scalar("train", TAG_GLOBAL_RATE, global_rate)
                 self.scalar("train", TAG_STEPS_RATE, global_rate / batch)
@@ -237,16 +336,19 @@ class Trainer:
                 self.scalar("train", TAG_GRAD_NORM, grad_norm)
                 for layer, norm in zip(self.spec.layers, getattr(self.executor, "layer_grad_norms", ())):
                     self.scalar("train", f"per_layer_grad_norm/{layer.name}", norm)
+            elif self.story.progress_due():   # a slow run between log_steps lines: still alive, and where
+                self.story.say(f"| Train Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
+                               f"Progress={self.global_step}/{self.max_steps}, ETA={self.story.eta()}")
             if self.checkpoint_due():
                 self.save_checkpoint()
         if not self.checkpoint_due():  # the final step always has a checkpoint
             self.save_checkpoint()
         if self.skipped_steps:
-            print(f"| Train: {self.skipped_steps} step(s) skipped for overflowed gradients; "
-                  f"final loss scale {self.scaler.scale:g}", flush=True)
+            self.story.say(f"| Train: {self.skipped_steps} step(s) skipped for overflowed gradients; "
+                           f"final loss scale {self.scaler.scale:g}")
         summary = self.executor.traffic_summary()
         if summary:
-            print(summary, flush=True)
+            self.story.say(summary)
 
     def step_args(self, step: int) -> tuple[int, float, float, bool]:
         """What TRAIN_STEP `step` carries: (step, lr, loss scale, whether it computes the norms)."""
@@ -290,8 +392,9 @@ class Trainer:
                 loss_sum, c, n = self.executor.eval_step(step)
             total_loss, correct, count = total_loss + loss_sum, correct + c, count + n
         loss, accuracy = total_loss / max(count, 1), correct / max(count, 1)
-        print(f"| Eval Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
-              f"Accuracy={accuracy:.4f} ({correct}/{count})", flush=True)
+        self.story.say(f"| Eval Device={self.executor.device}, Step={self.global_step}, Loss={loss:.5f}, "
+                       f"Accuracy={accuracy:.4f} ({correct}/{count})")
+        self.story.evaluated(f"eval loss {loss:.5f}, accuracy {accuracy:.4f}")
         self.scalar("eval", "loss", loss)
         self.scalar("eval", "accuracy", accuracy)
 
@@ -306,6 +409,7 @@ class Trainer:
                 "device": self.executor.device, "loss_scaler": self.scaler.state_dict()}
         state = ckpt.Checkpoint(self.global_step, self.global_step, weights, opt_state, meta)
         path = ckpt.save(self.model_dir, state, self.rc.max_checkpoints)
+        self.story.checkpoint_saved(path)
         # Summaries up to the checkpoint are on disk too: a restart resumes here
         # and never writes the earlier steps again.
         self.summaries.flush()
@@ -319,26 +423,21 @@ class Trainer:
         if report.is_file():
             writer.add_text("compile_report", as_code(report.read_text()), self.global_step)
 
-    def write_trace(self) -> None:
+    def write_trace(self) -> Path:
         """Merge every process's spans into model_dir/trace.json and say where it is."""
         own = trace.ProcessTrace("chief", trace.RECORDER.take(), 0, trace.RECORDER.dropped)
         processes = [own, *self.executor.collect_traces()]
         path = self.model_dir / "trace.json"
         spans = trace.write_chrome_trace(path, processes)
-        print(f"| Trace: {path} ({spans} spans from {len(processes)} process(es)); "
-              f"open it in https://ui.perfetto.dev or chrome://tracing", flush=True)
+        self.story.say(f"| Trace: {path} ({spans} spans from {len(processes)} process(es)); "
+                       f"open it in https://ui.perfetto.dev or chrome://tracing")
+        return path
 
     def writer(self, split: str):
         return self.summaries.writer(split)
 
     def scalar(self, split: str, tag: str, value: float) -> None:
         self.writer(split).add_scalar(tag, value, self.global_step)
-
-
-def eta_text(seconds: float) -> str:
-    """0:01:05: the time left at the run's rate so far."""
-    seconds = int(round(max(seconds, 0.0)))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def as_code(text: str) -> str:

@@ -1,5 +1,6 @@
 """The runtime every role shares (the layers: docs/design.md#layers-of-the-code).
 
+    errors.py          the exception taxonomy: the root error, the user-input branch (exit 2, no restart)
     config.py          params.yaml: load and check every key (Params)
     params_compat.py   the model zoo's params files as shipped: spellings, the 2.x trainer layout, overrides
     env.py             every CS_* environment variable: name, default, parser, meaning
@@ -13,6 +14,7 @@
     user_script.py     running the user's script as one role (python -m chief|worker run.py ...)
     checkpoint.py      checkpoints on disk; the one flatten/unflatten of weights and optimizer state
     checkpoint_mdl.py  the model zoo's HDF5 checkpoint layout (.mdl), with h5py
+    run_lock.py        a model_dir belongs to one run: the lock that names its holder
     torch_names.py     this project's models' weights under a torch module's names and layout
     lm_checks.py       what the language-model examples check in their params and data
     probe_line.py      the line a cs_input_analyzer probe prints

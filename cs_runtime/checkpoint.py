@@ -40,6 +40,7 @@ import errno
 import json
 import os
 import re
+import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -47,13 +48,14 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.model import ModelSpec
 
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)\.npz$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserInputError):
     pass
 
 
@@ -205,8 +207,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in model_dir, oldest first."""
+def named_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
+    """Everything in model_dir named like a checkpoint, files or not, oldest first."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return []
@@ -218,24 +220,61 @@ def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in model_dir (regular files, or links to one), oldest first."""
+    return [(step, path) for step, path in named_checkpoints(model_dir) if path.is_file()]
+
+
 def latest(model_dir: str | Path) -> Path | None:
     found = list_checkpoints(model_dir)
     return found[-1][1] if found else None
 
 
-def load_newest(model_dir: str | Path) -> tuple[Checkpoint, Path, list[str]] | None:
+def not_a_file(path: Path) -> str:
+    """What stands at a checkpoint's name instead of a file (never opened: a FIFO would block)."""
+    if path.is_symlink() and not path.exists():
+        return f"a dangling symlink (to {os.readlink(path)})"
+    mode = path.stat().st_mode
+    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+
+
+def load_newest(model_dir: str | Path, set_aside: bool = False
+                ) -> tuple[Checkpoint | None, Path | None, list[str]] | None:
     """The newest checkpoint in model_dir that loads, its path, and one line for
-    each newer one skipped (why); None when there is none. All unreadable: the
-    CheckpointError lists them (starting afresh would train over them)."""
-    skipped = []
-    for _, path in reversed(list_checkpoints(model_dir)):
+    each newer entry skipped, with why: what is not a file at a checkpoint's name
+    (a directory, a FIFO, a dangling symlink), a corrupt file (with `set_aside`,
+    the writer's, renamed `<name>.corrupt` so that the step's next checkpoint does
+    not overwrite it). None when nothing is named like a checkpoint; (None, None,
+    lines) when only non-files are. All files corrupt: the CheckpointError lists
+    them, and they stay as they are (starting afresh would train over them)."""
+    skipped: list[tuple[Path | None, str]] = []   # (the corrupt file or None, why)
+    for _, path in reversed(named_checkpoints(model_dir)):
+        if not path.is_file():
+            skipped.append((None, f"{path}: {not_a_file(path)}, not a checkpoint"))
+            continue
         try:
-            return load(path), path, skipped
+            state = load(path)
         except UnreadableCheckpoint as exc:
-            skipped.append(str(exc))
-    if skipped:
-        raise CheckpointError(f"no checkpoint in {model_dir} loads: {'; '.join(skipped)}")
-    return None
+            skipped.append((path, str(exc)))
+            continue
+        return state, path, [set_aside_corrupt(p, why) if p and set_aside else why for p, why in skipped]
+    if any(p for p, _ in skipped):
+        raise CheckpointError(f"no checkpoint in {model_dir} loads: {'; '.join(why for _, why in skipped)}")
+    return (None, None, [why for _, why in skipped]) if skipped else None
+
+
+def set_aside_corrupt(path: Path, why: str) -> str:
+    """Rename a corrupt checkpoint out of the way (never overwritten, never deleted); the line that says so."""
+    target = path.with_name(path.name + ".corrupt")
+    n = 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt{n}")
+    try:
+        os.rename(path, target)
+    except OSError as exc:
+        return f"{why} (left in place: cannot rename it: {exc.strerror})"
+    return f"{why}; set aside as {target.name}"
 
 
 def prune(model_dir: str | Path, keep: int) -> None:
@@ -247,6 +286,8 @@ def load(path: str | Path) -> Checkpoint:
     """A checkpoint of this project (.npz) or of the model zoo (.mdl, HDF5: needs h5py)."""
     path = Path(path)
     if not path.is_file():
+        if path.exists() or path.is_symlink():
+            raise CheckpointError(f"checkpoint {path} is {not_a_file(path)}, not a checkpoint file")
         raise CheckpointError(f"checkpoint {path} does not exist")
     from cs_runtime import checkpoint_mdl   # here: it imports the model tables, this module need not
     if checkpoint_mdl.is_hdf5(path):
@@ -266,9 +307,19 @@ def load(path: str | Path) -> Checkpoint:
         input_step = int(data.pop("input_step"))
     # A truncated or bit-flipped archive raises BadZipFile or EOFError, not OSError.
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
-        raise UnreadableCheckpoint(f"checkpoint {path} is not readable: {exc}") from None
+        raise UnreadableCheckpoint(f"checkpoint {path} is corrupt ({corruption(exc)})") from None
     weights, opt_state = unflatten(data)
     return Checkpoint(global_step, input_step, weights, opt_state, meta)
+
+
+def corruption(exc: Exception) -> str:
+    """What is wrong with an archive, in words: numpy calls a file that is no zip 'pickled data'
+    and advises allow_pickle, which must stay off."""
+    if isinstance(exc, ValueError) and "allow_pickle" in str(exc):
+        return "not a NumPy archive"
+    if isinstance(exc, KeyError):
+        return f"no {exc} entry"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def is_torch_file(path: Path) -> bool:
@@ -280,8 +331,13 @@ def is_torch_file(path: Path) -> bool:
         return False
 
 
-def check_compatible(ck: Checkpoint, expected: dict[str, dict[str, tuple]], path) -> None:
-    """Every expected weight present with its shape; list every mismatch in one line."""
+# A mismatch of more weights than this is listed by count: the first few say enough.
+MISMATCHES_SHOWN = 4
+
+
+def check_compatible(ck: Checkpoint, expected: dict[str, dict[str, tuple]], path, builds: str | None = None) -> None:
+    """Every expected weight present with its shape, or one line: the checkpoint's model
+    when it is another (`builds`: the model this run builds), else the first mismatches."""
     problems = []
     for layer, params in expected.items():
         for pname, shape in params.items():
@@ -292,6 +348,14 @@ def check_compatible(ck: Checkpoint, expected: dict[str, dict[str, tuple]], path
                 problems.append(f"{layer}/{pname} has shape {tuple(got.shape)}, model needs {tuple(shape)}")
     extra = [f"{l}/{p}" for l, ps in ck.weights.items() for p in ps if p not in expected.get(l, {})]
     if extra:
-        problems.append(f"unexpected {', '.join(sorted(extra))}")
-    if problems:
-        raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(problems)}")
+        problems.append(f"unexpected {', '.join(sorted(extra)[:MISMATCHES_SHOWN])}"
+                        + (f" and {len(extra) - MISMATCHES_SHOWN} more" if len(extra) > MISMATCHES_SHOWN else ""))
+    if not problems:
+        return
+    theirs = ck.meta.get("model", {}).get("name") if isinstance(ck.meta.get("model"), dict) else None
+    if builds and theirs and theirs != builds:
+        raise CheckpointError(f"checkpoint {path} is of model {theirs}; this run builds {builds} "
+                              "(another --model_dir, or --checkpoint_path of a " + builds + " checkpoint)")
+    shown = "; ".join(problems[:MISMATCHES_SHOWN])
+    more = f"; and {len(problems) - MISMATCHES_SHOWN} more" if len(problems) > MISMATCHES_SHOWN else ""
+    raise CheckpointError(f"checkpoint {path} does not match the model: {shown}{more}")

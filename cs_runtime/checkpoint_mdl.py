@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.errors import UserInputError
 from cs_runtime import torch_names as names
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -35,7 +36,7 @@ TORCH_SLOTS = {"momentum": "momentum_buffer"}          # this project's slot -> 
 PROJECT_SLOTS = {v: k for k, v in TORCH_SLOTS.items()}
 
 
-class MdlError(ValueError):
+class MdlError(UserInputError):
     """An .mdl file that cannot be read or written; one line naming the file."""
 
 

@@ -42,6 +42,7 @@ from pydantic import (
     model_validator,
 )
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.numerics.optim import OptimizerSpec
 from cs_runtime.params_compat import (
     CompatError,
@@ -73,7 +74,7 @@ __all__ = [
 ]
 
 
-class ParamsError(ValueError):
+class ParamsError(UserInputError):
     """A params file or dict that cannot be used: `lines`, one per problem
     (str() joins them with newlines; most errors are one line)."""
 

@@ -15,9 +15,10 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+from cs_runtime.errors import UserInputError
 
 
-class EnvError(ValueError):
+class EnvError(UserInputError):
     """A variable's value does not parse; the message names the variable."""
 
 
@@ -119,6 +120,8 @@ PROBE_SECONDS = Var("CS_PROBE_SECONDS", 3.0, seconds, "how long a probe measures
 PROBE_RANK = Var("CS_PROBE_RANK", 0, count, "an input probe's rank (cs_input_analyzer)", "internal")
 PROBE_WORKERS = Var("CS_PROBE_WORKERS", 1, positive, "input probes measured together (cs_input_analyzer)",
                     "internal")
+PRECHECK_HERE = Var("CS_PRECHECK_HERE", False, switch, "csrun_wse's check runs where the chief will (a local "
+                    "job): it also checks model_dir, data_dir and an eval's checkpoint", "internal")
 TORCH_INPUT = Var("CS_TORCH_INPUT", "", text, "a cs_torch input worker's instructions (JSON)", "internal")
 
 ALL: tuple[Var, ...] = tuple(v for v in globals().values() if isinstance(v, Var))

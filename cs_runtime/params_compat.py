@@ -19,6 +19,7 @@ import difflib
 from typing import Any
 
 import yaml
+from cs_runtime.errors import UserInputError
 
 # Other spellings of model-zoo keys, per section: what a user coming from another
 # framework (or from this project's earlier releases) writes -> the model zoo's key.
@@ -55,7 +56,7 @@ def suggest(section: str | None, key: str, known: list[str]) -> str | None:
     return close[0] if close else None
 
 
-class CompatError(ValueError):
+class CompatError(UserInputError):
     """A params dict whose layout (not a value) is wrong; the message is one line."""
 
 

@@ -14,12 +14,13 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.config import Params, ParamsError, load_params
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.version import version_line
 
 
-class RunError(Exception):
+class RunError(UserInputError):
     """A user-facing failure of a run: the chief prints it as one line, exit code 1."""
 
 

@@ -17,19 +17,15 @@ from dataclasses import dataclass
 
 import zmq
 
+from cs_runtime.errors import EXIT_BAD_INPUT, UserInputError  # noqa: F401 (EXIT_BAD_INPUT re-exported)
 from cs_runtime import env
 from cs_runtime.launch import orphan
 from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.wire.auth import stop_authenticator
-from cs_runtime.wire.protocol import MessageTooLarge
-
-# A process exits with this when its input is bad (params, data, checkpoint, a
-# full disk): the launcher fails the job at once and never restarts it, since
-# a restart would fail alike (cs_runtime/launch/restart.py).
-EXIT_BAD_INPUT = 2
 
 
-class BadInput(Exception):
+
+class BadInput(UserInputError):
     """Input a restart would only meet again (a bad sample): one line, exit EXIT_BAD_INPUT."""
 
 
@@ -111,7 +107,7 @@ def service_main(role: str, body) -> None:
         body(penv, ctx)
     except KeyboardInterrupt:
         sys.exit(130)
-    except (BadInput, MessageTooLarge) as exc:   # a restart would meet it again
+    except UserInputError as exc:   # a restart would meet it again (BadInput, MessageTooLarge, ...)
         logging.getLogger(role).error("%s", exc)   # the line names the input; no traceback
         logging.shutdown()
         os._exit(EXIT_BAD_INPUT)

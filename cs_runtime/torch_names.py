@@ -36,12 +36,13 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+from cs_runtime.errors import UserInputError
 
 FAMILIES = ("fc_mnist", "gpt2", "bert", "program")
 NSP_SEGMENTS = "bert_encoder.embedding_layer.segment_embeddings.weight"   # BERT with its next-sentence head
 
 
-class NameMapError(ValueError):
+class NameMapError(UserInputError):
     """Weights and a torch naming that do not fit; the message names the weights."""
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.compiler.units import split_units
 from cs_runtime.numerics.program import Node, Program, Unit, Value, infer_values
 from cs_runtime.numerics.program_layer import FEATURE_NAME
@@ -56,7 +57,7 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int
            torch.bool: "bool"}
 
 
-class CaptureError(ValueError):
+class CaptureError(UserInputError):
     """The model cannot be captured; one line naming the module path, the op and the source line."""
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.numerics.model import LayerSpec, ModelSpec
 
 
-class CsTorchError(ValueError):
+class CsTorchError(UserInputError):
     """A use of the API the CS system cannot run; the message is one line."""
 
 

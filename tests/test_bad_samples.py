@@ -190,12 +190,12 @@ def test_cpu_path_names_the_step_sample_and_data_set_index(tmp_path, case):
                              str(params), "--model_dir", str(tmp_path / "m")], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
-    errors = [l for l in result.stdout.splitlines() if l.startswith("error:")]
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
     if case == "missing feature":   # the whole batch is wrong, the first one at that
-        assert errors == [f"error: bad input: train step 1: {why}".replace("ROWS", "64")], result.stdout
+        assert errors == [f"error: bad input: train step 1: {why}".replace("ROWS", "64")], result.stderr
     else:
         assert errors == [f"error: bad input: train step {BAD_STEP + 1}, sample {BAD_ROW} of the global batch: "
-                          f"{why} (data set index {index})"], result.stdout
+                          f"{why} (data set index {index})"], result.stderr
         assert sorted(p.name for p in (tmp_path / "m").glob("checkpoint_*")) == ["checkpoint_2.npz"]
 
 

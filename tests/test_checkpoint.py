@@ -392,15 +392,15 @@ def test_load_newest_skips_a_truncated_latest_and_says_why(tmp_path):
     state, path, skipped = load_newest(tmp_path)
     assert path == tmp_path / "checkpoint_20.npz"
     assert_same(state, make_checkpoint(step=20, seed=20))
-    assert len(skipped) == 1 and skipped[0].startswith(f"checkpoint {cut} is not readable: ")
+    assert len(skipped) == 1 and skipped[0].startswith(f"checkpoint {cut} is corrupt (")
 
 
 def test_load_newest_of_nothing_is_none_and_of_only_bad_files_an_error(tmp_path):
     assert load_newest(tmp_path) is None
     for step in (1, 2):
         (tmp_path / f"checkpoint_{step}.npz").write_bytes(b"not an archive")
-    with pytest.raises(CheckpointError, match=r"no checkpoint in .* loads: checkpoint .*checkpoint_2.npz is not "
-                                              r"readable: .*; checkpoint .*checkpoint_1.npz is not readable"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* loads: checkpoint .*checkpoint_2.npz is "
+                                              r"corrupt .*; checkpoint .*checkpoint_1.npz is corrupt"):
         load_newest(tmp_path)
 
 
@@ -427,3 +427,59 @@ def test_an_adam_checkpoint_without_step_counts_resumes_as_it_would_have(tmp_pat
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     with np.load(tmp_path / "resumed" / "checkpoint_20.npz") as ck:
         assert float(ck["optimizer/fc0/weight/step"]) == 20     # and it is saved from now on
+
+
+def test_a_corrupt_latest_is_called_corrupt_set_aside_and_named(tmp_path):
+    for step in (10, 20):
+        save(tmp_path, make_checkpoint(step=step, seed=step))
+    bad = tmp_path / "checkpoint_20.npz"
+    bad.write_bytes(b"garbage, not a zip")
+    state, path, skipped = load_newest(tmp_path, set_aside=True)
+    assert path == tmp_path / "checkpoint_10.npz" and state.global_step == 10
+    assert skipped == [f"checkpoint {bad} is corrupt (not a NumPy archive); set aside as checkpoint_20.npz.corrupt"]
+    assert "allow_pickle" not in skipped[0]
+    # Kept, byte for byte, where the next save of step 20 cannot overwrite it.
+    assert (tmp_path / "checkpoint_20.npz.corrupt").read_bytes() == b"garbage, not a zip" and not bad.exists()
+    save(tmp_path, make_checkpoint(step=20, seed=20))
+    assert (tmp_path / "checkpoint_20.npz.corrupt").read_bytes() == b"garbage, not a zip"
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "dangling symlink"])
+def test_resume_falls_back_past_what_is_not_a_checkpoint_file(tmp_path, kind):
+    save(tmp_path, make_checkpoint(step=10, seed=10))
+    odd = tmp_path / "checkpoint_20.npz"
+    if kind == "directory":
+        odd.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(odd)
+    else:
+        odd.symlink_to(tmp_path / "gone.npz")
+    state, path, skipped = load_newest(tmp_path, set_aside=True)
+    assert path == tmp_path / "checkpoint_10.npz" and state.global_step == 10
+    said = {"directory": "a directory", "fifo": "a FIFO", "dangling symlink": f"a dangling symlink (to {tmp_path / 'gone.npz'})"}
+    assert skipped == [f"{odd}: {said[kind]}, not a checkpoint"]
+    assert os.path.lexists(odd)   # not ours to move
+    prune(tmp_path, 1)            # nor to delete
+    assert os.path.lexists(odd) and list_checkpoints(tmp_path) == [(10, tmp_path / "checkpoint_10.npz")]
+
+
+def test_only_non_files_at_checkpoint_names_is_nothing_to_resume_said(tmp_path):
+    (tmp_path / "checkpoint_5.npz").mkdir()
+    assert load_newest(tmp_path) == (None, None, [f"{tmp_path / 'checkpoint_5.npz'}: a directory, not a checkpoint"])
+    with pytest.raises(CheckpointError, match=r"checkpoint_5.npz is a directory, not a checkpoint file"):
+        load(tmp_path / "checkpoint_5.npz")
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such(tmp_path):
+    ck = make_checkpoint()
+    ck.meta = {**ck.meta, "model": {"name": "fc_mnist"}}
+    expected = {"embed": {"tokens": (50257, 768)}, **{f"h{i}": {"w": (768, 768)} for i in range(12)}}
+    with pytest.raises(CheckpointError) as caught:
+        check_compatible(ck, expected, tmp_path / "checkpoint_10.npz", builds="gpt2")
+    assert str(caught.value) == (f"checkpoint {tmp_path / 'checkpoint_10.npz'} is of model fc_mnist; this run builds "
+                                 "gpt2 (another --model_dir, or --checkpoint_path of a gpt2 checkpoint)")
+    # Of the same model, the mismatch is listed, the first few only: one short line.
+    with pytest.raises(CheckpointError) as caught:
+        check_compatible(ck, expected, "c.npz", builds="fc_mnist")
+    assert "does not match the model" in str(caught.value) and "more" in str(caught.value)
+    assert len(str(caught.value)) < 400

@@ -65,7 +65,7 @@ def test_an_unusable_model_dir_is_one_line(tmp_path: Path) -> None:
     result = run([tool("csrun_cpu"), sys.executable, FC_MNIST, "--mode", "train", "--params", str(params),
                   "--model_dir", str(tmp_path / "a_file" / "md")])
     assert result.returncode == 2
-    assert result.stdout.strip() == (f"error: --model_dir {tmp_path / 'a_file' / 'md'}: cannot create or write "
+    assert result.stderr.strip() == (f"error: --model_dir {tmp_path / 'a_file' / 'md'}: cannot create or write "
                                      "there (Not a directory)")
     assert "Traceback" not in result.stderr
 

@@ -102,7 +102,11 @@ def test_ctrl_c_stops_everything(tmp_path):
         proc.send_signal(signal.SIGINT)
         output = proc.stdout.read()
         assert proc.wait(timeout=15) == 130  # 128 + SIGINT, as a shell reports a Ctrl-C
-        assert "interrupted by SIGINT" in output
+        assert "csrun: job stopped: interrupted by SIGINT" in output and "job failed" not in output
+        # The chief says how far the run got and how to go on, once.
+        stopped = [l for l in output.splitlines() if l.startswith("| Stopped at step")]
+        assert len(stopped) == 1 and "interrupted by SIGINT" in stopped[0], output[-2000:]
+        assert "resume" in stopped[0] or "no checkpoint yet" in stopped[0]
         everyone = [pid for p in pids.values() for pid in p]
         assert [pid for pid in everyone if alive(pid)] == []
     finally:

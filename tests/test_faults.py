@@ -371,8 +371,8 @@ def test_checkpoint_of_another_model_lists_the_mismatch(tmp_path):
     result = run_with_restarts(params, tmp_path / "m", "--checkpoint_path",
                                str(tmp_path / "other" / "checkpoint_2.npz"))
     assert result.returncode != 0
-    line = [l for l in result.stdout.splitlines() if l.startswith("error:")]
-    assert len(line) == 1 and "does not match the model" in line[0], result.stdout
+    line = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "does not match the model" in line[0], result.stderr
     assert "fc0/weight has shape (784, 16), model needs (784, 64)" in line[0]
     assert "fc2/weight missing" in line[0]
     assert "restarting" not in result.stderr

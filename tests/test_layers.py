@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # variables, flag spelling, the span recorder (the kernels record spans),
     # the maths, the data sets, running the user's script as a role, the probes'
     # output line. `cs_runtime` itself is the package's __init__.
-    ("cs_runtime", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
+    ("cs_runtime", "cs_runtime.errors", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
      "cs_runtime.numerics", "cs_runtime.data", "cs_runtime.user_script", "cs_runtime.probe_line",
      "cs_runtime.torch_names", "cs_runtime.roles"),
     # Bytes between processes: the protocol, transport, shared memory, keys.
@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # What a process of any role uses: sending its timeline, checkpoints, the
     # compiler, the arguments every role is handed (run_args).
     ("cs_runtime.trace", "cs_runtime.checkpoint", "cs_runtime.checkpoint_mdl", "cs_runtime.compiler",
-     "cs_runtime.run_args"),
+     "cs_runtime.run_args", "cs_runtime.run_lock"),
     # Starting and joining a job: the launcher and its directory, the shared CS
     # system, and the service roles. `service` sits here, not a layer lower,
     # because a service joins its job through launch's directory client.

@@ -348,7 +348,7 @@ def test_a_nan_loss_without_loss_scaling_stops_the_job_naming_the_step(tmp_path)
     params = write_params(tmp_path, optimizer={"learning_rate": 1.0e6, "momentum": 0.9})
     result = run_cpu(params, tmp_path / "cpu")
     assert result.returncode == EXIT_BAD_INPUT      # restarting would only diverge again
-    assert re.search(r"error: loss is (nan|inf|-inf) at step \d+", result.stdout), result.stdout
+    assert re.search(r"error: loss is (nan|inf|-inf) at step \d+", result.stderr), result.stderr
 
 
 @pytest.mark.cluster

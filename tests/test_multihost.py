@@ -252,7 +252,7 @@ def test_ctrl_c_stops_the_srun_job_and_exits_130(tmp_path, slurm_cluster):
         proc.send_signal(signal.SIGINT)
         output = proc.stdout.read()
         assert proc.wait(timeout=60) == 130, output[-3000:]
-        assert "job failed: interrupted by SIGINT" in output
+        assert "job stopped: interrupted by SIGINT" in output
         assert slurm_leftovers(str(tmp_path)) == []
     finally:
         kill_tree(proc)

@@ -311,7 +311,7 @@ def test_validate_only_reports_an_unsupported_op_in_one_line(tmp_path):
                              str(tmp_path / "m"), "--validate_only"], capture_output=True, text=True, timeout=300,
                             env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parent.parent)})
     assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "module <root>" in errors[0] and "aten.cumsum" in errors[0] and "run.py:11" in errors[0], errors
 
 

@@ -22,14 +22,14 @@ import time
 
 import zmq
 
-from cs_runtime import trace
+from cs_runtime import errors, trace
 from cs_runtime.launch.directory import DirectoryClient
 from cs_runtime.data.batches import worker_steps
 from cs_runtime.data.mnist import DataError
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.precision import encode_arrays
 from cs_runtime.wire.protocol import Message, Msg, batch_arrays
-from cs_runtime.launch.restart import EXIT_BAD_INPUT
+from cs_runtime.errors import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.service import ProcessEnv
 from cs_runtime.wire.transport import Endpoint, host_name
@@ -46,14 +46,20 @@ IDLE_POLL_MS = 250
 def serve_inputs(args: RunArgs, fns: UserFunctions) -> None:
     penv = ProcessEnv.from_environ("worker")
     ctx = zmq.Context()
+    worker = InputWorker(args, fns, penv, ctx)
     try:
-        InputWorker(args, fns, penv, ctx).run()
+        worker.run()
     except DataError as exc:
         # One line naming the file; the launcher then stops the job (and never restarts it).
-        log.error("worker %d: bad input data: %s", penv.rank, exc)
-        logging.shutdown()
+        errors.say_error(f"error: worker {penv.rank}: bad input data: {exc}")
         sys.exit(EXIT_BAD_INPUT)
+    except Exception as exc:
+        code = errors.report(exc, f"worker {penv.rank} on {host_name()}")
+        if code is None:
+            raise   # ours: with its whole traceback
+        sys.exit(code)
     finally:
+        worker.stop_heartbeats()   # before the context goes: the thread's socket is in it
         ctx.destroy(linger=0)
 
 
@@ -64,12 +70,13 @@ class InputWorker:
         self.busy_s = self.blocked_s = 0.0
         self.started = self.last_report = time.monotonic()
         self.chief: Endpoint | None = None
+        self.beat = None   # the heartbeat thread, once registered
         trace.RECORDER.reset(trace.enabled_from_env())
 
     def run(self) -> None:
         job_dir = DirectoryClient(self.ctx, self.penv.rendezvous, "worker", self.penv.rank, self.penv.job)
         job_dir.register({})
-        beat = job_dir.start_heartbeats()
+        self.beat = beat = job_dir.start_heartbeats()
         chief = job_dir.lookup(["chief"])["chief"][0]
         cs_system = DirectoryClient(self.ctx, self.penv.cs_ip, "worker", self.penv.rank, self.penv.job)
         wses = cs_system.lookup(["wse"])["wse"]
@@ -84,6 +91,10 @@ class InputWorker:
         # Stay registered until the job ends: the launcher stops us with the rest
         # (the heartbeat thread ends the process when the job is done).
         self.answer_chief_until_done(beat)
+
+    def stop_heartbeats(self) -> None:
+        if self.beat is not None:
+            self.beat.stop()
 
     def answer_chief_until_done(self, beat) -> None:
         """After the last batch: hand the chief this worker's spans when it asks (--trace)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from cs_runtime.errors import CsError
 from cs_runtime import env
 from cs_runtime.wire import auth
 from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME
@@ -39,7 +40,7 @@ TOKEN_FILE = "owner.token"
 REQUEST_TIMEOUT_S = 5.0
 
 
-class FrontDoorError(RuntimeError):
+class FrontDoorError(CsError, RuntimeError):
     """The CS system cannot be reached, or refused the request (the message says which and why)."""
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.errors import UserInputError
 from cs_runtime import checkpoint as ckpt
 from cs_runtime import checkpoint_mdl, torch_names
 from cs_runtime.version import version_line
@@ -29,7 +30,7 @@ SUFFIXES = {".npz": "npz", ".mdl": "mdl", ".h5": "mdl", ".hdf5": "mdl", ".pt": "
             ".bin": "torch"}
 
 
-class ConvertError(ValueError):
+class ConvertError(UserInputError):
     pass
 
 

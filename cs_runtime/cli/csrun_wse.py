@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cs_runtime.errors import EXIT_BAD_INPUT, UserInputError, say_error
 from cs_runtime.flags import add_flag
 from cs_runtime.launch import job, precheck, remote
 from cs_runtime.launch.job import JobOptions
@@ -88,6 +89,8 @@ def parse_args(argv: list[str]) -> JobOptions:
     for flag in ("num_csx", "num_workers_per_csx", "total_nodes", "tasks_per_node", "cpus_per_task"):
         if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
             parser.error(f"--{flag} must be at least 1")
+    if not 0 <= ns.port <= 65535:
+        parser.error(f"--port {ns.port}: a port is 1-65535 (or 0: any free port)")
     if ns.max_restarts < 0:
         parser.error("--max_restarts must be 0 or more")
     ns.job_labels = dict(pair.partition("=")[::2] for pair in ns.job_label)
@@ -137,13 +140,18 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging("csrun_wse")
     try:
-        # The params and the model first: a bad file is said once, before anything starts.
+        # What cannot succeed is said before anything starts: a job too big for this machine,
+        # a missing script, then the params and the model (a bad file is said once).
+        job.check_fits_host(options)
         checked = precheck.check(options)
         if checked.code is not None and (checked.code != 0 or precheck.runs_nothing(options.command)):
             if checked.code != 0 and options.cs_ip:
                 precheck.record_failure(options, checked)
             sys.exit(checked.code)
         code = job.run(options)
+    except UserInputError as exc:
+        say_error(f"csrun_wse: {exc}")
+        code = EXIT_BAD_INPUT
     except KeyboardInterrupt:  # Ctrl-C before the job's supervisor took the signal over
         job.say("interrupted by SIGINT")
         code = 130

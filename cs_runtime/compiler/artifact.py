@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cs_runtime.errors import CsError
 from cs_runtime.config import Params
 from cs_runtime.numerics.model import ModelSpec
 
@@ -38,7 +39,7 @@ COMPILER_VERSION = "1"
 FILENAME = "artifact.json"
 
 
-class ArtifactError(Exception):
+class ArtifactError(CsError):
     """An artifact that cannot be trusted; the message says why."""
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
+from cs_runtime.errors import UserInputError
 
 Dim = Union[int, str]            # an int, or "B" for the batch
 Shape = tuple[Dim, ...]
@@ -27,7 +28,7 @@ ACTIVATIONS = ("relu", "tanh", "sigmoid", "gelu", "gelu_new", "gelu_tanh", "none
 SOURCES = ("input", "param", "const")  # nodes that hold a value, compute nothing
 
 
-class CompileError(ValueError):
+class CompileError(UserInputError):
     """The model cannot be compiled; the message names the layer and the op."""
 
 

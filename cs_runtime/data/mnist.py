@@ -22,6 +22,7 @@ from importlib import resources
 from typing import TYPE_CHECKING
 
 import numpy as np
+from cs_runtime.errors import UserInputError
 
 if TYPE_CHECKING:
     from importlib.abc import Traversable
@@ -45,7 +46,7 @@ EMBEDDED_TRAIN_SIZE = 1500
 SPLITS = ("train", "test")
 
 
-class DataError(ValueError):
+class DataError(UserInputError):
     """A data set is missing, malformed, or inconsistent with the request."""
 
 

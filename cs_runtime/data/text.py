@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.numerics.kernels import IGNORE_INDEX, hash_key, hash_uniform
 from cs_runtime.numerics.transformer_params import NSP_FEATURES   # a pair sample's features by name
 
@@ -38,7 +39,7 @@ EVAL_FRACTION = 0.05
 NEWLINE = OFFSET + ord("\n")
 
 
-class TextDataError(ValueError):
+class TextDataError(UserInputError):
     """A corpus that cannot be used; the message names the file."""
 
 

@@ -285,8 +285,10 @@ class DirectoryClient:
             by_role[peer["role"]].append(peer)
         return {r: sorted(p, key=lambda p: p["rank"]) for r, p in by_role.items()}
 
-    def start_heartbeats(self, on_failure=None) -> "Heartbeat":
-        beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure)
+    def start_heartbeats(self, on_failure=None, before_exit=None) -> "Heartbeat":
+        """before_exit(reason): called before the process leaves because the job stopped (the
+        chief says there how far the run got)."""
+        beat = Heartbeat(self.ctx, self.address, self.role, self.rank, self.job, on_failure, before_exit)
         beat.start()
         return beat
 
@@ -313,6 +315,10 @@ def _exit_done() -> None:
     os._exit(0)
 
 
+# What a socket's calls raise once its context is being destroyed by another thread.
+CONTEXT_GONE_ERRNOS = (zmq.ENOTSOCK, zmq.ETERM)
+
+
 class Heartbeat(threading.Thread):
     """Background thread with its own socket (ZeroMQ sockets are not thread safe).
 
@@ -321,8 +327,9 @@ class Heartbeat(threading.Thread):
     when it reports the job done: so no process outlives its job.
     """
 
-    def __init__(self, ctx, address, role, rank, job, on_failure=None):
+    def __init__(self, ctx, address, role, rank, job, on_failure=None, before_exit=None):
         super().__init__(name="heartbeat", daemon=True)
+        self.before_exit = before_exit or (lambda reason: None)
         self.ctx, self.address, self.role, self.rank, self.job = ctx, address, role, rank, job
         self.on_failure = on_failure or _exit_now
         self.on_lost = on_failure or _exit_lost
@@ -349,18 +356,25 @@ class Heartbeat(threading.Thread):
                         if got[1].type == Msg.STATUS and not got[1].meta["ok"]:
                             if self.role == "chief":  # the chief's log names what failed
                                 log.error("the job is stopping: %s", got[1].meta["reason"])
+                            self.before_exit(got[1].meta["reason"])
                             return self.on_failure(f"job failed: {got[1].meta['reason']}")
                         if got[1].type == Msg.STATUS and got[1].meta["done"]:
                             return _exit_done()
                         got = endpoint.recv(0)
                 orphan.leave_if_orphaned()   # a service whose launcher died without its signal arriving
                 if time.monotonic() - last_answer > patience:
+                    self.before_exit(f"the launcher's directory at {self.address} stopped answering")
                     return self.on_lost(f"directory at {self.address} stopped answering")
                 next_beat = max(next_beat, time.monotonic())  # late (a stall): beat now, no burst of beats
             # The last heartbeat says this process is leaving, so the time it takes
             # to exit is not mistaken for a hang.
             endpoint.send(Message(Msg.HEARTBEAT, meta={"role": self.role, "rank": self.rank, "leaving": True}))
             endpoint.recv(int(HEARTBEAT_INTERVAL * 1000))
+        except zmq.ZMQError as exc:
+            # The process is closing its context under this thread (an error on its way out):
+            # it is leaving anyway, and its own line says why; no second traceback from here.
+            if exc.errno not in CONTEXT_GONE_ERRNOS and not self.ctx.closed:
+                raise
         finally:
             self.said_leaving.set()
             endpoint.close()

@@ -25,6 +25,7 @@ from pathlib import Path
 import zmq
 
 from cs_runtime import env as cs_env
+from cs_runtime.errors import UserInputError
 from cs_runtime.roles import ROLES, module_of, service_counts, services_of_job
 from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.launch import remote
@@ -179,6 +180,49 @@ def check_insecure_and_ssh_hosts(options: JobOptions, layout: Layout) -> None:
     elif layout.launcher == "slurm" and remote.in_allocation():
         # the nodes are known only inside an allocation (outside one, srun makes it with the step)
         remote.check_slurm_nodes(remote.job_nodes(layout.shape, layout.services_node), layout.shape.nodes)
+
+
+class BadJob(UserInputError):
+    """A job that cannot run as asked on this machine: one line before anything starts, exit 2."""
+
+
+# What one process of a job holds when idle (Python, numpy, ZeroMQ: 60-70 MB RSS measured), before
+# its share of the model; and how many processes a core can take before the heartbeats, answered
+# twice a second, miss their 10 s (every process of a job heartbeats; a WSE computes).
+PROCESS_MB = 70
+PROCESSES_PER_CORE = 32
+
+
+def check_fits_host(options: JobOptions) -> None:
+    """The processes a job starts on this machine against its memory and cores, with the
+    estimate (BadJob): its services unless a CS system (--cs_ip) or Slurm runs them, its
+    tasks when local. Tasks on other hosts are those hosts' business."""
+    workers = options.num_csx * (options.num_workers_per_csx or 1) if options.launcher == "local" else 0
+    services = 0 if options.cs_ip or options.launcher == "slurm" else 2 + options.num_csx
+    processes = services + (1 + workers if options.launcher == "local" else 0)
+    need_mb = processes * PROCESS_MB
+    available_mb = available_memory_mb()
+    cores = os.cpu_count() or 1
+    what = (f"--num_csx {options.num_csx}" + (f" with {workers} input worker(s)" if workers else "")
+            + f" starts {processes} processes here")
+    if available_mb is not None and need_mb > available_mb:
+        raise BadJob(f"{what}, about {need_mb:,} MB before the model ({PROCESS_MB} MB each), but this machine has "
+                     f"{available_mb:,} MB available; use fewer WSEs or workers")
+    if processes > PROCESSES_PER_CORE * cores:
+        raise BadJob(f"{what}, more than {PROCESSES_PER_CORE} per core on {cores} core(s): their heartbeats "
+                     f"would time out; use fewer WSEs or workers")
+
+
+def available_memory_mb() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), in MB; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def open_front_door(options: JobOptions) -> FrontDoor | None:

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from cs_runtime.errors import CsError
 from cs_runtime import env as cs_env
 from cs_runtime.roles import SERVICE_ROLES
 from cs_runtime.launch.directory import EXIT_DIRECTORY_LOST, HEARTBEAT_TIMEOUT, DirectoryServer, register_timeout
@@ -173,7 +174,7 @@ def registration_overdue(directory: DirectoryServer, tasks: list[Task], started:
     return None
 
 
-class JobFailed(RuntimeError):
+class JobFailed(CsError, RuntimeError):
     """A process of the job failed or stopped answering, or the job was interrupted or ended by
     its CS system; the message names which. The supervisor raises it (a restart may help unless
     `retryable` is False); cs_torch.Session raises it from the step that met it. `code`: the
@@ -231,7 +232,8 @@ class Supervisor:
             self.failure = failure
             self.directory.failure = str(failure)
             # The line first (the fault is known now), then a moment for remote processes to hear.
-            print(f"csrun: job failed: {failure}", file=sys.stderr, flush=True)
+            # An interruption is the user's wish, not a failure; the chief then says how far the run got.
+            print(f"csrun: job {'stopped' if self.signal else 'failed'}: {failure}", file=sys.stderr, flush=True)
             self._drain_status(1.0)
             return 128 + self.signal if self.signal else failure.code
         finally:

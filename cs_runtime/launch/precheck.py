@@ -12,6 +12,7 @@ worker is blamed for it.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from cs_runtime import env as cs_env
 from cs_runtime.appliance.client import FrontDoorError, SubmittedJob
 from cs_runtime.launch import job
-from cs_runtime.launch.job import JobOptions
+from cs_runtime.launch.job import BadJob, JobOptions
 from cs_runtime.wire import auth
 
 
@@ -38,12 +39,28 @@ def runs_nothing(command: list[str]) -> bool:
     return bool({"--validate_only", "--compile_only"} & set(args) or {"validate_only", "compile_only"} & modes)
 
 
-def local_script(command: list[str]) -> str | None:
-    """The script of `python [opts] run.py ...` (or an executable script), if it is on this machine."""
+def script_named(command: list[str]) -> str | None:
+    """The script of `python [opts] run.py ...` (or an executable script); None for `python -m ...`."""
     if os.path.basename(command[0]).startswith("python"):
-        script = next((a for a in command[1:] if not a.startswith("-")), None)
-    else:
-        script = command[0]
+        if "-m" in command[1:2] or "-c" in command[1:2]:
+            return None
+        return next((a for a in command[1:] if not a.startswith("-")), None)
+    return command[0]
+
+
+def missing_here(command: list[str]) -> str | None:
+    """What of a command to run on this machine is not there: the program, or python's script."""
+    if shutil.which(command[0]) is None:
+        return f"{command[0]}: no such command"
+    script = script_named(command)
+    if os.path.basename(command[0]).startswith("python") and script and not os.path.isfile(script):
+        return f"{script}: no such file"
+    return None
+
+
+def local_script(command: list[str]) -> str | None:
+    """script_named, if it is on this machine."""
+    script = script_named(command)
     return script if script and os.path.isfile(script) else None
 
 
@@ -51,9 +68,14 @@ def check(options: JobOptions) -> Checked:
     """Run the command once with CS_ROLE=precheck. What it prints is shown when it
     fails or when checking is all the command asked for."""
     if local_script(options.command) is None:
+        missing = missing_here(options.command) if options.launcher == "local" else None
+        if missing:   # the chief would run here, and fail only once the cluster has started
+            raise BadJob(missing)
         return Checked(None, [])   # the script lives on the task hosts only: the chief checks there
     env = {k: v for k, v in os.environ.items() if k not in cs_env.JOB_VARS}
-    env.update({cs_env.ROLE.name: "precheck", cs_env.TARGET.name: "wse", cs_env.TRACE.name: "0"})
+    env.update({cs_env.ROLE.name: "precheck", cs_env.TARGET.name: "wse", cs_env.TRACE.name: "0",
+                cs_env.NUM_CSX.name: str(options.num_csx),
+                cs_env.PRECHECK_HERE.name: "1" if options.launcher == "local" else "0"})
     try:
         done = subprocess.run(options.command, env=env, check=False, capture_output=True, text=True)
     except OSError as exc:

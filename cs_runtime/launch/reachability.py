@@ -11,6 +11,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from cs_runtime.errors import CsError
 from cs_runtime.wire import auth
 
 CONNECT_TIMEOUT_S = 5.0
@@ -18,7 +19,7 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-class UnreachableError(RuntimeError):
+class UnreachableError(CsError, RuntimeError):
     """host:port did not answer, or refused the handshake; the message names it."""
 
 

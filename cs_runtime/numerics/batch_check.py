@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.numerics.kernels import IGNORE_INDEX
 
 
-class BadBatch(ValueError):
+class BadBatch(UserInputError):
     """A batch the model cannot take. `sample` is the row within the checked
     arrays (None when the batch as a whole is wrong: dtype, rank, row counts)."""
 

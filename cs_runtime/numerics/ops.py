@@ -27,11 +27,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from cs_runtime.errors import UserInputError
 from cs_runtime.numerics import kernels, parallel
 from cs_runtime.numerics.parallel import matmul as mm
 
 
-class OpError(ValueError):
+class OpError(UserInputError):
     """An op got inputs or attributes it cannot take; the message says which."""
 
 

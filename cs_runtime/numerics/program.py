@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cs_runtime.errors import CsError
 from cs_runtime.numerics.ops import OPS
 
 DTYPES = ("float32", "float64", "int64", "int32", "bool")
@@ -34,7 +35,7 @@ MAX_CONST_BYTES = 64 << 20
 BACKWARD_OPS = ("vjp",)      # a node of the backward program: the vjp rule of the forward op in attrs["of"]
 
 
-class ProgramError(ValueError):
+class ProgramError(CsError, ValueError):
     """A program (or its wire form) is malformed; the message says where."""
 
 

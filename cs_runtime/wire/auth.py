@@ -33,6 +33,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from cs_runtime.errors import CsError
 from cs_runtime import env
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ PORT_FILE = "port"             # in a CS system's folder: the port of its front 
 OWNER_FILE = "launcher.pid"   # the pid of the launcher that made the folder
 
 
-class AuthError(RuntimeError):
+class AuthError(CsError, RuntimeError):
     pass
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from cs_runtime.errors import CsError, UserInputError
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.numerics.optim import OptimizerSpec
 from cs_runtime.numerics.program_layer import FEATURE_NAME
@@ -84,11 +85,11 @@ SPAN_ARRAYS = {"name": "int32", "start_ns": "int64", "dur_ns": "int64", "step": 
 ZERO_COPY_THRESHOLD = 64 * 1024
 
 
-class ProtocolError(ValueError):
+class ProtocolError(CsError, ValueError):
     """A received message is malformed; it is dropped, never acted on."""
 
 
-class MessageTooLarge(ValueError):
+class MessageTooLarge(UserInputError):
     """A message of ours that no receiver would take (its header over MAX_HEADER_BYTES): refused
     before it is sent, since the peer would drop it (or, over its socket's frame cap, the connection)."""
 

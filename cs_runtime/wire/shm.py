@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cs_runtime.errors import CsError
 from cs_runtime import env
 from cs_runtime.wire.auth import pid_alive  # also how stale key folders are found
 
@@ -50,7 +51,7 @@ ALIGN = 64          # bytes: every array starts on a cache line
 MIN_SHARED_BYTES = 64 * 1024
 
 
-class SharedMemoryError(ValueError):
+class SharedMemoryError(CsError, ValueError):
     """A reference that must not be followed (bad name, owner, bounds)."""
 
 
