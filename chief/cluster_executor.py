@@ -18,11 +18,11 @@ from cs_runtime.errors import CsError
 from cs_runtime import trace
 from cs_runtime.checkpoint import flatten, unflatten_for
 from cs_runtime.wire.auth import stop_authenticator
-from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
-from cs_runtime.service import ProcessEnv
+from cs_runtime.process.service import ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("chief")

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from cs_runtime.checkpoint import DISK_ERRNOS
-from cs_runtime.launch.restart import EXIT_BAD_INPUT
+from cs_runtime.errors import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunError
 
 

@@ -8,7 +8,6 @@
     spans.py           the timeline's span recorder (trace.py sends and merges the spans)
     trace.py           the timeline: spans from every process merged by the chief into trace.json
     roles.py           the roles of a job, named once: module or entry point, service or task, core share
-    service.py         a process's identity from its environment, logging, the service main wrapper
     run_args.py        run.py's flags (RunArgs) and functions (UserFunctions)
     runner.py          run(): what a model's run.py calls; hands over to the role's entry point
     user_script.py     running the user's script as one role (python -m chief|worker run.py ...)
@@ -21,5 +20,6 @@
     version.py         the installed version, for every command's --version
 
     cli/               the console commands (csrun_wse, csrun_cpu, cs_system, csctl, ...)
+    process/           a process of a job: identity, orphan handling, its side of the directory
     wire/ numerics/ data/ compiler/ launch/ appliance/ memoryx/ swarmx/: each says what it holds.
 """

@@ -129,7 +129,7 @@ ALL: tuple[Var, ...] = tuple(v for v in globals().values() if isinstance(v, Var)
 JOB_VARS = tuple(v.name for v in ALL if v.scope in ("job", "process"))
 # This process's own identity within the job: set per process, never passed on to another.
 PROCESS_VARS = tuple(v.name for v in ALL if v.scope == "process")
-# What a CS system may assign a pooled service process (cs_runtime/service.py).
+# What a CS system may assign a pooled service process (cs_runtime/process/service.py).
 SERVICE_VARS = tuple(v.name for v in ALL if v.service)
 
 # Other programs' variables, set for the processes that compute (each unless the user set it).

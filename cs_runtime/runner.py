@@ -23,7 +23,7 @@ import sys
 from cs_runtime import env
 from cs_runtime.run_args import RunArgs, UserFunctions, parse_args
 from cs_runtime.roles import entry_point
-from cs_runtime.service import setup_logging
+from cs_runtime.process.service import setup_logging
 
 __all__ = ["RunArgs", "UserFunctions", "run"]
 

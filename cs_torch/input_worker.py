@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cs_runtime import env
 from cs_runtime.config import params_from_dict
-from cs_runtime.service import setup_logging
+from cs_runtime.process.service import setup_logging
 from cs_runtime.run_args import RunArgs, UserFunctions
 
 SCRIPT_RUN_NAME = "__cs_torch_input__"

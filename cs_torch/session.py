@@ -41,14 +41,14 @@ from chief.cluster_executor import ClusterExecutor, ServiceError
 from cs_runtime.compiler.stage import compile_model, runnable
 from chief.trainer import TAG_GRAD_NORM, TAG_LR, Trainer
 from cs_runtime.config import ParamsError, params_from_dict
-from cs_runtime.appliance.client import FrontDoorError, split_address
+from cs_runtime.launch.front_door import FrontDoorError, split_address
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.wire.protocol import ENDED_PHASES
 from cs_runtime.launch import job as launch
 from cs_runtime.launch.job import JobOptions
 from cs_runtime.launch.launcher import JobFailed, numerics_env
 from cs_runtime.run_args import RunArgs, UserFunctions
-from cs_runtime.service import ProcessEnv
+from cs_runtime.process.service import ProcessEnv
 
 from .data import INPUT_ENV, Batch, DataLoader
 from .nn import CrossEntropyLoss, CsTorchError, Sequential

@@ -33,7 +33,9 @@ from pathlib import Path
 
 import zmq
 
-from cs_runtime.launch.directory import HEARTBEAT_INTERVAL, DirectoryClient, DirectoryServer, register_timeout
+from cs_runtime.launch.directory import DirectoryServer, register_timeout
+
+from cs_runtime.process.directory_client import HEARTBEAT_INTERVAL, DirectoryClient
 from cs_runtime.launch.launcher import ProcessGroup, Supervisor, Task, check_file_limit
 from cs_runtime.launch.task import role_of_task
 from cs_runtime.wire import auth

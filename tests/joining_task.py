@@ -17,8 +17,9 @@ from pathlib import Path
 
 import zmq
 
-from cs_runtime.launch.directory import DirectoryClient, register_timeout
-from cs_runtime.service import ProcessEnv
+from cs_runtime.launch.directory import register_timeout
+from cs_runtime.process.directory_client import DirectoryClient
+from cs_runtime.process.service import ProcessEnv
 
 
 def main() -> None:

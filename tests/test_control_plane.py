@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from cs_runtime.launch import launcher
-from cs_runtime.launch.directory import (HEARTBEAT_INTERVAL, REGISTER_TIMEOUT, DirectoryClient, DirectoryServer,
-                                         Heartbeat, Liveness, Peer, register_timeout)
+from cs_runtime.launch.directory import DirectoryServer, Liveness, Peer, register_timeout
+from cs_runtime.process.directory_client import HEARTBEAT_INTERVAL, REGISTER_TIMEOUT, DirectoryClient, Heartbeat
 from cs_runtime.wire.protocol import Message, Msg
 from cs_runtime.wire.transport import Endpoint
 from tests.cluster_utils import REPO
@@ -184,7 +184,7 @@ def test_the_jobs_end_is_sent_at_once_to_every_peer_still_beating(ctx):
 def test_a_heartbeat_acts_on_news_between_its_beats(ctx, monkeypatch):
     """It used to sleep between beats and read the news only after its next one."""
     import threading
-    from cs_runtime.launch import directory as directory_module
+    from cs_runtime.process import directory_client as directory_module
     finished = threading.Event()
     monkeypatch.setattr(directory_module, "_exit_done", finished.set)   # not os._exit: this is pytest
     monkeypatch.setattr(directory_module, "HEARTBEAT_INTERVAL", 60.0)   # the next beat: far away
@@ -269,7 +269,7 @@ def test_a_heartbeat_waits_for_its_first_answer_as_long_as_registration_may_take
     """Hundreds of tasks starting at once queue for their CURVE handshakes: a task used to give up
     10 s after its first heartbeat, while the launcher still waited for it (exit code 1, no word)."""
     import threading
-    from cs_runtime.launch import directory as directory_module
+    from cs_runtime.process import directory_client as directory_module
     monkeypatch.setattr(directory_module, "HEARTBEAT_TIMEOUT", 0.2)       # 0.4 s between answers
     monkeypatch.setattr(directory_module, "FIRST_ANSWER_TIMEOUT", 3.0)
     fake = Endpoint(ctx, zmq.ROUTER, "directory", "job-p")

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
 from cs_runtime.wire import auth
-from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.wire.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode
 from tests.cluster_utils import (FC_MNIST, TOL, alive, assert_matches_oracle, descendants, final_weights,
                                  kill_tree, relative_error, run_cpu, run_wse, tool, train_losses, wse_command,

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from cs_runtime.appliance import client as door_client
-from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
+from cs_runtime.launch import front_door as door_client
+from cs_runtime.launch.front_door import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.appliance.server import RATE_BURST, RateLimit, read_clients
-from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.wire import auth
 from cs_runtime.wire.protocol import MAX_HEADER_BYTES, Message, Msg, encode
 from tests.cluster_utils import assert_matches_oracle, kill_tree, wse_command

@@ -26,7 +26,7 @@ import zmq
 from cs_runtime.wire import auth
 from cs_runtime.wire.protocol import MAX_FRAME_BYTES
 from cs_runtime.wire.transport import CONTROL_MAX_FRAME, CURVE_FRAME_OVERHEAD, HANDSHAKE_IVL_MS
-from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.process.directory_client import DirectoryClient
 from tests.cluster_utils import (FC_MNIST, final_weights, kill_tree, run_cpu, run_wse, tool, train_losses, write_params,
                                  wse_command)
 from tests.test_faults import assert_matches, pids_by_role, process_env, read_until, rss_bytes, start_job

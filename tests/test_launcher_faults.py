@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cs_runtime.launch import orphan
-from cs_runtime.launch.directory import EXIT_DIRECTORY_LOST
+from cs_runtime.process import orphan
+from cs_runtime.process.directory_client import EXIT_DIRECTORY_LOST
 from cs_runtime.launch.launcher import DIRECTORY_PATIENCE_S, Supervisor
 from cs_runtime.wire import auth
 from tests.cluster_utils import (alive, assert_matches_oracle, descendants, kill_tree, wait_until, wse_command,
@@ -162,7 +162,8 @@ def test_a_real_failure_is_named_before_the_processes_that_lost_the_launcher(cap
 
 def test_a_short_stall_of_the_launcher_is_not_held_against_its_peers():
     import zmq
-    from cs_runtime.launch.directory import HEARTBEAT_TIMEOUT, DirectoryServer, Peer
+    from cs_runtime.launch.directory import DirectoryServer, Peer
+    from cs_runtime.process.directory_client import HEARTBEAT_TIMEOUT
     ctx = zmq.Context()
     directory = DirectoryServer(ctx, "job1", {"wse": 1}, host="127.0.0.1")
     try:

@@ -28,22 +28,35 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # variables, flag spelling, the span recorder (the kernels record spans),
     # the maths, the data sets, running the user's script as a role, the probes'
     # output line. `cs_runtime` itself is the package's __init__.
-    ("cs_runtime", "cs_runtime.errors", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
-     "cs_runtime.numerics", "cs_runtime.data", "cs_runtime.user_script", "cs_runtime.probe_line",
-     "cs_runtime.torch_names", "cs_runtime.roles"),
+    ("cs_runtime", "cs_runtime.errors", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
+     "cs_runtime.user_script", "cs_runtime.probe_line", "cs_runtime.torch_names", "cs_runtime.roles",
+     # what the data sets and the maths agree on: counter-based draws, the ignored label, the
+     # language models' feature names
+     "cs_runtime.numerics.hashing", "cs_runtime.numerics.batch_check", "cs_runtime.numerics.transformer_params"),
+    # The data sets: below the maths, which they never reach into.
+    ("cs_runtime.data",),
+    # The maths, and params.yaml (whose learning rule is the maths' OptimizerSpec).
+    ("cs_runtime.numerics", "cs_runtime.config", "cs_runtime.lm_checks"),
     # Bytes between processes: the protocol, transport, shared memory, keys.
     ("cs_runtime.wire",),
     # What a process of any role uses: sending its timeline, checkpoints, the
     # compiler, the arguments every role is handed (run_args).
     ("cs_runtime.trace", "cs_runtime.checkpoint", "cs_runtime.checkpoint_mdl", "cs_runtime.compiler",
      "cs_runtime.run_args", "cs_runtime.run_lock"),
-    # Starting and joining a job: the launcher and its directory, the shared CS
-    # system, and the service roles. `service` sits here, not a layer lower,
-    # because a service joins its job through launch's directory client.
-    ("cs_runtime.launch", "cs_runtime.appliance", "cs_runtime.service",
-     "cs_runtime.memoryx", "cs_runtime.swarmx"),
-    # The roles that run the user's script, and the WSE.
-    ("chief", "worker", "wse"),
+    # A process of a job: its identity from the environment and its logging (service), leaving
+    # when its launcher dies (orphan), and its side of the job's directory (registration,
+    # lookups, heartbeats). Below both the roles and the launcher, so neither reaches into
+    # the other for it.
+    ("cs_runtime.process",),
+    # The roles, each a process of its own: MemoryX, SwarmX, the WSE, and those that run the
+    # user's script (the chief, the input workers).
+    ("cs_runtime.memoryx", "cs_runtime.swarmx", "chief", "worker", "wse"),
+    # Starting a job: the launcher, its directory and back-ends, the front door's client. It
+    # starts the roles by module name (roles.py) and imports none of them.
+    ("cs_runtime.launch",),
+    # The shared CS system: a long-lived server that starts jobs' services with the launcher's
+    # process groups and directory.
+    ("cs_runtime.appliance",),
     # The entry point a model's run.py calls (runner: it hands over to the role
     # CS_ROLE names, importing it by name) and the torch front end's base: its
     # modules and errors, the backend, and what the step in progress is doing

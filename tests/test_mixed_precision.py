@@ -18,7 +18,7 @@ from cs_runtime.compiler.families import lower_spec
 from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec, model_backward, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from cs_runtime.wire.protocol import Message, Msg, ProtocolError, decode, encode, float_arrays
-from cs_runtime.launch.restart import EXIT_BAD_INPUT
+from cs_runtime.errors import EXIT_BAD_INPUT
 from cs_runtime.swarmx.server import reduce_messages
 from tests.cluster_utils import (
     final_weights,

@@ -27,7 +27,8 @@ from chief.trainer import check_before_start
 from cs_runtime import errors, run_lock
 from cs_runtime.errors import EXIT_BAD_INPUT, CsError, UserInputError
 from cs_runtime.launch import job, precheck
-from cs_runtime.launch.directory import DirectoryClient, DirectoryServer
+from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.launch.job import BadJob, JobOptions, check_fits_host
 from cs_runtime.run_args import RunError, parse_args
 from tests.cluster_utils import FC_MNIST, REPO, alive, descendants, tool, write_params
@@ -40,11 +41,11 @@ USER_INPUT = ["cs_runtime.config.ParamsError", "cs_runtime.params_compat.CompatE
               "cs_runtime.numerics.batch_check.BadBatch", "cs_runtime.numerics.ops.OpError",
               "cs_runtime.compiler.ir.CompileError", "cs_runtime.env.EnvError", "cs_runtime.run_args.RunError",
               "cs_runtime.torch_names.NameMapError", "cs_runtime.wire.protocol.MessageTooLarge",
-              "cs_runtime.service.BadInput", "cs_runtime.run_lock.ModelDirInUse", "cs_runtime.launch.job.BadJob",
+              "cs_runtime.process.service.BadInput", "cs_runtime.run_lock.ModelDirInUse", "cs_runtime.launch.job.BadJob",
               "cs_runtime.cli.convert_checkpoint.ConvertError"]
 FAULTS = ["cs_runtime.numerics.program.ProgramError", "cs_runtime.wire.protocol.ProtocolError",
           "cs_runtime.wire.shm.SharedMemoryError", "cs_runtime.wire.auth.AuthError",
-          "cs_runtime.compiler.artifact.ArtifactError", "cs_runtime.appliance.client.FrontDoorError",
+          "cs_runtime.compiler.artifact.ArtifactError", "cs_runtime.launch.front_door.FrontDoorError",
           "cs_runtime.launch.launcher.JobFailed", "chief.cluster_executor.ServiceError"]
 
 

@@ -23,7 +23,7 @@ import time
 import zmq
 
 from cs_runtime import errors, trace
-from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.data.batches import worker_steps
 from cs_runtime.data.mnist import DataError
 from cs_runtime.data.inputs import InputStream
@@ -31,7 +31,7 @@ from cs_runtime.numerics.precision import encode_arrays
 from cs_runtime.wire.protocol import Message, Msg, batch_arrays
 from cs_runtime.errors import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunArgs, UserFunctions
-from cs_runtime.service import ProcessEnv
+from cs_runtime.process.service import ProcessEnv
 from cs_runtime.wire.transport import Endpoint, host_name
 
 log = logging.getLogger("worker")

@@ -5,7 +5,7 @@ import logging
 
 import zmq
 
-from cs_runtime.service import ProcessEnv, join_cs_system, service_main
+from cs_runtime.process.service import ProcessEnv, join_cs_system, service_main
 from wse.emulator import WSE
 
 

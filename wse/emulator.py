@@ -37,7 +37,7 @@ from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
 from cs_runtime.wire.protocol import (JobSettings, KeptBuffers, Message, Msg, ProtocolError, batch_features,
                                       float_arrays)
-from cs_runtime.service import BadInput, ProcessEnv
+from cs_runtime.process.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
 

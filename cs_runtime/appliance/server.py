@@ -60,13 +60,14 @@ import zmq
 from cs_runtime import env as cs_env
 from cs_runtime.roles import ROLES, SERVICE_ROLES, module_of, service_counts, services_of_job
 from cs_runtime.wire import auth
-from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT, DirectoryServer
-from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
+from cs_runtime.launch.directory import DirectoryServer
+from cs_runtime.process.directory_client import DIRECTORY_MAX_FRAME, HEARTBEAT_TIMEOUT
+from cs_runtime.process.orphan import SERVICE_DEATH_SIGNAL
 from cs_runtime.launch.launcher import (ProcessGroup, Task, describe_exit, registration_overdue,
                                        numerics_env, spawn)
 from cs_runtime.wire.protocol import (ENDED_PHASES, MAX_LABELS, USER_NAME, Message, MessageTooLarge, Msg,
                                       printable)
-from cs_runtime.service import AWAIT_JOB_ENV
+from cs_runtime.process.service import AWAIT_JOB_ENV
 from cs_runtime.wire.shm import SHM_ENV, remove_job_segments, remove_orphaned_segments
 from cs_runtime.wire.transport import Endpoint, host_name
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from cs_runtime.flags import add_flag
-from cs_runtime.service import setup_logging
+from cs_runtime.process.service import setup_logging
 from cs_runtime.wire import auth
 from cs_runtime.wire.transport import PortInUse
 from cs_runtime.version import version_line

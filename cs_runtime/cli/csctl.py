@@ -8,7 +8,7 @@
 
 The CS system is --cs_ip, else $CS_SYSTEM. Cancelling or labelling a job
 needs the owner credential of the user who submitted it (~/.cs_emulator/
-owner.token, see cs_runtime/appliance/client.py). Errors are one line, exit code 1.
+owner.token, see cs_runtime/launch/front_door.py). Errors are one line, exit code 1.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 
 from cs_runtime import env
 from cs_runtime.flags import add_flag
-from cs_runtime.appliance.client import (SYSTEM_ENV, FrontDoor, FrontDoorError, client_key_pair, owner_token,
+from cs_runtime.launch.front_door import (SYSTEM_ENV, FrontDoor, FrontDoorError, client_key_pair, owner_token,
                                          user_name)
 from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels, printable
 from cs_runtime.version import version_line

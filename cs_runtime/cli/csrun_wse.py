@@ -35,7 +35,7 @@ from cs_runtime.errors import EXIT_BAD_INPUT, UserInputError, say_error
 from cs_runtime.flags import add_flag
 from cs_runtime.launch import job, precheck, remote
 from cs_runtime.launch.job import JobOptions
-from cs_runtime.service import setup_logging
+from cs_runtime.process.service import setup_logging
 from cs_runtime.version import version_line
 from cs_runtime.wire.protocol import check_labels
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from cs_runtime.data.text import TextDataError
 from cs_runtime.numerics.transformer_params import NSP_FEATURES
-from cs_runtime.numerics.kernels import IGNORE_INDEX
+from cs_runtime.numerics.batch_check import IGNORE_INDEX
 
 PAD_ID = 0
 NSP_KEY = "next_sentence_labels"   # BERT with its next-sentence head: each sample's label

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cs_runtime.data.batches import BatchPlan, shard_rows
-from cs_runtime.numerics.kernels import IGNORE_INDEX
+from cs_runtime.numerics.batch_check import IGNORE_INDEX
 
 
 def label_count(labels: np.ndarray) -> int:

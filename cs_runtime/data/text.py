@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from cs_runtime.errors import UserInputError
-from cs_runtime.numerics.kernels import IGNORE_INDEX, hash_key, hash_uniform
+from cs_runtime.numerics.batch_check import IGNORE_INDEX
+from cs_runtime.numerics.hashing import hash_key, hash_uniform
 from cs_runtime.numerics.transformer_params import NSP_FEATURES   # a pair sample's features by name
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3

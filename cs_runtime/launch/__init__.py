@@ -4,8 +4,8 @@
     launcher.py      spawn, process groups, the supervisor that stops everything on a failure
     remote.py        the SSH and srun back-ends
     task.py          python -m cs_runtime.launch.task: the per-host task wrapper
-    directory.py     the job's directory: registration and heartbeats of every process
-    orphan.py        a service whose launcher died deletes the job's segments and key folder, then exits
+    directory.py     the job's directory: registration and heartbeats of every process (the server side)
+    front_door.py    a shared CS system's client: keys, owner credential, submit and follow a job
     restart.py       --max_restarts: run a job again from its latest checkpoint
     precheck.py      before the cluster starts: the script's functions and params, checked in one process
     reachability.py  an address answers: TCP, then a ZeroMQ handshake with the job's keys

@@ -27,7 +27,7 @@ import zmq
 from cs_runtime import env as cs_env
 from cs_runtime.errors import UserInputError
 from cs_runtime.roles import ROLES, module_of, service_counts, services_of_job
-from cs_runtime.appliance.client import FrontDoor, FrontDoorError, SubmittedJob
+from cs_runtime.launch.front_door import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.launch import remote
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.launch.launcher import (JobFailed, ProcessGroup, Supervisor, check_file_limit,

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from cs_runtime.errors import CsError
 from cs_runtime import env as cs_env
 from cs_runtime.roles import SERVICE_ROLES
-from cs_runtime.launch.directory import EXIT_DIRECTORY_LOST, HEARTBEAT_TIMEOUT, DirectoryServer, register_timeout
-from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
-from cs_runtime.launch.restart import EXIT_BAD_INPUT
+from cs_runtime.launch.directory import DirectoryServer, register_timeout
+from cs_runtime.process.directory_client import EXIT_DIRECTORY_LOST, HEARTBEAT_TIMEOUT
+from cs_runtime.process.orphan import SERVICE_DEATH_SIGNAL
+from cs_runtime.errors import EXIT_BAD_INPUT
 from cs_runtime.wire.transport import host_name
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ CARRIER_GRACE_S = 10.0  # after its tasks, how long a carrier (srun, ssh) gets t
 # A turn of the supervisor's loop takes milliseconds; one this long means the launcher itself
 # was stopped (SIGSTOP, a suspended terminal) or starved, and its processes heard nothing meanwhile.
 STALL_S = 2.0
-# How long a process waits for its directory's answer before it exits (directory.Heartbeat).
+# How long a process waits for its directory's answer before it exits (process.directory_client.Heartbeat).
 DIRECTORY_PATIENCE_S = 2 * HEARTBEAT_TIMEOUT
 
 PR_SET_PDEATHSIG = 1

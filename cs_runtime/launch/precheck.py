@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from cs_runtime import env as cs_env
-from cs_runtime.appliance.client import FrontDoorError, SubmittedJob
+from cs_runtime.launch.front_door import FrontDoorError, SubmittedJob
 from cs_runtime.launch import job
 from cs_runtime.launch.job import BadJob, JobOptions
 from cs_runtime.wire import auth

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cs_runtime import env
-from cs_runtime.errors import EXIT_BAD_INPUT  # noqa: F401 (re-exported: a process's "bad input, do not restart" exit)
 
 RESTART_ENV = env.RESTART.name   # the restart number, set for the job's processes
 

@@ -125,7 +125,7 @@ def run_tasks(tasks: list[tuple[str, int, list[str]]], base: dict[str, str], hos
               stop: threading.Event) -> list[int]:
     """Start every task, report each exit as it happens, stop the rest when `stop` is set; the codes."""
     from cs_runtime.launch.launcher import spawn
-    from cs_runtime.launch.orphan import SERVICE_DEATH_SIGNAL
+    from cs_runtime.process.orphan import SERVICE_DEATH_SIGNAL
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     reporter = ExitReporter(base)

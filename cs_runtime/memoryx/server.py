@@ -36,7 +36,7 @@ from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, uns
 from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.wire.protocol import JobSettings, KeptBuffers, Message, Msg
-from cs_runtime.service import ProcessEnv, join_cs_system
+from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("memoryx")

@@ -23,68 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from cs_runtime.numerics import compiled, parallel
+from cs_runtime.numerics.batch_check import IGNORE_INDEX
+from cs_runtime.numerics.hashing import GOLDEN, hash_key, splitmix64_rounds
 
-IGNORE_INDEX = -100     # labels with this value take no part in the loss
 MASKED_SCORE = -1e9     # attention score of a key a query may not see
 
-# ---------------------------------------------------------------- hashing
-
-
-_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, elementwise on uint64 (wraps mod 2**64 by design)."""
-    z = x + _GOLDEN
-    _splitmix64_rounds(z, np.empty_like(z))
-    return z
-
-
-def _splitmix64_rounds(z: np.ndarray, t: np.ndarray, top_bits_only: bool = False) -> None:
-    """splitmix64's shift-xor-multiply rounds on z (already + _GOLDEN), in place; t: scratch
-    of z's shape. keep_mask runs them on cache-sized pieces, splitmix64 on whole arrays.
-    top_bits_only: z's top 33 bits are right, the rest not (the last round, z ^= z >> 31,
-    leaves them as they are: it is skipped)."""
-    np.right_shift(z, np.uint64(30), out=t)
-    z ^= t
-    z *= _M1
-    np.right_shift(z, np.uint64(27), out=t)
-    z ^= t
-    z *= _M2
-    if not top_bits_only:
-        np.right_shift(z, np.uint64(31), out=t)
-        z ^= t
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64_int(z: int) -> int:
-    """splitmix64 on a Python int (numpy scalars would warn on the intended wrap-around)."""
-    z = (z + int(_GOLDEN)) & _MASK64
-    z = ((z ^ (z >> 30)) * int(_M1)) & _MASK64
-    z = ((z ^ (z >> 27)) * int(_M2)) & _MASK64
-    return z ^ (z >> 31)
-
-
-def hash_key(*parts: int) -> np.uint64:
-    """One 64-bit key from several small ints (seed, step, layer, site...)."""
-    key = 0
-    for part in parts:
-        key = _splitmix64_int(key ^ (int(part) & _MASK64))
-    return np.uint64(key)
-
-
-def hash_uniform(key: np.uint64, rows: slice | np.ndarray, per_sample: tuple[int, ...]) -> np.ndarray:
-    """Uniform [0, 1) float32 of shape (rows, *per_sample), element (r, j) a function of (key, r, j).
-    `rows`: a slice of the global batch, or the row ids themselves."""
-    n = int(np.prod(per_sample))
-    ids = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else np.asarray(rows)
-    row_ids = ids.astype(np.uint64)[:, None]
-    counters = row_ids * np.uint64(n) + np.arange(n, dtype=np.uint64)[None, :]
-    bits = splitmix64(counters ^ key) >> np.uint64(40)          # 24 random bits
-    return (bits.astype(np.float32) * np.float32(2.0 ** -24)).reshape((-1, *per_sample))
-
+# ---------------------------------------------------------------- dropout masks (hashing.py's draws)
 
 def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float, dtype) -> np.ndarray:
     """Dropout's scaled keep-mask (0 or 1/(1-p)) for `rows` of a global batch: element
@@ -106,8 +50,8 @@ def keep_mask(key: np.uint64, rows: slice, per_sample: tuple[int, ...], p: float
         first = start * n + lo                       # counters start*n + i: row r's element j is r*n + j
         z[:] = np.arange(first, first + hi - lo, dtype=np.uint64)
         z ^= key
-        z += _GOLDEN                                 # splitmix64, in place in z
-        _splitmix64_rounds(z, t, top_bits_only=True)   # 24 random bits: z's top ones
+        z += GOLDEN                                 # splitmix64, in place in z
+        splitmix64_rounds(z, t, top_bits_only=True)   # 24 random bits: z's top ones
         if keep_from is None:
             keep[:] = False
         else:

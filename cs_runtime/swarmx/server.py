@@ -23,7 +23,7 @@ from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.numerics.precision import add_from_bits, from_bits, wire_dtype
 from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
-from cs_runtime.service import ProcessEnv, join_cs_system
+from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("swarmx")

@@ -23,7 +23,7 @@ O_NONBLOCK, then checked with fstat: a symlink, directory or FIFO named like a
 segment is refused, never followed or waited on), and checks every reference
 against the file's size before it builds a view. The launcher deletes the job's
 segments when the job ends, however it ends; those of a launcher that was
-itself killed (kill -9) are deleted by its services (launch/orphan.py), and any
+itself killed (kill -9) are deleted by its services (process/orphan.py), and any
 left all the same by the next launcher.
 
     python -m pytest tests/test_shm.py -q

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from cs_runtime.errors import EXIT_BAD_INPUT, UserInputError  # noqa: F401 (EXIT_BAD_INPUT re-exported)
+from cs_runtime.errors import EXIT_BAD_INPUT, UserInputError
 from cs_runtime import env
-from cs_runtime.launch import orphan
-from cs_runtime.launch.directory import DirectoryClient
+from cs_runtime.process import orphan
+from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.wire.auth import stop_authenticator
 
 

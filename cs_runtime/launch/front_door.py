@@ -28,7 +28,7 @@ import zmq.auth
 from cs_runtime.errors import CsError
 from cs_runtime import env
 from cs_runtime.wire import auth
-from cs_runtime.launch.directory import DIRECTORY_MAX_FRAME
+from cs_runtime.process.directory_client import DIRECTORY_MAX_FRAME
 from cs_runtime.launch.reachability import UnreachableError, check_reachable, check_tcp
 from cs_runtime.wire.protocol import Message, Msg
 from cs_runtime.wire.transport import Endpoint
