@@ -34,6 +34,7 @@ import sys
 from cs_runtime.errors import EXIT_BAD_INPUT, UserInputError, say_error
 from cs_runtime.flags import add_flag
 from cs_runtime.launch import job, precheck, remote
+from cs_runtime.launch.backends import LAUNCHERS
 from cs_runtime.launch.job import JobOptions
 from cs_runtime.process.service import setup_logging
 from cs_runtime.version import version_line
@@ -62,7 +63,7 @@ def parse_args(argv: list[str]) -> JobOptions:
     add_flag(parser, "services_node", default=None, metavar="NODE",
              help="inside a Slurm allocation: the node that runs MemoryX, SwarmX and the WSEs "
                   "(default the allocation's first)")
-    add_flag(parser, "launcher", choices=("auto", "local", "ssh", "slurm"), default="auto",
+    add_flag(parser, "launcher", choices=("auto", *LAUNCHERS), default="auto",
              help="auto (default): ssh with --hostfile/-H; slurm inside an allocation or with "
                   "--total-nodes/--tasks-per-node/--cpus-per-task; else local")
     add_flag(parser, "max_restarts", type=int, default=0,

@@ -2,7 +2,8 @@
 
     job.py           a job as a library: JobOptions -> layout, keys, CS system, tasks, supervision
     launcher.py      spawn, process groups, the supervisor that stops everything on a failure
-    remote.py        the SSH and srun back-ends
+    backends.py      where a job's processes run: Local, Ssh, Slurm and CsSystem, one interface, chosen once
+    remote.py        SSH and srun: hostfiles, placement, starting tasks and services remotely
     task.py          python -m cs_runtime.launch.task: the per-host task wrapper
     directory.py     the job's directory: registration and heartbeats of every process (the server side)
     front_door.py    a shared CS system's client: keys, owner credential, submit and follow a job

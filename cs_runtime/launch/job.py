@@ -26,15 +26,15 @@ import zmq
 
 from cs_runtime import env as cs_env
 from cs_runtime.errors import UserInputError
-from cs_runtime.roles import ROLES, module_of, service_counts, services_of_job
+from cs_runtime.roles import service_counts
 from cs_runtime.launch.front_door import FrontDoor, FrontDoorError, SubmittedJob
 from cs_runtime.launch import remote
+from cs_runtime.launch.backends import Layout, backend_for
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.launch.launcher import (JobFailed, ProcessGroup, Supervisor, check_file_limit,
                                        numerics_env)
 from cs_runtime.launch.remote import LaunchError
 from cs_runtime.launch.restart import RESTART_ENV, Outcome, run_with_restarts
-from cs_runtime.launch.task import role_argv
 from cs_runtime.wire import auth
 from cs_runtime.wire.protocol import ENDED_PHASES
 from cs_runtime.wire.shm import remove_job_segments, remove_orphaned_segments
@@ -45,7 +45,6 @@ log = logging.getLogger("csrun_wse")
 # Variables that describe a process's place in a job; never inherited from outside.
 JOB_VARS = cs_env.JOB_VARS
 SHM_DIR = "/dev/shm"   # memory-backed on Linux
-LAUNCHERS = ("local", "ssh", "slurm")
 
 
 @dataclass(frozen=True)
@@ -72,56 +71,15 @@ class JobOptions:
     services_node: str | None = None          # inside a Slurm allocation: where the services run
 
 
-@dataclass
-class Layout:
-    """Where the job's tasks run and which address its sockets bind."""
-    launcher: str
-    num_workers: int
-    bind: str = "127.0.0.1"
-    placement: list[str] | None = None          # SSH: the host of each task
-    shape: remote.SlurmShape | None = None      # Slurm: nodes x tasks x cpus
-    services_node: str | None = None            # inside an allocation: where the services run
-
-
 def plan_layout(options: JobOptions) -> Layout:
     """Where the tasks run and what the job binds: --bind_address, else the address this machine
     reaches the hosts by; loopback is refused for tasks on other hosts."""
-    layout = place_tasks(options)
+    backend = backend_for(options)
+    layout = backend.place(options)
     if options.bind_address:
         layout.bind = remote.local_address(options.bind_address)
-    elsewhere = []
-    if layout.launcher == "ssh":
-        elsewhere = remote.hosts_elsewhere(layout.placement, options.ssh_options)
-    elif layout.launcher == "slurm" and layout.shape.nodes > 1:
-        elsewhere = [f"{layout.shape.nodes} Slurm nodes"]
-    remote.refuse_loopback_across_hosts(layout.bind, elsewhere)
+    remote.refuse_loopback_across_hosts(layout.bind, backend.hosts_elsewhere(layout, options))
     return layout
-
-
-def place_tasks(options: JobOptions) -> Layout:
-    if options.launcher == "ssh":
-        hosts = (remote.parse_hostfile(options.hostfile) if options.hostfile
-                 else remote.parse_host_list(options.hosts))
-        placement = remote.place_tasks(hosts, options.tasks_per_node, options.total_nodes)
-        return Layout("ssh", len(placement) - 1, remote.bind_address_for(placement, options.ssh_options),
-                      placement=placement)
-    if options.launcher == "slurm":
-        remote.require_srun()  # before anything starts, not when the tasks do
-        shape = remote.slurm_shape(options.total_nodes, options.tasks_per_node, options.cpus_per_task)
-        node = remote.services_node(options.services_node) if remote.in_allocation() else None
-        return Layout("slurm", shape.tasks - 1, remote.slurm_bind_address(), shape=shape, services_node=node)
-    # One machine: loopback, unless the user exported CS_BIND_HOST (e.g. for a --cs_ip elsewhere).
-    return Layout("local", options.num_csx * (options.num_workers_per_csx or 1),
-                  cs_env.BIND_HOST.get())
-
-
-def describe(layout: Layout) -> str:
-    if layout.launcher == "ssh":
-        return f"over SSH (task hosts: {' '.join(layout.placement)})"
-    if layout.launcher == "slurm":
-        services = f", services on {layout.services_node} (srun)" if layout.services_node else ""
-        return f"with srun ({layout.shape.describe()}){services}"
-    return "on this machine"
 
 
 def base_env(options: JobOptions, job: str, rendezvous: str, cs_ip: str, layout: Layout) -> dict[str, str]:
@@ -133,34 +91,6 @@ def base_env(options: JobOptions, job: str, rendezvous: str, cs_ip: str, layout:
     if keys is not None:  # the job's own processes learn where the keys are, nobody else
         env[auth.KEYS_ENV] = str(keys.folder)
     return env
-
-
-def start_services(group: ProcessGroup, env: dict, num_csx: int, shm_dir: str | None) -> None:
-    """MemoryX, SwarmX and the WSEs, on this machine: with shm_dir they share memory for the weight stream."""
-    if shm_dir:
-        env = {**env, "CS_SHM_DIR": shm_dir}
-    for role, rank in services_of_job(num_csx):
-        role_env = numerics_env(env, ROLES[role].threads(num_csx))
-        group.start(role, rank, [sys.executable, "-m", module_of(role)],
-                    {**role_env, "CS_ROLE": role, "CS_RANK": str(rank)})
-
-
-def start_local_tasks(group: ProcessGroup, env: dict, command: list[str], num_workers: int) -> None:
-    group.start("chief", 0, role_argv(command, "chief"), {**env, "CS_ROLE": "chief", "CS_RANK": "0"})
-    for rank in range(num_workers):
-        group.start("worker", rank, role_argv(command, "worker"),
-                    {**env, "CS_ROLE": "worker", "CS_RANK": str(rank)})
-
-
-def start_tasks(group: ProcessGroup, directory: DirectoryServer, layout: Layout, env: dict,
-                options: JobOptions, job: str) -> None:
-    env = numerics_env(env, 1)    # the chief drives, the workers feed: neither multiplies matrices
-    if layout.launcher == "ssh":
-        remote.start_ssh_tasks(group, directory, layout.placement, env, options.command, options.ssh_options)
-    elif layout.launcher == "slurm":
-        remote.start_srun_tasks(group, directory, layout.shape, env, options.command, job)
-    else:
-        start_local_tasks(group, env, options.command, layout.num_workers)
 
 
 def check_insecure_and_ssh_hosts(options: JobOptions, layout: Layout) -> None:
@@ -175,11 +105,7 @@ def check_insecure_and_ssh_hosts(options: JobOptions, layout: Layout) -> None:
         print("csrun_wse: WARNING: --insecure: CURVE authentication and encryption are OFF; "
               "any local process can connect to this job's sockets and read or inject its traffic",
               file=sys.stderr, flush=True)
-    if layout.launcher == "ssh":
-        remote.check_ssh_hosts(layout.placement, options.ssh_options)
-    elif layout.launcher == "slurm" and remote.in_allocation():
-        # the nodes are known only inside an allocation (outside one, srun makes it with the step)
-        remote.check_slurm_nodes(remote.job_nodes(layout.shape, layout.services_node), layout.shape.nodes)
+    backend_for(options).check(layout, options)
 
 
 class BadJob(UserInputError):
@@ -197,9 +123,9 @@ def check_fits_host(options: JobOptions) -> None:
     """The processes a job starts on this machine against its memory and cores, with the
     estimate (BadJob): its services unless a CS system (--cs_ip) or Slurm runs them, its
     tasks when local. Tasks on other hosts are those hosts' business."""
-    workers = options.num_csx * (options.num_workers_per_csx or 1) if options.launcher == "local" else 0
-    services = 0 if options.cs_ip or options.launcher == "slurm" else 2 + options.num_csx
-    processes = services + (1 + workers if options.launcher == "local" else 0)
+    backend = backend_for(options)
+    workers = options.num_csx * (options.num_workers_per_csx or 1) if backend.tasks_here() else 0
+    processes = backend.processes_here(options)
     need_mb = processes * PROCESS_MB
     available_mb = available_memory_mb()
     cores = os.cpu_count() or 1
@@ -274,21 +200,21 @@ def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = T
     env = {**base_env(options, job, directory.address, cs_ip or directory.address, layout),
            RESTART_ENV: str(attempt)}
     group = ProcessGroup()
+    backend = backend_for(options)
     log.info("job %s: %d WSE(s), %d input worker(s), tasks %s", job, options.num_csx, layout.num_workers,
-             describe(layout))
+             backend.describe(layout))
     supervisor = Supervisor(directory, group, finisher_role="chief", handle_signals=handle_signals)
-    # Services started as an srun step share memory on their node, not with this host: tcp.
-    shm_dir = None if cs_ip or options.no_shm or layout.services_node or not os.path.isdir(SHM_DIR) else SHM_DIR
+    # Services elsewhere (a CS system's, an srun step's) share no memory with this host: tcp.
+    here = backend.services_here(layout) and not options.no_shm and os.path.isdir(SHM_DIR)
+    shm_dir = SHM_DIR if here else None
     started = StartedJob(job, ctx, directory, group, supervisor, env, shm_dir)
     if shm_dir:
         remove_orphaned_segments(Path(shm_dir))
     try:
-        if cs_ip is None and layout.services_node:  # inside an allocation: a step on one of its nodes
-            remote.start_srun_services(group, directory, layout.services_node, env, options.num_csx, job)
-        elif cs_ip is None:
-            start_services(group, env, options.num_csx, shm_dir)
+        backend.start_services(group, directory, layout, env, options, job, shm_dir)
         if tasks:
-            start_tasks(group, directory, layout, env, options, job)
+            # the chief drives, the workers feed: neither multiplies matrices
+            backend.start_tasks(group, directory, layout, numerics_env(env, 1), options, job)
     except BaseException:
         directory.close()
         started.close()

@@ -68,14 +68,14 @@ def check(options: JobOptions) -> Checked:
     """Run the command once with CS_ROLE=precheck. What it prints is shown when it
     fails or when checking is all the command asked for."""
     if local_script(options.command) is None:
-        missing = missing_here(options.command) if options.launcher == "local" else None
+        missing = missing_here(options.command) if job.backend_for(options).tasks_here() else None
         if missing:   # the chief would run here, and fail only once the cluster has started
             raise BadJob(missing)
         return Checked(None, [])   # the script lives on the task hosts only: the chief checks there
     env = {k: v for k, v in os.environ.items() if k not in cs_env.JOB_VARS}
     env.update({cs_env.ROLE.name: "precheck", cs_env.TARGET.name: "wse", cs_env.TRACE.name: "0",
                 cs_env.NUM_CSX.name: str(options.num_csx),
-                cs_env.PRECHECK_HERE.name: "1" if options.launcher == "local" else "0"})
+                cs_env.PRECHECK_HERE.name: "1" if job.backend_for(options).tasks_here() else "0"})
     try:
         done = subprocess.run(options.command, env=env, check=False, capture_output=True, text=True)
     except OSError as exc:
