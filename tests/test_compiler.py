@@ -302,8 +302,9 @@ def test_estimate_is_the_slower_of_compute_and_transmission_and_scales_with_syst
         one = _plan(fc_mnist(), params).estimate
         assert one.samples_per_s == pytest.approx(min(one.compute_samples_per_s, one.transmission_samples_per_s))
         assert 0 < one.active_pes_pct <= 100 and 0 < one.compute_utilization_pct <= 100
-        two = _plan(fc_mnist(), params, Target(num_csx=2)).estimate
-        assert two.samples_per_s >= one.samples_per_s
+    ws = {"runconfig": {"execution_strategy": "weight_streaming"}}
+    one, two = (_plan(fc_mnist(), ws, Target(num_csx=n)).estimate for n in (1, 2))
+    assert two.samples_per_s >= one.samples_per_s
 
 
 def test_hardware_constants_and_cost_model() -> None:
@@ -324,6 +325,56 @@ def test_target_from_env() -> None:
         target_from_env({"CS_TARGET": "gpu"})
     with pytest.raises(CompileError, match="CS_NUM_CSX"):
         target_from_env({"CS_TARGET": "wse", "CS_NUM_CSX": "0"})
+
+
+# ---------------------------------------------------------------- the mode reported is the mode run
+
+# (num_csx, --multireplica, runconfig.execution_strategy) -> what the CS system runs, as the
+# run's Device line says it (None: refused before anything starts).
+RUN_MODES = {
+    (1, False, None): "pipelined", (1, True, None): "pipelined x2",
+    (2, False, None): "weight_streaming", (2, True, None): "weight_streaming",
+    (1, False, "weight_streaming"): "weight_streaming", (1, True, "weight_streaming"): "weight_streaming",
+    (2, False, "weight_streaming"): "weight_streaming", (2, True, "weight_streaming"): "weight_streaming",
+    (1, False, "pipelined"): "pipelined", (1, True, "pipelined"): "pipelined x2",
+    (2, False, "pipelined"): None, (2, True, "pipelined"): None,
+}
+
+
+@pytest.mark.parametrize("num_csx, multireplica, forced", sorted(RUN_MODES, key=str))
+@pytest.mark.parametrize("how", ["compile_only", "validate_only"])
+def test_the_mode_reported_is_the_mode_the_wses_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture, num_csx: int,
+                                                    multireplica: bool, forced: str | None, how: str) -> None:
+    from chief.cluster_executor import choose_strategy as chief_choice
+    monkeypatch.setenv("CS_TARGET", "wse")
+    monkeypatch.setenv("CS_NUM_CSX", str(num_csx))
+    args = args_for(tmp_path, {"runconfig": {"execution_strategy": forced}}, compile_only=how == "compile_only",
+                    validate_only=how == "validate_only")
+    args.multireplica = multireplica
+    expected = RUN_MODES[num_csx, multireplica, forced]
+    if expected is None:
+        with pytest.raises(CompileError, match=f"--num_csx {num_csx}"):
+            compile_model(fc_mnist(), args)
+        return
+    plan = compile_model(fc_mnist(), args)
+    out = capsys.readouterr().out
+    strategy, replicas = chief_choice(plan, args, num_csx)   # what the chief tells the WSEs to run
+    assert (strategy + (f" x{replicas}" if replicas > 1 else "")) == expected
+    assert (plan["execution_strategy"], plan.get("num_replicas", 1)) == (strategy, replicas)
+    assert f"{expected} on {num_csx} CS system(s)" in out
+    if how == "compile_only":
+        report = (tmp_path / "model" / "compile_report.txt").read_text()
+        assert f"Execution strategy: {expected} (" in report and f"x {num_csx} system(s)" in report
+        assert (tmp_path / "model" / "compile" / "wafer.svg").exists() == strategy.startswith("pipelined")
+
+
+def test_a_plan_made_for_one_system_runs_weight_streaming_on_two() -> None:
+    from chief.cluster_executor import choose_strategy as chief_choice
+    from cs_runtime.run_args import RunArgs as Args
+    args = Args("train", "p.yaml", params_from_dict({}), "m", None, False, False, multireplica=True)
+    assert chief_choice({"execution_strategy": "pipelined"}, args, 2) == ("weight_streaming", 1)
+    assert chief_choice({"execution_strategy": "pipelined"}, args, 1) == ("pipelined", 2)
 
 
 # ---------------------------------------------------------------- report
@@ -482,3 +533,23 @@ def test_csrun_cpu_validate_only_fails_on_an_unsupported_layer(tmp_path: Path) -
     assert done.returncode != 0
     assert "layer volume" in done.stdout and "conv3d" in done.stdout
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.cluster
+def test_two_systems_report_and_run_weight_streaming(tmp_path: Path, oracle) -> None:
+    """A model that fits one wafer, on two CS systems, the compiler left to choose: csrun_wse's
+    check, the compile line, the report and the WSEs all say weight streaming; the numbers are
+    the CPU run's."""
+    from tests.cluster_utils import assert_matches_oracle, run_wse, write_params
+    params = write_params(tmp_path, runconfig={"execution_strategy": None})
+    model_dir = tmp_path / "m"
+    checked = run_wse(params, model_dir, mode="compile_only", num_csx=2)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "weight_streaming on 2 CS system(s)" in checked.stdout, checked.stdout
+    result = run_wse(params, model_dir, num_csx=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "weight_streaming on 2 CS system(s)" in result.stdout, result.stdout[-3000:]
+    assert "| Train Device=WSE, Mode=weight_streaming, Step=100," in result.stdout
+    report = (model_dir / "compile_report.txt").read_text()
+    assert "Execution strategy: weight_streaming (2 CS systems train together only in weight streaming)" in report
+    assert_matches_oracle(model_dir, oracle)

@@ -366,7 +366,7 @@ def test_units_follow_the_rule_and_the_report_shows_them():
     assert holders == ["transformer.wte", "lm_head"]
     values = spec.program["values"]
     shapes, dtypes = {k: tuple(v[0]) for k, v in values.items()}, {k: v[1] for k, v in values.items()}
-    text = program_report.render(spec, shapes, dtypes, 2)
+    text = program_report.render(spec, shapes, dtypes, 2, "Execution strategy: weight_streaming")
     assert "The unit rule:" in text and "ModuleList or Sequential" in text
     rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("transformer.", "lm_head "))}
     assert rows["lm_head"].rstrip().endswith("lm_head.weight")

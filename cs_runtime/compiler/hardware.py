@@ -55,6 +55,15 @@ class Wafer:
         """This wafer with `memory_bytes` available to the model (None: all)."""
         return self if memory_bytes is None else replace(self, memory_bytes=memory_bytes)
 
+    def part(self, n: int) -> "Wafer":
+        """One of `n` equal side-by-side parts of this wafer (a replica's share): 1/n of
+        its columns, cores, memory and bandwidths, so every per-core figure stays."""
+        if n == 1:
+            return self
+        return replace(self, cores=self.rows * (self.cols // n), cols=self.cols // n,
+                       memory_bytes=self.memory_bytes // n, memory_bw_bytes_s=self.memory_bw_bytes_s / n,
+                       fabric_bw_bytes_s=self.fabric_bw_bytes_s / n, io_bw_bytes_s=self.io_bw_bytes_s / n)
+
     # --- per core, derived from the published totals
     @property
     def core_flops_s(self) -> float:

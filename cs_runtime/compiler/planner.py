@@ -16,6 +16,13 @@ slowest stage, so PEs beyond that pace are wasted.
 Weight streaming: each kernel in turn has the whole wafer, its weights
 streamed in over the system I/O while the activations stay resident.
 
+Systems and replicas: several CS systems (--num_csx > 1) train together only
+in weight streaming, each on its share of the batch; --multireplica runs two
+copies of a pipelined model side by side on one wafer, each on half the
+batch. `run_mode` is that rule, written once: the compile applies it, and the
+chief applies it again to whatever plan it is handed, so the mode reported
+is the mode run.
+
 All times come from cs_runtime/compiler/hardware.py.
 """
 from __future__ import annotations
@@ -45,18 +52,43 @@ class Target:
     device: str = "wse2"
     num_csx: int = 1
     compiled_on: str = "cpu"
+    multireplica: bool = False     # run.py's --multireplica
 
     def key_fields(self) -> dict[str, Any]:
-        return {"device": self.device, "num_csx": self.num_csx}
+        return {"device": self.device, "num_csx": self.num_csx, "multireplica": self.multireplica}
 
 
-def target_from_env(env: Mapping[str, str] | None = None) -> Target:
+def target_from_env(env: Mapping[str, str] | None = None, multireplica: bool = False) -> Target:
     """CS_TARGET (cpu | wse, set by csrun_cpu / csrun_wse) and, for wse, CS_NUM_CSX (default: os.environ)."""
     try:
         on = cs_env.TARGET.get(env)
-        return Target(num_csx=cs_env.NUM_CSX.get(env) if on == "wse" else 1, compiled_on=on)
+        return Target(num_csx=cs_env.NUM_CSX.get(env) if on == "wse" else 1, compiled_on=on,
+                      multireplica=bool(multireplica))
     except cs_env.EnvError as exc:
         raise CompileError(str(exc)) from None
+
+
+# ---------------------------------------------------------------- the mode a system runs
+
+PIPELINED_REPLICAS = 2   # --multireplica: copies of a pipelined model on one wafer
+
+
+def run_mode(strategy: str, num_csx: int, multireplica: bool) -> tuple[str, int, str]:
+    """(strategy, replicas, note) a CS system of `num_csx` WSEs runs a `strategy` plan in;
+    the note says what changed and why ("" when nothing did)."""
+    note = ""
+    if strategy == "pipelined" and num_csx > 1:
+        strategy = "weight_streaming"
+        note = f"{num_csx} CS systems train together only in weight streaming"
+    replicas = PIPELINED_REPLICAS if multireplica and strategy == "pipelined" else 1
+    if multireplica and replicas == 1:
+        note = "; ".join(filter(None, [note, "--multireplica applies to layer pipelined runs only"]))
+    return strategy, replicas, note
+
+
+def mode_name(strategy: str, replicas: int) -> str:
+    """As the run's Device line says it: pipelined, pipelined x2, weight_streaming."""
+    return strategy + (f" x{replicas}" if replicas > 1 else "")
 
 
 # ---------------------------------------------------------------- kernel costs
@@ -167,6 +199,7 @@ class Plan:
     estimate: Estimate
     rewrites: list[str] = field(default_factory=list)
     precision: str = "float32"     # of matmul inputs and streamed tensors (model.mixed_precision)
+    num_replicas: int = 1          # copies of a pipelined model on each wafer (--multireplica)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,15 +222,27 @@ def fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def choose_strategy(resident: int, wafer: Wafer, forced: str | None) -> tuple[str, str]:
+def check_forced(forced: str | None, num_csx: int) -> None:
+    """A forced mode the job's systems cannot run is an error, said before anything starts."""
+    if forced == "pipelined" and num_csx > 1:
+        raise CompileError(f"runconfig.execution_strategy is pipelined but the job has {num_csx} CS systems "
+                           f"(--num_csx {num_csx}); layer pipelined runs on one: use weight_streaming "
+                           f"or --num_csx 1")
+
+
+def choose_strategy(resident: int, wafer: Wafer, forced: str | None, num_csx: int = 1) -> tuple[str, str]:
     """(strategy, why) — the why is shown to the user."""
     need, have = fmt_bytes(resident), fmt_bytes(wafer.memory_bytes)
     fits = resident <= wafer.memory_bytes
+    check_forced(forced, num_csx)
     if forced == "pipelined" and not fits:
         raise CompileError(f"runconfig.execution_strategy is pipelined but the model needs {need} "
                            f"on the wafer and {have} are available; use weight_streaming")
     if forced:
         return forced, "forced by runconfig.execution_strategy"
+    if num_csx > 1:
+        strategy, _, why = run_mode("pipelined", num_csx, False)
+        return strategy, why
     if fits:
         return "pipelined", f"the whole model ({need} with optimizer state) fits in {have} of wafer memory"
     return "weight_streaming", f"the model ({need} with optimizer state) does not fit in {have} of wafer memory"
@@ -284,11 +329,11 @@ def _costs(graph: Graph, params: Params, train: bool) -> list[Cost]:
     return [kernel_cost(graph, n, train, state_copies(params, train)) for n in graph.kernels()]
 
 
-def strategy_for(graph: Graph, params: Params, mode: str) -> tuple[str, str]:
+def strategy_for(graph: Graph, params: Params, mode: str, target: Target) -> tuple[str, str]:
     """The execution mode and why, without planning (what validate_only reports)."""
     resident = sum(c.resident_bytes for c in _costs(graph, params, mode != "eval"))
     wafer = WSE2.with_memory(params.csconfig.wafer_memory_bytes)
-    return choose_strategy(resident, wafer, params.runconfig.execution_strategy)
+    return choose_strategy(resident, wafer, params.runconfig.execution_strategy, target.num_csx)
 
 
 def make_plan(graph: Graph, params: Params, mode: str, target: Target,
@@ -298,22 +343,27 @@ def make_plan(graph: Graph, params: Params, mode: str, target: Target,
     nodes, costs = graph.kernels(), _costs(graph, params, train)
     resident = sum(c.resident_bytes for c in costs)
     forced = params.runconfig.execution_strategy
-    strategy, why = choose_strategy(resident, wafer, forced)
+    strategy, why = choose_strategy(resident, wafer, forced, target.num_csx)
     batch = params.train_input.batch_size if train else params.eval_input.batch_size
     per_system = math.ceil(batch / target.num_csx)
+    replicas = 1
     if strategy == "pipelined":
         try:
-            kernels, est = plan_pipelined(nodes, costs, wafer)
+            replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
+            kernels, est = plan_pipelined(nodes, costs, wafer.part(replicas))
+            est = _scale(est, replicas)
         except CompileError as exc:
             if forced:
                 raise
-            strategy, why = "weight_streaming", f"{exc}"
+            strategy, why, replicas = "weight_streaming", f"{exc}", 1
     if strategy == "weight_streaming":
         kernels, est = plan_weight_streaming(nodes, costs, wafer, train, per_system, params.precision)
-    return Plan(graph.name, strategy, why, mode, {**target.key_fields(), "compiled_on": target.compiled_on},
+    note = run_mode(strategy, target.num_csx, target.multireplica)[2]
+    return Plan(graph.name, strategy, "; ".join(filter(None, [why, note])), mode,
+                {**target.key_fields(), "compiled_on": target.compiled_on},
                 batch, per_system, {"rows": wafer.rows, "cols": wafer.cols, "cores": wafer.cores},
                 wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), list(rewrites or []),
-                params.precision)
+                params.precision, replicas)
 
 
 def wire_fraction(precision: str) -> float:

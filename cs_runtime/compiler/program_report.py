@@ -8,9 +8,9 @@ from pathlib import Path
 from cs_runtime.compiler.units import UNIT_RULE, unit_table
 
 
-def render(spec, shapes: dict, dtypes: dict, batch: int) -> str:
+def render(spec, shapes: dict, dtypes: dict, batch: int, mode: str) -> str:
     rows = unit_table(spec, shapes, dtypes)
-    lines = [f"Compiled program: {spec.name}", "",
+    lines = [f"Compiled program: {spec.name}", mode, "",
              f"{len(rows)} weight-streaming units, {spec.num_params():,} parameters "
              f"(a tied parameter counted once per unit that streams it); batch {batch}", "",
              *("  " + line for line in UNIT_RULE.splitlines()), "",
@@ -26,10 +26,10 @@ def render(spec, shapes: dict, dtypes: dict, batch: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(model_dir: str, spec, shapes: dict, dtypes: dict, batch: int, program_text: str) -> Path:
+def write(model_dir: str, spec, shapes: dict, dtypes: dict, batch: int, program_text: str, mode: str) -> Path:
     root = Path(model_dir)
     (root / "compile").mkdir(parents=True, exist_ok=True)
     report = root / "compile_report.txt"
-    report.write_text(render(spec, shapes, dtypes, batch))
+    report.write_text(render(spec, shapes, dtypes, batch, mode))
     (root / "compile" / "program.txt").write_text(program_text)
     return report

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from .planner import fmt_bytes
+from .planner import fmt_bytes, mode_name
 
 OVERALL_FIELDS = (
     ("Samples/s", "samples_per_s"),
@@ -60,7 +60,7 @@ def render_report(plan: dict[str, Any]) -> str:
     est, strategy, t = plan["estimate"], plan["execution_strategy"], plan["target"]
     lines = [
         f"Compile report: {plan['model']}",
-        f"Execution strategy: {strategy} ({plan['strategy_reason']})",
+        f"Execution strategy: {mode_name(strategy, plan.get('num_replicas', 1))} ({plan['strategy_reason']})",
         f"Target: {t['device']} x {t['num_csx']} system(s), compiled on {t['compiled_on']}",
         f"Mode: {plan['mode']}, batch {plan['batch_size']} ({plan['per_system_batch']} per system), "
         f"precision {plan.get('precision', 'float32')}",

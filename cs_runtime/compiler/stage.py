@@ -27,7 +27,7 @@ from cs_runtime.compiler import artifact
 from cs_runtime.compiler.families import lower_spec
 from cs_runtime.compiler.ir import CompileError, Graph
 from cs_runtime.compiler.lower import lower
-from cs_runtime.compiler.planner import make_plan, strategy_for, target_from_env
+from cs_runtime.compiler.planner import Target, check_forced, make_plan, mode_name, run_mode, strategy_for, target_from_env
 from cs_runtime.compiler.report import write_outputs
 from cs_runtime.compiler.rewrites import optimize
 from cs_runtime.numerics.model import ModelSpec
@@ -65,9 +65,9 @@ def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
         return compile_program(spec, args)
     start = time.perf_counter()
     graph = lower(spec)
+    target = target_from_env(multireplica=args.multireplica)
     if args.validate_only:
-        return validate_only(spec, graph, args, time.perf_counter() - start)
-    target = target_from_env()
+        return validate_only(spec, graph, args, target, time.perf_counter() - start)
     inputs = artifact.compile_inputs(spec, args.params, args.mode, target)
     key = artifact.key_of(inputs)
     compile_dir = Path(args.model_dir) / "compile"
@@ -88,14 +88,17 @@ def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
     return {**plan, "artifact_key": key, "reused": found is not None}
 
 
-def validate_only(spec: ModelSpec, graph: Graph, args: RunArgs, seconds: float) -> dict[str, Any]:
-    strategy, why = strategy_for(graph, args.params, args.mode)
+def validate_only(spec: ModelSpec, graph: Graph, args: RunArgs, target: Target, seconds: float) -> dict[str, Any]:
+    strategy, why = strategy_for(graph, args.params, args.mode, target)
     ops = sorted({n.op for n in graph.kernels()})
     say(f"validate_only: {spec.name} is valid: {len(spec.layers)} layers, {spec.num_params():,} parameters, "
         f"{len(graph.kernels())} kernels ({', '.join(ops)}), checked in {seconds * 1000:.1f} ms")
-    say(f"validate_only: would run {strategy} ({why}); nothing was compiled or run")
+    replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
+    say(f"validate_only: would run {mode_name(strategy, replicas)} on {target.num_csx} CS system(s) ({why}); "
+        "nothing was compiled or run")
     log.debug("kernel graph:\n%s", graph)
-    return {"execution_strategy": strategy, "strategy_reason": why, "validated_only": True}
+    return {"execution_strategy": strategy, "strategy_reason": why, "num_replicas": replicas,
+            "validated_only": True}
 
 
 def reusable(compile_dir: Path, inputs: dict[str, Any], key: str) -> tuple[artifact.Artifact | None, str]:
@@ -117,8 +120,9 @@ def reusable(compile_dir: Path, inputs: dict[str, Any], key: str) -> tuple[artif
 
 def summarize(plan: dict[str, Any], report: Path) -> None:
     est = plan["estimate"]
-    say(f"{plan['model']}: {len(plan['kernels'])} kernels, {plan['execution_strategy']} "
-        f"({plan['strategy_reason']})")
+    say(f"{plan['model']}: {len(plan['kernels'])} kernels, "
+        f"{mode_name(plan['execution_strategy'], plan.get('num_replicas', 1))} on "
+        f"{plan['target']['num_csx']} CS system(s) ({plan['strategy_reason']})")
     say(f"estimated {est['samples_per_s']:,.0f} samples/s, {est['active_pes_pct']:.1f}% of PEs active, "
         f"{est['compute_utilization_pct']:.2f}% compute utilization; report: {report}")
 
@@ -134,15 +138,29 @@ def compile_program(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
     ops = sorted({n[0] for layer in spec.layers for n in layer.unit["unit"]["forward"]})
     say(f"{spec.name}: a compiled program of {len(spec.layers)} weight-streaming units, "
         f"{spec.num_params():,} parameters, ops: {', '.join(ops)}")
-    strategy = args.params.runconfig.execution_strategy or "weight_streaming"
+    strategy, replicas, why = program_mode(args)
     if args.validate_only:
-        say(f"validate_only: {spec.name} is valid; nothing was compiled or run")
-        return {"execution_strategy": strategy, "strategy_reason": "compiled program", "validated_only": True}
+        say(f"validate_only: {spec.name} is valid; would run {mode_name(strategy, replicas)} ({why}); "
+            "nothing was compiled or run")
+        return {"execution_strategy": strategy, "strategy_reason": why, "num_replicas": replicas,
+                "validated_only": True}
     listing = "\n".join(f"# unit {layer.name}\n" + "\n".join(
         f"{', '.join(n[2])} = {n[0]}({', '.join(n[1])}) {n[3] or ''}  # {n[4]} {n[5]}"
         for n in layer.unit["unit"]["forward"]) for layer in spec.layers)
-    report = program_report.write(args.model_dir, spec, shapes, dtypes, batch, listing + "\n")
+    mode = f"Execution strategy: {mode_name(strategy, replicas)} on {target_from_env().num_csx} CS system(s) ({why})"
+    report = program_report.write(args.model_dir, spec, shapes, dtypes, batch, listing + "\n", mode)
     say(f"report: {report}")
     if args.compile_only:
         say("compile_only: done; nothing was run")
-    return {"execution_strategy": strategy, "strategy_reason": "compiled program", "model": spec.name}
+    return {"execution_strategy": strategy, "strategy_reason": why, "num_replicas": replicas, "model": spec.name}
+
+
+def program_mode(args: RunArgs) -> tuple[str, int, str]:
+    """(strategy, replicas, why) of a compiled program: weight-streaming units unless
+    runconfig.execution_strategy says otherwise, as the CS system of this run can run it."""
+    target = target_from_env(multireplica=args.multireplica)
+    forced = args.params.runconfig.execution_strategy
+    check_forced(forced, target.num_csx)
+    strategy, replicas, note = run_mode(forced or "weight_streaming", target.num_csx, target.multireplica)
+    why = "forced by runconfig.execution_strategy" if forced else "a compiled program runs as weight-streaming units"
+    return strategy, replicas, "; ".join(filter(None, [why, note]))

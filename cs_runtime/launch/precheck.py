@@ -53,7 +53,9 @@ def check(options: JobOptions) -> Checked:
     if local_script(options.command) is None:
         return Checked(None, [])   # the script lives on the task hosts only: the chief checks there
     env = {k: v for k, v in os.environ.items() if k not in cs_env.JOB_VARS}
-    env.update({cs_env.ROLE.name: "precheck", cs_env.TARGET.name: "wse", cs_env.TRACE.name: "0"})
+    # The job's systems: the check compiles for them, so it reports the mode the job will run.
+    env.update({cs_env.ROLE.name: "precheck", cs_env.TARGET.name: "wse", cs_env.TRACE.name: "0",
+                cs_env.NUM_CSX.name: str(options.num_csx)})
     try:
         done = subprocess.run(options.command, env=env, check=False, capture_output=True, text=True)
     except OSError as exc:
