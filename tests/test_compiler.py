@@ -299,12 +299,55 @@ def test_weight_streaming_gives_each_layer_the_whole_wafer() -> None:
 
 def test_estimate_is_the_slower_of_compute_and_transmission_and_scales_with_systems() -> None:
     for params in ({}, {"runconfig": {"execution_strategy": "weight_streaming"}}):
-        one = _plan(fc_mnist(), params).estimate
-        assert one.samples_per_s == pytest.approx(min(one.compute_samples_per_s, one.transmission_samples_per_s))
+        plan = _plan(fc_mnist(), params)
+        one, steady = plan.estimate, min(plan.estimate.compute_samples_per_s, plan.estimate.transmission_samples_per_s)
+        if plan.execution_strategy == "pipelined":   # the batch pays for the pipeline's fill and drain
+            depth = 2 * len(plan.kernels)
+            assert one.samples_per_s == pytest.approx(steady * 128 / (128 + depth - 1))
+        else:
+            assert one.samples_per_s == pytest.approx(steady)
+        assert one.step_s == pytest.approx(128 / one.samples_per_s)
         assert 0 < one.active_pes_pct <= 100 and 0 < one.compute_utilization_pct <= 100
     ws = {"runconfig": {"execution_strategy": "weight_streaming"}}
     one, two = (_plan(fc_mnist(), ws, Target(num_csx=n)).estimate for n in (1, 2))
     assert two.samples_per_s >= one.samples_per_s
+
+
+WS = {"runconfig": {"execution_strategy": "weight_streaming"}}
+PIPE = {"runconfig": {"execution_strategy": "pipelined"}}
+
+
+@pytest.mark.parametrize("mode", [WS, PIPE], ids=["weight_streaming", "pipelined"])
+def test_estimates_respond_to_batch_width_sequence_and_systems(mode: dict) -> None:
+    """As the hardware would: a bigger batch amortizes the weights' stream (weight streaming) or
+    the pipeline's fill (pipelined); a wider model or a longer sequence costs more per sample."""
+    def rate(spec: ModelSpec, batch: int = 128, target: Target = Target(), **sections: dict) -> float:
+        params = {**mode, "train_input": {"batch_size": batch}, **sections}
+        return _plan(spec, params, target=target).estimate.samples_per_s
+    assert rate(fc_mnist(), 512) > rate(fc_mnist(), 128) > rate(fc_mnist(), 8)
+    wide = mlp_spec("wide", [784, 1024, 1024, 10], "relu", 0.1)
+    assert rate(wide) < rate(fc_mnist())
+    if mode is WS:
+        assert rate(fc_mnist(), 512, Target(num_csx=4)) > rate(fc_mnist(), 512)
+        from cs_runtime.numerics.model import transformer_spec
+        short, long = (transformer_spec("gpt", style="gpt2", vocab_size=500, max_len=n, hidden_size=64,
+                                        num_layers=2, num_heads=2, ffn_features=256, dropout=0.0,
+                                        attn_dropout=0.0, eps=1e-5) for n in (32, 256))
+        assert rate(long) < rate(short)
+
+
+def test_every_plan_names_its_system_and_estimates_the_second_target() -> None:
+    plan = _plan(fc_mnist()).to_dict()
+    assert plan["target"]["system"] == "CS-2 (WSE-2)"
+    second = plan["second_target"]
+    assert second["system"] == "CS-3 (WSE-3)" and second["samples_per_s"] > 0
+    assert hardware.WSE3.cores == 900_000 and hardware.WSE3.memory_bytes == 44 * 10**9
+    # More memory bandwidth in all, a little less per core: a small model's pipeline, paced by
+    # its most parallel stage, is not faster on it; the wafer as a whole is.
+    assert hardware.WSE3.peak_flops_s > hardware.WSE2.peak_flops_s
+    assert hardware.WSE3.core_flops_s < hardware.WSE2.core_flops_s
+    text = render_report(plan)
+    assert "estimates for CS-2 (WSE-2)" in text and "CS-3 (WSE-3)" in text and "measured" in text
 
 
 def test_hardware_constants_and_cost_model() -> None:

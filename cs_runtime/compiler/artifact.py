@@ -34,7 +34,7 @@ FORMAT = "cs-emulator-compile-artifact"
 VERSION = 1
 # Bump when the compiler's output for the same inputs changes, so old
 # artifacts are recompiled rather than trusted.
-COMPILER_VERSION = "1"
+COMPILER_VERSION = "2"
 FILENAME = "artifact.json"
 
 

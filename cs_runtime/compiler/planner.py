@@ -28,12 +28,12 @@ All times come from cs_runtime/compiler/hardware.py.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from cs_runtime import env as cs_env
 from cs_runtime.config import Params
-from cs_runtime.compiler.hardware import WSE2, Wafer
+from cs_runtime.compiler.hardware import WAFERS, WSE2, WSE3, Wafer
 from cs_runtime.numerics.precision import wire_dtype
 
 from .ir import CompileError, Graph, Node, elements
@@ -176,11 +176,14 @@ class KernelPlan:
 
 @dataclass
 class Estimate:
-    samples_per_s: float
-    compute_samples_per_s: float
+    """Rates of a named system, from its published figures (hardware.py), not measured."""
+
+    samples_per_s: float            # a whole step: the slower bound, with a pipeline's fill and drain
+    compute_samples_per_s: float    # steady state, compute alone
     transmission_samples_per_s: float | None
     active_pes_pct: float
     compute_utilization_pct: float
+    step_s: float = 0.0             # one step of the batch the plan is for
 
 
 @dataclass
@@ -200,6 +203,7 @@ class Plan:
     rewrites: list[str] = field(default_factory=list)
     precision: str = "float32"     # of matmul inputs and streamed tensors (model.mixed_precision)
     num_replicas: int = 1          # copies of a pipelined model on each wafer (--multireplica)
+    second_target: dict[str, Any] = field(default_factory=dict)   # the same model on the other system
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -273,7 +277,8 @@ def place(pes: list[int], wafer: Wafer) -> list[dict[str, int]]:
     return rects
 
 
-def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer) -> tuple[list[KernelPlan], Estimate]:
+def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer, batch: int,
+                   train: bool) -> tuple[list[KernelPlan], Estimate]:
     rects = place(balance(costs, wafer), wafer)
     kernels = []
     for node, c, r in zip(nodes, costs, rects):
@@ -288,7 +293,19 @@ def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer) -> tuple[
     compute = _min_rate([k.compute_samples_per_s for k in kernels]) or math.inf
     trans = _min_rate([k.transmission_samples_per_s for k in kernels])
     used = sum(k.pes for k in kernels)
-    return kernels, _estimate(compute, trans, used / wafer.cores, costs, wafer)
+    est = _estimate(compute, trans, used / wafer.cores, costs, wafer)
+    return kernels, filled(est, batch, len(kernels) * (2 if train else 1))
+
+
+def filled(est: Estimate, batch: int, depth: int) -> Estimate:
+    """A step of `batch` samples through a pipeline `depth` stages deep (forward, then
+    backward when training): the first sample takes `depth` paces to come out, the
+    rest one pace each, so small batches pay for the fill and drain."""
+    pace = 1 / est.samples_per_s
+    step = (batch + depth - 1) * pace
+    rate = batch / step
+    return replace(est, samples_per_s=rate, compute_utilization_pct=est.compute_utilization_pct * rate * pace,
+                   step_s=step)
 
 
 def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, train: bool,
@@ -308,7 +325,7 @@ def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, tr
     # Layers run one after another; streaming overlaps with compute.
     busy = sum(k.active_pes * s for k, s in zip(kernels, compute_s)) / max(sum(compute_s), 1e-30)
     compute = _rate(batch, sum(compute_s)) or math.inf
-    return kernels, _estimate(compute, _rate(batch, sum(trans_s)), busy / wafer.cores, costs, wafer)
+    return kernels, streaming_step(_estimate(compute, _rate(batch, sum(trans_s)), busy / wafer.cores, costs, wafer), batch)
 
 
 def _estimate(compute: float, trans: float | None, active: float, costs: list[Cost], wafer: Wafer) -> Estimate:
@@ -318,11 +335,16 @@ def _estimate(compute: float, trans: float | None, active: float, costs: list[Co
     return Estimate(samples, compute, trans, 100 * active, 100 * samples * flops / wafer.peak_flops_s)
 
 
+def streaming_step(est: Estimate, batch: int) -> Estimate:
+    """Weight streaming: a step is the batch at the slower of compute and the weights' stream."""
+    return replace(est, step_s=batch / est.samples_per_s)
+
+
 def _scale(e: Estimate, n: int) -> Estimate:
     """N systems each take 1/N of the batch: rates add up, percentages stay."""
     trans = e.transmission_samples_per_s
     return Estimate(e.samples_per_s * n, e.compute_samples_per_s * n, trans * n if trans else trans,
-                    e.active_pes_pct, e.compute_utilization_pct)
+                    e.active_pes_pct, e.compute_utilization_pct, e.step_s)
 
 
 def _costs(graph: Graph, params: Params, train: bool) -> list[Cost]:
@@ -332,14 +354,28 @@ def _costs(graph: Graph, params: Params, train: bool) -> list[Cost]:
 def strategy_for(graph: Graph, params: Params, mode: str, target: Target) -> tuple[str, str]:
     """The execution mode and why, without planning (what validate_only reports)."""
     resident = sum(c.resident_bytes for c in _costs(graph, params, mode != "eval"))
-    wafer = WSE2.with_memory(params.csconfig.wafer_memory_bytes)
+    wafer = WAFERS[target.device].with_memory(params.csconfig.wafer_memory_bytes)
     return choose_strategy(resident, wafer, params.runconfig.execution_strategy, target.num_csx)
 
 
 def make_plan(graph: Graph, params: Params, mode: str, target: Target,
               rewrites: list[str] | None = None) -> Plan:
+    """The plan for the target's system, with the same model's estimate on the second target."""
+    plan = plan_on(WAFERS[target.device], graph, params, mode, target, rewrites)
+    other = WSE3 if target.device != WSE3.name else WSE2
+    try:
+        second = plan_on(other, graph, params, mode, target, rewrites)
+        plan.second_target = {"system": other.system, "execution_strategy": second.execution_strategy,
+                              "num_replicas": second.num_replicas, **asdict(second.estimate)}
+    except CompileError as exc:   # a forced mode the other system cannot run
+        plan.second_target = {"system": other.system, "error": str(exc)}
+    return plan
+
+
+def plan_on(wafer: Wafer, graph: Graph, params: Params, mode: str, target: Target,
+            rewrites: list[str] | None) -> Plan:
     train = mode != "eval"
-    wafer = WSE2.with_memory(params.csconfig.wafer_memory_bytes)
+    wafer = wafer.with_memory(params.csconfig.wafer_memory_bytes)
     nodes, costs = graph.kernels(), _costs(graph, params, train)
     resident = sum(c.resident_bytes for c in costs)
     forced = params.runconfig.execution_strategy
@@ -350,7 +386,7 @@ def make_plan(graph: Graph, params: Params, mode: str, target: Target,
     if strategy == "pipelined":
         try:
             replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
-            kernels, est = plan_pipelined(nodes, costs, wafer.part(replicas))
+            kernels, est = plan_pipelined(nodes, costs, wafer.part(replicas), math.ceil(batch / replicas), train)
             est = _scale(est, replicas)
         except CompileError as exc:
             if forced:
@@ -360,7 +396,7 @@ def make_plan(graph: Graph, params: Params, mode: str, target: Target,
         kernels, est = plan_weight_streaming(nodes, costs, wafer, train, per_system, params.precision)
     note = run_mode(strategy, target.num_csx, target.multireplica)[2]
     return Plan(graph.name, strategy, "; ".join(filter(None, [why, note])), mode,
-                {**target.key_fields(), "compiled_on": target.compiled_on},
+                {**target.key_fields(), "compiled_on": target.compiled_on, "system": wafer.system},
                 batch, per_system, {"rows": wafer.rows, "cols": wafer.cols, "cores": wafer.cores},
                 wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), list(rewrites or []),
                 params.precision, replicas)

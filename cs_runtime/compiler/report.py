@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from .hardware import HOST_FLOPS_S
 from .planner import fmt_bytes, mode_name
 
 OVERALL_FIELDS = (
@@ -56,21 +57,48 @@ def kernel_precision(kernel: dict[str, Any], precision: str) -> str:
     return precision if kernel["op"] in ROUNDED_KERNELS else "float32"
 
 
+def second_target_lines(plan: dict[str, Any], width: int) -> list[str]:
+    second = plan.get("second_target") or {}
+    if not second:
+        return []
+    if "error" in second:
+        return [f"{'On ' + second['system'] + ':':<{width}} cannot run this plan ({second['error']})"]
+    mode = mode_name(second["execution_strategy"], second["num_replicas"])
+    return [f"{'On ' + second['system'] + ':':<{width}} {_num(second['samples_per_s'])} samples/s ({mode}; "
+            "the same model on the second target)"]
+
+
+def gap_line(plan: dict[str, Any]) -> str:
+    """Why the emulator's measured rate is far below the estimate, in numbers, in one line."""
+    est = plan["estimate"]
+    step_flops = sum(k["flops_per_sample"] for k in plan["kernels"]) * plan["batch_size"]
+    host_s = step_flops / HOST_FLOPS_S
+    return (f"Measured vs estimated: one step is {step_flops / 1e9:.3g} GFLOP, {est['step_s'] * 1e3:.3g} ms on "
+            f"the {plan['target']['system']} and about {host_s * 1e3:.3g} ms of numpy on a CPU at "
+            f"{HOST_FLOPS_S / 1e9:.0f} GFLOP/s, so the emulator's measured rate (GlobalRate, avg_samples_per_sec) "
+            f"sits about {host_s / max(est['step_s'], 1e-30):,.0f}x below the estimate, and lower still for "
+            "its messages between processes.")
+
+
 def render_report(plan: dict[str, Any]) -> str:
     est, strategy, t = plan["estimate"], plan["execution_strategy"], plan["target"]
     lines = [
         f"Compile report: {plan['model']}",
         f"Execution strategy: {mode_name(strategy, plan.get('num_replicas', 1))} ({plan['strategy_reason']})",
-        f"Target: {t['device']} x {t['num_csx']} system(s), compiled on {t['compiled_on']}",
+        f"Target: {t['system']} x {t['num_csx']} system(s), compiled on {t['compiled_on']}",
         f"Mode: {plan['mode']}, batch {plan['batch_size']} ({plan['per_system_batch']} per system), "
         f"precision {plan.get('precision', 'float32')}",
         f"Wafer memory: {fmt_bytes(plan['resident_bytes'])} needed of {fmt_bytes(plan['wafer_memory_bytes'])}",
         "",
         "Estimated Overall Performance",
         "-----------------------------",
+        f"(estimates for {t['system']} x {t['num_csx']} from its published figures, "
+        "cs_runtime/compiler/hardware.py; nothing here is measured)",
     ]
     width = max(len(label) for label, _ in OVERALL_FIELDS) + 1
     lines += [f"{label + ':':<{width}} {_num(est[key])}" for label, key in OVERALL_FIELDS]
+    lines += [f"{'Step time:':<{width}} {est['step_s'] * 1e3:.3g} ms for a batch of {plan['batch_size']}",
+              *second_target_lines(plan, width), "", gap_line(plan)]
     lines += ["", "Estimated Performance Per Kernel", "--------------------------------"]
     headers = ["Kernel", "Op", "Layer", "Precision", "PEs", "Active PEs", "Region", "FLOPs/sample",
                "Memory", "Compute Samples/s", "Transmission Samples/s"]

@@ -123,8 +123,11 @@ def summarize(plan: dict[str, Any], report: Path) -> None:
     say(f"{plan['model']}: {len(plan['kernels'])} kernels, "
         f"{mode_name(plan['execution_strategy'], plan.get('num_replicas', 1))} on "
         f"{plan['target']['num_csx']} CS system(s) ({plan['strategy_reason']})")
-    say(f"estimated {est['samples_per_s']:,.0f} samples/s, {est['active_pes_pct']:.1f}% of PEs active, "
-        f"{est['compute_utilization_pct']:.2f}% compute utilization; report: {report}")
+    second = plan.get("second_target", {}).get("samples_per_s")
+    on_cs3 = f"; on {plan['second_target']['system']}: {second:,.0f}" if second else ""
+    say(f"estimate for {plan['target']['system']} x {plan['target']['num_csx']} (not measured): "
+        f"{est['samples_per_s']:,.0f} samples/s, {est['active_pes_pct']:.1f}% of PEs active, "
+        f"{est['compute_utilization_pct']:.2f}% compute utilization{on_cs3}; report: {report}")
 
 
 def compile_program(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
