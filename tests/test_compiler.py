@@ -27,7 +27,8 @@ from cs_runtime.compiler.interp import run as interpret
 from cs_runtime.compiler.ir import BATCH, CompileError, Graph, validate
 from cs_runtime.compiler.lower import lower
 from cs_runtime.compiler.planner import Target, choose_strategy, make_plan, target_from_env
-from cs_runtime.compiler.report import OVERALL_FIELDS, render_report, render_svg
+from cs_runtime.compiler.pictures import render_wafer
+from cs_runtime.compiler.report import OVERALL_FIELDS, render_report
 from cs_runtime.compiler.rewrites import drop_dead, drop_noops, fold_constants, fuse_dense, optimize
 from cs_runtime.config import params_from_dict
 from cs_runtime.numerics.model import LayerSpec, ModelSpec, mlp_spec
@@ -410,6 +411,7 @@ def test_the_mode_reported_is_the_mode_the_wses_run(tmp_path: Path, monkeypatch:
         report = (tmp_path / "model" / "compile_report.txt").read_text()
         assert f"Execution strategy: {expected} (" in report and f"x {num_csx} system(s)" in report
         assert (tmp_path / "model" / "compile" / "wafer.svg").exists() == strategy.startswith("pipelined")
+        assert (tmp_path / "model" / "compile" / "streaming.svg").exists() == (strategy == "weight_streaming")
 
 
 def test_a_plan_made_for_one_system_runs_weight_streaming_on_two() -> None:
@@ -436,12 +438,11 @@ def test_report_has_overall_block_and_a_row_per_kernel() -> None:
 
 def test_svg_shows_every_kernel_of_a_pipelined_plan() -> None:
     plan = _plan(fc_mnist()).to_dict()
-    root = ET.fromstring(render_svg(plan))
-    texts = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
-    assert all(k["name"] in texts for k in plan["kernels"])
-    assert len(list(root.iter("{http://www.w3.org/2000/svg}rect"))) >= 1 + 2 * len(plan["kernels"])
+    root = ET.fromstring(render_wafer(plan))
+    drawn = [r.get("data-kernel") for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("data-kernel")]
+    assert drawn == [k["name"] for k in plan["kernels"]]
     ws = _plan(fc_mnist(), {"runconfig": {"execution_strategy": "weight_streaming"}}).to_dict()
-    assert render_svg(ws) is None
+    assert render_wafer(ws) is None
 
 
 # ---------------------------------------------------------------- artifact

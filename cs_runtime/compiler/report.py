@@ -1,4 +1,4 @@
-"""What a compile leaves for the user: compile_report.txt, plan.json, wafer.svg.
+"""What a compile leaves for the user: compile_report.txt, plan.json and a picture.
 
 Everything here is a pure function of the plan dict (Plan.to_dict(), or the
 plan stored in an artifact), so a reused artifact reports exactly what the
@@ -7,6 +7,7 @@ compile that made it did.
     model_dir/compile_report.txt    Estimated Overall Performance + one row per kernel
     model_dir/compile/plan.json     the plan, machine-readable
     model_dir/compile/wafer.svg     pipelined plans: where each kernel sits on the wafer
+    model_dir/compile/streaming.svg weight-streaming plans: one step, unit by unit (pictures.py)
     model_dir/compile/graph.txt     the kernel graph before and after the rewrites
 """
 from __future__ import annotations
@@ -15,10 +16,10 @@ import json
 import os
 from pathlib import Path
 from typing import Any
-from xml.sax.saxutils import escape
 
-from .hardware import HOST_FLOPS_S
-from .planner import fmt_bytes, mode_name
+from . import pictures
+from .hardware import HOST_FLOPS_S, WAFERS
+from .planner import fmt_bytes, mode_name, wire_fraction
 
 OVERALL_FIELDS = (
     ("Samples/s", "samples_per_s"),
@@ -112,59 +113,6 @@ def render_report(plan: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------- the picture
-
-COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
-          "#9c755f", "#bab0ac")
-WAFER_PX = 800       # width of the drawn grid
-MARGIN = 20
-LEGEND_PX = 330
-
-
-def _label_inside(x: float, y: float, w: float, h: float, text: str) -> str:
-    """The kernel's name inside its region if it fits: across, or up a tall strip."""
-    if w >= 7 * len(text) + 8 and h >= 16:
-        return f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle">{text}</text>'
-    if w >= 14 and h >= 7 * len(text) + 8:
-        cx, cy = x + w / 2 + 4, y + h / 2
-        return (f'<text x="{cx:.1f}" y="{cy:.1f}" text-anchor="middle" '
-                f'transform="rotate(-90 {cx:.1f} {cy:.1f})">{text}</text>')
-    return ""
-
-
-def render_svg(plan: dict[str, Any]) -> str | None:
-    """The PE grid with every kernel's rectangle, labelled; None unless pipelined."""
-    if plan["execution_strategy"] != "pipelined":
-        return None
-    grid = plan["grid"]
-    s = WAFER_PX / grid["cols"]
-    gw, gh = grid["cols"] * s, grid["rows"] * s
-    top = 2 * MARGIN + 10
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{gw + LEGEND_PX + 2 * MARGIN:.0f}" '
-           f'height="{gh + top + MARGIN:.0f}" font-family="sans-serif" font-size="12">',
-           f'<text x="{MARGIN}" y="{MARGIN + 6}" font-size="15">{escape(plan["model"])}: pipelined on '
-           f'{grid["rows"]} x {grid["cols"]} PEs, {plan["estimate"]["active_pes_pct"]:.1f}% active</text>',
-           f'<rect x="{MARGIN}" y="{top}" width="{gw:.1f}" height="{gh:.1f}" fill="#eeeeee" stroke="#333"/>']
-    for i, k in enumerate(plan["kernels"]):
-        r, color, name = k["rect"], COLORS[i % len(COLORS)], escape(k["name"])
-        x, y = MARGIN + r["x"] * s, top + r["y"] * s
-        w, h = max(r["w"] * s, 1.5), max(r["h"] * s, 1.5)  # a one-PE kernel still shows
-        out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{color}" '
-                   f'stroke="#222" stroke-width="0.5"><title>{name}: {k["pes"]:,} PEs</title></rect>')
-        label = _label_inside(x, y, w, h, name)
-        lx, ly = MARGIN + gw + MARGIN, top + 10 + 20 * i
-        if label:
-            out.append(label)
-        else:  # too small to hold its name: a leader line from its legend row finds it
-            out.append(f'<line x1="{x + w / 2:.1f}" y1="{y + min(h, 20) / 2:.1f}" x2="{lx:.1f}" '
-                       f'y2="{ly - 4:.1f}" stroke="{color}" stroke-width="0.8"/>')
-        out.append(f'<rect x="{lx:.1f}" y="{ly - 10:.1f}" width="12" height="12" fill="{color}"/>')
-        out.append(f'<text x="{lx + 18:.1f}" y="{ly:.1f}">{name} ({escape(k["layer"])}): '
-                   f'{r["w"]}x{r["h"]} at x={r["x"]}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
 # ---------------------------------------------------------------- files
 
 def _write(path: Path, text: str) -> None:
@@ -175,17 +123,29 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def pictures_of(plan: dict[str, Any]) -> dict[str, str | None]:
+    """wafer.svg for a pipelined plan, streaming.svg for a weight-streaming one (None: not this mode)."""
+    streaming = None
+    if plan["execution_strategy"] == "weight_streaming":
+        io = WAFERS[plan["target"]["device"]].io_bw_bytes_s
+        units = pictures.streamed_units(plan, io, wire_fraction(plan.get("precision", "float32")))
+        streaming = pictures.render_streaming(
+            f"{plan['model']}: one weight-streaming step on {plan['target']['system']}, batch "
+            f"{plan['per_system_batch']} per system (estimate, not measured)", units)
+    return {"wafer.svg": pictures.render_wafer(plan), "streaming.svg": streaming}
+
+
 def write_outputs(model_dir: str | os.PathLike[str], plan: dict[str, Any], graph_text: str) -> list[Path]:
     """Write the report, plan, picture and graph; returns the paths written."""
     root = Path(model_dir)
     files = {root / "compile_report.txt": render_report(plan),
              root / "compile" / "plan.json": json.dumps(plan, indent=2) + "\n",
              root / "compile" / "graph.txt": graph_text}
-    svg = render_svg(plan)
-    if svg is not None:
-        files[root / "compile" / "wafer.svg"] = svg
-    else:
-        (root / "compile" / "wafer.svg").unlink(missing_ok=True)  # a stale picture would mislead
+    for name, svg in pictures_of(plan).items():
+        if svg is not None:
+            files[root / "compile" / name] = svg
+        else:
+            (root / "compile" / name).unlink(missing_ok=True)  # a stale picture would mislead
     for path, text in files.items():
         _write(path, text)
     return list(files)
