@@ -1,10 +1,11 @@
-"""The compiler: model -> kernel graph -> rewrites -> plan -> report and artifact.
+"""The compiler: model -> kernel graph -> rewrites -> plan -> report, pictures and artifact.
 
     lower.py     ModelSpec -> Graph of primitive ops (ir.py), validated
     rewrites.py  constant folding, no-op and dead-node removal, dense fusion
     interp.py    a numpy interpreter of the graph (the rewrites' oracle)
-    planner.py   execution mode, PEs per kernel, estimate (cs_runtime/compiler/hardware.py)
-    report.py    compile_report.txt, plan.json, wafer.svg
+    planner.py   execution mode (run_mode), PEs per kernel, estimate (cs_runtime/compiler/hardware.py)
+    report.py    compile_report.txt, plan.json, and the mode's picture
+    pictures.py  wafer.svg, streaming.svg, timeline.svg (from a trace)
     artifact.py  the compiled artifact on disk, its key, reuse and rejection
 
 stage.py       the compile stage every run has: runs these in order (compile_model)

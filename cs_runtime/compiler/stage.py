@@ -10,7 +10,8 @@
    compile-relevant params, mode, target), its plan is used as it is.
 3. compile otherwise, saying why (no artifact, which input changed, or why
    the old one was rejected): rewrite the graph, plan it, save the artifact.
-4. report: compile_report.txt, compile/plan.json, compile/wafer.svg, compile/graph.txt.
+4. report: compile_report.txt, compile/plan.json, compile/graph.txt and the picture of the
+   mode run (compile/wafer.svg pipelined, compile/streaming.svg weight streaming).
 
 Errors (CompileError, a ValueError) name the layer and the op; the trainer
 prints them and exits 1.
