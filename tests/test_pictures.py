@@ -129,7 +129,10 @@ def traced(steps: int = 3) -> list[trace.ProcessTrace]:
                                        ms, s, k if phase == "fwd" else 1 - k)
                                       for s in range(steps) for phase in ("fwd", "bwd") for k in range(2)])
     mx = trace.ProcessTrace("memoryx", [("update", s * 10 * ms + 8 * ms, ms // 2, s, 0) for s in range(steps)])
-    return [chief, wse, mx]
+    # An input worker makes each step's batch a step ahead: before the step starts.
+    worker = trace.ProcessTrace("worker0", [("make_batch", (s - 1) * 10 * ms + 2 * ms, ms, s, -1)
+                                            for s in range(1, steps)])
+    return [chief, wse, mx, worker]
 
 
 def test_timeline_draws_the_last_step_from_the_trace_written(tmp_path: Path) -> None:
@@ -139,7 +142,8 @@ def test_timeline_draws_the_last_step_from_the_trace_written(tmp_path: Path) -> 
     assert written == tmp_path / "timeline.svg"
     root = layout(written.read_text())
     doc = json.loads(path.read_text())
-    expected = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["args"]["step"] == 2]
+    expected = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["args"]["step"] == 2
+                and e["name"] != "make_batch"]   # made during step 1: not part of step 2's picture
     bars = [r for r in root.iter(SVG + "rect") if r.get("data-span")]
     assert sorted(r.get("data-span") for r in bars) == sorted(e["name"] for e in expected)
     # Widths in proportion to the measured durations; the step spans the chart.
@@ -149,7 +153,7 @@ def test_timeline_draws_the_last_step_from_the_trace_written(tmp_path: Path) -> 
     assert [n for n, _ in drawn] == [n for n, _ in measured]
     assert [w for _, w in drawn] == pytest.approx([w for _, w in measured], abs=0.02)
     title = next(root.iter(SVG + "text")).text
-    assert title.startswith("step 2, measured: 9 ms, 3 processes")
+    assert title.startswith("step 2, measured: 9 ms, 3 processes") and "1 earlier spans" in title
 
 
 def test_no_steps_no_timeline(tmp_path: Path) -> None:

@@ -176,7 +176,9 @@ def test_weight_streaming_trace(tmp_path, oracle):
     # One measured step drawn for a login node: a bar per span of the last step, named as in the trace.
     drawn = [r.get("data-span") for r in ET.parse(tmp_path / "ws" / "timeline.svg").iter(f"{SVG}rect")
              if r.get("data-span")]
-    assert sorted(drawn) == sorted(e["name"] for row in spans.values() for e in row if e["args"].get("step") == 99)
+    start = next(e["ts"] for e in spans["chief"] if e["name"] == "train_step" and e["args"]["step"] == 99)
+    assert sorted(drawn) == sorted(e["name"] for row in spans.values() for e in row
+                                   if e["args"].get("step") == 99 and e["ts"] >= start)
     steps = 100
     every = [(s, l) for s in range(steps) for l in range(LAYERS)]
     for wse in ("wse0", "wse1"):

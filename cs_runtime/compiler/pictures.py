@@ -303,6 +303,19 @@ def lanes(spans: list[dict]) -> list[int]:
     return out
 
 
+STEP_SPAN = ("chief", "train_step")   # where a step starts: the chief sends it
+
+
+def from_step_start(spans: list[dict], names: dict[int, str]) -> tuple[list[dict], int]:
+    """The spans from the chief's start of the step on, and how many came before it (input
+    workers make a step's batch ahead of time; drawn, they would stretch the step)."""
+    starts = [e["ts"] for e in spans if (names.get(e["pid"]), e["name"]) == STEP_SPAN]
+    if not starts:
+        return spans, 0
+    kept = [e for e in spans if e["ts"] >= min(starts)]
+    return kept, len(spans) - len(kept)
+
+
 def render_timeline(doc: dict[str, Any], step: int | None = None) -> str | None:
     """One measured step of a trace (Chrome trace format, as trace.write_chrome_trace writes it):
     a row per process, a bar per span, coloured by span name; None when it has no steps."""
@@ -313,6 +326,7 @@ def render_timeline(doc: dict[str, Any], step: int | None = None) -> str | None:
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     spans = sorted((e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("args", {}).get("step") == step),
                    key=lambda e: (e["pid"], e["ts"], -e["dur"]))
+    spans, early = from_step_start(spans, names)
     t0 = min(e["ts"] for e in spans)
     t1 = max(e["ts"] + e["dur"] for e in spans)
     kinds = sorted({e["name"] for e in spans})
@@ -326,7 +340,8 @@ def render_timeline(doc: dict[str, Any], step: int | None = None) -> str | None:
     heights = [(max(l) + 1) * 8 + 8 for _, _, l in rows]
     chart_h = sum(heights)
     legend = Legend([(colors[k], k) for k in kinds], max(chart_h, 6 * ROW_PX))
-    title = f"step {step}, measured: {(t1 - t0) / 1000:.3g} ms, {len(rows)} processes, {len(spans)} spans"
+    title = (f"step {step}, measured: {(t1 - t0) / 1000:.3g} ms, {len(rows)} processes, {len(spans)} spans"
+             + (f" ({early} earlier spans of the step, its input made ahead, not drawn)" if early else ""))
     width = max(x0 + TIMELINE_PX + MARGIN + legend.width + MARGIN, MARGIN * 2 + text_px(title) * 15 / FONT_PX)
     out = svg_open(width, top + max(chart_h, legend.height) + 3 * MARGIN, title)
     scale = TIMELINE_PX / max(t1 - t0, 1e-9)
