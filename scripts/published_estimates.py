@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from cs_runtime.compiler.lower import lower
+from cs_runtime.compiler.families import lower_spec
 from cs_runtime.compiler.planner import Target, make_plan
-from cs_runtime.compiler.rewrites import optimize
 from cs_runtime.config import params_from_dict
 from cs_runtime.numerics.model import transformer_spec
 
@@ -61,8 +60,7 @@ def estimate(row: Published) -> dict:
                                "model": {"mixed_precision": True, "fp16_type": "cbfloat16"},
                                "optimizer": {"optimizer_type": "adamw"},
                                "runconfig": {"execution_strategy": "weight_streaming"}})
-    graph, notes = optimize(lower(spec))
-    plan = make_plan(graph, params, "train", Target(device=row.device), notes)
+    plan = make_plan(lower_spec(spec), params, "train", Target(device=row.device))
     est = plan.estimate
     bound = "weights' stream" if (est.transmission_samples_per_s or float("inf")) < est.compute_samples_per_s \
         else "compute"

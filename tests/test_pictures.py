@@ -17,11 +17,9 @@ import pytest
 
 from cs_runtime import trace
 from cs_runtime.compiler import pictures
-from cs_runtime.compiler.lower import lower
 from cs_runtime.compiler.planner import Target, make_plan
 from cs_runtime.compiler.report import pictures_of
-from cs_runtime.compiler.rewrites import optimize
-from cs_runtime.compiler.stage import compile_model
+from cs_runtime.compiler.stage import compile_model, runnable
 from cs_runtime.config import params_from_dict
 from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.run_args import RunArgs
@@ -35,9 +33,8 @@ def gpt(layers: int = 6):
 
 
 def plan_of(spec, strategy: str, **target) -> dict:
-    graph, notes = optimize(lower(spec))
     params = params_from_dict({"runconfig": {"execution_strategy": strategy}})
-    return make_plan(graph, params, "train", Target(**target), notes).to_dict()
+    return make_plan(runnable(spec), params, "train", Target(**target)).to_dict()
 
 
 def layout(svg: str) -> ET.Element:

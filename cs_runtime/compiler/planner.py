@@ -1,6 +1,6 @@
 """The plan: execution mode, PEs per kernel, and the performance estimate.
 
-    plan = make_plan(graph, params, mode="train", target=target_from_env())
+    plan = make_plan(spec, params, mode="train", target=target_from_env())   # spec: the program run
     plan.execution_strategy     # "pipelined" or "weight_streaming"
 
 Mode: layer pipelined when the weights, gradients and optimizer state of the
@@ -9,7 +9,7 @@ WSE-2's 40 GB), else weight streaming; `runconfig.execution_strategy` forces
 either.
 
 Pipelined: every kernel gets its own rectangle of the PE grid, strips laid
-left to right in graph order (activations flow east), each sized so that all
+left to right in program order (activations flow east), each sized so that all
 stages take the same time per sample: a pipeline runs at the pace of its
 slowest stage, so PEs beyond that pace are wasted.
 
@@ -29,17 +29,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from cs_runtime import env as cs_env
 from cs_runtime.config import Params
 from cs_runtime.compiler.hardware import WAFERS, WSE2, WSE3, Wafer
+from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.numerics.precision import wire_dtype
 
-from .ir import CompileError, Graph, Node, elements
+from .costs import Cost, Kernel, describe, program_kernels
+from .errors import CompileError
 
 STRATEGIES = ("weight_streaming", "pipelined")
-DTYPE_BYTES = {"float32": 4, "int32": 4}
 
 
 # ---------------------------------------------------------------- the target
@@ -93,40 +94,6 @@ def mode_name(strategy: str, replicas: int) -> str:
 
 # ---------------------------------------------------------------- kernel costs
 
-def _kn(ins: list[Node]) -> int:
-    """Multiply-accumulates per sample: k * n of the weight, times the rows (tokens) of a sample."""
-    x = ins[0]
-    return elements(ins[1].shape) * (elements(x.shape) // int(x.shape[-1]))
-
-
-def _attention_flops(node: Node, ins: list[Node]) -> float:
-    """Scores q k^T and probabilities @ v: 2 * 2 * T * T * D per sample, plus the softmax."""
-    seq, width = int(node.shape[1]), int(node.shape[2])
-    return 4 * seq * seq * width + 5 * seq * seq * int(node.attrs["heads"])
-
-
-# Forward FLOPs per sample of each op; elementwise ops cost one per element.
-FORWARD_FLOPS: dict[str, Callable[[Node, list[Node]], float]] = {
-    "matmul": lambda n, ins: 2 * _kn(ins),
-    "fused_dense": lambda n, ins: 2 * _kn(ins) + 3 * elements(n.shape),
-    "softmax_cross_entropy": lambda n, ins: 5 * elements(ins[0].shape),
-    "attention": _attention_flops,
-    "layer_norm": lambda n, ins: 8 * elements(n.shape),
-}
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What one kernel needs, per sample unless said otherwise."""
-
-    flops: float            # forward, plus backward when training
-    weight_bytes: int       # its params (per model, not per sample)
-    resident_bytes: int     # params + gradients + optimizer state on the wafer
-    act_bytes: int          # activations in + out (and their gradients back)
-    host_bytes: int         # graph inputs read from outside the wafer
-    max_pes: int            # parallelism per sample: more cores do not help
-
-
 def state_copies(params: Params, train: bool) -> int:
     """Copies of each weight kept while running: the weight, its gradient, optimizer slots."""
     if not train:
@@ -134,27 +101,6 @@ def state_copies(params: Params, train: bool) -> int:
     opt = params.optimizer
     slots = 2 if opt.optimizer_type in ("adam", "adamw") else int(opt.momentum > 0)
     return 2 + slots
-
-
-def nbytes(nodes: list[Node]) -> int:
-    """Bytes per sample of the nodes' values (the whole value for params)."""
-    return sum(elements(n.shape) * DTYPE_BYTES[n.dtype] for n in nodes)
-
-
-def kernel_cost(graph: Graph, node: Node, train: bool, copies: int) -> Cost:
-    ins = [graph.node(i) for i in node.inputs]
-    params = [i for i in ins if i.op == "param"]
-    acts = [i for i in ins if i.op not in ("param", "const")]
-    fwd = FORWARD_FLOPS.get(node.op, lambda n, i: elements(n.shape))(node, ins)
-    # Backward costs as much again per input gradient: 2x, or 3x with a weight gradient.
-    flops = fwd * ((3 if params else 2) if train else 1)
-    weight_bytes = nbytes(params)
-    act_bytes = (nbytes(acts) + nbytes([node])) * (2 if train else 1)
-    # A weight is the smallest unit of work a core takes; without weights, an
-    # activation element is.
-    max_pes = max(sum(elements(p.shape) for p in params) or max(elements(i.shape) for i in [node, *acts]), 1)
-    return Cost(flops, weight_bytes, weight_bytes * copies, act_bytes,
-                nbytes([i for i in ins if i.op == "input"]), max_pes)
 
 
 # ---------------------------------------------------------------- the plan
@@ -172,6 +118,7 @@ class KernelPlan:
     rect: dict[str, int]     # x, y, w, h on the grid (the whole grid in weight streaming)
     compute_samples_per_s: float | None       # None: no bound
     transmission_samples_per_s: float | None
+    ops: list[str] = field(default_factory=list)   # the program's ops it holds
 
 
 @dataclass
@@ -234,7 +181,22 @@ def check_forced(forced: str | None, num_csx: int) -> None:
                            f"or --num_csx 1")
 
 
-def choose_strategy(resident: int, wafer: Wafer, forced: str | None, num_csx: int = 1) -> tuple[str, str]:
+FORCED_WHY = "forced by runconfig.execution_strategy"
+CAPTURED_DEFAULT = ("weight_streaming", "a captured program runs as weight-streaming units unless "
+                    "runconfig.execution_strategy says otherwise")
+
+
+def setting(spec: ModelSpec, params: Params) -> tuple[str | None, str]:
+    """The mode asked for (None: the compiler chooses) and why: runconfig.execution_strategy,
+    else weight streaming for a captured program (as it has always run)."""
+    forced = params.runconfig.execution_strategy
+    if forced:
+        return forced, FORCED_WHY
+    return CAPTURED_DEFAULT if spec.captured else (None, "")
+
+
+def choose_strategy(resident: int, wafer: Wafer, forced: str | None, num_csx: int = 1,
+                    forced_why: str = FORCED_WHY) -> tuple[str, str]:
     """(strategy, why) — the why is shown to the user."""
     need, have = fmt_bytes(resident), fmt_bytes(wafer.memory_bytes)
     fits = resident <= wafer.memory_bytes
@@ -243,7 +205,7 @@ def choose_strategy(resident: int, wafer: Wafer, forced: str | None, num_csx: in
         raise CompileError(f"runconfig.execution_strategy is pipelined but the model needs {need} "
                            f"on the wafer and {have} are available; use weight_streaming")
     if forced:
-        return forced, "forced by runconfig.execution_strategy"
+        return forced, forced_why
     if num_csx > 1:
         strategy, _, why = run_mode("pipelined", num_csx, False)
         return strategy, why
@@ -277,7 +239,7 @@ def place(pes: list[int], wafer: Wafer) -> list[dict[str, int]]:
     return rects
 
 
-def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer, batch: int,
+def plan_pipelined(nodes: list[Kernel], costs: list[Cost], wafer: Wafer, batch: int,
                    train: bool) -> tuple[list[KernelPlan], Estimate]:
     rects = place(balance(costs, wafer), wafer)
     kernels = []
@@ -288,7 +250,7 @@ def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer, batch: in
         # Activations enter a strip through its west edge, r["h"] cores tall.
         trans_s = wafer.fabric_time(c.act_bytes, r["h"]) + wafer.io_time(c.host_bytes)
         kernels.append(KernelPlan(node.name, node.op, node.layer, c.flops, c.weight_bytes, c.resident_bytes,
-                                  area, active, r, _rate(1, compute_s), _rate(1, trans_s)))
+                                  area, active, r, _rate(1, compute_s), _rate(1, trans_s), list(node.nodes)))
     # A pipeline runs at the pace of its slowest stage.
     compute = _min_rate([k.compute_samples_per_s for k in kernels]) or math.inf
     trans = _min_rate([k.transmission_samples_per_s for k in kernels])
@@ -308,7 +270,7 @@ def filled(est: Estimate, batch: int, depth: int) -> Estimate:
                    step_s=step)
 
 
-def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, train: bool,
+def plan_weight_streaming(nodes: list[Kernel], costs: list[Cost], wafer: Wafer, train: bool,
                           batch: int, precision: str = "float32") -> tuple[list[KernelPlan], Estimate]:
     whole = {"x": 0, "y": 0, "w": wafer.cols, "h": wafer.rows}
     kernels, compute_s, trans_s = [], [], []
@@ -321,7 +283,7 @@ def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, tr
         trans_s.append(wafer.io_time(streamed))
         kernels.append(KernelPlan(node.name, node.op, node.layer, c.flops, c.weight_bytes, c.resident_bytes,
                                   wafer.cores, active, whole, _rate(batch, compute_s[-1]),
-                                  _rate(batch, trans_s[-1])))
+                                  _rate(batch, trans_s[-1]), list(node.nodes)))
     # Layers run one after another; streaming overlaps with compute.
     busy = sum(k.active_pes * s for k, s in zip(kernels, compute_s)) / max(sum(compute_s), 1e-30)
     compute = _rate(batch, sum(compute_s)) or math.inf
@@ -347,24 +309,27 @@ def _scale(e: Estimate, n: int) -> Estimate:
                     e.active_pes_pct, e.compute_utilization_pct, e.step_s)
 
 
-def _costs(graph: Graph, params: Params, train: bool) -> list[Cost]:
-    return [kernel_cost(graph, n, train, state_copies(params, train)) for n in graph.kernels()]
+def kernels_of(spec: ModelSpec, params: Params, mode: str) -> list[Kernel]:
+    train = mode != "eval"
+    return program_kernels(spec, train, state_copies(params, train))
 
 
-def strategy_for(graph: Graph, params: Params, mode: str, target: Target) -> tuple[str, str]:
+def strategy_for(spec: ModelSpec, kernels: list[Kernel], params: Params, target: Target) -> tuple[str, str]:
     """The execution mode and why, without planning (what validate_only reports)."""
-    resident = sum(c.resident_bytes for c in _costs(graph, params, mode != "eval"))
+    resident = sum(k.cost.resident_bytes for k in kernels)
     wafer = WAFERS[target.device].with_memory(params.csconfig.wafer_memory_bytes)
-    return choose_strategy(resident, wafer, params.runconfig.execution_strategy, target.num_csx)
+    forced, forced_why = setting(spec, params)
+    return choose_strategy(resident, wafer, forced, target.num_csx, forced_why)
 
 
-def make_plan(graph: Graph, params: Params, mode: str, target: Target,
-              rewrites: list[str] | None = None) -> Plan:
+def make_plan(spec: ModelSpec, params: Params, mode: str, target: Target,
+              kernels: list[Kernel] | None = None) -> Plan:
     """The plan for the target's system, with the same model's estimate on the second target."""
-    plan = plan_on(WAFERS[target.device], graph, params, mode, target, rewrites)
+    kernels = kernels if kernels is not None else kernels_of(spec, params, mode)
+    plan = plan_on(WAFERS[target.device], spec, kernels, params, mode, target)
     other = WSE3 if target.device != WSE3.name else WSE2
     try:
-        second = plan_on(other, graph, params, mode, target, rewrites)
+        second = plan_on(other, spec, kernels, params, mode, target)
         plan.second_target = {"system": other.system, "execution_strategy": second.execution_strategy,
                               "num_replicas": second.num_replicas, **asdict(second.estimate)}
     except CompileError as exc:   # a forced mode the other system cannot run
@@ -372,14 +337,13 @@ def make_plan(graph: Graph, params: Params, mode: str, target: Target,
     return plan
 
 
-def plan_on(wafer: Wafer, graph: Graph, params: Params, mode: str, target: Target,
-            rewrites: list[str] | None) -> Plan:
+def plan_on(wafer: Wafer, spec: ModelSpec, nodes: list[Kernel], params: Params, mode: str, target: Target) -> Plan:
     train = mode != "eval"
     wafer = wafer.with_memory(params.csconfig.wafer_memory_bytes)
-    nodes, costs = graph.kernels(), _costs(graph, params, train)
+    costs = [k.cost for k in nodes]
     resident = sum(c.resident_bytes for c in costs)
-    forced = params.runconfig.execution_strategy
-    strategy, why = choose_strategy(resident, wafer, forced, target.num_csx)
+    forced, forced_why = setting(spec, params)
+    strategy, why = choose_strategy(resident, wafer, forced, target.num_csx, forced_why)
     batch = params.train_input.batch_size if train else params.eval_input.batch_size
     per_system = math.ceil(batch / target.num_csx)
     replicas = 1
@@ -395,11 +359,18 @@ def plan_on(wafer: Wafer, graph: Graph, params: Params, mode: str, target: Targe
     if strategy == "weight_streaming":
         kernels, est = plan_weight_streaming(nodes, costs, wafer, train, per_system, params.precision)
     note = run_mode(strategy, target.num_csx, target.multireplica)[2]
-    return Plan(graph.name, strategy, "; ".join(filter(None, [why, note])), mode,
+    return Plan(spec.name, strategy, "; ".join(filter(None, [why, note])), mode,
                 {**target.key_fields(), "compiled_on": target.compiled_on, "system": wafer.system},
                 batch, per_system, {"rows": wafer.rows, "cols": wafer.cols, "cores": wafer.cores},
-                wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), list(rewrites or []),
+                wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), grouping_notes(nodes),
                 params.precision, replicas)
+
+
+def grouping_notes(kernels: list[Kernel]) -> list[str]:
+    d = describe(kernels)
+    return [f"{d['ops']} ops of the program in {d['kernels']} kernels: a kernel starts at a node that reads a "
+            f"weight matrix or is matmul-like; the {d['fused']} others (biases, activations, dropout, norms, "
+            "residual adds, reshapes, the loss) joined the kernel before them"]
 
 
 def wire_fraction(precision: str) -> float:

@@ -8,7 +8,7 @@ compile that made it did.
     model_dir/compile/plan.json     the plan, machine-readable
     model_dir/compile/wafer.svg     pipelined plans: where each kernel sits on the wafer
     model_dir/compile/streaming.svg weight-streaming plans: one step, unit by unit (pictures.py)
-    model_dir/compile/graph.txt     the kernel graph before and after the rewrites
+    model_dir/compile/program.txt   the program planned, unit by unit (the one the executor runs)
 """
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from cs_runtime.numerics.mixed_ops import MATMUL_LIKE
+
 from . import pictures
 from .hardware import HOST_FLOPS_S, WAFERS
 from .planner import fmt_bytes, mode_name, wire_fraction
+from .units import UNIT_RULE
 
 OVERALL_FIELDS = (
     ("Samples/s", "samples_per_s"),
@@ -48,14 +51,10 @@ def _region(k: dict[str, Any], strategy: str) -> str:
     return "whole wafer" if strategy == "weight_streaming" else f"x={r['x']} y={r['y']} {r['w']}x{r['h']}"
 
 
-# Kernels whose operands are rounded to a 16-bit precision (numerics/mixed_ops.py's
-# matmul-like ops, as the kernel graph names them); every other kernel is float32.
-ROUNDED_KERNELS = frozenset({"matmul", "fused_dense", "attention"})
-
-
 def kernel_precision(kernel: dict[str, Any], precision: str) -> str:
-    """The format a kernel computes on: its operands' for a matmul-like kernel, else float32."""
-    return precision if kernel["op"] in ROUNDED_KERNELS else "float32"
+    """The format a kernel computes on: its operands' for a matmul-like op (numerics/mixed_ops.py
+    rounds them to 16 bits), else float32."""
+    return precision if kernel["op"] in MATMUL_LIKE else "float32"
 
 
 def second_target_lines(plan: dict[str, Any], width: int) -> list[str]:
@@ -109,8 +108,26 @@ def render_report(plan: dict[str, Any]) -> str:
              _num(k["compute_samples_per_s"]), _num(k["transmission_samples_per_s"])]
             for k in plan["kernels"]]
     lines += _table(headers, rows)
-    lines += ["", "Graph rewrites", "--------------"] + [f"- {note}" for note in plan["rewrites"] or ["none"]]
+    lines += ["", "Kernels", "-------"] + [f"- {note}" for note in plan["rewrites"] or ["none"]]
+    lines += units_section(plan.get("units", []))
     return "\n".join(lines) + "\n"
+
+
+def units_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Per weight-streaming unit (the program's, by the unit rule): its parameters, the
+    activations its backward keeps and its FLOPs per sample."""
+    if not rows:
+        return []
+    lines = ["", "Weight-streaming units", "----------------------",
+             *("  " + line for line in UNIT_RULE.splitlines()), ""]
+    headers = ["Unit", "Ops", "Params", "Kept KB", "Fwd MFLOP/sample", "Bwd MFLOP/sample", "Tied"]
+    table = [[r["unit"], str(r["ops"]), f"{r['params']:,}", f"{r['kept_bytes'] / 1024:.1f}",
+              f"{r['fwd_flops'] / 1e6:.3g}", f"{r['bwd_flops'] / 1e6:.3g}", ", ".join(r["tied"]) or "-"]
+             for r in rows]
+    lines += _table(headers, table)
+    lines += ["", "Activations kept per unit (forward values its backward reads):"]
+    lines += [f"  {r['unit']}: {', '.join(r['kept']) or '-'}" for r in rows]
+    return lines
 
 
 # ---------------------------------------------------------------- files
@@ -135,12 +152,13 @@ def pictures_of(plan: dict[str, Any]) -> dict[str, str | None]:
     return {"wafer.svg": pictures.render_wafer(plan), "streaming.svg": streaming}
 
 
-def write_outputs(model_dir: str | os.PathLike[str], plan: dict[str, Any], graph_text: str) -> list[Path]:
-    """Write the report, plan, picture and graph; returns the paths written."""
+def write_outputs(model_dir: str | os.PathLike[str], plan: dict[str, Any], program_text: str) -> list[Path]:
+    """Write the report, plan, picture and program; returns the paths written."""
     root = Path(model_dir)
     files = {root / "compile_report.txt": render_report(plan),
              root / "compile" / "plan.json": json.dumps(plan, indent=2) + "\n",
-             root / "compile" / "graph.txt": graph_text}
+             root / "compile" / "program.txt": program_text}
+    (root / "compile" / "graph.txt").unlink(missing_ok=True)   # an older compiler's, of another IR
     for name, svg in pictures_of(plan).items():
         if svg is not None:
             files[root / "compile" / name] = svg
