@@ -439,3 +439,23 @@ def test_gradient_clipping_counts_a_tied_weight_once_as_clip_grad_norm_does():
         for name, w in layer.items():
             np.testing.assert_allclose(w, reference[name].numpy(), rtol=1e-5,
                                        atol=1e-5 * float(reference[name].abs().max()), err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["bert_inputs", "cnn"])
+def test_every_captured_model_compiles_to_a_report(tmp_path, kind):
+    """A padding mask's -inf fill and a convolution: the plan, its key and its report hold them."""
+    from cs_runtime.compiler.stage import compile_model
+    from cs_runtime.config import params_from_dict
+    from cs_runtime.numerics.program_layer import unit_of
+    from cs_runtime.run_args import RunArgs
+    module, loss_fn = _model(kind)
+    x, y = _batches(kind, np.random.default_rng(1), 1, batch=4)[0]
+    spec = model_spec(kind, module, _example(x), torch.from_numpy(y), loss_fn)
+    args = RunArgs("train", "p.yaml", params_from_dict({"train_input": {"batch_size": 4}}), str(tmp_path), None,
+                   False, True)
+    first = compile_model(spec, args)
+    assert first["execution_strategy"] == "weight_streaming" and first["estimate"]["samples_per_s"] > 0
+    ran = [n.op for layer in spec.layers for n in unit_of(layer).forward]
+    assert [op for k in first["kernels"] for op in k["ops"]] == ran   # every op planned once
+    again = compile_model(spec, args)
+    assert again["reused"] and again["artifact_key"] == first["artifact_key"]

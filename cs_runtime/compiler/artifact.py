@@ -55,12 +55,12 @@ def _digest(o: Any) -> str:
     raise TypeError(f"{type(o).__name__} is not part of a compile key")
 
 
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_digest).encode()
+def _canonical(obj: Any, allow_nan: bool = False) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=allow_nan, default=_digest).encode()
 
 
-def _sha256(obj: Any) -> str:
-    return hashlib.sha256(_canonical(obj)).hexdigest()
+def _sha256(obj: Any, allow_nan: bool = False) -> str:
+    return hashlib.sha256(_canonical(obj, allow_nan)).hexdigest()
 
 
 def compile_params(params: Params) -> dict[str, Any]:
@@ -79,9 +79,9 @@ def compile_params(params: Params) -> dict[str, Any]:
 
 def model_input(spec: ModelSpec) -> dict[str, Any]:
     """A built-in model as params.yaml describes it; a captured program by its name and digest
-    (its units and constants are large, and binary)."""
+    (its units and constants are large, binary, and may hold -inf: a mask's fill value)."""
     model = spec.plain().to_dict()
-    return {"name": spec.name, "program_sha256": _sha256(model)} if spec.captured else model
+    return {"name": spec.name, "program_sha256": _sha256(model, allow_nan=True)} if spec.captured else model
 
 
 def compile_inputs(spec: ModelSpec, params: Params, mode: str, target: Target) -> dict[str, Any]:
