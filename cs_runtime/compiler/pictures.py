@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from .planner import fmt_bytes
+
 # Twelve colours that stay apart (Tableau 10 and two more); a group's kernels alternate shades.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac", "#1b9e77", "#7570b3")
@@ -181,14 +183,6 @@ def schedule(units: list[StreamedUnit]) -> list[tuple[int, str, float, float]]:
         slots.append((i, phase, t, t + length))
         t += length
     return slots
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 PHASE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "weights in": "#59a14f", "gradients out": "#e15759"}

@@ -147,7 +147,7 @@ class Plan:
     resident_bytes: int
     kernels: list[KernelPlan]
     estimate: Estimate
-    rewrites: list[str] = field(default_factory=list)
+    kernel_notes: list[str] = field(default_factory=list)   # how the program's ops became kernels
     precision: str = "float32"     # of matmul inputs and streamed tensors (model.mixed_precision)
     num_replicas: int = 1          # copies of a pipelined model on each wafer (--multireplica)
     second_target: dict[str, Any] = field(default_factory=dict)   # the same model on the other system

@@ -108,7 +108,7 @@ def render_report(plan: dict[str, Any]) -> str:
              _num(k["compute_samples_per_s"]), _num(k["transmission_samples_per_s"])]
             for k in plan["kernels"]]
     lines += _table(headers, rows)
-    lines += ["", "Kernels", "-------"] + [f"- {note}" for note in plan["rewrites"] or ["none"]]
+    lines += ["", "Kernels", "-------"] + [f"- {note}" for note in plan["kernel_notes"]]
     lines += units_section(plan.get("units", []))
     return "\n".join(lines) + "\n"
 
