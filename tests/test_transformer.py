@@ -111,7 +111,8 @@ def test_weight_streaming_chosen_for_a_model_over_wafer_memory_equals_oracle(tmp
     params = write_lm_params(tmp_path / "ws.yaml", style, csconfig={"wafer_memory_bytes": SMALL_WAFER})
     launcher = [tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"]
     result = run_job(launcher, style, params, tmp_path / "ws")
-    assert re.search(r"compile: .*weight_streaming \(the model .* does not fit in 100 KB", result.stdout), \
+    assert re.search(r"compile: .*weight_streaming on 2 CS system\(s\) \(the model .* does not fit in 100 KB",
+                     result.stdout), \
         result.stdout
     assert f"Mode=weight_streaming, Step={STEPS}," in result.stdout
     streamed = int(re.search(r"WeightBytes/step=(\d+)", result.stdout).group(1))
@@ -125,7 +126,7 @@ def test_pipelined_chosen_when_it_fits_equals_oracle(tmp_path, lm_oracle):
     style = lm_oracle[0]
     params = write_lm_params(tmp_path / "pipe.yaml", style)
     result = run_job([tool("csrun_wse")], style, params, tmp_path / "pipe", "--multireplica")
-    assert "pipelined (the whole model" in result.stdout
+    assert "pipelined x2 on 1 CS system(s) (the whole model" in result.stdout   # the compile says the mode run
     assert f"Mode=pipelined x2, Step={STEPS}," in result.stdout
     assert "WeightBytes/step=0" in result.stdout
     assert_matches(tmp_path / "pipe", lm_oracle, result.stdout)

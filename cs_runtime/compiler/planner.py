@@ -206,12 +206,12 @@ def choose_strategy(resident: int, wafer: Wafer, forced: str | None, num_csx: in
                            f"on the wafer and {have} are available; use weight_streaming")
     if forced:
         return forced, forced_why
+    if not fits:
+        return "weight_streaming", f"the model ({need} with optimizer state) does not fit in {have} of wafer memory"
     if num_csx > 1:
         strategy, _, why = run_mode("pipelined", num_csx, False)
         return strategy, why
-    if fits:
-        return "pipelined", f"the whole model ({need} with optimizer state) fits in {have} of wafer memory"
-    return "weight_streaming", f"the model ({need} with optimizer state) does not fit in {have} of wafer memory"
+    return "pipelined", f"the whole model ({need} with optimizer state) fits in {have} of wafer memory"
 
 
 def balance(costs: list[Cost], wafer: Wafer) -> list[int]:
