@@ -102,7 +102,7 @@ def unit_rows(spec: ModelSpec) -> list[dict[str, Any]]:
 def validate_only(spec: ModelSpec, kernels: list, args: RunArgs, target: Target, seconds: float) -> dict[str, Any]:
     strategy, why = strategy_for(spec, kernels, args.params, target)
     ops = sorted({op for k in kernels for op in k.nodes})
-    say(f"validate_only: {spec.name} is valid: {len(spec.layers)} units, {spec.num_params():,} parameters, "
+    say(f"validate_only: {spec.name} is valid: {len(spec.layers)} layers, {spec.num_params():,} parameters, "
         f"{len(kernels)} kernels ({', '.join(ops)}), checked in {seconds * 1000:.1f} ms")
     replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
     say(f"validate_only: would run {mode_name(strategy, replicas)} on {target.num_csx} CS system(s) ({why}); "
