@@ -63,12 +63,13 @@ def runnable(spec: ModelSpec) -> ModelSpec:
     return lower_spec(spec)
 
 
-def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
+def compile_model(spec: ModelSpec, args: RunArgs, target: Target | None = None) -> dict[str, Any]:
     """Validate, then compile or reuse; returns the plan (with "execution_strategy").
-    Built-in and captured models alike: the plan is made from the program that runs."""
+    Built-in and captured models alike: the plan is made from the program that runs.
+    `target`: the CS system it runs on (default: csrun_cpu / csrun_wse's, from the environment)."""
     start = time.perf_counter()
     spec = runnable(spec)
-    target = target_from_env(multireplica=args.multireplica)
+    target = target or target_from_env(multireplica=args.multireplica)
     kernels = kernels_of(spec, args.params, args.mode)
     if args.validate_only:
         return validate_only(spec, kernels, args, target, time.perf_counter() - start)
