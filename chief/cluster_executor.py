@@ -17,6 +17,7 @@ from chief.input_monitor import InputMonitor
 from cs_runtime.errors import CsError
 from cs_runtime import trace
 from cs_runtime.checkpoint import flatten, unflatten_for
+from cs_runtime.compiler.planner import mode_name, run_mode
 from cs_runtime.wire.auth import stop_authenticator
 from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
@@ -43,17 +44,12 @@ def input_wait(loss: Message) -> float:
 
 
 def choose_strategy(plan: dict, args, num_csx: int) -> tuple[str, int]:
-    """The compiler's execution strategy and replica count, within what the system can run."""
-    strategy = plan.get("execution_strategy", "weight_streaming")
-    if strategy == "pipelined" and num_csx > 1:
-        # As on a real cluster: several CS systems train together only in weight streaming.
-        log.info("layer pipelined runs on one CS system; %d requested: using weight streaming", num_csx)
-        strategy = "weight_streaming"
-    replicas = int(plan.get("num_replicas", 1))
-    if args.multireplica:
-        replicas = max(replicas, 2)
-    if strategy != "pipelined":
-        replicas = 1
+    """The compiler's execution strategy and replica count: the plan's, which the compile
+    made for this system (planner.run_mode); a plan made without knowing it is fitted here."""
+    planned = plan.get("execution_strategy", "weight_streaming")
+    strategy, replicas, note = run_mode(planned, num_csx, bool(args.multireplica))
+    if note and (strategy, replicas) != (planned, plan.get("num_replicas", 1)):
+        log.info("the plan says %s; %s: running %s", planned, note, strategy)
     return strategy, replicas
 
 
@@ -85,7 +81,7 @@ class ClusterExecutor:
         self.memoryx = self.dealer("memoryx", found["memoryx"][0])
         self.swarmx = self.dealer("swarmx", found["swarmx"][0])
         self.strategy, self.replicas = choose_strategy(compiled or {}, args, self.penv.num_csx)
-        self.device = f"WSE, Mode={self.strategy}" + (f" x{self.replicas}" if self.replicas > 1 else "")
+        self.device = f"WSE, Mode={mode_name(self.strategy, self.replicas)}"
         self.plan_phases: list | None = None
         self.waiting_workers: list[bytes] = []
         self.worker_ids: list[bytes] = []       # every worker that said HELLO (asked for spans at the end)

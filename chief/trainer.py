@@ -22,6 +22,7 @@ import yaml
 from chief.cluster_executor import ClusterExecutor
 from chief import story as run_story
 from chief.summaries import Summaries
+from cs_runtime.compiler import pictures
 from cs_runtime.compiler.stage import build_spec, compile_model
 from chief.cpu_executor import CpuExecutor
 from cs_runtime import checkpoint as ckpt
@@ -429,8 +430,10 @@ class Trainer:
         processes = [own, *self.executor.collect_traces()]
         path = self.model_dir / "trace.json"
         spans = trace.write_chrome_trace(path, processes)
+        timeline = pictures.write_timeline(path)   # one step, viewable without browser tools
+        seen = f"; one step drawn in {timeline}" if timeline else ""
         self.story.say(f"| Trace: {path} ({spans} spans from {len(processes)} process(es)); "
-                       f"open it in https://ui.perfetto.dev or chrome://tracing")
+                       f"open it in https://ui.perfetto.dev or chrome://tracing{seen}")
         return path
 
     def writer(self, split: str):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chief.cluster_executor import ClusterExecutor, ServiceError
+from cs_runtime.compiler.planner import Target
 from cs_runtime.compiler.stage import compile_model, runnable
 from chief.trainer import TAG_GRAD_NORM, TAG_LR, Trainer
 from cs_runtime.config import ParamsError, params_from_dict
@@ -335,7 +336,8 @@ class Session:
         params = self.params_dict(loader)
         args = RunArgs(self.mode, "<cs_torch>", params, self.model_dir, self.checkpoint_path, False, False)
         spec = runnable(self.model.spec)
-        compiled = compile_model(spec, args)
+        # Compiled for the system it runs on, so the report says the mode and systems that run.
+        compiled = compile_model(spec, args, Target(num_csx=self.options.num_csx, compiled_on="wse"))
         env, job = self.job.env, self.job
         penv = ProcessEnv(job.id, "chief", 0, job.directory.address, env["CS_IP"], self.options.num_csx,
                           self.layout.num_workers)

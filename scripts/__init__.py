@@ -3,6 +3,7 @@ commands are cs_runtime/cli/.
 
     bench.py, bench_baselines.py  the benchmark and its baselines (docs/benchmarks.md)
     batch_study.py        the batch-size study
+    published_estimates.py  the compiler's estimate beside published measured throughputs (docs/benchmarks.md)
     control_plane_bench.py  the launcher's control plane with many simulated tasks
     chaos.py, soak.py     faults thrown at whole jobs; many jobs back to back
     compare_checkouts.py, same_bits.py  do two versions of the code train to the same bits?

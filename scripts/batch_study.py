@@ -9,7 +9,9 @@ The ALCF exercise on the CS-2: train BERT with batch sizes 512, 1024 and
 the batch size changed, for the same number of training samples, then an
 evaluation on the same held-out text. Written to --out:
 
-  study.md     the table: samples/sec (the chief's GlobalRate), step time,
+  study.md     the table: estimated samples/sec (the compile's estimate for
+               the CS-2 and the CS-3, from compile/plan.json, in the mode
+               run) beside measured samples/sec (the chief's GlobalRate), step time,
                train loss at the last step, eval loss after the fixed number
                of samples, and bytes streamed per step (MemoryX -> SwarmX
                weights, SwarmX -> MemoryX gradients)
@@ -77,10 +79,21 @@ def run_one(model: str, batch: int, args, folder: Path) -> dict:
     weight_bytes, grad_bytes = map(int, TRAFFIC_RE.search(result.stdout).groups())
     eval_loss, eval_acc = map(float, EVAL_RE.search(result.stdout).groups())
     losses = train_losses(model_dir)
+    estimate = planned_rates(model_dir)
     return {"model": model, "batch_size": batch, "steps": len(losses), "samples": len(losses) * batch,
-            "samples_per_sec": rate, "step_time_s": batch / rate, "final_train_loss": losses[-1],
+            **estimate, "samples_per_sec": rate, "step_time_s": batch / rate, "final_train_loss": losses[-1],
             "eval_loss": eval_loss, "eval_accuracy": eval_acc, "weight_bytes_per_step": weight_bytes,
             "grad_bytes_per_step": grad_bytes, "wall_s": time.monotonic() - start, "losses": losses}
+
+
+def planned_rates(model_dir: Path) -> dict:
+    """The compile's estimates for the run (model_dir/compile/plan.json): its system's and the second target's."""
+    plan = json.loads((model_dir / "compile" / "plan.json").read_text())
+    second = plan.get("second_target", {})
+    return {"execution_strategy": plan["execution_strategy"], "system": plan["target"]["system"],
+            "estimated_samples_per_sec": plan["estimate"]["samples_per_s"],
+            "second_system": second.get("system", ""),
+            "second_estimated_samples_per_sec": second.get("samples_per_s", float("nan"))}
 
 
 def train_losses(model_dir: Path) -> list[float]:
@@ -91,13 +104,19 @@ def train_losses(model_dir: Path) -> list[float]:
 
 
 def table(rows: list[dict], args) -> str:
+    systems = rows[0] if rows else {"system": "CS-2 (WSE-2)", "second_system": "CS-3 (WSE-3)"}
     lines = [f"Batch-size study: {args.samples} training samples per run, csrun_wse weight streaming on "
-             f"{args.num_csx} WSE(s), eval on {args.eval_samples} held-out samples.", "",
-             "| model | batch | steps | samples/sec | step time (s) | train loss (last step) | "
-             "eval loss | eval acc | weight bytes/step | grad bytes/step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{args.num_csx} WSE(s), eval on {args.eval_samples} held-out samples.",
+             f"Estimated: the compile's estimate for {systems['system']} x {args.num_csx} (and "
+             f"{systems['second_system']}) from published figures; measured: this emulator's GlobalRate.", "",
+             f"| model | batch | steps | estimated samples/sec {systems['system']} | estimated "
+             f"{systems['second_system']} | measured samples/sec (emulator) | measured / estimated | "
+             "step time (s) | train loss (last step) | eval loss | eval acc | weight bytes/step | grad bytes/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['batch_size']} | {r['steps']} | {r['samples_per_sec']:.1f} | "
+        ratio = r["samples_per_sec"] / r["estimated_samples_per_sec"]
+        lines.append(f"| {r['model']} | {r['batch_size']} | {r['steps']} | {r['estimated_samples_per_sec']:,.0f} | "
+                     f"{r['second_estimated_samples_per_sec']:,.0f} | {r['samples_per_sec']:.1f} | {ratio:.2e} | "
                      f"{r['step_time_s']:.2f} | {r['final_train_loss']:.4f} | {r['eval_loss']:.4f} | "
                      f"{r['eval_accuracy']:.4f} | {r['weight_bytes_per_step']:,} | {r['grad_bytes_per_step']:,} |")
     return "\n".join(lines) + "\n"
@@ -162,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed = str(exc)
                 break
             r = rows[-1]
-            print(f"  {r['samples_per_sec']:.1f} samples/sec, step {r['step_time_s']:.2f} s, "
+            print(f"  measured {r['samples_per_sec']:.1f} samples/sec (estimated for {r['system']}: "
+                  f"{r['estimated_samples_per_sec']:,.0f}), step {r['step_time_s']:.2f} s, "
                   f"eval loss {r['eval_loss']:.4f}, {r['wall_s']:.0f} s", flush=True)
         done = [r for r in rows if r["model"] == model]
         if done:

@@ -39,7 +39,7 @@ USER_INPUT = ["cs_runtime.config.ParamsError", "cs_runtime.params_compat.CompatE
               "cs_runtime.checkpoint.CheckpointError", "cs_runtime.checkpoint_mdl.MdlError",
               "cs_runtime.data.mnist.DataError", "cs_runtime.data.text.TextDataError",
               "cs_runtime.numerics.batch_check.BadBatch", "cs_runtime.numerics.ops.OpError",
-              "cs_runtime.compiler.ir.CompileError", "cs_runtime.env.EnvError", "cs_runtime.run_args.RunError",
+              "cs_runtime.compiler.errors.CompileError", "cs_runtime.env.EnvError", "cs_runtime.run_args.RunError",
               "cs_runtime.torch_names.NameMapError", "cs_runtime.wire.protocol.MessageTooLarge",
               "cs_runtime.process.service.BadInput", "cs_runtime.run_lock.ModelDirInUse", "cs_runtime.launch.job.BadJob",
               "cs_runtime.cli.convert_checkpoint.ConvertError"]

@@ -355,8 +355,10 @@ def test_a_torch_state_dict_starts_a_run_and_weights_load_back():
         assert torch.equal(fresh.state_dict()[name], t), name
 
 
-def test_units_follow_the_rule_and_the_report_shows_them():
-    from cs_runtime.compiler import program_report
+def test_units_follow_the_rule_and_the_report_shows_them(tmp_path):
+    from cs_runtime.compiler.stage import compile_model
+    from cs_runtime.config import params_from_dict
+    from cs_runtime.run_args import RunArgs
     module, loss_fn = _model("gpt")
     ids = torch.zeros(2, 12, dtype=torch.long)
     spec = model_spec("gpt", module, (ids,), ids, loss_fn)
@@ -364,11 +366,18 @@ def test_units_follow_the_rule_and_the_report_shows_them():
                                              "transformer.h.1", "transformer.ln_f", "lm_head"]
     holders = [l.name for l in spec.layers if "lm_head.weight" in l.param_shapes()]
     assert holders == ["transformer.wte", "lm_head"]
-    values = spec.program["values"]
-    shapes, dtypes = {k: tuple(v[0]) for k, v in values.items()}, {k: v[1] for k, v in values.items()}
-    text = program_report.render(spec, shapes, dtypes, 2)
+    # A captured model's report is a built-in model's: the plan, the estimate, a row per kernel,
+    # and its units.
+    params = params_from_dict({"train_input": {"batch_size": 2}})
+    compile_model(spec, RunArgs("train", "p.yaml", params, str(tmp_path), None, False, True))
+    text = (tmp_path / "compile_report.txt").read_text()
+    for section in ("Execution strategy: ", "Estimated Overall Performance", "Estimated Performance Per Kernel",
+                    "Weight-streaming units"):
+        assert section in text
     assert "The unit rule:" in text and "ModuleList or Sequential" in text
-    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("transformer.", "lm_head "))}
+    assert (tmp_path / "compile" / "wafer.svg").exists() or (tmp_path / "compile" / "streaming.svg").exists()
+    units = text[text.index("Weight-streaming units"):]
+    rows = {line.split()[0]: line for line in units.splitlines() if line.startswith(("transformer.", "lm_head "))}
     assert rows["lm_head"].rstrip().endswith("lm_head.weight")
     block = rows["transformer.h.0"].split()
     assert int(block[2].replace(",", "")) == sum(p.numel() for p in module.transformer.h[0].parameters())
@@ -430,3 +439,23 @@ def test_gradient_clipping_counts_a_tied_weight_once_as_clip_grad_norm_does():
         for name, w in layer.items():
             np.testing.assert_allclose(w, reference[name].numpy(), rtol=1e-5,
                                        atol=1e-5 * float(reference[name].abs().max()), err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["bert_inputs", "cnn"])
+def test_every_captured_model_compiles_to_a_report(tmp_path, kind):
+    """A padding mask's -inf fill and a convolution: the plan, its key and its report hold them."""
+    from cs_runtime.compiler.stage import compile_model
+    from cs_runtime.config import params_from_dict
+    from cs_runtime.numerics.program_layer import unit_of
+    from cs_runtime.run_args import RunArgs
+    module, loss_fn = _model(kind)
+    x, y = _batches(kind, np.random.default_rng(1), 1, batch=4)[0]
+    spec = model_spec(kind, module, _example(x), torch.from_numpy(y), loss_fn)
+    args = RunArgs("train", "p.yaml", params_from_dict({"train_input": {"batch_size": 4}}), str(tmp_path), None,
+                   False, True)
+    first = compile_model(spec, args)
+    assert first["execution_strategy"] == "weight_streaming" and first["estimate"]["samples_per_s"] > 0
+    ran = [n.op for layer in spec.layers for n in unit_of(layer).forward]
+    assert [op for k in first["kernels"] for op in k["ops"]] == ran   # every op planned once
+    again = compile_model(spec, args)
+    assert again["reused"] and again["artifact_key"] == first["artifact_key"]

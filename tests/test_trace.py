@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
@@ -138,6 +139,9 @@ def test_chrome_events_rows_and_alignment():
 
 
 # ---------------------------------------------------------------- whole runs
+SVG = "{http://www.w3.org/2000/svg}"
+
+
 def load_trace(model_dir):
     doc = json.loads((model_dir / "trace.json").read_text())
     events = doc["traceEvents"]
@@ -169,6 +173,12 @@ def test_weight_streaming_trace(tmp_path, oracle):
     assert f"| Trace: {path}" in result.stdout.strip().splitlines()[-1]
     doc, spans = load_trace(tmp_path / "ws")
     assert set(spans) == {"chief", "worker0", "worker1", "memoryx", "swarmx", "wse0", "wse1"}
+    # One measured step drawn for a login node: a bar per span of the last step, named as in the trace.
+    drawn = [r.get("data-span") for r in ET.parse(tmp_path / "ws" / "timeline.svg").iter(f"{SVG}rect")
+             if r.get("data-span")]
+    start = next(e["ts"] for e in spans["chief"] if e["name"] == "train_step" and e["args"]["step"] == 99)
+    assert sorted(drawn) == sorted(e["name"] for row in spans.values() for e in row
+                                   if e["args"].get("step") == 99 and e["ts"] >= start)
     steps = 100
     every = [(s, l) for s in range(steps) for l in range(LAYERS)]
     for wse in ("wse0", "wse1"):

@@ -215,8 +215,8 @@ def test_gpt2_in_every_16bit_format_on_one_wse_equals_the_cpu_path_and_stays_nea
         report = (tmp_path / f"wse_{fmt}" / "compile_report.txt").read_text()
         assert f"precision {fmt}" in report
         rows = {line.split()[0]: line.split()[3] for line in report.splitlines() if line.startswith("block0.")}
-        assert rows["block0.qkv.fused_dense"] == rows["block0.attention"] == fmt
-        assert rows["block0.ln1"] == "float32"
+        assert rows["block0.qkv"] == rows["block0.self_attention"] == fmt   # matmul-like: 16-bit operands
+        assert rows["block0.layer_norm"] == "float32"
 
 
 @pytest.mark.cluster

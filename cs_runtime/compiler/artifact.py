@@ -7,13 +7,13 @@ when the key changes we can say which input did.
 
 An artifact is JSON (never pickle: reading one must not run code) and is
 checked before use: its format tag, its version, a checksum of its body, its
-key against its stored inputs, and its graph is validated again. Anything
-wrong is an `ArtifactError`, and the caller recompiles.
+key against its stored inputs, and the shape of its plan. Anything wrong is
+an `ArtifactError`, and the caller recompiles.
 
     inputs = compile_inputs(spec, params, "train", target)
     art = load(compile_dir)                    # None, or raises ArtifactError
     if art and art.key == key_of(inputs): ...  # reuse art.plan
-    save(compile_dir, inputs, graph, plan)
+    save(compile_dir, inputs, plan)
 """
 from __future__ import annotations
 
@@ -28,14 +28,13 @@ from cs_runtime.errors import CsError
 from cs_runtime.config import Params
 from cs_runtime.numerics.model import ModelSpec
 
-from .ir import CompileError, Graph
 from .planner import STRATEGIES, Target
 
 FORMAT = "cs-emulator-compile-artifact"
 VERSION = 1
 # Bump when the compiler's output for the same inputs changes, so old
 # artifacts are recompiled rather than trusted.
-COMPILER_VERSION = "1"
+COMPILER_VERSION = "3"
 FILENAME = "artifact.json"
 
 
@@ -47,16 +46,22 @@ class ArtifactError(CsError):
 class Artifact:
     key: str
     inputs: dict[str, Any]
-    graph: Graph
     plan: dict[str, Any]
 
 
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+def _digest(o: Any) -> str:
+    """A captured program's binary data (constants) as the key sees it: its digest."""
+    if isinstance(o, (bytes, bytearray, memoryview)):
+        return "sha256:" + hashlib.sha256(bytes(o)).hexdigest()
+    raise TypeError(f"{type(o).__name__} is not part of a compile key")
 
 
-def _sha256(obj: Any) -> str:
-    return hashlib.sha256(_canonical(obj)).hexdigest()
+def _canonical(obj: Any, allow_nan: bool = False) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=allow_nan, default=_digest).encode()
+
+
+def _sha256(obj: Any, allow_nan: bool = False) -> str:
+    return hashlib.sha256(_canonical(obj, allow_nan)).hexdigest()
 
 
 def compile_params(params: Params) -> dict[str, Any]:
@@ -73,8 +78,15 @@ def compile_params(params: Params) -> dict[str, Any]:
     }
 
 
+def model_input(spec: ModelSpec) -> dict[str, Any]:
+    """A built-in model as params.yaml describes it; a captured program by its name and digest
+    (its units and constants are large, binary, and may hold -inf: a mask's fill value)."""
+    model = spec.plain().to_dict()
+    return {"name": spec.name, "program_sha256": _sha256(model, allow_nan=True)} if spec.captured else model
+
+
 def compile_inputs(spec: ModelSpec, params: Params, mode: str, target: Target) -> dict[str, Any]:
-    return {"compiler": COMPILER_VERSION, "model": spec.plain().to_dict(), "params": compile_params(params),
+    return {"compiler": COMPILER_VERSION, "model": model_input(spec), "params": compile_params(params),
             "mode": mode, "target": target.key_fields()}
 
 
@@ -100,9 +112,8 @@ def changed_inputs(old: Any, new: Any, path: str = "") -> list[str]:
 
 # ---------------------------------------------------------------- disk
 
-def save(compile_dir: str | os.PathLike[str], inputs: dict[str, Any], graph: Graph,
-         plan: dict[str, Any]) -> Path:
-    body = {"inputs": inputs, "graph": graph.to_dict(), "plan": plan}
+def save(compile_dir: str | os.PathLike[str], inputs: dict[str, Any], plan: dict[str, Any]) -> Path:
+    body = {"inputs": inputs, "plan": plan}
     doc = {"format": FORMAT, "version": VERSION, "key": key_of(inputs), "checksum": _sha256(body), **body}
     path = Path(compile_dir) / FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +137,7 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _check(path: Path, doc: dict[str, Any]) -> Artifact:
-    body = {k: doc.get(k) for k in ("inputs", "graph", "plan")}
+    body = {k: doc.get(k) for k in ("inputs", "plan")}
     if doc.get("checksum") != _sha256(body):
         raise ArtifactError(f"{path}: checksum does not match the contents (corrupt or edited)")
     if doc.get("key") != key_of(body["inputs"]):
@@ -135,11 +146,7 @@ def _check(path: Path, doc: dict[str, Any]) -> Artifact:
     if not isinstance(plan, dict) or plan.get("execution_strategy") not in STRATEGIES \
             or not isinstance(plan.get("kernels"), list):
         raise ArtifactError(f"{path}: the stored plan is malformed")
-    try:
-        graph = Graph.from_dict(body["graph"])
-    except (CompileError, KeyError, TypeError, ValueError) as exc:
-        raise ArtifactError(f"{path}: the stored graph is invalid ({exc})") from None
-    return Artifact(doc["key"], body["inputs"], graph, plan)
+    return Artifact(doc["key"], body["inputs"], plan)
 
 
 def load(compile_dir: str | os.PathLike[str]) -> Artifact | None:

@@ -8,8 +8,8 @@ the backward from autodiff.py, cut into units by units.py.
 Each LayerSpec becomes one unit (its ops carry the layer's name as their
 module path, so the unit rule cuts the program exactly at the layers) and
 keeps everything it had: its op, sizes and parameter names, so weight
-initialisation (model.init_weights), checkpoints (`model/fc0/weight`) and the
-compile report's kernel graph stay as they were. A unit's parameters are
+initialisation (model.init_weights) and checkpoints (`model/fc0/weight`) stay
+as they were. A unit's parameters are
 named `<layer>.<param>` inside the program; `unit["local"]` maps them back.
 
 What the hand-written layers did, op by op:
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cs_runtime.compiler.errors import CompileError
 from cs_runtime.compiler.units import split_units
 from cs_runtime.numerics import kernels
 from cs_runtime.numerics.model import GELU_KINDS, ModelSpec
@@ -185,12 +186,46 @@ def _nsp_head(b: _Builder, layer, index: int, encoded: str) -> str:
 LAYERS = {"dense": _dense, "embedding": _embedding, "transformer_block": _block, "lm_head": _head}
 
 
+# ---------------------------------------------------------------- checks, before anything is built
+
+def check_layer(layer) -> None:
+    """A layer's settings, each problem one CompileError naming the layer and its op."""
+    where = f"layer {layer.name} (op {layer.op})"
+    if layer.op not in LAYERS and layer.op != "nsp_head":
+        raise CompileError(f"{where}: unsupported op {layer.op!r}; supported: {', '.join([*LAYERS, 'nsp_head'])}")
+    for what in ("in_features", "out_features"):
+        value = getattr(layer, what)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise CompileError(f"{where}: {what} {value!r} is not a positive int")
+    for what in ("dropout", "attn_dropout"):
+        p = getattr(layer, what)
+        if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise CompileError(f"{where}: {what} {p!r} outside [0, 1)")
+    if layer.activation not in ACTIVATION_OPS and layer.activation != "none":
+        raise CompileError(f"{where}: unsupported activation {layer.activation!r}; supported: "
+                           f"{', '.join([*ACTIVATION_OPS, 'none'])}")
+    if layer.op == "embedding" and layer.max_len <= 0:
+        raise CompileError(f"{where}: max_len {layer.max_len!r} is not a positive int")
+    if layer.op == "transformer_block" and (layer.num_heads <= 0 or layer.in_features % layer.num_heads
+                                            or layer.ffn_features <= 0):
+        raise CompileError(f"{where}: width {layer.in_features} needs num_heads > 0 dividing it "
+                           f"(got {layer.num_heads}) and ffn_features > 0 (got {layer.ffn_features})")
+
+
+def check_model(spec: ModelSpec) -> None:
+    if not spec.layers:
+        raise CompileError(f"model {spec.name}: has no layers")
+    if spec.loss != "softmax_cross_entropy":
+        raise CompileError(f"model {spec.name}: unsupported loss {spec.loss!r}; supported: softmax_cross_entropy")
+    for layer in spec.layers:
+        check_layer(layer)
+
+
 # ---------------------------------------------------------------- the whole model
 
 def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
     """The spec's program (forward and summed loss) and, per layer, {program name: param name}."""
-    if spec.loss != "softmax_cross_entropy":
-        raise ValueError(f"model {spec.name}: loss {spec.loss!r} has no lowering")
+    check_model(spec)
     b = _Builder()
     token = spec.token_model
     x = INPUT
@@ -198,8 +233,6 @@ def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
     for index, layer in enumerate(layers):
         if layer.op == "lm_head":
             encoded = x
-        if layer.op not in LAYERS:
-            raise ValueError(f"model {spec.name}: layer {layer.name} (op {layer.op}) has no lowering")
         b.layer(layer)
         x = LAYERS[layer.op](b, layer, index, x, spec)
     # The loss joins the last layer's unit: [B, T, V] logits flattened to tokens and summed

@@ -1,4 +1,4 @@
-"""The hardware model: WSE-2 figures, each with its source, and the cost model.
+"""The hardware model: WSE-2 and WSE-3 figures, each with its source, and the cost model.
 
 Every number the compiler's estimates rest on lives here, so a reader can see
 at once which are published figures and which are our modelling choices.
@@ -6,6 +6,7 @@ at once which are published figures and which are our modelling choices.
     from cs_runtime.compiler.hardware import WSE2
     WSE2.cores                      # 850,000
     WSE2.compute_time(flops, pes)   # seconds for `flops` spread over `pes` cores
+    WSE3                            # the CS-3's wafer: the estimates' second target
 
 The published figures (SEED) come from the PyTorch blog post on Cerebras and
 Cerebras' WSE-2 announcement. The rest are ASSUMPTIONs or derived from the
@@ -37,12 +38,28 @@ FLOPS_PER_WEIGHT_READ = 2
 # link that input batches and, in weight streaming, weights and gradients use.
 SYSTEM_IO_BITS_S = 12 * 100e9
 
+# ASSUMPTION: what the emulator's numpy reaches on one laptop or login-node CPU
+# (float32 matmuls on a few cores); only the report's line on the gap between
+# the estimate and the emulator's own measured rate uses it.
+HOST_FLOPS_S = 50e9
+
+# --- published WSE-3 figures (source: SEED3) --------------------------------
+SEED3 = "Cerebras WSE-3 announcement (March 2024); ALCF AI accelerators tutorial, SC24"
+WSE3_CORES = 900_000                      # SEED3: 900,000 AI cores
+WSE3_MEMORY_BYTES = 44 * 10**9            # SEED3: 44 GB on-chip SRAM
+WSE3_MEMORY_BANDWIDTH_BYTES_S = 21e15     # SEED3: 21 PB/s memory bandwidth
+WSE3_FABRIC_BANDWIDTH_BITS_S = 214e15     # SEED3: 214 Pb/s fabric bandwidth
+# SEED3: "each WSE is housed within a CS system, which provides 1.2 Tbps I/O": the same as the CS-2's.
+# ASSUMPTION: a 900 x 1000 grid, as the WSE-2's.
+WSE3_GRID_ROWS, WSE3_GRID_COLS = 900, 1000
+
 
 @dataclass(frozen=True)
 class Wafer:
     """One wafer-scale engine as the compiler sees it."""
 
     name: str = "wse2"
+    system: str = "CS-2 (WSE-2)"   # what the estimates say they are for
     cores: int = CORES
     rows: int = GRID_ROWS
     cols: int = GRID_COLS
@@ -54,6 +71,15 @@ class Wafer:
     def with_memory(self, memory_bytes: int | None) -> "Wafer":
         """This wafer with `memory_bytes` available to the model (None: all)."""
         return self if memory_bytes is None else replace(self, memory_bytes=memory_bytes)
+
+    def part(self, n: int) -> "Wafer":
+        """One of `n` equal side-by-side parts of this wafer (a replica's share): 1/n of
+        its columns, cores, memory and bandwidths, so every per-core figure stays."""
+        if n == 1:
+            return self
+        return replace(self, cores=self.rows * (self.cols // n), cols=self.cols // n,
+                       memory_bytes=self.memory_bytes // n, memory_bw_bytes_s=self.memory_bw_bytes_s / n,
+                       fabric_bw_bytes_s=self.fabric_bw_bytes_s / n, io_bw_bytes_s=self.io_bw_bytes_s / n)
 
     # --- per core, derived from the published totals
     @property
@@ -93,3 +119,6 @@ class Wafer:
 
 
 WSE2 = Wafer()
+WSE3 = Wafer("wse3", "CS-3 (WSE-3)", WSE3_CORES, WSE3_GRID_ROWS, WSE3_GRID_COLS, WSE3_MEMORY_BYTES,
+             WSE3_MEMORY_BANDWIDTH_BYTES_S, WSE3_FABRIC_BANDWIDTH_BITS_S / 8)
+WAFERS = {w.name: w for w in (WSE2, WSE3)}

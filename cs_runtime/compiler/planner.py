@@ -1,6 +1,6 @@
 """The plan: execution mode, PEs per kernel, and the performance estimate.
 
-    plan = make_plan(graph, params, mode="train", target=target_from_env())
+    plan = make_plan(spec, params, mode="train", target=target_from_env())   # spec: the program run
     plan.execution_strategy     # "pipelined" or "weight_streaming"
 
 Mode: layer pipelined when the weights, gradients and optimizer state of the
@@ -9,30 +9,38 @@ WSE-2's 40 GB), else weight streaming; `runconfig.execution_strategy` forces
 either.
 
 Pipelined: every kernel gets its own rectangle of the PE grid, strips laid
-left to right in graph order (activations flow east), each sized so that all
+left to right in program order (activations flow east), each sized so that all
 stages take the same time per sample: a pipeline runs at the pace of its
 slowest stage, so PEs beyond that pace are wasted.
 
 Weight streaming: each kernel in turn has the whole wafer, its weights
 streamed in over the system I/O while the activations stay resident.
 
+Systems and replicas: several CS systems (--num_csx > 1) train together only
+in weight streaming, each on its share of the batch; --multireplica runs two
+copies of a pipelined model side by side on one wafer, each on half the
+batch. `run_mode` is that rule, written once: the compile applies it, and the
+chief applies it again to whatever plan it is handed, so the mode reported
+is the mode run.
+
 All times come from cs_runtime/compiler/hardware.py.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
 
 from cs_runtime import env as cs_env
 from cs_runtime.config import Params
-from cs_runtime.compiler.hardware import WSE2, Wafer
+from cs_runtime.compiler.hardware import WAFERS, WSE2, WSE3, Wafer
+from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.numerics.precision import wire_dtype
 
-from .ir import CompileError, Graph, Node, elements
+from .costs import Cost, Kernel, describe, program_kernels
+from .errors import CompileError
 
 STRATEGIES = ("weight_streaming", "pipelined")
-DTYPE_BYTES = {"float32": 4, "int32": 4}
 
 
 # ---------------------------------------------------------------- the target
@@ -45,55 +53,46 @@ class Target:
     device: str = "wse2"
     num_csx: int = 1
     compiled_on: str = "cpu"
+    multireplica: bool = False     # run.py's --multireplica
 
     def key_fields(self) -> dict[str, Any]:
-        return {"device": self.device, "num_csx": self.num_csx}
+        return {"device": self.device, "num_csx": self.num_csx, "multireplica": self.multireplica}
 
 
-def target_from_env(env: Mapping[str, str] | None = None) -> Target:
+def target_from_env(env: Mapping[str, str] | None = None, multireplica: bool = False) -> Target:
     """CS_TARGET (cpu | wse, set by csrun_cpu / csrun_wse) and, for wse, CS_NUM_CSX (default: os.environ)."""
     try:
         on = cs_env.TARGET.get(env)
-        return Target(num_csx=cs_env.NUM_CSX.get(env) if on == "wse" else 1, compiled_on=on)
+        return Target(num_csx=cs_env.NUM_CSX.get(env) if on == "wse" else 1, compiled_on=on,
+                      multireplica=bool(multireplica))
     except cs_env.EnvError as exc:
         raise CompileError(str(exc)) from None
 
 
+# ---------------------------------------------------------------- the mode a system runs
+
+PIPELINED_REPLICAS = 2   # --multireplica: copies of a pipelined model on one wafer
+
+
+def run_mode(strategy: str, num_csx: int, multireplica: bool) -> tuple[str, int, str]:
+    """(strategy, replicas, note) a CS system of `num_csx` WSEs runs a `strategy` plan in;
+    the note says what changed and why ("" when nothing did)."""
+    note = ""
+    if strategy == "pipelined" and num_csx > 1:
+        strategy = "weight_streaming"
+        note = f"{num_csx} CS systems train together only in weight streaming"
+    replicas = PIPELINED_REPLICAS if multireplica and strategy == "pipelined" else 1
+    if multireplica and replicas == 1:
+        note = "; ".join(filter(None, [note, "--multireplica applies to layer pipelined runs only"]))
+    return strategy, replicas, note
+
+
+def mode_name(strategy: str, replicas: int) -> str:
+    """As the run's Device line says it: pipelined, pipelined x2, weight_streaming."""
+    return strategy + (f" x{replicas}" if replicas > 1 else "")
+
+
 # ---------------------------------------------------------------- kernel costs
-
-def _kn(ins: list[Node]) -> int:
-    """Multiply-accumulates per sample: k * n of the weight, times the rows (tokens) of a sample."""
-    x = ins[0]
-    return elements(ins[1].shape) * (elements(x.shape) // int(x.shape[-1]))
-
-
-def _attention_flops(node: Node, ins: list[Node]) -> float:
-    """Scores q k^T and probabilities @ v: 2 * 2 * T * T * D per sample, plus the softmax."""
-    seq, width = int(node.shape[1]), int(node.shape[2])
-    return 4 * seq * seq * width + 5 * seq * seq * int(node.attrs["heads"])
-
-
-# Forward FLOPs per sample of each op; elementwise ops cost one per element.
-FORWARD_FLOPS: dict[str, Callable[[Node, list[Node]], float]] = {
-    "matmul": lambda n, ins: 2 * _kn(ins),
-    "fused_dense": lambda n, ins: 2 * _kn(ins) + 3 * elements(n.shape),
-    "softmax_cross_entropy": lambda n, ins: 5 * elements(ins[0].shape),
-    "attention": _attention_flops,
-    "layer_norm": lambda n, ins: 8 * elements(n.shape),
-}
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What one kernel needs, per sample unless said otherwise."""
-
-    flops: float            # forward, plus backward when training
-    weight_bytes: int       # its params (per model, not per sample)
-    resident_bytes: int     # params + gradients + optimizer state on the wafer
-    act_bytes: int          # activations in + out (and their gradients back)
-    host_bytes: int         # graph inputs read from outside the wafer
-    max_pes: int            # parallelism per sample: more cores do not help
-
 
 def state_copies(params: Params, train: bool) -> int:
     """Copies of each weight kept while running: the weight, its gradient, optimizer slots."""
@@ -102,27 +101,6 @@ def state_copies(params: Params, train: bool) -> int:
     opt = params.optimizer
     slots = 2 if opt.optimizer_type in ("adam", "adamw") else int(opt.momentum > 0)
     return 2 + slots
-
-
-def nbytes(nodes: list[Node]) -> int:
-    """Bytes per sample of the nodes' values (the whole value for params)."""
-    return sum(elements(n.shape) * DTYPE_BYTES[n.dtype] for n in nodes)
-
-
-def kernel_cost(graph: Graph, node: Node, train: bool, copies: int) -> Cost:
-    ins = [graph.node(i) for i in node.inputs]
-    params = [i for i in ins if i.op == "param"]
-    acts = [i for i in ins if i.op not in ("param", "const")]
-    fwd = FORWARD_FLOPS.get(node.op, lambda n, i: elements(n.shape))(node, ins)
-    # Backward costs as much again per input gradient: 2x, or 3x with a weight gradient.
-    flops = fwd * ((3 if params else 2) if train else 1)
-    weight_bytes = nbytes(params)
-    act_bytes = (nbytes(acts) + nbytes([node])) * (2 if train else 1)
-    # A weight is the smallest unit of work a core takes; without weights, an
-    # activation element is.
-    max_pes = max(sum(elements(p.shape) for p in params) or max(elements(i.shape) for i in [node, *acts]), 1)
-    return Cost(flops, weight_bytes, weight_bytes * copies, act_bytes,
-                nbytes([i for i in ins if i.op == "input"]), max_pes)
 
 
 # ---------------------------------------------------------------- the plan
@@ -140,15 +118,19 @@ class KernelPlan:
     rect: dict[str, int]     # x, y, w, h on the grid (the whole grid in weight streaming)
     compute_samples_per_s: float | None       # None: no bound
     transmission_samples_per_s: float | None
+    ops: list[str] = field(default_factory=list)   # the program's ops it holds
 
 
 @dataclass
 class Estimate:
-    samples_per_s: float
-    compute_samples_per_s: float
+    """Rates of a named system, from its published figures (hardware.py), not measured."""
+
+    samples_per_s: float            # a whole step: the slower bound, with a pipeline's fill and drain
+    compute_samples_per_s: float    # steady state, compute alone
     transmission_samples_per_s: float | None
     active_pes_pct: float
     compute_utilization_pct: float
+    step_s: float = 0.0             # one step of the batch the plan is for
 
 
 @dataclass
@@ -165,8 +147,10 @@ class Plan:
     resident_bytes: int
     kernels: list[KernelPlan]
     estimate: Estimate
-    rewrites: list[str] = field(default_factory=list)
+    kernel_notes: list[str] = field(default_factory=list)   # how the program's ops became kernels
     precision: str = "float32"     # of matmul inputs and streamed tensors (model.mixed_precision)
+    num_replicas: int = 1          # copies of a pipelined model on each wafer (--multireplica)
+    second_target: dict[str, Any] = field(default_factory=dict)   # the same model on the other system
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,18 +173,45 @@ def fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def choose_strategy(resident: int, wafer: Wafer, forced: str | None) -> tuple[str, str]:
+def check_forced(forced: str | None, num_csx: int) -> None:
+    """A forced mode the job's systems cannot run is an error, said before anything starts."""
+    if forced == "pipelined" and num_csx > 1:
+        raise CompileError(f"runconfig.execution_strategy is pipelined but the job has {num_csx} CS systems "
+                           f"(--num_csx {num_csx}); layer pipelined runs on one: use weight_streaming "
+                           f"or --num_csx 1")
+
+
+FORCED_WHY = "forced by runconfig.execution_strategy"
+CAPTURED_DEFAULT = ("weight_streaming", "a captured program runs as weight-streaming units unless "
+                    "runconfig.execution_strategy says otherwise")
+
+
+def setting(spec: ModelSpec, params: Params) -> tuple[str | None, str]:
+    """The mode asked for (None: the compiler chooses) and why: runconfig.execution_strategy,
+    else weight streaming for a captured program (as it has always run)."""
+    forced = params.runconfig.execution_strategy
+    if forced:
+        return forced, FORCED_WHY
+    return CAPTURED_DEFAULT if spec.captured else (None, "")
+
+
+def choose_strategy(resident: int, wafer: Wafer, forced: str | None, num_csx: int = 1,
+                    forced_why: str = FORCED_WHY) -> tuple[str, str]:
     """(strategy, why) — the why is shown to the user."""
     need, have = fmt_bytes(resident), fmt_bytes(wafer.memory_bytes)
     fits = resident <= wafer.memory_bytes
+    check_forced(forced, num_csx)
     if forced == "pipelined" and not fits:
         raise CompileError(f"runconfig.execution_strategy is pipelined but the model needs {need} "
                            f"on the wafer and {have} are available; use weight_streaming")
     if forced:
-        return forced, "forced by runconfig.execution_strategy"
-    if fits:
-        return "pipelined", f"the whole model ({need} with optimizer state) fits in {have} of wafer memory"
-    return "weight_streaming", f"the model ({need} with optimizer state) does not fit in {have} of wafer memory"
+        return forced, forced_why
+    if not fits:
+        return "weight_streaming", f"the model ({need} with optimizer state) does not fit in {have} of wafer memory"
+    if num_csx > 1:
+        strategy, _, why = run_mode("pipelined", num_csx, False)
+        return strategy, why
+    return "pipelined", f"the whole model ({need} with optimizer state) fits in {have} of wafer memory"
 
 
 def balance(costs: list[Cost], wafer: Wafer) -> list[int]:
@@ -228,7 +239,8 @@ def place(pes: list[int], wafer: Wafer) -> list[dict[str, int]]:
     return rects
 
 
-def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer) -> tuple[list[KernelPlan], Estimate]:
+def plan_pipelined(nodes: list[Kernel], costs: list[Cost], wafer: Wafer, batch: int,
+                   train: bool) -> tuple[list[KernelPlan], Estimate]:
     rects = place(balance(costs, wafer), wafer)
     kernels = []
     for node, c, r in zip(nodes, costs, rects):
@@ -238,15 +250,27 @@ def plan_pipelined(nodes: list[Node], costs: list[Cost], wafer: Wafer) -> tuple[
         # Activations enter a strip through its west edge, r["h"] cores tall.
         trans_s = wafer.fabric_time(c.act_bytes, r["h"]) + wafer.io_time(c.host_bytes)
         kernels.append(KernelPlan(node.name, node.op, node.layer, c.flops, c.weight_bytes, c.resident_bytes,
-                                  area, active, r, _rate(1, compute_s), _rate(1, trans_s)))
+                                  area, active, r, _rate(1, compute_s), _rate(1, trans_s), list(node.nodes)))
     # A pipeline runs at the pace of its slowest stage.
     compute = _min_rate([k.compute_samples_per_s for k in kernels]) or math.inf
     trans = _min_rate([k.transmission_samples_per_s for k in kernels])
     used = sum(k.pes for k in kernels)
-    return kernels, _estimate(compute, trans, used / wafer.cores, costs, wafer)
+    est = _estimate(compute, trans, used / wafer.cores, costs, wafer)
+    return kernels, filled(est, batch, len(kernels) * (2 if train else 1))
 
 
-def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, train: bool,
+def filled(est: Estimate, batch: int, depth: int) -> Estimate:
+    """A step of `batch` samples through a pipeline `depth` stages deep (forward, then
+    backward when training): the first sample takes `depth` paces to come out, the
+    rest one pace each, so small batches pay for the fill and drain."""
+    pace = 1 / est.samples_per_s
+    step = (batch + depth - 1) * pace
+    rate = batch / step
+    return replace(est, samples_per_s=rate, compute_utilization_pct=est.compute_utilization_pct * rate * pace,
+                   step_s=step)
+
+
+def plan_weight_streaming(nodes: list[Kernel], costs: list[Cost], wafer: Wafer, train: bool,
                           batch: int, precision: str = "float32") -> tuple[list[KernelPlan], Estimate]:
     whole = {"x": 0, "y": 0, "w": wafer.cols, "h": wafer.rows}
     kernels, compute_s, trans_s = [], [], []
@@ -259,11 +283,11 @@ def plan_weight_streaming(nodes: list[Node], costs: list[Cost], wafer: Wafer, tr
         trans_s.append(wafer.io_time(streamed))
         kernels.append(KernelPlan(node.name, node.op, node.layer, c.flops, c.weight_bytes, c.resident_bytes,
                                   wafer.cores, active, whole, _rate(batch, compute_s[-1]),
-                                  _rate(batch, trans_s[-1])))
+                                  _rate(batch, trans_s[-1]), list(node.nodes)))
     # Layers run one after another; streaming overlaps with compute.
     busy = sum(k.active_pes * s for k, s in zip(kernels, compute_s)) / max(sum(compute_s), 1e-30)
     compute = _rate(batch, sum(compute_s)) or math.inf
-    return kernels, _estimate(compute, _rate(batch, sum(trans_s)), busy / wafer.cores, costs, wafer)
+    return kernels, streaming_step(_estimate(compute, _rate(batch, sum(trans_s)), busy / wafer.cores, costs, wafer), batch)
 
 
 def _estimate(compute: float, trans: float | None, active: float, costs: list[Cost], wafer: Wafer) -> Estimate:
@@ -273,47 +297,80 @@ def _estimate(compute: float, trans: float | None, active: float, costs: list[Co
     return Estimate(samples, compute, trans, 100 * active, 100 * samples * flops / wafer.peak_flops_s)
 
 
+def streaming_step(est: Estimate, batch: int) -> Estimate:
+    """Weight streaming: a step is the batch at the slower of compute and the weights' stream."""
+    return replace(est, step_s=batch / est.samples_per_s)
+
+
 def _scale(e: Estimate, n: int) -> Estimate:
     """N systems each take 1/N of the batch: rates add up, percentages stay."""
     trans = e.transmission_samples_per_s
     return Estimate(e.samples_per_s * n, e.compute_samples_per_s * n, trans * n if trans else trans,
-                    e.active_pes_pct, e.compute_utilization_pct)
+                    e.active_pes_pct, e.compute_utilization_pct, e.step_s)
 
 
-def _costs(graph: Graph, params: Params, train: bool) -> list[Cost]:
-    return [kernel_cost(graph, n, train, state_copies(params, train)) for n in graph.kernels()]
-
-
-def strategy_for(graph: Graph, params: Params, mode: str) -> tuple[str, str]:
-    """The execution mode and why, without planning (what validate_only reports)."""
-    resident = sum(c.resident_bytes for c in _costs(graph, params, mode != "eval"))
-    wafer = WSE2.with_memory(params.csconfig.wafer_memory_bytes)
-    return choose_strategy(resident, wafer, params.runconfig.execution_strategy)
-
-
-def make_plan(graph: Graph, params: Params, mode: str, target: Target,
-              rewrites: list[str] | None = None) -> Plan:
+def kernels_of(spec: ModelSpec, params: Params, mode: str) -> list[Kernel]:
     train = mode != "eval"
-    wafer = WSE2.with_memory(params.csconfig.wafer_memory_bytes)
-    nodes, costs = graph.kernels(), _costs(graph, params, train)
+    return program_kernels(spec, train, state_copies(params, train))
+
+
+def strategy_for(spec: ModelSpec, kernels: list[Kernel], params: Params, target: Target) -> tuple[str, str]:
+    """The execution mode and why, without planning (what validate_only reports)."""
+    resident = sum(k.cost.resident_bytes for k in kernels)
+    wafer = WAFERS[target.device].with_memory(params.csconfig.wafer_memory_bytes)
+    forced, forced_why = setting(spec, params)
+    return choose_strategy(resident, wafer, forced, target.num_csx, forced_why)
+
+
+def make_plan(spec: ModelSpec, params: Params, mode: str, target: Target,
+              kernels: list[Kernel] | None = None) -> Plan:
+    """The plan for the target's system, with the same model's estimate on the second target."""
+    kernels = kernels if kernels is not None else kernels_of(spec, params, mode)
+    plan = plan_on(WAFERS[target.device], spec, kernels, params, mode, target)
+    other = WSE3 if target.device != WSE3.name else WSE2
+    try:
+        second = plan_on(other, spec, kernels, params, mode, target)
+        plan.second_target = {"system": other.system, "execution_strategy": second.execution_strategy,
+                              "num_replicas": second.num_replicas, **asdict(second.estimate)}
+    except CompileError as exc:   # a forced mode the other system cannot run
+        plan.second_target = {"system": other.system, "error": str(exc)}
+    return plan
+
+
+def plan_on(wafer: Wafer, spec: ModelSpec, nodes: list[Kernel], params: Params, mode: str, target: Target) -> Plan:
+    train = mode != "eval"
+    wafer = wafer.with_memory(params.csconfig.wafer_memory_bytes)
+    costs = [k.cost for k in nodes]
     resident = sum(c.resident_bytes for c in costs)
-    forced = params.runconfig.execution_strategy
-    strategy, why = choose_strategy(resident, wafer, forced)
+    forced, forced_why = setting(spec, params)
+    strategy, why = choose_strategy(resident, wafer, forced, target.num_csx, forced_why)
     batch = params.train_input.batch_size if train else params.eval_input.batch_size
     per_system = math.ceil(batch / target.num_csx)
+    replicas = 1
     if strategy == "pipelined":
         try:
-            kernels, est = plan_pipelined(nodes, costs, wafer)
+            replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
+            kernels, est = plan_pipelined(nodes, costs, wafer.part(replicas), math.ceil(batch / replicas), train)
+            est = _scale(est, replicas)
         except CompileError as exc:
             if forced:
                 raise
-            strategy, why = "weight_streaming", f"{exc}"
+            strategy, why, replicas = "weight_streaming", f"{exc}", 1
     if strategy == "weight_streaming":
         kernels, est = plan_weight_streaming(nodes, costs, wafer, train, per_system, params.precision)
-    return Plan(graph.name, strategy, why, mode, {**target.key_fields(), "compiled_on": target.compiled_on},
+    note = run_mode(strategy, target.num_csx, target.multireplica)[2]
+    return Plan(spec.name, strategy, "; ".join(filter(None, [why, note])), mode,
+                {**target.key_fields(), "compiled_on": target.compiled_on, "system": wafer.system},
                 batch, per_system, {"rows": wafer.rows, "cols": wafer.cols, "cores": wafer.cores},
-                wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), list(rewrites or []),
-                params.precision)
+                wafer.memory_bytes, resident, kernels, _scale(est, target.num_csx), grouping_notes(nodes),
+                params.precision, replicas)
+
+
+def grouping_notes(kernels: list[Kernel]) -> list[str]:
+    d = describe(kernels)
+    return [f"{d['ops']} ops of the program in {d['kernels']} kernels: a kernel starts at a node that reads a "
+            f"weight matrix or is matmul-like; the {d['fused']} others (biases, activations, dropout, norms, "
+            "residual adds, reshapes, the loss) joined the kernel before them"]
 
 
 def wire_fraction(precision: str) -> float:

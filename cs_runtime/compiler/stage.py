@@ -4,16 +4,19 @@
     csrun_cpu python examples/fc_mnist/run.py --mode train --params ... --model_dir /tmp/fc --compile_only
     csrun_wse python examples/fc_mnist/run.py --mode train --params ... --model_dir /tmp/fc   # reuses it
 
-1. validate: the model becomes a kernel graph; every op, shape and dtype is
-   checked. With --validate_only that is all: nothing is compiled or written.
+1. validate: the model is the program every path runs (a captured model's, or a
+   built-in model lowered by families.py); every op's shape rule is checked and
+   its kernels costed (costs.py). With --validate_only that is all: nothing is
+   compiled or written.
 2. reuse: if model_dir/compile/artifact.json has this run's key (model,
    compile-relevant params, mode, target), its plan is used as it is.
 3. compile otherwise, saying why (no artifact, which input changed, or why
-   the old one was rejected): rewrite the graph, plan it, save the artifact.
-4. report: compile_report.txt, compile/plan.json, compile/wafer.svg, compile/graph.txt.
+   the old one was rejected): plan the program's kernels, save the artifact.
+4. report: compile_report.txt, compile/plan.json, compile/program.txt and the picture of the
+   mode run (compile/wafer.svg pipelined, compile/streaming.svg weight streaming).
 
 Errors (CompileError, a ValueError) name the layer and the op; the trainer
-prints them and exits 1.
+prints them and exits 2.
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ from typing import Any
 
 from cs_runtime.compiler import artifact
 from cs_runtime.compiler.families import lower_spec
-from cs_runtime.compiler.ir import CompileError, Graph
-from cs_runtime.compiler.lower import lower
-from cs_runtime.compiler.planner import make_plan, strategy_for, target_from_env
+from cs_runtime.compiler.costs import listing, program_shapes
+from cs_runtime.compiler.errors import CompileError
+from cs_runtime.compiler.planner import (Target, kernels_of, make_plan, mode_name, run_mode,
+                                         strategy_for, target_from_env)
 from cs_runtime.compiler.report import write_outputs
-from cs_runtime.compiler.rewrites import optimize
+from cs_runtime.compiler.units import unit_table
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
@@ -59,43 +63,53 @@ def runnable(spec: ModelSpec) -> ModelSpec:
     return lower_spec(spec)
 
 
-def compile_model(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
-    """Validate, then compile or reuse; returns the plan (with "execution_strategy")."""
-    if spec.captured:
-        return compile_program(spec, args)
+def compile_model(spec: ModelSpec, args: RunArgs, target: Target | None = None) -> dict[str, Any]:
+    """Validate, then compile or reuse; returns the plan (with "execution_strategy").
+    Built-in and captured models alike: the plan is made from the program that runs.
+    `target`: the CS system it runs on (default: csrun_cpu / csrun_wse's, from the environment)."""
     start = time.perf_counter()
-    graph = lower(spec)
+    spec = runnable(spec)
+    target = target or target_from_env(multireplica=args.multireplica)
+    kernels = kernels_of(spec, args.params, args.mode)
     if args.validate_only:
-        return validate_only(spec, graph, args, time.perf_counter() - start)
-    target = target_from_env()
+        return validate_only(spec, kernels, args, target, time.perf_counter() - start)
     inputs = artifact.compile_inputs(spec, args.params, args.mode, target)
     key = artifact.key_of(inputs)
     compile_dir = Path(args.model_dir) / "compile"
     found, why = reusable(compile_dir, inputs, key)
     if found is not None:
-        plan, final = found.plan, found.graph
+        plan = found.plan
         say(f"reused compiled artifact {key[:12]} from {compile_dir}: skipped compilation")
     else:
         say(f"compiling {spec.name} ({why})")
-        final, notes = optimize(graph)
-        plan = make_plan(final, args.params, args.mode, target, notes).to_dict()
-        saved = artifact.save(compile_dir, inputs, final, plan)
+        plan = {**make_plan(spec, args.params, args.mode, target, kernels).to_dict(),
+                "units": unit_rows(spec)}
+        saved = artifact.save(compile_dir, inputs, plan)
         say(f"compiled in {time.perf_counter() - start:.2f} s; artifact {key[:12]} saved to {saved}")
-    written = write_outputs(args.model_dir, plan, f"# as extracted\n{graph}\n\n# as compiled\n{final}\n")
+    written = write_outputs(args.model_dir, plan, listing(spec))
     summarize(plan, written[0])
     if args.compile_only:
         say("compile_only: done; nothing was run")
     return {**plan, "artifact_key": key, "reused": found is not None}
 
 
-def validate_only(spec: ModelSpec, graph: Graph, args: RunArgs, seconds: float) -> dict[str, Any]:
-    strategy, why = strategy_for(graph, args.params, args.mode)
-    ops = sorted({n.op for n in graph.kernels()})
+def unit_rows(spec: ModelSpec) -> list[dict[str, Any]]:
+    """Per weight-streaming unit: its parameters, the activations its backward keeps, its FLOPs."""
+    shapes, dtypes, batch = program_shapes(spec)
+    return [{**row, "fwd_flops": row["fwd_flops"] / batch, "bwd_flops": row["bwd_flops"] / batch}
+            for row in unit_table(spec, shapes, dtypes)]
+
+
+def validate_only(spec: ModelSpec, kernels: list, args: RunArgs, target: Target, seconds: float) -> dict[str, Any]:
+    strategy, why = strategy_for(spec, kernels, args.params, target)
+    ops = sorted({op for k in kernels for op in k.nodes})
     say(f"validate_only: {spec.name} is valid: {len(spec.layers)} layers, {spec.num_params():,} parameters, "
-        f"{len(graph.kernels())} kernels ({', '.join(ops)}), checked in {seconds * 1000:.1f} ms")
-    say(f"validate_only: would run {strategy} ({why}); nothing was compiled or run")
-    log.debug("kernel graph:\n%s", graph)
-    return {"execution_strategy": strategy, "strategy_reason": why, "validated_only": True}
+        f"{len(kernels)} kernels ({', '.join(ops)}), checked in {seconds * 1000:.1f} ms")
+    replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
+    say(f"validate_only: would run {mode_name(strategy, replicas)} on {target.num_csx} CS system(s) ({why}); "
+        "nothing was compiled or run")
+    return {"execution_strategy": strategy, "strategy_reason": why, "num_replicas": replicas,
+            "validated_only": True}
 
 
 def reusable(compile_dir: Path, inputs: dict[str, Any], key: str) -> tuple[artifact.Artifact | None, str]:
@@ -117,32 +131,11 @@ def reusable(compile_dir: Path, inputs: dict[str, Any], key: str) -> tuple[artif
 
 def summarize(plan: dict[str, Any], report: Path) -> None:
     est = plan["estimate"]
-    say(f"{plan['model']}: {len(plan['kernels'])} kernels, {plan['execution_strategy']} "
-        f"({plan['strategy_reason']})")
-    say(f"estimated {est['samples_per_s']:,.0f} samples/s, {est['active_pes_pct']:.1f}% of PEs active, "
-        f"{est['compute_utilization_pct']:.2f}% compute utilization; report: {report}")
-
-
-def compile_program(spec: ModelSpec, args: RunArgs) -> dict[str, Any]:
-    """A captured program was validated and compiled (autodiff, units) when it was
-    captured; here it is reported. Every path runs it as weight-streaming units."""
-    from cs_runtime.compiler import program_report
-    values = spec.program["values"]
-    shapes = {k: tuple(v[0]) for k, v in values.items()}
-    dtypes = {k: v[1] for k, v in values.items()}
-    batch = shapes[spec.program["inputs"][0]][0] if shapes[spec.program["inputs"][0]] else 1
-    ops = sorted({n[0] for layer in spec.layers for n in layer.unit["unit"]["forward"]})
-    say(f"{spec.name}: a compiled program of {len(spec.layers)} weight-streaming units, "
-        f"{spec.num_params():,} parameters, ops: {', '.join(ops)}")
-    strategy = args.params.runconfig.execution_strategy or "weight_streaming"
-    if args.validate_only:
-        say(f"validate_only: {spec.name} is valid; nothing was compiled or run")
-        return {"execution_strategy": strategy, "strategy_reason": "compiled program", "validated_only": True}
-    listing = "\n".join(f"# unit {layer.name}\n" + "\n".join(
-        f"{', '.join(n[2])} = {n[0]}({', '.join(n[1])}) {n[3] or ''}  # {n[4]} {n[5]}"
-        for n in layer.unit["unit"]["forward"]) for layer in spec.layers)
-    report = program_report.write(args.model_dir, spec, shapes, dtypes, batch, listing + "\n")
-    say(f"report: {report}")
-    if args.compile_only:
-        say("compile_only: done; nothing was run")
-    return {"execution_strategy": strategy, "strategy_reason": "compiled program", "model": spec.name}
+    say(f"{plan['model']}: {len(plan['kernels'])} kernels, "
+        f"{mode_name(plan['execution_strategy'], plan.get('num_replicas', 1))} on "
+        f"{plan['target']['num_csx']} CS system(s) ({plan['strategy_reason']})")
+    second = plan.get("second_target", {}).get("samples_per_s")
+    on_cs3 = f"; on {plan['second_target']['system']}: {second:,.0f}" if second else ""
+    say(f"estimate for {plan['target']['system']} x {plan['target']['num_csx']} (not measured): "
+        f"{est['samples_per_s']:,.0f} samples/s, {est['active_pes_pct']:.1f}% of PEs active, "
+        f"{est['compute_utilization_pct']:.2f}% compute utilization{on_cs3}; report: {report}")

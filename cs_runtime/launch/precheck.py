@@ -73,6 +73,7 @@ def check(options: JobOptions) -> Checked:
             raise BadJob(missing)
         return Checked(None, [])   # the script lives on the task hosts only: the chief checks there
     env = {k: v for k, v in os.environ.items() if k not in cs_env.JOB_VARS}
+    # The job's systems: the check compiles for them, so it reports the mode the job will run.
     env.update({cs_env.ROLE.name: "precheck", cs_env.TARGET.name: "wse", cs_env.TRACE.name: "0",
                 cs_env.NUM_CSX.name: str(options.num_csx),
                 cs_env.PRECHECK_HERE.name: "1" if job.backend_for(options).tasks_here() else "0"})

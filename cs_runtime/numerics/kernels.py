@@ -1,6 +1,5 @@
-"""Numpy kernels behind the op set (ops.py) and the compiler's interpreter:
-dropout masks, GELU, attention, the token loss and the forward pieces the
-kernel-graph interpreter (compiler/interp.py) gives its ops' meaning with.
+"""Numpy kernels behind the op set (ops.py): dropout masks, GELU, attention,
+the token loss and the forward pieces its ops are written with.
 
     out, cache = attention_forward(qkv, heads, causal, key_keep, drop)
     dqkv = attention_backward(dout, cache)
@@ -249,7 +248,7 @@ GELUS = {"gelu": (gelu, gelu_grad), "gelu_new": (gelu_tanh, gelu_tanh_grad),
 
 
 def activate(kind: str, z: np.ndarray) -> np.ndarray:
-    """A built-in layer's activation by name (the kernel graph's activation op, compiler/interp.py)."""
+    """A built-in layer's activation by name."""
     if kind == "relu":
         return np.maximum(z, 0.0)
     if kind == "tanh":

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 # BERT with its next-sentence head: a batch's features by name (the data sets make them,
-# the lowered program and the kernel graph read them, the batch check checks them).
+# the lowered program reads them, the batch check checks them).
 NSP_FEATURES = ("input_ids", "segment_ids", "next_sentence_label")
 
 # ---------------------------------------------------------------- parameters
