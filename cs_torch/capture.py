@@ -96,14 +96,89 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dro
     names, inputs, keywords = _example_inputs(model, example_inputs)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
-    try:
-        exported = torch.export.export(_WithLoss(model, loss_fn, keywords), examples)
-    except Exception as exc:  # torch raises many types; the user needs the one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(f"torch.export could not trace the model: {first}") from exc
-    captured = _Lowering(exported, model, dropout).run()
+    wrapped = _WithLoss(model, loss_fn, keywords)
+    batch = _batch_size(inputs)
+    exported = _export_batch_free(wrapped, examples, batch)
+    captured = _Lowering(exported, model, dropout, batch).run()
     captured.feature_names = names
     return captured
+
+
+def _tensors(example) -> list:
+    """The tensors of an example (a target may be a tuple of them: a traced step's)."""
+    if isinstance(example, (tuple, list)):
+        return [t for part in example for t in _tensors(part)]
+    return [example] if isinstance(example, torch.Tensor) else []
+
+
+def _batch_size(inputs) -> int:
+    sizes = {int(t.shape[0]) for t in _tensors(inputs) if t.dim()}
+    if not sizes:
+        raise CaptureError("the example inputs have no batch: each model input's dim 0 is its batch")
+    if len(sizes) != 1:
+        raise CaptureError(f"the example inputs have {len(sizes)} different batch sizes "
+                           f"({', '.join(str(n) for n in sorted(sizes))}): dim 0 is the batch of each")
+    return sizes.pop()
+
+
+def _per_tensor(example, fn):
+    """`example` with fn applied to each of its tensors, its tuples kept."""
+    if isinstance(example, (tuple, list)):
+        return tuple(_per_tensor(part, fn) for part in example)
+    return fn(example)
+
+
+def _export_batch_free(wrapped, examples, batch: int):
+    """torch.export with dim 0 of every input and of the target one symbolic size, the
+    batch: a shape computed from it stays a function of it (`view(B, T, -1, hs)`,
+    `buffer.expand(B, T)`), so the program holds for a shard of any number of rows.
+    A model that fixes the batch (a buffer or a shape of the capture's batch size) is
+    refused here, at its source line: run on a shard, it would compute wrong numbers."""
+    dim = torch.export.Dim("batch")
+
+    def follows(t):   # a tensor of the step that is not the batch's (a traced step's scalar) stays
+        return isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch
+    dynamic = _per_tensor(examples, lambda t: {0: dim} if follows(t) else None)
+    # Export takes a size of 1 for a constant; two rows are the same program.
+    traced = _per_tensor(examples, lambda t: torch.cat([t, t]) if batch == 1 and follows(t) else t)
+    try:
+        return torch.export.export(wrapped, traced, dynamic_shapes=(dynamic,))   # forward(*args)
+    except Exception as exc:  # torch raises many types; the user needs the one line
+        if "Constraints violated (batch)" in str(exc):
+            raise _fixed_batch_error(wrapped, examples, batch) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(f"torch.export could not trace the model: {first}") from exc
+
+
+def _fixed_batch_error(wrapped, examples, batch: int) -> CaptureError:
+    """Where the model fixes its batch size: the line that fails when it runs one more row."""
+    grown = _per_tensor(examples, lambda t: torch.cat([t, t[:1]]) if t.dim() and t.shape[0] == batch else t)
+    where = ""
+    try:
+        with torch.no_grad():
+            wrapped(*grown)
+    except Exception as exc:  # the model's own error at another batch size names the line
+        line = _user_frame(exc.__traceback__)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f" at {line}: {first}" if line else f": {first}"
+    return CaptureError(f"the model fixes the batch size at {batch}{where} (a buffer or a shape of the "
+                        "capture's batch size): a shard of other rows would compute wrong numbers; write "
+                        "shapes from x.shape or with -1, and broadcast buffers over the batch")
+
+
+def _user_frame(tb) -> str:
+    """file:line of the innermost frame of a traceback outside torch and this module."""
+    import traceback
+    best = ""
+    for frame in traceback.extract_tb(tb):
+        if not _in_torch(frame.filename) and frame.filename != __file__:
+            best = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return best
+
+
+def _in_torch(path: str) -> bool:
+    """torch's own files (not torchvision's, whose folder name starts the same)."""
+    return path.startswith(_TORCH_DIR + os.sep)
 
 
 def _example_inputs(model, example_inputs) -> tuple[list[str], tuple, list[str] | None]:
@@ -160,7 +235,7 @@ def _source(fx_node) -> str:
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[6:].partition('", line ')
-            if not path.startswith(_TORCH_DIR) and path != __file__:
+            if not _in_torch(path) and path != __file__:
                 best = f"{os.path.basename(path)}:{rest.split(',')[0]}"
     return best
 
@@ -182,10 +257,13 @@ def _strip(name: str) -> str:
 
 
 class _Lowering:
-    def __init__(self, exported, model, dropout: bool = True):
-        self.ep, self.model, self.dropout = exported, model, dropout
+    def __init__(self, exported, model, dropout: bool = True, batch: int = 1):
+        self.ep, self.model, self.dropout, self.batch = exported, model, dropout, batch
         self.names: dict = {}          # fx node -> program value name (or list of names, for split)
         self.constants: dict = {}      # fx node -> torch value, for nodes computed at capture
+        self.const_names: dict = {}    # fx node of a constant -> its program constant, once an op reads it
+        self.symbolic: set = set()     # fx nodes of sizes that follow the batch (x.shape[0], B * T)
+        self.batch_inputs: list = []   # inputs whose dim 0 is the batch
         self.nodes: list[Node] = []
         self.params: dict[str, Value] = {}
         self.inputs: dict[str, Value] = {}
@@ -240,7 +318,9 @@ class _Lowering:
             self.constants[node] = state[target]
             self.names[node] = None
         else:
-            self.inputs[name] = Value(tuple(val.shape), self._dtype(val))
+            self.inputs[name] = Value(self._at_capture(val.shape), self._dtype(val))
+            if val.dim() and _symbolic(val.shape[0]):
+                self.batch_inputs.append(name)
             self.names[node] = name
             user_inputs.append(name)
 
@@ -290,13 +370,22 @@ class _Lowering:
             else:
                 self.names[node] = self.names[source][index]
             return
-        if "_assert" in str(node.target):
+        if "_assert" in str(node.target) or "constrain_range" in str(node.target):
             return
+        if isinstance(node.meta.get("val"), torch.SymInt):
+            self.symbolic.add(node)   # a size computed from the batch: its ops read it from their output
+            return
+        packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
+        if packet in _BATCH_SIZED and (self._follows_batch(list(node.args)) or _follows_batch_shape(node)):
+            self.names[node] = _BATCH_SIZED[packet](self, node, *node.args, **node.kwargs)
+            return
+        if self._follows_batch(list(node.args) + list(node.kwargs.values())):
+            raise self.error("an argument follows the batch size: a shard of other rows would compute "
+                             "other numbers (write it without the batch size)")
         if self._is_const(list(node.args)) and self._is_const(list(node.kwargs.values())):
             # A constant of the program (positions, a causal mask): torch computes it once, here.
             self.constants[node] = node.target(*self._concrete(node.args), **self._concrete(node.kwargs))
             return
-        packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
         lower = _LOWER.get(packet)
         if lower is None:
             raise self.error("not in the op set (docs/torch.md lists the supported ops)")
@@ -305,15 +394,17 @@ class _Lowering:
 
     def _value(self, arg) -> str:
         """The program value of an fx argument (a constant tensor becomes a program constant)."""
+        if arg in self.const_names:
+            return self.const_names[arg]
         if arg in self.constants:
+            # The node stays a constant: an op of constants after this one is still computed here.
             name = f"const{len(self.consts)}"
             value = self.constants[arg]
             array = _numpy(value)
             if value.dtype not in _DTYPES:
                 raise self.error(f"constant of dtype {value.dtype}")
             self.consts[name] = array
-            self.names[arg] = name
-            del self.constants[arg]
+            self.const_names[arg] = name
             return name
         name = self.names.get(arg)
         if name is None or isinstance(name, list):
@@ -329,6 +420,24 @@ class _Lowering:
                                (name,), attrs or {}, _module_path(node), _source(node)))
         return name
 
+    def _follows_batch(self, arg) -> bool:
+        if isinstance(arg, torch.fx.Node):
+            return arg in self.symbolic
+        if isinstance(arg, (list, tuple)):
+            return any(self._follows_batch(a) for a in arg)
+        return isinstance(arg, (torch.SymInt, torch.SymFloat))
+
+    def _at_capture(self, shape) -> tuple:
+        """A shape with the batch as captured."""
+        return tuple(int(d) if not _symbolic(d) else int(d.node.expr.subs(_batch_symbol(d), self.batch))
+                     for d in shape)
+
+    def batch_input(self) -> str:
+        """A program input whose dim 0 is the batch: what a shape that grows with it reads it from."""
+        if not self.batch_inputs:
+            raise self.error("a shape follows the batch size, but no input has the batch in dim 0")
+        return self.batch_inputs[0]
+
     def scalar_of(self, arg):
         """A Python number, from a literal or a 0-d constant tensor; None when arg is a tensor value."""
         if isinstance(arg, (int, float, bool)):
@@ -336,6 +445,19 @@ class _Lowering:
         if isinstance(arg, torch.fx.Node) and arg in self.constants and self.constants[arg].dim() == 0:
             return self.constants[arg].item()
         return None
+
+
+def _symbolic(size) -> bool:
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
+def _batch_symbol(size):
+    return next(iter(size.node.expr.free_symbols))
+
+
+def _follows_batch_shape(node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and any(_symbolic(d) for d in val.shape)
 
 
 def _numpy(t) -> np.ndarray:
@@ -560,13 +682,85 @@ def _mse(L, node, a, b, reduction=1):
     return L.emit("mse_loss", [a, b], {"reduction": _reduction(L, reduction)})
 
 
-def _broadcast_tensors(L, node, tensors):
-    shape = list(node.meta["val"][0].shape)
-    return [L.emit("expand", [t], {"shape": shape}, out=f"{node.name}_{i}") for i, t in enumerate(tensors)]
-
-
 def _gelu(L, node, x, approximate="none"):
     return L.emit("gelu", [x], {"approximate": approximate})
+
+
+# ---------------------------------------------------------------- shapes that follow the batch
+# A program runs on shards of any number of rows, so a shape captured from the batch
+# (x.shape[0], B * T) must not enter it as the capture's number. Its ops take their
+# shape from the output's symbolic sizes: a reshape puts -1 at the one dim that
+# follows the batch; an expand keeps such a dim (-1), or, to broadcast a constant
+# over the batch (a token_type_ids buffer), reads the batch from a program input.
+
+def _reshape(L, node, x, shape):
+    out = node.meta["val"].shape
+    following = [i for i, d in enumerate(out) if _symbolic(d)]
+    if len(following) > 1:
+        raise L.error(f"reshape to {list(out)}: {len(following)} dims follow the batch size, a shard "
+                      "could not tell them apart (keep the batch in one dim)")
+    return L.emit("reshape", [x], {"shape": [-1 if _symbolic(d) else int(d) for d in out]})
+
+
+def _expand_to(L, x, out, name=None, src=None) -> str:
+    """x (an fx node, or a program constant of shape `src`) broadcast to the output shape
+    `out` (symbolic sizes where it follows the batch)."""
+    src = x.meta["val"].shape if src is None else src
+    lead = len(out) - len(src)
+    shape, batch_dims = [], []
+    for i, d in enumerate(out):
+        if not _symbolic(d):
+            shape.append(int(d))
+        elif i >= lead and _symbolic(src[i - lead]) and src[i - lead].node.expr == d.node.expr:
+            shape.append(-1)
+        elif d.node.expr.is_Symbol:
+            shape.append(L.batch)
+            batch_dims.append(i)
+        else:
+            raise L.error(f"expand to {list(out)}: dim {i} grows with the batch as {d}; only the batch "
+                          "itself can be broadcast to")
+    if not batch_dims:
+        return L.emit("expand", [x], {"shape": shape}, out=name)
+    return L.emit("expand", [x, L.batch_input()], {"shape": shape, "batch_dims": batch_dims}, out=name)
+
+
+def _expand(L, node, x, shape, implicit=False):
+    return _expand_to(L, x, node.meta["val"].shape)
+
+
+def _broadcast_tensors(L, node, tensors):
+    shape = node.meta["val"][0].shape
+    return [_expand_to(L, t, shape, f"{node.name}_{i}") for i, t in enumerate(tensors)]
+
+
+def _filled(fill_of):
+    """A tensor filled with one value (ones, zeros, full, new_*): uniform over the batch, so
+    it is a constant of one row broadcast over the shard's rows."""
+    def lower(L, node, *args, **kw):
+        out = node.meta["val"]
+        if any(_symbolic(d) and not d.node.expr.is_Symbol for d in out.shape):
+            raise L.error(f"a tensor of shape {list(out.shape)}: only the batch itself can size a dim")
+        fill = fill_of(*args, **kw)
+        if L._follows_batch(fill):
+            raise L.error("a fill value that follows the batch size")
+        fill = L._concrete(fill) if isinstance(fill, torch.fx.Node) else fill
+        row = torch.full([1 if _symbolic(d) else int(d) for d in out.shape], fill, dtype=out.dtype)
+        name = f"const{len(L.consts)}"
+        if out.dtype not in _DTYPES:
+            raise L.error(f"constant of dtype {out.dtype}")
+        L.consts[name] = _numpy(row)
+        return _expand_to(L, name, out.shape, src=tuple(row.shape))
+    return lower
+
+
+_BATCH_SIZED = {
+    "view": _reshape, "reshape": _reshape, "_unsafe_view": _reshape, "expand": _expand,
+    "ones": _filled(lambda size, **kw: 1), "zeros": _filled(lambda size, **kw: 0),
+    "empty": _filled(lambda size, **kw: 0), "full": _filled(lambda size, fill_value, **kw: fill_value),
+    "new_ones": _filled(lambda x, size, **kw: 1), "new_zeros": _filled(lambda x, size, **kw: 0),
+    "new_empty": _filled(lambda x, size, **kw: 0),
+    "new_full": _filled(lambda x, size, fill_value, **kw: fill_value),
+}
 
 
 _LOWER = {
@@ -580,15 +774,13 @@ _LOWER = {
     "softmax": _softmax("softmax"), "_softmax": _softmax("softmax"),
     "log_softmax": _softmax("log_softmax"), "_log_softmax": _softmax("log_softmax"),
     "layer_norm": _layer_norm, "embedding": _embedding, "dropout": _dropout,
-    "view": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
-    "reshape": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
-    "_unsafe_view": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
+    "view": _reshape, "reshape": _reshape, "_unsafe_view": _reshape,
     "flatten": lambda L, n, x, start_dim=0, end_dim=-1: L.emit("flatten", [x], {"start_dim": start_dim,
                                                                                "end_dim": end_dim}),
     "permute": lambda L, n, x, dims: L.emit("permute", [x], {"dims": list(dims)}),
     "transpose": lambda L, n, x, d0, d1: L.emit("transpose", [x], {"dim0": int(d0), "dim1": int(d1)}),
     "t": lambda L, n, x: L.emit("transpose", [x], {"dim0": 0, "dim1": -1}),
-    "expand": lambda L, n, x, shape, implicit=False: L.emit("expand", [x], {"shape": list(shape)}),
+    "expand": _expand,
     "slice": _slice, "split": _split, "split_with_sizes": _split, "chunk": _chunk,
     "unsqueeze": lambda L, n, x, dim: L.emit("unsqueeze", [x], {"dim": int(dim)}),
     "squeeze": _squeeze, "clone": lambda L, n, x, **kw: L.emit("clone", [x]),

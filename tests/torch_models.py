@@ -106,3 +106,56 @@ class TwoTower(nn.Module):
 
     def forward(self, x, y):
         return self.out(torch.tanh(self.fx(x)) * torch.sigmoid(self.fy(y)))
+
+
+class ViewAttention(nn.Module):
+    """Causal attention with the heads found by view(B, T, -1, head_dim), as transformers
+    writes it: the -1 sits after the batch, so the shape must follow a shard's rows."""
+    def __init__(self, vocab=30, d=32, head_dim=8, max_len=12):
+        super().__init__()
+        self.head_dim = head_dim
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T))
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B * T, -1).view(B, T, -1)    # B * T in one dim, then back
+        return self.head(x + self.proj(y))
+
+
+class TypeBuffer(nn.Module):
+    """BERT's embeddings without a mask or token types given: a registered token_type_ids
+    buffer sliced to T and expanded to the batch, and an all-ones attention mask of
+    [B, T] made in forward(); both must fit a shard of any number of rows."""
+    def __init__(self, vocab=30, d=16, max_len=12, types=2):
+        super().__init__()
+        self.register_buffer("token_type_ids", torch.zeros((1, max_len), dtype=torch.long), persistent=False)
+        self.tok = nn.Embedding(vocab, d)
+        self.typ = nn.Embedding(types, d)
+        self.layer = EncoderLayer(d, 2)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids):
+        batch, seq = input_ids.shape
+        types = self.token_type_ids[:, :seq].expand(batch, seq)
+        mask = torch.ones((batch, seq), dtype=torch.long)
+        x = self.tok(input_ids) + self.typ(types)
+        return self.head(self.layer(x, mask == 0))
+
+
+class FixedBatch(nn.Module):
+    """A buffer of the capture's batch size: no program of it holds for another shard."""
+    def __init__(self, batch=8, d=12, classes=5):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(batch, d))
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, x):
+        return self.fc(x * self.scale)

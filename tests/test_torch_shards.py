@@ -1,0 +1,113 @@
+"""A program captured at batch B holds for any shard: 1 row, B/2, uneven splits.
+Captured at 8, each shard's scores equal torch's on those rows, and the shards'
+loss shares and gradients add up to torch's on the whole batch (as the WSEs of a
+data-parallel run add theirs). A model that fixes its batch is refused at capture."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
+F = torch.nn.functional
+
+from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss  # noqa: E402
+from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
+from tests import torch_models  # noqa: E402
+
+BATCH, T, VOCAB = 8, 12, 30
+SPLITS = {"whole": [8], "halves": [4, 4], "uneven": [3, 5], "rows": [1] * 8}
+
+
+def _batch(seed=3):
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, VOCAB, (BATCH, T)), rng.integers(0, VOCAB, (BATCH, T))
+
+
+def _run_shards(spec, ids, labels, sizes):
+    """(each shard's scores, the summed loss shares, the summed gradients by parameter)."""
+    weights = init_weights(spec, 0)
+    scores, loss, grads, start = [], 0.0, {}, 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        ctx = ShardContext(0, 0, BATCH, rows, True, labels=labels[rows])
+        live, caches = model_forward(spec, ids[rows], weights, ctx)
+        scores.append(live[spec.program["logits"]])
+        result = model_loss(spec, live, labels[rows], BATCH, labels.size)
+        loss += result.loss
+        for layer in model_backward(spec, result.delta, caches, weights):
+            for name, g in layer.items():
+                grads[name] = grads.get(name, 0) + g
+        start += size
+    return scores, loss, grads
+
+
+@pytest.mark.parametrize("kind", ["view_attention", "type_buffer"])
+def test_a_program_captured_at_8_rows_runs_any_shard_as_torch_does(kind):
+    torch.manual_seed(0)
+    module = torch_models.ViewAttention() if kind == "view_attention" else torch_models.TypeBuffer()
+    ids, labels = _batch()
+    spec = model_spec(kind, module, (torch.from_numpy(ids),), torch.from_numpy(labels), torch_models.token_loss)
+    logits = module(torch.from_numpy(ids))
+    loss = torch_models.token_loss(logits, torch.from_numpy(labels))
+    loss.backward()
+    for split, sizes in SPLITS.items():
+        scores, ours, grads = _run_shards(spec, ids, labels, sizes)
+        start = 0
+        for size, shard in zip(sizes, scores):   # torch at the shard's own size
+            theirs = module(torch.from_numpy(ids[start:start + size])).detach().numpy().reshape(shard.shape)
+            np.testing.assert_allclose(shard, theirs, rtol=1e-4, atol=1e-5, err_msg=f"{split}, rows {start}+{size}")
+            start += size
+        assert ours == pytest.approx(loss.item(), rel=1e-5), split
+        for name, p in module.named_parameters():
+            np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=f"{split}: {name}")
+
+
+def test_the_shapes_that_follow_the_batch_carry_no_capture_batch_size():
+    """The reshapes put -1 where the batch is; the buffer's expand reads the batch from an input."""
+    torch.manual_seed(0)
+    ids, labels = _batch()
+    for module in (torch_models.ViewAttention(), torch_models.TypeBuffer()):
+        program = capture(module, (torch.from_numpy(ids),), torch.from_numpy(labels), torch_models.token_loss).program
+        shaped = [n for n in program.nodes if n.op in ("reshape", "expand")]
+        assert shaped
+        for node in shaped:
+            assert node.attrs["shape"][0] != BATCH or node.attrs.get("batch_dims") == [0], (node.op, node.attrs)
+        assert all(BATCH not in a.shape for a in program.consts.values())
+
+
+def test_a_capture_at_one_row_runs_a_shard_of_eight():
+    torch.manual_seed(0)
+    module = torch_models.ViewAttention()
+    ids, labels = _batch()
+    spec = model_spec("one", module, (torch.from_numpy(ids[:1]),), torch.from_numpy(labels[:1]),
+                      torch_models.token_loss)
+    scores, _, _ = _run_shards(spec, ids, labels, [8])
+    theirs = module(torch.from_numpy(ids)).detach().numpy()
+    np.testing.assert_allclose(scores[0], theirs.reshape(scores[0].shape), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_that_fixes_its_batch_is_refused_at_capture_at_its_line():
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    with pytest.raises(CaptureError) as err:
+        capture(torch_models.FixedBatch(), (x,), y, F.cross_entropy)
+    line = str(err.value)
+    assert "fixes the batch size at 8" in line and "torch_models.py:" in line and "\n" not in line
+
+
+class _ConstantReadTwice(torch.nn.Module):
+    """Positions read by an embedding (they become a program constant), then by cumsum:
+    torch computes that at capture too, so no op outside the op set is asked for."""
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Embedding(T * T, 6)
+        self.head = torch.nn.Linear(6, VOCAB)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1])
+        first = self.pos(pos)
+        return self.head(first + self.pos(torch.cumsum(pos, 0)) + ids[..., None])
+
+
+def test_a_constant_an_op_has_read_is_still_a_constant():
+    ids, labels = _batch()
+    captured = capture(_ConstantReadTwice(), (torch.from_numpy(ids).float(),), torch.from_numpy(labels),
+                       torch_models.token_loss)
+    assert not any(n.op == "cumsum" for n in captured.program.nodes)
