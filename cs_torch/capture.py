@@ -264,6 +264,7 @@ class _Lowering:
         self.const_names: dict = {}    # fx node of a constant -> its program constant, once an op reads it
         self.symbolic: set = set()     # fx nodes of sizes that follow the batch (x.shape[0], B * T)
         self.batch_inputs: list = []   # inputs whose dim 0 is the batch
+        self.reduced: dict = {}        # fx node computed from a reduction over the batch -> that reduction
         self.nodes: list[Node] = []
         self.params: dict[str, Value] = {}
         self.inputs: dict[str, Value] = {}
@@ -342,11 +343,23 @@ class _Lowering:
     # ------------------------------------------------------------ ops
 
     def error(self, what: str) -> CaptureError:
-        node = self.fx_node
-        where = _module_path(node) or "<root>"
-        target = str(node.target)
-        line = _source(node)
-        return CaptureError(f"module {where}: op {target}{' at ' + line if line else ''}: {what}")
+        return CaptureError(f"{_located(self.fx_node)}: {what}")
+
+    def _check_rows_stay_apart(self, node):
+        """Refuse an op that meets a value reduced over the batch (x.mean(0), x[:1]) with the
+        batch's rows: on a shard the reduction sees its own rows, not the whole batch's, and
+        the numbers would differ from the CPU path's. A reduction into the loss is the loss's."""
+        tensors = [n for n in node.all_input_nodes if n not in self.symbolic and n not in self.constants]
+        reduced = [self.reduced[n] for n in tensors if n in self.reduced]
+        rows = any(_batch_shaped(n.meta.get("val")) for n in tensors)
+        keeps_rows = _batch_shaped(node.meta.get("val"))
+        if reduced and (rows or keeps_rows):
+            line = _source(node)
+            raise CaptureError(f"{_located(reduced[0])}: reduces over the batch (dim 0), and op {node.target}"
+                               f"{' at ' + line if line else ''} meets the result with the batch's rows: a "
+                               "shard would reduce over its own rows only (keep the batch dim apart)")
+        if reduced or (rows and not keeps_rows):
+            self.reduced[node] = reduced[0] if reduced else node
 
     def _is_const(self, arg) -> bool:
         if isinstance(arg, torch.fx.Node):
@@ -369,12 +382,15 @@ class _Lowering:
                 self.constants[node] = self.constants[source][index]
             else:
                 self.names[node] = self.names[source][index]
+            if source in self.reduced:
+                self.reduced[node] = self.reduced[source]
             return
         if "_assert" in str(node.target) or "constrain_range" in str(node.target):
             return
         if isinstance(node.meta.get("val"), torch.SymInt):
             self.symbolic.add(node)   # a size computed from the batch: its ops read it from their output
             return
+        self._check_rows_stay_apart(node)
         packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
         if packet in _BATCH_SIZED and (self._follows_batch(list(node.args)) or _follows_batch_shape(node)):
             self.names[node] = _BATCH_SIZED[packet](self, node, *node.args, **node.kwargs)
@@ -455,9 +471,21 @@ def _batch_symbol(size):
     return next(iter(size.node.expr.free_symbols))
 
 
-def _follows_batch_shape(node) -> bool:
-    val = node.meta.get("val")
+def _batch_shaped(val) -> bool:
+    """Whether a node's value (a tensor, or a list of them) has a dim that follows the batch."""
+    if isinstance(val, (list, tuple)):
+        return any(_batch_shaped(v) for v in val)
     return isinstance(val, torch.Tensor) and any(_symbolic(d) for d in val.shape)
+
+
+def _follows_batch_shape(node) -> bool:
+    return _batch_shaped(node.meta.get("val"))
+
+
+def _located(fx_node) -> str:
+    """module path, op and source line of an fx node, as a capture error names them."""
+    line = _source(fx_node)
+    return f"module {_module_path(fx_node) or '<root>'}: op {fx_node.target}{' at ' + line if line else ''}"
 
 
 def _numpy(t) -> np.ndarray:

@@ -111,3 +111,23 @@ def test_a_constant_an_op_has_read_is_still_a_constant():
     captured = capture(_ConstantReadTwice(), (torch.from_numpy(ids).float(),), torch.from_numpy(labels),
                        torch_models.token_loss)
     assert not any(n.op == "cumsum" for n in captured.program.nodes)
+
+
+class _BatchMean(torch.nn.Module):
+    """Centres each sample on the batch's mean: a shard's mean is another number."""
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0, keepdim=True))
+
+
+def test_a_model_that_reduces_over_the_batch_and_meets_its_rows_again_is_refused():
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    with pytest.raises(CaptureError) as err:
+        capture(_BatchMean(), (x,), y, F.cross_entropy)
+    line = str(err.value)
+    assert "reduces over the batch" in line and "aten.mean" in line and "test_torch_shards.py:" in line
+    # The loss's own mean over the rows is the loss's (weighted by the shard's rows, as before).
+    capture(torch.nn.Linear(12, 5), (x,), torch.randn(8, 5), lambda out, t: ((out - t) * (out - t)).mean())
