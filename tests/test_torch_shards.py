@@ -1,9 +1,14 @@
 """A program captured at batch B holds for any shard: 1 row, B/2, uneven splits.
 Captured at 8, each shard's scores equal torch's on those rows, and the shards'
 loss shares and gradients add up to torch's on the whole batch (as the WSEs of a
-data-parallel run add theirs). A model that fixes its batch is refused at capture."""
+data-parallel run add theirs). A model that fixes its batch is refused at capture.
+One cluster test: the view(B, T, -1, hs) model on two WSEs of uneven shards."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+import yaml
 
 torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
 F = torch.nn.functional
@@ -11,6 +16,7 @@ F = torch.nn.functional
 from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss  # noqa: E402
 from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
 from tests import torch_models  # noqa: E402
+from tests.cluster_utils import REPO, final_weights, relative_error, tool, train_losses  # noqa: E402
 
 BATCH, T, VOCAB = 8, 12, 30
 SPLITS = {"whole": [8], "halves": [4, 4], "uneven": [3, 5], "rows": [1] * 8}
@@ -131,3 +137,37 @@ def test_a_model_that_reduces_over_the_batch_and_meets_its_rows_again_is_refused
     assert "reduces over the batch" in line and "aten.mean" in line and "test_torch_shards.py:" in line
     # The loss's own mean over the rows is the loss's (weighted by the shard's rows, as before).
     capture(torch.nn.Linear(12, 5), (x,), torch.randn(8, 5), lambda out, t: ((out - t) * (out - t)).mean())
+
+
+SHARD_RUN = str(REPO / "tests" / "torch_shard_run.py")
+RUN_PARAMS = {
+    # 7 rows: two WSEs take 4 and 3
+    "train_input": {"batch_size": 7, "max_sequence_length": 16, "shuffle": True, "drop_last_batch": True},
+    "eval_input": {"batch_size": 7, "max_sequence_length": 16},
+    "model": {"model_type": "gpt2", "vocab_size": 260, "hidden_size": 32, "num_hidden_layers": 1, "num_heads": 4,
+              "max_position_embeddings": 16},   # the run builds ViewAttention from these
+    "optimizer": {"optimizer_type": "sgd", "learning_rate": 0.1, "momentum": 0.9},
+    "runconfig": {"max_steps": 6, "log_steps": 3, "checkpoint_steps": 0, "seed": 2},
+}
+
+
+def _train(launcher, params, model_dir):
+    cmd = [*launcher, sys.executable, SHARD_RUN, "--mode", "train", "--params", str(params),
+           "--model_dir", str(model_dir)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+@pytest.mark.cluster
+def test_view_attention_on_two_wses_of_uneven_shards_equals_the_cpu_path(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(RUN_PARAMS))
+    _train([tool("csrun_cpu")], params, tmp_path / "cpu")
+    _train([tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"], params, tmp_path / "wse")
+    cpu, wse = train_losses(tmp_path / "cpu"), train_losses(tmp_path / "wse")
+    assert len(cpu) == len(wse) == 6
+    assert (np.abs(wse - cpu) / np.abs(cpu)).max() < 1e-5
+    weights, got = final_weights(tmp_path / "cpu"), final_weights(tmp_path / "wse")
+    assert got.keys() == weights.keys()
+    for name in weights:   # float32 summed in another order: two shards' gradients added
+        assert relative_error(got[name], weights[name]) < 1e-5, name

@@ -110,19 +110,22 @@ class TwoTower(nn.Module):
 
 class ViewAttention(nn.Module):
     """Causal attention with the heads found by view(B, T, -1, head_dim), as transformers
-    writes it: the -1 sits after the batch, so the shape must follow a shard's rows."""
+    writes it: the -1 sits after the batch, so the shape must follow a shard's rows. Token
+    types from a buffer expanded to the batch, as BERT's embeddings make them."""
     def __init__(self, vocab=30, d=32, head_dim=8, max_len=12):
         super().__init__()
         self.head_dim = head_dim
+        self.register_buffer("token_type_ids", torch.ones((1, max_len), dtype=torch.long), persistent=False)
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
+        self.typ = nn.Embedding(2, d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids):
         B, T = ids.shape
-        x = self.tok(ids) + self.pos(torch.arange(T))
+        x = self.tok(ids) + self.pos(torch.arange(T)) + self.typ(self.token_type_ids[:, :T].expand(B, T))
         q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
