@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from cs_runtime.compiler.units import split_units
-from cs_runtime.numerics.program import Node, Program, Unit, Value, infer_values
+from cs_runtime.numerics.program import Node, Program, ProgramError, Unit, Value, infer_values
 from cs_runtime.numerics.program_layer import FEATURE_NAME
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -296,12 +296,26 @@ class _Lowering:
         program = _renamed(Program(self.params, self.inputs, self.consts, self.nodes, outputs), rename)
         program.validate()
         shapes, dtypes = infer_values(program)
+        self._check_another_shard(program, [rename.get(n, n) for n in self.batch_inputs])
         if shapes[program.outputs["loss"]] != ():
             raise CaptureError(f"the loss function returns shape {shapes[program.outputs['loss']]}, not a scalar")
         units = split_units(program, shapes, dtypes)
         weights = {name: _numpy(state[self._param_targets[name]]).astype(np.float32)
                    for name in program.params}
         return Captured(program, units, shapes, dtypes, weights, names, self._aliases(), [])
+
+    def _check_another_shard(self, program: Program, batch_inputs: list[str]) -> None:
+        """The shape rules once more with a shard of one row more than captured: what would
+        fail on a WSE's shard fails here, at --validate_only, and never during a step."""
+        rows = self.batch + 1
+        inputs = {name: Value((rows, *v.shape[1:]), v.dtype) if name in batch_inputs else v
+                  for name, v in program.inputs.items()}
+        try:
+            shapes, _ = infer_values(Program(program.params, inputs, program.consts, program.nodes, program.outputs))
+        except ProgramError as exc:
+            raise CaptureError(f"{exc} (on a shard of {rows} rows; captured at {self.batch})") from None
+        if shapes[program.outputs["loss"]] != ():
+            raise CaptureError(f"the loss is not a scalar on a shard of {rows} rows: {shapes[program.outputs['loss']]}")
 
     # ------------------------------------------------------------ sources
 

@@ -171,3 +171,38 @@ def test_view_attention_on_two_wses_of_uneven_shards_equals_the_cpu_path(tmp_pat
     assert got.keys() == weights.keys()
     for name in weights:   # float32 summed in another order: two shards' gradients added
         assert relative_error(got[name], weights[name]) < 1e-5, name
+
+
+def test_a_shape_rule_that_would_fail_on_a_shard_fails_at_capture(monkeypatch):
+    """The safety net under the symbolic shapes: a lowering that wrote the capture's
+    batch into a view (as capture once did) is caught by the shape rules run for a
+    shard of one row more, before any step."""
+    from cs_torch import capture as capture_mod
+    monkeypatch.setitem(capture_mod._LOWER, "view", lambda L, n, x, shape: L.emit("reshape", [x], {
+        "shape": [L.batch if d is n.args[1][0] else d for d in L._at_capture(n.meta["val"].shape)]}))
+    monkeypatch.setitem(capture_mod._BATCH_SIZED, "view", capture_mod._LOWER["view"])
+    ids, labels = _batch()
+    with pytest.raises(CaptureError) as err:
+        capture(torch_models.ViewAttention(), (torch.from_numpy(ids),), torch.from_numpy(labels),
+                torch_models.token_loss)
+    line = str(err.value)
+    assert "op reshape" in line and "torch_models.py:" in line and "on a shard of 9 rows" in line, line
+
+
+def test_an_unsupported_op_in_a_library_beside_torch_is_named_at_its_line(tmp_path, monkeypatch):
+    """torchvision's files sit in a folder whose name starts as torch's does: its line is
+    the model's, not torch's, and the capture error names it."""
+    from cs_torch import capture as capture_mod
+    (tmp_path / "torch").mkdir()
+    library = tmp_path / "torchvision_like"
+    library.mkdir()
+    (library / "blocks.py").write_text(
+        "import torch\n\n\nclass Block(torch.nn.Module):\n    def forward(self, x):\n"
+        "        return torch.cumsum(x, 1)\n")
+    monkeypatch.setattr(capture_mod, "_TORCH_DIR", str(tmp_path / "torch"))
+    monkeypatch.syspath_prepend(str(library))
+    import blocks
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), blocks.Block())
+    with pytest.raises(CaptureError) as err:
+        capture(model, (torch.randn(8, 4),), torch.randint(0, 4, (8,)), F.cross_entropy)
+    assert str(err.value).startswith("module 1: op aten.cumsum.default at blocks.py:6: not in the op set"), err.value
