@@ -41,6 +41,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,7 +146,9 @@ def _export_batch_free(wrapped, examples, batch: int):
         return torch.export.export(wrapped, traced, dynamic_shapes=(dynamic,))   # forward(*args)
     except Exception as exc:  # torch raises many types; the user needs the one line
         if "Constraints violated (batch)" in str(exc):
-            raise _fixed_batch_error(wrapped, examples, batch) from exc
+            if "specialized it to be a constant" in str(exc):
+                raise _fixed_batch_error(wrapped, examples, batch) from exc
+            raise _batch_range_error(str(exc)) from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export could not trace the model: {first}") from exc
 
@@ -164,6 +167,15 @@ def _fixed_batch_error(wrapped, examples, batch: int) -> CaptureError:
     return CaptureError(f"the model fixes the batch size at {batch}{where} (a buffer or a shape of the "
                         "capture's batch size): a shard of other rows would compute wrong numbers; write "
                         "shapes from x.shape or with -1, and broadcast buffers over the batch")
+
+
+def _batch_range_error(message: str) -> CaptureError:
+    """The model holds only for some batch sizes (x[1:] of the batch needs 3 rows or more)."""
+    found = re.search(r"generated guard (.*)", message)
+    guard = re.sub(r"L\[[^\]]*\](\[\d+\])?\.size\(\)\[0\]", "batch", found.group(1)) if found else "?"
+    guard = guard.replace(" and batch <= IntInfinity()", "")
+    return CaptureError(f"the model holds for a batch only where {guard}: a "
+                        "shard of other rows would fail (does it cut or compare rows of the batch?)")
 
 
 def _user_frame(tb) -> str:
@@ -612,12 +624,21 @@ def _sum(op):
     return lower
 
 
+def _along_batch(L, x, dim, what: str) -> None:
+    """Refuse cutting the dim that follows the batch: a shard would cut its own rows."""
+    if _symbolic(x.meta["val"].shape[dim]):
+        raise L.error(f"{what} along dim {dim}, the batch: a shard would cut its own rows, not the batch's")
+
+
 def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     end = None if end is not None and end >= _INT64_MAX else end
+    if (start or 0) != 0 or end is not None or step != 1:
+        _along_batch(L, x, dim, "slice")
     return L.emit("slice", [x], {"dim": int(dim), "start": start, "end": end, "step": int(step)})
 
 
 def _split(L, node, x, split_size, dim=0):
+    _along_batch(L, x, dim, "split")
     size = x.meta["val"].shape[dim]
     sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
         [min(split_size, size - s) for s in range(0, size, split_size)]
@@ -630,13 +651,17 @@ def _split(L, node, x, split_size, dim=0):
 
 
 def _chunk(L, node, x, chunks, dim=0):
+    _along_batch(L, x, dim, "chunk")
     size = x.meta["val"].shape[dim]
     return _split(L, node, x, -(-size // chunks), dim)
 
 
 def _squeeze(L, node, x, dim=None):
-    dims = None if dim is None else ([dim] if isinstance(dim, int) else list(dim))
-    return L.emit("squeeze", [x], {"dims": dims})
+    """The dims squeezed are those of size 1 at capture: never the batch, even on a shard of one row."""
+    shape = x.meta["val"].shape
+    dims = range(len(shape)) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    kept = [d % len(shape) for d in dims if not _symbolic(shape[d]) and shape[d] == 1] if shape else None
+    return L.emit("squeeze", [x], {"dims": kept})
 
 
 def _where(L, node, cond, a, b):

@@ -206,3 +206,45 @@ def test_an_unsupported_op_in_a_library_beside_torch_is_named_at_its_line(tmp_pa
     with pytest.raises(CaptureError) as err:
         capture(model, (torch.randn(8, 4),), torch.randint(0, 4, (8,)), F.cross_entropy)
     assert str(err.value).startswith("module 1: op aten.cumsum.default at blocks.py:6: not in the op set"), err.value
+
+
+class _Squeezed(torch.nn.Module):
+    """squeeze() of a [B, 1, 12] input: on a shard of one row the batch stays."""
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.fc(x.squeeze())
+
+
+def test_a_squeeze_keeps_the_batch_of_a_one_row_shard():
+    torch.manual_seed(0)
+    module = _Squeezed()
+    x, y = np.random.default_rng(4).standard_normal((8, 1, 12)).astype(np.float32), np.arange(8) % 5
+    spec = model_spec("squeezed", module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+    weights = init_weights(spec, 0)
+    live, _ = model_forward(spec, x[2:3], weights, ShardContext(0, 0, 8, slice(2, 3), True, labels=y[2:3]))
+    scores = live[spec.program["logits"]]
+    # The shard's row of the whole batch's scores (torch on one row alone squeezes its batch too).
+    np.testing.assert_allclose(scores, module(torch.from_numpy(x)).detach().numpy()[2:3], rtol=1e-5, atol=1e-6)
+
+
+class _EveryOther(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x)[::2]
+
+
+class _Shifted(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x)[1:]
+
+
+def test_a_slice_of_the_batch_is_refused():
+    """x[1:] or x[::2] of the batch hold only for some shard sizes: torch.export finds the
+    range, and the capture says it in one line."""
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    for model, cut in ((_Shifted, slice(1, None)), (_EveryOther, slice(None, None, 2))):
+        with pytest.raises(CaptureError, match=r"^the model holds for a batch only where 3 <= batch: a shard "
+                                               r"of other rows would fail[^\n]*$"):
+            capture(model(12, 5), (x,), y, lambda out, t: F.cross_entropy(out, t[cut]))
