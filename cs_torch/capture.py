@@ -154,19 +154,18 @@ def _export_batch_free(wrapped, examples, batch: int):
 
 
 def _fixed_batch_error(wrapped, examples, batch: int) -> CaptureError:
-    """Where the model fixes its batch size: the line that fails when it runs one more row."""
+    """Where the model fixes its batch size: the module and line that fail when it runs one row more."""
     grown = _per_tensor(examples, lambda t: torch.cat([t, t[:1]]) if t.dim() and t.shape[0] == batch else t)
-    where = ""
+    where, why = "", ""
     try:
         with torch.no_grad():
             wrapped(*grown)
     except Exception as exc:  # the model's own error at another batch size names the line
-        line = _user_frame(exc.__traceback__)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = f" at {line}: {first}" if line else f": {first}"
-    return CaptureError(f"the model fixes the batch size at {batch}{where} (a buffer or a shape of the "
-                        "capture's batch size): a shard of other rows would compute wrong numbers; write "
-                        "shapes from x.shape or with -1, and broadcast buffers over the batch")
+        where = _user_frame(exc.__traceback__, wrapped.model)
+        why = " (" + (str(exc).strip().splitlines() or [type(exc).__name__])[0] + f" at {batch + 1} rows)"
+    return CaptureError(f"{where + ': ' if where else ''}the model fixes the batch size at {batch}{why}: a buffer "
+                        "or a shape of the capture's batch size would compute wrong numbers on a shard of other "
+                        "rows; write shapes from x.shape or with -1, and broadcast buffers over the batch")
 
 
 def _batch_range_error(message: str) -> CaptureError:
@@ -178,13 +177,17 @@ def _batch_range_error(message: str) -> CaptureError:
                         "shard of other rows would fail (does it cut or compare rows of the batch?)")
 
 
-def _user_frame(tb) -> str:
-    """file:line of the innermost frame of a traceback outside torch and this module."""
-    import traceback
+def _user_frame(tb, model) -> str:
+    """module path and file:line of a traceback's innermost frame outside torch and this module."""
+    paths = {id(m): path for path, m in model.named_modules()}
     best = ""
-    for frame in traceback.extract_tb(tb):
-        if not _in_torch(frame.filename) and frame.filename != __file__:
-            best = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    while tb is not None:
+        code, owner = tb.tb_frame.f_code, tb.tb_frame.f_locals.get("self")
+        if not _in_torch(code.co_filename) and code.co_filename != __file__:
+            module = paths.get(id(owner)) if owner is not None else None
+            best = (f"module {module or '<root>'}: " if module is not None else "") + \
+                f"at {os.path.basename(code.co_filename)}:{tb.tb_lineno}"
+        tb = tb.tb_next
     return best
 
 
