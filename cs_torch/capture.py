@@ -421,7 +421,8 @@ class _Lowering:
             return
         self._check_rows_stay_apart(node)
         packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
-        if packet in _BATCH_SIZED and (self._follows_batch(list(node.args)) or _follows_batch_shape(node)):
+        if packet in _BATCH_SIZED and (self._follows_batch(list(node.args)) or _follows_batch_shape(node)
+                                       or (packet in _FILLED_LIKE and not self._is_const(list(node.args)))):
             self.names[node] = _BATCH_SIZED[packet](self, node, *node.args, **node.kwargs)
             return
         if self._follows_batch(list(node.args) + list(node.kwargs.values())):
@@ -443,14 +444,8 @@ class _Lowering:
             return self.const_names[arg]
         if arg in self.constants:
             # The node stays a constant: an op of constants after this one is still computed here.
-            name = f"const{len(self.consts)}"
-            value = self.constants[arg]
-            array = _numpy(value)
-            if value.dtype not in _DTYPES:
-                raise self.error(f"constant of dtype {value.dtype}")
-            self.consts[name] = array
-            self.const_names[arg] = name
-            return name
+            self.const_names[arg] = self.constant(self.constants[arg])
+            return self.const_names[arg]
         name = self.names.get(arg)
         if name is None or isinstance(name, list):
             raise self.error(f"argument {arg} has no single value")
@@ -463,6 +458,14 @@ class _Lowering:
             name = f"{name}_{len(self.nodes)}"
         self.nodes.append(Node(op, tuple(self._value(i) if not isinstance(i, str) else i for i in inputs),
                                (name,), attrs or {}, _module_path(node), _source(node)))
+        return name
+
+    def constant(self, value: torch.Tensor) -> str:
+        """A program constant made here (not an fx node's value)."""
+        if value.dtype not in _DTYPES:
+            raise self.error(f"constant of dtype {value.dtype}")
+        name = f"const{len(self.consts)}"
+        self.consts[name] = _numpy(value)
         return name
 
     def _follows_batch(self, arg) -> bool:
@@ -813,13 +816,13 @@ def _filled(fill_of):
         fill = fill_of(*args, **kw)
         if L._follows_batch(fill):
             raise L.error("a fill value that follows the batch size")
+        if isinstance(fill, torch.fx.Node) and fill not in L.constants:
+            raise L.error("a fill value computed from the model's inputs")
         fill = L._concrete(fill) if isinstance(fill, torch.fx.Node) else fill
+        if not any(_symbolic(d) for d in out.shape):   # a *_like of a value of fixed shape
+            return L.constant(torch.full(tuple(out.shape), fill, dtype=out.dtype))
         row = torch.full([1 if _symbolic(d) else int(d) for d in out.shape], fill, dtype=out.dtype)
-        name = f"const{len(L.consts)}"
-        if out.dtype not in _DTYPES:
-            raise L.error(f"constant of dtype {out.dtype}")
-        L.consts[name] = _numpy(row)
-        return _expand_to(L, name, out.shape, src=tuple(row.shape))
+        return _expand_to(L, L.constant(row), out.shape, src=tuple(row.shape))
     return lower
 
 
@@ -830,7 +833,11 @@ _BATCH_SIZED = {
     "new_ones": _filled(lambda x, size, **kw: 1), "new_zeros": _filled(lambda x, size, **kw: 0),
     "new_empty": _filled(lambda x, size, **kw: 0),
     "new_full": _filled(lambda x, size, fill_value, **kw: fill_value),
+    # of another value's shape, whatever it holds: no read of it
+    "ones_like": _filled(lambda x, **kw: 1), "zeros_like": _filled(lambda x, **kw: 0),
+    "empty_like": _filled(lambda x, **kw: 0), "full_like": _filled(lambda x, fill_value, **kw: fill_value),
 }
+_FILLED_LIKE = ("ones_like", "zeros_like", "empty_like", "full_like")
 
 
 _LOWER = {

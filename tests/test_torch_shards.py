@@ -249,3 +249,26 @@ def test_a_slice_of_the_batch_is_refused():
         with pytest.raises(CaptureError, match=r"^the model holds for a batch only where 3 <= batch: a shard "
                                                r"of other rows would fail[^\n]*$"):
             capture(model(12, 5), (x,), y, lambda out, t: F.cross_entropy(out, t[cut]))
+
+
+class _FilledLike(torch.nn.Module):
+    """ones_like / full_like of the batch's values: one row, broadcast to a shard's rows."""
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.full_like(h, 0.5) + torch.ones_like(h) + torch.zeros_like(self.fc.bias)
+
+
+def test_filled_like_tensors_follow_the_shard():
+    torch.manual_seed(0)
+    module = _FilledLike()
+    x, y = np.random.default_rng(5).standard_normal((8, 12)).astype(np.float32), np.arange(8) % 5
+    spec = model_spec("filled", module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+    weights = init_weights(spec, 0)
+    whole = module(torch.from_numpy(x)).detach().numpy()
+    for rows in (slice(0, 1), slice(1, 4), slice(0, 8)):
+        live, _ = model_forward(spec, x[rows], weights, ShardContext(0, 0, 8, rows, True, labels=y[rows]))
+        np.testing.assert_allclose(live[spec.program["logits"]], whole[rows], rtol=1e-5, atol=1e-6)
