@@ -10,8 +10,10 @@ project that needs torch for a model, and only when a user brings one.
 
 Why torch.export and not torch.fx's symbolic tracer: export runs the module
 on fake tensors, so data-dependent Python (shapes read off tensors, `.view(B,
-T, ...)`, `split`, loops over a ModuleList) resolves to static shapes and
-plain ATen ops; it names every parameter by its module path, records each
+T, ...)`, `split`, loops over a ModuleList) resolves to plain ATen ops and
+shapes that are numbers, but for the batch: dim 0 of the inputs is one
+symbolic size, so that a program holds for a shard of any number of rows
+(docs/torch.md, "A program holds for any shard"); it names every parameter by its module path, records each
 node's module stack and source line, and de-duplicates tied parameters.
 symbolic_trace keeps `.shape` as proxies and calls to modules as
 call_module nodes that would each need their own lowering.
