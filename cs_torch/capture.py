@@ -152,7 +152,8 @@ def _export_batch_free(wrapped, examples, batch: int):
                 raise _fixed_batch_error(wrapped, examples, batch) from exc
             raise _batch_range_error(str(exc)) from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(f"torch.export could not trace the model: {first}") from exc
+        where = _user_frame(exc.__traceback__, wrapped.model)
+        raise CaptureError(f"{where + ': ' if where else ''}torch.export could not trace the model: {first}") from exc
 
 
 def _fixed_batch_error(wrapped, examples, batch: int) -> CaptureError:

@@ -272,3 +272,23 @@ def test_filled_like_tensors_follow_the_shard():
     for rows in (slice(0, 1), slice(1, 4), slice(0, 8)):
         live, _ = model_forward(spec, x[rows], weights, ShardContext(0, 0, 8, rows, True, labels=y[rows]))
         np.testing.assert_allclose(live[spec.program["logits"]], whole[rows], rtol=1e-5, atol=1e-6)
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:   # Python control flow on a value: no program has it
+            return self.fc(x)
+        return self.fc(-x)
+
+
+def test_what_torch_export_cannot_trace_is_named_by_module_and_line():
+    model = torch.nn.Sequential(torch.nn.Identity(), _Branchy())
+    with pytest.raises(CaptureError) as err:
+        capture(model, (torch.randn(8, 4),), torch.randint(0, 3, (8,)), F.cross_entropy)
+    line = str(err.value)
+    assert line.startswith("module 1: at test_torch_shards.py:") and "torch.export could not trace" in line, line
+    assert "\n" not in line
