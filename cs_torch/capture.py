@@ -392,6 +392,13 @@ class _Lowering:
                                "shard would reduce over its own rows only (keep the batch dim apart)")
         if reduced or (rows and not keeps_rows):
             self.reduced[node] = reduced[0] if reduced else node
+        dims = _mixing_dims(node)
+        source = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if dims and source is not None and _batch_shaped(source.meta.get("val")):
+            shape = source.meta["val"].shape
+            if any(_symbolic(shape[d % max(len(shape), 1)]) for d in dims):
+                raise self.error("computes along the batch dim (each row from others): a shard would see "
+                                 "its own rows only")
 
     def _is_const(self, arg) -> bool:
         if isinstance(arg, torch.fx.Node):
@@ -515,6 +522,26 @@ def _batch_shaped(val) -> bool:
 
 def _follows_batch_shape(node) -> bool:
     return _batch_shaped(node.meta.get("val"))
+
+
+# Ops whose output keeps a dim's size but computes each element from others along it:
+# along the batch, a shard's rows would differ from the whole batch's.
+_ALONG_DIM = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp",
+              "sort", "argsort", "gather", "index_select", "scatter", "scatter_add", "scatter_reduce", "flip",
+              "roll", "cummax", "cummin"}
+
+
+def _mixing_dims(node) -> list[int]:
+    """The dims an op of _ALONG_DIM computes along (its `dim` or `dims` argument)."""
+    packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
+    if packet not in _ALONG_DIM:
+        return []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name in ("dim", "dims"):
+            value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else arg.default_value)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            return [int(v) for v in values if isinstance(v, int)]
+    return []
 
 
 def _located(fx_node) -> str:

@@ -292,3 +292,20 @@ def test_what_torch_export_cannot_trace_is_named_by_module_and_line():
     line = str(err.value)
     assert line.startswith("module 1: at test_torch_shards.py:") and "torch.export could not trace" in line, line
     assert "\n" not in line
+
+
+class _SoftmaxOverBatch(torch.nn.Module):
+    """Each sample weighted against the others of its batch: softmax along dim 0."""
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.fc(x) * torch.softmax(x.sum(-1, keepdim=True), dim=0)
+
+
+def test_an_op_along_the_batch_dim_is_refused():
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    with pytest.raises(CaptureError, match=r"^module <root>: op aten\.softmax\.int at test_torch_shards\.py:\d+: "
+                                           "computes along the batch dim"):
+        capture(_SoftmaxOverBatch(), (x,), y, F.cross_entropy)
