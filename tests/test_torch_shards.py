@@ -1,8 +1,10 @@
 """A program captured at batch B holds for any shard: 1 row, B/2, uneven splits.
 Captured at 8, each shard's scores equal torch's on those rows, and the shards'
 loss shares and gradients add up to torch's on the whole batch (as the WSEs of a
-data-parallel run add theirs). A model that fixes its batch is refused at capture.
-One cluster test: the view(B, T, -1, hs) model on two WSEs of uneven shards."""
+data-parallel run add theirs). What cannot hold for a shard (a model that fixes its
+batch, rows that meet a reduction over the batch, an op along it) is refused at
+capture in one line naming the module, the op and the line. One cluster test: the
+view(B, T, -1, hs) model on two WSEs of uneven shards."""
 import subprocess
 import sys
 
