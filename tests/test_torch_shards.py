@@ -15,7 +15,8 @@ import yaml
 torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
 F = torch.nn.functional
 
-from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss  # noqa: E402
+from cs_runtime.numerics.model import (  # noqa: E402
+    ShardContext, init_weights, model_backward, model_forward, model_loss)
 from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
 from tests import torch_models  # noqa: E402
 from tests.cluster_utils import REPO, final_weights, relative_error, tool, train_losses  # noqa: E402
