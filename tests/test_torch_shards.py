@@ -48,10 +48,10 @@ def _run_shards(spec, ids, labels, sizes):
     return scores, loss, grads
 
 
-@pytest.mark.parametrize("kind", ["view_attention", "type_buffer"])
+@pytest.mark.parametrize("kind", ["ViewAttention", "TypeBuffer", "HFStyleAttention"])
 def test_a_program_captured_at_8_rows_runs_any_shard_as_torch_does(kind):
     torch.manual_seed(0)
-    module = torch_models.ViewAttention() if kind == "view_attention" else torch_models.TypeBuffer()
+    module = getattr(torch_models, kind)()
     ids, labels = _batch()
     spec = model_spec(kind, module, (torch.from_numpy(ids),), torch.from_numpy(labels), torch_models.token_loss)
     logits = module(torch.from_numpy(ids))

@@ -162,3 +162,32 @@ class FixedBatch(nn.Module):
 
     def forward(self, x):
         return self.fc(x * self.scale)
+
+
+class HFStyleAttention(nn.Module):
+    """Self-attention as transformers' BERT writes it: position ids and token types from
+    buffers, an all-ones mask made in forward() and extended to an additive mask of
+    finfo.min, heads by view((*input_shape, -1, head_dim)), back by reshape(*input_shape, -1)."""
+    def __init__(self, vocab=30, d=32, heads=4, max_len=12):
+        super().__init__()
+        self.head_dim = d // heads
+        self.register_buffer("position_ids", torch.arange(max_len).expand((1, -1)), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(self.position_ids.size(), dtype=torch.long),
+                             persistent=False)
+        self.tok, self.pos, self.typ = nn.Embedding(vocab, d), nn.Embedding(max_len, d), nn.Embedding(2, d)
+        self.query, self.key, self.value, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids):
+        input_shape = input_ids.size()
+        batch_size, seq_length = input_shape
+        types = self.token_type_ids[:, :seq_length].expand(batch_size, seq_length)
+        x = self.ln(self.tok(input_ids) + self.pos(self.position_ids[:, :seq_length]) + self.typ(types))
+        extended = torch.ones((batch_size, seq_length))[:, None, None, :].to(x.dtype)
+        extended = (1.0 - extended) * torch.finfo(x.dtype).min
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = (f(x).view(hidden_shape).transpose(1, 2) for f in (self.query, self.key, self.value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / self.head_dim ** 0.5 + extended
+        y = torch.matmul(scores.softmax(-1), v).transpose(1, 2).contiguous().reshape(*input_shape, -1)
+        return self.head(x + self.out(y))
