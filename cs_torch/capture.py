@@ -10,8 +10,10 @@ project that needs torch for a model, and only when a user brings one.
 
 Why torch.export and not torch.fx's symbolic tracer: export runs the module
 on fake tensors, so data-dependent Python (shapes read off tensors, `.view(B,
-T, ...)`, `split`, loops over a ModuleList) resolves to static shapes and
-plain ATen ops; it names every parameter by its module path, records each
+T, ...)`, `split`, loops over a ModuleList) resolves to plain ATen ops and
+shapes that are numbers, but for the batch: dim 0 of the inputs is one
+symbolic size, so that a program holds for a shard of any number of rows
+(docs/torch.md, "A program holds for any shard"); it names every parameter by its module path, records each
 node's module stack and source line, and de-duplicates tied parameters.
 symbolic_trace keeps `.shape` as proxies and calls to modules as
 call_module nodes that would each need their own lowering.
@@ -41,6 +43,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +51,7 @@ import torch
 
 from cs_runtime.errors import UserInputError
 from cs_runtime.compiler.units import split_units
-from cs_runtime.numerics.program import Node, Program, Unit, Value, infer_values
+from cs_runtime.numerics.program import Node, Program, ProgramError, Unit, Value, infer_values
 from cs_runtime.numerics.program_layer import FEATURE_NAME
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -97,14 +100,104 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dro
     names, inputs, keywords = _example_inputs(model, example_inputs)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
-    try:
-        exported = torch.export.export(_WithLoss(model, loss_fn, keywords), examples)
-    except Exception as exc:  # torch raises many types; the user needs the one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(f"torch.export could not trace the model: {first}") from exc
-    captured = _Lowering(exported, model, dropout).run()
+    wrapped = _WithLoss(model, loss_fn, keywords)
+    batch = _batch_size(inputs)
+    exported = _export_batch_free(wrapped, examples, batch)
+    captured = _Lowering(exported, model, dropout, batch).run()
     captured.feature_names = names
     return captured
+
+
+def _tensors(example) -> list:
+    """The tensors of an example (a target may be a tuple of them: a traced step's)."""
+    if isinstance(example, (tuple, list)):
+        return [t for part in example for t in _tensors(part)]
+    return [example] if isinstance(example, torch.Tensor) else []
+
+
+def _batch_size(inputs) -> int:
+    sizes = {int(t.shape[0]) for t in _tensors(inputs) if t.dim()}
+    if not sizes:
+        raise CaptureError("the example inputs have no batch: each model input's dim 0 is its batch")
+    if len(sizes) != 1:
+        raise CaptureError(f"the example inputs have {len(sizes)} different batch sizes "
+                           f"({', '.join(str(n) for n in sorted(sizes))}): dim 0 is the batch of each")
+    return sizes.pop()
+
+
+def _per_tensor(example, fn):
+    """`example` with fn applied to each of its tensors, its tuples kept."""
+    if isinstance(example, (tuple, list)):
+        return tuple(_per_tensor(part, fn) for part in example)
+    return fn(example)
+
+
+def _export_batch_free(wrapped, examples, batch: int):
+    """torch.export with dim 0 of every input and of the target one symbolic size, the
+    batch: a shape computed from it stays a function of it (`view(B, T, -1, hs)`,
+    `buffer.expand(B, T)`), so the program holds for a shard of any number of rows.
+    A model that fixes the batch (a buffer or a shape of the capture's batch size) is
+    refused here, at its source line: run on a shard, it would compute wrong numbers."""
+    dim = torch.export.Dim("batch")
+
+    def follows(t):   # a tensor of the step that is not the batch's (a traced step's scalar) stays
+        return isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch
+    dynamic = _per_tensor(examples, lambda t: {0: dim} if follows(t) else None)
+    # Export takes a size of 1 for a constant; two rows are the same program.
+    traced = _per_tensor(examples, lambda t: torch.cat([t, t]) if batch == 1 and follows(t) else t)
+    try:
+        return torch.export.export(wrapped, traced, dynamic_shapes=(dynamic,))   # forward(*args)
+    except Exception as exc:  # torch raises many types; the user needs the one line
+        if "Constraints violated (batch)" in str(exc):
+            if "specialized it to be a constant" in str(exc):
+                raise _fixed_batch_error(wrapped, examples, batch) from exc
+            raise _batch_range_error(str(exc)) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = _user_frame(exc.__traceback__, wrapped.model)
+        raise CaptureError(f"{where + ': ' if where else ''}torch.export could not trace the model: {first}") from exc
+
+
+def _fixed_batch_error(wrapped, examples, batch: int) -> CaptureError:
+    """Where the model fixes its batch size: the module and line that fail when it runs one row more."""
+    grown = _per_tensor(examples, lambda t: torch.cat([t, t[:1]]) if t.dim() and t.shape[0] == batch else t)
+    where, why = "", ""
+    try:
+        with torch.no_grad():
+            wrapped(*grown)
+    except Exception as exc:  # the model's own error at another batch size names the line
+        where = _user_frame(exc.__traceback__, wrapped.model)
+        why = " (" + (str(exc).strip().splitlines() or [type(exc).__name__])[0] + f" at {batch + 1} rows)"
+    return CaptureError(f"{where + ': ' if where else ''}the model fixes the batch size at {batch}{why}: a buffer "
+                        "or a shape of the capture's batch size would compute wrong numbers on a shard of other "
+                        "rows; write shapes from x.shape or with -1, and broadcast buffers over the batch")
+
+
+def _batch_range_error(message: str) -> CaptureError:
+    """The model holds only for some batch sizes (x[1:] of the batch needs 3 rows or more)."""
+    found = re.search(r"generated guard (.*)", message)
+    guard = re.sub(r"L\[[^\]]*\](\[\d+\])?\.size\(\)\[0\]", "batch", found.group(1)) if found else "?"
+    guard = guard.replace(" and batch <= IntInfinity()", "")
+    return CaptureError(f"the model holds for a batch only where {guard}: a "
+                        "shard of other rows would fail (does it cut or compare rows of the batch?)")
+
+
+def _user_frame(tb, model) -> str:
+    """module path and file:line of a traceback's innermost frame outside torch and this module."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    best = ""
+    while tb is not None:
+        code, owner = tb.tb_frame.f_code, tb.tb_frame.f_locals.get("self")
+        if not _in_torch(code.co_filename) and code.co_filename != __file__:
+            module = paths.get(id(owner)) if owner is not None else None
+            best = (f"module {module or '<root>'}: " if module is not None else "") + \
+                f"at {os.path.basename(code.co_filename)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return best
+
+
+def _in_torch(path: str) -> bool:
+    """torch's own files (not torchvision's, whose folder name starts the same)."""
+    return path.startswith(_TORCH_DIR + os.sep)
 
 
 def _example_inputs(model, example_inputs) -> tuple[list[str], tuple, list[str] | None]:
@@ -161,7 +254,7 @@ def _source(fx_node) -> str:
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[6:].partition('", line ')
-            if not path.startswith(_TORCH_DIR) and path != __file__:
+            if not _in_torch(path) and path != __file__:
                 best = f"{os.path.basename(path)}:{rest.split(',')[0]}"
     return best
 
@@ -183,10 +276,14 @@ def _strip(name: str) -> str:
 
 
 class _Lowering:
-    def __init__(self, exported, model, dropout: bool = True):
-        self.ep, self.model, self.dropout = exported, model, dropout
+    def __init__(self, exported, model, dropout: bool = True, batch: int = 1):
+        self.ep, self.model, self.dropout, self.batch = exported, model, dropout, batch
         self.names: dict = {}          # fx node -> program value name (or list of names, for split)
         self.constants: dict = {}      # fx node -> torch value, for nodes computed at capture
+        self.const_names: dict = {}    # fx node of a constant -> its program constant, once an op reads it
+        self.symbolic: set = set()     # fx nodes of sizes that follow the batch (x.shape[0], B * T)
+        self.batch_inputs: list = []   # inputs whose dim 0 is the batch
+        self.reduced: dict = {}        # fx node computed from a reduction over the batch -> that reduction
         self.nodes: list[Node] = []
         self.params: dict[str, Value] = {}
         self.inputs: dict[str, Value] = {}
@@ -218,12 +315,26 @@ class _Lowering:
         program = _renamed(Program(self.params, self.inputs, self.consts, self.nodes, outputs), rename)
         program.validate()
         shapes, dtypes = infer_values(program)
+        self._check_another_shard(program, [rename.get(n, n) for n in self.batch_inputs])
         if shapes[program.outputs["loss"]] != ():
             raise CaptureError(f"the loss function returns shape {shapes[program.outputs['loss']]}, not a scalar")
         units = split_units(program, shapes, dtypes)
         weights = {name: _numpy(state[self._param_targets[name]]).astype(np.float32)
                    for name in program.params}
         return Captured(program, units, shapes, dtypes, weights, names, self._aliases(), [])
+
+    def _check_another_shard(self, program: Program, batch_inputs: list[str]) -> None:
+        """The shape rules once more with a shard of one row more than captured: what would
+        fail on a WSE's shard fails here, at --validate_only, and never during a step."""
+        rows = self.batch + 1
+        inputs = {name: Value((rows, *v.shape[1:]), v.dtype) if name in batch_inputs else v
+                  for name, v in program.inputs.items()}
+        try:
+            shapes, _ = infer_values(Program(program.params, inputs, program.consts, program.nodes, program.outputs))
+        except ProgramError as exc:
+            raise CaptureError(f"{exc} (on a shard of {rows} rows; captured at {self.batch})") from None
+        if shapes[program.outputs["loss"]] != ():
+            raise CaptureError(f"the loss is not a scalar on a shard of {rows} rows: {shapes[program.outputs['loss']]}")
 
     # ------------------------------------------------------------ sources
 
@@ -241,7 +352,9 @@ class _Lowering:
             self.constants[node] = state[target]
             self.names[node] = None
         else:
-            self.inputs[name] = Value(tuple(val.shape), self._dtype(val))
+            self.inputs[name] = Value(self._at_capture(val.shape), self._dtype(val))
+            if val.dim() and _symbolic(val.shape[0]):
+                self.batch_inputs.append(name)
             self.names[node] = name
             user_inputs.append(name)
 
@@ -263,11 +376,30 @@ class _Lowering:
     # ------------------------------------------------------------ ops
 
     def error(self, what: str) -> CaptureError:
-        node = self.fx_node
-        where = _module_path(node) or "<root>"
-        target = str(node.target)
-        line = _source(node)
-        return CaptureError(f"module {where}: op {target}{' at ' + line if line else ''}: {what}")
+        return CaptureError(f"{_located(self.fx_node)}: {what}")
+
+    def _check_rows_stay_apart(self, node):
+        """Refuse an op that meets a value reduced over the batch (x.mean(0), x[:1]) with the
+        batch's rows: on a shard the reduction sees its own rows, not the whole batch's, and
+        the numbers would differ from the CPU path's. A reduction into the loss is the loss's."""
+        tensors = [n for n in node.all_input_nodes if n not in self.symbolic and n not in self.constants]
+        reduced = [self.reduced[n] for n in tensors if n in self.reduced]
+        rows = any(_batch_shaped(n.meta.get("val")) for n in tensors)
+        keeps_rows = _batch_shaped(node.meta.get("val"))
+        if reduced and (rows or keeps_rows):
+            line = _source(node)
+            raise CaptureError(f"{_located(reduced[0])}: reduces over the batch (dim 0), and op {node.target}"
+                               f"{' at ' + line if line else ''} meets the result with the batch's rows: a "
+                               "shard would reduce over its own rows only (keep the batch dim apart)")
+        if reduced or (rows and not keeps_rows):
+            self.reduced[node] = reduced[0] if reduced else node
+        dims = _mixing_dims(node)
+        source = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if dims and source is not None and _batch_shaped(source.meta.get("val")):
+            shape = source.meta["val"].shape
+            if any(_symbolic(shape[d % max(len(shape), 1)]) for d in dims):
+                raise self.error("computes along the batch dim (each row from others): a shard would see "
+                                 "its own rows only")
 
     def _is_const(self, arg) -> bool:
         if isinstance(arg, torch.fx.Node):
@@ -290,14 +422,27 @@ class _Lowering:
                 self.constants[node] = self.constants[source][index]
             else:
                 self.names[node] = self.names[source][index]
+            if source in self.reduced:
+                self.reduced[node] = self.reduced[source]
             return
-        if "_assert" in str(node.target):
+        if "_assert" in str(node.target) or "constrain_range" in str(node.target):
             return
+        if isinstance(node.meta.get("val"), torch.SymInt):
+            self.symbolic.add(node)   # a size computed from the batch: its ops read it from their output
+            return
+        self._check_rows_stay_apart(node)
+        packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
+        if packet in _BATCH_SIZED and (self._follows_batch(list(node.args)) or _follows_batch_shape(node)
+                                       or (packet in _FILLED_LIKE and not self._is_const(list(node.args)))):
+            self.names[node] = _BATCH_SIZED[packet](self, node, *node.args, **node.kwargs)
+            return
+        if self._follows_batch(list(node.args) + list(node.kwargs.values())):
+            raise self.error("an argument follows the batch size: a shard of other rows would compute "
+                             "other numbers (write it without the batch size)")
         if self._is_const(list(node.args)) and self._is_const(list(node.kwargs.values())):
             # A constant of the program (positions, a causal mask): torch computes it once, here.
             self.constants[node] = node.target(*self._concrete(node.args), **self._concrete(node.kwargs))
             return
-        packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
         lower = _LOWER.get(packet)
         if lower is None:
             raise self.error("not in the op set (docs/torch.md lists the supported ops)")
@@ -306,16 +451,12 @@ class _Lowering:
 
     def _value(self, arg) -> str:
         """The program value of an fx argument (a constant tensor becomes a program constant)."""
+        if arg in self.const_names:
+            return self.const_names[arg]
         if arg in self.constants:
-            name = f"const{len(self.consts)}"
-            value = self.constants[arg]
-            array = _numpy(value)
-            if value.dtype not in _DTYPES:
-                raise self.error(f"constant of dtype {value.dtype}")
-            self.consts[name] = array
-            self.names[arg] = name
-            del self.constants[arg]
-            return name
+            # The node stays a constant: an op of constants after this one is still computed here.
+            self.const_names[arg] = self.constant(self.constants[arg])
+            return self.const_names[arg]
         name = self.names.get(arg)
         if name is None or isinstance(name, list):
             raise self.error(f"argument {arg} has no single value")
@@ -330,6 +471,32 @@ class _Lowering:
                                (name,), attrs or {}, _module_path(node), _source(node)))
         return name
 
+    def constant(self, value: torch.Tensor) -> str:
+        """A program constant made here (not an fx node's value)."""
+        if value.dtype not in _DTYPES:
+            raise self.error(f"constant of dtype {value.dtype}")
+        name = f"const{len(self.consts)}"
+        self.consts[name] = _numpy(value)
+        return name
+
+    def _follows_batch(self, arg) -> bool:
+        if isinstance(arg, torch.fx.Node):
+            return arg in self.symbolic
+        if isinstance(arg, (list, tuple)):
+            return any(self._follows_batch(a) for a in arg)
+        return isinstance(arg, (torch.SymInt, torch.SymFloat))
+
+    def _at_capture(self, shape) -> tuple:
+        """A shape with the batch as captured."""
+        return tuple(int(d) if not _symbolic(d) else int(d.node.expr.subs(_batch_symbol(d), self.batch))
+                     for d in shape)
+
+    def batch_input(self) -> str:
+        """A program input whose dim 0 is the batch: what a shape that grows with it reads it from."""
+        if not self.batch_inputs:
+            raise self.error("a shape follows the batch size, but no input has the batch in dim 0")
+        return self.batch_inputs[0]
+
     def scalar_of(self, arg):
         """A Python number, from a literal or a 0-d constant tensor; None when arg is a tensor value."""
         if isinstance(arg, (int, float, bool)):
@@ -337,6 +504,51 @@ class _Lowering:
         if isinstance(arg, torch.fx.Node) and arg in self.constants and self.constants[arg].dim() == 0:
             return self.constants[arg].item()
         return None
+
+
+def _symbolic(size) -> bool:
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
+def _batch_symbol(size):
+    return next(iter(size.node.expr.free_symbols))
+
+
+def _batch_shaped(val) -> bool:
+    """Whether a node's value (a tensor, or a list of them) has a dim that follows the batch."""
+    if isinstance(val, (list, tuple)):
+        return any(_batch_shaped(v) for v in val)
+    return isinstance(val, torch.Tensor) and any(_symbolic(d) for d in val.shape)
+
+
+def _follows_batch_shape(node) -> bool:
+    return _batch_shaped(node.meta.get("val"))
+
+
+# Ops whose output keeps a dim's size but computes each element from others along it:
+# along the batch, a shard's rows would differ from the whole batch's.
+_ALONG_DIM = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp",
+              "sort", "argsort", "gather", "index_select", "scatter", "scatter_add", "scatter_reduce", "flip",
+              "roll", "cummax", "cummin"}
+
+
+def _mixing_dims(node) -> list[int]:
+    """The dims an op of _ALONG_DIM computes along (its `dim` or `dims` argument)."""
+    packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
+    if packet not in _ALONG_DIM:
+        return []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name in ("dim", "dims"):
+            value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else arg.default_value)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            return [int(v) for v in values if isinstance(v, int)]
+    return []
+
+
+def _located(fx_node) -> str:
+    """module path, op and source line of an fx node, as a capture error names them."""
+    line = _source(fx_node)
+    return f"module {_module_path(fx_node) or '<root>'}: op {fx_node.target}{' at ' + line if line else ''}"
 
 
 def _numpy(t) -> np.ndarray:
@@ -449,12 +661,21 @@ def _sum(op):
     return lower
 
 
+def _along_batch(L, x, dim, what: str) -> None:
+    """Refuse cutting the dim that follows the batch: a shard would cut its own rows."""
+    if _symbolic(x.meta["val"].shape[dim]):
+        raise L.error(f"{what} along dim {dim}, the batch: a shard would cut its own rows, not the batch's")
+
+
 def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     end = None if end is not None and end >= _INT64_MAX else end
+    if (start or 0) != 0 or end is not None or step != 1:
+        _along_batch(L, x, dim, "slice")
     return L.emit("slice", [x], {"dim": int(dim), "start": start, "end": end, "step": int(step)})
 
 
 def _split(L, node, x, split_size, dim=0):
+    _along_batch(L, x, dim, "split")
     size = x.meta["val"].shape[dim]
     sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
         [min(split_size, size - s) for s in range(0, size, split_size)]
@@ -467,13 +688,17 @@ def _split(L, node, x, split_size, dim=0):
 
 
 def _chunk(L, node, x, chunks, dim=0):
+    _along_batch(L, x, dim, "chunk")
     size = x.meta["val"].shape[dim]
     return _split(L, node, x, -(-size // chunks), dim)
 
 
 def _squeeze(L, node, x, dim=None):
-    dims = None if dim is None else ([dim] if isinstance(dim, int) else list(dim))
-    return L.emit("squeeze", [x], {"dims": dims})
+    """The dims squeezed are those of size 1 at capture: never the batch, even on a shard of one row."""
+    shape = x.meta["val"].shape
+    dims = range(len(shape)) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    kept = [d % len(shape) for d in dims if not _symbolic(shape[d]) and shape[d] == 1] if shape else None
+    return L.emit("squeeze", [x], {"dims": kept})
 
 
 def _where(L, node, cond, a, b):
@@ -561,13 +786,89 @@ def _mse(L, node, a, b, reduction=1):
     return L.emit("mse_loss", [a, b], {"reduction": _reduction(L, reduction)})
 
 
-def _broadcast_tensors(L, node, tensors):
-    shape = list(node.meta["val"][0].shape)
-    return [L.emit("expand", [t], {"shape": shape}, out=f"{node.name}_{i}") for i, t in enumerate(tensors)]
-
-
 def _gelu(L, node, x, approximate="none"):
     return L.emit("gelu", [x], {"approximate": approximate})
+
+
+# ---------------------------------------------------------------- shapes that follow the batch
+# A program runs on shards of any number of rows, so a shape captured from the batch
+# (x.shape[0], B * T) must not enter it as the capture's number. Its ops take their
+# shape from the output's symbolic sizes: a reshape puts -1 at the one dim that
+# follows the batch; an expand keeps such a dim (-1), or, to broadcast a constant
+# over the batch (a token_type_ids buffer), reads the batch from a program input.
+
+def _reshape(L, node, x, shape):
+    out = node.meta["val"].shape
+    following = [i for i, d in enumerate(out) if _symbolic(d)]
+    if len(following) > 1:
+        raise L.error(f"reshape to {list(out)}: {len(following)} dims follow the batch size, a shard "
+                      "could not tell them apart (keep the batch in one dim)")
+    return L.emit("reshape", [x], {"shape": [-1 if _symbolic(d) else int(d) for d in out]})
+
+
+def _expand_to(L, x, out, name=None, src=None) -> str:
+    """x (an fx node, or a program constant of shape `src`) broadcast to the output shape
+    `out` (symbolic sizes where it follows the batch)."""
+    src = x.meta["val"].shape if src is None else src
+    lead = len(out) - len(src)
+    shape, batch_dims = [], []
+    for i, d in enumerate(out):
+        if not _symbolic(d):
+            shape.append(int(d))
+        elif i >= lead and _symbolic(src[i - lead]) and src[i - lead].node.expr == d.node.expr:
+            shape.append(-1)
+        elif d.node.expr.is_Symbol:
+            shape.append(L.batch)
+            batch_dims.append(i)
+        else:
+            raise L.error(f"expand to {list(out)}: dim {i} grows with the batch as {d}; only the batch "
+                          "itself can be broadcast to")
+    if not batch_dims:
+        return L.emit("expand", [x], {"shape": shape}, out=name)
+    return L.emit("expand", [x, L.batch_input()], {"shape": shape, "batch_dims": batch_dims}, out=name)
+
+
+def _expand(L, node, x, shape, implicit=False):
+    return _expand_to(L, x, node.meta["val"].shape)
+
+
+def _broadcast_tensors(L, node, tensors):
+    shape = node.meta["val"][0].shape
+    return [_expand_to(L, t, shape, f"{node.name}_{i}") for i, t in enumerate(tensors)]
+
+
+def _filled(fill_of):
+    """A tensor filled with one value (ones, zeros, full, new_*): uniform over the batch, so
+    it is a constant of one row broadcast over the shard's rows."""
+    def lower(L, node, *args, **kw):
+        out = node.meta["val"]
+        if any(_symbolic(d) and not d.node.expr.is_Symbol for d in out.shape):
+            raise L.error(f"a tensor of shape {list(out.shape)}: only the batch itself can size a dim")
+        fill = fill_of(*args, **kw)
+        if L._follows_batch(fill):
+            raise L.error("a fill value that follows the batch size")
+        if isinstance(fill, torch.fx.Node) and fill not in L.constants:
+            raise L.error("a fill value computed from the model's inputs")
+        fill = L._concrete(fill) if isinstance(fill, torch.fx.Node) else fill
+        if not any(_symbolic(d) for d in out.shape):   # a *_like of a value of fixed shape
+            return L.constant(torch.full(tuple(out.shape), fill, dtype=out.dtype))
+        row = torch.full([1 if _symbolic(d) else int(d) for d in out.shape], fill, dtype=out.dtype)
+        return _expand_to(L, L.constant(row), out.shape, src=tuple(row.shape))
+    return lower
+
+
+_BATCH_SIZED = {
+    "view": _reshape, "reshape": _reshape, "_unsafe_view": _reshape, "expand": _expand,
+    "ones": _filled(lambda size, **kw: 1), "zeros": _filled(lambda size, **kw: 0),
+    "empty": _filled(lambda size, **kw: 0), "full": _filled(lambda size, fill_value, **kw: fill_value),
+    "new_ones": _filled(lambda x, size, **kw: 1), "new_zeros": _filled(lambda x, size, **kw: 0),
+    "new_empty": _filled(lambda x, size, **kw: 0),
+    "new_full": _filled(lambda x, size, fill_value, **kw: fill_value),
+    # of another value's shape, whatever it holds: no read of it
+    "ones_like": _filled(lambda x, **kw: 1), "zeros_like": _filled(lambda x, **kw: 0),
+    "empty_like": _filled(lambda x, **kw: 0), "full_like": _filled(lambda x, fill_value, **kw: fill_value),
+}
+_FILLED_LIKE = ("ones_like", "zeros_like", "empty_like", "full_like")
 
 
 _LOWER = {
@@ -581,15 +882,13 @@ _LOWER = {
     "softmax": _softmax("softmax"), "_softmax": _softmax("softmax"),
     "log_softmax": _softmax("log_softmax"), "_log_softmax": _softmax("log_softmax"),
     "layer_norm": _layer_norm, "embedding": _embedding, "dropout": _dropout,
-    "view": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
-    "reshape": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
-    "_unsafe_view": lambda L, n, x, shape: L.emit("reshape", [x], {"shape": list(shape)}),
+    "view": _reshape, "reshape": _reshape, "_unsafe_view": _reshape,
     "flatten": lambda L, n, x, start_dim=0, end_dim=-1: L.emit("flatten", [x], {"start_dim": start_dim,
                                                                                "end_dim": end_dim}),
     "permute": lambda L, n, x, dims: L.emit("permute", [x], {"dims": list(dims)}),
     "transpose": lambda L, n, x, d0, d1: L.emit("transpose", [x], {"dim0": int(d0), "dim1": int(d1)}),
     "t": lambda L, n, x: L.emit("transpose", [x], {"dim0": 0, "dim1": -1}),
-    "expand": lambda L, n, x, shape, implicit=False: L.emit("expand", [x], {"shape": list(shape)}),
+    "expand": _expand,
     "slice": _slice, "split": _split, "split_with_sizes": _split, "chunk": _chunk,
     "unsqueeze": lambda L, n, x, dim: L.emit("unsqueeze", [x], {"dim": int(dim)}),
     "squeeze": _squeeze, "clone": lambda L, n, x, **kw: L.emit("clone", [x]),

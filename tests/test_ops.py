@@ -340,3 +340,22 @@ def test_a_residual_gives_the_forward_and_the_vjp_their_bits(case, dtype):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes())
+
+
+def test_expand_over_the_batch_reads_the_batch_of_its_second_input_and_reshape_guesses_nothing():
+    """A constant row broadcast over the batch (a captured token_type_ids buffer) takes the
+    shard's rows from inputs[1]; its gradient is the constant's, none to the reference.
+    A reshape takes its shape as written: the captured -1 is where the batch is."""
+    row, ids = np.arange(4, dtype=np.float32)[None, :], np.zeros((3, 4), np.int64)
+    attrs = {"shape": [8, 4], "batch_dims": [0]}   # 8: the capture's batch, replaced
+    out = OPS["expand"].forward([row, ids], attrs)
+    assert out.shape == OPS["expand"].shape([row.shape, ids.shape], attrs) == (3, 4)
+    np.testing.assert_array_equal(out, np.repeat(row, 3, axis=0))
+    grads = OPS["expand"].vjp(np.ones((3, 4), np.float32), [row, ids], out, attrs)
+    np.testing.assert_array_equal(grads[0], np.full((1, 4), 3.0))
+    assert grads[1] is None
+    with pytest.raises(OpError, match="without an input to read the batch from"):
+        OPS["expand"].shape([row.shape], attrs)
+    x = np.zeros((4, 16, 32), np.float32)   # a shard of 4 rows of a view captured as (8, 16, 4, 8)
+    with pytest.raises(OpError, match="reshape of"):
+        OPS["reshape"].forward([x], {"shape": [8, 16, 4, 8]})

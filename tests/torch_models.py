@@ -106,3 +106,88 @@ class TwoTower(nn.Module):
 
     def forward(self, x, y):
         return self.out(torch.tanh(self.fx(x)) * torch.sigmoid(self.fy(y)))
+
+
+class ViewAttention(nn.Module):
+    """Causal attention with the heads found by view(B, T, -1, head_dim), as transformers
+    writes it: the -1 sits after the batch, so the shape must follow a shard's rows. Token
+    types from a buffer expanded to the batch, as BERT's embeddings make them."""
+    def __init__(self, vocab=30, d=32, head_dim=8, max_len=12):
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("token_type_ids", torch.ones((1, max_len), dtype=torch.long), persistent=False)
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.typ = nn.Embedding(2, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T)) + self.typ(self.token_type_ids[:, :T].expand(B, T))
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B * T, -1).view(B, T, -1)    # B * T in one dim, then back
+        return self.head(x + self.proj(y))
+
+
+class TypeBuffer(nn.Module):
+    """BERT's embeddings without a mask or token types given: a registered token_type_ids
+    buffer sliced to T and expanded to the batch, and an all-ones attention mask of
+    [B, T] made in forward(); both must fit a shard of any number of rows."""
+    def __init__(self, vocab=30, d=16, max_len=12, types=2):
+        super().__init__()
+        self.register_buffer("token_type_ids", torch.zeros((1, max_len), dtype=torch.long), persistent=False)
+        self.tok = nn.Embedding(vocab, d)
+        self.typ = nn.Embedding(types, d)
+        self.layer = EncoderLayer(d, 2)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids):
+        batch, seq = input_ids.shape
+        types = self.token_type_ids[:, :seq].expand(batch, seq)
+        mask = torch.ones((batch, seq), dtype=torch.long)
+        x = self.tok(input_ids) + self.typ(types)
+        return self.head(self.layer(x, mask == 0))
+
+
+class FixedBatch(nn.Module):
+    """A buffer of the capture's batch size: no program of it holds for another shard."""
+    def __init__(self, batch=8, d=12, classes=5):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(batch, d))
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, x):
+        return self.fc(x * self.scale)
+
+
+class HFStyleAttention(nn.Module):
+    """Self-attention as transformers' BERT writes it: position ids and token types from
+    buffers, an all-ones mask made in forward() and extended to an additive mask of
+    finfo.min, heads by view((*input_shape, -1, head_dim)), back by reshape(*input_shape, -1)."""
+    def __init__(self, vocab=30, d=32, heads=4, max_len=12):
+        super().__init__()
+        self.head_dim = d // heads
+        self.register_buffer("position_ids", torch.arange(max_len).expand((1, -1)), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(self.position_ids.size(), dtype=torch.long),
+                             persistent=False)
+        self.tok, self.pos, self.typ = nn.Embedding(vocab, d), nn.Embedding(max_len, d), nn.Embedding(2, d)
+        self.query, self.key, self.value, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids):
+        input_shape = input_ids.size()
+        batch_size, seq_length = input_shape
+        types = self.token_type_ids[:, :seq_length].expand(batch_size, seq_length)
+        x = self.ln(self.tok(input_ids) + self.pos(self.position_ids[:, :seq_length]) + self.typ(types))
+        extended = torch.ones((batch_size, seq_length))[:, None, None, :].to(x.dtype)
+        extended = (1.0 - extended) * torch.finfo(x.dtype).min
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = (f(x).view(hidden_shape).transpose(1, 2) for f in (self.query, self.key, self.value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / self.head_dim ** 0.5 + extended
+        y = torch.matmul(scores.softmax(-1), v).transpose(1, 2).contiguous().reshape(*input_shape, -1)
+        return self.head(x + self.out(y))

@@ -771,22 +771,9 @@ def _reshape_shape(shapes, attrs):
     return tuple(target)
 
 
-def _batch_relative(attrs) -> dict:
-    """A captured shape names the capture's batch size in its leading dim: where
-    the running batch differs, that dim follows it (-1). The batch is the leading
-    dim of every input of a captured program."""
-    shape = list(attrs["shape"])
-    if -1 not in shape[1:]:
-        shape[0] = -1
-    return {**attrs, "shape": shape}
-
-
 def _reshape_forward(inputs, attrs):
     x = inputs[0]
-    try:
-        return x.reshape(_reshape_shape([x.shape], attrs))
-    except OpError:
-        return x.reshape(_reshape_shape([x.shape], _batch_relative(attrs)))
+    return x.reshape(_reshape_shape([x.shape], attrs))
 
 
 _register("reshape", _reshape_forward, lambda g, i, o, a: [g.reshape(i[0].shape)], _reshape_shape, _free)
@@ -832,7 +819,13 @@ _register("transpose", lambda i, a: np.swapaxes(i[0], *_transpose_dims(a, i[0].n
 
 
 def _expand_shape(shapes, attrs):
+    """attrs["shape"], -1 keeping the input's size; a dim in attrs["batch_dims"] takes the
+    batch (dim 0) of inputs[1], so that a constant broadcast over the batch fits any shard."""
     src, target = tuple(shapes[0]), list(attrs["shape"])
+    for i in attrs.get("batch_dims", ()):
+        if len(shapes) < 2 or not shapes[1]:
+            raise OpError("expand over the batch without an input to read the batch from")
+        target[i] = shapes[1][0]
     lead = len(target) - len(src)
     if lead < 0:
         raise OpError(f"expand of {src} to fewer dims {tuple(target)}")
@@ -845,15 +838,12 @@ def _expand_shape(shapes, attrs):
 
 
 def _expand_forward(inputs, attrs):
-    x = inputs[0]
-    try:
-        return np.broadcast_to(x, _expand_shape([x.shape], attrs))
-    except OpError:
-        return np.broadcast_to(x, _expand_shape([x.shape], _batch_relative(attrs)))
+    return np.broadcast_to(inputs[0], _expand_shape([i.shape for i in inputs], attrs))
 
 
+# The batch reference (inputs[1]) gives only its size: no gradient flows to it.
 _register("expand", _expand_forward,
-          lambda g, i, o, a: [unbroadcast(g, i[0].shape)], _expand_shape, _free)
+          lambda g, i, o, a: [unbroadcast(g, i[0].shape)] + [None] * (len(i) - 1), _expand_shape, _free)
 
 
 def _slice_index(attrs, ndim):
