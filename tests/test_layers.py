@@ -19,7 +19,8 @@ import pytest
 
 from tests.cluster_utils import REPO
 
-PACKAGES = ("cs_runtime", "chief", "worker", "wse", "cs_torch", "scripts", "examples")
+PACKAGES = ("cs_runtime", "chief", "worker", "wse", "cs_torch", "scripts", "examples", "cerebras_pytorch",
+            "cerebras_appliance", "cerebras")
 
 # Bottom first. A module may import modules of its own layer and of the layers
 # below; which unit a module belongs to is its longest matching name prefix.
@@ -30,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # output line. `cs_runtime` itself is the package's __init__.
     ("cs_runtime", "cs_runtime.config", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
      "cs_runtime.numerics", "cs_runtime.data", "cs_runtime.user_script", "cs_runtime.probe_line",
-     "cs_runtime.torch_names"),
+     "cs_runtime.torch_names", "cs_runtime.import_names"),
     # Bytes between processes: the protocol, transport, shared memory, keys.
     ("cs_runtime.wire",),
     # What a process of any role uses: sending its timeline, checkpoints, the
@@ -55,6 +56,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The rest of the torch front end: the tracer, the session, the cluster
     # step and the DataExecutor that drives them.
     ("cs_torch",),
+    # The vendor's import names the model zoo uses, served by the packages above
+    # (cs_runtime.import_names): cerebras_pytorch and cerebras.pytorch are cs_torch;
+    # cerebras_appliance (also cerebras.appliance) is the appliance client's helpers.
+    ("cerebras_pytorch", "cerebras", "cerebras_appliance"),
     # Command lines and the user's code: nothing below imports them.
     ("scripts", "examples"),
 )
