@@ -682,7 +682,10 @@ class RunConfig(_Section):
     # run.py's command line sets these here (--model_dir, --mode, ...): in a
     # file they must agree with it or are the defaults; see runner.py.
     model_dir: Optional[StrictStr] = None
-    mode: Optional[Literal["train", "eval", "train_and_eval"]] = None
+    mode: Optional[Literal["train", "eval", "train_and_eval", "eval_all"]] = None
+    # run.py's --validate_only / --compile_only, as the model zoo also reads them from here.
+    validate_only: Optional[StrictBool] = None
+    compile_only: Optional[StrictBool] = None
     # How the job reaches and uses the real cluster (csrun_wse's flags here);
     # they cannot change a number. Listed so files that carry them run.
     cs_ip: Optional[StrictStr] = None
