@@ -6,7 +6,8 @@
     python run.py CSX --mode eval_all ...            # one eval per checkpoint of model_dir
 
 `hand_over(args)` runs in the process the user started (no CS_ROLE):
-it names the flags that change nothing here (once, one line), sets the
+it names the flags that change nothing here (once, one line; the params keys
+not modelled are named by the process that runs the model), sets the
 logging level, and for CSX replaces this process by csrun_wse with the same
 command (so the job is started, supervised and stopped exactly as csrun_wse
 does; the job's processes see CS_ROLE and carry on). It returns an exit code
@@ -25,9 +26,12 @@ from cs_runtime.run_args import RunArgs
 
 
 def hand_over(args: RunArgs) -> int | None:
-    if env.ROLE.get():
-        return None   # a process of a job: its launcher already did this
-    if args.unused_flags:
+    role = env.ROLE.get()
+    # The params keys not modelled, once a run: by the process that runs it (the CPU path, or a job's chief).
+    if args.params.not_modelled and (role == "chief" or not role and args.target != "CSX"):
+        print(f"{args.params_path}: accepted, not modelled: {'; '.join(args.params.not_modelled)}", file=sys.stderr)
+    if role:
+        return None   # a process of a job: its launcher already did the rest
         print(f"run.py: accepted, no effect in the emulator: {', '.join(args.unused_flags)}", file=sys.stderr)
     if args.logging:
         os.environ[env.LOG_LEVEL.name] = args.logging.upper()
