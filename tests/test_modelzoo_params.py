@@ -271,12 +271,12 @@ def test_fc_mnist_files_validate_as_shipped(tmp_path: Path, name: str) -> None:
 def test_language_model_files_validate_as_shipped(tmp_path: Path) -> None:
     """GPT-2 small and BERT base validate as shipped, the tied head, the 16-bit setting and
     BERT's next-sentence head (disable_nsp left at its default, false) included."""
-    for name in ("gpt2_small_trainer", "gpt2_small_r18"):
+    for name, positions in (("gpt2_small_trainer", 2048), ("gpt2_small_r18", 1024)):
         result = run_script("gpt2", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
         assert result.returncode == 0, result.stdout + result.stderr
         # GPT-2 small, tied and without an output bias, each parameter once: HF's 124,439,808
-        # and 1024 more positions of width 768 (these files' max_position_embeddings is 2048)
-        assert f"gpt2 is valid: 14 layers, {124_439_808 + 1024 * 768:,} parameters" in result.stdout
+        # (1024 positions), and 1024 more positions of width 768 where max_position_embeddings is 2048
+        assert f"gpt2 is valid: 14 layers, {124_439_808 + (positions - 1024) * 768:,} parameters" in result.stdout
     for name in ("bert_base_r18", "bert_base_trainer"):
         result = run_script("bert", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
         assert result.returncode == 0, result.stdout + result.stderr
@@ -297,7 +297,8 @@ SHRINK = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "filter_siz
           "max_position_embeddings": 16}
 LM_FILES = {
     "gpt2_small_r18": ("gpt2", "model.", "train_input.", "eval_input.", "runconfig.max_steps",
-                       ["model.mixed_precision=false"]),
+                       ["model.mixed_precision=false", "train_input.max_sequence_length=16",
+                        "eval_input.max_sequence_length=16"]),
     "gpt2_small_trainer": ("gpt2", "trainer.init.model.", "trainer.fit.train_dataloader.",
                            "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
                            ["trainer.init.precision.enabled=false"]),
