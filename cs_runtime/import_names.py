@@ -14,6 +14,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -21,7 +22,12 @@ class _AliasLoader(importlib.abc.Loader):
         self.target = target
 
     def create_module(self, spec):
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        if not hasattr(module, "__path__"):
+            # A module (not a package) whose module attributes are imported by dotted name under the
+            # alias (cerebras_pytorch.optim.lr_scheduler): the import system looks for a parent's __path__.
+            module.__path__ = []
+        return module
 
     def exec_module(self, module) -> None:
         """The target ran when it was imported; nothing more to run."""
@@ -34,10 +40,26 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path=None, target=None):
         if not fullname.startswith(self.name + "."):
             return None
-        real = self.target + fullname[len(self.name):]
-        if importlib.util.find_spec(real) is None:
+        real = _module_name(self.target + fullname[len(self.name):])
+        if real is None:
             return None   # the usual "No module named ..." names what the user wrote
         return importlib.util.spec_from_loader(fullname, _AliasLoader(real))
+
+
+def _module_name(name: str) -> str | None:
+    """`name` if it is a module, or the module a module attribute of that name is (`cs_torch.optim`
+    is a module, not a package, but `cs_torch.optim.lr_scheduler` is the module cs_torch.lr_scheduler)."""
+    try:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    except ImportError:   # the parent is a module, not a package
+        pass
+    parent, _, last = name.rpartition(".")
+    try:
+        attribute = getattr(importlib.import_module(parent), last, None)
+    except ImportError:
+        return None
+    return attribute.__name__ if isinstance(attribute, types.ModuleType) else None
 
 
 def alias(name: str, target: str):

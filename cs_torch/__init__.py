@@ -34,12 +34,20 @@ from .session import JobFailed, Module, Session, dataloader, initialize, manual_
 # The 2.x names, each from the module that holds it; loaded on first use (they need torch).
 _LAZY = {"backend": "backends", "current_backend": "backends", "compile": "tracing", "trace": "tracing",
          "step_closure": "tracing", "checkpoint_closure": "tracing", "save": "saving", "load": "saving",
-         "summarize_scalar": "summary", "summarize_tensor": "summary"}
-_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics")
+         "summarize_scalar": "summary", "summarize_tensor": "summary", "use_cs": "backends",
+         "current_executor": "recording", "name_scope": "core.name_scope", "add_debug_name": "core.name_scope",
+         "get_debug_name": "core.name_scope", "make_constant": "core.tensors", "to_numpy": "core.tensors",
+         "from_numpy": "core.tensors"}
+_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core")
+
+# The release of the real API this emulates (the model zoo writes it into checkpoints).
+__version__ = "2.1.1"
 
 
 # Parts of the real API the emulator does not have: one line saying so, not a bare AttributeError.
 _NOT_SUPPORTED = {"sparse": "weights are dense (no sparsity masks in the program or MemoryX)",
+                  "saver": "checkpoints are cstorch.save / cstorch.load's files (docs/cstorch.md)",
+                  "experimental": "listeners and implicit autoregressive loops are not emulated",
                   "profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
 
 

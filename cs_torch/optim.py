@@ -72,8 +72,9 @@ class SGD(_Dispatch, Optimizer):
 class Adam(_Dispatch, Optimizer):
     kind = "adam"
 
+    # eps 1e-6: the real cstorch.optim.Adam's default (torch.optim.Adam's is 1e-8), as optimizers.Adam.
     def __init__(self, params=None, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
+                 eps: float = 1e-6, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
         super().__init__(params, lr=lr, weight_decay=weight_decay, max_gradient_norm=max_gradient_norm,
                          betas=[float(b) for b in betas], eps=float(eps))
 
@@ -81,7 +82,8 @@ class Adam(_Dispatch, Optimizer):
 class AdamW(Adam):
     kind = "adamw"
 
+    # The real cstorch.optim.AdamW's defaults: eps 1e-6, weight_decay 0 (torch.optim.AdamW's: 1e-8, 0.01).
     def __init__(self, params=None, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, max_gradient_norm: float | None = None):
+                 eps: float = 1e-6, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          max_gradient_norm=max_gradient_norm)

@@ -1,0 +1,139 @@
+"""Names of the real cerebras.pytorch API the model zoo's training flow calls, each
+against torch eager or the real API's documented behaviour.
+
+    python -m pytest tests/test_cstorch_names.py -q
+"""
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="cs_torch's 2.x API takes torch modules (pip install -e '.[torch]')")
+
+import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
+from cs_torch.backends import reset_backend  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend():
+    reset_backend()
+    yield
+    reset_backend()
+
+
+def test_top_level_names_the_model_zoo_calls() -> None:
+    assert cstorch.__version__ == "2.1.1"
+    assert cstorch.use_cs() is False                       # a CPU backend unless CSX was asked for
+    cstorch.backend("CSX")
+    assert cstorch.use_cs() is True
+    t = torch.arange(3.0)
+    assert cstorch.make_constant(t) is t
+    np.testing.assert_array_equal(cstorch.to_numpy(t * 2), [0.0, 2.0, 4.0])
+    assert torch.equal(cstorch.from_numpy(np.ones(2, np.float32)), torch.ones(2))
+    assert cstorch.current_executor() is None               # outside a DataExecutor loop
+    from cs_torch.core.name_scope import current_scope
+    with cstorch.name_scope("encoder"):
+        with cstorch.name_scope("layer0"):
+            assert current_scope() == "encoder.layer0"
+    assert current_scope() == ""
+
+
+def test_debug_names_are_module_paths() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+    cstorch.add_debug_name(model, "model")
+    assert cstorch.get_debug_name(model[1][0]) == "model.1.0"
+    assert cstorch.get_debug_name(torch.nn.Tanh()).startswith("tanh_")
+
+
+def test_submodules_by_the_real_dotted_names() -> None:
+    lr = importlib.import_module("cerebras_pytorch.optim.lr_scheduler")
+    assert lr is importlib.import_module("cs_torch.lr_scheduler") and lr.SequentialLR is cstorch.optim.lr_scheduler.SequentialLR
+    from cerebras.pytorch.core import modes
+    assert modes.EVAL_ALL == "eval_all"
+
+
+@pytest.mark.parametrize("name, why", [("sparse", "weights are dense"), ("saver", "cstorch.save"),
+                                       ("experimental", "listeners")])
+def test_a_name_not_emulated_is_one_line_naming_it(name: str, why: str) -> None:
+    with pytest.raises(AttributeError, match=rf"^cstorch\.{name} is not supported by the emulator: .*{why}"):
+        getattr(cstorch, name)
+
+
+def test_optimizer_defaults_are_the_real_apis() -> None:
+    model = torch.nn.Linear(2, 2)
+    adam, adamw = cstorch.optim.Adam(model.parameters()), cstorch.optim.AdamW(model.parameters())
+    assert adam.defaults["eps"] == adamw.defaults["eps"] == 1e-6 and adamw.defaults["weight_decay"] == 0.0
+    # The ModelSpec path (no parameters given) has the same defaults: one eps whichever way it is spelled.
+    assert cstorch.optim.Adam(lr=0.1).section["eps"] == cstorch.optim.AdamW(lr=0.1).section["eps"] == 1e-6
+    assert cstorch.optim.AdamW(lr=0.1).section["weight_decay"] == 0.0
+
+
+def test_grad_scaler_defaults_are_the_real_apis() -> None:
+    plain = cstorch.amp.GradScaler()
+    assert not plain.dynamic and plain.scale_value() == 1.0            # loss_scale None: no scaling
+    dynamic = cstorch.amp.GradScaler(loss_scale="dynamic")
+    assert (dynamic.scale_value(), dynamic.max_loss_scale, dynamic.steps_per_increase) == (2.0 ** 15, 2.0 ** 15, 2000)
+    assert dynamic.min_loss_scale == 2.0 ** -14
+
+
+def test_compute_num_steps_takes_the_smallest_as_the_real_api() -> None:
+    loader = list(range(10))       # ten batches an epoch
+    f = cstorch.utils.data.compute_num_steps
+    assert f(loader, num_epochs=1, steps_per_epoch=4, max_steps=100) == 4
+    assert f(loader, num_epochs=2) == 20 and f(loader, num_steps=7, max_steps=5) == 5
+    assert f(loader, initial_step=3, max_steps=5) == 2 and f(loader, num_epochs=1, grad_accum_steps=3) == 3
+    assert f(iter(range(5)), num_steps=9) == 9        # a loader of unknown length: steps only
+    for kwargs, message in (({"num_epochs": 1, "num_steps": 2}, "num_epochs or num_steps, not both"),
+                            ({}, "give one of num_epochs, num_steps or max_steps"),
+                            ({"num_epochs": 1, "steps_per_epoch": 11}, "steps_per_epoch 11 exceeds the 10"),
+                            ({"initial_step": 5, "max_steps": 5}, "initial step 5 is already at max_steps 5"),
+                            ({"num_steps": 0}, "num_steps must be a positive integer")):
+        with pytest.raises(ValueError, match=message):
+            f(loader, **kwargs)
+    with pytest.raises(ValueError, match="num_epochs needs a data loader of known length"):
+        f(iter(range(5)), num_epochs=1)
+
+
+def test_optimizer_step_matches_torch_eager_with_scaling_and_clipping() -> None:
+    """amp.optimizer_step on the CPU backend: the same weights as torch's own scaled backward, clip, step."""
+    torch.manual_seed(0)
+    ours, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    ref.load_state_dict(ours.state_dict())
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    opt = cstorch.optim.SGD(ours.parameters(), lr=0.5, momentum=0.9)
+    scaler = cstorch.amp.GradScaler(loss_scale=64.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        cstorch.amp.optimizer_step(torch.nn.functional.cross_entropy(ours(x), y), opt, scaler,
+                                   max_gradient_norm=0.1)
+        ref_opt.zero_grad()
+        (torch.nn.functional.cross_entropy(ref(x), y) * 64.0).backward()
+        for p in ref.parameters():
+            p.grad.div_(64.0)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="max_gradient_value .* is not emulated"):
+        cstorch.amp.optimizer_step(ours(x).sum(), opt, scaler, max_gradient_value=1.0)
+
+
+def test_fbeta_score_against_its_definition() -> None:
+    labels = torch.tensor([0, 1, 2, 2, 1, 0, 2, 1])
+    preds = torch.tensor([0, 2, 2, 1, 1, 0, 2, 0])
+    micro = cstorch.metrics.FBetaScoreMetric(3, beta=2.0, name="fb_micro")
+    micro(labels, preds)
+    # Pooled over classes, every prediction counts once: precision = recall = accuracy = 5/8.
+    assert float(micro) == pytest.approx(5 / 8)
+    macro = cstorch.metrics.FBetaScoreMetric(3, beta=1.0, average_type="macro", ignore_labels=[0], name="fb_macro")
+    macro(labels, preds)
+    f1 = []
+    for c in (1, 2):
+        tp = int(((preds == c) & (labels == c)).sum())
+        p, r = tp / int((preds == c).sum()), tp / int((labels == c).sum())
+        f1.append(2 * p * r / (p + r))
+    assert float(macro) == pytest.approx(sum(f1) / 2)
+    assert set(cstorch.metrics.compute_all_metrics()) >= {"fb_micro", "fb_macro"}
