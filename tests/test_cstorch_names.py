@@ -137,3 +137,47 @@ def test_fbeta_score_against_its_definition() -> None:
         f1.append(2 * p * r / (p + r))
     assert float(macro) == pytest.approx(sum(f1) / 2)
     assert set(cstorch.metrics.compute_all_metrics()) >= {"fb_micro", "fb_macro"}
+
+
+def lrs_of(make, steps: int = 25) -> list[float]:
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = make(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    return out
+
+
+LR = cstorch.optim.lr_scheduler
+TORCH_LR = torch.optim.lr_scheduler
+
+
+@pytest.mark.parametrize("ours, theirs", [
+    (lambda o: LR.StepLR(o, 0.1, step_size=4, gamma=0.5), lambda o: TORCH_LR.StepLR(o, 4, gamma=0.5)),
+    (lambda o: LR.MultiStepLR(o, 0.1, gamma=0.3, milestones=[3, 10]),
+     lambda o: TORCH_LR.MultiStepLR(o, [3, 10], gamma=0.3)),
+    (lambda o: LR.CosineAnnealingLR(o, 0.1, T_max=20, eta_min=0.01),
+     lambda o: TORCH_LR.CosineAnnealingLR(o, 20, eta_min=0.01)),
+    (lambda o: LR.CosineAnnealingWarmRestarts(o, 0.1, T_0=3, T_mult=2, eta_min=0.001),
+     lambda o: TORCH_LR.CosineAnnealingWarmRestarts(o, 3, T_mult=2, eta_min=0.001)),
+    (lambda o: LR.PolynomialLR(o, 0.1, 0.0, total_iters=12, power=2.0),
+     lambda o: TORCH_LR.PolynomialLR(o, total_iters=12, power=2.0)),
+    (lambda o: LR.MultiplicativeLR(o, 0.1, coefficient=0.9),
+     lambda o: TORCH_LR.MultiplicativeLR(o, lambda _: 0.9)),
+])
+def test_schedulers_follow_torchs_where_torch_has_them(ours, theirs) -> None:
+    np.testing.assert_allclose(lrs_of(ours), lrs_of(theirs), rtol=1e-6, atol=1e-12)
+
+
+def test_schedulers_torch_lacks_follow_their_documented_formulas() -> None:
+    inv_sqrt = lrs_of(lambda o: LR.InverseSquareRootDecayLR(o, 2.0, scale=0.5, warmup_steps=4), 8)
+    assert inv_sqrt == pytest.approx([2.0 * 0.5 / max(t, 4) ** 0.5 for t in range(8)])
+    inv_exp = lrs_of(lambda o: LR.InverseExponentialTimeDecayLR(o, 0.1, 2, 10, 0.5, staircase=True), 8)
+    assert inv_exp == pytest.approx([0.1 / (1 + 0.5 * (t * t // 10)) for t in range(8)])
+    piecewise = lrs_of(lambda o: LR.PiecewiseConstantLR(o, [0.3, 0.2, 0.1], [2, 5]), 7)
+    assert piecewise == [0.3, 0.3, 0.2, 0.2, 0.2, 0.1, 0.1]
+    with pytest.raises(Exception, match="2 milestones need 3 learning_rates"):
+        LR.PiecewiseConstantLR(None, [0.3, 0.2], [2, 5])
