@@ -48,6 +48,7 @@ __version__ = "2.1.1"
 _NOT_SUPPORTED = {"sparse": "weights are dense (no sparsity masks in the program or MemoryX)",
                   "saver": "checkpoints are cstorch.save / cstorch.load's files (docs/cstorch.md)",
                   "experimental": "listeners and implicit autoregressive loops are not emulated",
+                  "storage": "checkpoints are cstorch.save / cstorch.load's files (docs/cstorch.md)",
                   "profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
 
 

@@ -181,3 +181,42 @@ def test_schedulers_torch_lacks_follow_their_documented_formulas() -> None:
     assert piecewise == [0.3, 0.3, 0.2, 0.2, 0.2, 0.1, 0.1]
     with pytest.raises(Exception, match="2 milestones need 3 learning_rates"):
         LR.PiecewiseConstantLR(None, [0.3, 0.2], [2, 5])
+
+
+def api_table() -> list[tuple[str, str]]:
+    """(name, status) of each row of docs/cstorch.md's "The real API's names"."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cstorch.md").read_text()
+    section = text.split("## The real API's names", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            name, status = line[3:].split("` | ", 1)
+            rows.append((name, status.split(":", 1)[0].rstrip(" |")))
+    return rows
+
+
+def resolve(name: str):
+    """cerebras_pytorch.<name>: through the module attributes, as a script reaches it."""
+    parts = name.split(".")
+    obj = cstorch
+    if parts[0] == "backend" and len(parts) > 1:   # cstorch.backend is the function; its module is this
+        obj, parts = importlib.import_module("cs_torch.backends"), parts[1:]
+    for part in parts:
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_the_api_table_says_what_the_package_has() -> None:
+    rows = api_table()
+    assert len(rows) == 168 and len({name for name, _ in rows}) == 168
+    counts = {status: sum(s == status for _, s in rows) for status in ("present", "partial", "not supported")}
+    assert sum(counts.values()) == 168, counts
+    for name, status in rows:
+        if status in ("present", "partial"):
+            resolve(name)   # raises if the table says present and the package has no such name
+        else:
+            with pytest.raises(AttributeError) as info:
+                resolve(name)
+            assert name.split(".")[0] in str(info.value) or name.split(".")[-1] in str(info.value), name
+            assert "\n" not in str(info.value)
