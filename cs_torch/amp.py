@@ -43,11 +43,7 @@ def set_half_dtype(dtype):
     if name not in HALF_DTYPES:
         raise CsTorchError(f"amp.set_half_dtype: expected one of {', '.join(HALF_DTYPES)}, got {dtype!r}")
     _half.update(dtype=name, enabled=True)
-    try:
-        import torch
-    except ImportError:     # the ModelSpec API runs without torch
-        return name
-    return getattr(torch, "float16" if name == "cbfloat16" else name)
+    return _torch_dtype(name)
 
 
 def use_bfloat16(enabled: bool):
@@ -55,7 +51,22 @@ def use_bfloat16(enabled: bool):
     return set_half_dtype("bfloat16" if enabled else "float16")
 
 
-def get_half_dtype() -> str:
+def _torch_dtype(name: str):
+    """The torch dtype of a half dtype's name (float16 stands in for cbfloat16); the name without torch."""
+    try:
+        import torch
+    except ImportError:     # the ModelSpec API runs without torch
+        return name
+    return getattr(torch, "float16" if name == "cbfloat16" else name)
+
+
+def get_half_dtype():
+    """The 16-bit dtype models use, as a torch dtype (the real API's; float16 stands in for cbfloat16)."""
+    return _torch_dtype(_half["dtype"])
+
+
+def get_half_dtype_str() -> str:
+    """The 16-bit dtype's name: float16, bfloat16 or cbfloat16."""
     return _half["dtype"]
 
 
@@ -70,7 +81,7 @@ class GradScaler:
     def __init__(self, loss_scale=None, init_scale: float | None = None, steps_per_increase: int | None = None,
                  min_loss_scale: float | None = None, max_loss_scale: float | None = None,
                  overflow_tolerance: float = 0.0, max_gradient_norm: float | None = None):
-        largest = 2.0 ** 31 if get_half_dtype() == "cbfloat16" else 2.0 ** 15
+        largest = 2.0 ** 31 if get_half_dtype_str() == "cbfloat16" else 2.0 ** 15
         loss_scale = 1.0 if loss_scale is None else loss_scale
         init_scale = largest if init_scale is None else init_scale
         max_loss_scale = largest if max_loss_scale is None else max_loss_scale

@@ -220,3 +220,17 @@ def test_the_api_table_says_what_the_package_has() -> None:
                 resolve(name)
             assert name.split(".")[0] in str(info.value) or name.split(".")[-1] in str(info.value), name
             assert "\n" not in str(info.value)
+
+
+def test_half_dtypes_are_torch_dtypes_as_the_real_api() -> None:
+    from cs_torch import amp
+    state = dict(amp._half)
+    try:
+        assert cstorch.amp.set_half_dtype(torch.bfloat16) is torch.bfloat16
+        assert cstorch.amp.get_half_dtype() is torch.bfloat16 and cstorch.amp.get_half_dtype_str() == "bfloat16"
+        assert cstorch.amp.set_half_dtype("cbfloat16") is torch.float16      # float16 stands in, as in cstorch
+        assert cstorch.amp.get_half_dtype_str() == "cbfloat16"
+        assert cstorch.amp.GradScaler(loss_scale="dynamic").scale_value() == 2.0 ** 31
+        assert torch.ones(2).to(cstorch.amp.get_half_dtype()).dtype == torch.float16
+    finally:
+        amp._half.update(state)
