@@ -90,3 +90,10 @@ def test_run_py_cpu_and_csx_train_alike_then_eval_all(tmp_path: Path) -> None:
     assert out.index("Eval Device=CPU, Step=2") < out.index("Eval Device=CPU, Step=4")
     nothing = run_py("CPU", "--mode", "eval_all", "--model_dir", "empty", "--params", str(PARAMS), cwd=tmp_path)
     assert nothing.returncode == 2 and "eval_all: no checkpoints in empty" in nothing.stderr
+
+
+def test_the_precheck_knows_the_short_mode_flag() -> None:
+    from cs_runtime.launch.precheck import runs_nothing
+    assert runs_nothing(["python", "run.py", "CSX", "-m", "validate_only", "-p", "p.yaml"])
+    assert runs_nothing(["python", "run.py", "--mode=compile_only"])
+    assert not runs_nothing(["python", "run.py", "CSX", "-m", "train", "-p", "p.yaml"])
