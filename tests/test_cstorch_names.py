@@ -234,3 +234,21 @@ def test_half_dtypes_are_torch_dtypes_as_the_real_api() -> None:
         assert torch.ones(2).to(cstorch.amp.get_half_dtype()).dtype == torch.float16
     finally:
         amp._half.update(state)
+
+
+def test_distributed_answers_as_the_users_process_of_an_emulated_job() -> None:
+    dist = importlib.import_module("cerebras_pytorch.distributed")
+    assert (dist.get_ordinal(), dist.is_master_ordinal(), dist.is_streamer()) == (0, True, False)
+    assert dist.get_streaming_batch_size(96) == 96                 # the input function makes the global batch
+    with pytest.raises(ValueError, match="positive batch size"):
+        dist.get_streaming_batch_size(0)
+    cstorch.backend("CSX", cluster_config=cstorch.distributed.ClusterConfig(num_csx=2, num_workers_per_csx=2))
+    assert dist.num_streamers() == 4
+    for call in (dist.get_streaming_rank, dist.get_worker_state):
+        with pytest.raises(Exception, match=r"^distributed\.get_\w+: .*emulated"):
+            call()
+    from cerebras_pytorch.distributed.cluster_resolver import ClusterSpec, TaskSpec
+    spec = ClusterSpec([TaskSpec(rank=0, local_rank=0, wse_id=0, node_name="unknown")], 0, 1, 1)
+    assert spec.task().wse_id == 0 and spec.task(0).node_name == "unknown"
+    with pytest.raises(ValueError, match="no task of rank 3"):
+        spec.task(3)
