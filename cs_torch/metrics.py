@@ -188,6 +188,87 @@ class FBetaScoreMetric(Metric):
         return result.to(self._dtype) if self._dtype is not None else result
 
 
+class MeanMetric(Metric):
+    """The weighted mean of the values given: sum(value * weight) / sum(weight), weight broadcast to value."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+
+    def reset(self) -> None:
+        self.register_state("total_value", torch.tensor(0, dtype=torch.float32))
+        self.register_state("total_weight", torch.tensor(0, dtype=torch.float32))
+        self._dtype = None
+
+    def update(self, value, weight=1.0, dtype=None) -> None:
+        value = torch.as_tensor(value, dtype=torch.float32)
+        weight = torch.broadcast_to(torch.as_tensor(weight, dtype=torch.float32), value.shape)
+        self.total_value.add_((value * weight).sum())
+        self.total_weight.add_(weight.sum())
+        self._dtype = dtype
+
+    def compute(self) -> torch.Tensor:
+        result = self.total_value / self.total_weight
+        return result.to(self._dtype) if self._dtype is not None else result
+
+
+class _ConfusionMetric(Metric):
+    """A metric of a [label, prediction] confusion matrix of integer classes (weights per element)."""
+
+    def __init__(self, num_classes: int, ignore_classes: list | None = None, name: str | None = None):
+        if num_classes <= 1:
+            raise ValueError(f"{type(self).__name__}: num_classes should be at least 2, got {num_classes}")
+        self.num_classes = num_classes
+        self.keep = torch.ones(num_classes, dtype=torch.bool)
+        for label in ignore_classes or []:
+            self.keep[label] = False
+        super().__init__(name or type(self).__name__)
+
+    def reset(self) -> None:
+        self.register_state("confusion_matrix", torch.zeros(self.num_classes, self.num_classes))
+        self._dtype = None
+
+    def update(self, labels, predictions, weights=None, dtype=None) -> None:
+        if labels.shape != predictions.shape:
+            raise ValueError(f"{type(self).__name__}: labels {tuple(labels.shape)} and predictions "
+                             f"{tuple(predictions.shape)} differ in shape")
+        if weights is not None and weights.shape != labels.shape:
+            raise ValueError(f"{type(self).__name__}: weights {tuple(weights.shape)} and labels "
+                             f"{tuple(labels.shape)} differ in shape")
+        index = labels.reshape(-1).long() * self.num_classes + predictions.reshape(-1).long()
+        w = None if weights is None else weights.reshape(-1).float()
+        counts = torch.bincount(index, weights=w, minlength=self.num_classes ** 2).float()
+        self.confusion_matrix.add_(counts.reshape(self.num_classes, self.num_classes))
+        self._dtype = dtype
+
+    def _mean_over_classes(self, numerator, denominator) -> torch.Tensor:
+        """The mean of numerator / denominator over the kept classes whose denominator is not 0."""
+        use = self.keep & (denominator > 0)
+        if not use.any():
+            return torch.tensor(0.0)
+        result = (numerator[use] / denominator[use]).mean()
+        return result.to(self._dtype) if self._dtype is not None else result
+
+
+class MeanIOUMetric(_ConfusionMetric):
+    """The mean over classes of true positives / (true positives + false positives + false negatives)."""
+
+    def compute(self) -> torch.Tensor:
+        cm = self.confusion_matrix
+        tp = torch.diagonal(cm)
+        return self._mean_over_classes(tp, cm.sum(0) + cm.sum(1) - tp)
+
+
+class MeanPerClassAccuracyMetric(_ConfusionMetric):
+    """The mean over classes of the share of each class's labels predicted right."""
+
+    def __init__(self, num_classes: int, name: str | None = None):
+        super().__init__(num_classes, None, name)
+
+    def compute(self) -> torch.Tensor:
+        cm = self.confusion_matrix
+        return self._mean_over_classes(torch.diagonal(cm), cm.sum(1))
+
+
 def get_all_metrics():
     """(name, metric) for every metric made, "name.i" where several share a name."""
     for name, metrics in Metric.registry.items():

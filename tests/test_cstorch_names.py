@@ -252,3 +252,26 @@ def test_distributed_answers_as_the_users_process_of_an_emulated_job() -> None:
     assert spec.task().wse_id == 0 and spec.task(0).node_name == "unknown"
     with pytest.raises(ValueError, match="no task of rank 3"):
         spec.task(3)
+
+
+def test_mean_iou_per_class_accuracy_and_mean_against_their_definitions() -> None:
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 2, 0])
+    preds = torch.tensor([0, 1, 1, 1, 2, 0, 2, 0])
+    iou = cstorch.metrics.MeanIOUMetric(3, name="iou")
+    iou(labels, preds)
+    per_class = []
+    for c in range(3):
+        tp = int(((preds == c) & (labels == c)).sum())
+        union = int(((preds == c) | (labels == c)).sum())
+        per_class.append(tp / union)
+    assert float(iou) == pytest.approx(sum(per_class) / 3)
+    ignoring = cstorch.metrics.MeanIOUMetric(3, ignore_classes=[0], name="iou_no0")
+    ignoring(labels, preds)
+    assert float(ignoring) == pytest.approx(sum(per_class[1:]) / 2)
+    acc = cstorch.metrics.MeanPerClassAccuracyMetric(3, name="pca")
+    acc(labels, preds)
+    assert float(acc) == pytest.approx((2 / 3 + 2 / 2 + 2 / 3) / 3)
+    mean = cstorch.metrics.MeanMetric("mean")
+    mean(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 3.0]))
+    mean(torch.tensor(5.0))
+    assert float(mean) == pytest.approx((1 + 9 + 5) / (1 + 3 + 1))
