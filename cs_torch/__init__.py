@@ -32,13 +32,14 @@ from .nn import CsTorchError
 from .session import JobFailed, Module, Session, dataloader, initialize, manual_seed, module
 
 # The 2.x names, each from the module that holds it; loaded on first use (they need torch).
-_LAZY = {"backend": "backends", "current_backend": "backends", "compile": "tracing", "trace": "tracing",
+_LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing",
          "step_closure": "tracing", "checkpoint_closure": "tracing", "save": "saving", "load": "saving",
          "summarize_scalar": "summary", "summarize_tensor": "summary", "use_cs": "backends",
          "current_executor": "recording", "name_scope": "core.name_scope", "add_debug_name": "core.name_scope",
          "get_debug_name": "core.name_scope", "make_constant": "core.tensors", "to_numpy": "core.tensors",
          "from_numpy": "core.tensors"}
-_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core")
+# `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
+_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend")
 
 # The release of the real API this emulates (the model zoo writes it into checkpoints).
 __version__ = "2.1.1"

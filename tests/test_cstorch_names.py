@@ -198,11 +198,8 @@ def api_table() -> list[tuple[str, str]]:
 
 def resolve(name: str):
     """cerebras_pytorch.<name>: through the module attributes, as a script reaches it."""
-    parts = name.split(".")
     obj = cstorch
-    if parts[0] == "backend" and len(parts) > 1:   # cstorch.backend is the function; its module is this
-        obj, parts = importlib.import_module("cs_torch.backends"), parts[1:]
-    for part in parts:
+    for part in name.split("."):
         obj = getattr(obj, part)
     return obj
 
@@ -275,3 +272,10 @@ def test_mean_iou_per_class_accuracy_and_mean_against_their_definitions() -> Non
     mean(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 3.0]))
     mean(torch.tensor(5.0))
     assert float(mean) == pytest.approx((1 + 9 + 5) / (1 + 3 + 1))
+
+
+def test_backend_is_the_function_and_the_module_of_its_names() -> None:
+    assert cstorch.backend("CPU").backend_type == "CPU"          # called, as every script does
+    assert cstorch.backend.use_cs() is False and cstorch.backend.current_backend_impl().backend_type == "CPU"
+    from cerebras.pytorch.backend import BackendType, current_backend_impl
+    assert current_backend_impl() is cstorch.current_backend() and BackendType.CSX.is_csx
