@@ -279,3 +279,10 @@ def test_backend_is_the_function_and_the_module_of_its_names() -> None:
     assert cstorch.backend.use_cs() is False and cstorch.backend.current_backend_impl().backend_type == "CPU"
     from cerebras.pytorch.backend import BackendType, current_backend_impl
     assert current_backend_impl() is cstorch.current_backend() and BackendType.CSX.is_csx
+
+
+def test_nn_functional_one_hot_by_its_real_name() -> None:
+    from cerebras_pytorch.nn.functional import one_hot
+    assert torch.equal(one_hot(torch.tensor([2, 0]), 3), torch.tensor([[0, 0, 1], [1, 0, 0]]))
+    with pytest.raises(ValueError, match="num_classes cannot be -1"):
+        one_hot(torch.tensor([1]), -1)
