@@ -286,3 +286,10 @@ def test_nn_functional_one_hot_by_its_real_name() -> None:
     assert torch.equal(one_hot(torch.tensor([2, 0]), 3), torch.tensor([[0, 0, 1], [1, 0, 0]]))
     with pytest.raises(ValueError, match="num_classes cannot be -1"):
         one_hot(torch.tensor([1]), -1)
+
+
+def test_data_executor_names_what_it_does_not_honour(capsys: pytest.CaptureFixture) -> None:
+    loader = cstorch.utils.data.DataLoader(lambda: [(torch.zeros(2, 1), torch.zeros(2))])
+    executor = cstorch.utils.data.DataExecutor(loader, num_steps=1, listeners=["a listener"])
+    assert len(executor) == 1
+    assert "DataExecutor: listeners are not honoured" in capsys.readouterr().err

@@ -74,7 +74,7 @@ class CSConfig:
 class DataExecutor:
     def __init__(self, dataloader, num_steps: int | None = None, checkpoint_steps: int | None = None,
                  activation_steps: int | None = None, cs_config: CSConfig | None = None, writer=None,
-                 micro_batch_size=None, profiler_activities=None):
+                 micro_batch_size=None, profiler_activities=None, listeners=None):
         for name, value in (("num_steps", num_steps), ("checkpoint_steps", checkpoint_steps),
                             ("activation_steps", activation_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -92,6 +92,8 @@ class DataExecutor:
                  "share of the batch whole")
         if profiler_activities:
             note("DataExecutor: profiler_activities is not honoured (see docs/running.md for traces)")
+        if listeners:
+            note("DataExecutor: listeners are not honoured (tensor listeners are not emulated)")
         self.user_iteration = 0
         self.on_cluster = False
         self._runs: dict = {}
