@@ -19,6 +19,14 @@ from . import lr_scheduler  # noqa: F401 (cstorch.optim.lr_scheduler)
 from .nn import CsTorchError
 
 
+def __getattr__(name: str):
+    # The model zoo flow's helpers (they need torch): loaded when asked for.
+    if name in ("configure_param_groups", "configure_optimizer", "configure_lr_scheduler"):
+        from . import optim_configure
+        return getattr(optim_configure, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _torch_params(params):
     """params as a list when they are torch tensors or param-group dicts (the 2.x API), else None."""
     torch = sys.modules.get("torch")

@@ -293,3 +293,41 @@ def test_data_executor_names_what_it_does_not_honour(capsys: pytest.CaptureFixtu
     executor = cstorch.utils.data.DataExecutor(loader, num_steps=1, listeners=["a listener"])
     assert len(executor) == 1
     assert "DataExecutor: listeners are not honoured" in capsys.readouterr().err
+
+
+def test_configure_helpers_build_what_the_params_section_says() -> None:
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.ln = torch.nn.LayerNorm(4)
+    model = Block()
+    section = {"optimizer_type": "AdamW", "weight_decay": 0.01, "betas": [0.9, 0.95], "eps": 1e-8,
+               "max_gradient_norm": 1.0, "loss_scaling_factor": "dynamic",
+               "learning_rate": [{"scheduler": "Linear", "initial_learning_rate": 0.0, "end_learning_rate": 1e-3,
+                                  "total_iters": 10},
+                                 {"scheduler": "CosineDecayLR", "initial_learning_rate": 1e-3,
+                                  "end_learning_rate": 1e-4, "total_iters": 20}]}
+    groups = cstorch.optim.configure_param_groups(model, section)
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    assert groups[0]["params"] == [model.fc.weight]
+    assert groups[1]["params"] == [model.fc.bias, model.ln.weight, model.ln.bias]
+    rest = {k: v for k, v in section.items() if k != "optimizer_type"}
+    opt = cstorch.optim.configure_optimizer(optimizer_type=section["optimizer_type"], params=groups, **rest)
+    from cs_torch.optimizers import AdamW
+    assert isinstance(opt, AdamW) and opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    scheduler = cstorch.optim.configure_lr_scheduler(opt, section["learning_rate"])
+    from cs_runtime.config import params_from_dict
+    same = params_from_dict({"optimizer": {"learning_rate": [dict(section["learning_rate"][0]),
+                                                             {**section["learning_rate"][1],
+                                                              "scheduler": "CosineDecay"}]}}).optimizer
+    rates = []
+    for _ in range(35):
+        rates.append(opt.param_groups[0]["lr"])
+        scheduler.step()
+    assert rates == [same.lr_at(s) for s in range(35)] and rates[10] == 1e-3
+    assert cstorch.optim.configure_lr_scheduler(opt, 0.01) is None      # a constant rate: no scheduler
+    with pytest.raises(Exception, match="optimizer_type 'Lamb' is not emulated"):
+        cstorch.optim.configure_optimizer("Lamb", groups)
+    with pytest.raises(Exception, match="configure_lr_scheduler: .*learning_rate"):
+        cstorch.optim.configure_lr_scheduler(opt, {"scheduler": "Cyclic", "base_lr": 0.1})

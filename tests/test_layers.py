@@ -52,7 +52,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cs_runtime.runner", "cs_torch.nn", "cs_torch.backends", "cs_torch.recording", "cs_torch.distributed"),
     # The torch front end's rules a step applies: optimizers and their update
     # rules, schedulers, the loss scaler, summaries.
-    ("cs_torch.optim", "cs_torch.optimizers", "cs_torch.lr_scheduler", "cs_torch.amp", "cs_torch.summary"),
+    ("cs_torch.optim", "cs_torch.optimizers", "cs_torch.optim_configure", "cs_torch.lr_scheduler", "cs_torch.amp",
+     "cs_torch.summary"),
     # The rest of the torch front end: the tracer, the session, the cluster
     # step and the DataExecutor that drives them.
     ("cs_torch",),
