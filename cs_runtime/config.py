@@ -33,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -155,6 +156,15 @@ class InputConfig(_Section):
     vocab_file: Optional[StrictStr] = None
     do_lower: StrictBool = False
     whole_word_masking: StrictBool = False
+    # The model zoo repeats some of these from the model section: they must agree (Params checks).
+    vocab_size: Optional[PosInt] = None
+    # FC-MNIST (2.5 on): which MNIST split the section reads (val is the test split).
+    split: Optional[Literal["train", "val", "test"]] = None
+    # Training data repeats for as many steps as the run takes; an eval pass is one pass.
+    repeat: Optional[StrictBool] = None
+    # BERT (1.x): scale the masked-LM loss by batch_size / masked tokens, per batch: the mean over
+    # the masked tokens (mlm_loss_scaling num_masked, lm_checks.mlm_loss_scaling).
+    dynamic_mlm_scale: Optional[StrictBool] = None
 
     @field_validator("data_dir", mode="before")
     @classmethod
@@ -325,13 +335,17 @@ class GPT2ModelConfig(TransformerModelConfig):
     """examples/gpt2: the model zoo's GPT-2 model section."""
 
     nonlinearity: Literal["gelu"] = "gelu"
-    loss_scaling: StrictStr = "num_tokens"     # the loss is the mean over predicted tokens
-    loss_weight: Float = 1.0
+    # The model zoo's GPT-2 loss: the mean over predicted tokens (num_tokens), or their sum
+    # * loss_weight / batch_size (batch_size; a loss_weight other than 1 makes it batch_size,
+    # as the model zoo falls back): lm_checks.gpt2_loss.
+    loss_scaling: Literal["num_tokens", "batch_size"] = "num_tokens"
+    loss_weight: PosFloat = 1.0
+    # 1.x: learned position embeddings (the only kind emulated; false would leave them out).
+    use_position_embedding: Optional[StrictBool] = None
 
     _lower_nl = field_validator("nonlinearity", "loss_scaling", mode="before")(_lower)
-    _per_token = field_validator("loss_scaling")(
-        _refuse_unless("num_tokens", "the loss is the mean over predicted tokens (num_tokens) here"))
-    _weight = field_validator("loss_weight")(_refuse_unless(1.0, "the loss is not re-weighted here"))
+    _positions_on = field_validator("use_position_embedding")(
+        _refuse_unless(True, "a GPT-2 without position embeddings is not emulated"))
 
 
 class BertModelConfig(TransformerModelConfig):
@@ -544,6 +558,7 @@ class OptimizerConfig(_Section):
     betas: tuple[Beta, Beta] = OptimizerSpec.betas   # also beta1 / beta2
     eps: PosFloat = OptimizerSpec.eps           # also epsilon
     correct_bias: Literal[True] = True          # Adam's bias correction (always applied)
+    use_bias_correction: Literal[True] = True   # 1.x spelling of correct_bias
     # Loss scaling for 16-bit gradients (cs_runtime/numerics/precision.py: LossScaler).
     loss_scaling_factor: LossScalingFactor = 1.0
     initial_loss_scale: PosFloat = 2.0 ** 15
@@ -551,8 +566,8 @@ class OptimizerConfig(_Section):
     min_loss_scale: PosFloat = 2.0 ** -14
     max_loss_scale: PosFloat = 2.0 ** 24
     log_summaries: StrictBool = False           # the loss scale is logged whenever it can change
-    # Schedules restart their step count at each piece (the model zoo's default);
-    # true would carry the global step into each piece, which is not emulated.
+    # Schedules restart their step count at each piece (the model zoo's default); true: each
+    # piece is computed at the global step (the model zoo's 1.x BERT files), see lr_at.
     disable_lr_steps_reset: StrictBool = False
     grad_accum_steps: Annotated[StrictInt, Field(ge=1, le=1)] = 1
 
@@ -570,7 +585,7 @@ class OptimizerConfig(_Section):
             if "betas" in data and tuple(data["betas"]) != betas:
                 raise ValueError(f"beta1/beta2 {list(betas)} contradict betas {data['betas']}")
             data["betas"] = list(betas)
-        if data.get("correct_bias") is False:
+        if data.get("correct_bias") is False or data.get("use_bias_correction") is False:
             raise ValueError("correct_bias: false (Adam without bias correction) is not emulated")
         return data
 
@@ -583,14 +598,6 @@ class OptimizerConfig(_Section):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
             return float(value)
         raise ValueError("expected 'dynamic' or a positive number")
-
-    @field_validator("disable_lr_steps_reset")
-    @classmethod
-    def _steps_reset(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("disable_lr_steps_reset: true is not emulated: each schedule piece counts its "
-                             "own steps from 0")
-        return value
 
     @field_validator("grad_accum_steps", mode="before")
     @classmethod
@@ -635,8 +642,8 @@ class OptimizerConfig(_Section):
 
         A pure function of `step` and the config, so the CPU oracle and
         MemoryX compute the bit-identical float. A list of schedules runs
-        each for its `steps`, the next one counting from 0 again; the last
-        one holds on.
+        each for its `steps`, the next one counting from 0 again (with
+        disable_lr_steps_reset: from the global step); the last one holds on.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -644,11 +651,14 @@ class OptimizerConfig(_Section):
         if isinstance(schedule, float):
             return schedule
         pieces = schedule if isinstance(schedule, list) else [schedule]
+        start = 0   # the global step the piece begins at
         for piece in pieces[:-1]:
-            if step < piece.steps:
-                return piece.at(step)
-            step -= piece.steps
-        return pieces[-1].at(step)
+            if step < start + piece.steps:
+                break
+            start += piece.steps
+        else:
+            piece = pieces[-1]
+        return piece.at(step if self.disable_lr_steps_reset else step - start)
 
 
 # ---------------------------------------------------------------------------
@@ -661,7 +671,9 @@ class RunConfig(_Section):
     The length of a training run is one of max_steps (the global step to stop
     at), num_steps (steps to run from where the run starts), or num_epochs
     (passes over the training data, of steps_per_epoch steps each, by default
-    all the full batches the data holds). None of them: 100 steps.
+    all the full batches the data holds). None of them: 100 steps. max_steps
+    with num_steps or num_epochs: the run stops at the first it reaches (the
+    real cstorch.utils.data.compute_num_steps takes the smallest).
     """
 
     max_steps: Optional[PosInt] = None
@@ -681,7 +693,10 @@ class RunConfig(_Section):
     # run.py's command line sets these here (--model_dir, --mode, ...): in a
     # file they must agree with it or are the defaults; see runner.py.
     model_dir: Optional[StrictStr] = None
-    mode: Optional[Literal["train", "eval", "train_and_eval"]] = None
+    mode: Optional[Literal["train", "eval", "train_and_eval", "eval_all"]] = None
+    # run.py's --validate_only / --compile_only, as the model zoo also reads them from here.
+    validate_only: Optional[StrictBool] = None
+    compile_only: Optional[StrictBool] = None
     # How the job reaches and uses the real cluster (csrun_wse's flags here);
     # they cannot change a number. Listed so files that carry them run.
     cs_ip: Optional[StrictStr] = None
@@ -716,9 +731,8 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _one_length(self) -> "RunConfig":
-        given = [k for k in ("max_steps", "num_steps", "num_epochs") if getattr(self, k) is not None]
-        if len(given) > 1:
-            raise ValueError(f"give one of max_steps, num_steps, num_epochs, not {' and '.join(given)}")
+        if self.num_steps is not None and self.num_epochs is not None:
+            raise ValueError("give num_steps or num_epochs, not both (max_steps may go with either)")
         if self.steps_per_epoch is not None and self.num_epochs is None:
             raise ValueError("steps_per_epoch is for num_epochs")
         if not self.autoload_last_checkpoint:
@@ -728,16 +742,17 @@ class RunConfig(_Section):
 
     def stop_step(self, start: int, batches_per_epoch: Optional[int] = None) -> int:
         """The global step training stops at, for a run that starts at `start`."""
+        stops = []
         if self.max_steps is not None:
-            return self.max_steps
+            stops.append(self.max_steps)
         if self.num_steps is not None:
-            return start + self.num_steps
+            stops.append(start + self.num_steps)
         if self.num_epochs is not None:
             per_epoch = self.steps_per_epoch or batches_per_epoch
             if not per_epoch:
                 raise ValueError("runconfig.num_epochs: the training data holds no full batch")
-            return self.num_epochs * per_epoch
-        return 100
+            stops.append(self.num_epochs * per_epoch)
+        return min(stops) if stops else 100
 
 
 # ---------------------------------------------------------------------------
@@ -760,6 +775,8 @@ class CSConfig(_Section):
 
 class Params(_Section):
     """A whole params.yaml; every section is optional."""
+
+    _not_modelled: list[str] = PrivateAttr(default_factory=list)
 
     train_input: InputConfig = Field(default_factory=InputConfig)
     eval_input: EvalInputConfig = Field(default_factory=EvalInputConfig)
@@ -789,6 +806,30 @@ class Params(_Section):
                 raise ValueError(f"{name}.to_float16: true needs model.mixed_precision: true (16-bit "
                                  "inputs to a float32 model are not emulated)")
         return self
+
+    @model_validator(mode="after")
+    def _repeated_keys_agree(self) -> "Params":
+        vocab = getattr(self.model, "vocab_size", None)
+        for name in ("train_input", "eval_input"):
+            given = getattr(self, name).vocab_size
+            if given is not None and given != vocab:
+                raise ValueError(f"{name}.vocab_size {given} differs from model.vocab_size {vocab}")
+        if self.train_input.repeat is False:
+            raise ValueError("train_input.repeat: false is not emulated: training data repeats for as many "
+                             "steps as the run takes")
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        # The settings, not which keys of the file were named as not modelled (a to_dict() round trip
+        # of a 2.x file names them by their 1.x path).
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = None   # mutable, as every pydantic model
+
+    @property
+    def not_modelled(self) -> list[str]:
+        """The model-zoo keys of the file accepted but not modelled, each 'key (why)' (NOT_MODELLED)."""
+        return list(self._not_modelled)
 
     @property
     def precision(self) -> str:
@@ -828,6 +869,55 @@ class _BertParams(Params):
 
 PARAMS_OF_MODEL: dict[Optional[str], type[Params]] = {None: Params, "fc_mnist": _FcMnistParams,
                                                       "gpt2": _Gpt2Params, "bert": _BertParams}
+
+
+# ---------------------------------------------------------------------------
+# keys accepted and named as not modelled
+
+# Model-zoo keys of shipped params files that the emulator accepts and names, once, as not
+# modelled (params.not_modelled; run.py prints them in one line): each either changes only how
+# fast the real system runs, or is a setting whose effect is not emulated, said here.
+_SAME_NUMBERS = "changes the real system's speed, not the numbers"
+_INIT = "weights start from N(0, 0.02) here (the model zoo's default initializer), whatever this says"
+_MUP = "muP is not emulated: learning rates, logits and embeddings are not rescaled, so the numbers differ"
+NOT_MODELLED: dict[str, dict[str, str]] = {
+    "model": {
+        "enable_vts": f"variable tensor shapes {_SAME_NUMBERS}",
+        "attention_kernel": f"the attention kernel's choice {_SAME_NUMBERS}",
+        "allow_multireplica": "a permission of the real compiler; run.py's --multireplica asks for it here",
+        "embedding_initializer": _INIT, "initializer": _INIT, "output_layer_initializer": _INIT,
+        "mask_padding_in_positional_embed": "padding tokens keep their position embeddings (they are left "
+                                            "out of attention and the loss)",
+        **{key: _MUP for key in ("mup_base_hidden_size", "mup_base_filter_size", "embeddings_scale",
+                                 "output_logits_alpha", "attention_logits_alpha", "scale_qk_dot_by_d")},
+    },
+    "train_input": {"buckets": f"VTS length buckets {_SAME_NUMBERS}"},
+    "eval_input": {"buckets": f"VTS length buckets {_SAME_NUMBERS}"},
+}
+# In a learning-rate piece: keys of other schedules the model zoo leaves unused in this one.
+_UNUSED_IN_PIECE = {"alpha": "not a parameter of this schedule (the model zoo's Linear leaves it unused)"}
+
+
+def _take_not_modelled(d: dict, origins: dict[str, str]) -> tuple[dict, list[str]]:
+    """d without the NOT_MODELLED keys (a shallow copy where any went), and 'key (why)' for each."""
+    d, named = dict(d), []
+    for section, keys in NOT_MODELLED.items():
+        part = d.get(section)
+        if not isinstance(part, dict) or not set(part) & set(keys):
+            continue
+        d[section] = {k: v for k, v in part.items() if k not in keys}
+        named += [f"{_with_origin(f'{section}.{k}', origins)} ({keys[k]})" for k in part if k in keys]
+    lr = d.get("optimizer", {}).get("learning_rate") if isinstance(d.get("optimizer"), dict) else None
+    if isinstance(lr, list) and any(isinstance(p, dict) and set(p) & set(_UNUSED_IN_PIECE) for p in lr):
+        pieces = []
+        for i, piece in enumerate(lr):
+            if isinstance(piece, dict):
+                for key in set(piece) & set(_UNUSED_IN_PIECE):
+                    named.append(f"optimizer.learning_rate[{i}].{key} ({_UNUSED_IN_PIECE[key]})")
+                piece = {k: v for k, v in piece.items() if k not in _UNUSED_IN_PIECE}
+            pieces.append(piece)
+        d["optimizer"] = {**d["optimizer"], "learning_rate": pieces}
+    return d, named
 
 
 # ---------------------------------------------------------------------------
@@ -955,12 +1045,14 @@ def params_from_dict(d: Any, source: str = "<params>", model: Optional[str] = No
             raise ParamsError(f"{source}: {exc}") from None
     model_cls = PARAMS_OF_MODEL[model]
     early = [f"{source}: {_with_origin(e, origins)}" for e in _check_model_name(d, model)]
+    d, not_modelled = _take_not_modelled(d, origins)
     try:
         params = model_cls.model_validate(d)
     except ValidationError as exc:
         raise ParamsError(early + _error_lines(source, exc, model_cls, origins)) from None
     if early:
         raise ParamsError(early)
+    params._not_modelled = not_modelled
     return params
 
 
@@ -1000,15 +1092,17 @@ for _first in "-+0123456789.":
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
     loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
+    seen: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
-        if key in seen:
+        value = loader.construct_object(value_node, deep=True)
+        # The same value twice says one thing (a shipped model zoo file has `steps: 150000` twice).
+        if key in seen and seen[key] != value:
             line = key_node.start_mark.line + 1
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (line {line})", key_node.start_mark
+                None, None, f"duplicate key {key!r} with another value (line {line})", key_node.start_mark
             )
-        seen.add(key)
+        seen[key] = value
     return loader.construct_mapping(node, deep=True)
 
 

@@ -31,7 +31,8 @@ def language_model_problems(params: Params, model: str) -> list[str]:
     if model == "bert" and m.use_bias_in_output is not None:
         problems.append("model.use_bias_in_output: is GPT-2's key; the model zoo's BERT names its masked-LM "
                         "decoder's bias use_output_bias_in_mlm")
-    if model == "bert" and m.mlm_loss_scaling != "batch_size" and m.mlm_loss_weight is not None:
+    if model == "bert" and m.mlm_loss_scaling != "batch_size" and m.mlm_loss_weight is not None \
+            and not params.train_input.dynamic_mlm_scale:
         problems.append(f"model.mlm_loss_weight: applies with mlm_loss_scaling: batch_size only; with "
                         f"{m.mlm_loss_scaling} the loss is the mean over the masked tokens; remove one of them")
     if model == "bert" and m.disable_nsp is True and m.num_segments is not None:
@@ -48,6 +49,11 @@ def language_model_problems(params: Params, model: str) -> list[str]:
                             f"(one of {', '.join(DATA_PROCESSORS[model])})")
         if model == "gpt2" and section.max_predictions_per_seq is not None:
             problems.append(f"{name}.max_predictions_per_seq: is for BERT's masked-LM data")
+        if model == "gpt2" and section.dynamic_mlm_scale is not None:
+            problems.append(f"{name}.dynamic_mlm_scale: is for BERT's masked-LM loss")
+    if model == "bert" and m.mlm_loss_scaling != "batch_size" and params.train_input.dynamic_mlm_scale:
+        problems.append(f"train_input.dynamic_mlm_scale: is the mean over the masked tokens, as "
+                        f"mlm_loss_scaling: {m.mlm_loss_scaling} already says; give one of them")
     return problems
 
 
@@ -75,7 +81,11 @@ def mlm_loss_scaling(params: Params) -> str:
     """BERT's masked-LM normaliser (kernels.TOKEN_LOSS_SCALINGS): batch_size (the PyTorch
     model zoo's BertPretrainModelLoss, times mlm_loss_weight), or num_masked /
     precomputed_num_masked: the mean over the global batch's masked tokens (the second is
-    the same number, which the model zoo's data loader factorises for 16-bit safety)."""
+    the same number, which the model zoo's data loader factorises for 16-bit safety).
+    1.x's train_input.dynamic_mlm_scale: true is num_masked too: its data loader scales the
+    loss by batch_size / masked tokens, and mlm_loss_weight is then left unused."""
+    if params.train_input.dynamic_mlm_scale:
+        return "num_masked"
     return params.model.mlm_loss_scaling
 
 
@@ -83,7 +93,16 @@ def mlm_loss_weight(params: Params) -> float:
     """BERT's masked-LM loss factor, as the model zoo's BertPretrainModelLoss applies it:
     loss = mlm_loss_weight * sum over masked tokens of their cross-entropy / batch_size."""
     weight = params.model.mlm_loss_weight
-    return 1.0 if weight is None else float(weight)
+    return 1.0 if weight is None or params.train_input.dynamic_mlm_scale else float(weight)
+
+
+def gpt2_loss(params: Params) -> dict:
+    """GPT-2's loss as the model zoo's GPTLMHeadModelLoss: the mean over predicted tokens
+    (num_tokens), or their sum * loss_weight / batch_size (batch_size); a loss_weight other
+    than 1 with num_tokens is batch_size, the model zoo's own fallback."""
+    m = params.model
+    scaling = "batch_size" if m.loss_weight != 1.0 else m.loss_scaling
+    return {"loss_scaling": scaling, "loss_weight": m.loss_weight if scaling == "batch_size" else 1.0}
 
 
 def check_language_model(params: Params, model: str) -> None:

@@ -117,9 +117,18 @@ def from_trainer(d: dict) -> tuple[dict, dict[str, str]]:
     init = _mapping(trainer.get("init"), "trainer.init")
     out: dict[str, dict] = {"runconfig": {}, "optimizer": {}}
     origins: dict[str, str] = {}
+    weak: set[str] = set()   # values a later (or earlier) strong one replaces
 
-    def put(section: str, key: str, value: Any, origin: str) -> None:
+    def put(section: str, key: str, value: Any, origin: str, is_weak: bool = False) -> None:
         out.setdefault(section, {})
+        where = f"{section}.{key}"
+        if key in out[section] and (is_weak or where in weak):
+            if not is_weak:
+                out[section][key], origins[where] = value, origin
+                weak.discard(where)
+            return
+        if is_weak:
+            weak.add(where)
         if key in out[section] and out[section][key] != value:
             raise CompatError(f"{origin}: contradicts {origins[f'{section}.{key}']} "
                               f"({value!r} vs {out[section][key]!r})")
@@ -196,7 +205,9 @@ def _optimizer(value: Any, where: str, put) -> None:
     (name, settings), = value.items()
     put("optimizer", "optimizer_type", name, f"{where}.{name}")
     for key, item in _mapping(settings, f"{where}.{name}").items():
-        put("optimizer", "learning_rate" if key == "lr" else key, item, f"{where}.{name}.{key}")
+        setting = "learning_rate" if key == "lr" else key
+        # A scheduler sets the learning rate of every step, so the optimizer's own gives way to it.
+        put("optimizer", setting, item, f"{where}.{name}.{key}", is_weak=setting == "learning_rate")
 
 
 _SCHEDULER_NAMES = {"LinearLR": "Linear", "CosineDecayLR": "CosineDecay", "ExponentialLR": "Exponential",

@@ -21,6 +21,7 @@ import importlib
 import sys
 
 from cs_runtime import env
+from cs_runtime.launch.target import hand_over
 from cs_runtime.run_args import RunArgs, UserFunctions, parse_args
 from cs_runtime.roles import entry_point
 from cs_runtime.process.service import setup_logging
@@ -32,6 +33,9 @@ def run(model_fn, train_input_fn, eval_input_fn=None, argv: list[str] | None = N
     """`model`: the model the script builds (fc_mnist, gpt2, bert), as a model-zoo
     run.py knows it; None lets `model.model_type` say (older params files)."""
     args = parse_args(argv, model)
+    code = hand_over(args)   # the model zoo's targets: CSX becomes csrun_wse, eval_all one eval a checkpoint
+    if code is not None:
+        sys.exit(code)
     fns = UserFunctions(model_fn, train_input_fn, eval_input_fn)
     role = env.ROLE.get()
     setup_logging(role or "cpu")

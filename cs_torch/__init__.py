@@ -34,7 +34,11 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     lr_scheduler.py     cstorch.optim.lr_scheduler
     amp.py              GradScaler and the half dtype
     backends.py         cstorch.backend(): where a 2.x run executes
-    distributed.py      cstorch.distributed: the cluster settings of a backend
+    distributed/        cstorch.distributed: the cluster settings of a backend, the job's tasks
+    backend/            cstorch.backend: the function and the module of the real API's names
+    core/               cstorch.core: run modes, name scopes and debug names, host tensors
+    nn_functional.py    cstorch.nn.functional (one_hot)
+    optim_configure.py  cstorch.optim.configure_param_groups / configure_optimizer / configure_lr_scheduler
     capture.py          a torch.nn.Module captured as a program (torch.export)
     tracing.py          compile, @trace, @step_closure, @checkpoint_closure
     recording.py        what the step in progress is doing, read by what records into it
@@ -53,14 +57,24 @@ from .nn import CsTorchError
 from .session import JobFailed, Module, Session, dataloader, initialize, manual_seed, module
 
 # The 2.x names, each from the module that holds it; loaded on first use (they need torch).
-_LAZY = {"backend": "backends", "current_backend": "backends", "compile": "tracing", "trace": "tracing",
+_LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing",
          "step_closure": "tracing", "checkpoint_closure": "tracing", "save": "saving", "load": "saving",
-         "summarize_scalar": "summary", "summarize_tensor": "summary"}
-_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics")
+         "summarize_scalar": "summary", "summarize_tensor": "summary", "use_cs": "backends",
+         "current_executor": "recording", "name_scope": "core.name_scope", "add_debug_name": "core.name_scope",
+         "get_debug_name": "core.name_scope", "make_constant": "core.tensors", "to_numpy": "core.tensors",
+         "from_numpy": "core.tensors"}
+# `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
+_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend")
+
+# The release of the real API this emulates (the model zoo writes it into checkpoints).
+__version__ = "2.1.1"
 
 
 # Parts of the real API the emulator does not have: one line saying so, not a bare AttributeError.
 _NOT_SUPPORTED = {"sparse": "weights are dense (no sparsity masks in the program or MemoryX)",
+                  "saver": "checkpoints are cstorch.save / cstorch.load's files (docs/cstorch.md)",
+                  "experimental": "listeners and implicit autoregressive loops are not emulated",
+                  "storage": "checkpoints are cstorch.save / cstorch.load's files (docs/cstorch.md)",
                   "profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
 
 

@@ -43,11 +43,7 @@ def set_half_dtype(dtype):
     if name not in HALF_DTYPES:
         raise CsTorchError(f"amp.set_half_dtype: expected one of {', '.join(HALF_DTYPES)}, got {dtype!r}")
     _half.update(dtype=name, enabled=True)
-    try:
-        import torch
-    except ImportError:     # the ModelSpec API runs without torch
-        return name
-    return getattr(torch, "float16" if name == "cbfloat16" else name)
+    return _torch_dtype(name)
 
 
 def use_bfloat16(enabled: bool):
@@ -55,7 +51,22 @@ def use_bfloat16(enabled: bool):
     return set_half_dtype("bfloat16" if enabled else "float16")
 
 
-def get_half_dtype() -> str:
+def _torch_dtype(name: str):
+    """The torch dtype of a half dtype's name (float16 stands in for cbfloat16); the name without torch."""
+    try:
+        import torch
+    except ImportError:     # the ModelSpec API runs without torch
+        return name
+    return getattr(torch, "float16" if name == "cbfloat16" else name)
+
+
+def get_half_dtype():
+    """The 16-bit dtype models use, as a torch dtype (the real API's; float16 stands in for cbfloat16)."""
+    return _torch_dtype(_half["dtype"])
+
+
+def get_half_dtype_str() -> str:
+    """The 16-bit dtype's name: float16, bfloat16 or cbfloat16."""
     return _half["dtype"]
 
 
@@ -65,15 +76,23 @@ def precision() -> str:
 
 
 class GradScaler:
-    def __init__(self, loss_scale="dynamic", init_scale: float = 2.0 ** 15, steps_per_increase: int = 2000,
-                 min_loss_scale: float = 2.0 ** -14, max_loss_scale: float = 2.0 ** 15,
+    # The real API's defaults: no scaling (loss_scale 1.0); dynamic scaling starts at, and is capped by,
+    # 2**15, or 2**31 when the half dtype is cbfloat16; it doubles after 2000 good steps, floor 2**-14.
+    def __init__(self, loss_scale=None, init_scale: float | None = None, steps_per_increase: int | None = None,
+                 min_loss_scale: float | None = None, max_loss_scale: float | None = None,
                  overflow_tolerance: float = 0.0, max_gradient_norm: float | None = None):
+        largest = 2.0 ** 31 if get_half_dtype_str() == "cbfloat16" else 2.0 ** 15
+        loss_scale = 1.0 if loss_scale is None else loss_scale
+        init_scale = largest if init_scale is None else init_scale
+        max_loss_scale = largest if max_loss_scale is None else max_loss_scale
+        steps_per_increase = 2000 if steps_per_increase is None else steps_per_increase
+        min_loss_scale = 2.0 ** -14 if min_loss_scale is None else min_loss_scale
         if loss_scale != "dynamic" and not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
             raise CsTorchError(f"GradScaler: loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
         if overflow_tolerance:
             note("GradScaler: overflow_tolerance is not honoured; every overflow skips its step")
         self.dynamic = loss_scale == "dynamic"
-        self.scale_ = float(init_scale if self.dynamic else loss_scale)
+        self.scale_ = float(min(init_scale, max_loss_scale) if self.dynamic else loss_scale)
         self.steps_per_increase = int(steps_per_increase)
         self.min_loss_scale, self.max_loss_scale = float(min_loss_scale), float(max_loss_scale)
         self.max_gradient_norm = max_gradient_norm
@@ -161,3 +180,28 @@ class GradScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale_, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def optimizer_step(loss, optimizer, grad_scaler: GradScaler, max_gradient_norm: float | None = None,
+                   max_gradient_value: float | None = None) -> None:
+    """The real API's one call for a step with loss scaling: backward of the scaled loss, then the
+    scaler's step (unscale, clip the global norm to max_gradient_norm, skip a step that overflowed)
+    and its update."""
+    import torch
+    if not isinstance(loss, torch.Tensor):
+        raise CsTorchError(f"amp.optimizer_step: expected the loss tensor, got {type(loss).__name__}")
+    if not isinstance(grad_scaler, GradScaler):
+        raise CsTorchError(f"amp.optimizer_step: expected a cstorch.amp.GradScaler, got {type(grad_scaler).__name__}")
+    if isinstance(optimizer, (list, tuple)):
+        raise CsTorchError("amp.optimizer_step: one optimizer a step here; give one")
+    if max_gradient_value is not None:
+        raise CsTorchError("amp.optimizer_step: max_gradient_value (clipping each gradient element) is not "
+                           "emulated; use max_gradient_norm")
+    if max_gradient_norm is not None:
+        if grad_scaler.max_gradient_norm not in (None, max_gradient_norm):
+            raise CsTorchError(f"amp.optimizer_step: max_gradient_norm {max_gradient_norm} contradicts the "
+                               f"GradScaler's {grad_scaler.max_gradient_norm}")
+        grad_scaler.max_gradient_norm = max_gradient_norm
+    grad_scaler.scale(loss).backward()
+    grad_scaler.step(optimizer)
+    grad_scaler.update()

@@ -146,6 +146,16 @@ def current_backend() -> Backend:
     return _current
 
 
+def use_cs() -> bool:
+    """Whether this process runs on the CS system (its backend is CSX); asking makes no backend."""
+    return _current is not None and _current.is_csx
+
+
+def current_backend_impl() -> Backend:
+    """The real API's name for the backend in use (cstorch.backend.current_backend_impl)."""
+    return current_backend()
+
+
 def reset_backend() -> None:
     """Forget the backend (tests; a new script run)."""
     global _current

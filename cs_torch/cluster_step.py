@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from cs_runtime.compiler.units import program_spec
+from cs_runtime.numerics.optim import Optimizer as Rule, OptimizerSpec
 
 from . import amp
 from . import session as session_mod
@@ -42,13 +43,44 @@ _runs = itertools.count()
 _SLOT_NAMES = {"momentum": "momentum_buffer"}   # MemoryX's slot names -> torch's state keys
 
 
-def memoryx_optimizer(optimizer):
+def _one_rule(optimizer, params: dict) -> tuple[dict, bool]:
+    """The settings of the one rule MemoryX applies, and whether it leaves biases and normalisation
+    weights undecayed. Several groups are one rule when they differ only in weight decay, as the model
+    zoo's configure_param_groups splits them: the decayed weights, and the biases and norm weights at 0
+    (MemoryX tells those apart by name, cs_runtime/numerics/optim.py)."""
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        return groups[0], False
+    shared = sorted(set(groups[0]) - {"params", "weight_decay"})
+    for g in groups[1:]:
+        differ = [k for k in shared if g.get(k) != groups[0].get(k)]
+        if differ:
+            raise CsTorchError(f"CSX backend: param groups differing in {', '.join(differ)} (MemoryX applies one "
+                               "rule; groups may differ only in weight decay, biases and norm weights at 0)")
+    decay = max(g["weight_decay"] for g in groups)
+    if all(g["weight_decay"] == decay for g in groups):
+        return groups[0], False   # one rule for every parameter, as one group would be
+    group_decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    rule = Rule(OptimizerSpec("sgd", weight_decay=decay, exclude_bias_and_norm=True))
+    for name, param in params.items():
+        given = group_decay.get(id(param), decay)
+        if given != rule.decay_of(name):
+            raise CsTorchError(f"CSX backend: parameter {name} has weight decay {given} in its param group; "
+                               f"MemoryX decays every weight by {decay} but biases and normalisation weights")
+    return {**groups[0], "weight_decay": decay}, True
+
+
+def memoryx_optimizer(optimizer, params: dict | None = None):
     """The MemoryX learning rule of an optimizer of cstorch.optim or torch.optim (its rule must be
-    one MemoryX has)."""
+    one MemoryX has); `params` (program names -> parameters) checks several param groups."""
+    group, exclude_bias_and_norm = _one_rule(optimizer, params or {})
+    rule = _rule_of(optimizer, group)
+    rule.section["exclude_bias_and_norm"] = exclude_bias_and_norm
+    return rule
+
+
+def _rule_of(optimizer, g: dict):
     from . import optimizers
-    if len(optimizer.param_groups) != 1:
-        raise CsTorchError("CSX backend: one param group per optimizer (MemoryX applies one rule to every weight)")
-    g = optimizer.param_groups[0]
     if g.get("maximize"):
         raise CsTorchError(f"CSX backend: {type(optimizer).__name__} with maximize=True is not a MemoryX rule; "
                            "use backend('CPU') for it")
@@ -118,7 +150,7 @@ class ClusterRun:
         cc = backend.cluster_config
         session_mod._backend = session_mod.Backend(cc.mgmt_address, cc.num_csx, max(cc.num_workers_per_csx, 1))
         model_dir = os.path.join(backend.artifact_dir, f"job_{os.getpid()}_{next(_runs)}_{mode}")
-        self.session = _Session(spec, memoryx_optimizer(self.optimizer) if self.optimizer else None,
+        self.session = _Session(spec, memoryx_optimizer(self.optimizer, params) if self.optimizer else None,
                                 CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)
         self.session.lr_of = lambda: self.optimizer.param_groups[0]["lr"]
         self.session.scale_of = lambda: self.scaler.scale_value() if self.scaler else 1.0

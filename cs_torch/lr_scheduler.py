@@ -73,13 +73,28 @@ class ConstantLR(LRScheduler):
         return self.learning_rate
 
 
-class LinearLR(LRScheduler):
-    def __init__(self, optimizer, initial_learning_rate: float, end_learning_rate: float, total_iters: int):
-        self.initial, self.end = float(initial_learning_rate), float(end_learning_rate)
-        super().__init__(optimizer, _positive_int("total_iters", total_iters, "LinearLR"))
+class PolynomialLR(LRScheduler):
+    """end + (initial - end) * (1 - step / total_iters) ** power, then end. `cycle` is accepted as the real
+    API takes it; there, as here, the value from total_iters on is end_learning_rate, so it changes nothing."""
+
+    def __init__(self, optimizer, initial_learning_rate: float, end_learning_rate: float, total_iters: int,
+                 power: float = 1.0, cycle: bool = False):
+        self.initial, self.end, self.power, self.cycle = (float(initial_learning_rate), float(end_learning_rate),
+                                                          float(power), bool(cycle))
+        super().__init__(optimizer, _positive_int("total_iters", total_iters, type(self).__name__))
 
     def lr_at(self, step):
-        return self.initial + (self.end - self.initial) * min(step, self.total_iters) / self.total_iters
+        if step >= self.total_iters:
+            return self.end
+        if self.power == 1.0:   # the linear form, as LinearLR always computed it
+            return self.initial + (self.end - self.initial) * step / self.total_iters
+        return self.end + (self.initial - self.end) * (1 - step / self.total_iters) ** self.power
+
+
+class LinearLR(PolynomialLR):
+    def __init__(self, optimizer, initial_learning_rate: float, end_learning_rate: float, total_iters: int,
+                 cycle: bool = False):
+        super().__init__(optimizer, initial_learning_rate, end_learning_rate, total_iters, 1.0, cycle)
 
 
 class ExponentialLR(LRScheduler):
@@ -119,3 +134,107 @@ class SequentialLR(LRScheduler):
                 return scheduler.lr_at(step - start)
             start = milestone
         return self.schedulers[-1].lr_at(step - start)
+
+
+class InverseExponentialTimeDecayLR(LRScheduler):
+    """initial / (1 + decay_rate * step ** step_exponent / total_iters) (the quotient floored with staircase)."""
+
+    def __init__(self, optimizer, initial_learning_rate: float, step_exponent: int, total_iters: int,
+                 decay_rate: float, staircase: bool = False):
+        self.initial, self.step_exponent = float(initial_learning_rate), step_exponent
+        self.decay_rate, self.staircase = float(decay_rate), bool(staircase)
+        super().__init__(optimizer, _positive_int("total_iters", total_iters, "InverseExponentialTimeDecayLR"))
+
+    def lr_at(self, step):
+        alpha = float(step) ** self.step_exponent / self.total_iters
+        return self.initial / (1.0 + self.decay_rate * (math.floor(alpha) if self.staircase else alpha))
+
+
+class InverseSquareRootDecayLR(LRScheduler):
+    """initial * scale / sqrt(max(step, warmup_steps))."""
+
+    def __init__(self, optimizer, initial_learning_rate: float = 1.0, scale: float = 1.0,
+                 warmup_steps: int = 1.0):
+        self.initial, self.scale, self.warmup_steps = float(initial_learning_rate), float(scale), warmup_steps
+        if not warmup_steps > 0:
+            raise CsTorchError(f"InverseSquareRootDecayLR: warmup_steps must be positive, got {warmup_steps!r}")
+        super().__init__(optimizer)
+
+    def lr_at(self, step):
+        return self.initial * self.scale / math.sqrt(max(step, self.warmup_steps))
+
+
+class StepLR(LRScheduler):
+    """initial * gamma ** floor(step / step_size)."""
+
+    def __init__(self, optimizer, initial_learning_rate: float, step_size: int, gamma: float):
+        self.initial, self.gamma = float(initial_learning_rate), float(gamma)
+        self.step_size = _positive_int("step_size", step_size, "StepLR")
+        super().__init__(optimizer)
+
+    def lr_at(self, step):
+        return self.initial * self.gamma ** (step // self.step_size)
+
+
+class MultiStepLR(LRScheduler):
+    """initial * gamma ** (the milestones reached)."""
+
+    def __init__(self, optimizer, initial_learning_rate: float, gamma: float, milestones):
+        self.initial, self.gamma, self.milestones = float(initial_learning_rate), float(gamma), [int(m) for m in milestones]
+        if self.milestones != sorted(self.milestones):
+            raise CsTorchError(f"MultiStepLR: milestones must increase, got {self.milestones}")
+        super().__init__(optimizer)
+
+    def lr_at(self, step):
+        return self.initial * self.gamma ** sum(step >= m for m in self.milestones)
+
+
+class CosineAnnealingLR(LRScheduler):
+    """eta_min + (initial - eta_min) * (1 + cos(pi * step / T_max)) / 2 (periodic, as the real closed form)."""
+
+    def __init__(self, optimizer, initial_learning_rate: float, T_max: int, eta_min: float = 0.0):  # noqa: N803
+        self.initial, self.eta_min = float(initial_learning_rate), float(eta_min)
+        self.T_max = _positive_int("T_max", T_max, "CosineAnnealingLR")
+        super().__init__(optimizer)
+
+    def lr_at(self, step):
+        return self.eta_min + (self.initial - self.eta_min) * (1 + math.cos(math.pi * step / self.T_max)) / 2
+
+
+class CosineAnnealingWarmRestarts(LRScheduler):
+    """Cosine from initial to eta_min over T_0 steps, then again over T_0 * T_mult, ... (torch's formula)."""
+
+    def __init__(self, optimizer, initial_learning_rate: float, T_0: int, T_mult: int = 1,  # noqa: N803
+                 eta_min: float = 0.0):
+        self.initial, self.eta_min = float(initial_learning_rate), float(eta_min)
+        self.T_0 = _positive_int("T_0", T_0, "CosineAnnealingWarmRestarts")
+        self.T_mult = _positive_int("T_mult", T_mult, "CosineAnnealingWarmRestarts")
+        super().__init__(optimizer)
+
+    def lr_at(self, step):
+        length, start = self.T_0, 0
+        while step >= start + length:
+            start, length = start + length, length * self.T_mult
+        return self.eta_min + (self.initial - self.eta_min) * (1 + math.cos(math.pi * (step - start) / length)) / 2
+
+
+class MultiplicativeLR(LRScheduler):
+    """initial * coefficient ** step."""
+
+    def __init__(self, optimizer, initial_learning_rate: float, coefficient: float):
+        self.initial, self.coefficient = float(initial_learning_rate), float(coefficient)
+        super().__init__(optimizer)
+
+    def lr_at(self, step):
+        return self.initial * self.coefficient ** step
+
+
+class PiecewiseConstantLR(SequentialLR):
+    """learning_rates[i] until milestones[i], the last from the last milestone on."""
+
+    def __init__(self, optimizer, learning_rates, milestones):
+        rates, milestones = [float(r) for r in learning_rates], [int(m) for m in milestones]
+        if len(rates) != len(milestones) + 1:
+            raise CsTorchError(f"PiecewiseConstantLR: {len(milestones)} milestones need {len(milestones) + 1} "
+                               f"learning_rates, got {len(rates)}")
+        super().__init__(optimizer, [ConstantLR(None, r) for r in rates], milestones)

@@ -1,4 +1,4 @@
-"""cstorch.metrics: Metric, AccuracyMetric, PerplexityMetric, with the documented signatures.
+"""cstorch.metrics: Metric, AccuracyMetric, PerplexityMetric, FBetaScoreMetric, with the documented signatures.
 
     accuracy = cstorch.metrics.AccuracyMetric("accuracy")
 
@@ -134,8 +134,148 @@ class PerplexityMetric(Metric):
         return result.to(self._dtype) if self._dtype is not None else result
 
 
+class FBetaScoreMetric(Metric):
+    """F-beta of integer class predictions from a confusion matrix: `micro` pools the counts of every
+    class not in ignore_labels, `macro` averages the per-class scores over those classes."""
+
+    def __init__(self, num_classes: int, beta: float = 1.0, average_type: str = "micro",
+                 ignore_labels: list | None = None, name: str | None = None):
+        if num_classes <= 1:
+            raise ValueError(f"FBetaScoreMetric: num_classes should be at least 2, got {num_classes}")
+        if beta <= 0:
+            raise ValueError(f"FBetaScoreMetric: beta should be positive, got {beta}")
+        if average_type not in ("micro", "macro"):
+            raise ValueError(f"FBetaScoreMetric: average_type should be micro or macro, got {average_type!r}")
+        self.num_classes, self.beta, self.average_type = num_classes, float(beta), average_type
+        keep = torch.ones(num_classes, dtype=torch.bool)
+        for label in ignore_labels or []:
+            keep[label] = False
+        self.keep = keep
+        super().__init__(name or "fbeta")
+
+    def reset(self) -> None:
+        self.register_state("confusion_matrix", torch.zeros(self.num_classes, self.num_classes))
+        self._dtype = None
+
+    def update(self, labels, predictions, dtype=None) -> None:
+        if labels.shape != predictions.shape:
+            raise ValueError(f"FBetaScoreMetric: labels {tuple(labels.shape)} and predictions "
+                             f"{tuple(predictions.shape)} differ in shape")
+        index = labels.reshape(-1).long() * self.num_classes + predictions.reshape(-1).long()
+        counts = torch.bincount(index, minlength=self.num_classes ** 2).float()
+        self.confusion_matrix.add_(counts.reshape(self.num_classes, self.num_classes))   # [label, prediction]
+        self._dtype = dtype
+
+    def compute(self) -> torch.Tensor:
+        cm, keep = self.confusion_matrix, self.keep
+        true_pos = torch.diagonal(cm)[keep]
+        predicted = cm.sum(0)[keep]   # each class's predictions
+        actual = cm.sum(1)[keep]      # each class's labels
+        b2 = self.beta ** 2
+        if self.average_type == "micro":
+            tp, p, a = true_pos.sum(), predicted.sum(), actual.sum()
+            precision = tp / p if p > 0 else torch.tensor(0.0)
+            recall = tp / a if a > 0 else torch.tensor(0.0)
+            denom = b2 * precision + recall
+            result = (1 + b2) * precision * recall / denom if denom > 0 else torch.tensor(0.0)
+        else:
+            precision = torch.where(predicted > 0, true_pos / predicted.clamp(min=1), torch.zeros_like(true_pos))
+            recall = torch.where(actual > 0, true_pos / actual.clamp(min=1), torch.zeros_like(true_pos))
+            denom = b2 * precision + recall
+            scores = torch.where(denom > 0, (1 + b2) * precision * recall / denom.clamp(min=1e-30),
+                                 torch.zeros_like(denom))
+            result = scores.mean()
+        return result.to(self._dtype) if self._dtype is not None else result
+
+
+class MeanMetric(Metric):
+    """The weighted mean of the values given: sum(value * weight) / sum(weight), weight broadcast to value."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+
+    def reset(self) -> None:
+        self.register_state("total_value", torch.tensor(0, dtype=torch.float32))
+        self.register_state("total_weight", torch.tensor(0, dtype=torch.float32))
+        self._dtype = None
+
+    def update(self, value, weight=1.0, dtype=None) -> None:
+        value = torch.as_tensor(value, dtype=torch.float32)
+        weight = torch.broadcast_to(torch.as_tensor(weight, dtype=torch.float32), value.shape)
+        self.total_value.add_((value * weight).sum())
+        self.total_weight.add_(weight.sum())
+        self._dtype = dtype
+
+    def compute(self) -> torch.Tensor:
+        result = self.total_value / self.total_weight
+        return result.to(self._dtype) if self._dtype is not None else result
+
+
+class _ConfusionMetric(Metric):
+    """A metric of a [label, prediction] confusion matrix of integer classes (weights per element)."""
+
+    def __init__(self, num_classes: int, ignore_classes: list | None = None, name: str | None = None):
+        if num_classes <= 1:
+            raise ValueError(f"{type(self).__name__}: num_classes should be at least 2, got {num_classes}")
+        self.num_classes = num_classes
+        self.keep = torch.ones(num_classes, dtype=torch.bool)
+        for label in ignore_classes or []:
+            self.keep[label] = False
+        super().__init__(name or type(self).__name__)
+
+    def reset(self) -> None:
+        self.register_state("confusion_matrix", torch.zeros(self.num_classes, self.num_classes))
+        self._dtype = None
+
+    def update(self, labels, predictions, weights=None, dtype=None) -> None:
+        if labels.shape != predictions.shape:
+            raise ValueError(f"{type(self).__name__}: labels {tuple(labels.shape)} and predictions "
+                             f"{tuple(predictions.shape)} differ in shape")
+        if weights is not None and weights.shape != labels.shape:
+            raise ValueError(f"{type(self).__name__}: weights {tuple(weights.shape)} and labels "
+                             f"{tuple(labels.shape)} differ in shape")
+        index = labels.reshape(-1).long() * self.num_classes + predictions.reshape(-1).long()
+        w = None if weights is None else weights.reshape(-1).float()
+        counts = torch.bincount(index, weights=w, minlength=self.num_classes ** 2).float()
+        self.confusion_matrix.add_(counts.reshape(self.num_classes, self.num_classes))
+        self._dtype = dtype
+
+    def _mean_over_classes(self, numerator, denominator) -> torch.Tensor:
+        """The mean of numerator / denominator over the kept classes whose denominator is not 0."""
+        use = self.keep & (denominator > 0)
+        if not use.any():
+            return torch.tensor(0.0)
+        result = (numerator[use] / denominator[use]).mean()
+        return result.to(self._dtype) if self._dtype is not None else result
+
+
+class MeanIOUMetric(_ConfusionMetric):
+    """The mean over classes of true positives / (true positives + false positives + false negatives)."""
+
+    def compute(self) -> torch.Tensor:
+        cm = self.confusion_matrix
+        tp = torch.diagonal(cm)
+        return self._mean_over_classes(tp, cm.sum(0) + cm.sum(1) - tp)
+
+
+class MeanPerClassAccuracyMetric(_ConfusionMetric):
+    """The mean over classes of the share of each class's labels predicted right."""
+
+    def __init__(self, num_classes: int, name: str | None = None):
+        super().__init__(num_classes, None, name)
+
+    def compute(self) -> torch.Tensor:
+        cm = self.confusion_matrix
+        return self._mean_over_classes(torch.diagonal(cm), cm.sum(1))
+
+
 def get_all_metrics():
     """(name, metric) for every metric made, "name.i" where several share a name."""
     for name, metrics in Metric.registry.items():
         for i, metric in enumerate(metrics):
             yield (f"{name}.{i}" if len(metrics) > 1 else name), metric
+
+
+def compute_all_metrics() -> dict:
+    """{name: float value} of every metric made (names as get_all_metrics gives them)."""
+    return {name: float(metric) for name, metric in get_all_metrics()}

@@ -113,3 +113,11 @@ def _dense_layers(layers) -> list[LayerSpec]:
         raise CsTorchError("Sequential: no layers")
     return [LayerSpec(f"fc{i}", "dense", activation=d.pop("activation"), dropout=d.pop("dropout"), **d)
             for i, d in enumerate(out)]
+
+
+def __getattr__(name: str):
+    # cstorch.nn.functional (the real API's); it needs torch, so it is loaded when asked for.
+    if name == "functional":
+        import importlib
+        return importlib.import_module("cs_torch.nn_functional")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

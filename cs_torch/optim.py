@@ -19,6 +19,14 @@ from . import lr_scheduler  # noqa: F401 (cstorch.optim.lr_scheduler)
 from .nn import CsTorchError
 
 
+def __getattr__(name: str):
+    # The model zoo flow's helpers (they need torch): loaded when asked for.
+    if name in ("configure_param_groups", "configure_optimizer", "configure_lr_scheduler"):
+        from . import optim_configure
+        return getattr(optim_configure, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _torch_params(params):
     """params as a list when they are torch tensors or param-group dicts (the 2.x API), else None."""
     torch = sys.modules.get("torch")
@@ -72,8 +80,9 @@ class SGD(_Dispatch, Optimizer):
 class Adam(_Dispatch, Optimizer):
     kind = "adam"
 
+    # eps 1e-6: the real cstorch.optim.Adam's default (torch.optim.Adam's is 1e-8), as optimizers.Adam.
     def __init__(self, params=None, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
+                 eps: float = 1e-6, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
         super().__init__(params, lr=lr, weight_decay=weight_decay, max_gradient_norm=max_gradient_norm,
                          betas=[float(b) for b in betas], eps=float(eps))
 
@@ -81,7 +90,8 @@ class Adam(_Dispatch, Optimizer):
 class AdamW(Adam):
     kind = "adamw"
 
+    # The real cstorch.optim.AdamW's defaults: eps 1e-6, weight_decay 0 (torch.optim.AdamW's: 1e-8, 0.01).
     def __init__(self, params=None, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, max_gradient_norm: float | None = None):
+                 eps: float = 1e-6, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          max_gradient_norm=max_gradient_norm)

@@ -328,7 +328,7 @@ def test_load_refuses_a_pickle_that_runs_code(tmp_path):
     assert cstorch.load(tmp_path / "ok" / "c.mdl")["step"] == 3
 
 
-def test_step_closure_gets_host_tensors_and_checkpoint_closure_keeps_to_its_steps():
+def test_step_closure_gets_host_tensors_and_checkpoint_closure_runs_on_its_steps_only():
     model = torch.nn.Linear(3, 2)
     compiled = cstorch.compile(model, cstorch.backend("CPU"))
     opt = cstorch.optim.SGD(model.parameters(), 0.1)
@@ -356,11 +356,7 @@ def test_step_closure_gets_host_tensors_and_checkpoint_closure_keeps_to_its_step
     for i, (x, y) in enumerate(executor, start=1):
         out = step(x, y)
         assert out["tag"] == 7 and seen[-1][2] == out["loss"].item()
-        if i == 1:
-            with pytest.raises(CsTorchError, match="step 1 is not a checkpoint step"):
-                save(i)
-        if executor.on_checkpoint_step:
-            save(i)
+        assert save(i) is None   # called on every step, as the real API allows: runs on steps 2 and 4
     assert [s[:2] for s in seen] == [("in-step", "Tensor")] * 4 and saved == [2, 4]
 
 
@@ -693,3 +689,50 @@ def test_compile_only_captures_and_runs_no_step(flag, capsys):
     assert results == [None]                     # one batch, captured, nothing run
     assert "compiled step: 6 ops, 6 parameters, 3 weight-streaming units" in capsys.readouterr().err
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.cluster
+def test_the_model_zoos_two_param_groups_train_on_the_cs_system_as_torch_eager():
+    """Weights decayed, biases not, as the model zoo's configure_param_groups splits them: one MemoryX rule."""
+    cstorch.backend("CSX")
+    torch.manual_seed(5)
+    model = mlp.MLP(hidden=16)
+    ref = copy.deepcopy(model)
+    compiled = cstorch.compile(model)
+
+    def groups(module):
+        named = list(module.named_parameters())
+        return [{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
+                {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+    opt = cstorch.optim.AdamW(groups(model), 0.01)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    losses, data = [], []
+    for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32), num_steps=5):
+        losses.append(step(x, y).item())
+        data.append((x, y))
+    ref_opt = torch.optim.AdamW(groups(ref), 0.01, eps=1e-6)
+    assert_close_losses(losses, eager_train(ref, ref_opt, data, torch.nn.functional.cross_entropy))
+    assert_same_weights(model, ref)
+
+
+def test_param_groups_that_are_not_one_memoryx_rule_are_one_line():
+    from cs_torch.cluster_step import memoryx_optimizer
+    model = torch.nn.Linear(3, 2)
+    params = dict(model.named_parameters())
+    both_decayed = cstorch.optim.AdamW([{"params": [model.weight], "weight_decay": 0.1},
+                                        {"params": [model.bias], "weight_decay": 0.1}], 0.01)
+    assert memoryx_optimizer(both_decayed, params).section["exclude_bias_and_norm"] is False   # as one group
+    bias_decayed = cstorch.optim.AdamW([{"params": [model.weight], "weight_decay": 0.0},
+                                        {"params": [model.bias], "weight_decay": 0.1}], 0.01)
+    with pytest.raises(CsTorchError, match="parameter weight has weight decay 0.0 in its param group"):
+        memoryx_optimizer(bias_decayed, params)
+    other_lr = cstorch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], 0.01)
+    with pytest.raises(CsTorchError, match="param groups differing in lr"):
+        memoryx_optimizer(other_lr, params)

@@ -19,7 +19,8 @@ import pytest
 
 from tests.cluster_utils import REPO
 
-PACKAGES = ("cs_runtime", "chief", "worker", "wse", "cs_torch", "scripts", "examples")
+PACKAGES = ("cs_runtime", "chief", "worker", "wse", "cs_torch", "scripts", "examples", "cerebras_pytorch",
+            "cerebras_appliance", "cerebras")
 
 # Bottom first. A module may import modules of its own layer and of the layers
 # below; which unit a module belongs to is its longest matching name prefix.
@@ -30,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # output line. `cs_runtime` itself is the package's __init__.
     ("cs_runtime", "cs_runtime.errors", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
      "cs_runtime.user_script", "cs_runtime.probe_line", "cs_runtime.torch_names", "cs_runtime.roles",
+     "cs_runtime.import_names",
      # what the data sets and the maths agree on: counter-based draws, the ignored label, the
      # language models' feature names
      "cs_runtime.numerics.hashing", "cs_runtime.numerics.batch_check", "cs_runtime.numerics.transformer_params"),
@@ -64,10 +66,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cs_runtime.runner", "cs_torch.nn", "cs_torch.backends", "cs_torch.recording", "cs_torch.distributed"),
     # The torch front end's rules a step applies: optimizers and their update
     # rules, schedulers, the loss scaler, summaries.
-    ("cs_torch.optim", "cs_torch.optimizers", "cs_torch.lr_scheduler", "cs_torch.amp", "cs_torch.summary"),
+    ("cs_torch.optim", "cs_torch.optimizers", "cs_torch.optim_configure", "cs_torch.lr_scheduler", "cs_torch.amp",
+     "cs_torch.summary"),
     # The rest of the torch front end: the tracer, the session, the cluster
     # step and the DataExecutor that drives them.
     ("cs_torch",),
+    # The vendor's import names the model zoo uses, served by the packages above
+    # (cs_runtime.import_names): cerebras_pytorch and cerebras.pytorch are cs_torch;
+    # cerebras_appliance (also cerebras.appliance) is the appliance client's helpers.
+    ("cerebras_pytorch", "cerebras", "cerebras_appliance"),
     # Command lines (the installed ones in cs_runtime.cli, the development tools in scripts) and the
     # user's code: nothing below imports them.
     ("cs_runtime.cli", "scripts", "examples"),

@@ -19,6 +19,7 @@ import yaml
 from cs_runtime.config import ParamsError, load_params, params_from_dict
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.data.text import BertDataset, TextDataError, load_corpus
+from cs_runtime.lm_checks import gpt2_loss, mlm_loss_scaling, mlm_loss_weight
 from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
 from worker.input_worker import fetched_ahead
 
@@ -73,26 +74,31 @@ def test_shipped_shapes_pass_the_params_schema(name: str, model: str) -> None:
 
 
 def test_gpt2_r18_keys_mean_what_they_mean_there() -> None:
+    """Release_1.8.0's params_gpt2_small.yaml as the tag holds it."""
     p = load_params(FILES / "gpt2_small_r18.yaml", "gpt2")
     o = p.optimizer
-    assert (o.optimizer_type, o.betas, o.eps, o.weight_decay) == ("adamw", (0.9, 0.95), 1e-8, 0.01)
-    assert o.exclude_bias_and_norm and o.max_gradient_norm == 1.0
-    # Linear warm-up over 1600 steps, then linear decay over 150000, each counting from 0.
-    assert o.lr_at(0) == 0.0 and math.isclose(o.lr_at(800), 0.0003)
-    assert o.lr_at(1600) == 0.0006 and math.isclose(o.lr_at(1600 + 75000), 0.0003)
-    assert o.lr_at(151600) == 0.0 and o.lr_at(10 ** 6) == 0.0
+    assert (o.optimizer_type, o.betas, o.weight_decay) == ("adamw", (0.9, 0.999), 0.01)
+    assert o.exclude_bias_and_norm and o.max_gradient_norm is None
+    # Linear warm-up over 2000 steps, then linear decay over 998000, each counting from 0.
+    assert o.lr_at(0) == 0.0 and math.isclose(o.lr_at(1000), 5e-5)
+    assert o.lr_at(2000) == 1e-4 and math.isclose(o.lr_at(2000 + 499000), 5e-5)
+    assert o.lr_at(10 ** 6) == 0.0
     rc = p.runconfig
-    assert rc.save_initial_checkpoint and rc.stop_step(0) == 151600 and rc.eval_steps == 32
+    assert rc.save_initial_checkpoint and rc.stop_step(0) == 10 ** 6 and rc.eval_steps == 233
     assert p.model.vocab_size == 50257 and p.model.share_embedding_weights is True
     assert p.train_input.num_workers == 8 and p.train_input.data_processor == "GptHDF5DataProcessor"
-    assert p.precision == "float16"
+    assert p.precision == "float16" and p.train_input.max_sequence_length == 1024
+    # The loss: the sum over tokens * loss_weight (1/1024) / batch_size, as the model zoo's GPTLMHeadModelLoss.
+    assert gpt2_loss(p) == {"loss_scaling": "batch_size", "loss_weight": 0.0009765625}
+    assert p.model.use_position_embedding is True
+    assert [line.split(" (")[0] for line in p.not_modelled] == ["model.allow_multireplica"]
 
 
 def test_trainer_layout_maps_onto_the_same_settings() -> None:
     old = load_params(FILES / "gpt2_small_r18.yaml", "gpt2")
     new = load_params(FILES / "gpt2_small_trainer.yaml", "gpt2")
     assert new.model.hidden_size == old.model.hidden_size == 768
-    assert new.optimizer.betas == old.optimizer.betas and new.optimizer.weight_decay == 0.01
+    assert new.optimizer.betas == (0.9, 0.95) and new.optimizer.weight_decay == old.optimizer.weight_decay == 0.01
     assert new.precision == "cbfloat16" and new.optimizer.loss_scaling_mode() == "dynamic"
     assert new.optimizer.max_gradient_norm == 1.0
     # SequentialLR(LinearLR, CosineDecayLR): warm-up, then cosine from 0.0006 to 0.
@@ -106,11 +112,19 @@ def test_trainer_layout_maps_onto_the_same_settings() -> None:
 
 
 def test_bert_r18_spellings() -> None:
+    """Release_1.8.0's bert_base_MSL128.yaml as the tag holds it."""
     p = load_params(FILES / "bert_base_r18.yaml", "bert")
     assert p.optimizer.weight_decay == 0.01                       # weight_decay_rate
-    assert p.precision == "bfloat16"                              # use_bfloat16
-    assert p.optimizer.lr_at(3200) == pytest.approx(0.0001767766952966369)   # `steps`
+    assert p.precision == "float16"                               # mixed_precision, no use_bfloat16
+    # disable_lr_steps_reset: true: the second piece is computed at the global step, not from 0.
+    o = p.optimizer
+    assert o.lr_at(3200) == pytest.approx(3.2e-5)
+    assert o.lr_at(15000) == pytest.approx(1e-4 * (1 - 15000 / 1e6))
+    assert o.model_copy(update={"disable_lr_steps_reset": False}).lr_at(15000) == pytest.approx(1e-4 * (1 - 5000 / 1e6))
     assert p.train_input.max_predictions_per_seq == 20 and p.train_input.do_lower
+    # dynamic_mlm_scale: the loss is the mean over the masked tokens, and mlm_loss_weight goes unused.
+    assert (mlm_loss_scaling(p), mlm_loss_weight(p)) == ("num_masked", 1.0)
+    assert sorted(line.split(" (")[0] for line in p.not_modelled) == ["model.enable_vts", "train_input.buckets"]
 
 
 def test_fc_mnist_tf_trains_with_adam_and_tf_spellings() -> None:
@@ -128,8 +142,10 @@ def test_fc_mnist_tf_trains_with_adam_and_tf_spellings() -> None:
 
 def test_fc_mnist_r18_maps_16_bit_inputs_onto_mixed_precision() -> None:
     p = load_params(FILES / "fc_mnist_pytorch_r18.yaml", "fc_mnist")
-    assert p.precision == "float16" and p.train_input.to_float16
+    assert p.precision == "float16" and p.train_input.to_float16 is None
     assert p.model.layer_sizes() == [784] + [50] * 10 + [10]
+    new = load_params(FILES / "releases/Release_2.7.0/fc_mnist__params.yaml", "fc_mnist")
+    assert new.precision == "float16" and new.train_input.to_float16
     lines = error_lines({"train_input": {"to_float16": True}, "model": {"mixed_precision": False}})
     assert lines == ["params.yaml: train_input.to_float16: true needs model.mixed_precision: true (16-bit inputs "
                      "to a float32 model are not emulated)"]
@@ -255,12 +271,12 @@ def test_fc_mnist_files_validate_as_shipped(tmp_path: Path, name: str) -> None:
 def test_language_model_files_validate_as_shipped(tmp_path: Path) -> None:
     """GPT-2 small and BERT base validate as shipped, the tied head, the 16-bit setting and
     BERT's next-sentence head (disable_nsp left at its default, false) included."""
-    for name in ("gpt2_small_trainer", "gpt2_small_r18"):
+    for name, positions in (("gpt2_small_trainer", 2048), ("gpt2_small_r18", 1024)):
         result = run_script("gpt2", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
         assert result.returncode == 0, result.stdout + result.stderr
         # GPT-2 small, tied and without an output bias, each parameter once: HF's 124,439,808
-        # and 1024 more positions of width 768 (these files' max_position_embeddings is 2048)
-        assert f"gpt2 is valid: 14 layers, {124_439_808 + 1024 * 768:,} parameters" in result.stdout
+        # (1024 positions), and 1024 more positions of width 768 where max_position_embeddings is 2048
+        assert f"gpt2 is valid: 14 layers, {124_439_808 + (positions - 1024) * 768:,} parameters" in result.stdout
     for name in ("bert_base_r18", "bert_base_trainer"):
         result = run_script("bert", FILES / f"{name}.yaml", tmp_path / "model_dir", "--validate_only")
         assert result.returncode == 0, result.stdout + result.stderr
@@ -281,7 +297,8 @@ SHRINK = {"hidden_size": 32, "num_hidden_layers": 2, "num_heads": 2, "filter_siz
           "max_position_embeddings": 16}
 LM_FILES = {
     "gpt2_small_r18": ("gpt2", "model.", "train_input.", "eval_input.", "runconfig.max_steps",
-                       ["model.mixed_precision=false"]),
+                       ["model.mixed_precision=false", "train_input.max_sequence_length=16",
+                        "eval_input.max_sequence_length=16"]),
     "gpt2_small_trainer": ("gpt2", "trainer.init.model.", "trainer.fit.train_dataloader.",
                            "trainer.fit.val_dataloader.", "trainer.init.loop.max_steps",
                            ["trainer.init.precision.enabled=false"]),
@@ -428,8 +445,12 @@ def test_run_length_keys() -> None:
         return params_from_dict({"runconfig": keys}).runconfig
     assert rc(num_steps=5).stop_step(10) == 15 and rc(max_steps=5).stop_step(3) == 5
     assert rc(num_epochs=2, steps_per_epoch=7).stop_step(0) == 14 and rc(num_epochs=3).stop_step(0, 4) == 12
-    assert "give one of max_steps, num_steps, num_epochs" in error_lines({"runconfig": {"max_steps": 5,
-                                                                                       "num_steps": 5}})[0]
+    # Several: the run stops at the first reached (the real compute_num_steps takes the smallest).
+    assert rc(max_steps=5, num_steps=3).stop_step(1) == 4 and rc(max_steps=5, num_steps=9).stop_step(1) == 5
+    assert rc(num_epochs=1, steps_per_epoch=1000, max_steps=10000).stop_step(0) == 1000   # R1.9 FC-MNIST
+    assert rc(num_epochs=2, max_steps=5).stop_step(0, 4) == 5
+    assert error_lines({"runconfig": {"num_epochs": 5, "num_steps": 5}}) == [
+        "params.yaml: runconfig: give num_steps or num_epochs, not both (max_steps may go with either)"]
 
 
 def test_no_weight_decay_of_biases_and_norm_gains() -> None:

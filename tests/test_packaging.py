@@ -4,6 +4,7 @@ command points at a module it holds."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import venv
@@ -15,14 +16,19 @@ from tests.cluster_utils import REPO
 
 pytestmark = pytest.mark.cluster   # pip and a fresh interpreter run as processes
 
-OURS = {"cs_runtime", "chief", "worker", "wse", "cs_torch"}
+OURS = {"cs_runtime", "chief", "worker", "wse", "cs_torch", "cerebras_pytorch", "cerebras", "cerebras_appliance"}
 COMMANDS = ("csrun_wse", "csrun_cpu", "cs_input_analyzer", "cs_system", "csctl", "cs_convert_checkpoint")
 
 
 def build_wheel(out: Path) -> Path:
+    # From a copy of the tree: setuptools builds in the source folder, and a build/ left there by an
+    # earlier build would put stale modules into the wheel (and leave clutter in the checkout).
+    source = out.parent / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", ".venv", "model_dir*", ".pytest_cache"))
     # CC=false: the optional C loops fail to build and are left out (the numpy path serves), which
     # keeps this quick; what the wheel holds besides them is the same.
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)],
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
                           capture_output=True, text=True, env={**_env(), "CC": "false"}, timeout=240)
     if done.returncode != 0 and "No matching distribution found for setuptools" in done.stderr:
         pytest.skip("building the wheel needs setuptools from the package registry, which is not reachable")

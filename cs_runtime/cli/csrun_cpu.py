@@ -22,9 +22,10 @@ options:
   --version    show the version and exit
   --trace      record a timeline of the run into model_dir/trace.json
 
-run.py options (python run.py --help): --mode {train,eval,train_and_eval,validate_only,compile_only}
+run.py options (python run.py --help): --mode {train,eval,train_and_eval,eval_all,validate_only,compile_only}
   --params FILE  --model_dir DIR  --checkpoint_path CKPT  --validate_only  --compile_only
-  --override KEY.PATH=VALUE (repeatable)  --multireplica  --version"""
+  --override KEY.PATH=VALUE (repeatable)  --multireplica  --version; the model zoo's command line too:
+  python run.py CPU|CSX --mode MODE --params FILE ... (docs/running.md)"""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,7 @@
     directory.py     the job's directory: registration and heartbeats of every process (the server side)
     front_door.py    a shared CS system's client: keys, owner credential, submit and follow a job
     restart.py       --max_restarts: run a job again from its latest checkpoint
+    target.py        what `python run.py CPU|CSX ...` does before any role runs (the model zoo's targets)
     precheck.py      before the cluster starts: the script's functions and params, checked in one process
     reachability.py  an address answers: TCP, then a ZeroMQ handshake with the job's keys
 """

@@ -34,8 +34,8 @@ class Checked:
 def runs_nothing(command: list[str]) -> bool:
     """Whether the command only validates or compiles (run.py's --validate_only, --compile_only, --mode ...)."""
     args = command[1:]
-    modes = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--mode"}
-    modes |= {a.split("=", 1)[1] for a in args if a.startswith("--mode=")}
+    modes = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--mode", "-m")}
+    modes |= {a.split("=", 1)[1] for a in args if a.startswith(("--mode=", "-m="))}
     return bool({"--validate_only", "--compile_only"} & set(args) or {"validate_only", "compile_only"} & modes)
 
 

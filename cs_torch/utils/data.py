@@ -74,7 +74,7 @@ class CSConfig:
 class DataExecutor:
     def __init__(self, dataloader, num_steps: int | None = None, checkpoint_steps: int | None = None,
                  activation_steps: int | None = None, cs_config: CSConfig | None = None, writer=None,
-                 micro_batch_size=None, profiler_activities=None):
+                 micro_batch_size=None, profiler_activities=None, listeners=None):
         for name, value in (("num_steps", num_steps), ("checkpoint_steps", checkpoint_steps),
                             ("activation_steps", activation_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -92,6 +92,8 @@ class DataExecutor:
                  "share of the batch whole")
         if profiler_activities:
             note("DataExecutor: profiler_activities is not honoured (see docs/running.md for traces)")
+        if listeners:
+            note("DataExecutor: listeners are not honoured (tensor listeners are not emulated)")
         self.user_iteration = 0
         self.on_cluster = False
         self._runs: dict = {}
@@ -181,3 +183,53 @@ class DataExecutor:
                 yield batch
             if not produced:
                 raise CsTorchError("DataExecutor: the data loader produced no batch")
+
+
+def compute_num_steps(dataloader, initial_step: int = 0, num_steps: int | None = None,
+                      max_steps: int | None = None, num_epochs: int | None = None,
+                      steps_per_epoch: int | None = None, grad_accum_steps: int = 1) -> int:
+    """Steps to run from `initial_step`, as the real API counts them: the smallest of num_steps,
+    max_steps - initial_step and num_epochs * steps_per_epoch (by default the loader's length, over
+    grad_accum_steps); num_steps and num_epochs together are an error, and at least one is needed."""
+    for name, value, zero_ok in (("initial_step", initial_step, True), ("num_steps", num_steps, False),
+                                 ("max_steps", max_steps, False), ("num_epochs", num_epochs, False),
+                                 ("steps_per_epoch", steps_per_epoch, False),
+                                 ("grad_accum_steps", grad_accum_steps, False)):
+        if value is None and name not in ("initial_step", "grad_accum_steps"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero_ok else 1):
+            raise ValueError(f"compute_num_steps: {name} must be {'a non-negative' if zero_ok else 'a positive'} "
+                             f"integer, got {value!r}")
+    if num_epochs is not None and num_steps is not None:
+        raise ValueError("compute_num_steps: give num_epochs or num_steps, not both")
+    try:
+        batches = len(dataloader)
+    except TypeError:   # a loader of unknown length: steps only
+        if num_epochs is not None:
+            raise ValueError("compute_num_steps: num_epochs needs a data loader of known length; give "
+                             "num_steps or max_steps") from None
+        batches = None
+    if batches is not None:
+        if batches < 1:
+            raise ValueError("compute_num_steps: the data loader makes no batch")
+        if steps_per_epoch is not None and steps_per_epoch > batches:
+            raise ValueError(f"compute_num_steps: steps_per_epoch {steps_per_epoch} exceeds the {batches} "
+                             "batches of an epoch")
+        per_epoch = steps_per_epoch or batches
+        if grad_accum_steps > per_epoch:
+            raise ValueError(f"compute_num_steps: grad_accum_steps {grad_accum_steps} exceeds the {per_epoch} "
+                             "batches of an epoch")
+        per_epoch //= grad_accum_steps
+    candidates = []
+    if num_epochs is not None:
+        candidates.append(num_epochs * per_epoch)
+    if num_steps is not None:
+        candidates.append(num_steps)
+    if max_steps is not None:
+        if max_steps <= initial_step:
+            raise ValueError(f"compute_num_steps: the initial step {initial_step} is already at max_steps "
+                             f"{max_steps}")
+        candidates.append(max_steps - initial_step)
+    if not candidates:
+        raise ValueError("compute_num_steps: give one of num_epochs, num_steps or max_steps")
+    return min(candidates)

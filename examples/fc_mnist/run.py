@@ -17,12 +17,17 @@ def model_fn(params):
     return mlp_spec("fc_mnist", m.layer_sizes(), m.activation_fn, m.dropout)
 
 
+def mnist_split(section, default: str) -> str:
+    """The section's `split` (the model zoo's, 2.5 on: train, or val for the test digits)."""
+    return {"train": "train", "val": "test", "test": "test"}[section.split or default]
+
+
 def train_input_fn(params):
-    return load_mnist(params.train_input.data_dir, "train")
+    return load_mnist(params.train_input.data_dir, mnist_split(params.train_input, "train"))
 
 
 def eval_input_fn(params):
-    return load_mnist(params.eval_input.data_dir, "test")
+    return load_mnist(params.eval_input.data_dir, mnist_split(params.eval_input, "test"))
 
 
 if __name__ == "__main__":

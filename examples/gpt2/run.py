@@ -14,7 +14,7 @@ Eval reports the mean loss per token (perplexity = exp(loss)).
 """
 from cs_runtime.data.hdf5 import GptHdf5Dataset, h5_files
 from cs_runtime.data.text import GptDataset, load_corpus
-from cs_runtime.lm_checks import check_language_model, head_options, seq_len
+from cs_runtime.lm_checks import check_language_model, gpt2_loss, head_options, seq_len
 from cs_runtime.numerics.model import transformer_spec
 from cs_runtime.runner import run
 
@@ -26,7 +26,7 @@ def model_fn(params):
                             hidden_size=m.hidden_size, num_layers=m.num_hidden_layers, num_heads=m.num_heads,
                             ffn_features=m.filter_size, dropout=m.dropout_rate,
                             attn_dropout=m.attention_dropout_rate, eps=m.layer_norm_epsilon,
-                            **head_options(params, "gpt2"))
+                            **head_options(params, "gpt2"), **gpt2_loss(params))
 
 
 def dataset(params, section, split: str):

@@ -28,6 +28,9 @@ def seq_len(params, section) -> int:
 
 def build_module(params) -> GPT:
     m = params.model
+    if (m.loss_scaling, m.loss_weight) != ("num_tokens", 1.0):
+        raise ValueError("examples/torch_gpt: model.loss_scaling must be num_tokens and loss_weight 1 (gpt_loss is "
+                         "the mean over tokens); examples/gpt2 takes the model zoo's batch_size scaling")
     if m.attention_dropout_rate:
         raise ValueError("examples/torch_gpt: model.attention_dropout_rate must be 0 (this GPT's attention is "
                          "F.scaled_dot_product_attention without dropout; dropout_rate drops the residuals)")

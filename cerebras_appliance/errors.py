@@ -1,0 +1,21 @@
+"""The appliance client's errors the model zoo catches or raises."""
+
+
+class ApplianceClientException(Exception):
+    """A failure reported by the cluster."""
+
+
+class ApplianceNanError(ApplianceClientException):
+    """A NaN or inf loss (the model zoo raises it when it sees one)."""
+
+
+class ApplianceCompilationError(ApplianceClientException):
+    """The model did not compile."""
+
+
+class ApplianceRuntimeJobError(ApplianceClientException):
+    """The job failed while it ran."""
+
+
+class ApplianceUnknownError(ApplianceClientException):
+    """Anything else the cluster reports."""

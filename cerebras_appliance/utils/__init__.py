@@ -1,0 +1,1 @@
+"""Helpers of the appliance client the model zoo imports (units, debug args, ini, files, classes)."""

@@ -1,0 +1,34 @@
+"""cstorch.distributed.cluster_resolver: the tasks of a job as the real API describes them.
+
+The emulated job's tasks are the user's process (rank 0) and its input
+workers; the model zoo builds a one-task spec for a run off the cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TaskSpec:
+    """One task: its global rank, its rank among the tasks of its WSE, that WSE, its host."""
+    rank: int
+    local_rank: int
+    wse_id: int
+    node_name: str = "localhost"
+
+
+@dataclass
+class ClusterSpec:
+    """Every task of the job, this process's rank, the WSEs and the workers per WSE."""
+    tasks: list[TaskSpec] = field(default_factory=list)
+    rank: int = 0
+    num_csx: int = 1
+    num_workers_per_csx: int = 1
+
+    def task(self, rank: int | None = None) -> TaskSpec:
+        """The task of `rank` (this process's when None)."""
+        wanted = self.rank if rank is None else rank
+        for spec in self.tasks:
+            if spec.rank == wanted:
+                return spec
+        raise ValueError(f"ClusterSpec: no task of rank {wanted} (ranks {[t.rank for t in self.tasks]})")
