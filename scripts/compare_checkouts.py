@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-BIN = Path(sys.executable).parent
 FORMATS = {"float32": {}, "float16": {"mixed_precision": True},
            "bfloat16": {"mixed_precision": True, "fp16_type": "bfloat16"},
            "cbfloat16": {"mixed_precision": True, "fp16_type": "cbfloat16"}}
@@ -50,7 +49,11 @@ def params_file(folder: Path, name: str, fmt: str, strategy: str, steps: int) ->
 def train(tree: Path, out: Path, name: str, fmt: str, path: str, steps: int) -> Path:
     flags, strategy = PATHS[path]
     params = params_file(out, name, fmt, strategy, steps)
-    launcher = [str(BIN / "csrun_cpu")] if flags is None else [str(BIN / "csrun_wse"), *flags]
+    # Each tree's own command, run as a module of that tree (its console commands moved from scripts/ to
+    # cs_runtime/cli/, and the installed entry points name only one of the two places).
+    package = "cs_runtime.cli" if (tree / "cs_runtime" / "cli").is_dir() else "scripts"
+    command = "csrun_cpu" if flags is None else "csrun_wse"
+    launcher = [sys.executable, "-m", f"{package}.{command}", *(flags or [])]
     cmd = [*launcher, sys.executable, str(tree / "examples" / "fc_mnist" / "run.py"), "--mode", "train",
            "--params", str(params), "--model_dir", str(out / name)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
