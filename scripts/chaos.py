@@ -402,8 +402,8 @@ def leftovers(launcher: int, keys_dir: str, watched: list[int] = ()) -> list[str
     (the one its processes named, and any its launcher made)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        procs = [pid for pid in _pids() if (pid in watched or keys_dir and process_env(pid).get("CS_KEYS_DIR") == keys_dir)
-                 and _alive(pid)]
+        procs = [pid for pid in _pids() if _alive(pid) and (
+            pid in watched or keys_dir and process_env(pid).get("CS_KEYS_DIR") == keys_dir)]
         folders = _key_folders_of(launcher)
         if not procs and not folders or time.monotonic() > deadline:
             break
