@@ -260,7 +260,9 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
         (fds_before, fds_held)
     assert dropped == len(held)
     print("near-cap handshakes: base", rss_base, "peak", peak, "final", rss_final)
-    assert max(peak[n] - rss_base[n] for n in targets) < 32 * 2**20, (rss_base, peak)   # was 1 MB a connection
+    # What a refused stranger costs is its frame until the gate acts (milliseconds, more on a loaded
+    # machine): 100 connections a port used to cost 100 MB a process.
+    assert max(peak[n] - rss_base[n] for n in targets) < 40 * 2**20, (rss_base, peak)
     assert max(rss_final[n] - rss_base[n] for n in targets) < 8 * 2**20, (rss_base, rss_final)
     assert max(fds_after[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_after)
     assert "dropped bad message" not in output and "Traceback" not in output

@@ -168,10 +168,9 @@ class HandshakeGate(threading.Thread):
         if peer is None:
             return   # gone already, or the number now names another file of ours: not ours to touch
         from_source = sum(1 for _, _, p in self.young if p[0] == peer[0])
-        if len(self.young) >= self.max_young or from_source >= self.max_per_source:
-            self._shut(fd, peer)
-            return
-        self.young.append((now, fd, peer))
+        over = len(self.young) >= self.max_young or from_source >= self.max_per_source
+        if not (over and self._shut(fd, peer)):
+            self.young.append((now, fd, peer))   # counted, so that its HANDSHAKE_SUCCEEDED has an entry
 
     def _forget(self, fd: int) -> None:
         for entry in self.young:
@@ -189,23 +188,24 @@ class HandshakeGate(threading.Thread):
         except OSError:
             return None
 
-    def _shut(self, fd: int, peer: tuple) -> None:
+    def _shut(self, fd: int, peer: tuple) -> bool:
         """Shut connection `fd` down (libzmq sees its end and frees it), if it still is `peer`'s and
         its handshake has not gone past our greeting: one that has may be a peer of the job already
-        (the monitor's news comes late), and its messages must not be cut."""
+        (the monitor's news comes late), and its messages must not be cut. Whether it was."""
         try:
             with _dup(fd) as conn:
                 if conn.getsockname()[1] != self.port or conn.getpeername()[:2] != peer or _past_greeting(conn):
-                    return
+                    return False
                 conn.shutdown(pysocket.SHUT_RDWR)
         except OSError:
-            return
+            return False
         self.refused += 1
         self._dirty = True
-        if self.refused in (1, 10, 100, 1000, 10000):   # a flood is one line per decade, not one per connection
+        if self.refused == 10 ** (len(str(self.refused)) - 1):   # a flood: a line per decade, not per connection
             log.warning("%s: %d connection(s) refused before their handshake: over %d in handshake at once "
                         "(%d per source); the last from %s", self.name, self.refused, self.max_young,
                         self.max_per_source, peer[0])
+        return True
 
     def _give_back(self) -> None:
         self._dirty, self._last_trim = False, time.monotonic()
