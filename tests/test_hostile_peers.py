@@ -1,11 +1,13 @@
-"""What a local process without the job's keys can cost a job: about a frame
-(1 MiB) per connection, for the 2 s a handshake may take, and no descriptors
-beyond that window.
+"""What a local process without the job's keys can cost a job: a few MB a
+process however many connections it makes (a few handshakes in flight per
+port, cs_runtime/wire/gate.py), given back when it stops, and no descriptors beyond the
+2 s a handshake may take.
 
 libzmq reads ZMTP handshake commands with the socket's MAXMSGSIZE as the only
 limit, so before CURVE has checked anything a stranger can make a process
 buffer a frame of up to that size. These tests speak raw ZMTP: a CURVE
-greeting, then a command frame that declares 200 MB and streams its bytes.
+greeting, then a command frame that declares 200 MB and streams its bytes, or
+one a byte under the port's cap from many connections at once.
 
     python -m pytest tests/test_hostile_peers.py -q
 """
