@@ -223,7 +223,14 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
         for name, (_, address) in targets.items():
             held += hold(address, 100)
         rss_after = {name: rss_bytes(pid) for name, (pid, _) in targets.items()}
-        fds_held = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+        # The gate shuts the connections beyond its bound as it hears of them (a thread of each
+        # process, slower on a loaded machine): within a second, well before libzmq's 2 s.
+        settle = time.monotonic() + 1.0
+        while True:
+            fds_held = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+            if time.monotonic() > settle or all(fds_held[n] - fds_before[n] <= held_bound(n) for n in targets):
+                break
+            time.sleep(0.05)   # a fresh count of each process's descriptors each time
         dropped = sum(closed_by_server(conn, HANDSHAKE_IVL_MS / 1000 + 5) for conn in held)
         fds_after = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
         # Every port at once: 100 connections each, frames 1 byte under the cap, reconnecting for 3 s.
@@ -258,8 +265,7 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
     assert len(growth) == len(targets) and max(growth.values()) < 24 * 2**20, growth
     # Held connections beyond the few one source may have in handshake are shut down at once,
     # the rest within 2 s.
-    assert all(fds_held[n] - fds_before[n] <= young_limits(max_frame_of(n))[1] + 4 for n in targets), \
-        (fds_before, fds_held)
+    assert all(fds_held[n] - fds_before[n] <= held_bound(n) for n in targets), (fds_before, fds_held)
     assert dropped == len(held)
     print("near-cap handshakes: base", rss_base, "peak", peak, "final", rss_final)
     # What a refused stranger costs is its frame until the gate acts (milliseconds, more on a loaded
@@ -269,6 +275,12 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
     assert max(fds_after[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_after)
     assert "dropped bad message" not in output and "Traceback" not in output
     assert_matches(tmp_path / "m", tmp_path / "cpu")
+
+
+def held_bound(target: str) -> int:
+    """Descriptors a held flood may cost a port's process: the connections one source may have in
+    handshake, and a few more (the gate's own duplicates, a connection being accepted)."""
+    return young_limits(max_frame_of(target))[1] + 4
 
 
 def max_frame_of(target: str) -> int:

@@ -245,8 +245,8 @@ class JobRuntime:
         self.ctx = zmq.Context()     # its own ZAP handler, admitting only this job's keys
         self.keys_dir = auth.write_job_dir(job.keys) if job.keys else None
         keys = auth.load_keys(str(self.keys_dir)) if self.keys_dir else None
-        self.directory = DirectoryServer(self.ctx, job.run_id, {"memoryx": 1, "swarmx": 1, "wse": job.num_csx},
-                                         host=host, keys=keys)
+        self.directory = DirectoryServer(self.ctx, job.run_id, {"memoryx": 1, "swarmx": 1, "wse": job.num_csx,
+                                                                CHIEF[0]: 1}, host=host, keys=keys)
         env = {"CS_JOB_ID": job.run_id, "CS_IP": self.directory.address, "CS_NUM_CSX": str(job.num_csx),
                "CS_BIND_HOST": host}
         if self.keys_dir:
