@@ -1,6 +1,7 @@
 """Chaos: a fault drawn at random (kill -9 or SIGSTOP of a random role, the launcher
-included, at a random step; a rogue peer at every port; a full disk), with and
-without --max_restarts, thrown at a whole job (scripts/chaos.py). Each must end
+included, at a random step, or the launcher at a random moment of its start; a rogue
+peer at every port; near-cap handshakes at every port; a full disk), with
+--max_restarts 0, 1 or 2, thrown at a whole job (scripts/chaos.py). Each must end
 bit-identical to the CPU path or with one clear line and its documented exit
 code, and leave nothing behind: no process, shared-memory segment or key folder.
 
@@ -25,8 +26,9 @@ from tests.cluster_utils import write_params
 pytestmark = pytest.mark.cluster   # every case runs a whole job
 
 BASE_SEED = int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(10**6))
-# One case per kind keeps the cost near a minute; the soak runs many.
-CASES = [chaos.draw_fault(BASE_SEED + i, kind) for i, kind in enumerate(chaos.KINDS)]
+# One case per kind keeps the cost to a few minutes (the soak runs many); the kill -9 hits a
+# service or task twice, with --max_restarts 2, so that both restarts are spent.
+CASES = [chaos.draw_fault(BASE_SEED + i, kind, twice=kind == "kill9") for i, kind in enumerate(chaos.KINDS)]
 
 
 @pytest.mark.parametrize("fault", CASES, ids=[str(f) for f in CASES])

@@ -275,3 +275,37 @@ def test_a_hog_that_only_polls_loses_its_turn_and_the_next_job_runs(system_facto
         door.close()
         ctx.destroy(linger=0)
     assert_matches_oracle(tmp_path / "m", oracle)
+
+
+def test_a_chief_that_stops_heartbeating_loses_the_turn_naming_the_job_and_owner(system_factory, monkeypatch):
+    """RUNNING needs the chief's heartbeat; a chief gone silent (killed, or a client that faked one
+    for a while) ends the turn after the heartbeat timeout, not after the job's natural end."""
+    system = system_factory("--turn_timeout", "60")
+    door = system.door(monkeypatch, "faker")
+    ctx = zmq.Context()
+    try:
+        job = SubmittedJob(door, 1, {"case": "faker"}, auth.load_keys(str(KEYS[0])))
+        state = job.wait_turn()
+        monkeypatch.setenv(auth.KEYS_ENV, str(KEYS[0]))
+        chief = DirectoryClient(ctx, state["cs_ip"], "chief", 0, state["job"])
+        chief.register({})
+        assert chief.lookup(["memoryx", "swarmx"], timeout=30)["memoryx"]
+        beat = Message(Msg.HEARTBEAT, meta={"role": "chief", "rank": 0})
+        phase, deadline = "COMPILING", time.monotonic() + 10
+        while phase == "COMPILING" and time.monotonic() < deadline:
+            chief.endpoint.send(beat)   # beats as a chief would, until the job is RUNNING
+            phase = door.request(job.poll()).meta["phase"]
+            time.sleep(0.2)   # the heartbeat interval
+        assert phase == "RUNNING"
+        silent_from = time.monotonic()   # no more beats: as if the chief were killed
+        while (state := door.request(job.poll()).meta)["phase"] == "RUNNING" and time.monotonic() - silent_from < 30:
+            time.sleep(0.2)   # the poll interval
+        waited = time.monotonic() - silent_from
+        assert state["phase"] == "FAILED" and "its chief on " in state["reason"], state
+        assert "stopped heartbeating for 5 s" in state["reason"] and 4 < waited < 15, (state, waited)
+        said = (system.tmp / "server.log").read_text()
+        assert f"{job.name} ({door_client.user_name()}) FAILED: its chief on " in said
+        chief.close()
+    finally:
+        door.close()
+        ctx.destroy(linger=0)

@@ -16,7 +16,7 @@ import zmq
 
 from cs_runtime.appliance import server as server_module
 from cs_runtime.launch.front_door import FrontDoor, FrontDoorError
-from cs_runtime.appliance.server import CLIENT_QUEUE, CLIENT_SNDBUF, PAGE_BYTES, CSSystem, JobRecord, RateLimit, Refused
+from cs_runtime.appliance.server import CLIENT_SNDBUF, PAGE_BYTES, CSSystem, JobRecord, RateLimit, Refused
 from cs_runtime.wire.protocol import (MAX_HEADER_BYTES, MAX_LABELS, MAX_REASON_CHARS, Message, Msg, ProtocolError,
                                       decode, encode, printable)
 from cs_runtime.cli import csctl

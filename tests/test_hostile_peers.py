@@ -1,11 +1,13 @@
-"""What a local process without the job's keys can cost a job: about a frame
-(1 MiB) per connection, for the 2 s a handshake may take, and no descriptors
-beyond that window.
+"""What a local process without the job's keys can cost a job: a few MB a
+process however many connections it makes (a few handshakes in flight per
+port, cs_runtime/wire/gate.py), given back when it stops, and no descriptors beyond the
+2 s a handshake may take.
 
 libzmq reads ZMTP handshake commands with the socket's MAXMSGSIZE as the only
 limit, so before CURVE has checked anything a stranger can make a process
 buffer a frame of up to that size. These tests speak raw ZMTP: a CURVE
-greeting, then a command frame that declares 200 MB and streams its bytes.
+greeting, then a command frame that declares 200 MB and streams its bytes, or
+one a byte under the port's cap from many connections at once.
 
     python -m pytest tests/test_hostile_peers.py -q
 """
@@ -27,6 +29,8 @@ from cs_runtime.wire import auth
 from cs_runtime.wire.protocol import MAX_FRAME_BYTES
 from cs_runtime.wire.transport import CONTROL_MAX_FRAME, CURVE_FRAME_OVERHEAD, HANDSHAKE_IVL_MS
 from cs_runtime.process.directory_client import DirectoryClient
+from cs_runtime.wire.gate import young_limits
+from scripts.chaos import near_cap_handshakes
 from tests.cluster_utils import (FC_MNIST, final_weights, kill_tree, run_cpu, run_wse, tool, train_losses, write_params,
                                  wse_command)
 from tests.test_faults import assert_matches, pids_by_role, process_env, read_until, rss_bytes, start_job
@@ -57,33 +61,6 @@ def flood(address: str, send_bytes: int, timeout: float = 10.0) -> int:
     finally:
         conn.close()
     return sent
-
-
-def near_cap_handshakes(address: str, connections: int, seconds: float, size: int) -> int:
-    """`connections` threads, each greeting as a CURVE client, sending a command frame of `size`
-    bytes but its last, holding until the server hangs up and reconnecting, for `seconds`: the
-    handshakes libzmq buffers whole. How many connections were made."""
-    host, port = tcp_of(address)
-    until = time.monotonic() + seconds
-    made = []
-
-    def attacker():
-        while time.monotonic() < until:
-            try:
-                with socket.create_connection((host, port), timeout=2) as conn:
-                    made.append(1)
-                    conn.sendall(GREETING + b"\x06" + size.to_bytes(8, "big") + bytes(size - 1))
-                    conn.settimeout(max(0.05, until - time.monotonic()))
-                    while conn.recv(65536):
-                        pass
-            except OSError:
-                pass   # refused, reset or timed out: connect again
-    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(connections)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(seconds + 5)
-    return len(made)
 
 
 def hold(address: str, count: int) -> list[socket.socket]:
@@ -246,7 +223,14 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
         for name, (_, address) in targets.items():
             held += hold(address, 100)
         rss_after = {name: rss_bytes(pid) for name, (pid, _) in targets.items()}
-        fds_held = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+        # The gate shuts the connections beyond its bound as it hears of them (a thread of each
+        # process, slower on a loaded machine): within a second, well before libzmq's 2 s.
+        settle = time.monotonic() + 1.0
+        while True:
+            fds_held = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
+            if time.monotonic() > settle or all(fds_held[n] - fds_before[n] <= held_bound(n) for n in targets):
+                break
+            time.sleep(0.05)   # a fresh count of each process's descriptors each time
         dropped = sum(closed_by_server(conn, HANDSHAKE_IVL_MS / 1000 + 5) for conn in held)
         fds_after = {name: open_descriptors(pid) for name, (pid, _) in targets.items()}
         # Every port at once: 100 connections each, frames 1 byte under the cap, reconnecting for 3 s.
@@ -279,15 +263,24 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
     assert all(sent < 16 * 2**20 * 5 for sent in streamed.values()), streamed
     growth = {name: rss_after[name] - rss_before[name] for name in targets if rss_after[name] is not None}
     assert len(growth) == len(targets) and max(growth.values()) < 24 * 2**20, growth
-    # Held connections beyond a few in handshake at once are shut down at once, the rest within 2 s.
-    assert max(fds_held[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_held)
+    # Held connections beyond the few one source may have in handshake are shut down at once,
+    # the rest within 2 s.
+    assert all(fds_held[n] - fds_before[n] <= held_bound(n) for n in targets), (fds_before, fds_held)
     assert dropped == len(held)
     print("near-cap handshakes: base", rss_base, "peak", peak, "final", rss_final)
-    assert max(peak[n] - rss_base[n] for n in targets) < 32 * 2**20, (rss_base, peak)   # was 1 MB a connection
+    # What a refused stranger costs is its frame until the gate acts (milliseconds, more on a loaded
+    # machine): 100 connections a port used to cost 100 MB a process.
+    assert max(peak[n] - rss_base[n] for n in targets) < 40 * 2**20, (rss_base, peak)
     assert max(rss_final[n] - rss_base[n] for n in targets) < 8 * 2**20, (rss_base, rss_final)
     assert max(fds_after[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_after)
     assert "dropped bad message" not in output and "Traceback" not in output
     assert_matches(tmp_path / "m", tmp_path / "cpu")
+
+
+def held_bound(target: str) -> int:
+    """Descriptors a held flood may cost a port's process: the connections one source may have in
+    handshake, and a few more (the gate's own duplicates, a connection being accepted)."""
+    return young_limits(max_frame_of(target))[1] + 4
 
 
 def max_frame_of(target: str) -> int:

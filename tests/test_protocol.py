@@ -911,3 +911,19 @@ def test_once_per_sender_lines_are_bounded_in_memory_and_in_log(caplog):
     finally:
         endpoint.close()
         ctx.destroy(linger=0)
+
+
+def test_the_handshake_gate_admits_a_budget_of_frames_and_never_cuts_a_connection_past_our_greeting():
+    import socket
+    from cs_runtime.wire import gate
+    from cs_runtime.wire.transport import CONTROL_MAX_FRAME, CURVE_FRAME_OVERHEAD
+    from cs_runtime.wire.protocol import MAX_FRAME_BYTES
+    assert gate.young_limits(MAX_FRAME_BYTES + CURVE_FRAME_OVERHEAD) == (3, 2)
+    assert gate.young_limits(CONTROL_MAX_FRAME + CURVE_FRAME_OVERHEAD) == (63, 31)
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as peer:
+        accepted, _ = server.accept()
+        with accepted:
+            accepted.sendall(bytes(gate.GREETING_BYTES))
+            assert peer.recv(4096) and not gate._past_greeting(accepted)   # only a greeting: may be cut
+            accepted.sendall(b"W")                                         # a WELCOME under way: never
+            assert gate._past_greeting(accepted)

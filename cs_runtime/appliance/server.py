@@ -12,7 +12,8 @@ address, and the submitter runs the chief and input workers against it as
 csrun_wse does for a local system. The chief registers with that directory
 and heartbeats to it; the phase becomes RUNNING when the chief, compiled and
 heartbeating, looks up MemoryX, and a chief silent for HEARTBEAT_TIMEOUT ends
-the job; the submitter reports how its tasks ended (JOB_DONE). csctl lists, cancels and labels jobs over the same front door.
+the job; the submitter reports how its tasks ended (JOB_DONE). csctl lists,
+cancels and labels jobs over the same front door.
 
 Isolation: a service process serves one job, then is stopped. The front
 door keeps a pool of service processes started ahead of time (imports
@@ -33,9 +34,12 @@ Admission and fairness (docs/security.md): with `--clients FILE` only the
 client public keys listed there complete the CURVE handshake, and a job's
 user is the name the file gives its submitter's key, not what the client
 claims. Every client (by public key) may make RATE_PER_S requests a second
-(bursts of RATE_BURST); at most CLIENT_QUEUE answers wait for a client that
-does not read, later ones are dropped; a listing comes in pages that fit
-the protocol's header cap; and a job whose chief has not arrived within
+(bursts of RATE_BURST), and without --clients every address its SOURCE_ share
+too; at most CLIENT_QUEUE answers, and CLIENT_SNDBUF bytes of the kernel's,
+wait for a client that does not read, and once one is dropped nothing more is
+made for that connection; what a client stores is checked before anything
+changes and bounded, so a job's row fits a listing's page, which fits the
+protocol's header cap; and a job whose chief has not arrived within
 --turn_timeout seconds of its turn loses it, so no client can hold the
 systems by polling alone, nor by looking services up without a chief.
 """
@@ -241,7 +245,7 @@ class JobRuntime:
         self.ctx = zmq.Context()     # its own ZAP handler, admitting only this job's keys
         self.keys_dir = auth.write_job_dir(job.keys) if job.keys else None
         keys = auth.load_keys(str(self.keys_dir)) if self.keys_dir else None
-        self.directory = DirectoryServer(self.ctx, job.run_id, service_counts(job.num_csx),
+        self.directory = DirectoryServer(self.ctx, job.run_id, {**service_counts(job.num_csx), CHIEF[0]: 1},
                                          host=host, keys=keys)
         env = {"CS_JOB_ID": job.run_id, "CS_IP": self.directory.address, "CS_NUM_CSX": str(job.num_csx),
                "CS_BIND_HOST": host}

@@ -148,18 +148,30 @@ class DirectoryServer:
     def _handle(self, identity: bytes, msg: Message, header: bytes, now: float) -> None:
         if msg.type == Msg.HEARTBEAT:  # by far the most frequent: first
             self._heartbeat(identity, msg, header, now)
+        elif msg.type in (Msg.REGISTER, Msg.EXITED) and not self._a_task_of_the_job(msg.meta):
+            # What the directory keeps is bounded by the job's own tasks, whoever sends.
+            self.endpoint.warn_once(identity, f"{msg.type.value} of {str(msg.meta['role'])[:40]} "
+                                              f"{msg.meta['rank']}: not a task of this job")
         elif msg.type == Msg.REGISTER:
             self._register(msg)
         elif msg.type == Msg.LOOKUP:
             roles = tuple(sorted(str(r) for r in msg.meta["roles"]))
+            if not set(roles) <= self.expected.keys():   # it could never be answered
+                self.endpoint.warn_once(identity, f"lookup of {', '.join(roles)[:80]}: not roles of this job")
+                return
             self.lookups.add(frozenset(roles))
-            self.pending.setdefault(roles, []).append(identity)
+            waiting = self.pending.setdefault(roles, [])
+            if identity not in waiting:   # asked again: one answer will do
+                waiting.append(identity)
             self._answer_lookups(roles)
         elif msg.type == Msg.EXITED:
             self.exits[(msg.meta["role"], msg.meta["rank"])] = dict(msg.meta)
             self._send_status(identity)
         else:
             self.endpoint.warn_once(identity, f"unexpected {msg.type.value} at the directory")
+
+    def _a_task_of_the_job(self, meta: dict) -> bool:
+        return 0 <= meta["rank"] < self.expected.get(meta["role"], 0)
 
     def _register(self, msg: Message) -> None:
         m = msg.meta

@@ -83,6 +83,32 @@ def _dup(fd: int) -> pysocket.socket:
         raise
 
 
+def young_limits(max_frame_bytes: int) -> tuple[int, int]:
+    """Connections in handshake at once on a socket of that frame cap: in all, and from one source."""
+    in_all = max(MIN_YOUNG, HANDSHAKE_BUDGET_BYTES // max_frame_bytes)
+    return in_all, max(MIN_YOUNG, in_all // SOURCE_SHARE)
+
+
+GREETING_BYTES = 64   # ZMTP 3's greeting: all a server sends before the peer's first command is taken
+_TCP_INFO = 11        # getsockopt(IPPROTO_TCP, TCP_INFO): struct tcp_info
+# In struct tcp_info: tcpi_unacked (u32), tcpi_bytes_acked (u64) and, from Linux 5.5, tcpi_bytes_sent (u64).
+_UNACKED, _BYTES_ACKED, _BYTES_SENT = slice(24, 28), slice(120, 128), slice(200, 208)
+
+
+def _past_greeting(conn: pysocket.socket) -> bool:
+    """Whether we may have sent more than our greeting on `conn` (or cannot tell)."""
+    try:
+        info = conn.getsockopt(pysocket.IPPROTO_TCP, _TCP_INFO, 256)
+    except OSError:
+        return True
+    if len(info) >= _BYTES_SENT.stop:
+        return int.from_bytes(info[_BYTES_SENT], "little") > GREETING_BYTES
+    if len(info) < _BYTES_ACKED.stop:
+        return True
+    unacked = int.from_bytes(info[_UNACKED], "little")
+    return unacked > 0 or int.from_bytes(info[_BYTES_ACKED], "little") > GREETING_BYTES
+
+
 class HandshakeGate(threading.Thread):
     """Watches one bound socket's connections; see the module's doc. Start it right after bind;
     it ends by itself when the socket is closed or its context terminated."""
@@ -90,8 +116,7 @@ class HandshakeGate(threading.Thread):
     def __init__(self, sock: zmq.Socket, name: str, max_frame_bytes: int, handshake_s: float):
         super().__init__(name=f"gate {name}", daemon=True)
         self.name, self.handshake_s = name, handshake_s
-        self.max_young = max(MIN_YOUNG, HANDSHAKE_BUDGET_BYTES // max_frame_bytes)
-        self.max_per_source = max(MIN_YOUNG, self.max_young // SOURCE_SHARE)
+        self.max_young, self.max_per_source = young_limits(max_frame_bytes)
         self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self.young: deque[tuple[float, int, tuple]] = deque()   # (accepted at, fd, (source, source port))
         self.refused = 0             # connections shut down here (read by tests)
@@ -143,10 +168,9 @@ class HandshakeGate(threading.Thread):
         if peer is None:
             return   # gone already, or the number now names another file of ours: not ours to touch
         from_source = sum(1 for _, _, p in self.young if p[0] == peer[0])
-        if len(self.young) >= self.max_young or from_source >= self.max_per_source:
-            self._shut(fd, peer)
-            return
-        self.young.append((now, fd, peer))
+        over = len(self.young) >= self.max_young or from_source >= self.max_per_source
+        if not (over and self._shut(fd, peer)):
+            self.young.append((now, fd, peer))   # counted, so that its HANDSHAKE_SUCCEEDED has an entry
 
     def _forget(self, fd: int) -> None:
         for entry in self.young:
@@ -164,21 +188,24 @@ class HandshakeGate(threading.Thread):
         except OSError:
             return None
 
-    def _shut(self, fd: int, peer: tuple) -> None:
-        """Shut connection `fd` down (libzmq sees its end and frees it), if it still is `peer`'s."""
+    def _shut(self, fd: int, peer: tuple) -> bool:
+        """Shut connection `fd` down (libzmq sees its end and frees it), if it still is `peer`'s and
+        its handshake has not gone past our greeting: one that has may be a peer of the job already
+        (the monitor's news comes late), and its messages must not be cut. Whether it was."""
         try:
             with _dup(fd) as conn:
-                if conn.getsockname()[1] != self.port or conn.getpeername()[:2] != peer:
-                    return
+                if conn.getsockname()[1] != self.port or conn.getpeername()[:2] != peer or _past_greeting(conn):
+                    return False
                 conn.shutdown(pysocket.SHUT_RDWR)
         except OSError:
-            return
+            return False
         self.refused += 1
         self._dirty = True
-        if self.refused in (1, 10, 100, 1000, 10000):   # a flood is one line per decade, not one per connection
+        if self.refused == 10 ** (len(str(self.refused)) - 1):   # a flood: a line per decade, not per connection
             log.warning("%s: %d connection(s) refused before their handshake: over %d in handshake at once "
                         "(%d per source); the last from %s", self.name, self.refused, self.max_young,
                         self.max_per_source, peer[0])
+        return True
 
     def _give_back(self) -> None:
         self._dirty, self._last_trim = False, time.monotonic()
