@@ -101,7 +101,7 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dro
     except Exception as exc:  # torch raises many types; the user needs the one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export could not trace the model: {first}") from exc
-    captured = _Lowering(exported, model, dropout).run()
+    captured = _Lowering(_functional(exported), model, dropout).run()
     captured.feature_names = names
     return captured
 
@@ -139,11 +139,63 @@ def _example_inputs(model, example_inputs) -> tuple[list[str], tuple, list[str] 
     return order, inputs, keywords
 
 
-def _needed(graph) -> set:
-    """The nodes the graph's outputs depend on: what the loss function computes besides the
+def _packet(op) -> str:
+    return op._overloadpacket.__name__ if hasattr(op, "_overloadpacket") else ""
+
+
+def _functional(exported):
+    """The exported program with in-place ops made functional (relu_ -> relu, x.add_(y) ->
+    add, a buffer's update -> an output that says which buffer) and every op outside the
+    op set decomposed into the Core ATen ops torch defines it by (hardswish -> clamp,
+    unbind -> select, ...). The op set's own ops stay whole: they are worth it for speed
+    or accuracy (attention, layer norm, batch norm, GELU)."""
+    _inplace_to_functional(exported.graph_module.graph)
+    exported.graph_module.recompile()
+    table = torch.export.default_decompositions()
+    keep = [op for op in table.keys() if _packet(op) in _LOWER or _packet(op).rstrip("_") in _LOWER]
+    for op in keep:
+        del table[op]
+    try:
+        return exported.run_decompositions(table)
+    except Exception as exc:  # torch raises many types; the user needs the one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(f"torch could not make the model's graph functional: {first}") from exc
+
+
+# Ops whose output shares the input's storage: an in-place op on their output changes
+# the input too, which only torch's functionalization (run_decompositions) follows.
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "slice", "select", "transpose", "t", "permute",
+                    "expand", "unsqueeze", "squeeze", "alias", "as_strided", "diagonal", "unfold",
+                    "split", "split_with_sizes", "chunk", "unbind", "narrow", "flatten", "view_as",
+                    "detach", "unflatten", "movedim", "expand_as", "contiguous"})
+
+
+def _inplace_to_functional(graph) -> None:
+    """x.op_(...) on a fresh intermediate x (not an input, parameter or buffer, not a view
+    of one) as y = op(x, ...), later readers of x reading y. Done here for every such op,
+    because torch's functionalization decomposes some of them (dropout_ into bernoulli,
+    which would be drawn once, at capture) where the functional op stays whole."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _packet(node.target).endswith("_") or not node.args:
+            continue
+        name = _packet(node.target)
+        functional = getattr(torch.ops.aten, name[:-1], None)
+        overload = getattr(functional, node.target._overloadname, None) if functional is not None else None
+        target = node.args[0]
+        if overload is None or name.startswith("_") or not isinstance(target, torch.fx.Node) or \
+                target.op != "call_function" or _packet(target.target) in _VIEWS or \
+                any(_packet(u.target) in _VIEWS for u in target.users if u.op == "call_function"):
+            continue
+        node.target = overload
+        for user in [u for u in target.users if order[u] > order[node]]:
+            user.replace_input_with(target, node)
+
+
+def _needed(outputs) -> set:
+    """The nodes the outputs depend on: what the loss function computes besides the
     loss (a traced step's accuracy) is not the program's, nor are the asserts that read it."""
-    output = next(n for n in graph.nodes if n.op == "output")
-    needed, todo = set(), [output]
+    needed, todo = set(), list(outputs)
     while todo:
         node = todo.pop()
         if node not in needed:
@@ -196,7 +248,8 @@ class _Lowering:
         sig = self.ep.graph_signature
         state = {**self.ep.state_dict, **getattr(self.ep, "constants", {})}
         user_inputs = []
-        needed = _needed(self.ep.graph)
+        user_outputs = self._user_outputs(sig)
+        needed = _needed(user_outputs)
         for node in self.ep.graph.nodes:
             self.fx_node = node
             if node.op == "placeholder":
@@ -204,7 +257,7 @@ class _Lowering:
             elif node.op == "call_function" and node in needed:
                 self._call(node)
             elif node.op == "output":
-                loss, *model_out = [self._value(out) for out in node.args[0]]
+                loss, *model_out = [self._value(out) for out in user_outputs]
         names = [*(f"input{i}" for i in range(len(user_inputs) - 1)), "target"]
         rename = dict(zip(user_inputs, names))
         outputs = {"loss": loss}
@@ -243,6 +296,27 @@ class _Lowering:
             self.inputs[name] = Value(tuple(val.shape), self._dtype(val))
             self.names[node] = name
             user_inputs.append(name)
+
+    def _user_outputs(self, sig) -> list:
+        """The graph's outputs that are the wrapper's (the loss, the model's output). The
+        others are state a step would carry to the next: a buffer the forward updates
+        (BatchNorm's running statistics in training mode), refused here in one line."""
+        output = next(n for n in self.ep.graph.nodes if n.op == "output")
+        outs = []
+        for arg, spec in zip(output.args[0], sig.output_specs):
+            if spec.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT:
+                outs.append(arg)
+            elif spec.kind == torch.export.graph_signature.OutputKind.BUFFER_MUTATION:
+                self.fx_node = _first_op(arg)
+                raise self.error(
+                    f"the forward updates buffer {_strip(spec.target)!r} (BatchNorm's running statistics in "
+                    "training mode); a run does not carry buffers from step to step yet: capture such layers in "
+                    "eval mode (their running statistics as constants) or with track_running_stats=False "
+                    "(batch statistics in training and eval)")
+            else:
+                self.fx_node = _first_op(arg)
+                raise self.error(f"the forward changes its {spec.kind.name.lower()} {spec.target!r} in place")
+        return outs
 
     def _aliases(self) -> dict[str, str]:
         """state_dict keys that share a captured parameter's storage (tied weights)."""
@@ -289,9 +363,15 @@ class _Lowering:
                 self.constants[node] = self.constants[source][index]
             else:
                 self.names[node] = self.names[source][index]
+                if self.names[node] is None:
+                    self.fx_node = source
+                    raise self.error(f"output {index} (only the op's first output is supported)")
             return
         if "_assert" in str(node.target):
             return
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and _packet(node.target) not in _LOWER:
+            raise self.error("a random op: capture would draw its values once, and every step would reuse them "
+                             "(dropout is the randomness a run draws anew each step)")
         if self._is_const(list(node.args)) and self._is_const(list(node.kwargs.values())):
             # A constant of the program (positions, a causal mask): torch computes it once, here.
             self.constants[node] = node.target(*self._concrete(node.args), **self._concrete(node.kwargs))
@@ -320,6 +400,12 @@ class _Lowering:
             raise self.error(f"argument {arg} has no single value")
         return name
 
+    def constant(self, value: torch.Tensor) -> str:
+        """A tensor made at capture (batch norm's ones and zeros) as a program constant."""
+        name = f"const{len(self.consts)}"
+        self.consts[name] = _numpy(value)
+        return name
+
     def emit(self, op: str, inputs, attrs=None, out: str | None = None) -> str:
         node = self.fx_node
         name = out or node.name
@@ -336,6 +422,13 @@ class _Lowering:
         if isinstance(arg, torch.fx.Node) and arg in self.constants and self.constants[arg].dim() == 0:
             return self.constants[arg].item()
         return None
+
+
+def _first_op(node):
+    """The op that makes `node` (the batch norm behind a getitem of its outputs)."""
+    while isinstance(node, torch.fx.Node) and node.target is operator.getitem:
+        node = node.args[0]
+    return node
 
 
 def _numpy(t) -> np.ndarray:
@@ -569,6 +662,193 @@ def _gelu(L, node, x, approximate="none"):
     return L.emit("gelu", [x], {"approximate": approximate})
 
 
+# ---------------------------------------------------------------- torch's Core ATen ops beyond the above
+
+def _float_unary(op):
+    """An op whose value is a float (sqrt, exp, ...): an integer input is cast first, as torch promotes it."""
+    def lower(L, node, x, *args, **kw):
+        if x.meta["val"].dtype != node.meta["val"].dtype:
+            x = L.emit("cast", [x], {"dtype": L._dtype(node.meta["val"])}, out=f"{node.name}_in")
+        return L.emit(op, [x])
+    return lower
+
+
+def _round(L, node, x, decimals=0):
+    if decimals:
+        raise L.error(f"round with decimals={decimals}")
+    return L.emit("round", [x])
+
+
+def _clamp(L, node, x, min=None, max=None):
+    bounds = {}
+    for key, v in (("min", min), ("max", max)):
+        if v is None:
+            continue
+        s = L.scalar_of(v)
+        if s is None:
+            raise L.error(f"clamp with a tensor {key} that is not a constant number")
+        bounds[key] = s
+    return L.emit("clamp", [x], bounds)
+
+
+def _reduce(op):
+    """amax, amin, any: over `dim` (all dims when absent or empty)."""
+    def lower(L, node, x, dim=None, keepdim=False):
+        dims = None if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+        return L.emit(op, [x], {"dim": dims or None, "keepdim": bool(keepdim)})
+    return lower
+
+
+def _extreme(reduce_op, pick_op, arg_op, binary_op):
+    """torch.max / torch.min: of everything (amax), over a dim (values and indices), or of two tensors."""
+    def lower(L, node, x, dim=None, keepdim=False):
+        if isinstance(dim, torch.fx.Node) or isinstance(dim, (float,)):
+            return _binary(binary_op)(L, node, x, dim)
+        if dim is None:
+            return L.emit(reduce_op, [x], {"dim": None, "keepdim": False})
+        attrs = {"dim": int(dim), "keepdim": bool(keepdim)}
+        return [L.emit(pick_op, [x], attrs, out=f"{node.name}_values"),
+                L.emit(arg_op, [x], attrs, out=f"{node.name}_indices")]
+    return lower
+
+
+def _arg(op):
+    def lower(L, node, x, dim=None, keepdim=False):
+        return L.emit(op, [x], {"dim": None if dim is None else int(dim), "keepdim": bool(keepdim)})
+    return lower
+
+
+def _var(L, node, x, dim=None, unbiased=None, keepdim=False, correction=None):
+    """var.dim (unbiased) and var.correction (correction): torch's default corrects by 1."""
+    if correction is None:
+        correction = 1 if unbiased is None or isinstance(unbiased, bool) and unbiased else 0
+        if isinstance(unbiased, (list, tuple)):     # var(x, dims) by position
+            dim, correction = unbiased, 1
+    dims = None if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    return L.emit("var", [x], {"dim": dims or None, "correction": float(correction), "keepdim": bool(keepdim)})
+
+
+def _prod(L, node, x, dim=None, keepdim=False, dtype=None):
+    if isinstance(dim, torch.dtype):
+        dim = None
+    return L.emit("prod", [x], {"dim": None if dim is None else [int(dim)], "keepdim": bool(keepdim)})
+
+
+def _cat(L, node, tensors, dim=0):
+    # torch's cat skips 1-d empty tensors (a legacy rule); the op set's cat takes same-rank pieces.
+    pieces = [t for t in tensors if tuple(t.meta["val"].shape) != (0,)]
+    return L.emit("cat", pieces, {"dim": int(dim)})
+
+
+def _pad(L, node, x, pad, mode="constant", value=None):
+    if mode != "constant":
+        raise L.error(f"pad with mode={mode!r} (only 'constant')")
+    return L.emit("constant_pad_nd", [x], {"pad": [int(p) for p in pad], "value": float(value or 0.0)})
+
+
+def _index(L, node, x, indices):
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    for d in dims:
+        if indices[d].meta["val"].dtype == torch.bool:
+            raise L.error("indexing with a boolean mask (its result's shape depends on the data)")
+    return L.emit("index", [x, *(indices[d] for d in dims)], {"dims": dims})
+
+
+def _adaptive_avg_pool(L, node, x, output_size):
+    h, w = x.meta["val"].shape[-2:]
+    oh, ow = _pair(output_size)
+    if h % oh or w % ow:
+        raise L.error(f"adaptive_avg_pool2d from {h}x{w} to {oh}x{ow}: only where the output divides the input")
+    return L.emit("avg_pool2d", [x], {"kernel_size": [h // oh, w // ow], "stride": [h // oh, w // ow],
+                                      "padding": [0, 0], "ceil_mode": False, "count_include_pad": True})
+
+
+def _convolution(L, node, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed or x.meta["val"].dim() != 4:
+        raise L.error("convolution other than a 2-d, not transposed one")
+    return _conv2d(L, node, x, w, b, stride, padding, dilation, groups)
+
+
+def _first_of(lower, outputs: int):
+    """An op of several outputs whose first the op set makes (the rest: None, refused if read)."""
+    def lowered(L, node, *args, **kw):
+        return [lower(L, node, *args, **kw)] + [None] * (outputs - 1)
+    return lowered
+
+
+def _native_layer_norm(L, node, x, normalized_shape, weight, bias, eps):
+    return _layer_norm(L, node, x, normalized_shape, weight, bias, eps)
+
+
+def _native_dropout(L, node, x, p, train=True):
+    return _dropout(L, node, x, p, bool(train))
+
+
+def _bn_affine(L, node, x, weight, bias):
+    """weight and bias, or ones and zeros (constants) where the module has none."""
+    channels = x.meta["val"].shape[1]
+    dtype = x.meta["val"].dtype
+    out = []
+    for v, fill in ((weight, torch.ones), (bias, torch.zeros)):
+        out.append(v if v is not None else L.constant(fill(channels, dtype=dtype)))
+    return out
+
+
+def _bn_train(L, node, x, weight, bias, *rest):
+    """_native_batch_norm_legit without running statistics (track_running_stats=False):
+    the batch's statistics, in training and in eval alike."""
+    training, momentum, eps = rest[-3:]
+    if not training:
+        raise L.error("batch norm in eval mode without running statistics")
+    w, b = _bn_affine(L, node, x, weight, bias)
+    return [L.emit("batch_norm", [x, w, b], {"training": True, "eps": float(eps)}), None, None]
+
+
+def _bn_eval(L, node, x, weight, bias, running_mean, running_var, momentum, eps):
+    """Eval mode: the running statistics, constants of the program."""
+    w, b = _bn_affine(L, node, x, weight, bias)
+    return [L.emit("batch_norm", [x, w, b, running_mean, running_var], {"training": False, "eps": float(eps)}),
+            None, None]
+
+
+_CORE_LOWER = {
+    **{op: _float_unary(op) for op in ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt",
+                                       "reciprocal", "sin", "cos", "tan", "sinh", "cosh", "asin", "acos", "atan",
+                                       "asinh", "acosh", "atanh", "erf")},
+    **{op: _unary(op) for op in ("abs", "sign", "floor", "ceil", "trunc", "isnan", "isinf")},
+    "round": _round,
+    **{op: _binary(op) for op in ("pow", "maximum", "minimum", "atan2", "fmod", "remainder", "logical_and",
+                                  "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor")},
+    "__and__": _binary("bitwise_and"), "__or__": _binary("bitwise_or"), "__xor__": _binary("bitwise_xor"),
+    "clamp": _clamp, "clip": _clamp,
+    "clamp_min": lambda L, n, x, m: _clamp(L, n, x, min=m), "clamp_max": lambda L, n, x, m: _clamp(L, n, x, max=m),
+    "hardtanh": lambda L, n, x, min_val=-1.0, max_val=1.0: _clamp(L, n, x, min_val, max_val),
+    "leaky_relu": lambda L, n, x, negative_slope=0.01: L.emit("leaky_relu", [x],
+                                                              {"negative_slope": float(negative_slope)}),
+    "elu": lambda L, n, x, alpha=1.0, scale=1.0, input_scale=1.0: L.emit(
+        "elu", [x], {"alpha": float(alpha), "scale": float(scale), "input_scale": float(input_scale)}),
+    "amax": _reduce("amax"), "amin": _reduce("amin"), "any": _reduce("any"),
+    "max": _extreme("amax", "max_dim", "argmax", "maximum"), "min": _extreme("amin", "min_dim", "argmin", "minimum"),
+    "argmax": _arg("argmax"), "argmin": _arg("argmin"),
+    "var": _var, "prod": _prod,
+    "cumsum": lambda L, n, x, dim, dtype=None: L.emit("cumsum", [x], {"dim": int(dim)}),
+    "cat": _cat, "concat": _cat, "concatenate": _cat,
+    "select": lambda L, n, x, dim, index: L.emit("select", [x], {"dim": int(dim), "index": int(index)}),
+    "constant_pad_nd": lambda L, n, x, pad, value=0: _pad(L, n, x, pad, "constant", value), "pad": _pad,
+    "index": _index,
+    "index_select": lambda L, n, x, dim, index: L.emit("index_select", [x, index], {"dim": int(dim)}),
+    "flip": lambda L, n, x, dims: L.emit("flip", [x], {"dims": [int(d) for d in dims]}),
+    "repeat": lambda L, n, x, repeats: L.emit("repeat", [x], {"repeats": [int(r) for r in repeats]}),
+    "adaptive_avg_pool2d": _adaptive_avg_pool, "_adaptive_avg_pool2d": _adaptive_avg_pool,
+    "convolution": _convolution,
+    "max_pool2d_with_indices": _first_of(_max_pool, 2),
+    "native_layer_norm": _first_of(_native_layer_norm, 3),
+    "native_dropout": _first_of(_native_dropout, 2),
+    "_native_batch_norm_legit": _bn_train,
+    "_native_batch_norm_legit_no_training": _bn_eval,
+}
+
+
 _LOWER = {
     "linear": _linear, "addmm": _addmm,
     "mm": lambda L, n, a, b: L.emit("mm", [a, b]), "bmm": lambda L, n, a, b: L.emit("bmm", [a, b]),
@@ -605,6 +885,7 @@ _LOWER = {
     "conv2d": _conv2d, "max_pool2d": _max_pool, "avg_pool2d": _avg_pool,
     "cross_entropy_loss": _cross_entropy, "nll_loss": _nll, "nll_loss_nd": _nll, "mse_loss": _mse,
     "broadcast_tensors": _broadcast_tensors,
+    **_CORE_LOWER,
 }
 
 

@@ -277,9 +277,15 @@ def _residual_problem(node: Node) -> str:
     return f"{len(node.outputs)} outputs; the op makes one" + (" and its residual" if OPS[node.op].residual else "")
 
 
+# Ops whose output is a mask, whatever their inputs
+BOOL_OUT = frozenset({"compare", "logical_not", "logical_and", "logical_or", "logical_xor", "isnan", "isinf", "any"})
+
+
 def _out_dtype(node: Node, dtypes: dict[str, str]) -> str:
-    if node.op in ("compare", "logical_not"):
+    if node.op in BOOL_OUT:
         return "bool"
+    if node.op in ("argmax", "argmin"):
+        return "int64"
     if node.op == "cast":
         return node.attrs["dtype"]
     if node.op == "softmax_cross_entropy":
