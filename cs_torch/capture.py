@@ -811,6 +811,10 @@ def _bn_eval(L, node, x, weight, bias, running_mean, running_var, momentum, eps)
             None, None]
 
 
+def _full_like(L, node, x, value, **kw):
+    return L.emit("full_like", [x], {"value": value, "dtype": L._dtype(node.meta["val"])})
+
+
 _CORE_LOWER = {
     **{op: _float_unary(op) for op in ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt",
                                        "reciprocal", "sin", "cos", "tan", "sinh", "cosh", "asin", "acos", "atan",
@@ -846,6 +850,9 @@ _CORE_LOWER = {
     "native_dropout": _first_of(_native_dropout, 2),
     "_native_batch_norm_legit": _bn_train,
     "_native_batch_norm_legit_no_training": _bn_eval,
+    "full_like": _full_like,
+    "zeros_like": lambda L, n, x, **kw: _full_like(L, n, x, 0),
+    "ones_like": lambda L, n, x, **kw: _full_like(L, n, x, 1),
 }
 
 

@@ -2003,3 +2003,10 @@ def _bn_running_update(inputs, attrs):
 
 _register("batch_norm_running", _bn_running_update, _no_grad, lambda s, a: tuple(s[1]),
           lambda s, out, a: 3 * _numel(s[0]))
+
+
+# ---------------------------------------------------------------- values made from a shape
+
+# torch's full_like / zeros_like / ones_like: `value` in `dtype`, of the input's shape (so
+# the running batch's, not the capture's); nothing flows back to the input.
+_register("full_like", lambda i, a: np.full(i[0].shape, a["value"], dtype=a["dtype"]), _no_grad, _same_shape, _free)
