@@ -815,6 +815,46 @@ def _full_like(L, node, x, value, **kw):
     return L.emit("full_like", [x], {"value": value, "dtype": L._dtype(node.meta["val"])})
 
 
+def _slice_scatter(L, node, x, src, dim=0, start=None, end=None, step=1):
+    end = None if end is not None and end >= _INT64_MAX else end
+    return L.emit("slice_scatter", [x, src], {"dim": int(dim), "start": start, "end": end, "step": int(step)})
+
+
+def _scatter(L, node, x, dim, index, src=None, value=None, reduce=None):
+    if reduce is not None:
+        raise L.error(f"scatter with reduce={reduce!r}")
+    if src is None or L.scalar_of(src) is not None:
+        return L.emit("scatter", [x, index], {"dim": int(dim), "value": float(L.scalar_of(src) if src is not None
+                                                                               else value)})
+    return L.emit("scatter", [x, index, src], {"dim": int(dim)})
+
+
+def _index_put(L, node, x, indices, values, accumulate=False):
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    for d in dims:
+        if indices[d].meta["val"].dtype == torch.bool:
+            raise L.error("index_put with a boolean mask (x[mask] = v: the positions depend on the data)")
+    return L.emit("index_put", [x, *(indices[d] for d in dims), values],
+                  {"dims": dims, "accumulate": bool(accumulate)})
+
+
+def _fill(L, node, x, value):
+    s = L.scalar_of(value)
+    if s is None:
+        raise L.error("fill with a tensor value that is not a constant")
+    return _full_like(L, node, x, s)
+
+
+def _native_group_norm(L, node, x, weight, bias, n, c, hw, groups, eps):
+    w, b = _bn_affine(L, node, x, weight, bias)
+    return [L.emit("group_norm", [x, w, b], {"groups": int(groups), "eps": float(eps)}), None, None]
+
+
+def _upsample_nearest(L, node, x, output_size=None, *scales):
+    size = list(node.meta["val"].shape[-2:])
+    return L.emit("upsample_nearest2d", [x], {"size": [int(v) for v in size]})
+
+
 _CORE_LOWER = {
     **{op: _float_unary(op) for op in ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt",
                                        "reciprocal", "sin", "cos", "tan", "sinh", "cosh", "asin", "acos", "atan",
@@ -850,6 +890,17 @@ _CORE_LOWER = {
     "native_dropout": _first_of(_native_dropout, 2),
     "_native_batch_norm_legit": _bn_train,
     "_native_batch_norm_legit_no_training": _bn_eval,
+    "slice_scatter": _slice_scatter,
+    "select_scatter": lambda L, n, x, src, dim, index: L.emit("select_scatter", [x, src],
+                                                              {"dim": int(dim), "index": int(index)}),
+    "scatter": _scatter,
+    "scatter_add": lambda L, n, x, dim, index, src: L.emit("scatter", [x, index, src], {"dim": int(dim),
+                                                                                         "reduce": "sum"}),
+    "index_put": _index_put,
+    "copy": lambda L, n, x, src, non_blocking=False: L.emit("copy", [x, src]),
+    "fill": _fill,
+    "native_group_norm": _native_group_norm,
+    "upsample_nearest2d": _upsample_nearest,
     "full_like": _full_like,
     "zeros_like": lambda L, n, x, **kw: _full_like(L, n, x, 0),
     "ones_like": lambda L, n, x, **kw: _full_like(L, n, x, 1),

@@ -230,3 +230,26 @@ class ViTStyle(nn.Module):
         x = x + self.proj(a)
         x = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
         return self.head(self.norm(x)[:, 0])
+
+
+class UNetStyle(nn.Module):
+    """A diffusion UNet's pieces: GroupNorm, SiLU, nearest upsampling, and writes into part
+    of a tensor (x[:, 0] = ..., x[..., :2] += ..., scatter_add) that torch's
+    functionalization turns into slice_scatter, select_scatter and scatter."""
+    def __init__(self, classes=5):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, 2, 1)
+        self.norm = nn.GroupNorm(4, 8)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.conv2 = nn.Conv2d(8, 4, 3, 1, 1)
+        self.fc = nn.Linear(4, classes)
+
+    def forward(self, x):
+        h = self.up(F.silu(self.norm(self.conv(x))))
+        h = self.conv2(h)
+        pooled = h.mean(dim=(2, 3)).clone()
+        pooled[:, 0] = pooled[:, 1] * 2
+        pooled[..., 2:] += pooled[..., :2]
+        index = torch.tensor([[0, 1, 1, 3]]).expand(pooled.shape[0], -1)
+        pooled = torch.zeros_like(pooled).scatter_add(1, index, pooled) + pooled
+        return self.fc(pooled)

@@ -52,6 +52,7 @@ MODELS = {
     "resnet": (im.ResNetStyle, F.cross_entropy, _images),
     "mobilenet_v3": (im.MobileNetStyle, F.cross_entropy, _images),
     "vit": (im.ViTStyle, F.cross_entropy, _images),
+    "unet_pieces": (im.UNetStyle, F.cross_entropy, _images),
 }
 
 

@@ -2009,4 +2009,193 @@ _register("batch_norm_running", _bn_running_update, _no_grad, lambda s, a: tuple
 
 # torch's full_like / zeros_like / ones_like: `value` in `dtype`, of the input's shape (so
 # the running batch's, not the capture's); nothing flows back to the input.
-_register("full_like", lambda i, a: np.full(i[0].shape, a["value"], dtype=a["dtype"]), _no_grad, _same_shape, _free)
+def _full_like_vjp(g, inputs, out, attrs):
+    x = inputs[0]
+    return [np.zeros(x.shape, dtype=x.dtype) if x.dtype.kind == "f" else None]
+
+
+_register("full_like", lambda i, a: np.full(i[0].shape, a["value"], dtype=a["dtype"]), _full_like_vjp, _same_shape,
+          _free)
+
+
+# ---------------------------------------------------------------- writes into a copy
+# What torch's functionalization makes of an assignment into part of a tensor
+# (x[:, 0] = v, x[..., :k] = v, x.scatter_(...), x[idx] += v): a new tensor, x
+# with the part replaced (or added to).
+
+def _slice_scatter_forward(inputs, attrs):
+    out = inputs[0].copy()
+    out[_slice_index(attrs, out.ndim)] = inputs[1]
+    return out
+
+
+def _slice_scatter_vjp(g, inputs, out, attrs):
+    key = _slice_index(attrs, g.ndim)
+    dx = g.copy()
+    dx[key] = 0
+    return [dx, g[key]]
+
+
+_register("slice_scatter", _slice_scatter_forward, _slice_scatter_vjp, _same_shape, _free)
+
+
+def _select_key(attrs, shape):
+    return _select_index(attrs, len(shape), shape[_axis(attrs["dim"], len(shape))])
+
+
+def _select_scatter_forward(inputs, attrs):
+    out = inputs[0].copy()
+    out[_select_key(attrs, out.shape)] = inputs[1]
+    return out
+
+
+def _select_scatter_vjp(g, inputs, out, attrs):
+    key = _select_key(attrs, g.shape)
+    dx = g.copy()
+    dx[key] = 0
+    return [dx, g[key]]
+
+
+_register("select_scatter", _select_scatter_forward, _select_scatter_vjp, _same_shape, _free)
+
+
+def _scatter_key(index, axis):
+    key = list(np.indices(index.shape, sparse=True))
+    key[axis] = index
+    return tuple(key)
+
+
+def _scatter_forward(inputs, attrs):
+    """torch's scatter (`reduce` None: src's values put at index along dim) and scatter_add
+    (`reduce` "sum": added there), src as a tensor or the attribute `value`."""
+    x, index = inputs[0], inputs[1]
+    axis = _axis(attrs["dim"], x.ndim)
+    src = inputs[2] if len(inputs) > 2 else np.full(index.shape, attrs["value"], dtype=x.dtype)
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    out = x.copy()
+    if attrs.get("reduce") == "sum":
+        np.add.at(out, _scatter_key(index, axis), src)
+    else:
+        out[_scatter_key(index, axis)] = src
+    return out
+
+
+def _scatter_vjp(g, inputs, out, attrs):
+    x, index = inputs[0], inputs[1]
+    axis = _axis(attrs["dim"], x.ndim)
+    key = _scatter_key(index, axis)
+    dx = g.copy()
+    if attrs.get("reduce") != "sum":
+        dx[key] = 0
+    grads = [dx, None]
+    if len(inputs) > 2:
+        dsrc = np.zeros(inputs[2].shape, dtype=g.dtype)
+        dsrc[tuple(slice(0, n) for n in index.shape)] = g[key]
+        grads.append(dsrc)
+    return grads
+
+
+_register("scatter", _scatter_forward, _scatter_vjp, _same_shape, _free, saves_inputs=(1,))
+
+
+def _index_put_forward(inputs, attrs):
+    """x with x[indices] = values (accumulate: += values), indices at `dims` as `index` takes them."""
+    x, values = inputs[0], inputs[-1]
+    key = _index_key([x, *inputs[1:-1]], attrs)
+    out = x.copy()
+    if attrs.get("accumulate"):
+        np.add.at(out, key, values)
+    else:
+        out[key] = values
+    return out
+
+
+def _index_put_vjp(g, inputs, out, attrs):
+    x, values = inputs[0], inputs[-1]
+    key = _index_key([x, *inputs[1:-1]], attrs)
+    dx = g.copy()
+    if not attrs.get("accumulate"):
+        dx[key] = 0
+    dvalues = unbroadcast(g[key], values.shape) if values.dtype.kind == "f" else None
+    return [dx] + [None] * (len(inputs) - 2) + [dvalues]
+
+
+_register("index_put", _index_put_forward, _index_put_vjp, _same_shape, _free, saves_inputs=tuple(range(1, 9)))
+
+
+def _copy_vjp(g, inputs, out, attrs):
+    """x's values are overwritten: its gradient is zero; src's, g summed back to its shape."""
+    src = inputs[1]
+    return [np.zeros_like(g), unbroadcast(g, src.shape).astype(src.dtype) if src.dtype.kind == "f" else None]
+
+
+# torch's copy(x, src): src's values, in x's shape and dtype (x's own values are not read).
+_register("copy", lambda i, a: np.broadcast_to(i[1], i[0].shape).astype(i[0].dtype), _copy_vjp, _same_shape, _free)
+
+
+# ---------------------------------------------------------------- group norm and upsampling
+
+def _group_stats(x, groups, eps):
+    """(x-hat [N, G, rest], rstd [N, G, 1]) over each sample's channel groups."""
+    n = x.shape[0]
+    xg = x.reshape(n, groups, -1)
+    mean = xg.mean(axis=-1, keepdims=True)
+    d = xg - mean
+    rstd = 1 / np.sqrt((d * d).mean(axis=-1, keepdims=True) + x.dtype.type(eps))
+    return d * rstd, rstd
+
+
+def _group_norm_forward(inputs, attrs):
+    x, w, b = inputs
+    xhat, _ = _group_stats(x, int(attrs["groups"]), attrs.get("eps", 1e-5))
+    return xhat.reshape(x.shape) * _bn_channel(w, x.ndim) + _bn_channel(b, x.ndim)
+
+
+def _group_norm_vjp(g, inputs, out, attrs):
+    x, w, b = inputs
+    groups = int(attrs["groups"])
+    xhat, rstd = _group_stats(x, groups, attrs.get("eps", 1e-5))
+    axes = (0, *range(2, x.ndim))
+    gw = (g * _bn_channel(w, x.ndim)).reshape(xhat.shape)
+    dx = rstd * (gw - gw.mean(axis=-1, keepdims=True) - xhat * (gw * xhat).mean(axis=-1, keepdims=True))
+    return [dx.reshape(x.shape), (g * xhat.reshape(x.shape)).sum(axis=axes), g.sum(axis=axes)]
+
+
+def _group_norm_shape(shapes, attrs):
+    x = tuple(shapes[0])
+    groups = int(attrs["groups"])
+    if len(x) < 2 or x[1] % groups:
+        raise OpError(f"group_norm of input {x} in {groups} groups: the channels must divide into them")
+    for s in shapes[1:]:
+        if tuple(s) != (x[1],):
+            raise OpError(f"group_norm weight or bias of shape {tuple(s)}: expected ({x[1]},)")
+    return x
+
+
+# inputs: x [N, C, ...], weight and bias [C] (ones and zeros where the module has none)
+_register("group_norm", _group_norm_forward, _group_norm_vjp, _group_norm_shape, _elementwise_cost(8),
+          saves_inputs=(0, 1))
+
+
+def _upsample_scale(shapes, attrs):
+    x = tuple(shapes[0])
+    size = [int(s) for s in attrs["size"]]
+    if len(x) != 4 or any(o % i for o, i in zip(size, x[2:])):
+        raise OpError(f"upsample_nearest2d of {x} to {tuple(size)}: only whole multiples of [N, C, H, W]'s H and W")
+    return size[0] // x[2], size[1] // x[3]
+
+
+def _upsample_forward(inputs, attrs):
+    sh, sw = _upsample_scale([inputs[0].shape], attrs)
+    return inputs[0].repeat(sh, axis=2).repeat(sw, axis=3)
+
+
+def _upsample_vjp(g, inputs, out, attrs):
+    n, c, h, w = inputs[0].shape
+    sh, sw = _upsample_scale([inputs[0].shape], attrs)
+    return [g.reshape(n, c, h, sh, w, sw).sum(axis=(3, 5))]
+
+
+_register("upsample_nearest2d", _upsample_forward, _upsample_vjp,
+          lambda s, a: (*tuple(s[0])[:2], *(int(v) for v in a["size"])) if _upsample_scale(s, a) else (),
+          _free)
