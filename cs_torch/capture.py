@@ -151,6 +151,9 @@ def _functional(exported):
     or accuracy (attention, layer norm, batch norm, GELU)."""
     _inplace_to_functional(exported.graph_module.graph)
     exported.graph_module.recompile()
+    if all(_packet(n.target) in _LOWER or _packet(n.target) in MADE_AT_CAPTURE for n in exported.graph.nodes
+           if n.op == "call_function" and n.target is not operator.getitem and "_assert" not in str(n.target)):
+        return exported   # nothing to do, and run_decompositions costs a second or more
     table = torch.export.default_decompositions()
     keep = [op for op in table.keys() if _packet(op) in _LOWER or _packet(op).rstrip("_") in _LOWER]
     for op in keep:
@@ -763,6 +766,31 @@ def _adaptive_avg_pool(L, node, x, output_size):
                                       "padding": [0, 0], "ceil_mode": False, "count_include_pad": True})
 
 
+def _pool1d(L, node, x, kernel, stride, padding, ceil_mode=False, count_include_pad=True):
+    """A 1-d average pool over [N, C, L] as the 2-d one over [N, C, 1, L]."""
+    if x.meta["val"].dim() != 3:
+        raise L.error("a 1-d pool of an input that is not [N, C, L]")
+    wide = L.emit("unsqueeze", [x], {"dim": 2}, out=f"{node.name}_2d")
+    pooled = L.emit("avg_pool2d", [wide], {"kernel_size": [1, int(kernel)], "stride": [1, int(stride)],
+                                           "padding": [0, int(padding)], "ceil_mode": bool(ceil_mode),
+                                           "count_include_pad": bool(count_include_pad)},
+                    out=f"{node.name}_pooled")
+    return L.emit("squeeze", [pooled], {"dims": [2]})
+
+
+def _avg_pool1d(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True):
+    k = _pair(kernel_size)[0]
+    return _pool1d(L, node, x, k, _pair(stride)[0] if stride else k, _pair(padding)[0], ceil_mode,
+                   count_include_pad)
+
+
+def _adaptive_avg_pool1d(L, node, x, output_size):
+    n, out = x.meta["val"].shape[-1], _pair(output_size)[0]
+    if n % out:
+        raise L.error(f"adaptive_avg_pool1d from {n} to {out}: only where the output divides the input")
+    return _pool1d(L, node, x, n // out, n // out, 0)
+
+
 def _convolution(L, node, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
     if transposed or x.meta["val"].dim() != 4:
         raise L.error("convolution other than a 2-d, not transposed one")
@@ -883,6 +911,7 @@ _CORE_LOWER = {
     "index_select": lambda L, n, x, dim, index: L.emit("index_select", [x, index], {"dim": int(dim)}),
     "flip": lambda L, n, x, dims: L.emit("flip", [x], {"dims": [int(d) for d in dims]}),
     "repeat": lambda L, n, x, repeats: L.emit("repeat", [x], {"repeats": [int(r) for r in repeats]}),
+    "avg_pool1d": _avg_pool1d, "adaptive_avg_pool1d": _adaptive_avg_pool1d,
     "adaptive_avg_pool2d": _adaptive_avg_pool, "_adaptive_avg_pool2d": _adaptive_avg_pool,
     "convolution": _convolution,
     "max_pool2d_with_indices": _first_of(_max_pool, 2),
@@ -945,6 +974,36 @@ _LOWER = {
     "broadcast_tensors": _broadcast_tensors,
     **_CORE_LOWER,
 }
+
+
+# ---------------------------------------------------------------- coverage of torch's Core ATen opset
+
+# Core ATen ops without a tensor input: always constants of the program, made once here by
+# torch (positions, masks). The random ones among such ops are refused (_Lowering._call).
+MADE_AT_CAPTURE = frozenset({"arange", "full", "empty", "empty_strided", "scalar_tensor"})
+
+
+def core_aten_ops() -> set[str]:
+    """torch's Core ATen opset: the names of the ops torch tags `core` (what
+    run_decompositions() leaves a model in)."""
+    names = set()
+    # Every registered op (dir(torch.ops.aten) lists only those looked up so far)
+    for full in torch._C._dispatch_get_all_op_names():
+        if not full.startswith("aten::"):
+            continue
+        name, _, overload = full[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, name, None), overload or "default", None)
+        if op is not None and torch.Tag.core in op.tags:
+            names.add(name)
+    return names
+
+
+def core_aten_coverage() -> tuple[set[str], set[str]]:
+    """(the Core ATen ops capture takes, those it does not); docs/torch.md gives the count
+    and says why each of the second is left out."""
+    core = core_aten_ops()
+    taken = core & (set(_LOWER) | MADE_AT_CAPTURE)
+    return taken, core - taken
 
 
 # ---------------------------------------------------------------- weights back and forth

@@ -159,3 +159,38 @@ def test_a_random_op_is_refused_not_drawn_once_at_capture():
             return self.fc(x) + torch.randn(3)
     with pytest.raises(CaptureError, match=r"module <root>: op aten\.randn.*a random op: capture would draw"):
         capture(Noisy(), (torch.zeros(2, 4),), torch.zeros(2, dtype=torch.long), F.cross_entropy)
+
+
+def test_the_documented_core_aten_coverage_is_torchs_count_and_names_each_op_left_out():
+    """docs/torch.md says "N of M Core ATen ops" and lists each op left out with why: M is
+    torch's own count (the ops it tags `core`), N the ones capture takes, and the list is
+    exactly the rest."""
+    import re
+    from pathlib import Path
+    from cs_torch.capture import core_aten_coverage
+    taken, left_out = core_aten_coverage()
+    doc = (Path(__file__).parent.parent / "docs" / "torch.md").read_text()
+    counted = re.search(r"\*\*(\d+) of (\d+) Core ATen ops\*\*", doc)
+    assert counted, "docs/torch.md gives no 'N of M Core ATen ops'"
+    assert (int(counted.group(1)), int(counted.group(2))) == (len(taken), len(taken) + len(left_out))
+    section = doc[counted.end():].split("\n## ")[0]
+    listed = {name for row in re.findall(r"^\| (.+?) \| .+ \|$", section, re.M)
+              for name in re.findall(r"`([\w.]+)`", row)}
+    assert listed == left_out, f"documented but taken: {sorted(listed - left_out)}; " \
+                               f"left out but not documented: {sorted(left_out - listed)}"
+
+
+def test_one_d_pools_are_the_two_d_ones_of_height_one():
+    class Pools(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 5)
+
+        def forward(self, x):
+            y = F.avg_pool1d(x, 2) + F.adaptive_avg_pool1d(x, 4)
+            return self.fc(F.avg_pool1d(y, 2, 1, padding=1).mean(-1))
+    torch.manual_seed(0)
+    module, x, y = Pools(), torch.randn(2, 3, 8), torch.tensor([1, 4])
+    spec = model_spec("p", module, (x,), y, F.cross_entropy)
+    live, _ = model_forward(spec, x.numpy(), init_weights(spec, 0), ShardContext(0, 0, 2, slice(0, 2), True, labels=y.numpy()))
+    assert model_loss(spec, live, y.numpy(), 2).loss == pytest.approx(float(F.cross_entropy(module(x), y)), rel=1e-6)
