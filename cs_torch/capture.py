@@ -215,7 +215,7 @@ def _source(fx_node) -> str:
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[6:].partition('", line ')
-            if not path.startswith(_TORCH_DIR) and path != __file__:
+            if not path.startswith(_TORCH_DIR + os.sep) and path != __file__:   # torchvision's are the user's
                 best = f"{os.path.basename(path)}:{rest.split(',')[0]}"
     return best
 
@@ -590,12 +590,36 @@ def _masked_fill(L, node, x, mask, value):
 
 
 def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if dropout_p:
-        raise L.error(f"scaled_dot_product_attention with dropout_p={dropout_p}")
+    if dropout_p and not enable_gqa:
+        return _sdpa_with_dropout(L, node, q, k, v, attn_mask, dropout_p, is_causal, scale)
     if enable_gqa:
         raise L.error("scaled_dot_product_attention with enable_gqa")
     ins = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
     return L.emit("scaled_dot_product_attention", ins, {"is_causal": bool(is_causal), "scale": scale})
+
+
+def _sdpa_with_dropout(L, node, q, k, v, attn_mask, dropout_p, is_causal, scale):
+    """Attention with dropout on its probabilities (transformers' BERT and GPT-2 in training),
+    written out as torch's reference math, so that the probabilities pass through a
+    dropout drawing the run's masks: softmax(q k^T * scale + mask), dropped, @ v."""
+    lq, lk, e = q.meta["val"].shape[-2], k.meta["val"].shape[-2], q.meta["val"].shape[-1]
+    name = node.name
+    keys = L.emit("transpose", [k], {"dim0": -2, "dim1": -1}, out=f"{name}_kt")
+    scores = L.emit("matmul", [q, keys], out=f"{name}_scores")
+    scores = L.emit("mul", [scores], {"scalar": float(scale if scale is not None else 1.0 / e ** 0.5)},
+                    out=f"{name}_scaled")
+    if is_causal:
+        hidden = L.constant(torch.ones(lq, lk, dtype=torch.bool).tril().logical_not())
+        scores = L.emit("masked_fill", [scores, hidden], {"value": float("-inf")}, out=f"{name}_causal")
+    if attn_mask is not None:
+        if attn_mask.meta["val"].dtype == torch.bool:
+            hidden = L.emit("logical_not", [attn_mask], out=f"{name}_hidden")
+            scores = L.emit("masked_fill", [scores, hidden], {"value": float("-inf")}, out=f"{name}_masked")
+        else:
+            scores = L.emit("add", [scores, attn_mask], out=f"{name}_masked")
+    probs = L.emit("softmax", [scores], {"dim": -1}, out=f"{name}_probs")
+    dropped = _dropout(L, node, probs, dropout_p)
+    return L.emit("matmul", [dropped, v])
 
 
 def _conv2d(L, node, x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
