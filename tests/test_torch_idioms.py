@@ -192,5 +192,6 @@ def test_one_d_pools_are_the_two_d_ones_of_height_one():
     torch.manual_seed(0)
     module, x, y = Pools(), torch.randn(2, 3, 8), torch.tensor([1, 4])
     spec = model_spec("p", module, (x,), y, F.cross_entropy)
-    live, _ = model_forward(spec, x.numpy(), init_weights(spec, 0), ShardContext(0, 0, 2, slice(0, 2), True, labels=y.numpy()))
+    context = ShardContext(0, 0, 2, slice(0, 2), True, labels=y.numpy())
+    live, _ = model_forward(spec, x.numpy(), init_weights(spec, 0), context)
     assert model_loss(spec, live, y.numpy(), 2).loss == pytest.approx(float(F.cross_entropy(module(x), y)), rel=1e-6)

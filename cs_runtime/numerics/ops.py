@@ -1971,8 +1971,8 @@ def _bn_shape(shapes, attrs):
     x = tuple(shapes[0])
     wanted = 3 if attrs.get("training") else 5
     if len(shapes) != wanted:
-        raise OpError(f"batch_norm takes {wanted} inputs (x, weight, bias{', running mean and variance' if wanted == 5 else ''}), "
-                      f"not {len(shapes)}")
+        stats = ", running mean and variance" if wanted == 5 else ""
+        raise OpError(f"batch_norm takes {wanted} inputs (x, weight, bias{stats}), not {len(shapes)}")
     if len(x) < 2:
         raise OpError(f"batch_norm of input {x}: expected [N, C, ...]")
     for i, s in enumerate(shapes[1:], 1):
