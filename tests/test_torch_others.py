@@ -218,9 +218,9 @@ def _same_gradients(spec, module, loss_fn, batch):
     """The first step's gradients: ours as close to torch's float64 ones as torch's float32
     ones are (within 3x that spread, or 1e-6 of the tensor's scale: a few float32 ulps).
     AdamW's step m / sqrt(v) turns float32 noise in a near-zero gradient into a step of up to
-    the learning rate, in torch too, so among millions of weights (resnet18, timm's ViT) a few end 5-6x torch's spread from
-    torch's float32 ones after a few steps: with AdamW the weights are held by the gradients
-    that made them, and by the loss at every step."""
+    the learning rate, in torch too, so among millions of weights (resnet18, timm's ViT) a few
+    end 5-6x torch's spread from torch's float32 ones after a few steps: with AdamW the weights
+    are held by the gradients that made them, and by the loss at every step."""
     x, y = batch
     live, caches = model_forward(spec, x, init_weights(spec, 0), ShardContext(0, 0, len(y), slice(0, len(y)), True,
                                                                                labels=y))
