@@ -195,3 +195,22 @@ def test_one_d_pools_are_the_two_d_ones_of_height_one():
     context = ShardContext(0, 0, 2, slice(0, 2), True, labels=y.numpy())
     live, _ = model_forward(spec, x.numpy(), init_weights(spec, 0), context)
     assert model_loss(spec, live, y.numpy(), 2).loss == pytest.approx(float(F.cross_entropy(module(x), y)), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["bert_padding_mask", "unet_pieces"])
+def test_the_new_ops_cross_the_wire_as_plain_data(kind):
+    """A program of the new ops (cat, pow, rsqrt, index, bitwise_and, scatter, slice_scatter,
+    group_norm, ...) goes to a WSE as msgpack and computes the same loss there."""
+    import msgpack
+    from cs_runtime.numerics.model import ModelSpec
+    make, loss_fn, batches_of = MODELS[kind]
+    torch.manual_seed(0)
+    x, y = batches_of(np.random.default_rng(1), 1)[0]
+    spec = model_spec(kind, make(), _example(x), torch.from_numpy(y), loss_fn)
+    back = ModelSpec.from_dict(msgpack.unpackb(msgpack.packb(spec.to_dict(), use_bin_type=True), raw=False))
+    weights = init_weights(spec, 0)
+    losses = []
+    for s in (spec, back):
+        live, _ = model_forward(s, x, weights, ShardContext(0, 0, BATCH, slice(0, BATCH), True, labels=y))
+        losses.append(model_loss(s, live, y, BATCH).loss)
+    assert np.isfinite(losses[0]) and losses[0] == losses[1]
