@@ -729,13 +729,11 @@ def _reduce(op):
 def _extreme(reduce_op, pick_op, arg_op, binary_op):
     """torch.max / torch.min: of everything (amax), over a dim (values and indices), or of two tensors."""
     def lower(L, node, x, dim=None, keepdim=False):
-        if isinstance(dim, torch.fx.Node) or isinstance(dim, (float,)):
+        if isinstance(dim, torch.fx.Node):
             return _binary(binary_op)(L, node, x, dim)
         if dim is None:
             return L.emit(reduce_op, [x], {"dim": None, "keepdim": False})
-        attrs = {"dim": int(dim), "keepdim": bool(keepdim)}
-        return [L.emit(pick_op, [x], attrs, out=f"{node.name}_values"),
-                L.emit(arg_op, [x], attrs, out=f"{node.name}_indices")]
+        return _values_and_indices(L, node, x, pick_op, arg_op, {"dim": int(dim), "keepdim": bool(keepdim)})
     return lower
 
 
@@ -907,6 +905,23 @@ def _upsample_nearest(L, node, x, output_size=None, *scales):
     return L.emit("upsample_nearest2d", [x], {"size": [int(v) for v in size]})
 
 
+def _values_and_indices(L, node, x, values_op, indices_op, attrs):
+    """[values, indices] of an op with both outputs; the indices only where something reads them."""
+    values = L.emit(values_op, [x], attrs, out=f"{node.name}_values")
+    read = any(u.target is operator.getitem and u.args[1] == 1 for u in node.users)
+    return [values, L.emit(indices_op, [x], attrs, out=f"{node.name}_indices") if read else None]
+
+
+def _topk(L, node, x, k, dim=-1, largest=True, sorted=True):
+    attrs = {"k": int(k), "dim": int(dim), "largest": bool(largest)}
+    return _values_and_indices(L, node, x, "topk", "topk_indices", attrs)
+
+
+def _sort(L, node, x, dim=-1, descending=False, stable=None):
+    """sort is topk of them all; ties keep their order whether or not `stable` asks for it."""
+    return _values_and_indices(L, node, x, "topk", "topk_indices", {"dim": int(dim), "largest": bool(descending)})
+
+
 _CORE_LOWER = {
     **{op: _float_unary(op) for op in ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt",
                                        "reciprocal", "sin", "cos", "tan", "sinh", "cosh", "asin", "acos", "atan",
@@ -954,6 +969,7 @@ _CORE_LOWER = {
     "fill": _fill,
     "native_group_norm": _native_group_norm,
     "upsample_nearest2d": _upsample_nearest,
+    "topk": _topk, "sort": _sort,
     "full_like": _full_like,
     "zeros_like": lambda L, n, x, **kw: _full_like(L, n, x, 0),
     "ones_like": lambda L, n, x, **kw: _full_like(L, n, x, 1),

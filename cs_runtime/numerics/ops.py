@@ -2199,3 +2199,48 @@ def _upsample_vjp(g, inputs, out, attrs):
 _register("upsample_nearest2d", _upsample_forward, _upsample_vjp,
           lambda s, a: (*tuple(s[0])[:2], *(int(v) for v in a["size"])) if _upsample_scale(s, a) else (),
           _free)
+
+
+# ---------------------------------------------------------------- order: topk and sort
+
+def _order(x, attrs):
+    """The indices of torch's topk (`k` of them along `dim`, the largest first unless
+    `largest` is False; sort is topk of them all). Ties keep their order (a stable sort):
+    torch leaves which of two equal values comes first unspecified."""
+    axis = _axis(attrs.get("dim", -1), x.ndim)
+    keys = -x if attrs.get("largest", True) else x
+    order = np.argsort(keys, axis=axis, kind="stable")
+    k = int(attrs.get("k", x.shape[axis]))
+    return np.take(order, np.arange(k), axis=axis), axis
+
+
+def _topk_forward(inputs, attrs):
+    idx, axis = _order(inputs[0], attrs)
+    return np.take_along_axis(inputs[0], idx, axis=axis)
+
+
+def _topk_vjp(g, inputs, out, attrs):
+    idx, axis = _order(inputs[0], attrs)
+    dx = np.zeros(inputs[0].shape, dtype=g.dtype)
+    np.put_along_axis(dx, idx, g, axis=axis)
+    return [dx]
+
+
+def _topk_shape(shapes, attrs):
+    s = list(shapes[0])
+    axis = _axis(attrs.get("dim", -1), len(s))
+    k = int(attrs.get("k", s[axis]))
+    if not 0 <= k <= s[axis]:
+        raise OpError(f"topk of {k} along a dim of {s[axis]}")
+    s[axis] = k
+    return tuple(s)
+
+
+def _sort_cost(shapes, out, attrs):
+    n = _numel(shapes[0])
+    return n * max(1, int(math.log2(max(2, n))))
+
+
+# The values (the gradient goes back to where each came from) and, as their own op, the indices.
+_register("topk", _topk_forward, _topk_vjp, _topk_shape, _sort_cost, saves_inputs=(0,))
+_register("topk_indices", lambda i, a: _order(i[0], a)[0].astype(np.int64), _no_grad, _topk_shape, _sort_cost)

@@ -284,7 +284,7 @@ BOOL_OUT = frozenset({"compare", "logical_not", "logical_and", "logical_or", "lo
 def _out_dtype(node: Node, dtypes: dict[str, str]) -> str:
     if node.op in BOOL_OUT:
         return "bool"
-    if node.op in ("argmax", "argmin"):
+    if node.op in ("argmax", "argmin", "topk_indices"):
         return "int64"
     if node.op in ("cast", "full_like"):
         return node.attrs["dtype"]
