@@ -94,6 +94,7 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dro
     (`model(**example_inputs)` when they are a dict). `dropout`: whether dropout in
     training may draw masks (the caller feeds the run's context); without, it is refused."""
     names, inputs, keywords = _example_inputs(model, example_inputs)
+    _refuse_sync_batch_norm(model)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
     try:
@@ -104,6 +105,17 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dro
     captured = _Lowering(_functional(exported), model, dropout).run()
     captured.feature_names = names
     return captured
+
+
+def _refuse_sync_batch_norm(model) -> None:
+    """SyncBatchNorm asks for statistics over every replica; outside torch.distributed its
+    forward is a plain batch norm, which on N WSEs would normalize by each WSE's rows: not
+    what the model asks for, so it does not start."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.SyncBatchNorm) and module.training:
+            raise CaptureError(f"module {name or '<root>'}: SyncBatchNorm in training: statistics synchronized over "
+                               "the WSEs are not supported; use BatchNorm (per-WSE statistics, as torch DDP "
+                               "without SyncBatchNorm) or capture it in eval mode")
 
 
 def _example_inputs(model, example_inputs) -> tuple[list[str], tuple, list[str] | None]:
