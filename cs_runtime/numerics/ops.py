@@ -1986,25 +1986,6 @@ def _bn_shape(shapes, attrs):
 _register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4))
 
 
-def _bn_running_update(inputs, attrs):
-    """The running statistics after a training step: (1 - m) * running + m * batch's, the
-    variance unbiased (torch's); which one by `stat` ("mean" or "var")."""
-    x, running = inputs
-    axes = _bn_axes(x)
-    m = x.dtype.type(attrs.get("momentum", 0.1))
-    if attrs["stat"] == "mean":
-        batch = x.mean(axis=axes)
-    else:
-        n = _numel([x.shape[a] for a in axes])
-        d = x - x.mean(axis=axes, keepdims=True)
-        batch = (d * d).sum(axis=axes) / x.dtype.type(max(n - 1, 1))
-    return ((1 - m) * running + m * batch).astype(running.dtype, copy=False)
-
-
-_register("batch_norm_running", _bn_running_update, _no_grad, lambda s, a: tuple(s[1]),
-          lambda s, out, a: 3 * _numel(s[0]))
-
-
 # ---------------------------------------------------------------- values made from a shape
 
 # torch's full_like / zeros_like / ones_like: `value` in `dtype`, of the input's shape (so
