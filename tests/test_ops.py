@@ -144,12 +144,159 @@ def _cases():
     ]
 
 
-CASES = _cases()
+def _pos(rng, *shape):
+    return 0.5 + rng.random(shape)
+
+
+def _unit(rng, *shape):
+    return rng.uniform(-0.8, 0.8, shape)
+
+
+def _distinct(rng, *shape):
+    """Values with no ties (an extremum's gradient is then one element's)."""
+    return rng.permutation(_numel(shape)).reshape(shape) * 0.1 + rng.random(shape) * 0.01
+
+
+def _numel(shape):
+    return int(np.prod(shape)) if shape else 1
+
+
+def _bools(rng, *shape):
+    return rng.random(shape) > 0.5
+
+
+def _core_aten_cases():
+    """The Core ATen ops a model written by others is made of after run_decompositions."""
+    unary = [("abs", _f, "abs"), ("exp", _f, "exp"), ("expm1", _f, "expm1"), ("log", _pos, "log"),
+             ("log1p", _pos, "log1p"), ("log2", _pos, "log2"), ("log10", _pos, "log10"), ("sqrt", _pos, "sqrt"),
+             ("rsqrt", _pos, "rsqrt"), ("reciprocal", _pos, "reciprocal"), ("sin", _f, "sin"), ("cos", _f, "cos"),
+             ("tan", _unit, "tan"), ("sinh", _f, "sinh"), ("cosh", _f, "cosh"), ("asin", _unit, "asin"),
+             ("acos", _unit, "acos"), ("atan", _f, "atan"), ("asinh", _f, "asinh"),
+             ("acosh", lambda g, *s: 1.5 + g.random(s), "acosh"), ("atanh", _unit, "atanh"), ("erf", _f, "erf"),
+             ("sign", _f, "sign"), ("floor", _f, "floor"), ("ceil", _f, "ceil"), ("round", _f, "round"),
+             ("trunc", _f, "trunc")]
+    cases = [(name, name, (lambda make: lambda g: [make(g, 3, 4)])(make), {},
+              (lambda fn: lambda F, t, x: getattr(t, fn)(x[0]))(fn)) for name, make, fn in unary]
+    return cases + [
+        ("pow_scalar", "pow", lambda g: [_f(g, 3, 4)], {"scalar": 3.0}, lambda F, t, x: x[0] ** 3),
+        ("pow_half", "pow", lambda g: [_pos(g, 3, 4)], {"scalar": 0.5}, lambda F, t, x: x[0] ** 0.5),
+        ("pow_tensor", "pow", lambda g: [_pos(g, 2, 3), _f(g, 3)], {}, lambda F, t, x: x[0] ** x[1]),
+        ("pow_base", "pow", lambda g: [_f(g, 2, 3)], {"scalar": 2.0, "reverse": True},
+         lambda F, t, x: 2.0 ** x[0]),
+        ("maximum", "maximum", lambda g: [_f(g, 2, 3), _f(g, 3)], {}, lambda F, t, x: t.maximum(*x)),
+        ("minimum", "minimum", lambda g: [_f(g, 2, 3), _f(g, 2, 1)], {}, lambda F, t, x: t.minimum(*x)),
+        ("atan2", "atan2", lambda g: [_f(g, 2, 3), _pos(g, 2, 3)], {}, lambda F, t, x: t.atan2(*x)),
+        ("fmod", "fmod", lambda g: [_f(g, 2, 3) * 3, _pos(g, 3)], {}, lambda F, t, x: t.fmod(*x)),
+        ("remainder", "remainder", lambda g: [_f(g, 2, 3) * 3, _pos(g, 3)], {},
+         lambda F, t, x: t.remainder(*x)),
+        ("logical_and", "logical_and", lambda g: [_bools(g, 2, 3), _bools(g, 3)], {},
+         lambda F, t, x: t.logical_and(*x)),
+        ("bitwise_and", "bitwise_and", lambda g: [_bools(g, 2, 3), _bools(g, 2, 3)], {},
+         lambda F, t, x: x[0] & x[1]),
+        ("bitwise_or_int", "bitwise_or", lambda g: [_ids(g, 9, 2, 3), _ids(g, 9, 3)], {},
+         lambda F, t, x: x[0] | x[1]),
+        ("logical_xor", "logical_xor", lambda g: [_bools(g, 2, 3), _bools(g, 2, 3)], {},
+         lambda F, t, x: t.logical_xor(*x)),
+        ("isnan", "isnan", lambda g: [np.where(_bools(g, 3, 2), np.nan, _f(g, 3, 2))], {},
+         lambda F, t, x: t.isnan(x[0])),
+        ("clamp", "clamp", lambda g: [_f(g, 3, 4)], {"min": -0.5, "max": 0.7},
+         lambda F, t, x: t.clamp(x[0], -0.5, 0.7)),
+        ("clamp_min", "clamp", lambda g: [_f(g, 3, 4)], {"min": 0.1}, lambda F, t, x: t.clamp(x[0], min=0.1)),
+        ("leaky_relu", "leaky_relu", lambda g: [_f(g, 3, 4)], {"negative_slope": 0.2},
+         lambda F, t, x: F.leaky_relu(x[0], 0.2)),
+        ("elu", "elu", lambda g: [_f(g, 3, 4)], {"alpha": 1.5}, lambda F, t, x: F.elu(x[0], 1.5)),
+        ("amax", "amax", lambda g: [_distinct(g, 2, 3, 4)], {"dim": [1], "keepdim": False},
+         lambda F, t, x: t.amax(x[0], 1)),
+        ("amin_ties", "amin", lambda g: [np.array([[1.0, 0.5, 0.5], [2.0, 3.0, 2.0]])], {"dim": [-1],
+                                                                                         "keepdim": True},
+         lambda F, t, x: t.amin(x[0], -1, keepdim=True)),
+        ("max_dim", "max_dim", lambda g: [_distinct(g, 3, 4)], {"dim": 1, "keepdim": False},
+         lambda F, t, x: t.max(x[0], 1).values),
+        ("min_dim", "min_dim", lambda g: [_distinct(g, 3, 4)], {"dim": 0, "keepdim": True},
+         lambda F, t, x: t.min(x[0], 0, keepdim=True).values),
+        ("argmax", "argmax", lambda g: [_distinct(g, 3, 4)], {"dim": 1}, lambda F, t, x: t.argmax(x[0], 1)),
+        ("argmin_all", "argmin", lambda g: [_distinct(g, 3, 4)], {}, lambda F, t, x: t.argmin(x[0])),
+        ("any", "any", lambda g: [_bools(g, 3, 4)], {"dim": [1], "keepdim": False},
+         lambda F, t, x: t.any(x[0], 1)),
+        ("var", "var", lambda g: [_f(g, 3, 4, 2)], {"dim": [1, 2], "correction": 1, "keepdim": True},
+         lambda F, t, x: t.var(x[0], (1, 2), keepdim=True)),
+        ("var_biased", "var", lambda g: [_f(g, 3, 4)], {"dim": None, "correction": 0},
+         lambda F, t, x: t.var(x[0], correction=0)),
+        ("prod", "prod", lambda g: [_f(g, 3, 4)], {"dim": [1], "keepdim": False},
+         lambda F, t, x: t.prod(x[0], 1)),
+        ("prod_zero", "prod", lambda g: [np.array([[0.0, 2.0, 3.0], [1.0, -1.0, 0.5]])], {"dim": [1]},
+         lambda F, t, x: t.prod(x[0], 1)),
+        ("topk", "topk", lambda g: [_distinct(g, 3, 6)], {"k": 2, "dim": 1, "largest": True},
+         lambda F, t, x: t.topk(x[0], 2, 1).values),
+        ("topk_smallest", "topk", lambda g: [_distinct(g, 4, 3)], {"k": 3, "dim": 0, "largest": False},
+         lambda F, t, x: t.topk(x[0], 3, 0, largest=False).values),
+        ("topk_indices", "topk_indices", lambda g: [_distinct(g, 3, 6)], {"k": 4, "dim": -1, "largest": True},
+         lambda F, t, x: t.topk(x[0], 4, -1).indices),
+        ("sort_descending", "topk", lambda g: [_distinct(g, 3, 5)], {"dim": 1, "largest": True},
+         lambda F, t, x: t.sort(x[0], 1, descending=True).values),
+        ("cumsum", "cumsum", lambda g: [_f(g, 3, 4)], {"dim": 1}, lambda F, t, x: t.cumsum(x[0], 1)),
+        ("cat", "cat", lambda g: [_f(g, 2, 3), _f(g, 2, 1), _f(g, 2, 2)], {"dim": -1},
+         lambda F, t, x: t.cat(x, -1)),
+        ("select", "select", lambda g: [_f(g, 2, 3, 4)], {"dim": 1, "index": -1}, lambda F, t, x: x[0][:, -1]),
+        ("constant_pad_nd", "constant_pad_nd", lambda g: [_f(g, 2, 3, 4)], {"pad": [1, 2, 0, 1], "value": 0.5},
+         lambda F, t, x: F.pad(x[0], (1, 2, 0, 1), value=0.5)),
+        ("index_rows", "index", lambda g: [_f(g, 5, 3), _ids(g, 5, 2, 4)], {"dims": [0]},
+         lambda F, t, x: x[0][x[1]]),
+        ("index_split_dims", "index", lambda g: [_f(g, 4, 3, 5), _ids(g, 4, 2), _ids(g, 5, 2)], {"dims": [0, 2]},
+         lambda F, t, x: x[0][x[1], :, x[2]]),
+        ("index_select", "index_select", lambda g: [_f(g, 3, 5), np.array([4, 0, 4])], {"dim": 1},
+         lambda F, t, x: t.index_select(x[0], 1, x[1])),
+        ("flip", "flip", lambda g: [_f(g, 2, 3, 4)], {"dims": [0, 2]}, lambda F, t, x: t.flip(x[0], (0, 2))),
+        ("repeat", "repeat", lambda g: [_f(g, 2, 3)], {"repeats": [2, 1, 3]}, lambda F, t, x: x[0].repeat(2, 1, 3)),
+        ("conv2d_depthwise", "conv2d", lambda g: [_f(g, 2, 4, 5, 5), _f(g, 4, 1, 3, 3), _f(g, 4)],
+         {"stride": [2, 2], "padding": [1, 1], "groups": 4},
+         lambda F, t, x: F.conv2d(x[0], x[1], x[2], stride=2, padding=1, groups=4)),
+        ("conv2d_groups", "conv2d", lambda g: [_f(g, 1, 4, 4, 4), _f(g, 6, 2, 3, 3)], {"groups": 2},
+         lambda F, t, x: F.conv2d(x[0], x[1], groups=2)),
+        ("batch_norm_train", "batch_norm", lambda g: [_f(g, 4, 3, 2, 2), _f(g, 3), _f(g, 3)],
+         {"training": True, "eps": 1e-5},
+         lambda F, t, x: F.batch_norm(x[0], None, None, x[1], x[2], training=True, eps=1e-5)),
+        ("batch_norm_1d", "batch_norm", lambda g: [_f(g, 5, 3), _f(g, 3), _f(g, 3)],
+         {"training": True, "eps": 1e-3},
+         lambda F, t, x: F.batch_norm(x[0], None, None, x[1], x[2], training=True, eps=1e-3)),
+        ("slice_scatter", "slice_scatter", lambda g: [_f(g, 3, 5), _f(g, 3, 2)], {"dim": 1, "start": 1, "end": 5,
+                                                                                   "step": 2},
+         lambda F, t, x: t.slice_scatter(x[0], x[1], 1, 1, 5, 2)),
+        ("select_scatter", "select_scatter", lambda g: [_f(g, 3, 4), _f(g, 4)], {"dim": 0, "index": 1},
+         lambda F, t, x: t.select_scatter(x[0], x[1], 0, 1)),
+        ("scatter", "scatter", lambda g: [_f(g, 3, 5), np.array([[0, 4], [2, 1], [3, 1]]), _f(g, 3, 2)], {"dim": 1},
+         lambda F, t, x: t.scatter(x[0], 1, x[1], x[2])),
+        ("scatter_add", "scatter", lambda g: [_f(g, 3, 5), np.array([[0, 4], [2, 2], [3, 3]]), _f(g, 3, 2)],
+         {"dim": 1, "reduce": "sum"}, lambda F, t, x: t.scatter_add(x[0], 1, x[1], x[2])),
+        ("scatter_value", "scatter", lambda g: [_f(g, 3, 5), np.array([[0], [2], [4]])], {"dim": 1, "value": 1.5},
+         lambda F, t, x: t.scatter(x[0], 1, x[1], 1.5)),
+        ("index_put", "index_put", lambda g: [_f(g, 5, 3), np.array([4, 0]), _f(g, 2, 3)], {"dims": [0]},
+         lambda F, t, x: t.index_put(x[0], (x[1],), x[2])),
+        ("index_put_acc", "index_put", lambda g: [_f(g, 5, 3), np.array([4, 0, 4]), _f(g, 3)],
+         {"dims": [0], "accumulate": True}, lambda F, t, x: t.index_put(x[0], (x[1],), x[2], accumulate=True)),
+        ("copy", "copy", lambda g: [_f(g, 2, 3), _f(g, 3)], {}, lambda F, t, x: x[0] * 0 + x[1]),
+        ("full_like", "full_like", lambda g: [_f(g, 2, 3)], {"value": 2.5, "dtype": "float64"},
+         lambda F, t, x: t.full_like(x[0], 2.5) + x[0] * 0),
+        ("group_norm", "group_norm", lambda g: [_f(g, 2, 6, 2, 2), _f(g, 6), _f(g, 6)], {"groups": 3, "eps": 1e-5},
+         lambda F, t, x: F.group_norm(x[0], 3, x[1], x[2], 1e-5)),
+        ("upsample_nearest2d", "upsample_nearest2d", lambda g: [_f(g, 1, 2, 2, 3)], {"size": [4, 9]},
+         lambda F, t, x: F.interpolate(x[0], size=(4, 9), mode="nearest")),
+        ("batch_norm_eval", "batch_norm", lambda g: [_f(g, 4, 3, 2, 2), _f(g, 3), _f(g, 3), _f(g, 3), _pos(g, 3)],
+         {"training": False, "eps": 1e-5},
+         lambda F, t, x: F.batch_norm(x[0], x[3].detach(), x[4].detach(), x[1], x[2], training=False, eps=1e-5)),
+    ]
+
+
+CASES = _cases() + _core_aten_cases()
 IDS = [c[0] for c in CASES]
 
 
 def _differentiable(x):
     return isinstance(x, np.ndarray) and x.dtype.kind == "f"
+
+
+# Inputs that are a module's buffers (batch norm's running statistics): never trained, no gradient.
+BUFFER_INPUTS = {"batch_norm": (3, 4)}
 
 
 def _only_saved(op, inputs, out):
@@ -190,8 +337,11 @@ def test_vjp_matches_finite_differences(case):
     g = rng.standard_normal(out.shape)
     analytic = op.vjp(g, *_only_saved(op, inputs, out), attrs)
     assert len(analytic) == len(inputs)
-    for x, a, n in zip(inputs, analytic, _numeric_grads(op, inputs, attrs, g)):
-        if n is None:
+    if out.dtype.kind != "f":   # a mask, an index: nothing flows back through it
+        assert all(a is None for a in analytic)
+        return
+    for i, (x, a, n) in enumerate(zip(inputs, analytic, _numeric_grads(op, inputs, attrs, g))):
+        if n is None or i in BUFFER_INPUTS.get(name, ()):
             assert a is None
             continue
         assert a.shape == x.shape
@@ -208,11 +358,15 @@ def test_forward_and_vjp_match_torch_autograd(case):
     _, name, make, attrs, torch_fn = case
     rng = np.random.default_rng(7 + len(case[0]))
     inputs = make(rng)
-    tensors = [torch.tensor(x, requires_grad=_differentiable(x)) for x in inputs]
+    tensors = [torch.tensor(x, requires_grad=_differentiable(x) and i not in BUFFER_INPUTS.get(name, ()))
+               for i, x in enumerate(inputs)]
     expected = torch_fn(F, torch, tensors)
     op = OPS[name]
     out = op.forward(inputs, attrs)
     np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-10, atol=1e-12)
+    assert out.dtype == expected.detach().numpy().dtype
+    if out.dtype.kind != "f":
+        return
     g = rng.standard_normal(out.shape)
     expected.backward(torch.tensor(g))
     for t, a in zip(tensors, op.vjp(g, inputs, out, attrs)):
@@ -223,8 +377,13 @@ def test_forward_and_vjp_match_torch_autograd(case):
 def test_float32_stays_float32():
     x = np.ones((2, 3), np.float32)
     for name, attrs in [("gelu", {}), ("gelu", {"approximate": "tanh"}), ("softmax", {"dim": -1}),
-                        ("mul", {"scalar": 0.5}), ("layer_norm", {"normalized_shape": [3]})]:
+                        ("mul", {"scalar": 0.5}), ("layer_norm", {"normalized_shape": [3]}),
+                        ("rsqrt", {}), ("erf", {}), ("pow", {"scalar": 2.0}), ("pow", {"scalar": 0.5}),
+                        ("clamp", {"min": 0.0}), ("var", {"dim": [1]}), ("elu", {})]:
         assert OPS[name].forward([x], attrs).dtype == np.float32, name
+    c = np.ones(3, np.float32)
+    assert OPS["batch_norm"].forward([x, c, c], {"training": True}).dtype == np.float32
+    assert OPS["batch_norm"].forward([x, c, c, c, c], {"training": False}).dtype == np.float32
 
 
 @pytest.mark.parametrize("name,shapes,attrs,words", [

@@ -1187,17 +1187,31 @@ def _fold(cols, shape, kh, kw, stride, pad, dil):
     return out[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + w]
 
 
-def _conv_check(attrs):
-    if attrs.get("groups", 1) != 1:
-        raise OpError(f"conv2d with groups={attrs['groups']} (only groups=1)")
+def _conv_groups(attrs, channels_in, channels_out) -> int:
+    g = int(attrs.get("groups", 1))
+    if g < 1 or channels_in % g or channels_out % g:
+        raise OpError(f"conv2d with groups={g}: {channels_in} input and {channels_out} output channels "
+                      "must both divide by it")
+    return g
+
+
+def _grouped(cols, w, g):
+    """(cols [N, G, C/G, OH, OW, kh, kw], w [G, O/G, C/G, kh, kw]): a grouped (depthwise
+    when G is C) convolution as G independent ones."""
+    n, c = cols.shape[:2]
+    return cols.reshape(n, g, c // g, *cols.shape[2:]), w.reshape(g, w.shape[0] // g, *w.shape[1:])
 
 
 def _conv2d_forward(inputs, attrs):
-    _conv_check(attrs)
     x, w = inputs[0], inputs[1]
+    groups = _conv_groups(attrs, x.shape[1], w.shape[0])
     stride, pad, dil = _conv_geometry(attrs)
     cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)       # N C OH OW kh kw
-    y = np.einsum("ncpqij,ocij->nopq", cols, w, optimize=True)
+    if groups == 1:
+        y = np.einsum("ncpqij,ocij->nopq", cols, w, optimize=True)
+    else:
+        gc, gw = _grouped(cols, w, groups)
+        y = np.einsum("ngcpqij,gocij->ngopq", gc, gw, optimize=True).reshape(x.shape[0], w.shape[0], *cols.shape[2:4])
     if len(inputs) > 2 and inputs[2] is not None:
         y += inputs[2][None, :, None, None]
     return np.ascontiguousarray(y)
@@ -1205,10 +1219,17 @@ def _conv2d_forward(inputs, attrs):
 
 def _conv2d_vjp(g, inputs, out, attrs):
     x, w = inputs[0], inputs[1]
+    groups = _conv_groups(attrs, x.shape[1], w.shape[0])
     stride, pad, dil = _conv_geometry(attrs)
     cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)
-    dw = np.einsum("ncpqij,nopq->ocij", cols, g, optimize=True)
-    dcols = np.einsum("nopq,ocij->ncpqij", g, w, optimize=True)
+    if groups == 1:
+        dw = np.einsum("ncpqij,nopq->ocij", cols, g, optimize=True)
+        dcols = np.einsum("nopq,ocij->ncpqij", g, w, optimize=True)
+    else:
+        gc, gw = _grouped(cols, w, groups)
+        gg = g.reshape(g.shape[0], groups, g.shape[1] // groups, *g.shape[2:])
+        dw = np.einsum("ngcpqij,ngopq->gocij", gc, gg, optimize=True).reshape(w.shape)
+        dcols = np.einsum("ngopq,gocij->ngcpqij", gg, gw, optimize=True).reshape(cols.shape)
     dx = _fold(dcols, x.shape, w.shape[2], w.shape[3], stride, pad, dil)
     grads = [dx, dw]
     if len(inputs) > 2:
@@ -1217,10 +1238,13 @@ def _conv2d_vjp(g, inputs, out, attrs):
 
 
 def _conv2d_shape(shapes, attrs):
-    _conv_check(attrs)
     x, w = tuple(shapes[0]), tuple(shapes[1])
-    if len(x) != 4 or len(w) != 4 or x[1] != w[1]:
-        raise OpError(f"conv2d of input {x} and weight {w}: expected [N, C, H, W] and [O, C, kh, kw]")
+    if len(x) != 4 or len(w) != 4:
+        raise OpError(f"conv2d of input {x} and weight {w}: expected [N, C, H, W] and [O, C/groups, kh, kw]")
+    groups = _conv_groups(attrs, x[1], w[0])
+    if x[1] != w[1] * groups:
+        raise OpError(f"conv2d of input {x} and weight {w} with groups={groups}: expected [N, C, H, W] and "
+                      "[O, C/groups, kh, kw]")
     stride, pad, dil = _conv_geometry(attrs)
     oh, ow = (_out_size(x[2 + d], w[2 + d], stride[d], pad[d], dil[d]) for d in (0, 1))
     if oh < 1 or ow < 1:
@@ -1419,3 +1443,776 @@ def _add_n_forward(inputs, attrs):
 
 _register("add_n", _add_n_forward, lambda g, i, o, a: [g] * len(i),
           lambda s, a: broadcast_shape(*s), _elementwise_cost(1))
+
+
+# ================================================================ torch's Core ATen ops
+# What torch.export(...).run_decompositions() leaves in a model written by others
+# (transformers, torchvision, timm) beyond the ops above: elementwise maths, the
+# comparisons' logical combinations, reductions, joins and picks, padding, batch
+# norm. docs/torch.md counts them against torch's list; tests/test_ops.py checks
+# each against torch.autograd and central differences.
+
+# ---------------------------------------------------------------- unary maths
+
+def _unary(name, fn, slope=None, reads="x", cost=2):
+    """An elementwise op: forward fn(x); the vjp g * slope(x, out) (slope None: the op
+    is flat almost everywhere, as floor or sign, and torch's gradient is zero).
+    `reads`: what slope reads, "x" or "out" (what backward keeps)."""
+    if slope is None:
+        vjp = lambda g, i, o, a: [np.zeros_like(g)]   # noqa: E731
+    else:
+        vjp = lambda g, i, o, a: [g * slope(i[0], o)]   # noqa: E731
+    _register(name, lambda i, a: np.asarray(fn(i[0])), vjp, _same_shape, _elementwise_cost(cost),
+              saves_output=slope is not None and reads == "out",
+              saves_inputs=(0,) if slope is not None and reads == "x" else ())
+
+
+_LN2, _LN10 = math.log(2.0), math.log(10.0)
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+_unary("abs", np.abs, lambda x, o: np.sign(x), cost=1)
+_unary("exp", np.exp, lambda x, o: o, reads="out")
+_unary("expm1", np.expm1, lambda x, o: o + 1, reads="out")
+_unary("log", np.log, lambda x, o: 1 / x)
+_unary("log1p", np.log1p, lambda x, o: 1 / (1 + x))
+_unary("log2", np.log2, lambda x, o: 1 / (x * x.dtype.type(_LN2)))
+_unary("log10", np.log10, lambda x, o: 1 / (x * x.dtype.type(_LN10)))
+_unary("sqrt", np.sqrt, lambda x, o: 0.5 / o, reads="out")
+_unary("rsqrt", lambda x: 1 / np.sqrt(x), lambda x, o: -0.5 * o * o * o, reads="out")
+_unary("reciprocal", lambda x: 1 / x, lambda x, o: -o * o, reads="out")
+_unary("sin", np.sin, lambda x, o: np.cos(x))
+_unary("cos", np.cos, lambda x, o: -np.sin(x))
+_unary("tan", np.tan, lambda x, o: 1 + o * o, reads="out")
+_unary("sinh", np.sinh, lambda x, o: np.cosh(x))
+_unary("cosh", np.cosh, lambda x, o: np.sinh(x))
+_unary("asin", np.arcsin, lambda x, o: 1 / np.sqrt(1 - x * x))
+_unary("acos", np.arccos, lambda x, o: -1 / np.sqrt(1 - x * x))
+_unary("atan", np.arctan, lambda x, o: 1 / (1 + x * x))
+_unary("asinh", np.arcsinh, lambda x, o: 1 / np.sqrt(x * x + 1))
+_unary("acosh", np.arccosh, lambda x, o: 1 / np.sqrt(x * x - 1))
+_unary("atanh", np.arctanh, lambda x, o: 1 / (1 - x * x))
+_unary("erf", lambda x: _erf_array(x) if x.dtype.kind == "f" else _erf_array(x.astype(np.float32)),
+       lambda x, o: x.dtype.type(_TWO_OVER_SQRT_PI) * np.exp(-x * x), cost=10)
+_unary("sign", np.sign, cost=1)
+_unary("floor", np.floor, cost=1)
+_unary("ceil", np.ceil, cost=1)
+_unary("round", np.round, cost=1)       # half to even, as torch
+_unary("trunc", np.trunc, cost=1)
+
+
+def _no_grad(g, inputs, out, attrs):
+    return [None] * len(inputs)
+
+
+_register("isnan", lambda i, a: np.isnan(i[0]), _no_grad, _same_shape, _elementwise_cost(1))
+_register("isinf", lambda i, a: np.isinf(i[0]), _no_grad, _same_shape, _elementwise_cost(1))
+
+
+# ---------------------------------------------------------------- activations torch keeps whole
+
+def _clamp_bounds(x, attrs):
+    lo, hi = attrs.get("min"), attrs.get("max")
+    return (None if lo is None else x.dtype.type(lo)), (None if hi is None else x.dtype.type(hi))
+
+
+def _clamp_forward(inputs, attrs):
+    lo, hi = _clamp_bounds(inputs[0], attrs)
+    if lo is None and hi is None:
+        raise OpError("clamp with neither min nor max")
+    return np.clip(inputs[0], lo, hi)
+
+
+def _clamp_vjp(g, inputs, out, attrs):
+    """torch's: the gradient passes where min <= x <= max (both ends included)."""
+    x = inputs[0]
+    lo, hi = _clamp_bounds(x, attrs)
+    keep = np.ones(x.shape, dtype=bool)
+    if lo is not None:
+        keep &= x >= lo
+    if hi is not None:
+        keep &= x <= hi
+    return [np.where(keep, g, 0).astype(g.dtype)]
+
+
+_register("clamp", _clamp_forward, _clamp_vjp, _same_shape, _elementwise_cost(2), saves_inputs=(0,))
+
+
+def _leaky_relu_vjp(g, inputs, out, attrs):
+    slope = g.dtype.type(attrs.get("negative_slope", 0.01))
+    return [np.where(inputs[0] > 0, g, g * slope)]
+
+
+_register("leaky_relu",
+          lambda i, a: np.where(i[0] > 0, i[0], i[0] * i[0].dtype.type(a.get("negative_slope", 0.01))),
+          _leaky_relu_vjp, _same_shape, _elementwise_cost(2), saves_inputs=(0,))
+
+
+def _elu_parts(x, attrs):
+    return (x.dtype.type(attrs.get(k, 1.0)) for k in ("alpha", "scale", "input_scale"))
+
+
+def _elu_forward(inputs, attrs):
+    x = inputs[0]
+    alpha, scale, input_scale = _elu_parts(x, attrs)
+    return np.where(x > 0, x * scale, alpha * scale * np.expm1(x * input_scale))
+
+
+def _elu_vjp(g, inputs, out, attrs):
+    x = inputs[0]
+    alpha, scale, input_scale = _elu_parts(x, attrs)
+    return [np.where(x > 0, g * scale, g * alpha * scale * input_scale * np.exp(x * input_scale))]
+
+
+_register("elu", _elu_forward, _elu_vjp, _same_shape, _elementwise_cost(4), saves_inputs=(0,))
+
+
+# ---------------------------------------------------------------- binary maths
+
+def _pow_vjp(g, inputs, out, attrs):
+    a, b = _operands(inputs, attrs)
+    ga = g * b * np.power(a, b - 1) if not ("scalar" in attrs and attrs.get("reverse")) else None
+    gb = None
+    if "scalar" not in attrs or attrs.get("reverse"):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gb = np.where((a == 0) & (b >= 0), 0, g * out * np.log(a)).astype(g.dtype)
+    return _binary_grads(ga, gb, inputs, attrs)
+
+
+_register("pow", lambda i, a: np.power(*_operands(i, a)), _pow_vjp, _binary_shape, _elementwise_cost(10),
+          saves_inputs=(0, 1), saves_output=True)
+
+
+def _extremum(np_fn, chosen):
+    """maximum / minimum: the gradient to the operand chosen, halved on a tie (torch's)."""
+    def vjp(g, inputs, out, attrs):
+        a, b = _operands(inputs, attrs)
+        tie = a == b
+        half = g * g.dtype.type(0.5)
+        ga = np.where(tie, half, np.where(chosen(a, b), g, 0)).astype(g.dtype)
+        gb = np.where(tie, half, np.where(chosen(a, b), 0, g)).astype(g.dtype)
+        return _binary_grads(ga, gb, inputs, attrs)
+    return lambda i, a: np_fn(*_operands(i, a)), vjp
+
+
+for _name, _fn, _chosen in (("maximum", np.maximum, np.greater), ("minimum", np.minimum, np.less)):
+    _register(_name, *_extremum(_fn, _chosen), _binary_shape, _elementwise_cost(1), saves_inputs=(0, 1))
+
+
+def _atan2_vjp(g, inputs, out, attrs):
+    a, b = _operands(inputs, attrs)
+    d = g / (a * a + b * b)
+    return _binary_grads(d * b, -d * a, inputs, attrs)
+
+
+_register("atan2", lambda i, a: np.arctan2(*_operands(i, a)), _atan2_vjp, _binary_shape, _elementwise_cost(10),
+          saves_inputs=(0, 1))
+
+
+def _rounded_quotient_vjp(rounding):
+    """fmod (the quotient truncated) and remainder (floored): d/da 1, d/db -round(a / b)."""
+    def vjp(g, inputs, out, attrs):
+        a, b = _operands(inputs, attrs)
+        return _binary_grads(g, -g * rounding(a / b), inputs, attrs)
+    return vjp
+
+
+_register("fmod", lambda i, a: np.fmod(*_operands(i, a)), _rounded_quotient_vjp(np.trunc), _binary_shape,
+          _elementwise_cost(2), saves_inputs=(0, 1))
+_register("remainder", lambda i, a: np.remainder(*_operands(i, a)), _rounded_quotient_vjp(np.floor),
+          _binary_shape, _elementwise_cost(2), saves_inputs=(0, 1))
+
+
+def _logical_operands(inputs, attrs):
+    a, b = _operands(inputs, attrs)
+    return np.asarray(a), np.asarray(b)
+
+
+# torch's bitwise ops on bool are the logical ones; on integers, bitwise.
+for _name, _fn in (("logical_and", np.logical_and), ("logical_or", np.logical_or),
+                   ("logical_xor", np.logical_xor), ("bitwise_and", np.bitwise_and),
+                   ("bitwise_or", np.bitwise_or), ("bitwise_xor", np.bitwise_xor)):
+    _register(_name, (lambda fn: lambda i, a: fn(*_logical_operands(i, a)))(_fn), _no_grad, _binary_shape,
+              _elementwise_cost(1))
+
+
+# ---------------------------------------------------------------- reductions torch keeps
+
+def _extreme_reduce(np_fn):
+    """amax / amin over dims (all with dim None or []); the gradient is shared evenly
+    among the elements that reach the extreme (torch's amax rule)."""
+    def forward(inputs, attrs):
+        x = inputs[0]
+        return np.asarray(np_fn(x, axis=_reduce_axes(attrs, x.ndim), keepdims=bool(attrs.get("keepdim"))))
+
+    def vjp(g, inputs, out, attrs):
+        x = inputs[0]
+        axes = _reduce_axes(attrs, x.ndim)
+        if not attrs.get("keepdim"):
+            g, out = np.expand_dims(g, axes), np.expand_dims(out, axes)
+        hit = x == out
+        return [np.where(hit, g / hit.sum(axis=axes, keepdims=True), 0).astype(g.dtype)]
+    return forward, vjp
+
+
+_register("amax", *_extreme_reduce(np.max), _reduce_shape, lambda s, out, a: _numel(s[0]),
+          saves_inputs=(0,), saves_output=True)
+_register("amin", *_extreme_reduce(np.min), _reduce_shape, lambda s, out, a: _numel(s[0]),
+          saves_inputs=(0,), saves_output=True)
+
+
+def _arg_extreme(np_fn):
+    def forward(inputs, attrs):
+        x, dim = inputs[0], attrs.get("dim")
+        if dim is None:
+            return np.asarray(np_fn(x.reshape(-1)), dtype=np.int64)
+        axis = _axis(dim, x.ndim)
+        out = np_fn(x, axis=axis).astype(np.int64)
+        return np.expand_dims(out, axis) if attrs.get("keepdim") else out
+    return forward
+
+
+def _arg_shape(shapes, attrs):
+    return () if attrs.get("dim") is None else _reduce_shape(shapes, {**attrs, "dim": [attrs["dim"]]})
+
+
+_register("argmax", _arg_extreme(np.argmax), _no_grad, _arg_shape, lambda s, out, a: _numel(s[0]))
+_register("argmin", _arg_extreme(np.argmin), _no_grad, _arg_shape, lambda s, out, a: _numel(s[0]))
+
+
+def _picked_extreme(np_arg):
+    """max.dim / min.dim's values: the gradient goes to the element its index names (the first)."""
+    def forward(inputs, attrs):
+        x, axis = inputs[0], _axis(attrs["dim"], inputs[0].ndim)
+        idx = np.expand_dims(np_arg(x, axis=axis), axis)
+        out = np.take_along_axis(x, idx, axis=axis)
+        return out if attrs.get("keepdim") else np.squeeze(out, axis)
+
+    def vjp(g, inputs, out, attrs):
+        x, axis = inputs[0], _axis(attrs["dim"], inputs[0].ndim)
+        idx = np.expand_dims(np_arg(x, axis=axis), axis)
+        dx = np.zeros(x.shape, dtype=g.dtype)
+        np.put_along_axis(dx, idx, g if attrs.get("keepdim") else np.expand_dims(g, axis), axis=axis)
+        return [dx]
+    return forward, vjp
+
+
+_register("max_dim", *_picked_extreme(np.argmax), lambda s, a: _reduce_shape(s, {**a, "dim": [a["dim"]]}),
+          lambda s, out, a: _numel(s[0]), saves_inputs=(0,))
+_register("min_dim", *_picked_extreme(np.argmin), lambda s, a: _reduce_shape(s, {**a, "dim": [a["dim"]]}),
+          lambda s, out, a: _numel(s[0]), saves_inputs=(0,))
+_register("any", lambda i, a: np.asarray(np.any(i[0], axis=_reduce_axes(a, i[0].ndim),
+                                                keepdims=bool(a.get("keepdim")))),
+          _no_grad, _reduce_shape, lambda s, out, a: _numel(s[0]))
+
+
+def _var_count(x, attrs):
+    return _numel([x.shape[a] for a in _reduce_axes(attrs, x.ndim)]) - float(attrs.get("correction", 1))
+
+
+def _var_forward(inputs, attrs):
+    x = inputs[0]
+    axes = _reduce_axes(attrs, x.ndim)
+    d = x - x.mean(axis=axes, keepdims=True)
+    return np.asarray((d * d).sum(axis=axes, keepdims=bool(attrs.get("keepdim"))) / x.dtype.type(_var_count(x, attrs)))
+
+
+def _var_vjp(g, inputs, out, attrs):
+    x = inputs[0]
+    axes = _reduce_axes(attrs, x.ndim)
+    if not attrs.get("keepdim"):
+        g = np.expand_dims(g, axes)
+    d = x - x.mean(axis=axes, keepdims=True)
+    return [g * d * x.dtype.type(2.0 / _var_count(x, attrs))]
+
+
+_register("var", _var_forward, _var_vjp, _reduce_shape, lambda s, out, a: 3 * _numel(s[0]), saves_inputs=(0,))
+
+
+def _prod_vjp(g, inputs, out, attrs):
+    """The product of the others, per element (exact with zeros: no division)."""
+    x = inputs[0]
+    axes = _reduce_axes(attrs, x.ndim)
+    if not attrs.get("keepdim"):
+        g = np.expand_dims(g, axes)
+    moved = np.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
+    flat = moved.reshape(*moved.shape[:x.ndim - len(axes)], -1)
+    ones = np.ones_like(flat[..., :1])
+    before = np.cumprod(np.concatenate([ones, flat[..., :-1]], axis=-1), axis=-1)
+    after = np.flip(np.cumprod(np.flip(np.concatenate([flat[..., 1:], ones], axis=-1), -1), axis=-1), -1)
+    others = np.moveaxis((before * after).reshape(moved.shape), tuple(range(x.ndim - len(axes), x.ndim)), axes)
+    return [g * others]
+
+
+_register("prod", lambda i, a: np.asarray(np.prod(i[0], axis=_reduce_axes(a, i[0].ndim),
+                                                  keepdims=bool(a.get("keepdim")))),
+          _prod_vjp, _reduce_shape, lambda s, out, a: _numel(s[0]), saves_inputs=(0,))
+
+
+def _cumsum_vjp(g, inputs, out, attrs):
+    axis = _axis(attrs["dim"], g.ndim)
+    return [np.flip(np.cumsum(np.flip(g, axis), axis=axis), axis)]
+
+
+_register("cumsum", lambda i, a: np.cumsum(i[0], axis=_axis(a["dim"], i[0].ndim)), _cumsum_vjp, _same_shape,
+          _elementwise_cost(1))
+
+
+# ---------------------------------------------------------------- joins, picks and padding
+
+def _cat_shape(shapes, attrs):
+    shapes = [tuple(s) for s in shapes]
+    first = shapes[0]
+    axis = _axis(attrs.get("dim", 0), len(first))
+    for s in shapes[1:]:
+        if len(s) != len(first) or any(n != m for i, (n, m) in enumerate(zip(s, first)) if i != axis):
+            raise OpError(f"cat of shapes {shapes} along dim {attrs.get('dim', 0)}")
+    return (*first[:axis], sum(s[axis] for s in shapes), *first[axis + 1:])
+
+
+def _cat_vjp(g, inputs, out, attrs):
+    axis = _axis(attrs.get("dim", 0), g.ndim)
+    cuts = np.cumsum([x.shape[axis] for x in inputs])[:-1]
+    return [piece if x.dtype.kind == "f" else None for x, piece in zip(inputs, np.split(g, cuts, axis=axis))]
+
+
+_register("cat", lambda i, a: np.concatenate(i, axis=_axis(a.get("dim", 0), i[0].ndim)), _cat_vjp, _cat_shape,
+          _free)
+
+
+def _select_index(attrs, ndim, size):
+    axis = _axis(attrs["dim"], ndim)
+    index = int(attrs["index"])
+    if not -size <= index < size:
+        raise OpError(f"select index {index} out of range for dim {attrs['dim']} of size {size}")
+    return (slice(None),) * axis + (index % size,)
+
+
+def _select_vjp(g, inputs, out, attrs):
+    x = inputs[0]
+    dx = np.zeros(x.shape, dtype=g.dtype)
+    dx[_select_index(attrs, x.ndim, x.shape[_axis(attrs["dim"], x.ndim)])] = g
+    return [dx]
+
+
+def _select_shape(shapes, attrs):
+    s = tuple(shapes[0])
+    index = _select_index(attrs, len(s), s[_axis(attrs["dim"], len(s))])
+    return s[:len(index) - 1] + s[len(index):]
+
+
+_register("select", lambda i, a: i[0][_select_index(a, i[0].ndim, i[0].shape[_axis(a["dim"], i[0].ndim)])],
+          _select_vjp, _select_shape, _free)
+
+
+def _pad_widths(ndim, attrs):
+    """torch's pad list (last dim first, (before, after) pairs) as numpy's per-dim widths."""
+    pad = list(attrs["pad"])
+    if len(pad) % 2 or len(pad) // 2 > ndim:
+        raise OpError(f"pad {pad} for a tensor of {ndim} dims")
+    if any(p < 0 for p in pad):
+        raise OpError(f"pad {pad}: negative padding (cropping) is not supported")
+    widths = [(0, 0)] * ndim
+    for i in range(len(pad) // 2):
+        widths[ndim - 1 - i] = (int(pad[2 * i]), int(pad[2 * i + 1]))
+    return widths
+
+
+def _pad_vjp(g, inputs, out, attrs):
+    widths = _pad_widths(g.ndim, attrs)
+    return [g[tuple(slice(lo, n - hi) for (lo, hi), n in zip(widths, g.shape))]]
+
+
+_register("constant_pad_nd",
+          lambda i, a: np.pad(i[0], _pad_widths(i[0].ndim, a), constant_values=a.get("value", 0)),
+          _pad_vjp, lambda s, a: tuple(n + lo + hi for n, (lo, hi) in zip(s[0], _pad_widths(len(s[0]), a))),
+          _free)
+
+
+def _index_key(inputs, attrs):
+    """torch's x[i0, i1, ...] with index tensors at `dims` (None elsewhere): numpy's
+    advanced indexing has the same meaning (non-adjacent index dims go first)."""
+    x, dims = inputs[0], attrs["dims"]
+    key = [slice(None)] * (max(dims) + 1)
+    for d, index in zip(dims, inputs[1:]):
+        if index.dtype == bool:
+            raise OpError("index with a boolean mask (a data-dependent shape)")
+        key[d] = index
+    return tuple(key)
+
+
+def _index_vjp(g, inputs, out, attrs):
+    dx = np.zeros(inputs[0].shape, dtype=g.dtype)
+    np.add.at(dx, _index_key(inputs, attrs), g)
+    return [dx] + [None] * (len(inputs) - 1)
+
+
+def _index_shape(shapes, attrs):
+    x, dims = tuple(shapes[0]), list(attrs["dims"])
+    if len(shapes) - 1 != len(dims) or max(dims) >= len(x):
+        raise OpError(f"index of a {x} tensor at dims {dims} with {len(shapes) - 1} index tensors")
+    picked = broadcast_shape(*shapes[1:])
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    rest = [n for i, n in enumerate(x) if i not in dims]
+    if adjacent:
+        return (*x[:dims[0]], *picked, *x[dims[-1] + 1:])
+    return (*picked, *rest)
+
+
+_register("index", lambda i, a: i[0][_index_key(i, a)], _index_vjp, _index_shape, _free,
+          saves_inputs=tuple(range(1, 9)))
+
+
+def _index_select_vjp(g, inputs, out, attrs):
+    x, index = inputs
+    axis = _axis(attrs["dim"], x.ndim)
+    dx = np.zeros(x.shape, dtype=g.dtype)
+    np.add.at(dx, (slice(None),) * axis + (index,), g)
+    return [dx, None]
+
+
+def _index_select_shape(shapes, attrs):
+    s = list(shapes[0])
+    s[_axis(attrs["dim"], len(s))] = _numel(shapes[1])
+    return tuple(s)
+
+
+_register("index_select", lambda i, a: np.take(i[0], i[1], axis=_axis(a["dim"], i[0].ndim)), _index_select_vjp,
+          _index_select_shape, _free, saves_inputs=(1,))
+
+
+def _flip_axes(attrs, ndim):
+    return tuple(_axis(d, ndim) for d in attrs["dims"])
+
+
+_register("flip", lambda i, a: np.flip(i[0], _flip_axes(a, i[0].ndim)),
+          lambda g, i, o, a: [np.flip(g, _flip_axes(a, g.ndim))], _same_shape, _free)
+
+
+def _repeat_shape(shapes, attrs):
+    s, reps = tuple(shapes[0]), list(attrs["repeats"])
+    if len(reps) < len(s):
+        raise OpError(f"repeat {reps} of a tensor of {len(s)} dims")
+    s = (1,) * (len(reps) - len(s)) + s
+    return tuple(n * r for n, r in zip(s, reps))
+
+
+def _repeat_vjp(g, inputs, out, attrs):
+    x, reps = inputs[0], list(attrs["repeats"])
+    shape = (1,) * (len(reps) - x.ndim) + x.shape
+    tiled = g.reshape([v for n, r in zip(shape, reps) for v in (r, n)])
+    return [tiled.sum(axis=tuple(range(0, 2 * len(reps), 2))).reshape(x.shape)]
+
+
+_register("repeat", lambda i, a: np.tile(i[0], a["repeats"]), _repeat_vjp, _repeat_shape, _free)
+
+
+# ---------------------------------------------------------------- batch norm
+
+def _bn_axes(x):
+    if x.ndim < 2:
+        raise OpError(f"batch_norm of a {x.ndim}-d input: expected [N, C, ...]")
+    return (0, *range(2, x.ndim))
+
+
+def _bn_channel(v, ndim):
+    """A per-channel [C] vector shaped to broadcast against [N, C, ...]."""
+    return v.reshape(-1, *([1] * (ndim - 2)))
+
+
+def _bn_stats(inputs, attrs):
+    """(mean, rstd) per channel, shaped to broadcast: the batch's (training, the biased
+    variance torch normalizes by) or the running statistics (inputs 3 and 4, eval)."""
+    x = inputs[0]
+    eps = x.dtype.type(attrs.get("eps", 1e-5))
+    if attrs.get("training"):
+        axes = _bn_axes(x)
+        mean = x.mean(axis=axes, keepdims=True)
+        d = x - mean
+        var = (d * d).mean(axis=axes, keepdims=True)
+    else:
+        mean, var = _bn_channel(inputs[3], x.ndim), _bn_channel(inputs[4], x.ndim)
+    return mean, 1 / np.sqrt(var + eps)
+
+
+def _bn_forward(inputs, attrs):
+    x, w, b = inputs[:3]
+    mean, rstd = _bn_stats(inputs, attrs)
+    y = (x - mean) * rstd
+    y *= _bn_channel(w, x.ndim)
+    y += _bn_channel(b, x.ndim)
+    return y
+
+
+def _bn_vjp(g, inputs, out, attrs):
+    """Training: through the batch statistics, dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),
+    gw = g * weight; eval: the statistics are constants, dx = rstd * gw. Running statistics get none."""
+    x, w = inputs[0], inputs[1]
+    mean, rstd = _bn_stats(inputs, attrs)
+    xhat = (x - mean) * rstd
+    axes = _bn_axes(x)
+    gw = g * _bn_channel(w, x.ndim)
+    if attrs.get("training"):
+        dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
+    else:
+        dx = rstd * gw
+    return [dx, (g * xhat).sum(axis=axes), g.sum(axis=axes)] + [None] * (len(inputs) - 3)
+
+
+def _bn_shape(shapes, attrs):
+    x = tuple(shapes[0])
+    wanted = 3 if attrs.get("training") else 5
+    if len(shapes) != wanted:
+        stats = ", running mean and variance" if wanted == 5 else ""
+        raise OpError(f"batch_norm takes {wanted} inputs (x, weight, bias{stats}), not {len(shapes)}")
+    if len(x) < 2:
+        raise OpError(f"batch_norm of input {x}: expected [N, C, ...]")
+    for i, s in enumerate(shapes[1:], 1):
+        if tuple(s) != (x[1],):
+            raise OpError(f"batch_norm input {i} of shape {tuple(s)}: expected ({x[1]},) for {x[1]} channels")
+    return x
+
+
+# inputs: x, weight, bias (ones and zeros where the module has no affine part), and in eval
+# (training False) the running mean and variance it normalizes by.
+_register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4))
+
+
+# ---------------------------------------------------------------- values made from a shape
+
+# torch's full_like / zeros_like / ones_like: `value` in `dtype`, of the input's shape (so
+# the running batch's, not the capture's); nothing flows back to the input.
+def _full_like_vjp(g, inputs, out, attrs):
+    x = inputs[0]
+    return [np.zeros(x.shape, dtype=x.dtype) if x.dtype.kind == "f" else None]
+
+
+_register("full_like", lambda i, a: np.full(i[0].shape, a["value"], dtype=a["dtype"]), _full_like_vjp, _same_shape,
+          _free)
+
+
+# ---------------------------------------------------------------- writes into a copy
+# What torch's functionalization makes of an assignment into part of a tensor
+# (x[:, 0] = v, x[..., :k] = v, x.scatter_(...), x[idx] += v): a new tensor, x
+# with the part replaced (or added to).
+
+def _slice_scatter_forward(inputs, attrs):
+    out = inputs[0].copy()
+    out[_slice_index(attrs, out.ndim)] = inputs[1]
+    return out
+
+
+def _slice_scatter_vjp(g, inputs, out, attrs):
+    key = _slice_index(attrs, g.ndim)
+    dx = g.copy()
+    dx[key] = 0
+    return [dx, g[key]]
+
+
+_register("slice_scatter", _slice_scatter_forward, _slice_scatter_vjp, _same_shape, _free)
+
+
+def _select_key(attrs, shape):
+    return _select_index(attrs, len(shape), shape[_axis(attrs["dim"], len(shape))])
+
+
+def _select_scatter_forward(inputs, attrs):
+    out = inputs[0].copy()
+    out[_select_key(attrs, out.shape)] = inputs[1]
+    return out
+
+
+def _select_scatter_vjp(g, inputs, out, attrs):
+    key = _select_key(attrs, g.shape)
+    dx = g.copy()
+    dx[key] = 0
+    return [dx, g[key]]
+
+
+_register("select_scatter", _select_scatter_forward, _select_scatter_vjp, _same_shape, _free)
+
+
+def _scatter_key(index, axis):
+    key = list(np.indices(index.shape, sparse=True))
+    key[axis] = index
+    return tuple(key)
+
+
+def _scatter_forward(inputs, attrs):
+    """torch's scatter (`reduce` None: src's values put at index along dim) and scatter_add
+    (`reduce` "sum": added there), src as a tensor or the attribute `value`."""
+    x, index = inputs[0], inputs[1]
+    axis = _axis(attrs["dim"], x.ndim)
+    src = inputs[2] if len(inputs) > 2 else np.full(index.shape, attrs["value"], dtype=x.dtype)
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    out = x.copy()
+    if attrs.get("reduce") == "sum":
+        np.add.at(out, _scatter_key(index, axis), src)
+    else:
+        out[_scatter_key(index, axis)] = src
+    return out
+
+
+def _scatter_vjp(g, inputs, out, attrs):
+    x, index = inputs[0], inputs[1]
+    axis = _axis(attrs["dim"], x.ndim)
+    key = _scatter_key(index, axis)
+    dx = g.copy()
+    if attrs.get("reduce") != "sum":
+        dx[key] = 0
+    grads = [dx, None]
+    if len(inputs) > 2:
+        dsrc = np.zeros(inputs[2].shape, dtype=g.dtype)
+        dsrc[tuple(slice(0, n) for n in index.shape)] = g[key]
+        grads.append(dsrc)
+    return grads
+
+
+_register("scatter", _scatter_forward, _scatter_vjp, _same_shape, _free, saves_inputs=(1,))
+
+
+def _index_put_forward(inputs, attrs):
+    """x with x[indices] = values (accumulate: += values), indices at `dims` as `index` takes them."""
+    x, values = inputs[0], inputs[-1]
+    key = _index_key([x, *inputs[1:-1]], attrs)
+    out = x.copy()
+    if attrs.get("accumulate"):
+        np.add.at(out, key, values)
+    else:
+        out[key] = values
+    return out
+
+
+def _index_put_vjp(g, inputs, out, attrs):
+    x, values = inputs[0], inputs[-1]
+    key = _index_key([x, *inputs[1:-1]], attrs)
+    dx = g.copy()
+    if not attrs.get("accumulate"):
+        dx[key] = 0
+    dvalues = unbroadcast(g[key], values.shape) if values.dtype.kind == "f" else None
+    return [dx] + [None] * (len(inputs) - 2) + [dvalues]
+
+
+_register("index_put", _index_put_forward, _index_put_vjp, _same_shape, _free, saves_inputs=tuple(range(1, 9)))
+
+
+def _copy_vjp(g, inputs, out, attrs):
+    """x's values are overwritten: its gradient is zero; src's, g summed back to its shape."""
+    src = inputs[1]
+    return [np.zeros_like(g), unbroadcast(g, src.shape).astype(src.dtype) if src.dtype.kind == "f" else None]
+
+
+# torch's copy(x, src): src's values, in x's shape and dtype (x's own values are not read).
+_register("copy", lambda i, a: np.broadcast_to(i[1], i[0].shape).astype(i[0].dtype), _copy_vjp, _same_shape, _free)
+
+
+# ---------------------------------------------------------------- group norm and upsampling
+
+def _group_stats(x, groups, eps):
+    """(x-hat [N, G, rest], rstd [N, G, 1]) over each sample's channel groups."""
+    n = x.shape[0]
+    xg = x.reshape(n, groups, -1)
+    mean = xg.mean(axis=-1, keepdims=True)
+    d = xg - mean
+    rstd = 1 / np.sqrt((d * d).mean(axis=-1, keepdims=True) + x.dtype.type(eps))
+    return d * rstd, rstd
+
+
+def _group_norm_forward(inputs, attrs):
+    x, w, b = inputs
+    xhat, _ = _group_stats(x, int(attrs["groups"]), attrs.get("eps", 1e-5))
+    return xhat.reshape(x.shape) * _bn_channel(w, x.ndim) + _bn_channel(b, x.ndim)
+
+
+def _group_norm_vjp(g, inputs, out, attrs):
+    x, w, b = inputs
+    groups = int(attrs["groups"])
+    xhat, rstd = _group_stats(x, groups, attrs.get("eps", 1e-5))
+    axes = (0, *range(2, x.ndim))
+    gw = (g * _bn_channel(w, x.ndim)).reshape(xhat.shape)
+    dx = rstd * (gw - gw.mean(axis=-1, keepdims=True) - xhat * (gw * xhat).mean(axis=-1, keepdims=True))
+    return [dx.reshape(x.shape), (g * xhat.reshape(x.shape)).sum(axis=axes), g.sum(axis=axes)]
+
+
+def _group_norm_shape(shapes, attrs):
+    x = tuple(shapes[0])
+    groups = int(attrs["groups"])
+    if len(x) < 2 or x[1] % groups:
+        raise OpError(f"group_norm of input {x} in {groups} groups: the channels must divide into them")
+    for s in shapes[1:]:
+        if tuple(s) != (x[1],):
+            raise OpError(f"group_norm weight or bias of shape {tuple(s)}: expected ({x[1]},)")
+    return x
+
+
+# inputs: x [N, C, ...], weight and bias [C] (ones and zeros where the module has none)
+_register("group_norm", _group_norm_forward, _group_norm_vjp, _group_norm_shape, _elementwise_cost(8),
+          saves_inputs=(0, 1))
+
+
+def _upsample_scale(shapes, attrs):
+    x = tuple(shapes[0])
+    size = [int(s) for s in attrs["size"]]
+    if len(x) != 4 or any(o % i for o, i in zip(size, x[2:])):
+        raise OpError(f"upsample_nearest2d of {x} to {tuple(size)}: only whole multiples of [N, C, H, W]'s H and W")
+    return size[0] // x[2], size[1] // x[3]
+
+
+def _upsample_forward(inputs, attrs):
+    sh, sw = _upsample_scale([inputs[0].shape], attrs)
+    return inputs[0].repeat(sh, axis=2).repeat(sw, axis=3)
+
+
+def _upsample_vjp(g, inputs, out, attrs):
+    n, c, h, w = inputs[0].shape
+    sh, sw = _upsample_scale([inputs[0].shape], attrs)
+    return [g.reshape(n, c, h, sh, w, sw).sum(axis=(3, 5))]
+
+
+_register("upsample_nearest2d", _upsample_forward, _upsample_vjp,
+          lambda s, a: (*tuple(s[0])[:2], *(int(v) for v in a["size"])) if _upsample_scale(s, a) else (),
+          _free)
+
+
+# ---------------------------------------------------------------- order: topk and sort
+
+def _order(x, attrs):
+    """The indices of torch's topk (`k` of them along `dim`, the largest first unless
+    `largest` is False; sort is topk of them all). Ties keep their order (a stable sort):
+    torch leaves which of two equal values comes first unspecified."""
+    axis = _axis(attrs.get("dim", -1), x.ndim)
+    keys = -x if attrs.get("largest", True) else x
+    order = np.argsort(keys, axis=axis, kind="stable")
+    k = int(attrs.get("k", x.shape[axis]))
+    return np.take(order, np.arange(k), axis=axis), axis
+
+
+def _topk_forward(inputs, attrs):
+    idx, axis = _order(inputs[0], attrs)
+    return np.take_along_axis(inputs[0], idx, axis=axis)
+
+
+def _topk_vjp(g, inputs, out, attrs):
+    idx, axis = _order(inputs[0], attrs)
+    dx = np.zeros(inputs[0].shape, dtype=g.dtype)
+    np.put_along_axis(dx, idx, g, axis=axis)
+    return [dx]
+
+
+def _topk_shape(shapes, attrs):
+    s = list(shapes[0])
+    axis = _axis(attrs.get("dim", -1), len(s))
+    k = int(attrs.get("k", s[axis]))
+    if not 0 <= k <= s[axis]:
+        raise OpError(f"topk of {k} along a dim of {s[axis]}")
+    s[axis] = k
+    return tuple(s)
+
+
+def _sort_cost(shapes, out, attrs):
+    n = _numel(shapes[0])
+    return n * max(1, int(math.log2(max(2, n))))
+
+
+# The values (the gradient goes back to where each came from) and, as their own op, the indices.
+_register("topk", _topk_forward, _topk_vjp, _topk_shape, _sort_cost, saves_inputs=(0,))
+_register("topk_indices", lambda i, a: _order(i[0], a)[0].astype(np.int64), _no_grad, _topk_shape, _sort_cost)

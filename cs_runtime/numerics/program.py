@@ -278,10 +278,16 @@ def _residual_problem(node: Node) -> str:
     return f"{len(node.outputs)} outputs; the op makes one" + (" and its residual" if OPS[node.op].residual else "")
 
 
+# Ops whose output is a mask, whatever their inputs
+BOOL_OUT = frozenset({"compare", "logical_not", "logical_and", "logical_or", "logical_xor", "isnan", "isinf", "any"})
+
+
 def _out_dtype(node: Node, dtypes: dict[str, str]) -> str:
-    if node.op in ("compare", "logical_not"):
+    if node.op in BOOL_OUT:
         return "bool"
-    if node.op == "cast":
+    if node.op in ("argmax", "argmin", "topk_indices"):
+        return "int64"
+    if node.op in ("cast", "full_like"):
         return node.attrs["dtype"]
     if node.op == "softmax_cross_entropy":
         return "float64"   # the loss as the runner reports it
