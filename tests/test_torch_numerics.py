@@ -66,7 +66,7 @@ def run_torch(kind: str, weight_decay: float, steps: int):
 def run_ours(kind: str, weight_decay: float, steps: int, state=None, params=None, scaler=None, first=0):
     x, y, start = regression_problem()
     params = params if params is not None else start
-    opt = Optimizer(OptimizerSpec(kind, weight_decay=weight_decay))
+    opt = Optimizer(OptimizerSpec(kind, weight_decay=weight_decay, eps=1e-8))   # torch.optim's eps
     state = state if state is not None else {"fc": opt.init_state(params)}
     scaler = scaler or LossScaler("dynamic", initial_scale=2.0 ** 24, steps_per_increase=5,
                                   min_scale=1.0, max_scale=2.0 ** 40)

@@ -84,7 +84,9 @@ def _torch_optimizer(kind, params):
 
 
 def _ours(kind):
-    return Optimizer(OptimizerSpec(kind, momentum=0.9 if kind == "sgd" else 0.0, weight_decay=0.01 if kind == "adamw" else 0.0))
+    """The rule of _torch_optimizer's: torch.optim's Adam eps (1e-8), not the Cerebras API's default."""
+    return Optimizer(OptimizerSpec(kind, momentum=0.9 if kind == "sgd" else 0.0,
+                                   weight_decay=0.01 if kind == "adamw" else 0.0, eps=1e-8))
 
 
 def train_cpu_path(spec, batches, opt_kind):
