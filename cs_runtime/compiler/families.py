@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 from cs_runtime.compiler.units import split_units
+from cs_runtime.compiler.ir import CompileError
 from cs_runtime.numerics import kernels
 from cs_runtime.numerics.model import GELU_KINDS, ModelSpec
 from cs_runtime.numerics.program import Node, Program, Value, infer_values
@@ -147,7 +148,7 @@ def _mlp(b: _Builder, layer, index: int, x: str) -> str:
 
 def _block(b: _Builder, layer, index: int, x: str, spec: ModelSpec) -> str:
     if layer.activation not in GELU_KINDS:
-        raise ValueError(f"layer {layer.name} ({layer.op}): activation {layer.activation!r} is not one of "
+        raise CompileError(f"layer {layer.name} ({layer.op}): activation {layer.activation!r} is not one of "
                          f"{', '.join(GELU_KINDS)}")
     keep = spec.layers[0].pad_id >= 0
     if layer.norm == "pre":   # GPT-2: x + f(LN(x))
@@ -190,7 +191,7 @@ LAYERS = {"dense": _dense, "embedding": _embedding, "transformer_block": _block,
 def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
     """The spec's program (forward and summed loss) and, per layer, {program name: param name}."""
     if spec.loss != "softmax_cross_entropy":
-        raise ValueError(f"model {spec.name}: loss {spec.loss!r} has no lowering")
+        raise CompileError(f"model {spec.name}: loss {spec.loss!r} has no lowering")
     b = _Builder()
     token = spec.token_model
     x = INPUT

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
+
 from cs_runtime.errors import UserInputError
 
 Dim = Union[int, str]            # an int, or "B" for the batch

@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from cs_runtime.compiler.autodiff import FLOAT_DTYPES, backward_nodes, requires_grad, residual_output
+from cs_runtime.compiler.ir import CompileError
 from cs_runtime.numerics.ops import OPS
 from cs_runtime.numerics.program import Node, Program, Unit
 
@@ -150,14 +151,14 @@ def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[st
     back the model's output (the program's "output" value) with its loss, gathered over
     the WSEs in row order."""
     if return_output and "output" not in program.outputs:
-        raise ValueError(f"model {name}: the model's output is not one tensor, so no step can hand it back")
+        raise CompileError(f"model {name}: the model's output is not one tensor, so no step can hand it back")
     from cs_runtime.numerics.model import LayerSpec, ModelSpec
     inputs = [n for n in program.inputs if n != context]
     if len(inputs) < 2:
-        raise ValueError(f"model {name}: the program takes no model input besides the labels")
+        raise CompileError(f"model {name}: the program takes no model input besides the labels")
     features = list(features) if features is not None else [f"input{i}" for i in range(len(inputs) - 1)]
     if len(features) != len(inputs) - 1 or len(set(features)) != len(features):
-        raise ValueError(f"model {name}: {len(features)} feature names for {len(inputs) - 1} model inputs")
+        raise CompileError(f"model {name}: {len(features)} feature names for {len(inputs) - 1} model inputs")
     layers = tuple(LayerSpec(u.name, "program", 0, 0, unit={
         "unit": u.to_meta(), "param_shapes": {p: list(shapes[p]) for p in u.params}}) for u in units)
     shared = {"inputs": inputs, "features": features, "loss": program.outputs["loss"],
