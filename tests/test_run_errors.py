@@ -364,3 +364,15 @@ def test_ctrl_c_of_csrun_cpu_says_where_it_got_and_how_to_resume(tmp_path):
     assert len(stopped) == 1 and "(interrupted)" in stopped[0] and "run the same command again to resume" in stopped[0]
     last = stopped[0].split("last checkpoint ")[1].split(";")[0]
     assert Path(last).is_file() and Path(last).parent == md   # the checkpoint it names is there
+
+
+def test_an_empty_data_set_names_where_it_came_from(tmp_path):
+    import numpy as np
+    from cs_runtime.config import InputConfig
+    from cs_runtime.data.inputs import InputStream
+    from cs_runtime.data.mnist import DataError
+    section = InputConfig(data_dir=str(tmp_path / "mnist"), batch_size=8)
+    empty = (np.zeros((0, 784), np.float32), np.zeros(0, np.int64))
+    with pytest.raises(DataError) as caught:
+        InputStream.build("train", empty, section, run_seed=1)
+    assert str(caught.value) == f"train_input.data_dir {tmp_path / 'mnist'}: data set is empty (num_samples=0)"
