@@ -89,17 +89,15 @@ def check_before_start(args: RunArgs, writes: bool) -> None:
         if batch < num_csx:
             raise RunError(f"{name}.batch_size {batch} leaves {num_csx - batch} of the {num_csx} WSEs (--num_csx) "
                            f"without rows; use a batch of {num_csx} or more, or fewer WSEs")
-    if not env.PRECHECK_HERE.get():
+    if not env.PRECHECK_HERE.get() or not writes:   # validate_only reads no data and writes nothing
         return
-    if writes:
-        ensure_writable(args.model_dir)
-        run_lock.check_free(args.model_dir)
+    ensure_writable(args.model_dir)
+    run_lock.check_free(args.model_dir)
     for name in input_sections(args.mode):
         data_dir = getattr(args.params, name).data_dir
         if data_dir is not None and not os.path.exists(data_dir):
             raise RunError(f"{name}.data_dir {data_dir}: no such file or folder")
-    if writes:
-        check_eval_has_checkpoint(args)
+    check_eval_has_checkpoint(args)
 
 
 def input_sections(mode: str) -> tuple[str, ...]:

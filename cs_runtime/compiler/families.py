@@ -200,7 +200,7 @@ def build_program(spec: ModelSpec) -> tuple[Program, dict[str, dict[str, str]]]:
         if layer.op == "lm_head":
             encoded = x
         if layer.op not in LAYERS:
-            raise ValueError(f"model {spec.name}: layer {layer.name} (op {layer.op}) has no lowering")
+            raise CompileError(f"model {spec.name}: layer {layer.name} (op {layer.op}) has no lowering")
         b.layer(layer)
         x = LAYERS[layer.op](b, layer, index, x, spec)
     # The loss joins the last layer's unit: [B, T, V] logits flattened to tokens and summed
