@@ -124,8 +124,8 @@ def hold_model_dir(model_dir: str) -> run_lock.RunLock:
     """This run's hold on model_dir (ModelDirInUse while another run has it); a dead run's lock
     taken over is said."""
     lock, taken_over = run_lock.hold(model_dir, env.JOB_ID.get() or f"a {env.ROLE.get() or 'CPU'} run")
-    if taken_over:
-        log.warning("%s", taken_over)
+    if taken_over:   # after --max_restarts' restart, the failed attempt's lock: expected, said quietly
+        log.log(logging.INFO if env.RESTART.get() else logging.WARNING, "%s", taken_over)
     return lock
 
 
@@ -145,13 +145,14 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) 
     try:
         if before is not None:
             before()
+        lock = None
         if not args.validate_only:   # validate_only writes nothing
             ensure_writable(args.model_dir)
             lock = hold_model_dir(args.model_dir)
         try:
             return compile_and_run(args, fns, on_cluster)
         finally:
-            if not args.validate_only:
+            if lock is not None:
                 lock.release()
     except KeyboardInterrupt:   # Ctrl-C of csrun_cpu: the trainer said where it got to; no traceback
         return 130
