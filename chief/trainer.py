@@ -77,12 +77,14 @@ def run_precheck(args: RunArgs, fns: UserFunctions) -> int:
     writes = not args.validate_only
     if not args.compile_only:
         args.validate_only = True
-    return run_chief(args, fns, on_cluster=False, before=lambda: check_before_start(args, writes))
+    return run_chief(args, fns, on_cluster=False, before=lambda: check_before_start(args, writes),
+                     eval_needs_weights=writes and env.PRECHECK_HERE.get())
 
 
 def check_before_start(args: RunArgs, writes: bool) -> None:
     """Every WSE gets rows of each batch; where the chief will run here (a local job), model_dir
-    takes files, each data_dir exists and an eval has its checkpoint. RunError otherwise."""
+    takes files and each data_dir exists (an eval's checkpoint: once the model is built). RunError
+    otherwise."""
     num_csx = env.NUM_CSX.get()
     for name in input_sections(args.mode):
         batch = getattr(args.params, name).batch_size
@@ -97,7 +99,6 @@ def check_before_start(args: RunArgs, writes: bool) -> None:
         data_dir = getattr(args.params, name).data_dir
         if data_dir is not None and not os.path.exists(data_dir):
             raise RunError(f"{name}.data_dir {data_dir}: no such file or folder")
-    check_eval_has_checkpoint(args)
 
 
 def input_sections(mode: str) -> tuple[str, ...]:
@@ -105,10 +106,10 @@ def input_sections(mode: str) -> tuple[str, ...]:
     return {"train": ("train_input",), "eval": ("eval_input",)}.get(mode, ("train_input", "eval_input"))
 
 
-def compile_and_run(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
-    if not (args.validate_only or args.compile_only):
-        check_eval_has_checkpoint(args)
+def compile_and_run(args: RunArgs, fns: UserFunctions, on_cluster: bool, eval_needs_weights: bool) -> int:
     spec = build_spec(args, fns)
+    if eval_needs_weights:
+        check_eval_has_checkpoint(args, spec)
     compiled = compile_model(spec, args)
     if args.validate_only or args.compile_only:
         return 0
@@ -129,8 +130,11 @@ def hold_model_dir(model_dir: str) -> run_lock.RunLock:
     return lock
 
 
-def check_eval_has_checkpoint(args: RunArgs) -> None:
-    """--mode eval without a checkpoint would score random weights as if trained: RunError."""
+def check_eval_has_checkpoint(args: RunArgs, spec: ModelSpec) -> None:
+    """--mode eval without a checkpoint would score random weights as if trained: RunError
+    (a captured module's own weights, which may be trained, are not random)."""
+    if spec.initial_weights is not None:
+        return
     if args.mode == "eval" and args.checkpoint_path is None and ckpt.latest(args.model_dir) is None:
         raise RunError(no_checkpoint_to_evaluate(args.model_dir))
 
@@ -140,7 +144,12 @@ def no_checkpoint_to_evaluate(model_dir: str) -> str:
             "(train first, or give --checkpoint_path)")
 
 
-def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) -> int:
+def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None,
+              eval_needs_weights: bool | None = None) -> int:
+    """`before`: checks before anything is written; `eval_needs_weights`: whether --mode eval is
+    refused without a checkpoint (default: when the run trains or evaluates)."""
+    if eval_needs_weights is None:
+        eval_needs_weights = not (args.validate_only or args.compile_only)
     trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
         if before is not None:
@@ -150,7 +159,7 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) 
             ensure_writable(args.model_dir)
             lock = hold_model_dir(args.model_dir)
         try:
-            return compile_and_run(args, fns, on_cluster)
+            return compile_and_run(args, fns, on_cluster, eval_needs_weights)
         finally:
             if lock is not None:
                 lock.release()
@@ -204,7 +213,7 @@ class Trainer:
     def initial_state(self) -> ckpt.Checkpoint:
         optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
         found = self.checkpoint_to_resume()
-        if found is None and self.args.mode == "eval":   # random weights would score as if trained
+        if found is None and self.args.mode == "eval" and self.spec.initial_weights is None:   # random ones
             raise RunError(no_checkpoint_to_evaluate(str(self.model_dir)))
         if found is None:
             weights = init_weights(self.spec, self.rc.seed)

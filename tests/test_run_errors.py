@@ -9,6 +9,7 @@ few that need a run are short and carry the `cluster` marker.
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import importlib
 import json
 import os
@@ -23,12 +24,13 @@ import pytest
 import zmq
 
 from chief import story as run_story
-from chief.trainer import check_before_start
+from chief.trainer import check_before_start, check_eval_has_checkpoint
 from cs_runtime import errors, run_lock
 from cs_runtime.errors import EXIT_BAD_INPUT, CsError, UserInputError
 from cs_runtime.launch import job, precheck
 from cs_runtime.launch.directory import DirectoryClient, DirectoryServer
 from cs_runtime.launch.job import BadJob, JobOptions, check_fits_host
+from cs_runtime.numerics.model import mlp_spec
 from cs_runtime.run_args import RunError, parse_args
 from tests.cluster_utils import FC_MNIST, REPO, alive, descendants, tool, write_params
 
@@ -76,7 +78,6 @@ def test_an_exception_of_user_code_is_trimmed_to_the_users_frames(tmp_path, caps
     user.write_text("import numpy as np\n\ndef model_fn(params):\n    return np.ones(3) @ np.ones(4)\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        from chief.trainer import run_chief   # noqa: F401 (ours, above the user's frame)
         my_model = importlib.import_module("my_model")
         try:
             my_model.model_fn(None)
@@ -182,11 +183,18 @@ def test_paths_are_checked_where_the_chief_will_run(tmp_path, monkeypatch):
     args = args_for(tmp_path, "train", "--model_dir", str(tmp_path / "a_file" / "md"))
     with pytest.raises(RunError, match=r"cannot create or write there \(Not a directory\)"):
         check_before_start(args, writes=True)
+    monkeypatch.setenv("CS_PRECHECK_HERE", "0")   # a remote chief: its own host says
+    check_before_start(args_for(tmp_path, train_input={"data_dir": str(tmp_path / "no_data")}), writes=True)
+
+
+def test_eval_without_a_checkpoint_is_refused_unless_the_model_brings_its_weights(tmp_path):
+    spec = mlp_spec("fc_mnist", [784, 16, 10], "relu", 0.0)
     with pytest.raises(RunError, match=r"^--mode eval needs trained weights: no checkpoint in .*md and no "
                                        r"--checkpoint_path \(train first, or give --checkpoint_path\)$"):
-        check_before_start(args_for(tmp_path, "eval"), writes=True)
-    monkeypatch.setenv("CS_PRECHECK_HERE", "0")   # a remote chief: its own host says
-    check_before_start(args_for(tmp_path, "eval"), writes=True)
+        check_eval_has_checkpoint(args_for(tmp_path, "eval"), spec)
+    # A captured torch module's own weights (perhaps pretrained) are not random: evaluated as they are.
+    check_eval_has_checkpoint(args_for(tmp_path, "eval"), dataclasses.replace(spec, initial_weights={}))
+    check_eval_has_checkpoint(args_for(tmp_path, "train"), spec)
 
 
 # ---------------------------------------------------------------- a model_dir belongs to one run
