@@ -213,8 +213,6 @@ class Trainer:
     def initial_state(self) -> ckpt.Checkpoint:
         optimizer = Optimizer(**self.params.optimizer.optimizer_spec())
         found = self.checkpoint_to_resume()
-        if found is None and self.args.mode == "eval" and self.spec.initial_weights is None:   # random ones
-            raise RunError(no_checkpoint_to_evaluate(str(self.model_dir)))
         if found is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}
