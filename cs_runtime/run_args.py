@@ -21,7 +21,7 @@ from cs_runtime.version import version_line
 
 
 class RunError(UserInputError):
-    """A user-facing failure of a run: the chief prints it as one line, exit code 1."""
+    """A user-facing failure of a run: the chief prints it as one line, exit code 2 (no restart)."""
 
 
 MODES = ("train", "eval", "train_and_eval", "validate_only", "compile_only")
