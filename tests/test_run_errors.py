@@ -384,3 +384,23 @@ def test_an_empty_data_set_names_where_it_came_from(tmp_path):
     with pytest.raises(DataError) as caught:
         InputStream.build("train", empty, section, run_seed=1)
     assert str(caught.value) == f"train_input.data_dir {tmp_path / 'mnist'}: data set is empty (num_samples=0)"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--num_csx", "1000", "python", FC_MNIST], "csrun_wse: --num_csx 1000 with 1000 input worker(s) starts 2003 "
+     "processes here, about 140,210 MB before the model (70 MB each), but this machine has 23,000 MB available; "
+     "use fewer WSEs or workers"),
+    (["python", "/nowhere/run.py", "--mode", "train"], "csrun_wse: /nowhere/run.py: no such file"),
+])
+def test_csrun_wse_says_one_line_and_exits_2_before_starting_anything(argv, line, monkeypatch, capsys):
+    from scripts import csrun_wse
+    monkeypatch.setattr(job, "available_memory_mb", lambda: 23_000)
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))   # nothing may start
+    monkeypatch.setattr(job, "run", lambda options: started.append(options))
+    with pytest.raises(SystemExit) as exited:
+        csrun_wse.main(argv)
+    assert exited.value.code == EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [line] and out == ""
+    assert started == []
