@@ -37,6 +37,8 @@ from cs_runtime.numerics.precision import LossScaler
 from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
 log = logging.getLogger("chief")
+# How a role is named where an error of the user's code is shown.
+ROLE_NAMES = {"": "cpu", "precheck": "csrun_wse's check before the job starts"}
 PROCESS_STARTED = time.monotonic() - run_story.process_age()   # the first step's line counts from it
 
 # TensorBoard tags as the model zoo's 2.x runner names them (cerebras.modelzoo's
@@ -168,7 +170,7 @@ def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None,
     except Exception as exc:
         # Bad input (params, data, checkpoint) or a diverged loss: one line, exit 2, no restart.
         # The user's own code: its frames. Ours: the whole traceback (re-raised).
-        code = errors.report(exc, f"{env.ROLE.get() or 'cpu'} on {host_name()}")
+        code = errors.report(exc, f"{ROLE_NAMES.get(env.ROLE.get(), env.ROLE.get())} on {host_name()}")
         if code is None:
             raise
         return code
