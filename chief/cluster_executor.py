@@ -24,6 +24,7 @@ from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 from cs_runtime.process.service import ProcessEnv
+from cs_runtime.run_args import RunError
 from cs_runtime.wire.transport import Endpoint
 
 log = logging.getLogger("chief")
@@ -169,7 +170,7 @@ class ClusterExecutor:
     def num_eval_steps(self) -> int:
         if self._eval_steps is None:
             if self.fns.eval_input_fn is None:
-                raise ValueError("eval needs an eval_input_fn in run.py")
+                raise RunError("eval needs an eval_input_fn in run.py")
             # Only the length matters here: the workers stream the data itself.
             stream = InputStream.build("eval", self.fns.eval_input_fn(self.params), self.params.eval_input,
                                        self.params.runconfig.seed)

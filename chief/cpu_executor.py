@@ -12,7 +12,7 @@ from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batc
 from cs_runtime.numerics.local_step import apply_update, forward_backward
 from cs_runtime.numerics.model import ShardContext, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
-from cs_runtime.run_args import RunArgs, UserFunctions
+from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
 
 def build_streams(args: RunArgs, fns: UserFunctions) -> dict[str, InputStream]:
@@ -36,7 +36,7 @@ class CpuExecutor:
 
     def num_eval_steps(self) -> int:
         if "eval" not in self.streams:
-            raise ValueError("eval needs an eval_input_fn in run.py")
+            raise RunError("eval needs an eval_input_fn in run.py")
         return eval_steps(self.streams["eval"], self.params.runconfig.eval_steps)
 
     def load(self, weights, opt_state, phases) -> None:
@@ -52,7 +52,7 @@ class CpuExecutor:
         return ctx, shard
 
     def check(self, stream: str, step: int, shard) -> None:
-        """Bad data stops the run (a ValueError: one line, exit 2) naming the sample and its data set index."""
+        """Bad data stops the run (a RunError: one line, exit 2) naming the sample and its data set index."""
         try:
             check_batch(self.spec, shard.x, shard.y)
         except BadBatch as exc:
@@ -60,7 +60,7 @@ class CpuExecutor:
             if exc.sample is not None:
                 index = self.streams[stream].plan.global_indices(step)[shard.rows.start + exc.sample]
                 line += f" (data set index {int(index)})"
-            raise ValueError(line) from None
+            raise RunError(line) from None
 
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
                    norms: bool = True, then: tuple | None = None) -> tuple[float, float, bool]:

@@ -38,6 +38,8 @@ from cs_runtime.numerics.precision import LossScaler
 from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
 log = logging.getLogger("chief")
+# How a role is named where an error of the user's code is shown.
+ROLE_NAMES = {"": "cpu", "precheck": "csrun_wse's check before the job starts"}
 PROCESS_STARTED = time.monotonic() - run_story.process_age()   # the first step's line counts from it
 
 # TensorBoard tags as the model zoo's 2.x runner names them (cerebras.modelzoo's
@@ -78,29 +80,28 @@ def run_precheck(args: RunArgs, fns: UserFunctions) -> int:
     writes = not args.validate_only
     if not args.compile_only:
         args.validate_only = True
-    return run_chief(args, fns, on_cluster=False, before=lambda: check_before_start(args, writes))
+    return run_chief(args, fns, on_cluster=False, before=lambda: check_before_start(args, writes),
+                     eval_needs_weights=writes and env.PRECHECK_HERE.get())
 
 
 def check_before_start(args: RunArgs, writes: bool) -> None:
     """Every WSE gets rows of each batch; where the chief will run here (a local job), model_dir
-    takes files, each data_dir exists and an eval has its checkpoint. RunError otherwise."""
+    takes files and each data_dir exists (an eval's checkpoint: once the model is built). RunError
+    otherwise."""
     num_csx = env.NUM_CSX.get()
     for name in input_sections(args.mode):
         batch = getattr(args.params, name).batch_size
         if batch < num_csx:
             raise RunError(f"{name}.batch_size {batch} leaves {num_csx - batch} of the {num_csx} WSEs (--num_csx) "
                            f"without rows; use a batch of {num_csx} or more, or fewer WSEs")
-    if not env.PRECHECK_HERE.get():
+    if not env.PRECHECK_HERE.get() or not writes:   # validate_only reads no data and writes nothing
         return
-    if writes:
-        ensure_writable(args.model_dir)
-        run_lock.check_free(args.model_dir)
+    ensure_writable(args.model_dir)
+    run_lock.check_free(args.model_dir)
     for name in input_sections(args.mode):
         data_dir = getattr(args.params, name).data_dir
         if data_dir is not None and not os.path.exists(data_dir):
             raise RunError(f"{name}.data_dir {data_dir}: no such file or folder")
-    if writes:
-        check_eval_has_checkpoint(args)
 
 
 def input_sections(mode: str) -> tuple[str, ...]:
@@ -108,10 +109,10 @@ def input_sections(mode: str) -> tuple[str, ...]:
     return {"train": ("train_input",), "eval": ("eval_input",)}.get(mode, ("train_input", "eval_input"))
 
 
-def compile_and_run(args: RunArgs, fns: UserFunctions, on_cluster: bool) -> int:
-    if not (args.validate_only or args.compile_only):
-        check_eval_has_checkpoint(args)
+def compile_and_run(args: RunArgs, fns: UserFunctions, on_cluster: bool, eval_needs_weights: bool) -> int:
     spec = build_spec(args, fns)
+    if eval_needs_weights:
+        check_eval_has_checkpoint(args, spec)
     compiled = compile_model(spec, args)
     if args.validate_only or args.compile_only:
         return 0
@@ -127,13 +128,16 @@ def hold_model_dir(model_dir: str) -> run_lock.RunLock:
     """This run's hold on model_dir (ModelDirInUse while another run has it); a dead run's lock
     taken over is said."""
     lock, taken_over = run_lock.hold(model_dir, env.JOB_ID.get() or f"a {env.ROLE.get() or 'CPU'} run")
-    if taken_over:
-        log.warning("%s", taken_over)
+    if taken_over:   # after --max_restarts' restart, the failed attempt's lock: expected, said quietly
+        log.log(logging.INFO if env.RESTART.get() else logging.WARNING, "%s", taken_over)
     return lock
 
 
-def check_eval_has_checkpoint(args: RunArgs) -> None:
-    """--mode eval without a checkpoint would score random weights as if trained: RunError."""
+def check_eval_has_checkpoint(args: RunArgs, spec: ModelSpec) -> None:
+    """--mode eval without a checkpoint would score random weights as if trained: RunError
+    (a captured module's own weights, which may be trained, are not random)."""
+    if spec.initial_weights is not None:
+        return
     if args.mode == "eval" and args.checkpoint_path is None and ckpt.latest(args.model_dir) is None:
         raise RunError(no_checkpoint_to_evaluate(args.model_dir))
 
@@ -143,25 +147,31 @@ def no_checkpoint_to_evaluate(model_dir: str) -> str:
             "(train first, or give --checkpoint_path)")
 
 
-def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None) -> int:
+def run_chief(args: RunArgs, fns: UserFunctions, on_cluster: bool, before=None,
+              eval_needs_weights: bool | None = None) -> int:
+    """`before`: checks before anything is written; `eval_needs_weights`: whether --mode eval is
+    refused without a checkpoint (default: when the run trains or evaluates)."""
+    if eval_needs_weights is None:
+        eval_needs_weights = not (args.validate_only or args.compile_only)
     trace.RECORDER.reset(trace.enabled_from_env())   # csrun_wse --trace / csrun_cpu --trace
     try:
         if before is not None:
             before()
+        lock = None
         if not args.validate_only:   # validate_only writes nothing
             ensure_writable(args.model_dir)
             lock = hold_model_dir(args.model_dir)
         try:
-            return compile_and_run(args, fns, on_cluster)
+            return compile_and_run(args, fns, on_cluster, eval_needs_weights)
         finally:
-            if not args.validate_only:
+            if lock is not None:
                 lock.release()
     except KeyboardInterrupt:   # Ctrl-C of csrun_cpu: the trainer said where it got to; no traceback
         return 130
     except Exception as exc:
         # Bad input (params, data, checkpoint) or a diverged loss: one line, exit 2, no restart.
         # The user's own code: its frames. Ours: the whole traceback (re-raised).
-        code = errors.report(exc, f"{env.ROLE.get() or 'cpu'} on {host_name()}")
+        code = errors.report(exc, f"{ROLE_NAMES.get(env.ROLE.get(), env.ROLE.get())} on {host_name()}")
         if code is None:
             raise
         return code
@@ -206,8 +216,6 @@ class Trainer:
     def initial_state(self) -> ckpt.Checkpoint:
         optimizer = Optimizer(self.params.optimizer.optimizer_spec())
         found = self.checkpoint_to_resume()
-        if found is None and self.args.mode == "eval":   # random weights would score as if trained
-            raise RunError(no_checkpoint_to_evaluate(str(self.model_dir)))
         if found is None:
             weights = init_weights(self.spec, self.rc.seed)
             opt_state = {name: optimizer.init_state(w) for name, w in weights.items()}

@@ -115,7 +115,7 @@ def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]
         for pname, shape in layer.param_shapes().items():
             key = f"model/{layer.name}/{pname}"
             if key not in arrays or tuple(arrays[key].shape) != shape:
-                raise ValueError(f"weights for {layer.name}/{pname} missing or not of shape {shape}")
+                raise CheckpointError(f"weights for {layer.name}/{pname} missing or not of shape {shape}")
             weights[layer.name][pname] = w = np.array(arrays[key], dtype=np.float32)
             slots = {f"optimizer/{layer.name}/{pname}/{slot}": slot for slot in optimizer.slot_names()}
             opt_state[layer.name][pname] = {

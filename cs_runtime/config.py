@@ -750,7 +750,7 @@ class RunConfig(_Section):
         if self.num_epochs is not None:
             per_epoch = self.steps_per_epoch or batches_per_epoch
             if not per_epoch:
-                raise ValueError("runconfig.num_epochs: the training data holds no full batch")
+                raise UserInputError("runconfig.num_epochs: the training data holds no full batch")
             stops.append(self.num_epochs * per_epoch)
         return min(stops) if stops else 100
 

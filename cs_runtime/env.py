@@ -15,6 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
 from cs_runtime.errors import UserInputError
 
 

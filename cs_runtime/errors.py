@@ -17,6 +17,7 @@ user sees their file and line, not ours.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -45,6 +46,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _USER_FOLDERS_IN_REPO = ("examples",)   # a model script there is written as a user's would be
 
 
+@functools.lru_cache(maxsize=1)
 def _library_folders() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     return tuple({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")})

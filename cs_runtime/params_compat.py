@@ -19,6 +19,7 @@ import difflib
 from typing import Any
 
 import yaml
+
 from cs_runtime.errors import UserInputError
 
 # Other spellings of model-zoo keys, per section: what a user coming from another

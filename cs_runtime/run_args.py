@@ -30,7 +30,7 @@ from cs_runtime.version import version_line
 
 
 class RunError(UserInputError):
-    """A user-facing failure of a run: the chief prints it as one line, exit code 1."""
+    """A user-facing failure of a run: the chief prints it as one line, exit code 2 (no restart)."""
 
 
 MODES = ("train", "eval", "train_and_eval", "eval_all", "validate_only", "compile_only")

@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+
 from cs_runtime.errors import UserInputError
 
 FAMILIES = ("fc_mnist", "gpt2", "bert", "program")

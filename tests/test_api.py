@@ -80,7 +80,10 @@ def test_eval_mode_matches_cpu_eval_of_the_same_checkpoint(trained, oracle, tmp_
     got = re.search(EVAL, result.stdout)
     assert got and got.group(1) == "WSE", result.stdout
     shutil.copytree(model_dir, tmp_path / "cpu")   # the CPU path resumes from the same checkpoint
-    cpu = run_cpu(oracle[0], tmp_path / "cpu", "eval")
+    initial = run_cpu(oracle[0], tmp_path / "cpu", "train", "--override", "runconfig.max_steps=1",
+                      "--override", "runconfig.save_initial_checkpoint=true")
+    assert initial.returncode == 0, initial.stderr[-2000:]
+    cpu = run_cpu(oracle[0], tmp_path / "cpu", "eval", "--checkpoint_path", str(tmp_path / "cpu" / "checkpoint_0.npz"))
     want = re.search(EVAL, cpu.stdout)
     assert cpu.returncode == 0 and want, cpu.stdout + cpu.stderr
     assert abs(float(got.group(2)) - float(want.group(2))) < 1e-5 * float(want.group(2))
@@ -165,7 +168,8 @@ def test_a_failed_wse_raises_job_failed_naming_it(tmp_path):
 
 
 def test_eval_session_in_process_matches_cpu_path(tmp_path, oracle):
-    """Eval of fresh weights (no checkpoint in model_dir): the CPU path's numbers."""
+    """Eval of fresh weights (no checkpoint in model_dir): the CPU path's numbers on the same
+    weights, its initial checkpoint (run.py refuses --mode eval without a checkpoint)."""
     loader = cstorch.dataloader(eval_input_fn, 100, shuffle=False, drop_last=False)
     cstorch.manual_seed(3)
     try:
@@ -176,7 +180,10 @@ def test_eval_session_in_process_matches_cpu_path(tmp_path, oracle):
     finally:
         cstorch.manual_seed(1)
     assert len(losses) == 3 and metrics["count"] == 297
-    cpu = run_cpu(oracle[0], tmp_path / "cpu", "eval")
+    initial = run_cpu(oracle[0], tmp_path / "cpu", "train", "--override", "runconfig.max_steps=1",
+                      "--override", "runconfig.save_initial_checkpoint=true")
+    assert initial.returncode == 0, initial.stderr[-2000:]
+    cpu = run_cpu(oracle[0], tmp_path / "cpu", "eval", "--checkpoint_path", str(tmp_path / "cpu" / "checkpoint_0.npz"))
     want = re.search(r"Step=0, Loss=([\d.]+), Accuracy=([\d.]+)", cpu.stdout)
     assert want, cpu.stdout + cpu.stderr
     assert abs(metrics["loss"] - float(want.group(1))) < 1e-5

@@ -43,7 +43,8 @@ def test_resume_skips_a_truncated_latest_checkpoint_and_ends_bit_identical(tmp_p
     result = run_cpu(params, resumed)
     assert result.returncode == 0, result.stderr[-2000:]
     skipped = [l for l in result.stderr.splitlines() if "skipping" in l]
-    assert len(skipped) == 1 and f"skipping checkpoint {cut} is not readable" in skipped[0], result.stderr
+    assert len(skipped) == 1 and f"skipping checkpoint {cut} is corrupt" in skipped[0], result.stderr
+    assert "set aside as checkpoint_8.npz.corrupt" in skipped[0]   # kept, not overwritten by the new step 8
     assert "resuming from an older one" in skipped[0]
     assert f"Restored checkpoint {resumed / 'checkpoint_6.npz'} at global step 6" in result.stderr
     want, got = weights_of(undisturbed / "checkpoint_8.npz"), weights_of(cut)

@@ -483,7 +483,7 @@ def test_csrun_cpu_validate_only_fails_on_an_unsupported_layer(tmp_path: Path) -
     done = _csrun_cpu(str(script), "--mode", "train", "--params", str(FC_PARAMS),
                       "--model_dir", str(tmp_path / "m"), "--validate_only")
     assert done.returncode != 0
-    assert "layer volume" in done.stdout and "conv3d" in done.stdout
+    assert "layer volume" in done.stderr and "conv3d" in done.stderr
     assert not (tmp_path / "m").exists()
 
 

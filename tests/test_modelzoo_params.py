@@ -418,7 +418,7 @@ def test_eval_frequency_below_the_run_is_refused_in_train_and_eval(tmp_path: Pat
                         "--override", "runconfig.max_steps=4", "--override", "runconfig.eval_frequency=2",
                         mode="train_and_eval")
     assert result.returncode == 2
-    assert "runconfig.eval_frequency 2: evaluating during training is not emulated" in result.stdout
+    assert "runconfig.eval_frequency 2: evaluating during training is not emulated" in result.stderr
 
 
 # ------------------------------------------------------------------ what the keys do

@@ -9,6 +9,7 @@ few that need a run are short and carry the `cluster` marker.
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import importlib
 import json
 import os
@@ -23,13 +24,14 @@ import pytest
 import zmq
 
 from chief import story as run_story
-from chief.trainer import check_before_start
+from chief.trainer import check_before_start, check_eval_has_checkpoint
 from cs_runtime import errors, run_lock
 from cs_runtime.errors import EXIT_BAD_INPUT, CsError, UserInputError
 from cs_runtime.launch import job, precheck
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.launch.job import BadJob, JobOptions, check_fits_host
+from cs_runtime.numerics.model import mlp_spec
 from cs_runtime.run_args import RunError, parse_args
 from tests.cluster_utils import FC_MNIST, REPO, alive, descendants, tool, write_params
 
@@ -77,7 +79,6 @@ def test_an_exception_of_user_code_is_trimmed_to_the_users_frames(tmp_path, caps
     user.write_text("import numpy as np\n\ndef model_fn(params):\n    return np.ones(3) @ np.ones(4)\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        from chief.trainer import run_chief   # noqa: F401 (ours, above the user's frame)
         my_model = importlib.import_module("my_model")
         try:
             my_model.model_fn(None)
@@ -183,11 +184,18 @@ def test_paths_are_checked_where_the_chief_will_run(tmp_path, monkeypatch):
     args = args_for(tmp_path, "train", "--model_dir", str(tmp_path / "a_file" / "md"))
     with pytest.raises(RunError, match=r"cannot create or write there \(Not a directory\)"):
         check_before_start(args, writes=True)
+    monkeypatch.setenv("CS_PRECHECK_HERE", "0")   # a remote chief: its own host says
+    check_before_start(args_for(tmp_path, train_input={"data_dir": str(tmp_path / "no_data")}), writes=True)
+
+
+def test_eval_without_a_checkpoint_is_refused_unless_the_model_brings_its_weights(tmp_path):
+    spec = mlp_spec("fc_mnist", [784, 16, 10], "relu", 0.0)
     with pytest.raises(RunError, match=r"^--mode eval needs trained weights: no checkpoint in .*md and no "
                                        r"--checkpoint_path \(train first, or give --checkpoint_path\)$"):
-        check_before_start(args_for(tmp_path, "eval"), writes=True)
-    monkeypatch.setenv("CS_PRECHECK_HERE", "0")   # a remote chief: its own host says
-    check_before_start(args_for(tmp_path, "eval"), writes=True)
+        check_eval_has_checkpoint(args_for(tmp_path, "eval"), spec)
+    # A captured torch module's own weights (perhaps pretrained) are not random: evaluated as they are.
+    check_eval_has_checkpoint(args_for(tmp_path, "eval"), dataclasses.replace(spec, initial_weights={}))
+    check_eval_has_checkpoint(args_for(tmp_path, "train"), spec)
 
 
 # ---------------------------------------------------------------- a model_dir belongs to one run
@@ -365,3 +373,35 @@ def test_ctrl_c_of_csrun_cpu_says_where_it_got_and_how_to_resume(tmp_path):
     assert len(stopped) == 1 and "(interrupted)" in stopped[0] and "run the same command again to resume" in stopped[0]
     last = stopped[0].split("last checkpoint ")[1].split(";")[0]
     assert Path(last).is_file() and Path(last).parent == md   # the checkpoint it names is there
+
+
+def test_an_empty_data_set_names_where_it_came_from(tmp_path):
+    import numpy as np
+    from cs_runtime.config import InputConfig
+    from cs_runtime.data.inputs import InputStream
+    from cs_runtime.data.mnist import DataError
+    section = InputConfig(data_dir=str(tmp_path / "mnist"), batch_size=8)
+    empty = (np.zeros((0, 784), np.float32), np.zeros(0, np.int64))
+    with pytest.raises(DataError) as caught:
+        InputStream.build("train", empty, section, run_seed=1)
+    assert str(caught.value) == f"train_input.data_dir {tmp_path / 'mnist'}: data set is empty (num_samples=0)"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--num_csx", "1000", "python", FC_MNIST], "csrun_wse: --num_csx 1000 with 1000 input worker(s) starts 2003 "
+     "processes here, about 140,210 MB before the model (70 MB each), but this machine has 23,000 MB available; "
+     "use fewer WSEs or workers"),
+    (["python", "/nowhere/run.py", "--mode", "train"], "csrun_wse: /nowhere/run.py: no such file"),
+])
+def test_csrun_wse_says_one_line_and_exits_2_before_starting_anything(argv, line, monkeypatch, capsys):
+    from cs_runtime.cli import csrun_wse
+    monkeypatch.setattr(job, "available_memory_mb", lambda: 23_000)
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))   # nothing may start
+    monkeypatch.setattr(job, "run", lambda options: started.append(options))
+    with pytest.raises(SystemExit) as exited:
+        csrun_wse.main(argv)
+    assert exited.value.code == EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [line] and out == ""
+    assert started == []

@@ -170,7 +170,9 @@ def test_weight_streaming_trace(tmp_path, oracle):
     assert result.returncode == 0, result.stdout + result.stderr
     assert_matches_oracle(tmp_path / "ws", oracle)          # tracing changes no number
     path = tmp_path / "ws" / "trace.json"
-    assert f"| Trace: {path}" in result.stdout.strip().splitlines()[-1]
+    lines = result.stdout.splitlines()
+    assert any(l.startswith(f"| Trace: {path} (") for l in lines), result.stdout[-2000:]
+    assert f"| Timeline: {path} (https://ui.perfetto.dev)" in lines   # and again in the run's summary
     doc, spans = load_trace(tmp_path / "ws")
     assert set(spans) == {"chief", "worker0", "worker1", "memoryx", "swarmx", "wse0", "wse1"}
     # One measured step drawn for a login node: a bar per span of the last step, named as in the trace.

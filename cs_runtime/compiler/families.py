@@ -148,7 +148,7 @@ def _mlp(b: _Builder, layer, index: int, x: str) -> str:
 
 def _block(b: _Builder, layer, index: int, x: str, spec: ModelSpec) -> str:
     if layer.activation not in GELU_KINDS:
-        raise ValueError(f"layer {layer.name} ({layer.op}): activation {layer.activation!r} is not one of "
+        raise CompileError(f"layer {layer.name} ({layer.op}): activation {layer.activation!r} is not one of "
                          f"{', '.join(GELU_KINDS)}")
     keep = spec.layers[0].pad_id >= 0
     if layer.norm == "pre":   # GPT-2: x + f(LN(x))

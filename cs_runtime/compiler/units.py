@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from cs_runtime.compiler.autodiff import FLOAT_DTYPES, backward_nodes, requires_grad, residual_output
+from cs_runtime.compiler.errors import CompileError
 from cs_runtime.numerics.ops import OPS
 from cs_runtime.numerics.program import Node, Program, Unit
 
@@ -150,14 +151,14 @@ def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[st
     back the model's output (the program's "output" value) with its loss, gathered over
     the WSEs in row order."""
     if return_output and "output" not in program.outputs:
-        raise ValueError(f"model {name}: the model's output is not one tensor, so no step can hand it back")
+        raise CompileError(f"model {name}: the model's output is not one tensor, so no step can hand it back")
     from cs_runtime.numerics.model import LayerSpec, ModelSpec
     inputs = [n for n in program.inputs if n != context]
     if len(inputs) < 2:
-        raise ValueError(f"model {name}: the program takes no model input besides the labels")
+        raise CompileError(f"model {name}: the program takes no model input besides the labels")
     features = list(features) if features is not None else [f"input{i}" for i in range(len(inputs) - 1)]
     if len(features) != len(inputs) - 1 or len(set(features)) != len(features):
-        raise ValueError(f"model {name}: {len(features)} feature names for {len(inputs) - 1} model inputs")
+        raise CompileError(f"model {name}: {len(features)} feature names for {len(inputs) - 1} model inputs")
     layers = tuple(LayerSpec(u.name, "program", 0, 0, unit={
         "unit": u.to_meta(), "param_shapes": {p: list(shapes[p]) for p in u.params}}) for u in units)
     shared = {"inputs": inputs, "features": features, "loss": program.outputs["loss"],
@@ -177,7 +178,7 @@ def _label_mean(program: Program) -> bool:
     """Whether the loss is a mean over the labels not ignored (-100, torch's default): a
     shard's share of the global mean is then its labelled targets over the global batch's
     (the input workers count them), not its rows over the batch's."""
-    from cs_runtime.numerics.kernels import IGNORE_INDEX
+    from cs_runtime.numerics.batch_check import IGNORE_INDEX
     loss = program.outputs["loss"]
     node = next((n for n in program.nodes if n.outputs[0] == loss), None)
     return (node is not None and node.op in ("cross_entropy", "nll_loss")

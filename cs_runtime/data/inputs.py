@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cs_runtime.data.batches import BatchPlan, shard_rows
+from cs_runtime.data.mnist import DataError
 from cs_runtime.numerics.batch_check import IGNORE_INDEX
 
 
@@ -85,9 +86,13 @@ class InputStream:
 
     @classmethod
     def build(cls, name: str, dataset, section, run_seed: int) -> "InputStream":
-        plan = BatchPlan(num_samples=dataset_len(dataset), batch_size=section.batch_size,
-                         shuffle=section.shuffle, drop_last_batch=section.drop_last_batch,
-                         seed=section.seed(run_seed))
+        try:
+            plan = BatchPlan(num_samples=dataset_len(dataset), batch_size=section.batch_size,
+                             shuffle=section.shuffle, drop_last_batch=section.drop_last_batch,
+                             seed=section.seed(run_seed))
+        except DataError as exc:   # an empty file says nothing of itself: name where it came from
+            where = getattr(section, "data_dir", None) or "the input function's data set"
+            raise DataError(f"{name}_input.data_dir {where}: {exc}") from None
         return cls(name, dataset, plan)
 
     def shards(self, step: int, num_ranks: int) -> list[Shard]:

@@ -22,6 +22,7 @@ from importlib import resources
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from cs_runtime.errors import UserInputError
 
 if TYPE_CHECKING:

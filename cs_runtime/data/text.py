@@ -105,7 +105,7 @@ def load_corpus(data_dir: str | None, split: str, vocab_size: int = VOCAB_SIZE, 
         tokens = _read_dir(data_dir, vocab_size, lower)
     cut = int(len(tokens) * (1 - EVAL_FRACTION))
     if split not in ("train", "eval"):
-        raise ValueError(f"unknown split {split!r}")
+        raise TextDataError(f"unknown split {split!r}")
     part = tokens[:cut] if split == "train" else tokens[cut:]
     part.flags.writeable = False
     return part

@@ -112,9 +112,10 @@ class BadJob(UserInputError):
     """A job that cannot run as asked on this machine: one line before anything starts, exit 2."""
 
 
-# What one process of a job holds when idle (Python, numpy, ZeroMQ: 60-70 MB RSS measured), before
-# its share of the model; and how many processes a core can take before the heartbeats, answered
-# twice a second, miss their 10 s (every process of a job heartbeats; a WSE computes).
+# What one process of a job holds before its share of the model (Python, numpy, ZeroMQ): an FC-MNIST
+# job on 2 WSEs measured 45-50 MB for MemoryX and SwarmX, 62 for a WSE, 70-90 for the chief and the
+# workers. And how many processes a core can take before their heartbeats, each sent twice a second,
+# miss the launcher's 10 s.
 PROCESS_MB = 70
 PROCESSES_PER_CORE = 32
 

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 import zmq
 
@@ -83,8 +84,21 @@ def _exit_done() -> None:
     os._exit(0)
 
 
-# What a socket's calls raise once its context is being destroyed by another thread.
-CONTEXT_GONE_ERRNOS = (zmq.ENOTSOCK, zmq.ETERM)
+# Every heartbeat thread of this process, so that a process on its way out stops them before it
+# destroys their context (stop_heartbeats).
+_BEATING: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()
+
+
+def stop_heartbeats() -> None:
+    """Stop this process's heartbeat threads (each says it is leaving): before ctx.destroy, which
+    must not close a socket another thread is using."""
+    for beat in list(_BEATING):
+        beat.stop()
+
+
+# What a socket's calls raise once its context is being destroyed by another thread (ENOTSUP: the
+# socket closed in the middle of a call; a heartbeat's DEALER supports every call it makes).
+CONTEXT_GONE_ERRNOS = (zmq.ENOTSOCK, zmq.ETERM, zmq.ENOTSUP)
 
 
 class Heartbeat(threading.Thread):
@@ -105,6 +119,7 @@ class Heartbeat(threading.Thread):
         self.said_leaving = threading.Event()
         self._wake_r, self._wake_w = os.pipe()   # stop() wakes the thread from its wait on the socket
         self._wake_lock = threading.Lock()
+        _BEATING.add(self)
 
     def run(self) -> None:
         endpoint = Endpoint(self.ctx, zmq.DEALER, "heartbeat", self.job).connect(self.address)
@@ -141,7 +156,7 @@ class Heartbeat(threading.Thread):
         except zmq.ZMQError as exc:
             # The process is closing its context under this thread (an error on its way out):
             # it is leaving anyway, and its own line says why; no second traceback from here.
-            if exc.errno not in CONTEXT_GONE_ERRNOS and not self.ctx.closed:
+            if exc.errno not in CONTEXT_GONE_ERRNOS and not (self.ctx.closed or endpoint.sock.closed):
                 raise
         finally:
             self.said_leaving.set()

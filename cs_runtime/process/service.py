@@ -20,7 +20,7 @@ import zmq
 from cs_runtime.errors import EXIT_BAD_INPUT, UserInputError
 from cs_runtime import env
 from cs_runtime.process import orphan
-from cs_runtime.process.directory_client import DirectoryClient
+from cs_runtime.process.directory_client import DirectoryClient, stop_heartbeats
 from cs_runtime.wire.auth import stop_authenticator
 
 
@@ -116,5 +116,6 @@ def service_main(role: str, body) -> None:
         logging.shutdown()
         os._exit(1)
     finally:
+        stop_heartbeats()   # their sockets are in ctx: closed by their own thread, not under it
         stop_authenticator(ctx)
         ctx.destroy(linger=0)
