@@ -983,7 +983,50 @@ def _filled(fill_of):
     return lower
 
 
+def _arange(L, node, *args, **kw):
+    """torch.arange of the batch size (transformers' batch index of its masks): on a shard, its rows
+    0..n-1, which pick the shard's own rows as the whole batch's pick the batch's. Only that use is
+    taken (`_indexes_own_rows`); any other (a row number as a value) would differ on a shard."""
+    out = node.meta["val"]
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, kw.get("step", 1))[:3]
+    whole_batch = (out.dim() == 1 and _symbolic(out.shape[0]) and out.shape[0].node.expr.is_Symbol
+                   and start == 0 and step == 1)
+    if not (whole_batch and _indexes_own_rows(node)):
+        raise L.error("an arange of the batch size used other than to index the batch's own rows: a shard "
+                      "of other rows would compute other numbers")
+    ones = _expand_to(L, L.constant(torch.ones(1, dtype=out.dtype)), out.shape, src=(1,))
+    counted = L.emit("cumsum", [ones], {"dim": 0}, out=f"{node.name}_count")
+    return L.emit("sub", [counted], {"scalar": 1})
+
+
+# What an arange of the batch may pass through on its way to an index: ops that only reshape it.
+_ROW_INDEX_PASSTHROUGH = frozenset({"unsqueeze", "expand", "view", "reshape", "_unsafe_view", "slice"})
+
+
+def _whole_slice(node) -> bool:
+    """A slice that keeps every element: dim 0 of a 1-d value, from 0 to the end, step 1."""
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    return dim == 0 and start in (None, 0) and (end is None or isinstance(end, int) and end >= 2 ** 62) and step == 1
+
+
+def _indexes_own_rows(node) -> bool:
+    """Whether every use of `node` ends, through ops that only reshape it (a slice only whole), as the
+    row index (indices[0]) of an index op on a value whose dim 0 is the batch."""
+    for user in node.users:
+        packet = _packet(user.target)
+        if packet == "slice" and not _whole_slice(user):
+            return False
+        if packet in _ROW_INDEX_PASSTHROUGH and user.args[0] is node:
+            if not _indexes_own_rows(user):
+                return False
+        elif not (packet == "index" and len(user.args) > 1 and user.args[1] and user.args[1][0] is node
+                  and _symbolic(user.args[0].meta["val"].shape[0])):
+            return False
+    return bool(node.users)
+
+
 _BATCH_SIZED = {
+    "arange": _arange,
     "view": _reshape, "reshape": _reshape, "_unsafe_view": _reshape, "expand": _expand,
     "ones": _filled(lambda size, **kw: 1), "zeros": _filled(lambda size, **kw: 0),
     "empty": _filled(lambda size, **kw: 0), "full": _filled(lambda size, fill_value, **kw: fill_value),

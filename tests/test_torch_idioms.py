@@ -16,7 +16,7 @@ from cs_runtime.numerics.model import ShardContext, init_weights, model_forward,
 from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
 from tests import idiom_models as im  # noqa: E402
 from tests.test_torch_programs import (_call, _dropout_as_drawn, _example, _torch_float_spread,  # noqa: E402
-                                      train_cpu_path, train_torch)
+                                      train_both, train_cpu_path, train_torch)
 
 STEPS, BATCH = 4, 4
 
@@ -65,11 +65,7 @@ def test_a_model_written_by_others_trains_with_torchs_numbers(kind, opt):
     torch.manual_seed(0)
     module = make()
     batches = batches_of(np.random.default_rng(3), STEPS)
-    x0, y0 = batches[0]
-    spec = model_spec(kind, module, _example(x0), torch.from_numpy(y0), loss_fn)
-    eager = copy.deepcopy(module)
-    ours, weights = train_cpu_path(spec, batches, opt)
-    theirs = train_torch(eager, loss_fn, batches, opt)
+    _, ours, theirs, weights, eager = train_both(kind, module, loss_fn, batches, opt)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     assert len(set(np.round(theirs, 6))) > 1          # the steps moved the loss: the weights trained
     reference = {n: t.detach().numpy() for n, t in eager.state_dict().items()}

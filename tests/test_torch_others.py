@@ -28,7 +28,7 @@ F = torch.nn.functional
 from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
 from cs_runtime.numerics.model import (ShardContext, init_weights, model_backward, model_forward,  # noqa: E402
                                        model_loss)
-from tests.test_torch_programs import _call, _dropout_as_drawn, _example, train_cpu_path, train_torch  # noqa: E402
+from tests.test_torch_programs import _call, _dropout_as_drawn, _example, train_both, train_cpu_path, train_torch  # noqa: E402,E501
 
 # Capturing and training real models takes seconds each: the full pass runs them.
 pytestmark = pytest.mark.cluster
@@ -185,11 +185,7 @@ def test_a_packaged_model_trains_with_torchs_numbers(kind, opt):
     torch.manual_seed(0)
     module, loss_fn, batches_of = MODELS[kind]()
     batches = batches_of(np.random.default_rng(3), STEPS)
-    x0, y0 = batches[0]
-    spec = model_spec(kind, module, _example(x0), torch.from_numpy(y0), loss_fn)
-    eager = copy.deepcopy(module)
-    ours, weights = train_cpu_path(spec, batches, opt)
-    theirs = train_torch(eager, loss_fn, batches, opt)
+    spec, ours, theirs, weights, eager = train_both(kind, module, loss_fn, batches, opt)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     if opt == "sgd":
         _same_weights(module, loss_fn, batches, opt, weights, eager)

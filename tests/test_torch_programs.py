@@ -137,17 +137,23 @@ def _torch_float_spread(module, loss_fn, batches, opt, reference32) -> dict[str,
             if n in reference32}
 
 
+def train_both(kind, module, loss_fn, batches, opt):
+    """The module captured at the first batch, trained on the CPU path and by torch eager from the
+    same weights: (the captured spec, our losses, torch's losses, our final weights, torch's module)."""
+    x0, y0 = batches[0]
+    spec = model_spec(kind, module, _example(x0), torch.from_numpy(y0), loss_fn)
+    eager = copy.deepcopy(module)
+    ours, weights = train_cpu_path(spec, batches, opt)
+    return spec, ours, train_torch(eager, loss_fn, batches, opt), weights, eager
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("kind,opt", [("mlp", "sgd"), ("cnn", "adam"), ("gpt", "adamw"), ("bert", "adam"),
                                       ("gpt", "sgd"), ("bert_inputs", "adam"), ("two_tower", "sgd")])
 def test_cpu_path_matches_torch_eager(kind, opt):
     module, loss_fn = _model(kind)
     batches = _batches(kind, np.random.default_rng(1), STEPS, batch=6)
-    x0, y0 = batches[0]
-    spec = model_spec(kind, module, _example(x0), torch.from_numpy(y0), loss_fn)
-    eager = copy.deepcopy(module)
-    ours, weights = train_cpu_path(spec, batches, opt)
-    theirs = train_torch(eager, loss_fn, batches, opt)
+    _, ours, theirs, weights, eager = train_both(kind, module, loss_fn, batches, opt)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     final = {p: w for layer in weights.values() for p, w in layer.items()}
     reference = {n: t.detach().numpy() for n, t in eager.state_dict().items()}

@@ -48,7 +48,7 @@ def _run_shards(spec, ids, labels, sizes):
     return scores, loss, grads
 
 
-@pytest.mark.parametrize("kind", ["ViewAttention", "TypeBuffer", "HFStyleAttention"])
+@pytest.mark.parametrize("kind", ["ViewAttention", "TypeBuffer", "HFStyleAttention", "RowIndexedMask"])
 def test_a_program_captured_at_8_rows_runs_any_shard_as_torch_does(kind):
     torch.manual_seed(0)
     module = getattr(torch_models, kind)()
@@ -67,6 +67,13 @@ def test_a_program_captured_at_8_rows_runs_any_shard_as_torch_does(kind):
         assert ours == pytest.approx(loss.item(), rel=1e-5), split
         for name, p in module.named_parameters():
             np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=f"{split}: {name}")
+
+
+def test_an_arange_of_the_batch_used_as_a_value_is_refused():
+    module = torch_models.RowNumberAsValue()
+    ids, labels = _batch()
+    with pytest.raises(CaptureError, match="arange of the batch size used other than to index"):
+        capture(module, (torch.from_numpy(ids),), torch.from_numpy(labels), torch_models.token_loss)
 
 
 def test_the_shapes_that_follow_the_batch_carry_no_capture_batch_size():

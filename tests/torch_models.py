@@ -191,3 +191,34 @@ class HFStyleAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) / self.head_dim ** 0.5 + extended
         y = torch.matmul(scores.softmax(-1), v).transpose(1, 2).contiguous().reshape(*input_shape, -1)
         return self.head(x + self.out(y))
+
+
+class RowIndexedMask(nn.Module):
+    """transformers' mask idiom: `mask[torch.arange(B)[:, None, None], kv]` picks each row's own
+    padding mask with an arange of the batch size, which on a shard must count the shard's rows."""
+
+    def __init__(self, vocab: int = 30, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        keep = ids > 3                                               # [B, T] per row
+        rows = torch.arange(ids.shape[0])[:, None]
+        cols = torch.arange(ids.shape[1])[None, :]
+        picked = keep[rows, cols]                                    # aten.index with the batch's arange
+        return self.head(self.embed(ids) * picked.unsqueeze(-1).float())
+
+
+class RowNumberAsValue(nn.Module):
+    """An arange of the batch size used as a value: each row's number in the batch, which a shard
+    cannot know. Must be refused at capture."""
+
+    def __init__(self, vocab: int = 30, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        row = torch.arange(ids.shape[0], dtype=torch.float32)[:, None, None]
+        return self.head(self.embed(ids) + row)

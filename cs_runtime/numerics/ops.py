@@ -1831,7 +1831,7 @@ _register("constant_pad_nd",
 def _index_key(inputs, attrs):
     """torch's x[i0, i1, ...] with index tensors at `dims` (None elsewhere): numpy's
     advanced indexing has the same meaning (non-adjacent index dims go first)."""
-    x, dims = inputs[0], attrs["dims"]
+    dims = attrs["dims"]
     key = [slice(None)] * (max(dims) + 1)
     for d, index in zip(dims, inputs[1:]):
         if index.dtype == bool:
@@ -1995,40 +1995,28 @@ _register("full_like", lambda i, a: np.full(i[0].shape, a["value"], dtype=a["dty
 # (x[:, 0] = v, x[..., :k] = v, x.scatter_(...), x[idx] += v): a new tensor, x
 # with the part replaced (or added to).
 
-def _slice_scatter_forward(inputs, attrs):
-    out = inputs[0].copy()
-    out[_slice_index(attrs, out.ndim)] = inputs[1]
-    return out
+def _part_replaced(key_of):
+    """forward and vjp of an op that writes its second input over the part of its first that
+    key_of(attrs, shape) names: the gradient of the part goes to the second input, the rest to the first."""
+    def forward(inputs, attrs):
+        out = inputs[0].copy()
+        out[key_of(attrs, out.shape)] = inputs[1]
+        return out
 
-
-def _slice_scatter_vjp(g, inputs, out, attrs):
-    key = _slice_index(attrs, g.ndim)
-    dx = g.copy()
-    dx[key] = 0
-    return [dx, g[key]]
-
-
-_register("slice_scatter", _slice_scatter_forward, _slice_scatter_vjp, _same_shape, _free)
+    def vjp(g, inputs, out, attrs):
+        key = key_of(attrs, g.shape)
+        dx = g.copy()
+        dx[key] = 0
+        return [dx, g[key]]
+    return forward, vjp
 
 
 def _select_key(attrs, shape):
     return _select_index(attrs, len(shape), shape[_axis(attrs["dim"], len(shape))])
 
 
-def _select_scatter_forward(inputs, attrs):
-    out = inputs[0].copy()
-    out[_select_key(attrs, out.shape)] = inputs[1]
-    return out
-
-
-def _select_scatter_vjp(g, inputs, out, attrs):
-    key = _select_key(attrs, g.shape)
-    dx = g.copy()
-    dx[key] = 0
-    return [dx, g[key]]
-
-
-_register("select_scatter", _select_scatter_forward, _select_scatter_vjp, _same_shape, _free)
+_register("slice_scatter", *_part_replaced(lambda attrs, shape: _slice_index(attrs, len(shape))), _same_shape, _free)
+_register("select_scatter", *_part_replaced(_select_key), _same_shape, _free)
 
 
 def _scatter_key(index, axis):
