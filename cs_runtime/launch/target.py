@@ -32,6 +32,7 @@ def hand_over(args: RunArgs) -> int | None:
         print(f"{args.params_path}: accepted, not modelled: {'; '.join(args.params.not_modelled)}", file=sys.stderr)
     if role:
         return None   # a process of a job: its launcher already did the rest
+    if args.unused_flags:   # once, here, before CSX hands over to csrun_wse
         print(f"run.py: accepted, no effect in the emulator: {', '.join(args.unused_flags)}", file=sys.stderr)
     if args.logging:
         os.environ[env.LOG_LEVEL.name] = args.logging.upper()
