@@ -2,8 +2,9 @@
 release tag from 1.8 to 2.10, validates with the project's own examples:
 each key honoured with its meaning or accepted and named as not modelled.
 
-tests/modelzoo_params/releases/ holds the files as the tags hold them, one
-fixture per distinct content; MANIFEST.txt says which tag shipped which file
+tests/modelzoo_params/releases/ holds, written here, the keys and values of
+the files as the tags hold them (not the files: no third-party text is kept),
+one fixture per distinct content; MANIFEST.txt says which tag shipped which file
 (FC-MNIST PyTorch and, in 1.8, TF; the PyTorch GPT-2 and BERT pre-training
 configs; the model zoo ships no GPT-2 params file from 2.4 on).
 
