@@ -562,15 +562,8 @@ def _job_processes():
     return job_processes(os.getpid())
 
 
-@pytest.mark.cluster
-def test_sgd_with_dampening_on_the_cs_system_matches_torch_eager():
-    cstorch.backend("CSX")
-    torch.manual_seed(4)
-    model = mlp.MLP(hidden=16)
-    ref = copy.deepcopy(model)
-    compiled = cstorch.compile(model)
-    opt = cstorch.optim.SGD(model.parameters(), 0.05, momentum=0.5, dampening=0.3, weight_decay=0.01)
-
+def train_mlp_steps(compiled, opt, steps: int) -> tuple[list[float], list]:
+    """`steps` traced cross-entropy steps of the MLP example's data on the current backend: (losses, batches)."""
     @cstorch.trace
     def step(x, y):
         loss = torch.nn.functional.cross_entropy(compiled(x), y)
@@ -579,9 +572,21 @@ def test_sgd_with_dampening_on_the_cs_system_matches_torch_eager():
         opt.step()
         return loss
     losses, data = [], []
-    for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32), num_steps=6):
+    for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32), num_steps=steps):
         losses.append(step(x, y).item())
         data.append((x, y))
+    return losses, data
+
+
+@pytest.mark.cluster
+def test_sgd_with_dampening_on_the_cs_system_matches_torch_eager():
+    cstorch.backend("CSX")
+    torch.manual_seed(4)
+    model = mlp.MLP(hidden=16)
+    ref = copy.deepcopy(model)
+    compiled = cstorch.compile(model)
+    opt = cstorch.optim.SGD(model.parameters(), 0.05, momentum=0.5, dampening=0.3, weight_decay=0.01)
+    losses, data = train_mlp_steps(compiled, opt, 6)
     ref_opt = torch.optim.SGD(ref.parameters(), 0.05, momentum=0.5, dampening=0.3, weight_decay=0.01)
     assert_close_losses(losses, eager_train(ref, ref_opt, data, torch.nn.functional.cross_entropy))
     assert_same_weights(model, ref)
@@ -705,18 +710,7 @@ def test_the_model_zoos_two_param_groups_train_on_the_cs_system_as_torch_eager()
         return [{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
                 {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
     opt = cstorch.optim.AdamW(groups(model), 0.01)
-
-    @cstorch.trace
-    def step(x, y):
-        loss = torch.nn.functional.cross_entropy(compiled(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss
-    losses, data = [], []
-    for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 32), num_steps=5):
-        losses.append(step(x, y).item())
-        data.append((x, y))
+    losses, data = train_mlp_steps(compiled, opt, 5)
     ref_opt = torch.optim.AdamW(groups(ref), 0.01, eps=1e-6)
     assert_close_losses(losses, eager_train(ref, ref_opt, data, torch.nn.functional.cross_entropy))
     assert_same_weights(model, ref)
