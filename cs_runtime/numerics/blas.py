@@ -33,8 +33,8 @@ on several Python threads of one process would share it: none do.
 from __future__ import annotations
 
 import ctypes
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import nullcontext
+from typing import ContextManager
 
 # 2 * rows * in * out under this (about 5 ms on one core) runs on one thread.
 SMALL_PRODUCT_FLOPS = 1 << 28
@@ -98,16 +98,13 @@ def threads_for(flops: int) -> int:
     return 1 if flops < SMALL_PRODUCT_FLOPS else blas.started_with
 
 
-@contextmanager
-def dense_layer_threads(rows: int, in_features: int, out_features: int) -> Iterator[None]:
+def dense_layer_threads(rows: int, in_features: int, out_features: int) -> ContextManager[None]:
     """A dense layer's products (forward, weight gradient and input gradient, each
     2 * rows * in * out FLOPs) on the count the rule gives them; the process's count after."""
-    with _threads(threads_for(2 * rows * in_features * out_features)):
-        yield
+    return _threads(threads_for(2 * rows * in_features * out_features))
 
 
-@contextmanager
-def unit_threads() -> Iterator[None]:
+def unit_threads() -> ContextManager[None]:
     """Every other layer (a transformer's embedding, blocks and heads; a captured model's
     units): its products on one thread, whatever their size; the process's count after.
 
@@ -119,23 +116,34 @@ def unit_threads() -> Iterator[None]:
     thread and 3 to 8.6 s on two, whose wall time was no shorter (CHANGELOG.md);
     a 4096 x 256 x 1024 weight gradient took 23 ms on one thread, 50 to 72 ms of CPU and
     70 to 140 ms of wall time on two."""
-    with _threads(1 if _openblas().set_threads is not None else 0):
-        yield
+    return _threads(1 if _openblas().set_threads is not None else 0)
 
 
-@contextmanager
-def _threads(threads: int) -> Iterator[None]:
+# Entered once per layer and pass: where the count stays as it is (most layers), a shared
+# do-nothing context, not a generator made and run each time.
+_UNCHANGED = nullcontext()
+
+
+class _Switched:
+    """The count `threads` inside, the count before it after."""
+
+    def __init__(self, blas: _OpenBlas, threads: int):
+        self.blas, self.threads, self.before = blas, threads, blas.current
+
+    def __enter__(self) -> None:
+        self.before = self.blas.current
+        self.blas.use(self.threads)
+
+    def __exit__(self, *exc) -> None:
+        self.blas.use(self.before)
+
+
+def _threads(threads: int) -> ContextManager[None]:
     """`threads` (0: leave the count alone) inside, the process's count after."""
     blas = _openblas()
     if threads == 0 or threads == blas.current:
-        yield
-        return
-    before = blas.current
-    blas.use(threads)
-    try:
-        yield
-    finally:
-        blas.use(before)
+        return _UNCHANGED
+    return _Switched(blas, threads)
 
 
 def started_with() -> int:

@@ -84,13 +84,16 @@ def rows_keep_mask(seed: int, step: int, layer_index: int, global_batch: int, wi
     # The draws of default_rng(...).random(dtype=float32), from their bits: each is the next
     # 32 bits of PCG64 (a 64-bit output's low half, then its high half) >> 8, times 2**-24,
     # exact in float32; so `draw >= float32(p)` is `bits >> 8 >= ceil(float32(p) * 2**24)`
-    # on the integers, and the floats are never made (a third less time, the same mask).
+    # on the integers, that is `bits >= threshold * 2**8`, and the floats are never made
+    # (a third less time, the same mask).
     bits = np.random.PCG64(np.random.SeedSequence([seed, step, layer_index, 104729]))
     count = global_batch * width
     draws = bits.random_raw((count + 1) // 2).view(np.uint32)[:count].reshape(global_batch, width)[rows]
-    draws >>= np.uint32(8)
     threshold = min(max(math.ceil(float(np.float32(p)) * 2.0 ** 24), 0), 1 << 24)
-    return np.divide(draws >= np.uint32(threshold), np.float32(1.0 - p), dtype=np.float32)
+    if threshold == 1 << 24:   # nothing kept (p = 1: 0 / 0, as the float rule gives)
+        return np.divide(np.zeros(draws.shape, bool), np.float32(1.0 - p), dtype=np.float32)
+    # 1 times the float32 1 / (1 - p) is that quotient's bits, as dividing a kept 1 by (1 - p) gives
+    return np.multiply(draws >= np.uint32(threshold << 8), np.float32(1.0) / np.float32(1.0 - p), dtype=np.float32)
 
 
 # ---------------------------------------------------------------- GELU

@@ -199,8 +199,8 @@ class Optimizer:
     def _update_one(self, w, g, slots, lr, t: int, wd: float) -> None:
         """One parameter, a cache-sized piece at a time: the update's several passes
         then read and write main memory once instead of once each."""
-        if not (w.flags.c_contiguous and g.flags.c_contiguous):
-            self._update_piece(w, g, slots, lr, t, wd)
+        if w.size <= parallel.CHUNK or not (w.flags.c_contiguous and g.flags.c_contiguous):
+            self._update_piece(w, g, slots, lr, t, wd)   # one chunk (or strided): no pieces to make
             return
         flat_w, flat_g = w.reshape(-1), g.reshape(-1)
         flat_slots = {name: slot.reshape(-1) for name, slot in slots.items()}

@@ -32,6 +32,7 @@ of all their gradients, so every copy takes the same update and stays equal.
 from __future__ import annotations
 
 import re
+import weakref
 
 import numpy as np
 
@@ -280,14 +281,24 @@ def has_tied(spec) -> bool:
     return bool(tied_sources(spec))
 
 
+# spec id -> (a weak reference to the spec, its tied_copies): asked every step, the same
+# for a spec's life (a ModelSpec is frozen); the weak reference lets the spec go.
+_TIED: dict[int, tuple[weakref.ref, frozenset]] = {}
+
+
 def tied_copies(spec) -> frozenset:
     """(layer index, parameter name) of every copy of a tied parameter after its first
     reader's: the global gradient norm counts the parameter once (optim.update_model)."""
-    return frozenset(tied_sources(spec))
+    cached = _TIED.get(id(spec))
+    if cached is None or cached[0]() is not spec:
+        cached = _TIED[id(spec)] = (weakref.ref(spec), frozenset(tied_sources(spec)))
+    return cached[1]
 
 
 def tie_grads(spec, grads: list[dict]) -> list[dict]:
     """Every copy of a parameter read by several layers gets the sum of their gradients."""
+    if spec.program is not None and not tied_copies(spec):   # no parameter read by two layers
+        return grads
     owners: dict[str, list[tuple[int, str]]] = {}
     for i, layer in enumerate(spec.layers):
         local = layer.unit.get("local") if isinstance(getattr(layer, "unit", None), dict) else None
