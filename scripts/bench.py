@@ -55,6 +55,7 @@ across runs. Results also go to --json.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -62,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -286,16 +288,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
     parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor",
-                                           "scaling", "wire"),
+                                           "ops", "scaling", "wire"),
                         default="all",
                         help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only; scaling: "
                              "weight streaming on 1, 2 and 4 WSEs, and on 1 at half, once and twice the batch; "
-                             "wire: the transport ceilings alone, with their verdicts")
+                             "wire: the transport ceilings alone, with their verdicts; ops: the executor's cost "
+                             "per op against torch eager, in this process")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a tiny model, 4 steps, the CPU path and 1-WSE float32 and float16 "
                              "weight streaming, no torch rows or ceilings (numbers only show it runs)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="--rows trace: runs of each row; --rows executor: timed steps of each (default 3)")
+                        help="--rows trace: runs of each row; --rows executor: timed steps of each; --rows ops: "
+                             "timed runs of OPS_STEPS steps of each (default 3)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
             print_rows(f"the executor vs a hand-written numpy dense step: preset {args.preset}, in this process, "
                        f"CPU time per step, median of {args.repeats} alternated", "hand-written", result["executor_rows"])
             executor_verdicts(result["executor_rows"])
+        if args.rows in ("all", "ops") and args.preset != "transformer":
+            result["ops_rows"] = ops_rows(args.repeats)
         if args.rows == "scaling" and args.preset != "transformer":
             result["scaling_rows"] = scaling_rows(tmp, preset, steps)
         if args.rows in ("all", "torch_gpt"):
@@ -633,6 +639,148 @@ def executor_verdicts(rows: list[dict]) -> None:
         if row["name"].startswith("executor_"):
             verdict = "met" if row["ratio"] >= EXECUTOR_TARGET else "missed"
             print(f"{row['name'] + ' vs hand-written':<52}{row['ratio']:>7.2f}{EXECUTOR_TARGET:>8.2f}  {verdict}")
+
+
+# --rows ops: models of many small ops, batch 128: the small preset, and 12 hidden layers 64 wide
+OPS_MODELS = {"small": [784, 256, 128, 10], "mlp_12x64": [784, *[64] * 12, 10]}
+OPS_BATCH, OPS_STEPS = 128, 50
+
+
+def ops_rows(repeats: int) -> list[dict]:
+    """The executor's cost per op: each OPS_MODELS MLP (relu, dropout 0.1, SGD with momentum)
+    trained in this process by the CPU path's calls (local_step.forward_backward and
+    apply_update, as chief/cpu_executor.py makes them) and by torch eager on the same layers
+    (bench_baselines.torch_model), both on one thread, alternated `repeats` times OPS_STEPS
+    steps each after a warm-up; CPU time per step (process_time), the median of each. ratio:
+    torch's CPU time over ours (1.0: as fast). ops: the program's nodes a step runs, forward
+    and backward; us_per_op: our step over them. Then where the small preset's step goes,
+    by op (budget_of_step)."""
+    try:
+        import torch
+    except ImportError:
+        print("bench: ops skipped: torch is not installed")
+        return []
+    torch.set_num_threads(1)   # our small products run on one BLAS thread (numerics/blas.py)
+    rows = []
+    for name, sizes in OPS_MODELS.items():
+        paths = {"torch_eager": torch_mlp_step(torch, sizes, OPS_BATCH), "cpu_path": cpu_path_step(sizes, OPS_BATCH)}
+        times = alternated_cpu_times(paths, repeats, OPS_STEPS)
+        ours, theirs = statistics.median(times["cpu_path"]), statistics.median(times["torch_eager"])
+        ops = paths["cpu_path"].ops
+        rows.append({"name": name, "sizes": sizes, "ms_per_step": ours * 1e3, "torch_ms_per_step": theirs * 1e3,
+                     "ratio": theirs / ours, "ops": ops, "us_per_op": ours / ops * 1e6,
+                     "gap_us_per_op": (ours - theirs) / ops * 1e6})
+    print(f"the executor's cost per op: batch {OPS_BATCH}, CPU time per step in this process, one thread each, "
+          f"median of {repeats} alternated runs of {OPS_STEPS} steps")
+    print(f"{'model':<12}{'ours ms':>9}{'torch ms':>10}{'vs torch':>10}{'ops':>6}{'us/op':>8}{'gap us/op':>11}")
+    for row in rows:
+        print(f"{row['name']:<12}{row['ms_per_step']:>9.3f}{row['torch_ms_per_step']:>10.3f}{row['ratio']:>10.2f}"
+              f"{row['ops']:>6}{row['us_per_op']:>8.1f}{row['gap_us_per_op']:>11.1f}")
+    budget_of_step(OPS_MODELS["small"], OPS_BATCH)
+    return rows
+
+
+def alternated_cpu_times(paths: dict, repeats: int, steps: int) -> dict[str, list[float]]:
+    """CPU seconds per step of each path's step(s), `steps` at a time, alternated (the order
+    flipped every round) after one warm-up round, so a drift in the load hits each alike."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    done = 0
+    for r in range(repeats + 1):
+        for name in (list(paths) if r % 2 == 0 else list(reversed(paths))):
+            start = time.process_time()
+            for s in range(steps):
+                paths[name](done + s)
+            if r:
+                times[name].append((time.process_time() - start) / steps)
+        done += steps
+    return times
+
+
+def cpu_path_step(sizes: list[int], batch: int):
+    """One training step of the MLP by the CPU path's calls, on a fixed batch; .ops: its nodes."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
+    from cs_runtime.compiler.families import lower_spec
+    from cs_runtime.numerics import local_step
+    from cs_runtime.numerics.model import ShardContext, init_weights, mlp_spec
+    from cs_runtime.numerics.optim import Optimizer, OptimizerSpec
+    from cs_runtime.numerics.program_layer import unit_of
+    spec = lower_spec(mlp_spec("ops", sizes, "relu", 0.1))
+    weights, optimizer = init_weights(spec, 1), Optimizer(OptimizerSpec("sgd", momentum=0.9))
+    state = {name: optimizer.init_state(w) for name, w in weights.items()}
+    rng = np.random.default_rng(0)
+    x, y = rng.random((batch, sizes[0]), dtype=np.float32), rng.integers(0, sizes[-1], batch)
+
+    def step(s: int) -> None:
+        ctx = ShardContext(1, s, batch, slice(0, batch), True, labels=y)
+        _, grads, _ = local_step.forward_backward(spec, x, y, weights, ctx, batch, 1.0, s)
+        local_step.apply_update(optimizer, spec, weights, grads, state, 0.01, s, need_norms=False)
+    step.ops = sum(len(unit_of(layer).forward) + len(unit_of(layer).backward) for layer in spec.layers)
+    return step
+
+
+def torch_mlp_step(torch, sizes: list[int], batch: int):
+    """One training step of the same MLP by torch eager (bench_baselines.torch_model's layers)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from scripts.bench_baselines import torch_model
+    model = torch_model(torch, sizes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn, gen = torch.nn.CrossEntropyLoss(), torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, sizes[0], generator=gen), torch.randint(0, sizes[-1], (batch,), generator=gen)
+
+    def step(s: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    return step
+
+
+def budget_of_step(sizes: list[int], batch: int, steps: int = 200) -> dict[str, float]:
+    """Where a step of the MLP goes, CPU ms a step: each op kind's nodes (forward, in place
+    or not, and vjp: its rule), the optimizer's update, and the rest (the executor's own
+    work between nodes, the loss's bookkeeping); timed around every node, so the parts add
+    up to a little more than an untimed step."""
+    step = cpu_path_step(sizes, batch)   # (and this checkout's cs_runtime on the path)
+    from cs_runtime.numerics import executor, local_step
+    spent: dict[str, float] = collections.defaultdict(float)
+    run_node, in_place, update = executor.run_node, executor._run_in_place, local_step.apply_update
+
+    def timed_node(node, env, *args, **kwargs):
+        start = time.process_time()
+        run_node(node, env, *args, **kwargs)
+        spent["vjp:" + node.attrs["of"] if node.op == "vjp" else node.op] += time.process_time() - start
+
+    def timed_in_place(node, env):
+        start = time.process_time()
+        try:
+            return in_place(node, env)
+        finally:
+            spent[node.op] += time.process_time() - start
+
+    def timed_update(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return update(*args, **kwargs)
+        finally:
+            spent["optimizer update"] += time.process_time() - start
+    step(0)
+    # run_nodes and the step look these up as they run
+    executor.run_node, executor._run_in_place, local_step.apply_update = timed_node, timed_in_place, timed_update
+    try:
+        spent.clear()
+        start = time.process_time()
+        for s in range(1, steps + 1):
+            step(s)
+        total = time.process_time() - start
+    finally:
+        executor.run_node, executor._run_in_place, local_step.apply_update = run_node, in_place, update
+    budget = {k: v / steps * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    budget["the rest (executor, loss)"] = total / steps * 1e3 - sum(budget.values())
+    print(f"where a step of {sizes} goes (batch {batch}, CPU ms a step, {steps} steps, each node timed): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in budget.items()) + f"; total {total / steps * 1e3:.3f}")
+    return budget
 
 
 def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:

@@ -92,3 +92,19 @@ def test_a_target_is_judged_on_its_own_preset_and_shown_elsewhere(capsys):
     assert not on_small["protocol by shared memory vs memcpy"]["judged"]
     assert not on_small["float16 weight streaming, 1 WSE(s), vs float32"]["judged"]
     assert "not judged: defined on the large preset" in capsys.readouterr().out
+
+
+def test_the_step_budget_counts_every_node_and_leaves_the_executor_as_it_was(capsys):
+    """--rows ops: the CPU path's step counts the program's nodes (a dense layer with dropout:
+    5 forward and 4 backward; the last layer, its loss: 3 and 3), and the budget times each op
+    kind, the update and the rest, then puts back what it timed (one step each, no timings judged)."""
+    bench = _bench_module()
+    from cs_runtime.numerics import executor, local_step
+    before = (executor.run_node, executor._run_in_place, local_step.apply_update)
+    assert bench.cpu_path_step([6, 5, 4, 3], 4).ops == 2 * 9 + 6
+    budget = bench.budget_of_step([6, 5, 3], 4, steps=2)
+    assert (executor.run_node, executor._run_in_place, local_step.apply_update) == before
+    kinds = {"matmul", "vjp:matmul", "add", "relu", "dropout_mask", "dropout", "softmax_cross_entropy",
+             "vjp:softmax_cross_entropy", "optimizer update", "the rest (executor, loss)"}
+    assert kinds <= set(budget) and all(v >= 0 for k, v in budget.items() if k != "the rest (executor, loss)")
+    assert "where a step of [6, 5, 3] goes" in capsys.readouterr().out
