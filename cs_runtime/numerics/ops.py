@@ -1402,8 +1402,23 @@ def _classifier_loss_vjp(g, inputs, out, attrs):
     return [dlogits * logits.dtype.type(g), None, None]   # g: 1, or the loss scale (a power of 2)
 
 
+def _classifier_loss_and_delta(inputs, attrs):
+    """The loss and, as its residual, d loss / d logits: the kernel makes both at once, so
+    the backward does not compute the softmax again. The residual is in the loss's float64
+    (a residual has its output's dtype), which holds the scores' dtype exactly."""
+    logits, labels, context = inputs
+    loss, dlogits, _ = kernels.softmax_cross_entropy(logits, labels, int(context[4]))
+    return np.asarray(loss), dlogits.astype(np.float64)
+
+
+def _classifier_loss_vjp_from_delta(g, inputs, dlogits, attrs):
+    dtype = inputs[0].dtype.type   # a stand-in of the scores: their shape and dtype
+    return [dlogits.astype(dtype) * dtype(g), None, None]   # the bits of _classifier_loss_vjp's
+
+
 _register("softmax_cross_entropy", _classifier_loss_forward, _classifier_loss_vjp, _classifier_loss_shape,
-          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1, 2))
+          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1, 2), residual=_classifier_loss_and_delta,
+          residual_vjp=_classifier_loss_vjp_from_delta, residual_shape=lambda s, out, a: tuple(s[0]))
 
 
 def _mse_forward(inputs, attrs):
