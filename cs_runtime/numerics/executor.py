@@ -57,24 +57,28 @@ def _positions(names, exact: frozenset) -> frozenset:
     return frozenset(i for i, name in enumerate(names) if name in exact) if exact else frozenset()
 
 
+_NO_ATTRS: dict = {}
+
+
 def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset()) -> None:
     """inputs: (upstream gradient, forward inputs..., forward output or its residual)."""
-    of = node.attrs["of"]
-    values = [env[name] if name else None for name in node.inputs]
-    g, fwd, out = values[0], values[1:-1], values[-1]
-    wanted = tuple(map(bool, node.outputs))   # the rest: no gradient asked for
+    attrs, names = node.attrs, node.inputs
+    of, op_attrs = attrs["of"], attrs.get("attrs", _NO_ATTRS)
+    g, out = env[names[0]], (env[names[-1]] if names[-1] else None)
+    fwd = [env[name] if name else None for name in names[1:-1]]
     if fmt != "float32" and of in mixed_ops.MATMUL_LIKE:
-        grads = mixed_ops.vjp(of, g, fwd, out, node.attrs.get("attrs", {}), fmt,
-                              _positions(node.inputs[1:-1], exact), wanted)
-    elif node.attrs.get("residual"):
-        grads = OPS[of].residual_vjp(g, fwd, out, node.attrs.get("attrs", {}))
-    else:
-        grads = OPS[of].grads(g, fwd, out, node.attrs.get("attrs", {}), wanted)
+        grads = mixed_ops.vjp(of, g, fwd, out, op_attrs, fmt, _positions(names[1:-1], exact),
+                              tuple(map(bool, node.outputs)))
+    elif attrs.get("residual"):
+        grads = OPS[of].residual_vjp(g, fwd, out, op_attrs)
+    else:   # wanted: the outputs named (the rest: no gradient asked for)
+        grads = OPS[of].grads(g, fwd, out, op_attrs, tuple(map(bool, node.outputs)))
     for name, grad, x in zip(node.outputs, grads, fwd):
         if name:
             # Gradients take the dtype and shape of what they are the gradient of (most have them).
-            if not (isinstance(grad, np.ndarray) and grad.dtype == x.dtype and grad.shape == x.shape):
-                grad = np.asarray(grad, dtype=x.dtype).reshape(x.shape)
+            if not (type(grad) is np.ndarray and grad.dtype is x.dtype and grad.shape == x.shape):
+                if not (isinstance(grad, np.ndarray) and grad.dtype == x.dtype and grad.shape == x.shape):
+                    grad = np.asarray(grad, dtype=x.dtype).reshape(x.shape)
             env[name] = grad
 
 
