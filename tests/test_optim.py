@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from cs_runtime.config import OptimizerConfig
+from cs_runtime.numerics import optim as optim_module
+from cs_runtime.numerics import parallel
 from cs_runtime.numerics.optim import Optimizer, OptimizerSpec, clip_factor, global_norm
 
 STEPS = 6
@@ -317,3 +319,40 @@ def test_nesterov_and_dampening_are_checked():
         Optimizer(OptimizerSpec("sgd", momentum=0.9, nesterov=True, dampening=0.1))
     with pytest.raises(ValueError, match="nesterov and dampening are SGD's"):
         Optimizer(OptimizerSpec("adam", nesterov=True))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_the_momentum_loop_gives_the_numpy_passes_bits(weight_decay):
+    """SGD with momentum's C loop (_optim.c) against optim.py's numpy passes, bit for bit,
+    over several steps: awkward values (tiny, huge, negative zero, a denormal) included, on
+    one parameter above a chunk (cut into pieces) and a 2-d one below, with weight decay."""
+    if optim_module._optim_loops is None:
+        pytest.skip("the optimizer's C loop is not built (no C compiler at install)")
+    rng = np.random.default_rng(3)
+    shapes = {"big": (parallel.CHUNK + 37,), "small": (33, 7)}
+    weights = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    weights["small"].reshape(-1)[:4] = [1e-42, -0.0, 3e38, -1e-30]
+    runs = []
+    for fused in (True, False):
+        opt = Optimizer(OptimizerSpec("sgd", momentum=0.9, weight_decay=weight_decay))
+        assert opt._fused_momentum is optim_module._optim_loops
+        if not fused:
+            opt._fused_momentum = None
+        w = {k: v.copy() for k, v in weights.items()}
+        state = opt.init_state(w)
+        for step in range(3):
+            grads = {k: np.random.default_rng(step).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+            opt.update(w, grads, state, 0.1)
+        runs.append((w, state))
+    (w1, s1), (w2, s2) = runs
+    for k in shapes:
+        assert w1[k].tobytes() == w2[k].tobytes() and s1[k]["momentum"].tobytes() == s2[k]["momentum"].tobytes()
+
+
+def test_the_momentum_loop_is_taken_only_for_plain_momentum():
+    """Dampening or Nesterov (or no momentum, or Adam) take the numpy passes."""
+    loops = optim_module._optim_loops
+    assert Optimizer(OptimizerSpec("sgd", momentum=0.9))._fused_momentum is loops
+    for spec in (OptimizerSpec("sgd", momentum=0.9, dampening=0.1), OptimizerSpec("sgd", momentum=0.9, nesterov=True),
+                 OptimizerSpec("sgd"), OptimizerSpec("adamw")):
+        assert Optimizer(spec)._fused_momentum is None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cs_runtime import spans
-from cs_runtime.numerics import parallel
+from cs_runtime.numerics import compiled, parallel
 from cs_runtime.numerics.precision import unscale_and_check
 
 # A normalisation layer's weight in a captured torch model's state_dict names
@@ -110,6 +110,9 @@ class Optimizer:
         self.beta1, self.beta2 = spec.betas
         self.eps = spec.eps
         self._buffers: dict[tuple, np.ndarray] = {}
+        # SGD's plain momentum (no dampening, no Nesterov) as one C loop, where it is built
+        self._fused_momentum = (_optim_loops if self.kind == "sgd" and self.momentum and not self.dampening
+                                and not self.nesterov else None)
 
     def slot_names(self) -> tuple[str, ...]:
         if self.kind == "sgd":
@@ -214,6 +217,9 @@ class Optimizer:
         wd = np.float32(wd)
         if wd and self.kind != "adamw":
             g = g + wd * w
+        if self._fused_momentum is not None and _fits_loop(w, g, slots["momentum"]):
+            self._fused_momentum.sgd_momentum(w, g, slots["momentum"], self.momentum, lr)   # the numpy path's bits
+            return
         tmp = self._scratch(w.shape)
         if self.kind == "sgd":
             if self.momentum:
@@ -255,6 +261,17 @@ class Optimizer:
         if buf is None:
             buf = self._buffers[key] = np.empty(shape, np.float32)
         return buf
+
+
+# optional: SGD with momentum's update as one C loop (_optim.c), the numpy passes' bits
+_optim_loops = compiled.load("_optim", api=1)
+
+
+def _fits_loop(*arrays: np.ndarray) -> bool:
+    """Whether the C loop takes these: float32, C-contiguous, of one size (the first and
+    last written: writeable)."""
+    return (all(a.dtype == np.float32 and a.flags.c_contiguous and a.size == arrays[0].size for a in arrays)
+            and arrays[0].flags.writeable and arrays[-1].flags.writeable)
 
 
 def global_norm(grads_per_layer) -> float:
