@@ -195,9 +195,42 @@ def test_splitmix64_in_place_rounds_equal_the_python_int_finaliser():
 @pytest.mark.parametrize("global_batch, width, rows, p", [
     (128, 256, slice(0, 128), 0.1), (7, 33, slice(2, 5), 0.3), (5, 3, slice(0, 5), 0.0),
     (1, 1, slice(0, 1), 0.5), (9, 4, slice(4, 9), 1 - 1e-9)])
-def test_rows_keep_mask_is_the_generator_float_draws_compared_with_p(global_batch, width, rows, p):
-    """rows_keep_mask works on the PCG64 bits; the mask is that of the float32 draws themselves."""
+@pytest.mark.parametrize("path", ["C loop", "numpy"])
+def test_rows_keep_mask_is_the_generator_float_draws_compared_with_p(global_batch, width, rows, p, path,
+                                                                     monkeypatch):
+    """rows_keep_mask works on the PCG64 bits; the mask is that of the float32 draws themselves,
+    by the C loop (_masks.c, where built) and by the numpy path."""
+    if path == "numpy":
+        monkeypatch.setattr(K, "_mask_loops", None)
+    elif K._mask_loops is None:
+        pytest.skip("the dropout mask's C loop is not built (no C compiler at install)")
     draws = np.random.default_rng([11, 3, 2, 104729]).random((global_batch, width), dtype=np.float32)[rows]
     expected = (draws >= p).astype(np.float32) / np.float32(1.0 - p)
     got = K.rows_keep_mask(11, 3, 2, global_batch, width, rows, p)
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_the_mask_loop_gives_the_numpy_paths_bits(monkeypatch):
+    """_masks.c's SeedSequence, PCG64 and mask against numpy's, bit for bit: seeds of one, two
+    and three 32-bit words, zero, any step and layer, row ranges starting on odd words, empty
+    ones, every probability kind (0, tiny, 1/2, near 1), and p = 1 (left to numpy)."""
+    if K._mask_loops is None:
+        pytest.skip("the dropout mask's C loop is not built (no C compiler at install)")
+    rng = np.random.default_rng(5)
+    cases = [(int(rng.choice([0, 1, 2**31, 2**32, 2**40 + 5, 2**64 + 3, int(rng.integers(0, 2**62))])),
+              int(rng.integers(0, 10**7)), int(rng.integers(0, 50)), int(rng.integers(1, 30)),
+              int(rng.integers(1, 30)), float(rng.choice([0.0, 1e-9, 0.5, 0.999, 1.0, float(rng.random())])))
+             for _ in range(300)]
+    cases += [(1, 5, 3, 512, 2048, 0.1)]
+    by_loop = []
+    for seed, step, layer, batch, width, p in cases:
+        start = int(rng.integers(0, batch + 1))
+        rows = slice(start, int(rng.integers(start, batch + 2)))
+        by_loop.append((seed, step, layer, batch, width, rows, p))
+    with np.errstate(invalid="ignore"):   # p = 1: 0 / 0, as the float rule gives
+        got = [K.rows_keep_mask(*case) for case in by_loop]
+        monkeypatch.setattr(K, "_mask_loops", None)
+        for case, mask in zip(by_loop, got):
+            want = K.rows_keep_mask(*case)
+            assert mask.shape == want.shape and mask.dtype == np.float32, case
+            assert np.array_equal(mask.view(np.uint32), want.view(np.uint32)), case

@@ -17,14 +17,14 @@
 #define VECTOR_CLONES
 #endif
 
-static void release_buffers(Py_buffer *buffers, int count) {
+static inline void release_buffers(Py_buffer *buffers, int count) {
     for (int i = 0; i < count; i++)
         PyBuffer_Release(&buffers[i]);
 }
 
 /* n, the element count of `count` buffers whose elements are `sizes` bytes: every buffer
    must hold the same. Else a ValueError, the buffers released, and -1. */
-static int same_count(Py_buffer *buffers, const Py_ssize_t *sizes, int count, Py_ssize_t *n) {
+static inline int same_count(Py_buffer *buffers, const Py_ssize_t *sizes, int count, Py_ssize_t *n) {
     *n = buffers[0].len / sizes[0];
     for (int i = 0; i < count; i++) {
         if (buffers[i].len % sizes[i] || buffers[i].len / sizes[i] != *n) {
@@ -38,7 +38,7 @@ static int same_count(Py_buffer *buffers, const Py_ssize_t *sizes, int count, Py
 
 /* The module, with its interface's version as API: one more whenever a function, its
    arguments or its results change (compiled.py leaves a build of another version alone). */
-static PyObject *module_with_api(PyModuleDef *definition, int api) {
+static inline PyObject *module_with_api(PyModuleDef *definition, int api) {
     PyObject *m = PyModule_Create(definition);
     if (m != NULL && PyModule_AddIntConstant(m, "API", api) < 0) {
         Py_DECREF(m);

@@ -113,9 +113,11 @@ def _run_in_place(node: Node, env: dict) -> bool:
     """Run `node` into its first input's buffer when the arrays allow: a writeable float array,
     the others of its dtype and broadcasting onto it. False: nothing done."""
     a, rest = env[node.inputs[0]], [env[n] for n in node.inputs[1:]]
-    if not (isinstance(a, np.ndarray) and a.flags.writeable and a.dtype.kind == "f"
-            and all(isinstance(b, np.ndarray) and b.dtype == a.dtype and _fits(a.shape, b.shape) for b in rest)):
+    if not (isinstance(a, np.ndarray) and a.flags.writeable and a.dtype.kind == "f"):
         return False
+    for b in rest:
+        if not (isinstance(b, np.ndarray) and b.dtype == a.dtype and _fits(a.shape, b.shape)):
+            return False
     env[node.outputs[0]] = IN_PLACE[node.op][1](a, *rest)
     return True
 
@@ -164,7 +166,8 @@ def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
     (shape, dtype) of each value in `shapes_of` is noted in `shapes`. `plan`:
     plan_nodes of these nodes, keep and shapes_of, made earlier (else made here); `residuals`:
     see run_node."""
-    nodes = list(nodes)
+    if not isinstance(nodes, (list, tuple)):
+        nodes = list(nodes)
     plan = plan or plan_nodes(nodes, keep, shapes_of)
     for name in shapes_of:
         if name in env:
@@ -172,10 +175,12 @@ def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
     for node, in_place, noted, drops in zip(nodes, plan.in_place, plan.noted, plan.drops):
         if not (in_place and _run_in_place(node, env)):
             run_node(node, env, fmt, exact, residuals)
-        for name in noted:
-            shapes[name] = (env[name].shape, env[name].dtype)
-        for name in drops:
-            env.pop(name, None)
+        if noted:
+            for name in noted:
+                shapes[name] = (env[name].shape, env[name].dtype)
+        if drops:
+            for name in drops:
+                env.pop(name, None)
     return env
 
 
@@ -270,7 +275,10 @@ def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_
     params = dict(env) if fmt != "float32" and not weights_rounded else {}   # rounded here
     plan = unit_plan(unit)
     once = plan.once(fmt)
-    env.update((r, _read(live[r], fmt, r in once)) for r in unit.reads)
+    if once:
+        env.update((r, _read(live[r], fmt, r in once)) for r in unit.reads)
+    else:
+        env.update((r, live[r]) for r in unit.reads)
     shapes = {}
     run_nodes(unit.forward, env, keep=plan.keep, shapes_of=plan.shape_only, shapes=shapes, fmt=fmt,
               exact=plan.exact(fmt), plan=plan.forward, residuals=train)

@@ -86,14 +86,38 @@ def rows_keep_mask(seed: int, step: int, layer_index: int, global_batch: int, wi
     # exact in float32; so `draw >= float32(p)` is `bits >> 8 >= ceil(float32(p) * 2**24)`
     # on the integers, that is `bits >= threshold * 2**8`, and the floats are never made
     # (a third less time, the same mask).
-    bits = np.random.PCG64(np.random.SeedSequence([seed, step, layer_index, 104729]))
+    entropy = (seed, step, layer_index, 104729)
+    threshold = min(max(math.ceil(float(np.float32(p)) * 2.0 ** 24), 0), 1 << 24)
+    start, stop, stride = rows.indices(global_batch)
+    if _mask_loops is not None and threshold < 1 << 24 and stride == 1 and min(entropy) >= 0:
+        out = np.empty((max(stop - start, 0), width), np.float32)
+        _mask_loops.rows_keep_mask(_seed_words(entropy), width, start, out, threshold << 8,
+                                   float(np.float32(1.0) / np.float32(1.0 - p)))
+        return out
+    bits = np.random.PCG64(np.random.SeedSequence(list(entropy)))
     count = global_batch * width
     draws = bits.random_raw((count + 1) // 2).view(np.uint32)[:count].reshape(global_batch, width)[rows]
-    threshold = min(max(math.ceil(float(np.float32(p)) * 2.0 ** 24), 0), 1 << 24)
     if threshold == 1 << 24:   # nothing kept (p = 1: 0 / 0, as the float rule gives)
         return np.divide(np.zeros(draws.shape, bool), np.float32(1.0 - p), dtype=np.float32)
     # 1 times the float32 1 / (1 - p) is that quotient's bits, as dividing a kept 1 by (1 - p) gives
     return np.multiply(draws >= np.uint32(threshold << 8), np.float32(1.0) / np.float32(1.0 - p), dtype=np.float32)
+
+
+# optional: rows_keep_mask's generator and mask as one C call (_masks.c), the same bits
+_mask_loops = compiled.load("_masks", api=1)
+
+
+def _seed_words(values: tuple[int, ...]) -> np.ndarray:
+    """The uint32 words numpy's SeedSequence makes of these non-negative ints: each one's
+    32-bit words, low first (0: one word)."""
+    words = []
+    for value in map(int, values):
+        words.append(value & 0xFFFFFFFF)
+        value >>= 32
+        while value:
+            words.append(value & 0xFFFFFFFF)
+            value >>= 32
+    return np.array(words, np.uint32)
 
 
 # ---------------------------------------------------------------- GELU
