@@ -656,7 +656,7 @@ def _dropout_mask_forward(inputs, attrs):
     over each sample's elements in order, whatever the value's shape: its leading dim
     may hold several rows per sample, as a [B*T, D] view does)."""
     x, context = inputs
-    seed, step, start, stop, global_batch, train = (int(v) for v in context)
+    seed, step, start, stop, global_batch, train = map(int, np.asarray(context).tolist())   # one call to list
     if not train:
         return np.ones((), dtype=x.dtype)
     shape, rows, p = _mask_shape(x.shape, attrs), slice(start, stop), float(attrs["p"])

@@ -270,8 +270,10 @@ _optim_loops = compiled.load("_optim", api=1)
 def _fits_loop(*arrays: np.ndarray) -> bool:
     """Whether the C loop takes these: float32, C-contiguous, of one size (the first and
     last written: writeable)."""
-    return (all(a.dtype == np.float32 and a.flags.c_contiguous and a.size == arrays[0].size for a in arrays)
-            and arrays[0].flags.writeable and arrays[-1].flags.writeable)
+    for a in arrays:
+        if not (a.dtype == np.float32 and a.flags.c_contiguous and a.size == arrays[0].size):
+            return False
+    return arrays[0].flags.writeable and arrays[-1].flags.writeable
 
 
 def global_norm(grads_per_layer) -> float:
