@@ -107,6 +107,12 @@ def rows_keep_mask(seed: int, step: int, layer_index: int, global_batch: int, wi
 _mask_loops = compiled.load("_masks", api=1)
 
 
+def mask_path() -> str:
+    """How this install draws a dense layer's dropout mask: "C loops" (_masks.c, built by
+    setup.py where a C compiler was found) or "numpy" (the same bits, slower)."""
+    return "numpy" if _mask_loops is None else "C loops"
+
+
 def _seed_words(values: tuple[int, ...]) -> np.ndarray:
     """The uint32 words numpy's SeedSequence makes of these non-negative ints: each one's
     32-bit words, low first (0: one word)."""

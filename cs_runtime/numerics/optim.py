@@ -267,6 +267,12 @@ class Optimizer:
 _optim_loops = compiled.load("_optim", api=1)
 
 
+def momentum_path() -> str:
+    """How this install applies SGD's plain momentum: "C loops" (_optim.c, built by setup.py
+    where a C compiler was found) or "numpy" (the same bits, slower)."""
+    return "numpy" if _optim_loops is None else "C loops"
+
+
 def _fits_loop(*arrays: np.ndarray) -> bool:
     """Whether the C loop takes these: float32, C-contiguous, of one size (the first and
     last written: writeable)."""
