@@ -76,9 +76,8 @@ def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
     for name, grad, x in zip(node.outputs, grads, fwd):
         if name:
             # Gradients take the dtype and shape of what they are the gradient of (most have them).
-            if not (type(grad) is np.ndarray and grad.dtype is x.dtype and grad.shape == x.shape):
-                if not (isinstance(grad, np.ndarray) and grad.dtype == x.dtype and grad.shape == x.shape):
-                    grad = np.asarray(grad, dtype=x.dtype).reshape(x.shape)
+            if not (isinstance(grad, np.ndarray) and grad.dtype == x.dtype and grad.shape == x.shape):
+                grad = np.asarray(grad, dtype=x.dtype).reshape(x.shape)
             env[name] = grad
 
 

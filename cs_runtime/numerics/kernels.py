@@ -88,7 +88,7 @@ def rows_keep_mask(seed: int, step: int, layer_index: int, global_batch: int, wi
     # (a third less time, the same mask).
     entropy = (seed, step, layer_index, 104729)
     threshold = min(max(math.ceil(float(np.float32(p)) * 2.0 ** 24), 0), 1 << 24)
-    start, stop, stride = rows.indices(global_batch)
+    start, stop, stride = rows.indices(global_batch) if isinstance(rows, slice) else (0, 0, 0)
     if _mask_loops is not None and threshold < 1 << 24 and stride == 1 and min(entropy) >= 0:
         out = np.empty((max(stop - start, 0), width), np.float32)
         _mask_loops.rows_keep_mask(_seed_words(entropy), width, start, out, threshold << 8,
