@@ -9,21 +9,19 @@ per bound socket reads the socket's monitor: every connection accepted is
 has passed (a connection still open by then has finished its handshake:
 libzmq closes the others), and a new one
 that would bring the young ones over the socket's budget, or over its
-source's share of it, is shut down at once, before libzmq reads a frame
-from it. A legitimate peer that is refused so during a flood reconnects by
+source's share of it, is shut down at once, before its handshake. A legitimate peer that is refused so during a flood reconnects by
 itself (libzmq's reconnect interval), and connections already made are
 never touched.
 
-Budget: HANDSHAKE_BUDGET_BYTES of frames in flight per socket, so a socket
-whose frames may be 1 MiB admits 3 young connections at once (2 from one
-source address) and a control socket (64 KB frames) 63 (31). A connection
-is shut down only after libzmq has accepted it, and libzmq starts reading at
-once, so a refused stranger may still cost its frame for the millisecond
-until the shutdown: measured on a lone CURVE ROUTER, 300 connections
-streaming frames 1 byte under the 1 MiB cap for 4 s peaked at +11 MB
-(+5 MB for 20), where the cost used to be 1 MB per connection. While
-connections end the thread also gives the memory back every 0.2 s
-(malloc_trim: glibc otherwise keeps a flood's freed megabytes in its arenas).
+Budget: HANDSHAKE_BUDGET_BYTES of frames in flight per socket, so with every
+socket's frames at most 64 KiB (protocol.MAX_FRAME_BYTES) 15 connections may
+be young at once (7 from one source address). A connection is shut down only
+after libzmq has accepted it, and libzmq starts reading at once, so a refused
+stranger may still cost its frame until the shutdown: what bounds that is the
+frame cap itself (64 KiB a connection; it was 1 MiB, and a loaded machine's
+late gate let 23 such frames in at once). While connections end the thread
+also gives the memory back every 0.2 s (malloc_trim: glibc otherwise keeps a
+flood's freed megabytes in its arenas).
 """
 from __future__ import annotations
 
@@ -40,7 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_BUDGET_BYTES = 4 * 2**20   # frame bytes a socket's connections in handshake may hold at once
+HANDSHAKE_BUDGET_BYTES = 2**20       # frame bytes a socket's connections in handshake may hold at once
 SOURCE_SHARE = 2                     # one source address may take 1/SOURCE_SHARE of a socket's budget
 MIN_YOUNG = 2                        # whatever the frame cap, this many may handshake at once
 TRIM_EVERY_S = 0.2                   # while connections end, freed memory goes back to the system this often
