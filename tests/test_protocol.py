@@ -920,7 +920,7 @@ def test_the_handshake_gate_admits_a_budget_of_frames_and_never_cuts_a_connectio
     from cs_runtime.wire.protocol import MAX_FRAME_BYTES
     # Every socket's frames are a header's at most: one cap, a stranger's frame 64 KiB at most.
     assert MAX_FRAME_BYTES == CONTROL_MAX_FRAME == 64 * 1024
-    assert gate.young_limits(MAX_FRAME_BYTES + CURVE_FRAME_OVERHEAD) == (15, 7)
+    assert gate.young_limits(MAX_FRAME_BYTES + CURVE_FRAME_OVERHEAD) == (7, 3)
     assert gate.young_limits(4 * 2**20) == (gate.MIN_YOUNG, gate.MIN_YOUNG)
     with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as peer:
         accepted, _ = server.accept()

@@ -14,14 +14,17 @@ itself (libzmq's reconnect interval), and connections already made are
 never touched.
 
 Budget: HANDSHAKE_BUDGET_BYTES of frames in flight per socket, so with every
-socket's frames at most 64 KiB (protocol.MAX_FRAME_BYTES) 15 connections may
-be young at once (7 from one source address). A connection is shut down only
-after libzmq has accepted it, and libzmq starts reading at once, so a refused
-stranger may still cost its frame until the shutdown: what bounds that is the
-frame cap itself (64 KiB a connection; it was 1 MiB, and a loaded machine's
-late gate let 23 such frames in at once). While connections end the thread
-also gives the memory back every 0.2 s (malloc_trim: glibc otherwise keeps a
-flood's freed megabytes in its arenas).
+socket's frames at most 64 KiB (protocol.MAX_FRAME_BYTES) 7 connections may
+be young at once (3 from one source address): a stranger may hold those for
+the whole handshake interval, so they are what a flood costs for its length.
+A connection is shut down only after libzmq has accepted it, and libzmq
+starts reading at once, so one the gate has not yet seen costs its frame
+and libzmq's state for a connection (about 30 KB) until the shutdown: the
+frame cap bounds each (64 KiB; it was 1 MiB, and a loaded machine's late
+gate let 23 such frames in at once), and this thread's speed their number,
+hence one look at each connection and every waiting event in one go. While
+connections end the thread also gives the memory back every 0.2 s
+(malloc_trim: glibc otherwise keeps a flood's freed megabytes in its arenas).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_BUDGET_BYTES = 2**20       # frame bytes a socket's connections in handshake may hold at once
+HANDSHAKE_BUDGET_BYTES = 2**19       # frame bytes a socket's connections in handshake may hold at once
 SOURCE_SHARE = 2                     # one source address may take 1/SOURCE_SHARE of a socket's budget
 MIN_YOUNG = 2                        # whatever the frame cap, this many may handshake at once
 TRIM_EVERY_S = 0.2                   # while connections end, freed memory goes back to the system this often
