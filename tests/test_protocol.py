@@ -929,3 +929,8 @@ def test_the_handshake_gate_admits_a_budget_of_frames_and_never_cuts_a_connectio
             assert peer.recv(4096) and not gate._past_greeting(accepted)   # only a greeting: may be cut
             accepted.sendall(b"W")                                         # a WELCOME under way: never
             assert gate._past_greeting(accepted)
+            # The gate looks at libzmq's own descriptor and gives it back open: the connection goes on.
+            with gate._borrowed(accepted.fileno(), socket.AF_INET) as conn:
+                assert conn.getpeername() == peer.getsockname()
+            accepted.sendall(b"still open")
+            assert peer.recv(4096).endswith(b"still open")
