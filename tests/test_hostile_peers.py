@@ -40,7 +40,7 @@ pytestmark = pytest.mark.cluster  # the tests here start processes
 GREETING = (b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\x00" + bytes(31))
 DECLARED = 200 * 2**20
 # What near-cap handshakes at every port may cost each process of a job: at their peak, and a
-# second after. Measured 1.1 to 7.5 MB at the peak and 0 to 1.1 MB after on 2 cores at load 11 to
+# second after. Measured 0.6 to 7.5 MB at the peak and 0 to 1.1 MB after on 2 cores at load 11 to
 # 20 (docs/security.md): the peak's part beyond the young connections is the connections the gate
 # has not yet seen, which the machine's load decides, hence the margin.
 PEAK_BOUND, FINAL_BOUND = 10 * 2**20, 4 * 2**20
