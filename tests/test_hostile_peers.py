@@ -39,6 +39,11 @@ pytestmark = pytest.mark.cluster  # the tests here start processes
 
 GREETING = (b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\x00" + bytes(31))
 DECLARED = 200 * 2**20
+# What near-cap handshakes at every port may cost each process of a job: at their peak, and a
+# second after. Measured 0.6 to 7.5 MB at the peak and 0 to 1.1 MB after on 2 cores at load 11 to
+# 20 (docs/security.md): the peak's part beyond the young connections is the connections the gate
+# has not yet seen, which the machine's load decides, hence the margin.
+PEAK_BOUND, FINAL_BOUND = 10 * 2**20, 4 * 2**20
 
 
 def tcp_of(address: str) -> tuple[str, int]:
@@ -272,16 +277,17 @@ def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothin
           "fds", fds_before, fds_held, fds_after)
     assert all(sent < 16 * 2**20 * 5 for sent in streamed.values()), streamed
     growth = {name: rss_after[name] - rss_before[name] for name in targets if rss_after[name] is not None}
-    assert len(growth) == len(targets) and max(growth.values()) < 24 * 2**20, growth
+    assert len(growth) == len(targets) and max(growth.values()) < 8 * 2**20, growth
     # Held connections beyond the few one source may have in handshake are shut down at once,
     # the rest within 2 s.
     assert all(fds_held[n] - fds_before[n] <= held_bound(n) for n in targets), (fds_before, fds_held)
     assert dropped == len(held)
     print("near-cap handshakes: base", rss_base, "peak", peak, "final", rss_final)
-    # What a refused stranger costs is its frame until the gate acts (milliseconds, more on a loaded
-    # machine): 100 connections a port used to cost 100 MB a process.
-    assert max(peak[n] - rss_base[n] for n in targets) < 40 * 2**20, (rss_base, peak)
-    assert max(rss_final[n] - rss_base[n] for n in targets) < 8 * 2**20, (rss_base, rss_final)
+    # What a refused stranger costs is its frame (64 KiB at most) and libzmq's state for a connection
+    # until the gate acts (milliseconds, more on a loaded machine): 100 connections a port used to
+    # cost 100 MB a process, and up to 23 MB with the gate and 1 MiB frames.
+    assert max(peak[n] - rss_base[n] for n in targets) < PEAK_BOUND, (rss_base, peak)
+    assert max(rss_final[n] - rss_base[n] for n in targets) < FINAL_BOUND, (rss_base, rss_final)
     assert max(fds_after[n] - fds_before[n] for n in targets) < 10, (fds_before, fds_after)
     assert "dropped bad message" not in output and "Traceback" not in output
     assert_matches(tmp_path / "m", tmp_path / "cpu")

@@ -163,8 +163,8 @@ def test_non_contiguous_and_big_endian_arrays_arrive_with_their_values():
 
 
 def test_large_array_is_sent_zero_copy_and_small_one_as_bytes():
-    big = np.random.default_rng(0).standard_normal((300, 100)).astype(np.float32)
-    assert big.nbytes > ZERO_COPY_THRESHOLD
+    big = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)   # one full frame
+    assert big.nbytes >= ZERO_COPY_THRESHOLD and big.nbytes <= protocol.MAX_FRAME_BYTES
     small = np.arange(10, dtype=np.float32)
     frames = encode(Message(Msg.GRADS, arrays={"big": big, "small": small}))
     assert frames[1] is big or np.shares_memory(frames[1], big)  # the array's own buffer
@@ -918,8 +918,10 @@ def test_the_handshake_gate_admits_a_budget_of_frames_and_never_cuts_a_connectio
     from cs_runtime.wire import gate
     from cs_runtime.wire.transport import CONTROL_MAX_FRAME, CURVE_FRAME_OVERHEAD
     from cs_runtime.wire.protocol import MAX_FRAME_BYTES
-    assert gate.young_limits(MAX_FRAME_BYTES + CURVE_FRAME_OVERHEAD) == (3, 2)
-    assert gate.young_limits(CONTROL_MAX_FRAME + CURVE_FRAME_OVERHEAD) == (63, 31)
+    # Every socket's frames are a header's at most: one cap, a stranger's frame 64 KiB at most.
+    assert MAX_FRAME_BYTES == CONTROL_MAX_FRAME == 64 * 1024
+    assert gate.young_limits(MAX_FRAME_BYTES + CURVE_FRAME_OVERHEAD) == (7, 3)
+    assert gate.young_limits(4 * 2**20) == (gate.MIN_YOUNG, gate.MIN_YOUNG)
     with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as peer:
         accepted, _ = server.accept()
         with accepted:
@@ -927,3 +929,8 @@ def test_the_handshake_gate_admits_a_budget_of_frames_and_never_cuts_a_connectio
             assert peer.recv(4096) and not gate._past_greeting(accepted)   # only a greeting: may be cut
             accepted.sendall(b"W")                                         # a WELCOME under way: never
             assert gate._past_greeting(accepted)
+            # The gate looks at libzmq's own descriptor and gives it back open: the connection goes on.
+            with gate._borrowed(accepted.fileno(), socket.AF_INET) as conn:
+                assert conn.getpeername() == peer.getsockname()
+            accepted.sendall(b"still open")
+            assert peer.recv(4096).endswith(b"still open")

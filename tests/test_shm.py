@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cs_runtime.wire import shm
-from cs_runtime.wire.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode
+from cs_runtime.wire.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode, frames_for
 from tests.cluster_utils import (
     FC_MNIST,
     assert_matches_oracle,
@@ -88,7 +88,7 @@ def test_swarmx_sums_gradients_into_its_arena_and_sends_them_on_by_reference(two
 def test_without_shared_memory_arrays_go_as_frames_and_references_are_refused(two_processes):
     sender, arena, _ = two_processes
     w = arena.copy_of(np.ones(BIG, np.float32))
-    assert len(encode(weights_message({"weight": w}))) == 2        # no Segments: a frame
+    assert len(encode(weights_message({"weight": w}))) == 1 + frames_for(w.nbytes)   # no Segments: frames
     with pytest.raises(ProtocolError, match="does not share memory"):
         decode(encode(weights_message({"weight": w}), sender))
 

@@ -9,44 +9,47 @@ per bound socket reads the socket's monitor: every connection accepted is
 has passed (a connection still open by then has finished its handshake:
 libzmq closes the others), and a new one
 that would bring the young ones over the socket's budget, or over its
-source's share of it, is shut down at once, before libzmq reads a frame
-from it. A legitimate peer that is refused so during a flood reconnects by
+source's share of it, is shut down at once, before its handshake. A legitimate peer that is refused so during a flood reconnects by
 itself (libzmq's reconnect interval), and connections already made are
 never touched.
 
-Budget: HANDSHAKE_BUDGET_BYTES of frames in flight per socket, so a socket
-whose frames may be 1 MiB admits 3 young connections at once (2 from one
-source address) and a control socket (64 KB frames) 63 (31). A connection
-is shut down only after libzmq has accepted it, and libzmq starts reading at
-once, so a refused stranger may still cost its frame for the millisecond
-until the shutdown: measured on a lone CURVE ROUTER, 300 connections
-streaming frames 1 byte under the 1 MiB cap for 4 s peaked at +11 MB
-(+5 MB for 20), where the cost used to be 1 MB per connection. While
+Budget: HANDSHAKE_BUDGET_BYTES of frames in flight per socket, so with every
+socket's frames at most 64 KiB (protocol.MAX_FRAME_BYTES) 7 connections may
+be young at once (3 from one source address): a stranger may hold those for
+the whole handshake interval, so they are what a flood costs for its length.
+A connection is shut down only after libzmq has accepted it, and libzmq
+starts reading at once, so one the gate has not yet seen costs its frame
+and libzmq's state for a connection (about 30 KB) until the shutdown: the
+frame cap bounds each (64 KiB; it was 1 MiB, and a loaded machine's late
+gate let 23 such frames in at once), and this thread's speed their number,
+hence one look at each connection and every waiting event in one go. While
 connections end the thread also gives the memory back every 0.2 s
 (malloc_trim: glibc otherwise keeps a flood's freed megabytes in its arenas).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-import os
 import socket as pysocket
+import struct
 import threading
 import time
 from collections import deque
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_BUDGET_BYTES = 4 * 2**20   # frame bytes a socket's connections in handshake may hold at once
+HANDSHAKE_BUDGET_BYTES = 2**19       # frame bytes a socket's connections in handshake may hold at once
 SOURCE_SHARE = 2                     # one source address may take 1/SOURCE_SHARE of a socket's budget
 MIN_YOUNG = 2                        # whatever the frame cap, this many may handshake at once
 TRIM_EVERY_S = 0.2                   # while connections end, freed memory goes back to the system this often
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
            | zmq.EVENT_MONITOR_STOPPED)
 _DONE = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_EVENT = struct.Struct("=HI")   # a monitor event's first frame: the event (u16), its value (u32: the fd)
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
 
 
 def _glibc(name: str):
@@ -73,14 +76,16 @@ def one_malloc_arena() -> None:
     _one_arena = True
 
 
-def _dup(fd: int) -> pysocket.socket:
-    """A Python socket on a duplicate of descriptor `fd` (its family read from the descriptor)."""
-    copy = os.dup(fd)
+@contextlib.contextmanager
+def _borrowed(fd: int, family: int):
+    """Connection `fd` as a Python socket, given back, never closed: it stays libzmq's. (No
+    duplicate descriptor, and no look at the descriptor to learn its kind: this runs for every
+    connection of a flood, and a dup and the look cost 15 us of the 40 a connection took.)"""
+    conn = pysocket.socket(family, pysocket.SOCK_STREAM, 0, fileno=fd)
     try:
-        return pysocket.socket(fileno=copy)
-    except OSError:
-        os.close(copy)
-        raise
+        yield conn
+    finally:
+        conn.detach()
 
 
 def young_limits(max_frame_bytes: int) -> tuple[int, int]:
@@ -117,7 +122,9 @@ class HandshakeGate(threading.Thread):
         super().__init__(name=f"gate {name}", daemon=True)
         self.name, self.handshake_s = name, handshake_s
         self.max_young, self.max_per_source = young_limits(max_frame_bytes)
-        self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)   # tcp://HOST:PORT, [HOST] for IPv6
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self.family = pysocket.AF_INET6 if endpoint.startswith("tcp://[") else pysocket.AF_INET
         self.young: deque[tuple[float, int, tuple]] = deque()   # (accepted at, fd, (source, source port))
         self.refused = 0             # connections shut down here (read by tests)
         self._dirty = False          # freed memory may wait in the allocator
@@ -132,7 +139,7 @@ class HandshakeGate(threading.Thread):
     def run(self) -> None:
         try:
             while True:
-                if self.events.poll(int(TRIM_EVERY_S * 1000)) and not self._handle(self.events.recv_multipart()):
+                if self.events.poll(int(TRIM_EVERY_S * 1000)) and not self._handle_waiting():
                     return
                 if self._dirty and time.monotonic() - self._last_trim >= TRIM_EVERY_S:
                     self._give_back()
@@ -144,9 +151,23 @@ class HandshakeGate(threading.Thread):
         finally:
             self.events.close(linger=0)
 
-    def _handle(self, frames: list[bytes]) -> bool:
-        event = parse_monitor_message(frames)
-        kind, fd = event["event"], event["value"]
+    def _handle_waiting(self) -> bool:
+        """Every event waiting, in one go (a flood brings thousands a second, and what this thread
+        spends on each is time a refused stranger's frame stays in memory); False once the
+        monitor has stopped."""
+        recv, more = self.events.recv, self.events.getsockopt
+        try:
+            while True:
+                head = recv(_NOBLOCK)
+                while more(_RCVMORE):
+                    recv()   # the endpoint's address: not needed
+                kind, fd = _EVENT.unpack_from(head)
+                if not self._handle(kind, fd):
+                    return False
+        except zmq.Again:
+            return True
+
+    def _handle(self, kind: int, fd: int) -> bool:
         if kind == zmq.EVENT_MONITOR_STOPPED:
             return False
         if kind & _DONE:
@@ -161,16 +182,25 @@ class HandshakeGate(threading.Thread):
         return True
 
     def _admit(self, fd: int) -> None:
+        """Count connection `fd` as young, or shut it down when that would bring the young ones
+        over the socket's budget or its source's share; one look at the connection for both."""
         now = time.monotonic()
         while self.young and now - self.young[0][0] > self.handshake_s:
             self.young.popleft()   # handshaken by now, or closed by libzmq
-        peer = self._peer_of(fd)
-        if peer is None:
-            return   # gone already, or the number now names another file of ours: not ours to touch
-        from_source = sum(1 for _, _, p in self.young if p[0] == peer[0])
-        over = len(self.young) >= self.max_young or from_source >= self.max_per_source
-        if not (over and self._shut(fd, peer)):
-            self.young.append((now, fd, peer))   # counted, so that its HANDSHAKE_SUCCEEDED has an entry
+        try:
+            with _borrowed(fd, self.family) as conn:
+                if conn.getsockname()[1] != self.port:
+                    return   # gone already, and the number now names another file of ours: not ours
+                source = conn.getpeername()[0]
+                if self._over(source) and self._shut(conn, source):
+                    return
+        except OSError:
+            return   # gone already
+        self.young.append((now, fd, source))   # counted, so that its HANDSHAKE_SUCCEEDED has an entry
+
+    def _over(self, source: str) -> bool:
+        return len(self.young) >= self.max_young \
+            or sum(1 for *_, s in self.young if s == source) >= self.max_per_source
 
     def _forget(self, fd: int) -> None:
         for entry in self.young:
@@ -178,33 +208,19 @@ class HandshakeGate(threading.Thread):
                 self.young.remove(entry)
                 return
 
-    def _peer_of(self, fd: int) -> tuple | None:
-        """(address, port) of the peer of connection `fd` when fd is still a connection to our port."""
-        try:
-            with _dup(fd) as conn:   # a duplicate descriptor, closed here: the connection stays libzmq's
-                if conn.getsockname()[1] != self.port:
-                    return None
-                return conn.getpeername()[:2]
-        except OSError:
-            return None
-
-    def _shut(self, fd: int, peer: tuple) -> bool:
-        """Shut connection `fd` down (libzmq sees its end and frees it), if it still is `peer`'s and
-        its handshake has not gone past our greeting: one that has may be a peer of the job already
-        (the monitor's news comes late), and its messages must not be cut. Whether it was."""
-        try:
-            with _dup(fd) as conn:
-                if conn.getsockname()[1] != self.port or conn.getpeername()[:2] != peer or _past_greeting(conn):
-                    return False
-                conn.shutdown(pysocket.SHUT_RDWR)
-        except OSError:
+    def _shut(self, conn: pysocket.socket, source: str) -> bool:
+        """Shut `conn` down (libzmq sees its end and frees it) unless its handshake has gone past
+        our greeting: one that has may be a peer of the job already (the monitor's news comes
+        late), and its messages must not be cut. Whether it was."""
+        if _past_greeting(conn):
             return False
+        conn.shutdown(pysocket.SHUT_RDWR)
         self.refused += 1
         self._dirty = True
         if self.refused == 10 ** (len(str(self.refused)) - 1):   # a flood: a line per decade, not per connection
             log.warning("%s: %d connection(s) refused before their handshake: over %d in handshake at once "
                         "(%d per source); the last from %s", self.name, self.refused, self.max_young,
-                        self.max_per_source, peer[0])
+                        self.max_per_source, source)
         return True
 
     def _give_back(self) -> None:

@@ -7,10 +7,11 @@ which use the wire protocol in `protocol.py`. Sockets are made with LINGER 0
 
 What a peer without the job's keys can cost a process: libzmq buffers each
 ZMTP frame up to MAXMSGSIZE even during the CURVE handshake, before the peer
-has proven anything. No frame of the protocol exceeds MAX_FRAME_BYTES (big
-arrays are split), so that is every socket's MAXMSGSIZE (64 KB on sockets
-that carry no arrays); a connection that has not finished its handshake
-within HANDSHAKE_IVL_MS is closed; and a process that binds raises its
+has proven anything, and has one MAXMSGSIZE per socket for a connection's
+whole life. No frame of the protocol exceeds MAX_FRAME_BYTES, a header's cap
+(big arrays are split), so that is every socket's MAXMSGSIZE, 64 KiB for a
+stranger and for the job's tensors alike; a connection that has not
+finished its handshake within HANDSHAKE_IVL_MS is closed; and a process that binds raises its
 descriptor limit to the hard limit, so held connections cannot starve it of
 files for a checkpoint; and a gate per bound socket (gate.py) shuts down
 connections beyond a few in handshake at once. Together: a few MB a
