@@ -32,6 +32,8 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     optim.py            optimizers by PyTorch's names (params.yaml's section; torch modules': optimizers.py)
     optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW
     lr_scheduler.py     cstorch.optim.lr_scheduler
+    scheduler.py        cstorch.optim.scheduler: any param-group value by the step (lr, weight decay)
+    weight_decay_scheduler.py  cstorch.optim.weight_decay_scheduler
     amp.py              GradScaler and the half dtype
     backends.py         cstorch.backend(): where a 2.x run executes
     distributed/        cstorch.distributed: the cluster settings of a backend, the job's tasks

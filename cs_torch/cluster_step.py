@@ -99,6 +99,25 @@ def _rule_of(optimizer, g: dict):
     return cls(lr=g["lr"] or 1.0, betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
 
 
+def _step_rate(optimizer):
+    """Each step's learning rate for MemoryX: the one rate of every param group. A scheduler that leaves
+    the groups at different rates, or changes a weight decay MemoryX took at the start, is refused."""
+    decays = [g.get("weight_decay") for g in optimizer.param_groups]
+
+    def rate() -> float:
+        groups = optimizer.param_groups
+        rates = {g["lr"] for g in groups}
+        if len(rates) > 1:
+            raise CsTorchError(f"CSX backend: the param groups' learning rates differ at this step "
+                               f"({sorted(rates)}); MemoryX applies one rate a step (use backend('CPU'))")
+        if [g.get("weight_decay") for g in groups] != decays:
+            raise CsTorchError("CSX backend: a param group's weight_decay changed during the run (a weight decay "
+                               "scheduler); MemoryX applies the weight decay the job started with "
+                               "(use backend('CPU'))")
+        return groups[0]["lr"]
+    return rate
+
+
 class _Session(session_mod.Session):
     """A Session whose learning rate and loss scale come from the 2.x objects, step by step."""
     lr_of = None
@@ -152,7 +171,7 @@ class ClusterRun:
         model_dir = os.path.join(backend.artifact_dir, f"job_{os.getpid()}_{next(_runs)}_{mode}")
         self.session = _Session(spec, memoryx_optimizer(self.optimizer, params) if self.optimizer else None,
                                 CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)
-        self.session.lr_of = lambda: self.optimizer.param_groups[0]["lr"]
+        self.session.lr_of = _step_rate(self.optimizer) if self.optimizer else None
         self.session.scale_of = lambda: self.scaler.scale_value() if self.scaler else 1.0
         self.session.loss_scaled = self.scaler is not None
         self.session.report_eval = report_eval

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from . import lr_scheduler  # noqa: F401 (cstorch.optim.lr_scheduler)
+from . import lr_scheduler, scheduler, weight_decay_scheduler  # noqa: F401 (cstorch.optim.<name>)
 from .nn import CsTorchError
 
 
