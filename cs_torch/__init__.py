@@ -30,7 +30,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     input_worker.py     python -m cs_torch.input_worker (started by a Session)
     nn.py               layers and the loss, PyTorch-style names for the project's model description
     optim.py            optimizers by PyTorch's names (params.yaml's section; torch modules': optimizers.py)
-    optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW
+    optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW; Adagrad, RMSprop, Adamax, Adadelta, Lion (CPU)
     lr_scheduler.py     cstorch.optim.lr_scheduler
     scheduler.py        cstorch.optim.scheduler: any param-group value by the step (lr, weight decay)
     weight_decay_scheduler.py  cstorch.optim.weight_decay_scheduler
@@ -64,7 +64,9 @@ _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing"
          "summarize_scalar": "summary", "summarize_tensor": "summary", "use_cs": "backends",
          "current_executor": "recording", "name_scope": "core.name_scope", "add_debug_name": "core.name_scope",
          "get_debug_name": "core.name_scope", "make_constant": "core.tensors", "to_numpy": "core.tensors",
-         "from_numpy": "core.tensors"}
+         "from_numpy": "core.tensors", "full": "core.tensors", "full_like": "core.tensors",
+         "ones": "core.tensors", "ones_like": "core.tensors", "zeros": "core.tensors", "zeros_like": "core.tensors",
+         "current_torch_device": "backends"}
 # `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
 _LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend")
 

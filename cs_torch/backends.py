@@ -151,6 +151,12 @@ def use_cs() -> bool:
     return _current is not None and _current.is_csx
 
 
+def current_torch_device():
+    """The torch device of the backend's tensors: the host's, on every backend here."""
+    import torch
+    return torch.device("cpu")
+
+
 def current_backend_impl() -> Backend:
     """The real API's name for the backend in use (cstorch.backend.current_backend_impl)."""
     return current_backend()

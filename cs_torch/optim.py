@@ -19,11 +19,17 @@ from . import lr_scheduler, scheduler, weight_decay_scheduler  # noqa: F401 (cst
 from .nn import CsTorchError
 
 
+CPU_ONLY_OPTIMIZERS = ("Adagrad", "RMSprop", "Adamax", "Adadelta", "Lion")
+
+
 def __getattr__(name: str):
     # The model zoo flow's helpers (they need torch): loaded when asked for.
     if name in ("configure_param_groups", "configure_optimizer", "configure_lr_scheduler"):
         from . import optim_configure
         return getattr(optim_configure, name)
+    if name in CPU_ONLY_OPTIMIZERS:   # torch modules' optimizers MemoryX has no rule for (cs_torch/optimizers.py)
+        from . import optimizers
+        return getattr(optimizers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

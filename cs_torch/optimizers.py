@@ -1,4 +1,5 @@
-"""cstorch.optim for torch modules (2.x API): SGD (with nesterov), Adam, AdamW.
+"""cstorch.optim for torch modules (2.x API): SGD (with nesterov), Adam, AdamW; on the CPU backend also
+Adagrad, RMSprop, Adamax, Adadelta and Lion.
 
     optimizer = cstorch.optim.SGD(model.parameters(), 0.01, momentum=0.9, nesterov=True)
 
@@ -185,3 +186,108 @@ class AdamW(Adam):
         if not correct_bias:
             raise CsTorchError("AdamW: correct_bias=False is not supported")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
+
+
+# The real API's other optimizers, on the CPU backend (MemoryX applies SGD, Adam and AdamW only: on CSX
+# these are refused by name, cs_torch/cluster_step.py). Each is the real API's documented rule and defaults,
+# its state under the real API's keys.
+def _decayed(p, g, group):
+    g = -g if group.get("maximize") else g
+    return g + np.float32(group["weight_decay"]) * p if group["weight_decay"] else g
+
+
+class Adagrad(Optimizer):
+    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0, weight_decay: float = 0,
+                 initial_accumulator_value: float = 0, eps: float = 1e-6, maximize: bool = False):
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize,
+                                      initial_accumulator_value=initial_accumulator_value))
+
+    def _update(self, p, g, group, state):
+        g = _decayed(p, g, group)
+        fresh = "sum" not in state
+        total = self._buffer(state, "sum", p)
+        if fresh:
+            total[...] = np.float32(group["initial_accumulator_value"])
+        state["step"] = step = float(state.get("step", 0.0)) + 1
+        total += g * g
+        p -= np.float32(group["lr"]) * (g / np.float32(1 + (step - 1) * group["lr_decay"])) / (np.sqrt(total) +
+                                                                                           np.float32(group["eps"]))
+
+
+class RMSprop(Optimizer):
+    def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0,
+                 momentum: float = 0, centered: bool = False):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      centered=centered))
+
+    def _update(self, p, g, group, state):
+        g = _decayed(p, g, group)
+        alpha = np.float32(group["alpha"])
+        square_avg = self._buffer(state, "square_avg", p)
+        square_avg *= alpha
+        square_avg += (np.float32(1) - alpha) * g * g
+        if group["centered"]:
+            grad_avg = self._buffer(state, "grad_avg", p)
+            grad_avg *= alpha
+            grad_avg += (np.float32(1) - alpha) * g
+            avg = np.sqrt(square_avg - grad_avg * grad_avg) + np.float32(group["eps"])
+        else:
+            avg = np.sqrt(square_avg) + np.float32(group["eps"])
+        if group["momentum"] > 0:
+            buf = self._buffer(state, "momentum_buffer", p)
+            buf *= np.float32(group["momentum"])
+            buf += g / avg
+            p -= np.float32(group["lr"]) * buf
+        else:
+            p -= np.float32(group["lr"]) * g / avg
+
+
+class Adamax(Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 maximize: bool = False):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      maximize=maximize))
+
+    def _update(self, p, g, group, state):
+        g = _decayed(p, g, group)
+        b1, b2 = (np.float32(b) for b in group["betas"])
+        exp_avg, exp_inf = self._buffer(state, "exp_avg", p), self._buffer(state, "exp_inf", p)
+        exp_avg *= b1
+        exp_avg += (np.float32(1) - b1) * g
+        np.maximum(exp_inf * b2, np.abs(g) + np.float32(group["eps"]), out=exp_inf)
+        power = float(state.get("beta1_power", float(b1)))
+        state["beta1_power"] = power * float(b1)
+        p -= np.float32(group["lr"]) * (exp_avg / exp_inf) / np.float32(1.0 - power)
+
+
+class Adadelta(Optimizer):
+    def __init__(self, params, lr: float = 1.0, rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0,
+                 maximize: bool = False):
+        super().__init__(params, dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize))
+
+    def _update(self, p, g, group, state):
+        g = _decayed(p, g, group)
+        rho, eps = np.float32(group["rho"]), np.float32(group["eps"])
+        square_avg, acc_delta = self._buffer(state, "square_avg", p), self._buffer(state, "acc_delta", p)
+        square_avg *= rho
+        square_avg += (np.float32(1) - rho) * g * g
+        delta = np.sqrt(acc_delta + eps) / np.sqrt(square_avg + eps) * g
+        acc_delta *= rho
+        acc_delta += (np.float32(1) - rho) * delta * delta
+        p -= np.float32(group["lr"]) * delta
+
+
+class Lion(Optimizer):
+    """sign(beta1 * m + (1 - beta1) * g) steps, weight decay decoupled; then m = beta2 * m + (1 - beta2) * g."""
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    def _update(self, p, g, group, state):
+        b1, b2 = (np.float32(b) for b in group["betas"])
+        lr = np.float32(group["lr"])
+        exp_avg = self._buffer(state, "exp_avg", p)
+        p *= np.float32(1) - lr * np.float32(group["weight_decay"])
+        p -= lr * np.sign(exp_avg * b1 + (np.float32(1) - b1) * g)
+        exp_avg *= b2
+        exp_avg += (np.float32(1) - b2) * g

@@ -129,3 +129,139 @@ def test_scheduler_state_dict_round_trip() -> None:
     b = LR.OneCycleLR(opt, 0.01, 0.1, total_steps=20)
     b.load_state_dict(a.state_dict())
     assert b.get_last_lr() == a.get_last_lr() and math.isclose(opt.param_groups[0]["lr"], a.value_at(7))
+
+
+def lion_reference(params, lr, betas, weight_decay):
+    """Lion as its paper and the real API's documentation write it, in torch."""
+    state = {p: torch.zeros_like(p) for p in params}
+
+    def step():
+        with torch.no_grad():
+            for p in params:
+                m = state[p]
+                p.mul_(1 - lr * weight_decay)
+                p.add_(-lr * torch.sign(m * betas[0] + (1 - betas[0]) * p.grad))
+                m.mul_(betas[1]).add_(p.grad, alpha=1 - betas[1])
+    return step
+
+
+@pytest.mark.parametrize("name, kwargs, reference", [
+    ("Adagrad", dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.5, eps=1e-6),
+     lambda ps, k: torch.optim.Adagrad(ps, **k).step),
+    ("RMSprop", dict(lr=0.01, alpha=0.9, eps=1e-8, weight_decay=0.05, momentum=0.8, centered=True),
+     lambda ps, k: torch.optim.RMSprop(ps, **k).step),
+    ("RMSprop", dict(lr=0.01), lambda ps, k: torch.optim.RMSprop(ps, **k).step),
+    ("Adamax", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+     lambda ps, k: torch.optim.Adamax(ps, **k).step),
+    ("Adadelta", dict(lr=0.5, rho=0.8, eps=1e-6, weight_decay=0.1), lambda ps, k: torch.optim.Adadelta(ps, **k).step),
+    ("Lion", dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1), lambda ps, k: lion_reference(ps, **k)),
+])
+def test_cpu_only_optimizers_equal_torch_eager(name, kwargs, reference) -> None:
+    torch.manual_seed(0)
+    ours, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    ref.load_state_dict(ours.state_dict())
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    opt = getattr(cstorch.optim, name)(ours.parameters(), **kwargs)
+    ref_step = reference(list(ref.parameters()), kwargs)
+    for _ in range(6):
+        for model, step in ((ours, opt.step), (ref, ref_step)):
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            step()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_only_optimizers_have_the_real_defaults_and_are_refused_on_csx() -> None:
+    params = list(torch.nn.Linear(2, 2).parameters())
+    assert cstorch.optim.Adagrad(params).defaults["eps"] == 1e-6 and cstorch.optim.Lion(params).defaults["lr"] == 1e-4
+    assert cstorch.optim.Adadelta(params).defaults["lr"] == 1.0 and cstorch.optim.RMSprop(params).defaults["lr"] == 1e-2
+    from cs_torch.cluster_step import memoryx_optimizer
+    with pytest.raises(Exception, match="CSX backend: optimizer Lion has no MemoryX rule"):
+        memoryx_optimizer(cstorch.optim.Lion(params))
+
+
+def test_tensor_factories_and_device_are_the_hosts() -> None:
+    assert torch.equal(cstorch.full((2, 2), 3.0), torch.full((2, 2), 3.0))
+    like = torch.zeros(3, dtype=torch.int32)
+    for made, value in ((cstorch.full_like(like, 7), 7), (cstorch.ones_like(like), 1), (cstorch.zeros_like(like), 0)):
+        assert made.dtype == torch.int32 and made.tolist() == [value] * 3
+    assert cstorch.ones(2, dtype=torch.float16).dtype == torch.float16 and cstorch.zeros((1, 2)).shape == (1, 2)
+    assert cstorch.ones_like(like, dtype=torch.float32).dtype == torch.float32
+    assert cstorch.current_torch_device() == torch.device("cpu") == cstorch.backend.current_torch_device()
+    args = cstorch.backend.get_backend_args("CSX")
+    assert "cluster_config" in args and "artifact_dir" in args
+    with pytest.raises(ValueError, match="TPU backend not yet supported"):
+        cstorch.backend.get_backend_args("TPU")
+    assert cstorch.nn.Parameter is torch.nn.Parameter and cstorch.nn.Buffer is torch.nn.Buffer
+
+
+def test_synthetic_dataset_as_documented() -> None:
+    data = cstorch.utils.data.SyntheticDataset({"x": torch.ones(2), "i": lambda i: torch.tensor(i)}, num_samples=3)
+    samples = list(data)
+    assert len(data) == 3 and [int(s["i"]) for s in samples] == [0, 1, 2] and torch.equal(samples[0]["x"], torch.ones(2))
+    assert samples[0]["x"] is not samples[1]["x"]          # each sample's tensors are clones
+    assert cstorch.utils.SyntheticDataset is cstorch.utils.data.SyntheticDataset
+    with pytest.raises(ValueError, match="`num_samples` must be a positive integer"):
+        cstorch.utils.data.SyntheticDataset(torch.ones(1), num_samples=0)
+    with pytest.raises(TypeError, match="does not have a length"):
+        len(cstorch.utils.data.SyntheticDataset(torch.ones(1)))
+    with pytest.raises(ValueError, match="got an item of type"):
+        cstorch.utils.data.SyntheticDataset([1.0])
+
+
+def test_distributed_tasks_of_the_emulated_job(tmp_path, monkeypatch) -> None:
+    dist = cstorch.distributed
+    cstorch.backend("CSX", cluster_config=dist.ClusterConfig(num_csx=2, num_workers_per_csx=3))
+    spec = dist.service_resolver().cluster_spec
+    assert dist.num_tasks() == 7 == spec.num_tasks() and dist.num_streamers() == dist.num_receivers() == 6
+    assert [t.wse_id for t in spec.filter_tasks_by_role(dist.TaskRole.WORKER)] == [0, 0, 0, 1, 1, 1]
+    assert spec.task().roles == [dist.TaskRole.MASTER] and not dist.is_receiver() and not dist.is_streamer()
+    assert isinstance(dist.service_resolver(), dist.BaseServiceResolver)
+    with pytest.raises(Exception, match="get_worker_state"):
+        dist.WorkerState.get_worker_state()
+    assert (dist.SSD_LIMIT, dist.WORKER_CACHE_ROOT) == (0.8, "/n0/cache")
+    monkeypatch.setattr(dist, "WORKER_CACHE_ROOT", str(tmp_path))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x" * 1536)
+    hit, size, room = dist.hit_worker_cache_limit(str(tmp_path / "src"), str(tmp_path / "dest"))
+    assert hit is False and size == "1.50KiB" and room.endswith("B")
+    with pytest.raises(ValueError):
+        dist.hit_worker_cache_limit(str(tmp_path / "src"), "/elsewhere")    # not under the cache root
+
+
+def test_dice_and_at_k_metrics_against_their_definitions() -> None:
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 2, 0])
+    preds = torch.tensor([0, 1, 1, 1, 2, 0, 2, 0])
+    dice = cstorch.metrics.DiceCoefficientMetric(3, name="dice")
+    dice(labels, preds)
+    per_class = [2 * int(((preds == c) & (labels == c)).sum()) / int((preds == c).sum() + (labels == c).sum())
+                 for c in range(3)]
+    assert float(dice) == pytest.approx(sum(per_class) / 3)
+    logits = torch.tensor([[0.1, 0.5, 0.4, 0.0], [0.9, 0.05, 0.03, 0.02]])
+    targets = torch.tensor([[2, 3], [0, 1]])
+    p_at_2, r_at_1 = cstorch.metrics.PrecisionAtKMetric(2, name="p2"), cstorch.metrics.RecallAtKMetric(1, name="r1")
+    p_at_2(targets, logits)
+    r_at_1(targets, logits)
+    # top 2: {1, 2} and {0, 1}: hits 1 and 2 of 4 predictions; top 1: {1}, {0}: 1 of 4 labels found.
+    assert float(p_at_2) == pytest.approx(3 / 4) and float(r_at_1) == pytest.approx(1 / 4)
+
+
+def test_auc_against_the_rank_statistic_and_its_sums() -> None:
+    torch.manual_seed(1)
+    scores = torch.rand(40)
+    labels = (torch.rand(40) < scores).long()
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    exact = float((pos[:, None] > neg[None, :]).float().mean())   # P(a positive outranks a negative)
+    at_every_score = sorted(set((scores - 1e-6).clamp(min=0).tolist()))
+    roc = cstorch.metrics.AUCMetric(thresholds=at_every_score, name="roc")
+    roc(labels, scores)
+    assert float(roc) == pytest.approx(exact, abs=1e-6)
+    sums = {}
+    for method in ("minoring", "interpolation", "majoring"):
+        metric = cstorch.metrics.AUCMetric(num_thresholds=50, curve="PR", summation_method=method, name=f"pr_{method}")
+        metric(labels, scores)
+        sums[method] = float(metric)
+    assert sums["minoring"] <= sums["majoring"] and 0 < sums["interpolation"] <= 1
+    with pytest.raises(ValueError, match="must be in \\[0, 1\\]"):
+        cstorch.metrics.AUCMetric(name="bad")(labels, scores * 2)

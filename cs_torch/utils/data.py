@@ -233,3 +233,10 @@ def compute_num_steps(dataloader, initial_step: int = 0, num_steps: int | None =
     if not candidates:
         raise ValueError("compute_num_steps: give one of num_epochs, num_steps or max_steps")
     return min(candidates)
+
+
+def __getattr__(name: str):
+    if name == "SyntheticDataset":   # it needs torch: loaded when asked for
+        from .synthetic import SyntheticDataset
+        return SyntheticDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
