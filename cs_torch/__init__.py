@@ -30,7 +30,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     input_worker.py     python -m cs_torch.input_worker (started by a Session)
     nn.py               layers and the loss, PyTorch-style names for the project's model description
     optim.py            optimizers by PyTorch's names (params.yaml's section; torch modules': optimizers.py)
-    optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW; Adagrad, RMSprop, Adamax, Adadelta, Lion (CPU)
+    optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW; on CPU eight more (Adagrad, ...)
     lr_scheduler.py     cstorch.optim.lr_scheduler
     scheduler.py        cstorch.optim.scheduler: any param-group value by the step (lr, weight decay)
     weight_decay_scheduler.py  cstorch.optim.weight_decay_scheduler

@@ -19,7 +19,7 @@ from . import lr_scheduler, scheduler, weight_decay_scheduler  # noqa: F401 (cst
 from .nn import CsTorchError
 
 
-CPU_ONLY_OPTIMIZERS = ("Adagrad", "RMSprop", "Adamax", "Adadelta", "Lion")
+CPU_ONLY_OPTIMIZERS = ("Adagrad", "RMSprop", "Adamax", "Adadelta", "Lion", "RAdam", "ASGD", "Rprop")
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 """cstorch.optim for torch modules (2.x API): SGD (with nesterov), Adam, AdamW; on the CPU backend also
-Adagrad, RMSprop, Adamax, Adadelta and Lion.
+Adagrad, RMSprop, Adamax, Adadelta, Lion, RAdam, ASGD and Rprop.
 
     optimizer = cstorch.optim.SGD(model.parameters(), 0.01, momentum=0.9, nesterov=True)
 
@@ -291,3 +291,73 @@ class Lion(Optimizer):
         p -= lr * np.sign(exp_avg * b1 + (np.float32(1) - b1) * g)
         exp_avg *= b2
         exp_avg += (np.float32(1) - b2) * g
+
+
+class RAdam(Optimizer):
+    """Adam rectified: while the variance's length rho_t is at most 5 the step is the bias-corrected momentum."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _update(self, p, g, group, state):
+        g = _decayed(p, g, group)
+        b1, b2 = (float(b) for b in group["betas"])
+        state["step"] = step = float(state.get("step", 0.0)) + 1
+        m, v = self._buffer(state, "exp_avg", p), self._buffer(state, "exp_avg_sq", p)
+        m *= np.float32(b1)
+        m += np.float32(1 - b1) * g
+        v *= np.float32(b2)
+        v += np.float32(1 - b2) * g * g
+        c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+        rho_inf = 2 / (1 - b2) - 1
+        rho_t = rho_inf - 2 * step * b2 ** step / c2
+        update = m / np.float32(c1)
+        if rho_t > 5:
+            rect = np.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+            update = update * np.float32(rect) * (np.float32(np.sqrt(c2)) / (np.sqrt(v) + np.float32(group["eps"])))
+        p -= np.float32(group["lr"]) * update
+
+
+class ASGD(Optimizer):
+    """Averaged SGD: eta = lr / (1 + lambd * lr * step) ** alpha; ax averages the weights from step t0 on."""
+
+    def __init__(self, params, lr: float = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
+                 weight_decay: float = 0, maximize: bool = False):
+        super().__init__(params, dict(lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay,
+                                      maximize=maximize))
+
+    def _update(self, p, g, group, state):
+        g = _decayed(p, g, group)
+        eta, mu = float(state.get("eta", group["lr"])), float(state.get("mu", 1.0))
+        state["step"] = step = float(state.get("step", 0.0)) + 1
+        ax = self._buffer(state, "ax", p)
+        p *= np.float32(1 - group["lambd"] * eta)
+        p -= np.float32(eta) * g
+        if mu == 1:
+            ax[...] = p
+        else:
+            ax += (p - ax) * np.float32(mu)
+        state["eta"] = group["lr"] / (1 + group["lambd"] * group["lr"] * step) ** group["alpha"]
+        state["mu"] = 1 / max(1.0, step - group["t0"])
+
+
+class Rprop(Optimizer):
+    """Sign steps whose size grows by etas[1] while the gradient keeps its sign and shrinks by etas[0] when it
+    flips (that step then skipped), within step_sizes."""
+
+    def __init__(self, params, lr: float = 1e-3, etas=(0.5, 1.2), step_sizes=(1e-6, 50.0)):
+        super().__init__(params, dict(lr=lr, etas=tuple(etas), step_sizes=tuple(step_sizes)))
+
+    def _update(self, p, g, group, state):
+        minus, plus = (np.float32(e) for e in group["etas"])
+        prev = self._buffer(state, "prev", p)
+        fresh = "step_size" not in state
+        size = self._buffer(state, "step_size", p)
+        if fresh:
+            size[...] = np.float32(group["lr"])
+        sign = np.sign(g * prev)
+        size *= np.where(sign > 0, plus, np.where(sign < 0, minus, np.float32(1)))
+        np.clip(size, *(np.float32(s) for s in group["step_sizes"]), out=size)
+        g = np.where(sign < 0, np.float32(0), g)
+        p -= np.sign(g) * size
+        prev[...] = g

@@ -155,6 +155,10 @@ def lion_reference(params, lr, betas, weight_decay):
      lambda ps, k: torch.optim.Adamax(ps, **k).step),
     ("Adadelta", dict(lr=0.5, rho=0.8, eps=1e-6, weight_decay=0.1), lambda ps, k: torch.optim.Adadelta(ps, **k).step),
     ("Lion", dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1), lambda ps, k: lion_reference(ps, **k)),
+    ("RAdam", dict(lr=0.01, eps=1e-6, weight_decay=0.1), lambda ps, k: torch.optim.RAdam(ps, **k).step),
+    ("ASGD", dict(lr=0.05, lambd=1e-3, alpha=0.75, t0=2, weight_decay=0.1),
+     lambda ps, k: torch.optim.ASGD(ps, **k).step),
+    ("Rprop", dict(lr=0.01, etas=(0.4, 1.3), step_sizes=(1e-4, 0.05)), lambda ps, k: torch.optim.Rprop(ps, **k).step),
 ])
 def test_cpu_only_optimizers_equal_torch_eager(name, kwargs, reference) -> None:
     torch.manual_seed(0)
@@ -163,7 +167,7 @@ def test_cpu_only_optimizers_equal_torch_eager(name, kwargs, reference) -> None:
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     opt = getattr(cstorch.optim, name)(ours.parameters(), **kwargs)
     ref_step = reference(list(ref.parameters()), kwargs)
-    for _ in range(6):
+    for _ in range(10):      # RAdam rectifies from its 6th step on
         for model, step in ((ours, opt.step), (ref, ref_step)):
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
