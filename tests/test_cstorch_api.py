@@ -15,6 +15,11 @@ torch = pytest.importorskip("torch", reason="cs_torch's 2.x API takes torch modu
 import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
 from cs_torch.backends import reset_backend  # noqa: E402
 
+try:   # imported here, at collection: h5py's import runs `uname -p`, which a test may not start
+    import h5py
+except ImportError:
+    h5py = None
+
 LR = cstorch.optim.lr_scheduler
 TORCH_LR = torch.optim.lr_scheduler
 
@@ -269,3 +274,92 @@ def test_auc_against_the_rank_statistic_and_its_sums() -> None:
     assert sums["minoring"] <= sums["majoring"] and 0 < sums["interpolation"] <= 1
     with pytest.raises(ValueError, match="must be in \\[0, 1\\]"):
         cstorch.metrics.AUCMetric(name="bad")(labels, scores * 2)
+
+
+def test_restartable_data_loader_is_the_real_protocol() -> None:
+    class Restartable:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state_dict):
+            pass
+
+        def aggregate_state_dict(self, worker_states):
+            return {}
+
+        def deaggregate_state_dict(self, aggregated_state_dict):
+            return {}
+    assert isinstance(Restartable(), cstorch.utils.data.RestartableDataLoader)
+    assert not isinstance(torch.utils.data.DataLoader([1, 2]), cstorch.utils.data.RestartableDataLoader)
+
+
+def test_hdf5_checkpoints_round_trip_and_read_by_names(tmp_path) -> None:
+    if h5py is None:
+        pytest.skip("the model zoo's HDF5 checkpoints need h5py (pip install 'cs-emulator[hdf5]')")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    opt = cstorch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "global_step": 7, "note": "run a",
+             "nothing": None, "half": torch.ones(2, dtype=torch.bfloat16), "pair": (1, 2.5)}
+    path = tmp_path / "ckpt_7.mdl"
+    cstorch.storage.save(state, path)
+    back = cstorch.load(path)                              # cstorch.load reads the HDF5 layout too
+    assert back["global_step"] == 7 and back["note"] == "run a" and back["nothing"] is None
+    assert back["pair"] == (1, 2.5) and back["half"].dtype == torch.bfloat16
+    assert list(back["model"]) == list(state["model"]) and back["optimizer"]["param_groups"][0]["lr"] == 0.01
+    for key, value in state["model"].items():
+        assert torch.equal(back["model"][key], value)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    fresh.load_state_dict(back["model"])
+    cstorch.optim.AdamW(fresh.parameters(), lr=0.01).load_state_dict(back["optimizer"])
+    with h5py.File(path, "r") as f:                        # the model zoo's names and version attributes
+        assert "model.0.weight" in f and "optimizer.state.0.exp_avg" in f and f.attrs["__version__"] == 0.4
+    assert cstorch.saver.PyTorchH5Saver.extract_version(path).ckpt_version == 0.4
+    # A file as the vendor writes it (its tree a pickled attribute, never read): rebuilt by its names.
+    vendor = tmp_path / "vendor.mdl"
+    with h5py.File(vendor, "w") as f:
+        f.create_dataset("model.fc1.weight", data=np.ones((2, 3), np.float32))
+        f.create_dataset("optimizer.state.0.exp_avg", data=np.zeros((2, 3), np.float32))
+        f.create_dataset("optimizer.param_groups.0.lr", data=np.asarray(0.1)).attrs["is_scalar"] = True
+        f.create_dataset("global_step", data=np.asarray(3)).attrs["is_scalar"] = True
+        f.attrs["__spec__"] = "80049500"                  # a pickle's hex: must not be unpickled
+    loaded = cstorch.load(vendor)
+    assert list(loaded["model"]) == ["fc1.weight"] and loaded["optimizer"]["param_groups"] == [{"lr": 0.1}]
+    assert loaded["global_step"] == 3 and loaded["optimizer"]["state"][0]["exp_avg"].shape == (2, 3)
+    assert cstorch.saver.PyTorchH5Saver.extract_version(vendor).ckpt_version == 0.1   # no version: the oldest
+    zip_file = tmp_path / "zip.mdl"
+    cstorch.save({"a": torch.ones(1)}, zip_file)
+    assert cstorch.saver.PyTorchH5Saver.extract_version(zip_file) is None
+    with pytest.raises(Exception, match="storage.save: .*object"):
+        cstorch.storage.save({"x": object()}, tmp_path / "bad.mdl")
+
+
+def test_nest_scopes_as_the_model_zoo_flattens() -> None:
+    from cerebras_pytorch.utils.nest import recurse_spec, visit_torch_tensors
+    batch = {"input": torch.ones(2), "extra": [torch.zeros(1), 3, (torch.ones(1),)]}
+    assert [s for s, _ in visit_torch_tensors(batch, scope=["top"])] == [["top", "input"], ["top", "extra", "0"],
+                                                                        ["top", "extra", "2", "0"]]
+    with pytest.raises(ValueError, match="Unknown data structure: 3"):
+        list(visit_torch_tensors(batch, strict=True))
+    state = {"model": {"fc.weight": torch.ones(1), "fc.bias": torch.zeros(1)}, "step": 4, "groups": [{"lr": 0.1}]}
+    leaves, spec = torch.utils._pytree.tree_flatten(state)
+    names = [".".join(s) for s in recurse_spec(spec)]
+    assert len(names) == len(leaves) and dict(zip(names, leaves))["model.fc.bias"] is state["model"]["fc.bias"]
+    assert set(names) == {"model.fc.weight", "model.fc.bias", "step", "groups.0.lr"}
+
+
+def test_pol_checks_its_levels_and_changes_no_number() -> None:
+    torch.manual_seed(0)
+    head, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    assert torch.equal(cstorch.pol(bwd_level=0)(head)(x), head(x))          # as the model zoo's GPT-2 calls it
+    seen = []
+
+    @cstorch.pol(level=2)
+    def inside():
+        seen.append(cstorch.current_pol())
+    inside()
+    assert seen == [2] and cstorch.current_pol() == 1
+    with pytest.raises(ValueError, match="range \\[0, 3\\) but got backward level 3"):
+        cstorch.pol(bwd_level=3)

@@ -2,9 +2,10 @@
 
     data.py         DataLoader(input_fn, *args), DataExecutor, CSConfig
     synthetic.py    SyntheticDataset: samples made from a spec (torch)
+    nest.py         walking nested batches and state dicts by scope (visit_torch_tensors, recurse_spec)
     tensorboard.py  SummaryWriter and SummaryReader
 """
-from . import data, tensorboard
+from . import data, nest, tensorboard
 from .data import CSConfig, DataLoader
 
 __all__ = ["CSConfig", "DataLoader", "SyntheticDataset", "data", "tensorboard"]

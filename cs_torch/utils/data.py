@@ -20,6 +20,7 @@ be a top-level function with JSON arguments (the workers import it by name).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from ..backends import ClusterConfig, current_backend, note
 from ..nn import CsTorchError
@@ -233,6 +234,21 @@ def compute_num_steps(dataloader, initial_step: int = 0, num_steps: int | None =
     if not candidates:
         raise ValueError("compute_num_steps: give one of num_epochs, num_steps or max_steps")
     return min(candidates)
+
+
+@runtime_checkable
+class RestartableDataLoader(Protocol):
+    """The real API's protocol of a loader that saves and restores its place at checkpoints. A loader
+    with these methods is one; the emulator's input workers restart from the batch plan, a function of
+    the step, so they call none of them."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+    def aggregate_state_dict(self, worker_states: list) -> dict: ...
+
+    def deaggregate_state_dict(self, aggregated_state_dict: dict) -> dict: ...
 
 
 def __getattr__(name: str):
