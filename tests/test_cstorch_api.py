@@ -160,9 +160,9 @@ def lion_reference(params, lr, betas, weight_decay):
      lambda ps, k: torch.optim.Adamax(ps, **k).step),
     ("Adadelta", dict(lr=0.5, rho=0.8, eps=1e-6, weight_decay=0.1), lambda ps, k: torch.optim.Adadelta(ps, **k).step),
     ("Lion", dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1), lambda ps, k: lion_reference(ps, **k)),
-    ("RAdam", dict(lr=0.01, eps=1e-6, weight_decay=0.1), lambda ps, k: torch.optim.RAdam(ps, **k).step),
+    ("RAdam", dict(lr=0.01, eps=1e-6, weight_decay=0.1), lambda ps, k: torch.optim.RAdam(ps, **k, foreach=False).step),
     ("ASGD", dict(lr=0.05, lambd=1e-3, alpha=0.75, t0=2, weight_decay=0.1),
-     lambda ps, k: torch.optim.ASGD(ps, **k).step),
+     lambda ps, k: torch.optim.ASGD(ps, **k, foreach=False).step),
     ("Rprop", dict(lr=0.01, etas=(0.4, 1.3), step_sizes=(1e-4, 0.05)), lambda ps, k: torch.optim.Rprop(ps, **k).step),
 ])
 def test_cpu_only_optimizers_equal_torch_eager(name, kwargs, reference) -> None:
