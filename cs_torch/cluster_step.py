@@ -237,16 +237,20 @@ class ClusterRun:
 
 
 # ---------------------------------------------------------------- the data, for the workers
-def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
-    """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream)."""
+def arrays_of(loader, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream). An
+    IterableDataset is read in its own order to its end, or to `limit` samples (it may never end)."""
     dataset = getattr(loader, "dataset", None)
     if dataset is None:
         raise CsTorchError(f"CSX backend: input_fn returned {type(loader).__name__}; the input workers need a "
-                           "torch DataLoader over a map-style data set of (input, label) pairs")
+                           "torch DataLoader over a data set of (input, label) pairs")
     if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
         x, y = dataset.tensors
     else:
-        pairs = [dataset[i] for i in range(len(dataset))]
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            pairs = list(itertools.islice(dataset, limit))
+        else:
+            pairs = [dataset[i] for i in range(len(dataset))]
         if not pairs or len(pairs[0]) != 2:
             raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs")
         x = torch.stack([torch.as_tensor(p[0]) for p in pairs])
@@ -254,11 +258,66 @@ def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
     return x.detach().cpu().numpy(), y.detach().cpu().numpy()
 
 
-def worker_dataset(module, file, function, args, kwargs):
-    """What the input workers call (by name): the user's input_fn, its data set as arrays."""
+class OrderedSamples:
+    """A data set's samples in the order a torch DataLoader yields them, epoch after epoch: sample i of
+    the run is the data set's order[i] (the batch plan then reads it in sequence)."""
+
+    def __init__(self, arrays: tuple[np.ndarray, np.ndarray], order: np.ndarray):
+        self.x, self.y = arrays
+        if order.ndim != 1 or order.dtype.kind not in "iu" or not len(order) or \
+                order.min() < 0 or order.max() >= len(self.y):
+            raise CsTorchError(f"CSX backend: a sample order of {len(self.y)} samples must be indices below it")
+        self.order = order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def get(self, indices: np.ndarray):
+        rows = self.order[indices]
+        return self.x[rows], self.y[rows]
+
+
+def loader_order(loader, steps: int) -> np.ndarray:
+    """The data set indices of the first `steps` batches a torch DataLoader yields, epoch after epoch:
+    each epoch's batches are drawn from a fresh iterator of the loader, as iterating it draws them (the
+    same random numbers, so a shuffling loader gives the CPU path's order for the same seed)."""
+    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        n = len(arrays_of(loader, steps * loader.batch_size)[1])
+        per_epoch = n // loader.batch_size
+        if per_epoch == 0:
+            raise CsTorchError(f"CSX backend: the IterableDataset holds {n} samples, fewer than a batch")
+        epoch = np.arange(per_epoch * loader.batch_size)
+        return np.concatenate([epoch] * -(-steps // per_epoch))[:steps * loader.batch_size]
+    batches: list = []
+    while len(batches) < steps:
+        epoch = _SingleProcessDataLoaderIter(loader)   # draws as iter(loader) does; reads no sample
+        before = len(batches)
+        while len(batches) < steps:
+            try:
+                batch = list(epoch._next_index())
+            except StopIteration:
+                break
+            if len(batch) != loader.batch_size:
+                raise CsTorchError(f"CSX backend: the torch DataLoader's batch {len(batches)} has {len(batch)} "
+                                   f"samples, not {loader.batch_size} (a traced step takes one input shape: "
+                                   "drop_last=True)")
+            batches.append(batch)
+        if len(batches) == before:
+            raise CsTorchError("CSX backend: the torch DataLoader produced no batch")
+    return np.asarray(batches, dtype=np.int64).reshape(-1)
+
+
+def worker_dataset(module, file, function, args, kwargs, order_file=None):
+    """What the input workers call (by name): the user's input_fn, its data set as arrays, in the
+    order of order_file (the torch DataLoader's, saved by the user's process) when given."""
     from .input_worker import load_function
     fn = load_function({"module": module, "file": file, "function": function})
-    return arrays_of(fn(*args, **kwargs))
+    if order_file is None:
+        return arrays_of(fn(*args, **kwargs))
+    order = np.load(order_file, allow_pickle=False)
+    loader = fn(*args, **kwargs)
+    return OrderedSamples(arrays_of(loader, len(order)), order)
 
 
 def _settings(loader) -> dict:
@@ -271,14 +330,22 @@ def _settings(loader) -> dict:
             "drop_last": bool(getattr(loader, "drop_last", True))}
 
 
-def worker_loader(dataloader, seed: int) -> WorkerLoader:
-    """The ModelSpec API's loader that has the input workers build the 2.x loader's batches."""
+def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[WorkerLoader, OrderedSamples]:
+    """The ModelSpec API's loader that has the input workers build the 2.x loader's batches of `steps`
+    steps, in the torch loader's order (saved in `directory` for them), and those samples here."""
     from .data import function_location
-    settings = _settings(dataloader.loader)
+    loader = dataloader.loader
+    settings = _settings(loader)
+    order = loader_order(loader, steps)
+    os.makedirs(directory, exist_ok=True)
+    order_file = os.path.join(os.path.abspath(directory), f"sample_order_{os.getpid()}_{next(_runs)}.npy")
+    np.save(order_file, order)
+    samples = OrderedSamples(arrays_of(loader, len(order)), order)
     location = function_location(dataloader.input_fn)
+    settings.update(shuffle=False, drop_last=True)   # the order is the torch loader's, shuffle included
     return WorkerLoader(worker_dataset, settings.pop("batch_size"), location["module"], location["file"],
-                        location["function"], list(dataloader.args), dict(dataloader.kwargs), shuffle_seed=seed,
-                        **settings)
+                        location["function"], list(dataloader.args), dict(dataloader.kwargs), order_file,
+                        shuffle_seed=seed, **settings), samples
 
 
 def saved_dataset(path: str):

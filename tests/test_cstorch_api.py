@@ -363,3 +363,58 @@ def test_pol_checks_its_levels_and_changes_no_number() -> None:
     assert seen == [2] and cstorch.current_pol() == 1
     with pytest.raises(ValueError, match="range \\[0, 3\\) but got backward level 3"):
         cstorch.pol(bwd_level=3)
+
+
+# ---------------------------------------------------------------- the data path on CSX (no job is started:
+# the loop's batches are listed without a traced step)
+def shuffled_input_fn(batch_size, with_generator):
+    x = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
+    data = torch.utils.data.TensorDataset(x, torch.arange(40) % 4)
+    generator = torch.Generator().manual_seed(7) if with_generator else None
+    return torch.utils.data.DataLoader(data, batch_size, shuffle=True, drop_last=True, generator=generator)
+
+
+class Counting(torch.utils.data.IterableDataset):
+    """An IterableDataset of n (input, label) pairs, or endless with n None."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        i = 0
+        while self.n is None or i < self.n:
+            yield torch.full((2,), float(i)), torch.tensor(i % 3)
+            i += 1
+
+
+def iterable_input_fn(batch_size, n):
+    return torch.utils.data.DataLoader(Counting(n), batch_size, drop_last=True)
+
+
+def loop_batches(kind: str, input_fn, *args, steps: int):
+    reset_backend()
+    cstorch.backend(kind)
+    torch.manual_seed(11)
+    loader = cstorch.utils.data.DataLoader(input_fn, *args)
+    return [(x.clone(), y.clone()) for x, y in cstorch.utils.data.DataExecutor(loader, num_steps=steps)]
+
+
+@pytest.mark.parametrize("input_fn, args, steps", [
+    (shuffled_input_fn, (8, True), 13),       # its own generator: every epoch in torch's order
+    (shuffled_input_fn, (8, False), 13),      # the global generator: nothing draws between epochs here
+    (iterable_input_fn, (4, 10), 7),           # an IterableDataset of 10 samples: 2 batches an epoch
+    (iterable_input_fn, (4, None), 5),         # an endless one
+])
+def test_csx_loop_gets_the_torch_loaders_batches_in_its_order(input_fn, args, steps, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)      # the sample order is saved in the backend's artifact_dir for the workers
+    cpu = loop_batches("CPU", input_fn, *args, steps=steps)
+    csx = loop_batches("CSX", input_fn, *args, steps=steps)
+    assert len(cpu) == len(csx) == steps
+    for (a, b), (c, d) in zip(cpu, csx):
+        assert torch.equal(a, c) and torch.equal(b, d)
+    if input_fn is shuffled_input_fn:        # shuffled anew each epoch (5 batches an epoch)
+        assert not torch.equal(cpu[0][0], cpu[5][0]) and not torch.equal(cpu[0][0], x_sorted(cpu[:5])[:8])
+
+
+def x_sorted(batches):
+    return torch.cat([x for x, _ in batches]).sort(dim=0).values

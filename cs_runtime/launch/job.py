@@ -197,9 +197,9 @@ def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = T
     if cs_ip is None:
         try:
             local = local_jobs.register(job, options.num_csx, options.job_labels)
-        except local_jobs.LocalJobError as exc:
-            raise LaunchError(str(exc)) from None
-        log.info("job %s is %s in `csctl get jobs` (csctl cancel job %s)", job, local.name, local.name)
+            log.info("job %s is %s in `csctl get jobs` (csctl cancel job %s)", job, local.name, local.name)
+        except (local_jobs.LocalJobError, OSError) as exc:   # the job runs; only csctl will not see it
+            print(f"csrun: this job is not listed by csctl: {exc}", file=sys.stderr, flush=True)
     try:
         return _start_job(options, layout, tasks, handle_signals, job, cs_ip, attempt, local)
     except BaseException:

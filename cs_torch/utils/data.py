@@ -117,9 +117,10 @@ class DataExecutor:
     def _plan_batches(self):
         """The global batches the input workers stream, as torch tensors, step after step."""
         from .. import session as session_mod
-        from ..cluster_step import arrays_of, plan_batches, worker_loader
-        self._worker_loader = worker_loader(self.dataloader, session_mod._seed)
-        return plan_batches(self._worker_loader, arrays_of(self.dataloader.loader))
+        from ..cluster_step import plan_batches, worker_loader
+        self._worker_loader, samples = worker_loader(self.dataloader, session_mod._seed, self.total_steps,
+                                                     self.backend.artifact_dir)
+        return plan_batches(self._worker_loader, samples)
 
     def sync_weights(self) -> None:
         """The weights (and optimizer state) of this loop's jobs into the torch module."""

@@ -1,0 +1,94 @@
+"""A CSX loop over the torch DataLoaders the model zoo gives it, against the CPU backend and torch eager:
+a shuffling loader over several epochs (the global generator) and an IterableDataset. The CSX run trains
+on the batches the CPU run sees, in the same order, and its losses and weights equal torch eager's there.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="cs_torch's 2.x API takes torch modules (pip install -e '.[torch]')")
+
+import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
+from cs_torch.backends import reset_backend  # noqa: E402
+
+pytestmark = pytest.mark.cluster   # the CSX runs start a job's processes
+
+STEPS = 13
+REL = 1e-5
+
+
+def shuffled_input_fn(batch_size):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, generator=gen)
+    y = (x @ torch.randn(6, 4, generator=gen)).argmax(dim=1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size, shuffle=True,
+                                       drop_last=True)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(30):       # 7 batches of 4 an epoch, the last 2 samples dropped
+            x = torch.randn(6, generator=gen)
+            yield x, int(x[:4].argmax())
+
+
+def iterable_input_fn(batch_size):
+    return torch.utils.data.DataLoader(Stream(), batch_size, drop_last=True)
+
+
+def train(kind: str, input_fn, batch_size: int):
+    """(each step's loss, the batches the loop got, the trained model) of a 2.x loop on `kind`."""
+    reset_backend()
+    cstorch.manual_seed(1)
+    torch.manual_seed(1)
+    backend = cstorch.backend(kind, artifact_dir="cerebras")
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    compiled = cstorch.compile(model, backend)
+    optimizer = cstorch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    @cstorch.trace
+    def step(x, y):
+        loss = loss_fn(compiled(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    losses, seen = [], []
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, batch_size), num_steps=STEPS)
+    for x, y in executor:
+        seen.append((x.clone(), y.clone()))
+        losses.append(step(x, y).item())
+    return losses, seen, model
+
+
+def eager(batches):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("input_fn, batch_size", [(shuffled_input_fn, 8), (iterable_input_fn, 4)])
+def test_csx_trains_on_the_cpu_runs_batches_in_order(input_fn, batch_size, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cpu_losses, cpu_batches, _ = train("CPU", input_fn, batch_size)
+    csx_losses, csx_batches, csx_model = train("CSX", input_fn, batch_size)
+    assert len(csx_batches) == STEPS
+    for (a, b), (c, d) in zip(cpu_batches, csx_batches):
+        assert torch.equal(a, c) and torch.equal(b, d)
+    want, ref = eager(cpu_batches)
+    np.testing.assert_allclose(csx_losses, want, rtol=REL)
+    np.testing.assert_allclose(cpu_losses, want, rtol=REL)
+    for (name, a), (_, b) in zip(csx_model.state_dict().items(), ref.state_dict().items()):
+        assert float((a - b).abs().max()) <= 1e-4 * (float(b.abs().max()) or 1.0), name
