@@ -70,7 +70,8 @@ def test_chained_lambda_and_generic_names_follow_their_documented_formulas() -> 
     chained = first(values_of(lambda o: LR.ChainedLR([LR.StepLR(o, 0.1, step_size=5, gamma=0.5),
                                                       LR.ExponentialLR(o, 0.2, total_iters=10, decay_rate=0.1)]), 12))
     assert chained == pytest.approx([0.1 * 0.5 ** (t // 5) * 0.1 ** (t / 10) for t in range(12)])
-    assert LR.ChainedScheduler.__mro__[1] is LR.ChainedLR and LR.BaseChainedScheduler is cstorch.optim.scheduler.ChainedScheduler
+    assert LR.ChainedScheduler.__mro__[1] is LR.ChainedLR
+    assert LR.BaseChainedScheduler is cstorch.optim.scheduler.ChainedScheduler
     lam = first(values_of(lambda o: LR.LambdaLR(o, 0.5), 6))
     assert lam == pytest.approx([0.5 * (t / 30) * 0.5 * 0.95 ** t for t in range(6)])   # the real default lambdas
 
@@ -208,7 +209,8 @@ def test_tensor_factories_and_device_are_the_hosts() -> None:
 def test_synthetic_dataset_as_documented() -> None:
     data = cstorch.utils.data.SyntheticDataset({"x": torch.ones(2), "i": lambda i: torch.tensor(i)}, num_samples=3)
     samples = list(data)
-    assert len(data) == 3 and [int(s["i"]) for s in samples] == [0, 1, 2] and torch.equal(samples[0]["x"], torch.ones(2))
+    assert len(data) == 3 and [int(s["i"]) for s in samples] == [0, 1, 2]
+    assert torch.equal(samples[0]["x"], torch.ones(2))
     assert samples[0]["x"] is not samples[1]["x"]          # each sample's tensors are clones
     assert cstorch.utils.SyntheticDataset is cstorch.utils.data.SyntheticDataset
     with pytest.raises(ValueError, match="`num_samples` must be a positive integer"):

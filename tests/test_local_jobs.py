@@ -31,7 +31,7 @@ def csctl_out(argv, capsys) -> str:
 def test_a_registered_job_is_listed_labelled_and_gone_when_it_ends(registry, capsys):
     job = local_jobs.register("wsjob-abc123", 2, {"name": "bert_pt"})
     assert job.name == "wsjob-1" and (registry / "wsjob-1.json").is_file()
-    assert oct(registry.stat().st_mode & 0o777) == "0o700" and oct((registry / "wsjob-1.json").stat().st_mode & 0o777) == "0o600"
+    assert registry.stat().st_mode & 0o777 == 0o700 and (registry / "wsjob-1.json").stat().st_mode & 0o777 == 0o600
     second = local_jobs.register("wsjob-def456", 1)
     table = csctl_out(["get", "jobs"], capsys).splitlines()
     assert table[0].split() == ["NAME", "AGE", "DURATION", "PHASE", "SYSTEMS", "USER", "LABELS"]

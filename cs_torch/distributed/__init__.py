@@ -118,8 +118,8 @@ def num_streamers() -> int:
 
 
 def get_streaming_rank() -> int:
-    raise CsTorchError("distributed.get_streaming_rank: the user's process of the emulated job is not a streamer (the input "
-                       "workers take their share of the global batch themselves)")
+    raise CsTorchError("distributed.get_streaming_rank: the user's process of the emulated job is not a streamer "
+                       "(the input workers take their share of the global batch themselves)")
 
 
 def get_streaming_batch_size(effective_batch_size: int, global_rank: int | None = None) -> int:
