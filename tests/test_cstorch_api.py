@@ -420,3 +420,31 @@ def test_csx_loop_gets_the_torch_loaders_batches_in_its_order(input_fn, args, st
 
 def x_sorted(batches):
     return torch.cat([x for x, _ in batches]).sort(dim=0).values
+
+
+def test_autocast_changes_nothing_as_on_csx() -> None:
+    x = torch.ones(2, 2)
+    for kind in ("CPU", "CSX"):
+        reset_backend()
+        cstorch.backend(kind)
+        with cstorch.amp.autocast() as ctx:
+            assert ctx is None and (x @ x).dtype == torch.float32
+
+
+def test_csx_refuses_schedules_memoryx_cannot_follow() -> None:
+    """MemoryX takes one learning rate a step and the job's first weight decay: a step whose param groups
+    differ in rate, or whose weight decay changed, is refused with one line (not trained with other numbers)."""
+    from cs_torch.cluster_step import _step_rate
+    model = torch.nn.Linear(2, 2)
+    opt = cstorch.optim.SGD([{"params": [model.weight], "tags": {"w"}}, {"params": [model.bias]}], lr=0.1)
+    rate = _step_rate(opt)
+    assert rate() == 0.1
+    sched = LR.StepLR(opt, 0.1, step_size=1, gamma=0.5, param_group_tags="w")
+    sched.step()
+    with pytest.raises(Exception, match=r"CSX backend: the param groups' learning rates differ at this step"):
+        rate()
+    opt2 = cstorch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    rate2 = _step_rate(opt2)
+    cstorch.optim.weight_decay_scheduler.StepWD(opt2, initial_val=0.1, step_size=1, gamma=0.5).step()
+    with pytest.raises(Exception, match="weight_decay changed during the run"):
+        rate2()
