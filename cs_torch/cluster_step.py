@@ -167,7 +167,8 @@ class ClusterRun:
         self.optimizer, self.scaler, self.params, self.batch_of = optimizer, scaler, params, batch_of
         mode = "train" if training else "eval"
         cc = backend.cluster_config
-        session_mod._backend = session_mod.Backend(cc.mgmt_address, cc.num_csx, max(cc.num_workers_per_csx, 1))
+        session_mod._backend = session_mod.Backend(cc.mgmt_address, cc.num_csx, max(cc.num_workers_per_csx, 1),
+                                                   job_labels=tuple(cc.labels().items()))
         model_dir = os.path.join(backend.artifact_dir, f"job_{os.getpid()}_{next(_runs)}_{mode}")
         self.session = _Session(spec, memoryx_optimizer(self.optimizer, params) if self.optimizer else None,
                                 CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)

@@ -448,3 +448,14 @@ def test_csx_refuses_schedules_memoryx_cannot_follow() -> None:
     cstorch.optim.weight_decay_scheduler.StepWD(opt2, initial_val=0.1, step_size=1, gamma=0.5).step()
     with pytest.raises(Exception, match="weight_decay changed during the run"):
         rate2()
+
+
+def test_job_labels_label_the_job_csctl_lists() -> None:
+    from cs_torch import session
+    config = cstorch.distributed.ClusterConfig(num_csx=2, job_labels=["name=bert_pt", "team=nlp"])
+    assert config.labels() == {"name": "bert_pt", "team": "nlp"}
+    options = session.Backend(None, 2, 1, job_labels=tuple(config.labels().items())).job_options()
+    assert options.job_labels == {"name": "bert_pt", "team": "nlp"} and options.cs_ip is None
+    for bad, says in ((["bert"], "job label 'bert' is not KEY=VALUE"), (["a b=c"], "job_labels: label key 'a b'")):
+        with pytest.raises(Exception, match=says):
+            cstorch.distributed.ClusterConfig(job_labels=bad)
