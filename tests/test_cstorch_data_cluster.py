@@ -92,3 +92,18 @@ def test_csx_trains_on_the_cpu_runs_batches_in_order(input_fn, batch_size, tmp_p
     np.testing.assert_allclose(cpu_losses, want, rtol=REL)
     for (name, a), (_, b) in zip(csx_model.state_dict().items(), ref.state_dict().items()):
         assert float((a - b).abs().max()) <= 1e-4 * (float(b.abs().max()) or 1.0), name
+
+
+@pytest.mark.parametrize("workers", [dict(num_workers=1), dict(num_workers=1, persistent_workers=True)])
+def test_the_order_drawn_for_the_workers_is_torchs_with_loader_processes(workers):
+    """A loader with worker processes (the CPU path starts them) draws its epochs as one without: the same
+    order; with persistent workers, one iterator reset each epoch (one draw fewer), still the same."""
+    from cs_torch.cluster_step import loader_order
+    data = torch.utils.data.TensorDataset(torch.arange(20.0).reshape(20, 1), torch.zeros(20))
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(data, 5, shuffle=True, drop_last=True, **workers)
+    want = [int(v) for _ in range(3) for x, _ in loader for v in x[:, 0]]
+    del loader     # its worker processes stop with it
+    torch.manual_seed(0)
+    got = loader_order(torch.utils.data.DataLoader(data, 5, shuffle=True, drop_last=True, **workers), 12)
+    assert got.tolist() == want and sorted(want[:20]) != want[:20]
