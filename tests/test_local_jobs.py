@@ -87,3 +87,13 @@ def test_a_registry_others_may_write_is_refused(registry):
     os.chmod(registry, 0o777)
     with pytest.raises(local_jobs.LocalJobError, match="must be a folder of this user's only"):
         local_jobs.register("wsjob-abc123", 1)
+
+
+def test_a_job_the_registry_cannot_take_runs_unlisted_and_says_so(registry, capsys):
+    from cs_runtime.launch.job import JobOptions, register_local
+    registry.mkdir(parents=True)
+    os.chmod(registry, 0o755)      # not this user's alone: nothing is written there
+    assert register_local("wsjob-abc123", JobOptions(command=["true"])) is None
+    err = capsys.readouterr().err
+    assert err.startswith("csrun: this job is not listed by csctl: ") and err.count("\n") == 1
+    assert not list(registry.iterdir())

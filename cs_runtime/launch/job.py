@@ -184,22 +184,28 @@ class StartedJob:
         self.ctx.destroy(linger=0)
 
 
+def register_local(job: str, options: JobOptions) -> local_jobs.LocalJob | None:
+    """A job with a CS system of its own, in this user's registry: csctl lists and cancels it. If the
+    registry cannot take it, the job runs all the same, and says in one line that csctl will not see it."""
+    try:
+        local = local_jobs.register(job, options.num_csx, options.job_labels)
+    except (local_jobs.LocalJobError, OSError) as exc:
+        print(f"csrun: this job is not listed by csctl: {exc}", file=sys.stderr, flush=True)
+        return None
+    log.info("job %s is %s in `csctl get jobs` (csctl cancel job %s)", job, local.name, local.name)
+    return local
+
+
 def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = True,
               handle_signals: bool = True, job: str | None = None, cs_ip: str | None = None) -> StartedJob:
     """The job's directory and, with cs_ip None, its CS system here (MemoryX, SwarmX, WSEs);
     else `cs_ip` is the directory the shared CS system made for `job`. With `tasks`
     also the chief and the input workers of options.command. The caller supervises
     (`job.supervisor.run()`) and always calls `job.close()`."""
-    # A job with a CS system of its own is listed (and cancelled) by csctl through this user's registry.
-    # (Its id stays unique across users and CS systems: the shared-memory segments are named for it.)
-    local = None
+    # The id stays unique across users and CS systems (the shared-memory segments are named for it); a
+    # job with a CS system of its own is also listed under a short name (wsjob-N) for csctl.
     job = job or f"wsjob-{uuid.uuid4().hex[:12]}"
-    if cs_ip is None:
-        try:
-            local = local_jobs.register(job, options.num_csx, options.job_labels)
-            log.info("job %s is %s in `csctl get jobs` (csctl cancel job %s)", job, local.name, local.name)
-        except (local_jobs.LocalJobError, OSError) as exc:   # the job runs; only csctl will not see it
-            print(f"csrun: this job is not listed by csctl: {exc}", file=sys.stderr, flush=True)
+    local = register_local(job, options) if cs_ip is None else None
     try:
         return _start_job(options, layout, tasks, handle_signals, job, cs_ip, attempt, local)
     except BaseException:
