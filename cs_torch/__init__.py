@@ -46,6 +46,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     recording.py        what the step in progress is doing, read by what records into it
     engine.py           the 2.x step engine: one captured program, on the CPU path
     cluster_step.py     a traced step as a job of the emulated CS system
+    loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)
     cbtorch.py          the 1.x API (cbtorch); cbtorch_cluster.py: its loop on the CS system
     saving.py           cstorch.save / cstorch.load
     storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints

@@ -238,9 +238,9 @@ class ClusterRun:
 
 
 # ---------------------------------------------------------------- the data, for the workers
-def arrays_of(loader, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
     """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream). An
-    IterableDataset is read in its own order to its end, or to `limit` samples (it may never end)."""
+    IterableDataset is read in its own order to its end."""
     dataset = getattr(loader, "dataset", None)
     if dataset is None:
         raise CsTorchError(f"CSX backend: input_fn returned {type(loader).__name__}; the input workers need a "
@@ -249,7 +249,7 @@ def arrays_of(loader, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]
         x, y = dataset.tensors
     else:
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            pairs = list(itertools.islice(dataset, limit))
+            pairs = list(dataset)
         else:
             pairs = [dataset[i] for i in range(len(dataset))]
         if not pairs or len(pairs[0]) != 2:
@@ -259,72 +259,21 @@ def arrays_of(loader, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]
     return x.detach().cpu().numpy(), y.detach().cpu().numpy()
 
 
-class OrderedSamples:
-    """A data set's samples in the order a torch DataLoader yields them, epoch after epoch: sample i of
-    the run is the data set's order[i] (the batch plan then reads it in sequence)."""
-
-    def __init__(self, arrays: tuple[np.ndarray, np.ndarray], order: np.ndarray):
-        self.x, self.y = arrays
-        if order.ndim != 1 or order.dtype.kind not in "iu" or not len(order) or \
-                order.min() < 0 or order.max() >= len(self.y):
-            raise CsTorchError(f"CSX backend: a sample order of {len(self.y)} samples must be indices below it")
-        self.order = order
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def get(self, indices: np.ndarray):
-        rows = self.order[indices]
-        return self.x[rows], self.y[rows]
-
-
-def loader_order(loader, steps: int) -> np.ndarray:
-    """The data set indices of the first `steps` batches a torch DataLoader yields, epoch after epoch:
-    each epoch's batches are drawn from a fresh iterator of the loader, as iterating it draws them (the
-    same random numbers, so a shuffling loader gives the CPU path's order for the same seed)."""
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        n = len(arrays_of(loader, steps * loader.batch_size)[1])
-        per_epoch = n // loader.batch_size
-        if per_epoch == 0:
-            raise CsTorchError(f"CSX backend: the IterableDataset holds {n} samples, fewer than a batch")
-        epoch = np.arange(per_epoch * loader.batch_size)
-        return np.concatenate([epoch] * -(-steps // per_epoch))[:steps * loader.batch_size]
-    batches: list = []
-    epoch = None
-    while len(batches) < steps:
-        # A new iterator each epoch draws as iter(loader) does (persistent workers: one, reset); reads no sample.
-        if epoch is not None and loader.persistent_workers and loader.num_workers > 0:
-            epoch._reset(loader)
-        else:
-            epoch = _BaseDataLoaderIter(loader)   # what every loader iterator does first; starts no process
-        before = len(batches)
-        while len(batches) < steps:
-            try:
-                batch = list(epoch._next_index())
-            except StopIteration:
-                break
-            if len(batch) != loader.batch_size:
-                raise CsTorchError(f"CSX backend: the torch DataLoader's batch {len(batches)} has {len(batch)} "
-                                   f"samples, not {loader.batch_size} (a traced step takes one input shape: "
-                                   "drop_last=True)")
-            batches.append(batch)
-        if len(batches) == before:
-            raise CsTorchError("CSX backend: the torch DataLoader produced no batch")
-    # 4 bytes a sample streamed: a run's whole order is drawn at the start (about 0.4 us a sample).
-    return np.asarray(batches, dtype=np.int32 if len(loader.dataset) < 2 ** 31 else np.int64).reshape(-1)
-
-
-def worker_dataset(module, file, function, args, kwargs, order_file=None):
-    """What the input workers call (by name): the user's input_fn, its data set as arrays, in the
-    order of order_file (the torch DataLoader's, saved by the user's process) when given."""
+def worker_dataset(module, file, function, args, kwargs, states_file=None, steps=None):
+    """What the input workers call (by name): the user's input_fn, its data set as arrays, or with
+    `steps` the run's samples in the torch DataLoader's order (replayed from the generators' states the
+    user's process saved in states_file; none for an IterableDataset)."""
     from .input_worker import load_function
+    from .loader_replay import RunSamples, is_iterable
     fn = load_function({"module": module, "file": file, "function": function})
-    if order_file is None:
-        return arrays_of(fn(*args, **kwargs))
-    order = np.load(order_file, allow_pickle=False)
     loader = fn(*args, **kwargs)
-    return OrderedSamples(arrays_of(loader, len(order)), order)
+    if steps is None:
+        return arrays_of(loader)
+    if is_iterable(loader):
+        return RunSamples(loader, steps, None)
+    with np.load(states_file, allow_pickle=False) as saved:
+        states = {role: saved[role] for role in saved.files}
+    return RunSamples(loader, steps, states, arrays_of(loader))
 
 
 def _settings(loader) -> dict:
@@ -337,21 +286,27 @@ def _settings(loader) -> dict:
             "drop_last": bool(getattr(loader, "drop_last", True))}
 
 
-def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[WorkerLoader, OrderedSamples]:
+def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[WorkerLoader, "RunSamples"]:
     """The ModelSpec API's loader that has the input workers build the 2.x loader's batches of `steps`
-    steps, in the torch loader's order (saved in `directory` for them), and those samples here."""
+    steps, in the torch loader's order (its generators' states saved in `directory` for them to replay),
+    and those samples here."""
     from .data import function_location
+    from .loader_replay import RunSamples, is_iterable, start_states
     loader = dataloader.loader
     settings = _settings(loader)
-    order = loader_order(loader, steps)
-    os.makedirs(directory, exist_ok=True)
-    order_file = os.path.join(os.path.abspath(directory), f"sample_order_{os.getpid()}_{next(_runs)}.npy")
-    np.save(order_file, order)
-    samples = OrderedSamples(arrays_of(loader, len(order)), order)
+    states_file = None
+    if is_iterable(loader):
+        samples = RunSamples(loader, steps, None)
+    else:
+        states = start_states(loader)
+        os.makedirs(directory, exist_ok=True)
+        states_file = os.path.join(os.path.abspath(directory), f"loader_states_{os.getpid()}_{next(_runs)}.npz")
+        np.savez(states_file, **states)
+        samples = RunSamples(loader, steps, states, arrays_of(loader))
     location = function_location(dataloader.input_fn)
     settings.update(shuffle=False, drop_last=True)   # the order is the torch loader's, shuffle included
     return WorkerLoader(worker_dataset, settings.pop("batch_size"), location["module"], location["file"],
-                        location["function"], list(dataloader.args), dict(dataloader.kwargs), order_file,
+                        location["function"], list(dataloader.args), dict(dataloader.kwargs), states_file, steps,
                         shuffle_seed=seed, **settings), samples
 
 

@@ -98,12 +98,14 @@ def test_csx_trains_on_the_cpu_runs_batches_in_order(input_fn, batch_size, tmp_p
 def test_the_order_drawn_for_the_workers_is_torchs_with_loader_processes(workers):
     """A loader with worker processes (the CPU path starts them) draws its epochs as one without: the same
     order; with persistent workers, one iterator reset each epoch (one draw fewer), still the same."""
-    from cs_torch.cluster_step import loader_order
+    from cs_torch.loader_replay import RunSamples, start_states
     data = torch.utils.data.TensorDataset(torch.arange(20.0).reshape(20, 1), torch.zeros(20))
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(data, 5, shuffle=True, drop_last=True, **workers)
     want = [int(v) for _ in range(3) for x, _ in loader for v in x[:, 0]]
     del loader     # its worker processes stop with it
     torch.manual_seed(0)
-    got = loader_order(torch.utils.data.DataLoader(data, 5, shuffle=True, drop_last=True, **workers), 12)
-    assert got.tolist() == want and sorted(want[:20]) != want[:20]
+    loader = torch.utils.data.DataLoader(data, 5, shuffle=True, drop_last=True, **workers)
+    samples = RunSamples(loader, 12, start_states(loader), (data.tensors[0].numpy(), data.tensors[1].numpy()))
+    got = [int(v) for b in range(12) for v in samples.batch(b)]
+    assert got == want and sorted(want[:20]) != want[:20]

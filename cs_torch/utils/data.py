@@ -98,6 +98,7 @@ class DataExecutor:
         self.user_iteration = 0
         self.on_cluster = False
         self._runs: dict = {}
+        self._samples = None    # a CSX loop's samples (cs_torch/loader_replay.py)
 
     # ------------------------------------------------------------ the CS system (CSX backend)
     def cluster_run(self, traced):
@@ -118,9 +119,9 @@ class DataExecutor:
         """The global batches the input workers stream, as torch tensors, step after step."""
         from .. import session as session_mod
         from ..cluster_step import plan_batches, worker_loader
-        self._worker_loader, samples = worker_loader(self.dataloader, session_mod._seed, self.total_steps,
-                                                     self.backend.artifact_dir)
-        return plan_batches(self._worker_loader, samples)
+        self._worker_loader, self._samples = worker_loader(self.dataloader, session_mod._seed, self.total_steps,
+                                                           self.backend.artifact_dir)
+        return plan_batches(self._worker_loader, self._samples)
 
     def sync_weights(self) -> None:
         """The weights (and optimizer state) of this loop's jobs into the torch module."""
@@ -171,6 +172,9 @@ class DataExecutor:
             raise
         finally:
             _current.remove(self)
+            if self._samples is not None:   # the generators as iterating the loader would leave them
+                self._samples, samples = None, self._samples
+                samples.hand_back()
             try:
                 self._finish_runs(exc)   # every process of the job stops, however the loop ended
             finally:
