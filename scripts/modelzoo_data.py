@@ -10,6 +10,9 @@ DataLoader from the checkout's own code under a CPU and a CSX backend
 (`cstorch.use_cs()` decides the dtypes the processors give), reads two
 epochs and checks every batch against the data as made: the same samples,
 in file order when unshuffled, each sample once an epoch when shuffled.
+Then a small model trains on the FC-MNIST loader (shuffled, 3 epochs) on
+the CPU backend and as a CSX job, whose input workers build the loader
+themselves: the same batches in the same order, and the same loss each step.
 
 The model zoo is not part of this project: bring a checkout of its public
 repository (Release_2.1.1's layout, `modelzoo/...`). Its own requirements
@@ -168,6 +171,60 @@ def check_bert(checks: Checks, work: Path, kind: str) -> None:
         checks.expect(ok, f"BERT CSV {kind} epoch {number}: {', '.join(keys)} of every row, in file order")
 
 
+def mnist_input_fn(params: dict, checkout: str):
+    """The model zoo's FC-MNIST loader, as the input workers of a CSX job import it (by name, from this file):
+    each process puts the checkout on its path and imports torchvision past the wheel's compiled ops."""
+    if checkout not in sys.path:
+        sys.path.insert(0, checkout)
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+    from modelzoo.fc_mnist.pytorch.data import get_train_dataloader
+    return get_train_dataloader(params)
+
+
+def train_on_mnist(kind: str, work: Path, checkout: Path, steps: int = 12) -> tuple[list, list]:
+    """(each step's loss, the batches the loop got) of a 2.x loop over the model zoo's shuffled MNIST loader."""
+    import torch
+    import cerebras_pytorch as cstorch
+    from cs_torch.backends import reset_backend
+    reset_backend()
+    torch.manual_seed(1)
+    backend = cstorch.backend(kind, artifact_dir=str(work / "artifacts"))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    compiled = cstorch.compile(model, backend)
+    optimizer = cstorch.optim.SGD(model.parameters(), 0.002)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y.long())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    params = {"train_input": {"data_dir": str(work / "mnist"), "batch_size": BATCH, "drop_last_batch": True,
+                              "to_float16": False, "shuffle": True}}
+    loader = cstorch.utils.data.DataLoader(mnist_input_fn, params, str(checkout.resolve()))
+    losses, seen = [], []
+    for x, y in cstorch.utils.data.DataExecutor(loader, num_steps=steps):   # 5 batches an epoch: 3 epochs
+        seen.append((x.clone(), y.long()))
+        losses.append(float(step(x, y)))
+    reset_backend()
+    return losses, seen
+
+
+def check_mnist_training(checks: Checks, work: Path, checkout: Path) -> None:
+    """The model zoo's shuffled MNIST loader on a CSX job (its input workers build it) against the CPU backend."""
+    make_mnist(work / "mnist", np.random.default_rng(0))
+    cpu_losses, cpu_seen = train_on_mnist("CPU", work, checkout)
+    csx_losses, csx_seen = train_on_mnist("CSX", work, checkout)
+    same = all(bool((a == c).all()) and bool((b == d).all()) for (a, b), (c, d) in zip(cpu_seen, csx_seen))
+    checks.expect(same and len(csx_seen) == len(cpu_seen), "MNIST on a CSX job: the CPU loop's shuffled batches, "
+                  "in its order, over 3 epochs")
+    spread = max(abs(a - b) / abs(b) for a, b in zip(csx_losses, cpu_losses))
+    checks.expect(spread <= 1e-5, f"MNIST on a CSX job: every step's loss the CPU backend's ({csx_losses[0]:.4f} "
+                  f"to {csx_losses[-1]:.4f}; largest relative difference {spread:.1e}, 1e-5 allowed)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkout", type=Path)
@@ -197,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             for check in (check_mnist, check_gpt, check_bert):
                 check(checks, work / kind, kind)
         reset_backend()
+        check_mnist_training(checks, work / "training", args.checkout)
     print(f"{len(checks.failed)} failed" if checks.failed else "every check passed")
     return 1 if checks.failed else 0
 
