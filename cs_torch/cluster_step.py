@@ -36,6 +36,7 @@ from . import amp
 from . import session as session_mod
 from .capture import load_into
 from .data import DataLoader as WorkerLoader
+from .loader_replay import RunSamples, arrays_of, is_iterable, start_states  # noqa: F401 (arrays_of: cbtorch_cluster's)
 from .nn import CrossEntropyLoss, CsTorchError
 from . import optim as old_optim
 
@@ -238,42 +239,20 @@ class ClusterRun:
 
 
 # ---------------------------------------------------------------- the data, for the workers
-def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
-    """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream). An
-    IterableDataset is read in its own order to its end."""
-    dataset = getattr(loader, "dataset", None)
-    if dataset is None:
-        raise CsTorchError(f"CSX backend: input_fn returned {type(loader).__name__}; the input workers need a "
-                           "torch DataLoader over a data set of (input, label) pairs")
-    if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
-        x, y = dataset.tensors
-    else:
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            pairs = list(dataset)
-        else:
-            pairs = [dataset[i] for i in range(len(dataset))]
-        if not pairs or len(pairs[0]) != 2:
-            raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs")
-        x = torch.stack([torch.as_tensor(p[0]) for p in pairs])
-        y = torch.stack([torch.as_tensor(p[1]) for p in pairs])
-    return x.detach().cpu().numpy(), y.detach().cpu().numpy()
-
-
 def worker_dataset(module, file, function, args, kwargs, states_file=None, steps=None):
     """What the input workers call (by name): the user's input_fn, its data set as arrays, or with
     `steps` the run's samples in the torch DataLoader's order (replayed from the generators' states the
     user's process saved in states_file; none for an IterableDataset)."""
     from .input_worker import load_function
-    from .loader_replay import RunSamples, is_iterable
     fn = load_function({"module": module, "file": file, "function": function})
     loader = fn(*args, **kwargs)
     if steps is None:
         return arrays_of(loader)
-    if is_iterable(loader):
-        return RunSamples(loader, steps, None)
-    with np.load(states_file, allow_pickle=False) as saved:
-        states = {role: saved[role] for role in saved.files}
-    return RunSamples(loader, steps, states, arrays_of(loader))
+    states = None
+    if states_file is not None:
+        with np.load(states_file, allow_pickle=False) as saved:
+            states = {role: saved[role] for role in saved.files}
+    return RunSamples(loader, steps, states)
 
 
 def _settings(loader) -> dict:
@@ -286,23 +265,20 @@ def _settings(loader) -> dict:
             "drop_last": bool(getattr(loader, "drop_last", True))}
 
 
-def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[WorkerLoader, "RunSamples"]:
+def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[WorkerLoader, RunSamples]:
     """The ModelSpec API's loader that has the input workers build the 2.x loader's batches of `steps`
     steps, in the torch loader's order (its generators' states saved in `directory` for them to replay),
     and those samples here."""
     from .data import function_location
-    from .loader_replay import RunSamples, is_iterable, start_states
     loader = dataloader.loader
     settings = _settings(loader)
-    states_file = None
-    if is_iterable(loader):
-        samples = RunSamples(loader, steps, None)
-    else:
+    states, states_file = None, None
+    if not is_iterable(loader):
         states = start_states(loader)
         os.makedirs(directory, exist_ok=True)
         states_file = os.path.join(os.path.abspath(directory), f"loader_states_{os.getpid()}_{next(_runs)}.npz")
         np.savez(states_file, **states)
-        samples = RunSamples(loader, steps, states, arrays_of(loader))
+    samples = RunSamples(loader, steps, states)
     location = function_location(dataloader.input_fn)
     settings.update(shuffle=False, drop_last=True)   # the order is the torch loader's, shuffle included
     return WorkerLoader(worker_dataset, settings.pop("batch_size"), location["module"], location["file"],

@@ -132,20 +132,38 @@ def _read_batches(dataset, size: int):
         chunk = list(itertools.islice(pairs, size))
         if len(chunk) < size:
             return
-        yield _stacked(chunk)
+        yield stacked_pairs(chunk)
 
 
-def _stacked(pairs) -> tuple[np.ndarray, np.ndarray]:
-    if len(pairs[0]) != 2:
+def stacked_pairs(pairs: list) -> tuple[np.ndarray, np.ndarray]:
+    """(input, label) samples as an inputs array and a labels array."""
+    if not pairs or len(pairs[0]) != 2:
         raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs")
     return tuple(torch.stack([torch.as_tensor(p[k]) for p in pairs]).detach().cpu().numpy() for k in (0, 1))
+
+
+def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
+    """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream). An
+    IterableDataset is read in its own order to its end."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise CsTorchError(f"CSX backend: input_fn returned {type(loader).__name__}; the input workers need a "
+                           "torch DataLoader over a data set of (input, label) pairs")
+    if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
+        x, y = dataset.tensors
+    else:
+        pairs = list(dataset) if is_iterable(loader) else [dataset[i] for i in range(len(dataset))]
+        return stacked_pairs(pairs)
+    return x.detach().cpu().numpy(), y.detach().cpu().numpy()
 
 
 class RunSamples:
     """The samples of a run of `steps` batches of a torch DataLoader, in the order iterating it yields them."""
 
-    def __init__(self, loader, steps: int, states: dict[str, np.ndarray] | None, arrays=None):
-        self.loader, self.steps, self.states, self.arrays = loader, steps, states, arrays
+    def __init__(self, loader, steps: int, states: dict[str, np.ndarray] | None):
+        """`states`: the generators' states the run starts from (start_states; None for an IterableDataset)."""
+        self.loader, self.steps, self.states = loader, steps, states
+        self.arrays = None if is_iterable(loader) else arrays_of(loader)   # a map-style data set, read once
         self.batch_size = loader.batch_size
         self._lock = threading.Lock()
         self._restart()

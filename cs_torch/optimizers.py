@@ -83,6 +83,12 @@ class Optimizer:
                         self._update(p.detach().numpy(), np.asarray(g, dtype=np.float32), group,
                                      self.state.setdefault(p, {}))
 
+    @staticmethod
+    def _count(state: dict) -> float:
+        """This parameter's update count, advanced (a float, as cstorch's optimizers keep it)."""
+        state["step"] = float(state.get("step", 0.0)) + 1
+        return state["step"]
+
     def _buffer(self, state: dict, key: str, like: np.ndarray) -> np.ndarray:
         if key not in state:
             state[key] = torch.zeros(like.shape, dtype=torch.float32)
@@ -167,7 +173,7 @@ class Adam(Optimizer):
             p *= np.float32(1 - group["lr"] * wd)
         elif wd:
             g = g + np.float32(wd) * p
-        state["step"] = step = float(state.get("step", 0.0)) + 1
+        step = self._count(state)
         m = self._buffer(state, "exp_avg", p)
         v = self._buffer(state, "exp_avg_sq", p)
         m += (g - m) * (np.float32(1) - b1)        # torch's lerp
@@ -208,7 +214,7 @@ class Adagrad(Optimizer):
         total = self._buffer(state, "sum", p)
         if fresh:
             total[...] = np.float32(group["initial_accumulator_value"])
-        state["step"] = step = float(state.get("step", 0.0)) + 1
+        step = self._count(state)
         total += g * g
         p -= np.float32(group["lr"]) * (g / np.float32(1 + (step - 1) * group["lr_decay"])) / (np.sqrt(total) +
                                                                                            np.float32(group["eps"]))
@@ -302,7 +308,7 @@ class RAdam(Optimizer):
     def _update(self, p, g, group, state):
         g = _decayed(p, g, group)
         b1, b2 = (float(b) for b in group["betas"])
-        state["step"] = step = float(state.get("step", 0.0)) + 1
+        step = self._count(state)
         m, v = self._buffer(state, "exp_avg", p), self._buffer(state, "exp_avg_sq", p)
         m *= np.float32(b1)
         m += np.float32(1 - b1) * g
@@ -329,7 +335,7 @@ class ASGD(Optimizer):
     def _update(self, p, g, group, state):
         g = _decayed(p, g, group)
         eta, mu = float(state.get("eta", group["lr"])), float(state.get("mu", 1.0))
-        state["step"] = step = float(state.get("step", 0.0)) + 1
+        step = self._count(state)
         ax = self._buffer(state, "ax", p)
         p *= np.float32(1 - group["lambd"] * eta)
         p -= np.float32(eta) * g

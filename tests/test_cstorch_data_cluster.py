@@ -106,6 +106,6 @@ def test_the_order_drawn_for_the_workers_is_torchs_with_loader_processes(workers
     del loader     # its worker processes stop with it
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(data, 5, shuffle=True, drop_last=True, **workers)
-    samples = RunSamples(loader, 12, start_states(loader), (data.tensors[0].numpy(), data.tensors[1].numpy()))
+    samples = RunSamples(loader, 12, start_states(loader))
     got = [int(v) for b in range(12) for v in samples.batch(b)]
     assert got == want and sorted(want[:20]) != want[:20]

@@ -13,7 +13,6 @@ from cs_torch.loader_replay import WINDOW_BATCHES, RunSamples, start_states  # n
 from cs_torch.nn import CsTorchError  # noqa: E402
 
 DATA = torch.utils.data.TensorDataset(torch.arange(24.0).reshape(24, 1), torch.arange(24) % 3)
-ARRAYS = (DATA.tensors[0].numpy(), DATA.tensors[1].numpy())
 
 
 def torch_order(loader, epochs: int) -> list[list[int]]:
@@ -35,7 +34,7 @@ def test_replay_gives_torchs_batches_and_leaves_the_generators_as_iterating_woul
     after = torch.rand(1)
     torch.manual_seed(0)
     loader = make()
-    samples = RunSamples(loader, 18, start_states(loader), ARRAYS)
+    samples = RunSamples(loader, 18, start_states(loader))
     got = []
     for b in range(18):
         got.append([int(v) for v in samples.batch(b)])
@@ -49,9 +48,9 @@ def test_another_process_replays_the_saved_states_and_reads_out_of_order_within_
     torch.manual_seed(4)
     loader = torch.utils.data.DataLoader(DATA, 4, shuffle=True, drop_last=True)
     states = {role: s.copy() for role, s in start_states(loader).items()}
-    here = replayed(RunSamples(loader, 30, states, ARRAYS), 30)
+    here = replayed(RunSamples(loader, 30, states), 30)
     torch.manual_seed(99)                    # a worker's own global generator
-    there = RunSamples(torch.utils.data.DataLoader(DATA, 4, shuffle=True, drop_last=True), 30, states, ARRAYS)
+    there = RunSamples(torch.utils.data.DataLoader(DATA, 4, shuffle=True, drop_last=True), 30, states)
     asked = (3, 1, 2, 29, 0)          # the prefetch's threads ask a little out of order; 0 left the window once
     assert [replayed(there, 30)[b] for b in asked] == [here[b] for b in asked]
     assert [[int(v) for v in there.batch(b)] for b in asked] == [here[b] for b in asked]
@@ -63,7 +62,7 @@ def test_a_run_of_a_billion_steps_starts_at_once_and_keeps_a_window():
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(DATA, 4, shuffle=True, drop_last=True)
     start = time.process_time()
-    samples = RunSamples(loader, 10 ** 9, start_states(loader), ARRAYS)
+    samples = RunSamples(loader, 10 ** 9, start_states(loader))
     for b in range(3 * WINDOW_BATCHES):
         samples.batch(b)
     assert len(samples) == 4 * 10 ** 9 and len(samples._kept) == WINDOW_BATCHES
