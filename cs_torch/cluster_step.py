@@ -36,7 +36,7 @@ from . import amp
 from . import session as session_mod
 from .capture import load_into
 from .data import DataLoader as WorkerLoader
-from .loader_replay import RunSamples, arrays_of, is_iterable, start_states  # noqa: F401 (arrays_of: cbtorch_cluster's)
+from .loader_replay import RunSamples, is_iterable, start_states
 from .nn import CrossEntropyLoss, CsTorchError
 from . import optim as old_optim
 
@@ -239,15 +239,13 @@ class ClusterRun:
 
 
 # ---------------------------------------------------------------- the data, for the workers
-def worker_dataset(module, file, function, args, kwargs, states_file=None, steps=None):
-    """What the input workers call (by name): the user's input_fn, its data set as arrays, or with
-    `steps` the run's samples in the torch DataLoader's order (replayed from the generators' states the
-    user's process saved in states_file; none for an IterableDataset)."""
+def worker_dataset(module, file, function, args, kwargs, states_file, steps):
+    """What the input workers call (by name): the samples of the run's `steps` batches of the user's
+    input_fn's torch DataLoader, in its order (replayed from the generators' states the user's process
+    saved in states_file; None for an IterableDataset)."""
     from .input_worker import load_function
     fn = load_function({"module": module, "file": file, "function": function})
     loader = fn(*args, **kwargs)
-    if steps is None:
-        return arrays_of(loader)
     states = None
     if states_file is not None:
         with np.load(states_file, allow_pickle=False) as saved:

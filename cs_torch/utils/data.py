@@ -12,10 +12,10 @@
 iterates it here, epoch after epoch, for num_steps batches (one epoch when
 num_steps is None). With a CSX backend the loop is one job of the CS system
 (cs_torch/cluster_step.py): its input workers call input_fn themselves and
-stream the WSEs the global batches of the project's batch plan (a pure
-function of the step, shuffled when the torch loader shuffles); the loop
-gets the same batches, made here from the same data set. input_fn must then
-be a top-level function with JSON arguments (the workers import it by name).
+stream the WSEs the torch loader's batches in its order, replayed epoch by
+epoch (cs_torch/loader_replay.py); the loop gets the same batches, made here
+from the same data set. input_fn must then be a top-level function with JSON
+arguments (the workers import it by name).
 """
 from __future__ import annotations
 
