@@ -408,7 +408,7 @@ def loop_batches(kind: str, input_fn, *args, steps: int):
     (iterable_input_fn, (4, None), 5),         # an endless one
 ])
 def test_csx_loop_gets_the_torch_loaders_batches_in_its_order(input_fn, args, steps, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)      # the sample order is saved in the backend's artifact_dir for the workers
+    monkeypatch.chdir(tmp_path)      # the generators' states are saved in the backend's artifact_dir for the workers
     cpu = loop_batches("CPU", input_fn, *args, steps=steps)
     csx = loop_batches("CSX", input_fn, *args, steps=steps)
     assert len(cpu) == len(csx) == steps
