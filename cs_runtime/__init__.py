@@ -18,6 +18,7 @@
     lm_checks.py       what the language-model examples check in their params and data
     probe_line.py      the line a cs_input_analyzer probe prints
     version.py         the installed version, for every command's --version
+    units.py           byte units (KB, MiB, ...) and their human spelling
     import_names.py    the vendor's import names (cerebras_pytorch, cerebras.pytorch, ...) served by our packages
 
     cli/               the console commands (csrun_wse, csrun_cpu, cs_system, csctl, ...)

@@ -166,10 +166,8 @@ def _cluster(ns: argparse.Namespace, rc) -> dict:
 def _unused(ns: argparse.Namespace, target: str | None) -> list[str]:
     """Each flag given that changes nothing here, with why."""
     out = [f"--{name} ({why})" for name, why in NO_EFFECT.items() if getattr(ns, name) not in (None, False)]
-    if ns.job_labels and not ns.mgmt_address:
-        out.append("--job_labels (without --mgmt_address the job is not listed by csctl)")
     if target != "CSX":
-        for name in ("num_csx", "num_workers_per_csx", "mgmt_address", "python_paths"):
+        for name in ("num_csx", "num_workers_per_csx", "mgmt_address", "job_labels", "python_paths"):
             if getattr(ns, name) is not None:
                 out.append(f"--{name} (for CSX; this run is {target or 'on the CPU path'})")
     return out

@@ -30,8 +30,10 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     input_worker.py     python -m cs_torch.input_worker (started by a Session)
     nn.py               layers and the loss, PyTorch-style names for the project's model description
     optim.py            optimizers by PyTorch's names (params.yaml's section; torch modules': optimizers.py)
-    optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW
+    optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW; on CPU eight more (Adagrad, ...)
     lr_scheduler.py     cstorch.optim.lr_scheduler
+    scheduler.py        cstorch.optim.scheduler: any param-group value by the step (lr, weight decay)
+    weight_decay_scheduler.py  cstorch.optim.weight_decay_scheduler
     amp.py              GradScaler and the half dtype
     backends.py         cstorch.backend(): where a 2.x run executes
     distributed/        cstorch.distributed: the cluster settings of a backend, the job's tasks
@@ -44,8 +46,10 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     recording.py        what the step in progress is doing, read by what records into it
     engine.py           the 2.x step engine: one captured program, on the CPU path
     cluster_step.py     a traced step as a job of the emulated CS system
+    loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)
     cbtorch.py          the 1.x API (cbtorch); cbtorch_cluster.py: its loop on the CS system
     saving.py           cstorch.save / cstorch.load
+    storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
     summary.py          summarize_scalar, summarize_tensor
     metrics.py          cstorch.metrics
     utils/              cstorch.utils: data (DataLoader, DataExecutor), tensorboard, CSConfig
@@ -62,9 +66,11 @@ _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing"
          "summarize_scalar": "summary", "summarize_tensor": "summary", "use_cs": "backends",
          "current_executor": "recording", "name_scope": "core.name_scope", "add_debug_name": "core.name_scope",
          "get_debug_name": "core.name_scope", "make_constant": "core.tensors", "to_numpy": "core.tensors",
-         "from_numpy": "core.tensors"}
+         "from_numpy": "core.tensors", "full": "core.tensors", "full_like": "core.tensors",
+         "ones": "core.tensors", "ones_like": "core.tensors", "zeros": "core.tensors", "zeros_like": "core.tensors",
+         "current_torch_device": "backends", "pol": "core.pol", "current_pol": "core.pol"}
 # `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
-_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend")
+_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage")
 
 # The release of the real API this emulates (the model zoo writes it into checkpoints).
 __version__ = "2.1.1"
@@ -72,9 +78,7 @@ __version__ = "2.1.1"
 
 # Parts of the real API the emulator does not have: one line saying so, not a bare AttributeError.
 _NOT_SUPPORTED = {"sparse": "weights are dense (no sparsity masks in the program or MemoryX)",
-                  "saver": "checkpoints are cstorch.save / cstorch.load's files (docs/cstorch.md)",
                   "experimental": "listeners and implicit autoregressive loops are not emulated",
-                  "storage": "checkpoints are cstorch.save / cstorch.load's files (docs/cstorch.md)",
                   "profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
 
 
@@ -83,6 +87,8 @@ def __getattr__(name):
         raise AttributeError(f"cstorch.{name} is not supported by the emulator: {_NOT_SUPPORTED[name]}")
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name == "saver":   # the 2.0/2.1 name of storage (saver.PyTorchH5Saver)
+        return importlib.import_module(".storage", __name__)
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'cs_torch' has no attribute {name!r}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, fields
 
+from cs_runtime.wire.protocol import check_labels
+
 from .nn import CsTorchError
 
 BACKEND_TYPES = ("CSX", "CPU", "GPU")
@@ -48,6 +50,18 @@ class ClusterConfig:
         n = self.num_workers_per_csx
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise CsTorchError(f"ClusterConfig: num_workers_per_csx must be a non-negative integer, got {n!r}")
+        self.labels()   # checked now: a bad label is one line before anything starts
+
+    def labels(self) -> dict[str, str]:
+        """job_labels ("key=value" strings, as the real API takes them) as the job's labels (csctl shows them)."""
+        labels = {}
+        for pair in self.job_labels or []:
+            key, sep, value = str(pair).partition("=")
+            if not sep:
+                raise CsTorchError(f"ClusterConfig: job label {pair!r} is not KEY=VALUE")
+            labels[key] = value
+        check_labels(labels, lambda why: CsTorchError(f"ClusterConfig: job_labels: {why}"))
+        return labels
 
     @classmethod
     def of(cls, value) -> "ClusterConfig":
@@ -69,7 +83,6 @@ _UNHONOURED = {
     "max_wgt_servers": "MemoryX is one process per job here",
     "mount_dirs": "every process of the emulated cluster shares this machine's file system",
     "python_paths": "the input workers import from this process's sys.path",
-    "job_labels": "no cluster scheduler labels here",
     "job_priority": "no cluster scheduler priority here",
     "job_time_sec": "no cluster scheduler time limit here",
     "mgmt_namespace": "one namespace here",
@@ -149,6 +162,12 @@ def current_backend() -> Backend:
 def use_cs() -> bool:
     """Whether this process runs on the CS system (its backend is CSX); asking makes no backend."""
     return _current is not None and _current.is_csx
+
+
+def current_torch_device():
+    """The torch device of the backend's tensors: the host's, on every backend here."""
+    import torch
+    return torch.device("cpu")
 
 
 def current_backend_impl() -> Backend:

@@ -39,7 +39,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import capture as capture_mod
 from . import session as session_mod
-from .cluster_step import ClusterRun, arrays_of, plan_batches, saved_loader
+from .cluster_step import ClusterRun, plan_batches, saved_loader
+from .loader_replay import arrays_of
 from .data import Batch
 from .nn import CsTorchError
 

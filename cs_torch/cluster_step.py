@@ -36,6 +36,7 @@ from . import amp
 from . import session as session_mod
 from .capture import load_into
 from .data import DataLoader as WorkerLoader
+from .loader_replay import RunSamples, is_iterable, start_states
 from .nn import CrossEntropyLoss, CsTorchError
 from . import optim as old_optim
 
@@ -99,6 +100,25 @@ def _rule_of(optimizer, g: dict):
     return cls(lr=g["lr"] or 1.0, betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
 
 
+def _step_rate(optimizer):
+    """Each step's learning rate for MemoryX: the one rate of every param group. A scheduler that leaves
+    the groups at different rates, or changes a weight decay MemoryX took at the start, is refused."""
+    decays = [g.get("weight_decay") for g in optimizer.param_groups]
+
+    def rate() -> float:
+        groups = optimizer.param_groups
+        rates = {g["lr"] for g in groups}
+        if len(rates) > 1:
+            raise CsTorchError(f"CSX backend: the param groups' learning rates differ at this step "
+                               f"({sorted(rates)}); MemoryX applies one rate a step (use backend('CPU'))")
+        if [g.get("weight_decay") for g in groups] != decays:
+            raise CsTorchError("CSX backend: a param group's weight_decay changed during the run (a weight decay "
+                               "scheduler); MemoryX applies the weight decay the job started with "
+                               "(use backend('CPU'))")
+        return groups[0]["lr"]
+    return rate
+
+
 class _Session(session_mod.Session):
     """A Session whose learning rate and loss scale come from the 2.x objects, step by step."""
     lr_of = None
@@ -148,11 +168,12 @@ class ClusterRun:
         self.optimizer, self.scaler, self.params, self.batch_of = optimizer, scaler, params, batch_of
         mode = "train" if training else "eval"
         cc = backend.cluster_config
-        session_mod._backend = session_mod.Backend(cc.mgmt_address, cc.num_csx, max(cc.num_workers_per_csx, 1))
+        session_mod._backend = session_mod.Backend(cc.mgmt_address, cc.num_csx, max(cc.num_workers_per_csx, 1),
+                                                   job_labels=tuple(cc.labels().items()))
         model_dir = os.path.join(backend.artifact_dir, f"job_{os.getpid()}_{next(_runs)}_{mode}")
         self.session = _Session(spec, memoryx_optimizer(self.optimizer, params) if self.optimizer else None,
                                 CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)
-        self.session.lr_of = lambda: self.optimizer.param_groups[0]["lr"]
+        self.session.lr_of = _step_rate(self.optimizer) if self.optimizer else None
         self.session.scale_of = lambda: self.scaler.scale_value() if self.scaler else 1.0
         self.session.loss_scaled = self.scaler is not None
         self.session.report_eval = report_eval
@@ -218,28 +239,18 @@ class ClusterRun:
 
 
 # ---------------------------------------------------------------- the data, for the workers
-def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
-    """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream)."""
-    dataset = getattr(loader, "dataset", None)
-    if dataset is None:
-        raise CsTorchError(f"CSX backend: input_fn returned {type(loader).__name__}; the input workers need a "
-                           "torch DataLoader over a map-style data set of (input, label) pairs")
-    if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
-        x, y = dataset.tensors
-    else:
-        pairs = [dataset[i] for i in range(len(dataset))]
-        if not pairs or len(pairs[0]) != 2:
-            raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs")
-        x = torch.stack([torch.as_tensor(p[0]) for p in pairs])
-        y = torch.stack([torch.as_tensor(p[1]) for p in pairs])
-    return x.detach().cpu().numpy(), y.detach().cpu().numpy()
-
-
-def worker_dataset(module, file, function, args, kwargs):
-    """What the input workers call (by name): the user's input_fn, its data set as arrays."""
+def worker_dataset(module, file, function, args, kwargs, states_file, steps):
+    """What the input workers call (by name): the samples of the run's `steps` batches of the user's
+    input_fn's torch DataLoader, in its order (replayed from the generators' states the user's process
+    saved in states_file; None for an IterableDataset)."""
     from .input_worker import load_function
     fn = load_function({"module": module, "file": file, "function": function})
-    return arrays_of(fn(*args, **kwargs))
+    loader = fn(*args, **kwargs)
+    states = None
+    if states_file is not None:
+        with np.load(states_file, allow_pickle=False) as saved:
+            states = {role: saved[role] for role in saved.files}
+    return RunSamples(loader, steps, states)
 
 
 def _settings(loader) -> dict:
@@ -252,14 +263,25 @@ def _settings(loader) -> dict:
             "drop_last": bool(getattr(loader, "drop_last", True))}
 
 
-def worker_loader(dataloader, seed: int) -> WorkerLoader:
-    """The ModelSpec API's loader that has the input workers build the 2.x loader's batches."""
+def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[WorkerLoader, RunSamples]:
+    """The ModelSpec API's loader that has the input workers build the 2.x loader's batches of `steps`
+    steps, in the torch loader's order (its generators' states saved in `directory` for them to replay),
+    and those samples here."""
     from .data import function_location
-    settings = _settings(dataloader.loader)
+    loader = dataloader.loader
+    settings = _settings(loader)
+    states, states_file = None, None
+    if not is_iterable(loader):
+        states = start_states(loader)
+        os.makedirs(directory, exist_ok=True)
+        states_file = os.path.join(os.path.abspath(directory), f"loader_states_{os.getpid()}_{next(_runs)}.npz")
+        np.savez(states_file, **states)
+    samples = RunSamples(loader, steps, states)
     location = function_location(dataloader.input_fn)
+    settings.update(shuffle=False, drop_last=True)   # the order is the torch loader's, shuffle included
     return WorkerLoader(worker_dataset, settings.pop("batch_size"), location["module"], location["file"],
-                        location["function"], list(dataloader.args), dict(dataloader.kwargs), shuffle_seed=seed,
-                        **settings)
+                        location["function"], list(dataloader.args), dict(dataloader.kwargs), states_file, steps,
+                        shuffle_seed=seed, **settings), samples
 
 
 def saved_dataset(path: str):

@@ -1,4 +1,5 @@
-"""cstorch.metrics: Metric, AccuracyMetric, PerplexityMetric, FBetaScoreMetric, with the documented signatures.
+"""cstorch.metrics: Metric and the real API's metrics (accuracy, perplexity, F-beta, mean, IOU, per-class
+accuracy, Dice, AUC, precision and recall at k), with the documented signatures.
 
     accuracy = cstorch.metrics.AccuracyMetric("accuracy")
 
@@ -267,6 +268,126 @@ class MeanPerClassAccuracyMetric(_ConfusionMetric):
     def compute(self) -> torch.Tensor:
         cm = self.confusion_matrix
         return self._mean_over_classes(torch.diagonal(cm), cm.sum(1))
+
+
+class DiceCoefficientMetric(_ConfusionMetric):
+    """The mean over classes of 2 * true positives / (labels + predictions of the class)."""
+
+    def compute(self) -> torch.Tensor:
+        cm = self.confusion_matrix
+        return self._mean_over_classes(2 * torch.diagonal(cm), cm.sum(0) + cm.sum(1))
+
+
+def _divide_no_nan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.where(b != 0, a / torch.where(b != 0, b, torch.ones_like(b)), torch.zeros_like(a))
+
+
+class AUCMetric(Metric):
+    """The area under the ROC or precision-recall curve of probabilities in [0, 1], from counts at
+    thresholds (num_thresholds evenly spaced, or the thresholds given, within -1e-7 and 1 + 1e-7):
+    Riemann sums by interpolation (trapezoids; for PR, Davis & Goadrich's), minoring or majoring."""
+
+    def __init__(self, num_thresholds: int = 200, curve: str = "ROC", name: str | None = None,
+                 summation_method: str = "interpolation", thresholds=None):
+        if curve not in ("ROC", "PR"):
+            raise ValueError(f"AUCMetric: curve must be either ROC or PR, got {curve!r}")
+        if summation_method not in ("interpolation", "minoring", "majoring"):
+            raise ValueError(f"AUCMetric: summation_method must be interpolation, minoring or majoring, "
+                             f"got {summation_method!r}")
+        if thresholds is None:
+            if num_thresholds <= 1:
+                raise ValueError(f"AUCMetric: num_thresholds must be > 1, got {num_thresholds}")
+            thresholds = [(i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2)]
+        else:
+            thresholds = sorted(float(x) for x in thresholds)
+        self.curve, self.summation_method = curve, summation_method
+        self.thresholds = torch.tensor([-1e-7] + thresholds + [1 + 1e-7], dtype=torch.float32)
+        self.num_thresholds = len(self.thresholds)
+        super().__init__(name or "AUCMetric")
+
+    def reset(self) -> None:
+        for state in ("true_positive", "true_negative", "false_positive", "false_negative"):
+            self.register_state(state, torch.zeros(self.num_thresholds, dtype=torch.float32))
+
+    def update(self, labels, predictions, weights=None) -> None:
+        if labels.shape != predictions.shape:
+            raise ValueError(f"AUCMetric: labels {tuple(labels.shape)} and predictions "
+                             f"{tuple(predictions.shape)} differ in shape")
+        if weights is not None and weights.shape != labels.shape:
+            raise ValueError(f"AUCMetric: weights {tuple(weights.shape)} and labels {tuple(labels.shape)} differ")
+        labels, predictions = labels.reshape(-1), predictions.reshape(-1).float()
+        if labels.numel() and labels.min() < 0:
+            raise ValueError("AUCMetric: negative values in `labels` are not allowed")
+        if predictions.numel() and (predictions.min() < 0 or predictions.max() > 1):
+            raise ValueError("AUCMetric: values in `predictions` must be in [0, 1]")
+        w = torch.ones_like(predictions) if weights is None else weights.reshape(-1).float()
+        above = predictions[None, :] > self.thresholds[:, None]      # [threshold, example]
+        positive = (labels > 0)[None, :]
+        for state, mask in (("true_positive", above & positive), ("false_positive", above & ~positive),
+                            ("false_negative", ~above & positive), ("true_negative", ~above & ~positive)):
+            getattr(self, state).add_((mask.float() * w).sum(-1))
+
+    def _interpolated_pr_auc(self) -> torch.Tensor:
+        tp, fn = self.true_positive, self.false_negative
+        p = tp + self.false_positive
+        dtp, dp = tp[:-1] - tp[1:], p[:-1] - p[1:]
+        slope = _divide_no_nan(dtp, dp.clamp(min=0))
+        intercept = tp[1:] - slope * p[1:]
+        ratio = torch.where((p[:-1] > 0) & (p[1:] > 0), _divide_no_nan(p[:-1], p[1:].clamp(min=0)),
+                            torch.ones_like(p[1:]))
+        return _divide_no_nan(slope * (dtp + intercept * torch.log(ratio)), (tp[1:] + fn[1:]).clamp(min=0)).sum()
+
+    def compute(self) -> float:
+        if self.curve == "PR" and self.summation_method == "interpolation":
+            return float(self._interpolated_pr_auc())
+        tp, fp, fn, tn = self.true_positive, self.false_positive, self.false_negative, self.true_negative
+        recall = _divide_no_nan(tp, tp + fn)
+        x, y = (_divide_no_nan(fp, fp + tn), recall) if self.curve == "ROC" else (recall, _divide_no_nan(tp, tp + fp))
+        heights = {"interpolation": (y[:-1] + y[1:]) / 2, "minoring": torch.minimum(y[:-1], y[1:]),
+                   "majoring": torch.maximum(y[:-1], y[1:])}[self.summation_method]
+        return float(((x[:-1] - x[1:]) * heights).sum())
+
+
+class _AtKMetric(Metric):
+    """Counts of the labels (batch, num_labels) found among the k largest predictions (batch, classes)."""
+
+    def __init__(self, k: int, name: str | None = None):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"{type(self).__name__}: k must be a positive integer, got {k!r}")
+        self.k = k
+        super().__init__(name or type(self).__name__)
+
+    def reset(self) -> None:
+        self.register_state("true_positive_at_k", torch.tensor(0.0))
+        self.register_state("false_at_k", torch.tensor(0.0))
+
+    def update(self, labels, predictions, weights=None) -> None:
+        if weights is not None and len(weights.shape) != 0 and weights.numel() != labels.shape[0]:
+            raise ValueError(f"{type(self).__name__}: weights must be a scalar or a vector of size "
+                             f"{labels.shape[0]}, got {tuple(weights.shape)}")
+        top = torch.topk(predictions, self.k, dim=-1).indices                  # (batch, k)
+        hits = (labels[:, :, None] == top[:, None, :]).sum((1, 2)).float()      # labels in the top k, per row
+        misses = self.misses(hits, labels)
+        w = torch.ones(()) if weights is None else weights.float()
+        self.true_positive_at_k.add_((hits * w).sum())
+        self.false_at_k.add_((misses * w).sum())
+
+    def compute(self) -> float:
+        return float(self.true_positive_at_k / (self.true_positive_at_k + self.false_at_k))
+
+
+class PrecisionAtKMetric(_AtKMetric):
+    """Of the k top predictions of each row, the share that are among its labels."""
+
+    def misses(self, hits, labels):
+        return self.k - hits
+
+
+class RecallAtKMetric(_AtKMetric):
+    """Of each row's labels, the share found among its k top predictions."""
+
+    def misses(self, hits, labels):
+        return labels.shape[-1] - hits
 
 
 def get_all_metrics():

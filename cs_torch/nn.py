@@ -120,4 +120,9 @@ def __getattr__(name: str):
     if name == "functional":
         import importlib
         return importlib.import_module("cs_torch.nn_functional")
+    # The real API's Parameter and Buffer defer a tensor's making to the device; tensors live on the
+    # host here, so torch's own are those classes.
+    if name in ("Parameter", "Buffer"):
+        import torch
+        return getattr(torch.nn, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import sys
 
-from . import lr_scheduler  # noqa: F401 (cstorch.optim.lr_scheduler)
+from . import lr_scheduler, scheduler, weight_decay_scheduler  # noqa: F401 (cstorch.optim.<name>)
 from .nn import CsTorchError
+
+
+CPU_ONLY_OPTIMIZERS = ("Adagrad", "RMSprop", "Adamax", "Adadelta", "Lion", "RAdam", "ASGD", "Rprop")
 
 
 def __getattr__(name: str):
@@ -24,6 +27,9 @@ def __getattr__(name: str):
     if name in ("configure_param_groups", "configure_optimizer", "configure_lr_scheduler"):
         from . import optim_configure
         return getattr(optim_configure, name)
+    if name in CPU_ONLY_OPTIMIZERS:   # torch modules' optimizers MemoryX has no rule for (cs_torch/optimizers.py)
+        from . import optimizers
+        return getattr(optimizers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

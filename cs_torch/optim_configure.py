@@ -69,7 +69,7 @@ class _ParamsSchedule(LRScheduler):
         self.config = config
         super().__init__(optimizer)
 
-    def lr_at(self, step):
+    def value_at(self, step):
         return self.config.lr_at(step)
 
 

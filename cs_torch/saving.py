@@ -9,13 +9,16 @@ expects a checkpoint to be (torch.load opens it, nothing to install).
 Loading always passes weights_only=True: torch's restricted unpickler then
 rebuilds only tensors and plain containers and numbers, and refuses any
 other object, so a checkpoint from elsewhere cannot run code here. What is
-saved must be such plain data (state_dicts are).
+saved must be such plain data (state_dicts are). `load` also reads the
+model zoo's HDF5 checkpoints (cs_torch/storage.py, which writes them).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+
+from cs_runtime.checkpoint_mdl import is_hdf5
 
 from .nn import CsTorchError
 
@@ -38,6 +41,9 @@ def load(checkpoint_file, map_location=None, **kwargs):
         raise CsTorchError(f"load: unexpected argument {sorted(kwargs)[0]!r}")
     if not os.path.isfile(path):
         raise CsTorchError(f"load: no checkpoint file {path}")
+    if is_hdf5(path):   # the model zoo's HDF5 checkpoints (cstorch.storage)
+        from .storage import load as load_h5
+        return load_h5(path, map_location)
     try:
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a bad file; the user needs one line

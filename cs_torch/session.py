@@ -74,12 +74,14 @@ class Backend:
     num_workers_per_csx: int = 1
     insecure: bool = False
     no_shm: bool = False
+    job_labels: tuple = ()   # (key, value) pairs, shown by csctl get jobs
 
     def job_options(self) -> JobOptions:
         """A Session's job: on this machine, its input workers cs_torch's own."""
         return JobOptions(command=[sys.executable, "-m", "cs_torch.input_worker"], launcher="local",
                           num_csx=self.num_csx, num_workers_per_csx=self.num_workers_per_csx,
-                          cs_ip=self.cs_ip, insecure=self.insecure, no_shm=self.no_shm)
+                          cs_ip=self.cs_ip, insecure=self.insecure, no_shm=self.no_shm,
+                          job_labels=dict(self.job_labels))
 
 
 _backend = Backend()

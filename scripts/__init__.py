@@ -7,4 +7,5 @@ commands are cs_runtime/cli/.
     control_plane_bench.py  the launcher's control plane with many simulated tasks
     chaos.py, soak.py     faults thrown at whole jobs; many jobs back to back
     compare_checkouts.py, same_bits.py  do two versions of the code train to the same bits?
+    modelzoo_data.py      the model zoo's data processors as shipped, on data made here (a checkout brought in)
 """

@@ -54,8 +54,7 @@ def test_submodules_by_the_real_dotted_names() -> None:
     assert modes.EVAL_ALL == "eval_all"
 
 
-@pytest.mark.parametrize("name, why", [("sparse", "weights are dense"), ("saver", "cstorch.save"),
-                                       ("experimental", "listeners")])
+@pytest.mark.parametrize("name, why", [("sparse", "weights are dense"), ("experimental", "listeners")])
 def test_a_name_not_emulated_is_one_line_naming_it(name: str, why: str) -> None:
     with pytest.raises(AttributeError, match=rf"^cstorch\.{name} is not supported by the emulator: .*{why}"):
         getattr(cstorch, name)
@@ -209,6 +208,7 @@ def test_the_api_table_says_what_the_package_has() -> None:
     assert len(rows) == 168 and len({name for name, _ in rows}) == 168
     counts = {status: sum(s == status for _, s in rows) for status in ("present", "partial", "not supported")}
     assert sum(counts.values()) == 168, counts
+    assert counts["present"] + counts["partial"] >= 0.8 * 168, counts       # the target: 80% of the table
     for name, status in rows:
         if status in ("present", "partial"):
             resolve(name)   # raises if the table says present and the package has no such name

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # output line. `cs_runtime` itself is the package's __init__.
     ("cs_runtime", "cs_runtime.errors", "cs_runtime.env", "cs_runtime.flags", "cs_runtime.spans",
      "cs_runtime.user_script", "cs_runtime.probe_line", "cs_runtime.torch_names", "cs_runtime.roles",
-     "cs_runtime.import_names",
+     "cs_runtime.import_names", "cs_runtime.units",
      # what the data sets and the maths agree on: counter-based draws, the ignored label, the
      # language models' feature names
      "cs_runtime.numerics.hashing", "cs_runtime.numerics.batch_check", "cs_runtime.numerics.transformer_params"),
@@ -67,7 +67,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The torch front end's rules a step applies: optimizers and their update
     # rules, schedulers, the loss scaler, summaries.
     ("cs_torch.optim", "cs_torch.optimizers", "cs_torch.optim_configure", "cs_torch.lr_scheduler", "cs_torch.amp",
-     "cs_torch.summary"),
+     "cs_torch.summary", "cs_torch.scheduler", "cs_torch.weight_decay_scheduler"),
     # The rest of the torch front end: the tracer, the session, the cluster
     # step and the DataExecutor that drives them.
     ("cs_torch",),

@@ -32,8 +32,7 @@ def test_the_alcf_command_line_parses_and_names_what_it_ignores() -> None:
     assert args.cluster == {"num_csx": 1, "num_workers_per_csx": 1, "mgmt_address": None,
                             "job_labels": ["name=bert_pt"], "python_paths": ["~/R_2.1.1/modelzoo"]}
     assert args.unused_flags == ["--compile_dir (compiles are in model_dir)",
-                                 "--mount_dirs (the job's processes share this file system)",
-                                 "--job_labels (without --mgmt_address the job is not listed by csctl)"]
+                                 "--mount_dirs (the job's processes share this file system)"]
     assert args.command_line == ALCF   # what the job's processes are started with, after CSX
 
 
@@ -59,6 +58,9 @@ def test_csx_becomes_csrun_wse_with_the_same_command() -> None:
                            "1", "--cs_ip"]
     assert command[8:11] == ["localhost:7000", "--job_label", "name=bert_pt"]
     assert command[11:] == [sys.executable, sys.argv[0], "CSX", *args.command_line]
+    # Without a CS system the job is this machine's, still listed by csctl with its labels.
+    local = target.csrun_wse_command(parse_args(["CSX", *ALCF], "fc_mnist"))
+    assert local[5:9] == ["--num_workers_per_csx", "1", "--job_label", "name=bert_pt"] and "--cs_ip" not in local
     environ = target.job_environment(args)
     assert environ["PYTHONPATH"].split(os.pathsep)[0] == os.path.expanduser("~/R_2.1.1/modelzoo")
 

@@ -8,16 +8,22 @@
 
 The CS system is --cs_ip, else $CS_SYSTEM. Cancelling or labelling a job
 needs the owner credential of the user who submitted it (~/.cs_emulator/
-owner.token, see cs_runtime/launch/front_door.py). Errors are one line, exit code 1.
+owner.token, see cs_runtime/launch/front_door.py). With neither, csctl
+looks at the jobs this user runs on this machine with a CS system of their
+own (csrun_wse, run.py CSX or a cstorch CSX backend without --cs_ip /
+--mgmt_address; cs_runtime/launch/local_jobs.py): cancelling one stops it
+as Ctrl-C in its own shell would. Errors are one line, exit code 1.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 from cs_runtime import env
 from cs_runtime.flags import add_flag
+from cs_runtime.launch import local_jobs
 from cs_runtime.launch.front_door import (SYSTEM_ENV, FrontDoor, FrontDoorError, client_key_pair, owner_token,
                                          user_name)
 from cs_runtime.wire.protocol import JOB_NAME, Message, Msg, check_labels, printable
@@ -29,7 +35,8 @@ COLUMNS = ("NAME", "AGE", "DURATION", "PHASE", "SYSTEMS", "USER", "LABELS")
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="csctl", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--version", action="version", version=version_line("csctl"))
-    add_flag(parser, "cs_ip", default=env.SYSTEM.get(), help=f"HOST:PORT of the CS system (default ${SYSTEM_ENV})")
+    add_flag(parser, "cs_ip", default=env.SYSTEM.get(),
+             help=f"HOST:PORT of the CS system (default ${SYSTEM_ENV}; without either: this user's jobs here)")
     parser.add_argument("--insecure", action="store_true", help="the CS system runs without CURVE (loopback)")
     verbs = parser.add_subparsers(dest="verb", required=True)
     get = verbs.add_parser("get", help="list jobs")
@@ -44,10 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     label.add_argument("job")
     label.add_argument("labels", nargs="+", metavar="KEY=VALUE")
     verbs.add_parser("key", help="print `USER PUBLIC_KEY`: this user's line for a CS system's --clients file")
-    ns = parser.parse_args(argv)
-    if not ns.cs_ip and ns.verb != "key":
-        parser.error(f"no CS system: give --cs_ip HOST:PORT or set {SYSTEM_ENV}")
-    return ns
+    return parser.parse_args(argv)
 
 
 def job_name(text: str) -> str:
@@ -105,9 +109,24 @@ def get(jobs: list[dict], wanted: str | None, output: str, where: str) -> str:
     return table([job]) + (f"\nREASON: {printable(job['reason'])}" if job.get("reason") else "")
 
 
+def run_local(ns: argparse.Namespace) -> str:
+    """The verbs on this user's jobs that run here with a CS system of their own."""
+    if ns.verb == "get":
+        now = time.time()
+        return get([job.row(now) for job in local_jobs.jobs()], ns.job, ns.output, "this machine")
+    name = job_name(ns.job)
+    if ns.verb == "cancel":
+        local_jobs.cancel(name)
+        return f"{name} cancelled"
+    local_jobs.label(name, parse_labels(ns.labels))
+    return f"{name} labelled"
+
+
 def run(ns: argparse.Namespace) -> str:
     if ns.verb == "key":
         return f"{user_name()} {client_key_pair()[0].decode()}"
+    if not ns.cs_ip:
+        return run_local(ns)
     door = FrontDoor.open(ns.cs_ip, ns.insecure, what="the CS system at")
     try:
         if ns.verb == "get":
@@ -127,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         print(run(ns), flush=True)
-    except FrontDoorError as exc:
+    except (FrontDoorError, local_jobs.LocalJobError) as exc:
         raise SystemExit(f"csctl: {exc}") from None
 
 

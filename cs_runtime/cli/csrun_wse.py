@@ -78,7 +78,7 @@ def parse_args(argv: list[str]) -> JobOptions:
     add_flag(parser, "no_shm", action="store_true",
              help="stream weights over tcp even between local processes (default: shared memory)")
     add_flag(parser, "job_label", action="append", default=[], metavar="KEY=VALUE",
-             help="with --cs_ip: a label of the job, shown by csctl get jobs (repeatable)")
+             help="a label of the job, shown by csctl get jobs (repeatable)")
     add_flag(parser, "trace", action="store_true",
              help="record a timeline of every process; the chief writes model_dir/trace.json (Perfetto)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="python run.py ARGS...")
@@ -101,8 +101,6 @@ def parse_args(argv: list[str]) -> JobOptions:
         check_labels(ns.job_labels)
     except ValueError as exc:
         parser.error(f"--job_label: {exc}")
-    if ns.job_labels and not ns.cs_ip:
-        parser.error("--job_label is for jobs on a CS system (--cs_ip)")
     return JobOptions(
         command=ns.command, num_csx=ns.num_csx, num_workers_per_csx=ns.num_workers_per_csx, cs_ip=ns.cs_ip,
         launcher=choose_launcher(ns, parser), hostfile=ns.hostfile, hosts=ns.hosts, ssh_options=ns.ssh_options,

@@ -7,6 +7,7 @@
     task.py          python -m cs_runtime.launch.task: the per-host task wrapper
     directory.py     the job's directory: registration and heartbeats of every process (the server side)
     front_door.py    a shared CS system's client: keys, owner credential, submit and follow a job
+    local_jobs.py    this user's jobs with a CS system of their own, for csctl: the registry, cancel, label
     restart.py       --max_restarts: run a job again from its latest checkpoint
     target.py        what `python run.py CPU|CSX ...` does before any role runs (the model zoo's targets)
     precheck.py      before the cluster starts: the script's functions and params, checked in one process

@@ -28,7 +28,7 @@ from cs_runtime import env as cs_env
 from cs_runtime.errors import UserInputError
 from cs_runtime.roles import service_counts
 from cs_runtime.launch.front_door import FrontDoor, FrontDoorError, SubmittedJob
-from cs_runtime.launch import remote
+from cs_runtime.launch import local_jobs, remote
 from cs_runtime.launch.backends import Layout, backend_for
 from cs_runtime.launch.directory import DirectoryServer
 from cs_runtime.launch.launcher import (JobFailed, ProcessGroup, Supervisor, check_file_limit,
@@ -65,7 +65,7 @@ class JobOptions:
     port: int = 0                             # of the job's directory (0: any free port)
     insecure: bool = False                    # no CURVE (loopback only)
     no_shm: bool = False                      # weights over tcp even between local processes
-    job_labels: dict[str, str] = field(default_factory=dict)   # with cs_ip: shown by csctl
+    job_labels: dict[str, str] = field(default_factory=dict)   # shown by csctl get jobs
     trace: bool = False                       # a timeline of every process (model_dir/trace.json)
     bind_address: str | None = None           # what the directory and services bind (None: chosen)
     services_node: str | None = None          # inside a Slurm allocation: where the services run
@@ -172,13 +172,28 @@ class StartedJob:
     supervisor: Supervisor
     env: dict[str, str]
     shm_dir: str | None
+    local: local_jobs.LocalJob | None = None   # its entry in this user's registry (a job without cs_ip)
 
     def close(self) -> None:
+        if self.local is not None:
+            local_jobs.unregister(self.local)
         self.group.stop_all()
         if self.shm_dir:  # whatever the services left, even when killed
             remove_job_segments(Path(self.shm_dir), self.id)
         auth.stop_authenticator(self.ctx)
         self.ctx.destroy(linger=0)
+
+
+def register_local(job: str, options: JobOptions) -> local_jobs.LocalJob | None:
+    """A job with a CS system of its own, in this user's registry: csctl lists and cancels it. If the
+    registry cannot take it, the job runs all the same, and says in one line that csctl will not see it."""
+    try:
+        local = local_jobs.register(job, options.num_csx, options.job_labels)
+    except (local_jobs.LocalJobError, OSError) as exc:
+        print(f"csrun: this job is not listed by csctl: {exc}", file=sys.stderr, flush=True)
+        return None
+    log.info("job %s is %s in `csctl get jobs` (csctl cancel job %s)", job, local.name, local.name)
+    return local
 
 
 def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = True,
@@ -187,7 +202,20 @@ def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = T
     else `cs_ip` is the directory the shared CS system made for `job`. With `tasks`
     also the chief and the input workers of options.command. The caller supervises
     (`job.supervisor.run()`) and always calls `job.close()`."""
+    # The id stays unique across users and CS systems (the shared-memory segments are named for it); a
+    # job with a CS system of its own is also listed under a short name (wsjob-N) for csctl.
     job = job or f"wsjob-{uuid.uuid4().hex[:12]}"
+    local = register_local(job, options) if cs_ip is None else None
+    try:
+        return _start_job(options, layout, tasks, handle_signals, job, cs_ip, attempt, local)
+    except BaseException:
+        if local is not None:
+            local_jobs.unregister(local)
+        raise
+
+
+def _start_job(options: JobOptions, layout: Layout, tasks: bool, handle_signals: bool, job: str,
+               cs_ip: str | None, attempt: int, local) -> StartedJob:
     ctx = zmq.Context()
     expected = {"chief": 1, "worker": layout.num_workers}
     if cs_ip is None:
@@ -208,7 +236,7 @@ def start_job(options: JobOptions, layout: Layout, attempt: int, tasks: bool = T
     # Services elsewhere (a CS system's, an srun step's) share no memory with this host: tcp.
     here = backend.services_here(layout) and not options.no_shm and os.path.isdir(SHM_DIR)
     shm_dir = SHM_DIR if here else None
-    started = StartedJob(job, ctx, directory, group, supervisor, env, shm_dir)
+    started = StartedJob(job, ctx, directory, group, supervisor, env, shm_dir, local)
     if shm_dir:
         remove_orphaned_segments(Path(shm_dir))
     try:

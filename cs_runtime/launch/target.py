@@ -54,8 +54,8 @@ def csrun_wse_command(args: RunArgs) -> list[str]:
         command += ["--num_workers_per_csx", str(c["num_workers_per_csx"])]
     if c["mgmt_address"]:
         command += ["--cs_ip", c["mgmt_address"]]
-        for label in c["job_labels"]:
-            command += ["--job_label", label]
+    for label in c["job_labels"]:   # shown by csctl get jobs, on a shared CS system or this machine's
+        command += ["--job_label", label]
     return command + [sys.executable, sys.argv[0], "CSX", *args.command_line]
 
 

@@ -8,12 +8,14 @@ cs_torch.backends.backend (where the backend lives).
 from __future__ import annotations
 
 import enum
+import inspect
 import sys
 import types
 
-from ..backends import Backend, backend, current_backend, current_backend_impl, use_cs
+from ..backends import Backend, backend, current_backend, current_backend_impl, current_torch_device, use_cs
 
-__all__ = ["Backend", "BackendType", "backend", "current_backend", "current_backend_impl", "use_cs"]
+__all__ = ["Backend", "BackendType", "backend", "current_backend", "current_backend_impl", "current_torch_device",
+           "get_backend_args", "use_cs"]
 
 
 class BackendType(enum.Enum):
@@ -32,6 +34,17 @@ class BackendType(enum.Enum):
     @property
     def is_csx(self) -> bool:
         return self is BackendType.CSX
+
+
+def get_backend_args(backend_type) -> dict:
+    """The arguments cstorch.backend takes for a backend of that type (every type takes the same here)."""
+    if not isinstance(backend_type, BackendType):
+        names = [t.value for t in BackendType]
+        if str(backend_type).upper() not in names:
+            raise ValueError(f"{backend_type} backend not yet supported. Supported backends include: "
+                             f"{', '.join(names)}")
+    return {name: p for name, p in inspect.signature(backend).parameters.items()
+            if name != "backend_type" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 class _CallableModule(types.ModuleType):

@@ -6,15 +6,23 @@ workers; the model zoo builds a one-task spec for a run off the cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class TaskRole(Enum):
+    """What a task does: the master (the user's process) or a worker (an input worker)."""
+    MASTER = "master"
+    WORKER = "worker"
 
 
 @dataclass
 class TaskSpec:
-    """One task: its global rank, its rank among the tasks of its WSE, that WSE, its host."""
+    """One task: its global rank, its rank among the tasks of its WSE, that WSE, its host, its roles."""
     rank: int
     local_rank: int
     wse_id: int
     node_name: str = "localhost"
+    roles: list = None
 
 
 @dataclass
@@ -25,6 +33,12 @@ class ClusterSpec:
     num_csx: int = 1
     num_workers_per_csx: int = 1
 
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    def filter_tasks_by_role(self, role: TaskRole) -> list[TaskSpec]:
+        return [task for task in self.tasks if role in (task.roles or [])]
+
     def task(self, rank: int | None = None) -> TaskSpec:
         """The task of `rank` (this process's when None)."""
         wanted = self.rank if rank is None else rank
@@ -32,3 +46,12 @@ class ClusterSpec:
             if spec.rank == wanted:
                 return spec
         raise ValueError(f"ClusterSpec: no task of rank {wanted} (ranks {[t.rank for t in self.tasks]})")
+
+
+def emulated_cluster_spec(num_csx: int, num_workers_per_csx: int) -> ClusterSpec:
+    """The emulated job's tasks: the user's process (rank 0, the master), then each WSE's input workers."""
+    tasks = [TaskSpec(0, 0, 0, "localhost", [TaskRole.MASTER])]
+    for wse in range(num_csx):
+        for local in range(num_workers_per_csx):
+            tasks.append(TaskSpec(len(tasks), local, wse, "localhost", [TaskRole.WORKER]))
+    return ClusterSpec(tasks, 0, num_csx, num_workers_per_csx)

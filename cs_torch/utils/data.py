@@ -12,14 +12,15 @@
 iterates it here, epoch after epoch, for num_steps batches (one epoch when
 num_steps is None). With a CSX backend the loop is one job of the CS system
 (cs_torch/cluster_step.py): its input workers call input_fn themselves and
-stream the WSEs the global batches of the project's batch plan (a pure
-function of the step, shuffled when the torch loader shuffles); the loop
-gets the same batches, made here from the same data set. input_fn must then
-be a top-level function with JSON arguments (the workers import it by name).
+stream the WSEs the torch loader's batches in its order, replayed epoch by
+epoch (cs_torch/loader_replay.py); the loop gets the same batches, made here
+from the same data set. input_fn must then be a top-level function with JSON
+arguments (the workers import it by name).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from ..backends import ClusterConfig, current_backend, note
 from ..nn import CsTorchError
@@ -97,6 +98,7 @@ class DataExecutor:
         self.user_iteration = 0
         self.on_cluster = False
         self._runs: dict = {}
+        self._samples = None    # a CSX loop's samples (cs_torch/loader_replay.py)
 
     # ------------------------------------------------------------ the CS system (CSX backend)
     def cluster_run(self, traced):
@@ -116,9 +118,10 @@ class DataExecutor:
     def _plan_batches(self):
         """The global batches the input workers stream, as torch tensors, step after step."""
         from .. import session as session_mod
-        from ..cluster_step import arrays_of, plan_batches, worker_loader
-        self._worker_loader = worker_loader(self.dataloader, session_mod._seed)
-        return plan_batches(self._worker_loader, arrays_of(self.dataloader.loader))
+        from ..cluster_step import plan_batches, worker_loader
+        self._worker_loader, self._samples = worker_loader(self.dataloader, session_mod._seed, self.total_steps,
+                                                           self.backend.artifact_dir)
+        return plan_batches(self._worker_loader, self._samples)
 
     def sync_weights(self) -> None:
         """The weights (and optimizer state) of this loop's jobs into the torch module."""
@@ -169,6 +172,9 @@ class DataExecutor:
             raise
         finally:
             _current.remove(self)
+            if self._samples is not None:   # the generators as iterating the loader would leave them
+                self._samples, samples = None, self._samples
+                samples.hand_back()
             try:
                 self._finish_runs(exc)   # every process of the job stops, however the loop ended
             finally:
@@ -233,3 +239,25 @@ def compute_num_steps(dataloader, initial_step: int = 0, num_steps: int | None =
     if not candidates:
         raise ValueError("compute_num_steps: give one of num_epochs, num_steps or max_steps")
     return min(candidates)
+
+
+@runtime_checkable
+class RestartableDataLoader(Protocol):
+    """The real API's protocol of a loader that saves and restores its place at checkpoints. A loader
+    with these methods is one; the emulator's input workers restart from the batch plan, a function of
+    the step, so they call none of them."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+    def aggregate_state_dict(self, worker_states: list) -> dict: ...
+
+    def deaggregate_state_dict(self, aggregated_state_dict: dict) -> dict: ...
+
+
+def __getattr__(name: str):
+    if name == "SyntheticDataset":   # it needs torch: loaded when asked for
+        from .synthetic import SyntheticDataset
+        return SyntheticDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

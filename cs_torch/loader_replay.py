@@ -1,0 +1,206 @@
+"""A torch DataLoader's batches, epoch after epoch, as a CSX run's input workers and its loop take them.
+
+The user's process and every input worker build the same loader (input_fn)
+and replay its draws one epoch at a time, as iterating it draws them: a
+torch sampler's random numbers come from the generators' states the user's
+process saw when the run started (saved for the workers as arrays, never
+pickled), drawn in a private copy so that both sides see the same order
+whatever else uses the generators meanwhile. Nothing is drawn up front:
+memory is one epoch's order plus a window of recent batches, and the start
+does not grow with the run's length. An IterableDataset is read in its own
+order, a fresh pass each epoch, as iterating the loader reads it.
+
+`RunSamples` is the `get(indices)` data set of the workers' batch plan: its
+samples are the run's, in sequence (sample i of batch b is run position
+b * batch_size + i), so the plan reads them without shuffling.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from .nn import CsTorchError
+
+WINDOW_BATCHES = 256    # batches kept for the workers' prefetch, which asks a little out of order
+_TORCH_SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
+                   torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler)
+GLOBAL = "global"     # the key of torch's default generator among the saved states
+
+
+def _generators(loader) -> dict[str, torch.Generator]:
+    """The torch generators a loader's iteration draws from, by their role (torch's own uses the global one)."""
+    sampler = getattr(loader.batch_sampler, "sampler", None) if loader.batch_sampler is not None else None
+    if type(loader.batch_sampler) is not torch.utils.data.BatchSampler or type(sampler) not in _TORCH_SAMPLERS:
+        raise CsTorchError(f"CSX backend: the DataLoader's sampler {type(sampler or loader.batch_sampler).__name__} "
+                           "is not one of torch's; the input workers replay torch's samplers' draws only "
+                           "(use backend('CPU') for it)")
+    found = {"loader": loader.generator, "sampler": getattr(sampler, "generator", None)}
+    return {role: g for role, g in found.items() if g is not None}
+
+
+def start_states(loader) -> dict[str, np.ndarray]:
+    """The states (uint8 arrays) of the generators a map-style loader's next epochs draw from."""
+    states = {GLOBAL: torch.get_rng_state()}
+    states.update({role: g.get_state() for role, g in _generators(loader).items()})
+    return {role: s.numpy().copy() for role, s in states.items()}
+
+
+def is_iterable(loader) -> bool:
+    return isinstance(loader.dataset, torch.utils.data.IterableDataset)
+
+
+class _EpochDraws:
+    """A map-style loader's epochs of batch indices, drawn in a private copy of the generators' states."""
+
+    def __init__(self, loader, states: dict[str, np.ndarray]):
+        self.loader, self.generators = loader, _generators(loader)
+        if set(states) != {GLOBAL, *self.generators}:
+            raise CsTorchError(f"CSX backend: saved generator states {sorted(states)} do not fit the loader's "
+                               f"({sorted({GLOBAL, *self.generators})})")
+        self.states = {role: torch.from_numpy(np.array(s, dtype=np.uint8)) for role, s in states.items()}
+        self.iterator = None
+
+    @contextlib.contextmanager
+    def _private(self):
+        """The generators in this replay's states while drawing; theirs again after."""
+        theirs = {role: g.get_state() for role, g in self.generators.items()}
+        with torch.random.fork_rng(devices=[]):   # the global generator comes back on leaving
+            torch.set_rng_state(self.states[GLOBAL])
+            for role, g in self.generators.items():
+                g.set_state(self.states[role])
+            try:
+                yield
+            finally:
+                self.states = {GLOBAL: torch.get_rng_state(),
+                               **{role: g.get_state() for role, g in self.generators.items()}}
+                for role, g in self.generators.items():
+                    g.set_state(theirs[role])
+
+    def next_epoch(self) -> list[list[int]]:
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+        loader = self.loader
+        with self._private():
+            # A new iterator each epoch draws as iter(loader) does (persistent workers: one, reset); reads no sample.
+            if self.iterator is not None and loader.persistent_workers and loader.num_workers > 0:
+                self.iterator._reset(loader)
+            else:
+                self.iterator = _BaseDataLoaderIter(loader)   # what every loader iterator does first; no process
+            return _all_batches(self.iterator)
+
+    def hand_back(self) -> None:
+        """The user's generators as iterating the loader for the epochs drawn would have left them."""
+        torch.set_rng_state(self.states[GLOBAL])
+        for role, g in self.generators.items():
+            g.set_state(self.states[role])
+
+
+def _all_batches(iterator) -> list[list[int]]:
+    batches = []
+    while True:
+        try:
+            batches.append(list(iterator._next_index()))
+        except StopIteration:
+            return batches
+
+
+def _batches_of(loader, draws: _EpochDraws | None):
+    """The run's batches in order, endlessly: index arrays (map-style, `draws` its epochs) or (x, y) arrays
+    (an IterableDataset, a fresh pass each epoch)."""
+    size = loader.batch_size
+    while True:
+        produced = 0
+        for batch in (_read_batches(loader.dataset, size) if draws is None else draws.next_epoch()):
+            if draws is not None and len(batch) != size:
+                raise CsTorchError(f"CSX backend: the torch DataLoader's batch {produced} has {len(batch)} "
+                                   f"samples, not {size} (a traced step takes one input shape: drop_last=True)")
+            produced += 1
+            yield batch if draws is None else np.asarray(batch, dtype=np.int64)
+        if produced == 0:
+            raise CsTorchError("CSX backend: the torch DataLoader produced no batch"
+                               + (f" (its IterableDataset holds fewer than {size} samples)" if draws is None else ""))
+
+
+def _read_batches(dataset, size: int):
+    """An IterableDataset's full batches of one pass, as (inputs, labels) arrays (the tail short of a batch dropped)."""
+    pairs = iter(dataset)
+    while True:
+        chunk = list(itertools.islice(pairs, size))
+        if len(chunk) < size:
+            return
+        yield stacked_pairs(chunk)
+
+
+def stacked_pairs(pairs: list) -> tuple[np.ndarray, np.ndarray]:
+    """(input, label) samples as an inputs array and a labels array."""
+    if not pairs or len(pairs[0]) != 2:
+        raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs")
+    return tuple(torch.stack([torch.as_tensor(p[k]) for p in pairs]).detach().cpu().numpy() for k in (0, 1))
+
+
+def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
+    """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream). An
+    IterableDataset is read in its own order to its end."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise CsTorchError(f"CSX backend: input_fn returned {type(loader).__name__}; the input workers need a "
+                           "torch DataLoader over a data set of (input, label) pairs")
+    if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
+        x, y = dataset.tensors
+    else:
+        pairs = list(dataset) if is_iterable(loader) else [dataset[i] for i in range(len(dataset))]
+        return stacked_pairs(pairs)
+    return x.detach().cpu().numpy(), y.detach().cpu().numpy()
+
+
+class RunSamples:
+    """The samples of a run of `steps` batches of a torch DataLoader, in the order iterating it yields them."""
+
+    def __init__(self, loader, steps: int, states: dict[str, np.ndarray] | None):
+        """`states`: the generators' states the run starts from (start_states; None for an IterableDataset)."""
+        self.loader, self.steps, self.states = loader, steps, states
+        self.arrays = None if is_iterable(loader) else arrays_of(loader)   # a map-style data set, read once
+        self.batch_size = loader.batch_size
+        self._lock = threading.Lock()
+        self._restart()
+
+    def _restart(self) -> None:
+        """From the run's first batch (a batch asked for after it left the window: slow, still right)."""
+        self._draws = None if is_iterable(self.loader) else _EpochDraws(self.loader, self.states)
+        self._source = _batches_of(self.loader, self._draws)
+        self._kept: OrderedDict[int, object] = OrderedDict()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return self.steps * self.batch_size
+
+    def batch(self, b: int):
+        with self._lock:
+            if b not in self._kept:
+                if b < self._next:
+                    self._restart()
+                while self._next <= b:
+                    self._kept[self._next] = next(self._source)
+                    self._next += 1
+                    if len(self._kept) > WINDOW_BATCHES:
+                        self._kept.popitem(last=False)
+            return self._kept[b]
+
+    def get(self, indices: np.ndarray):
+        b, size = int(indices[0]) // self.batch_size, self.batch_size
+        if not np.array_equal(indices, np.arange(b * size, (b + 1) * size)):
+            raise CsTorchError("CSX backend: the run's samples are read a whole batch at a time, in sequence")
+        item = self.batch(b)
+        if isinstance(item, tuple):
+            return item
+        x, y = self.arrays
+        return x[item], y[item]
+
+    def hand_back(self) -> None:
+        """The user's generators left as iterating the loader for the epochs reached would leave them."""
+        if self._draws is not None:
+            self._draws.hand_back()

@@ -1,0 +1,90 @@
+"""The torch DataLoader's order a CSX run replays (cs_torch/loader_replay.py), against iterating the loader:
+the same batches epoch after epoch, drawn one epoch at a time (no start-up cost that grows with the run,
+a bounded window kept), the same in a process that replays saved states, whatever else draws meanwhile.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the replayed loaders are torch DataLoaders (pip install -e '.[torch]')")
+
+from cs_torch.loader_replay import WINDOW_BATCHES, RunSamples, start_states  # noqa: E402
+from cs_torch.nn import CsTorchError  # noqa: E402
+
+DATA = torch.utils.data.TensorDataset(torch.arange(24.0).reshape(24, 1), torch.arange(24) % 3)
+
+
+def torch_order(loader, epochs: int) -> list[list[int]]:
+    return [[int(v) for v in x[:, 0]] for _ in range(epochs) for x, _ in loader]
+
+
+def replayed(samples: RunSamples, steps: int) -> list[list[int]]:
+    return [[int(v) for v in samples.get(np.arange(b * 4, b * 4 + 4))[0][:, 0]] for b in range(steps)]
+
+
+@pytest.mark.parametrize("generator", [None, 3])
+def test_replay_gives_torchs_batches_and_leaves_the_generators_as_iterating_would(generator):
+    make = lambda: torch.utils.data.DataLoader(   # noqa: E731
+        DATA, 4, shuffle=True, drop_last=True,
+        generator=None if generator is None else torch.Generator().manual_seed(generator))
+    torch.manual_seed(0)
+    loader = make()
+    want = torch_order(loader, 3)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    loader = make()
+    samples = RunSamples(loader, 18, start_states(loader))
+    got = []
+    for b in range(18):
+        got.append([int(v) for v in samples.batch(b)])
+        torch.rand(5)                        # the user's own draws between steps change no batch
+    assert got == want and want[:6] != want[6:12]
+    samples.hand_back()
+    assert torch.equal(torch.rand(1), after)
+
+
+def test_another_process_replays_the_saved_states_and_reads_out_of_order_within_its_window():
+    torch.manual_seed(4)
+    loader = torch.utils.data.DataLoader(DATA, 4, shuffle=True, drop_last=True)
+    states = {role: s.copy() for role, s in start_states(loader).items()}
+    here = replayed(RunSamples(loader, 30, states), 30)
+    torch.manual_seed(99)                    # a worker's own global generator
+    there = RunSamples(torch.utils.data.DataLoader(DATA, 4, shuffle=True, drop_last=True), 30, states)
+    asked = (3, 1, 2, 29, 0)          # the prefetch's threads ask a little out of order; 0 left the window once
+    assert [replayed(there, 30)[b] for b in asked] == [here[b] for b in asked]
+    assert [[int(v) for v in there.batch(b)] for b in asked] == [here[b] for b in asked]
+
+
+def test_a_run_of_a_billion_steps_starts_at_once_and_keeps_a_window():
+    """Nothing is drawn up front (the whole order of 10^9 steps would take minutes and gigabytes)."""
+    import time
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(DATA, 4, shuffle=True, drop_last=True)
+    start = time.process_time()
+    samples = RunSamples(loader, 10 ** 9, start_states(loader))
+    for b in range(3 * WINDOW_BATCHES):
+        samples.batch(b)
+    assert len(samples) == 4 * 10 ** 9 and len(samples._kept) == WINDOW_BATCHES
+    assert time.process_time() - start < 30   # 768 batches; the whole order up front: about 1400 s of CPU
+
+
+def test_an_iterable_is_read_a_pass_an_epoch_and_a_custom_sampler_is_refused():
+    class Pairs(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return ((torch.tensor([float(i)]), i % 2) for i in range(10))   # 2 batches of 4, 2 left over
+
+    samples = RunSamples(torch.utils.data.DataLoader(Pairs(), 4, drop_last=True), 5, None)
+    firsts = [float(samples.get(np.arange(b * 4, b * 4 + 4))[0][0, 0]) for b in range(5)]
+    assert firsts == [0.0, 4.0, 0.0, 4.0, 0.0]
+
+    class Backwards(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter(range(23, -1, -1))
+
+        def __len__(self):
+            return 24
+
+    loader = torch.utils.data.DataLoader(DATA, 4, sampler=Backwards(), drop_last=True)
+    with pytest.raises(CsTorchError, match="sampler Backwards is not one of torch's"):
+        start_states(loader)
