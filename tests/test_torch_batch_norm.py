@@ -5,6 +5,7 @@ checkpoints and the state_dict helpers), and an eval step normalizes by them. On
 CPU path every loss, weight and buffer equals torch eager's; a shard normalizes by its
 own rows, and the shard holding row 0 keeps the buffers, as torch DDP does."""
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from cs_runtime.numerics.model import (  # noqa: E402
     ShardContext, init_weights, model_backward, model_forward, model_loss)
 from cs_runtime.numerics.optim import Optimizer, OptimizerSpec  # noqa: E402
 from cs_torch.capture import CaptureError, capture, load_into, model_spec  # noqa: E402
+from tests.cluster_utils import final_weights, tool, train_losses  # noqa: E402
 
 BATCH, STEPS, LR, MOMENTUM = 8, 4, 0.05, 0.9
 
@@ -27,6 +29,12 @@ def conv_bn(momentum=0.1):
         torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum), torch.nn.ReLU(),
         torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(),
         torch.nn.Linear(6, 5))
+
+
+def data_set(count=64):
+    """The cluster runs' samples (tests/torch_bn_run.py): seeded images and labels."""
+    rng = np.random.default_rng(11)
+    return rng.standard_normal((count, 3, 6, 6)).astype(np.float32) * 2 + 1, rng.integers(0, 5, count)
 
 
 def images(seed=0, steps=STEPS, batch=BATCH):
@@ -171,3 +179,61 @@ def test_a_cumulative_average_batch_norm_is_refused_naming_the_module():
     with pytest.raises(CaptureError, match=r"^module 1: BatchNorm2d with momentum=None") as info:
         capture(module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- every path (processes)
+
+BN_RUN = str(Path(__file__).resolve().parent / "torch_bn_run.py")
+RUN_STEPS = 6
+RUN_PARAMS = {
+    "train_input": {"batch_size": BATCH, "shuffle": False, "drop_last_batch": True},
+    "eval_input": {"batch_size": BATCH},
+    "model": {},
+    "optimizer": {"optimizer_type": "sgd", "learning_rate": LR, "momentum": MOMENTUM},
+    "runconfig": {"max_steps": RUN_STEPS, "log_steps": 3, "checkpoint_steps": 0, "seed": 1},
+}
+
+
+def _run(tmp_path, name, launcher, model_dir=None, **runconfig):
+    import subprocess
+    import sys
+    import yaml
+    params = tmp_path / f"{name}.yaml"
+    params.write_text(yaml.safe_dump({**RUN_PARAMS, "runconfig": {**RUN_PARAMS["runconfig"], **runconfig}}))
+    model_dir = tmp_path / (model_dir or name)
+    cmd = [*launcher, sys.executable, BN_RUN, "--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return train_losses(model_dir), {k[len("model/"):].split("/", 1)[1]: w for k, w in final_weights(model_dir).items()}
+
+
+def _run_batches():
+    x, y = data_set()
+    return [(x[s * BATCH:(s + 1) * BATCH], y[s * BATCH:(s + 1) * BATCH]) for s in range(RUN_STEPS)]
+
+
+@pytest.mark.cluster
+def test_every_path_carries_the_running_statistics_as_torch_does(tmp_path):
+    """The CPU path equals torch eager; one WSE (weight streaming) and pipelined equal the
+    CPU path bit for bit; two WSEs equal torch DDP (per-shard statistics, rank 0's buffers);
+    a run resumed from its checkpoint at step 3 ends where the straight run does."""
+    cpu_losses, cpu = _run(tmp_path, "cpu", [tool("csrun_cpu")])
+    eager = conv_bn()
+    np.testing.assert_allclose(cpu_losses, train_torch(eager, _run_batches()), rtol=1e-5)
+    assert_same_state(cpu, eager)
+    for name, strategy in (("wse1", "weight_streaming"), ("pipelined", "pipelined")):
+        losses, weights = _run(tmp_path, name, [tool("csrun_wse")], execution_strategy=strategy)
+        np.testing.assert_array_equal(losses, cpu_losses, err_msg=name)
+        for key, w in cpu.items():
+            np.testing.assert_array_equal(weights[key], w, err_msg=f"{name} {key}")
+    losses, weights = _run(tmp_path, "wse2", [tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"],
+                           execution_strategy="weight_streaming")
+    ddp = conv_bn()
+    np.testing.assert_allclose(losses, train_torch(ddp, _run_batches(), [slice(0, 4), slice(4, 8)]), rtol=1e-5)
+    assert_same_state(weights, ddp)
+    assert np.abs(weights["1.running_mean"] - cpu["1.running_mean"]).max() > 1e-3   # rank 0's rows, not the batch's
+    _run(tmp_path, "first", [tool("csrun_cpu")], model_dir="resumed", max_steps=3, checkpoint_steps=3)
+    _, resumed = _run(tmp_path, "then", [tool("csrun_cpu")], model_dir="resumed")
+    assert "at global step 3" in (tmp_path / "resumed" / "run.log").read_text()
+    for key, w in cpu.items():   # the buffers too: the resumed run started from the checkpoint's
+        np.testing.assert_array_equal(resumed[key], w, err_msg=key)

@@ -110,6 +110,36 @@ def keeps_buffers(ctx) -> bool:
     return bool(ctx.train) and not (ctx.rows.start or 0)
 
 
+def buffers_sent(spec, index: int, live: dict, ctx) -> dict[str, np.ndarray]:
+    """The new values of the buffers layer `index` holds, as a WSE sends them up with the
+    layer's gradients after a train step's forward: its own where it keeps buffers
+    (keeps_buffers), zeros elsewhere, so that SwarmX's sum over the WSEs is row 0's shard's."""
+    if spec.program is None:
+        return {}
+    held = unit_of(spec.layers[index]).params
+    keep = keeps_buffers(ctx)
+    return {buffer: np.array(live[value], dtype=np.float32) if keep else np.zeros(np.shape(live[value]), np.float32)
+            for buffer, value in buffers(spec).items() if buffer in held}
+
+
+def take_buffers(spec, index: int, arrays: dict, weights: dict) -> dict:
+    """A layer's GRADS arrays less its buffers' new values, which are copied into `weights`
+    (the layer's masters, in place); the rest must be its parameters' gradients, one each."""
+    held = unit_of(spec.layers[index]).params if spec.program is not None else ()
+    own = {b for b in buffers(spec) if b in held}
+    expected = set(weights)
+    if set(arrays) != expected:
+        missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+        raise ProgramError(f"layer {spec.layers[index].name}: GRADS lack {missing} or carry unknown {extra}")
+    for buffer in own:
+        value = arrays[buffer]
+        if value.shape != weights[buffer].shape or value.dtype != np.float32:
+            raise ProgramError(f"layer {spec.layers[index].name}: buffer {buffer!r} arrived as {value.dtype} "
+                               f"{value.shape}, expected float32 {weights[buffer].shape}")
+        np.copyto(weights[buffer], value)
+    return {name: g for name, g in arrays.items() if name not in own}
+
+
 def _features_valid(features, count: int) -> bool:
     """A program's feature names: absent, or one distinct identifier per model input."""
     return features is None or (isinstance(features, list) and len(features) == count
