@@ -104,9 +104,40 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dro
     wrapped = _WithLoss(model, loss_fn, keywords)
     batch = _batch_size(inputs)
     exported = _export_batch_free(wrapped, examples, batch)
-    captured = _Lowering(_functional(exported), model, dropout, batch).run()
+    try:
+        captured = _Lowering(_functional(exported), model, dropout, batch).run()
+        _dry_run(captured, [t for example in examples for t in _tensors(example)])
+    except ProgramError as exc:   # an op's shape or attribute rule: it names the module, op and line
+        raise CaptureError(str(exc)) from None
     captured.feature_names = names
     return captured
+
+
+def _dry_run(captured: Captured, examples: list) -> None:
+    """The program once on the example batch, as a step runs it: forward and backward in
+    training, forward in eval. What an op refuses only as it runs (an attribute it does not
+    take, a value it cannot hold) fails here, at --validate_only, in one line naming the
+    module, the op and the line, and never during a step."""
+    from cs_runtime.numerics.executor import forward_backward, unit_forward
+    from cs_runtime.numerics.ops import OpError
+    program = captured.program
+    if len(examples) != len(captured.input_names):
+        return   # a traced step's target of several parts: its own engine runs it
+    inputs = {name: _numpy(t).astype(program.inputs[name].dtype)
+              for name, t in zip(captured.input_names, examples) if name in program.inputs}
+    rows = len(next(iter(inputs.values())))
+    try:
+        for train in (1, 0):
+            if CONTEXT in program.inputs:
+                inputs[CONTEXT] = np.array([0, 0, 0, rows, rows, train], dtype=np.int64)
+            if train:
+                forward_backward(captured.units, captured.weights, inputs, program.consts, program.outputs["loss"])
+                continue
+            live = {**program.consts, **inputs}
+            for unit in captured.units:
+                unit_forward(unit, captured.weights, live, train=False)
+    except OpError as exc:
+        raise CaptureError(f"{exc} (the program run once on the example batch)") from None
 
 
 def _tensors(example) -> list:

@@ -223,3 +223,25 @@ def test_sync_batch_norm_in_training_is_refused_naming_the_module():
     x, y = _images(np.random.default_rng(1), 1)[0]
     with pytest.raises(CaptureError, match=r"^module 1: SyncBatchNorm in training: statistics synchronized"):
         capture(module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+
+
+class _Pooled(torch.nn.Module):
+    def __init__(self, **pool):
+        super().__init__()
+        self.conv, self.pool, self.fc = torch.nn.Conv2d(3, 4, 3), pool, torch.nn.Linear(4 * 2 * 2, 5)
+
+    def forward(self, x):
+        return self.fc(F.avg_pool2d(self.conv(x), 3, 2, **self.pool).flatten(1))
+
+
+@pytest.mark.parametrize("pool,why", [
+    # refused by the op's shape rule, which capture runs: a ProgramError made a CaptureError
+    ({"ceil_mode": True}, "pooling with ceil_mode=True"),
+    # refused only as the op runs: capture runs the program once on the example batch
+    ({"padding": 1, "count_include_pad": False}, "avg_pool2d with count_include_pad=False and padding")])
+def test_what_an_op_refuses_fails_at_capture_naming_the_module_op_and_line(pool, why):
+    with pytest.raises(CaptureError) as info:
+        capture(_Pooled(**pool), (torch.randn(2, 3, 6, 6),), torch.zeros(2, dtype=torch.long), F.cross_entropy)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("module <root>, op avg_pool2d, at test_torch_idioms.py:"), message
+    assert why in message, message
