@@ -1929,18 +1929,27 @@ def _bn_training(inputs, attrs) -> bool:
     return bool(attrs.get("training"))
 
 
+def _bn_batch_moments(x):
+    """The batch's mean and biased variance per channel (keepdims), in float64: torch's
+    kernel accumulates them in double, and where a channel's values sit close together
+    (a small variance beside a large mean: a deep network's last, smallest feature maps)
+    float32 sums would lose the digits its gradient divides by the standard deviation."""
+    axes = _bn_axes(x)
+    wide = x.astype(np.float64)
+    mean = wide.mean(axis=axes, keepdims=True)
+    d = wide - mean
+    return mean, (d * d).mean(axis=axes, keepdims=True)
+
+
 def _bn_stats(inputs, attrs):
     """(mean, rstd) per channel, shaped to broadcast: the batch's (training, the biased
-    variance torch normalizes by) or the running statistics (inputs 3 and 4, eval)."""
+    variance torch normalizes by; float64) or the running statistics (inputs 3 and 4, eval)."""
     x = inputs[0]
-    eps = x.dtype.type(attrs.get("eps", 1e-5))
     if _bn_training(inputs, attrs):
-        axes = _bn_axes(x)
-        mean = x.mean(axis=axes, keepdims=True)
-        d = x - mean
-        var = (d * d).mean(axis=axes, keepdims=True)
-    else:
-        mean, var = _bn_channel(inputs[3], x.ndim), _bn_channel(inputs[4], x.ndim)
+        mean, var = _bn_batch_moments(x)
+        return mean, 1 / np.sqrt(var + attrs.get("eps", 1e-5))
+    eps = x.dtype.type(attrs.get("eps", 1e-5))
+    mean, var = _bn_channel(inputs[3], x.ndim), _bn_channel(inputs[4], x.ndim)
     return mean, 1 / np.sqrt(var + eps)
 
 
@@ -1950,7 +1959,7 @@ def _bn_forward(inputs, attrs):
     y = (x - mean) * rstd
     y *= _bn_channel(w, x.ndim)
     y += _bn_channel(b, x.ndim)
-    return y
+    return y.astype(x.dtype, copy=False)
 
 
 def _bn_vjp(g, inputs, out, attrs):
@@ -1961,11 +1970,12 @@ def _bn_vjp(g, inputs, out, attrs):
     xhat = (x - mean) * rstd
     axes = _bn_axes(x)
     gw = g * _bn_channel(w, x.ndim)
-    if _bn_training(inputs, attrs):
+    if _bn_training(inputs, attrs):   # in float64, as the statistics (_bn_batch_moments)
         dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
     else:
         dx = rstd * gw
-    return [dx, (g * xhat).sum(axis=axes), g.sum(axis=axes)] + [None] * (len(inputs) - 3)
+    return [dx.astype(x.dtype, copy=False), (g * xhat).sum(axis=axes).astype(w.dtype, copy=False),
+            g.sum(axis=axes)] + [None] * (len(inputs) - 3)
 
 
 def _bn_shape(shapes, attrs):
@@ -1996,16 +2006,11 @@ def _bn_running_forward(inputs, attrs):
     (1 - momentum) * old + momentum * the batch's mean (stat "mean") or its unbiased
     variance (stat "var"; the biased one times n / (n - 1), n the values per channel)."""
     x, old = inputs
-    axes = _bn_axes(x)
-    mean = x.mean(axis=axes)
-    if attrs["stat"] == "mean":
-        stat = mean
-    else:
-        n = x.size // x.shape[1]
-        d = x - _bn_channel(mean, x.ndim)
-        stat = (d * d).sum(axis=axes) / max(n - 1, 1)
-    m = x.dtype.type(attrs["momentum"])
-    return ((1 - m) * old + m * stat).astype(old.dtype)
+    mean, var = _bn_batch_moments(x)
+    n = x.size // x.shape[1]
+    stat = mean if attrs["stat"] == "mean" else var * (n / max(n - 1, 1))
+    m = attrs["momentum"]
+    return ((1 - m) * old + m * stat.reshape(old.shape)).astype(old.dtype)
 
 
 def _bn_running_shape(shapes, attrs):
