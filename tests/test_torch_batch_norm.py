@@ -238,3 +238,13 @@ def test_every_path_carries_the_running_statistics_as_torch_does(tmp_path):
     assert "at global step 3" in (tmp_path / "resumed" / "run.log").read_text()
     for key, w in cpu.items():   # the buffers too: the resumed run started from the checkpoint's
         np.testing.assert_array_equal(resumed[key], w, err_msg=key)
+
+
+def test_running_statistics_with_mixed_precision_are_refused_before_any_step(spec):
+    import dataclasses
+    from cs_runtime.compiler.errors import CompileError
+    from cs_runtime.compiler.stage import runnable
+    with pytest.raises(CompileError, match=r"^model bn: BatchNorm's running statistics in training .* with mixed "
+                                           r"precision \(bfloat16\) are not supported yet"):
+        runnable(dataclasses.replace(spec, precision="bfloat16"))
+    assert runnable(spec) is not None
