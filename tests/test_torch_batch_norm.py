@@ -213,31 +213,44 @@ def _run_batches():
     return [(x[s * BATCH:(s + 1) * BATCH], y[s * BATCH:(s + 1) * BATCH]) for s in range(RUN_STEPS)]
 
 
-@pytest.mark.cluster
-def test_every_path_carries_the_running_statistics_as_torch_does(tmp_path):
-    """The CPU path equals torch eager; one WSE (weight streaming) and pipelined equal the
-    CPU path bit for bit; two WSEs equal torch DDP (per-shard statistics, rank 0's buffers);
-    a run resumed from its checkpoint at step 3 ends where the straight run does."""
-    cpu_losses, cpu = _run(tmp_path, "cpu", [tool("csrun_cpu")])
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """csrun_cpu's losses and final state (weights and buffers), checked against torch eager."""
+    tmp_path = tmp_path_factory.mktemp("bn_cpu")
+    losses, state = _run(tmp_path, "cpu", [tool("csrun_cpu")])
     eager = conv_bn()
-    np.testing.assert_allclose(cpu_losses, train_torch(eager, _run_batches()), rtol=1e-5)
-    assert_same_state(cpu, eager)
-    for name, strategy in (("wse1", "weight_streaming"), ("pipelined", "pipelined")):
-        losses, weights = _run(tmp_path, name, [tool("csrun_wse")], execution_strategy=strategy)
-        np.testing.assert_array_equal(losses, cpu_losses, err_msg=name)
-        for key, w in cpu.items():
-            np.testing.assert_array_equal(weights[key], w, err_msg=f"{name} {key}")
-    losses, weights = _run(tmp_path, "wse2", [tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"],
-                           execution_strategy="weight_streaming")
-    ddp = conv_bn()
-    np.testing.assert_allclose(losses, train_torch(ddp, _run_batches(), [slice(0, 4), slice(4, 8)]), rtol=1e-5)
-    assert_same_state(weights, ddp)
-    assert np.abs(weights["1.running_mean"] - cpu["1.running_mean"]).max() > 1e-3   # rank 0's rows, not the batch's
+    np.testing.assert_allclose(losses, train_torch(eager, _run_batches()), rtol=1e-5)
+    assert_same_state(state, eager)
+    return losses, state
+
+
+@pytest.mark.cluster
+def test_the_cpu_path_run_resumed_from_its_checkpoint_ends_on_the_straight_runs_bits(tmp_path, cpu_run):
     _run(tmp_path, "first", [tool("csrun_cpu")], model_dir="resumed", max_steps=3, checkpoint_steps=3)
     _, resumed = _run(tmp_path, "then", [tool("csrun_cpu")], model_dir="resumed")
     assert "at global step 3" in (tmp_path / "resumed" / "run.log").read_text()
-    for key, w in cpu.items():   # the buffers too: the resumed run started from the checkpoint's
+    for key, w in cpu_run[1].items():   # the buffers too: the resumed run started from the checkpoint's
         np.testing.assert_array_equal(resumed[key], w, err_msg=key)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("strategy", ["weight_streaming", "pipelined"])
+def test_one_wse_carries_the_running_statistics_as_the_cpu_path_bit_for_bit(tmp_path, cpu_run, strategy):
+    losses, state = _run(tmp_path, strategy, [tool("csrun_wse")], execution_strategy=strategy)
+    np.testing.assert_array_equal(losses, cpu_run[0])
+    for key, w in cpu_run[1].items():
+        np.testing.assert_array_equal(state[key], w, err_msg=key)
+
+
+@pytest.mark.cluster
+def test_two_wses_keep_per_shard_statistics_as_torch_ddp(tmp_path, cpu_run):
+    """Each WSE's 4 rows normalized by their own statistics, rank 0's running statistics kept."""
+    losses, state = _run(tmp_path, "wse2", [tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"],
+                         execution_strategy="weight_streaming")
+    ddp = conv_bn()
+    np.testing.assert_allclose(losses, train_torch(ddp, _run_batches(), [slice(0, 4), slice(4, 8)]), rtol=1e-5)
+    assert_same_state(state, ddp)
+    assert np.abs(state["1.running_mean"] - cpu_run[1]["1.running_mean"]).max() > 1e-3   # rank 0's rows only
 
 
 def test_running_statistics_with_mixed_precision_are_refused_before_any_step(spec):
