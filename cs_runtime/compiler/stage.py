@@ -34,6 +34,7 @@ from cs_runtime.compiler.planner import (Target, kernels_of, make_plan, mode_nam
                                          strategy_for, target_from_env)
 from cs_runtime.compiler.report import write_outputs
 from cs_runtime.compiler.units import unit_table
+from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.model import ModelSpec
 from cs_runtime.run_args import RunArgs, RunError, UserFunctions
 
@@ -60,6 +61,13 @@ def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
 
 def runnable(spec: ModelSpec) -> ModelSpec:
     """The spec as every path runs it: a built-in model lowered to its program, in every precision."""
+    buffers = program_layer.buffers(spec)
+    if buffers and spec.precision != "float32":
+        # Buffers stream as the parameters do, so a 16-bit format would round the running
+        # statistics every step (and stop num_batches_tracked at 256 in bfloat16).
+        raise CompileError(f"model {spec.name}: BatchNorm's running statistics in training ({next(iter(buffers))}, "
+                           f"...) with mixed precision ({spec.precision}) are not supported yet: train in float32, "
+                           "or capture the batch norms in eval mode")
     return lower_spec(spec)
 
 

@@ -1934,18 +1934,37 @@ def _bn_channel(v, ndim):
     return v.reshape(-1, *([1] * (ndim - 2)))
 
 
+def _bn_training(inputs, attrs) -> bool:
+    """Whether the batch's statistics normalize: attrs["training"], or for a layer that
+    keeps running statistics (attrs["running"]) the train flag of the run's context
+    (input 5, [seed, step, row_start, row_stop, global_batch, train]): an eval step
+    normalizes by the running statistics, as torch's module in eval mode."""
+    if attrs.get("running"):
+        return bool(inputs[5][5])
+    return bool(attrs.get("training"))
+
+
+def _bn_batch_moments(x):
+    """The batch's mean and biased variance per channel (keepdims), in float64: torch's
+    kernel accumulates them in double, and where a channel's values sit close together
+    (a small variance beside a large mean: a deep network's last, smallest feature maps)
+    float32 sums would lose the digits its gradient divides by the standard deviation."""
+    axes = _bn_axes(x)
+    wide = x.astype(np.float64)
+    mean = wide.mean(axis=axes, keepdims=True)
+    d = wide - mean
+    return mean, (d * d).mean(axis=axes, keepdims=True)
+
+
 def _bn_stats(inputs, attrs):
     """(mean, rstd) per channel, shaped to broadcast: the batch's (training, the biased
-    variance torch normalizes by) or the running statistics (inputs 3 and 4, eval)."""
+    variance torch normalizes by; float64) or the running statistics (inputs 3 and 4, eval)."""
     x = inputs[0]
+    if _bn_training(inputs, attrs):
+        mean, var = _bn_batch_moments(x)
+        return mean, 1 / np.sqrt(var + attrs.get("eps", 1e-5))
     eps = x.dtype.type(attrs.get("eps", 1e-5))
-    if attrs.get("training"):
-        axes = _bn_axes(x)
-        mean = x.mean(axis=axes, keepdims=True)
-        d = x - mean
-        var = (d * d).mean(axis=axes, keepdims=True)
-    else:
-        mean, var = _bn_channel(inputs[3], x.ndim), _bn_channel(inputs[4], x.ndim)
+    mean, var = _bn_channel(inputs[3], x.ndim), _bn_channel(inputs[4], x.ndim)
     return mean, 1 / np.sqrt(var + eps)
 
 
@@ -1955,7 +1974,7 @@ def _bn_forward(inputs, attrs):
     y = (x - mean) * rstd
     y *= _bn_channel(w, x.ndim)
     y += _bn_channel(b, x.ndim)
-    return y
+    return y.astype(x.dtype, copy=False)
 
 
 def _bn_vjp(g, inputs, out, attrs):
@@ -1966,30 +1985,68 @@ def _bn_vjp(g, inputs, out, attrs):
     xhat = (x - mean) * rstd
     axes = _bn_axes(x)
     gw = g * _bn_channel(w, x.ndim)
-    if attrs.get("training"):
+    if _bn_training(inputs, attrs):   # in float64, as the statistics (_bn_batch_moments)
         dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
     else:
         dx = rstd * gw
-    return [dx, (g * xhat).sum(axis=axes), g.sum(axis=axes)] + [None] * (len(inputs) - 3)
+    return [dx.astype(x.dtype, copy=False), (g * xhat).sum(axis=axes).astype(w.dtype, copy=False),
+            g.sum(axis=axes)] + [None] * (len(inputs) - 3)
 
 
 def _bn_shape(shapes, attrs):
     x = tuple(shapes[0])
-    wanted = 3 if attrs.get("training") else 5
+    wanted = 6 if attrs.get("running") else 3 if attrs.get("training") else 5
     if len(shapes) != wanted:
-        stats = ", running mean and variance" if wanted == 5 else ""
+        stats = ", running mean and variance" + (", the run's context" if wanted == 6 else "") if wanted > 3 else ""
         raise OpError(f"batch_norm takes {wanted} inputs (x, weight, bias{stats}), not {len(shapes)}")
     if len(x) < 2:
         raise OpError(f"batch_norm of input {x}: expected [N, C, ...]")
-    for i, s in enumerate(shapes[1:], 1):
+    if wanted == 6 and tuple(shapes[5]) != (6,):
+        raise OpError(f"batch_norm's context of shape {tuple(shapes[5])}: expected (6,)")
+    for i, s in enumerate(shapes[1:5 if wanted == 6 else None], 1):
         if tuple(s) != (x[1],):
             raise OpError(f"batch_norm input {i} of shape {tuple(s)}: expected ({x[1]},) for {x[1]} channels")
     return x
 
 
 # inputs: x, weight, bias (ones and zeros where the module has no affine part), and in eval
-# (training False) the running mean and variance it normalizes by.
-_register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4))
+# (training False) the running mean and variance it normalizes by; a layer that keeps running
+# statistics in training (running True) takes the run's context too: the batch's statistics
+# in a train step, the running ones in an eval step.
+_register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4, 5))
+
+
+def _bn_running_forward(inputs, attrs):
+    """A running statistic after a train step, as torch's BatchNorm updates it:
+    (1 - momentum) * old + momentum * the batch's mean (stat "mean") or its unbiased
+    variance (stat "var"; the biased one times n / (n - 1), n the values per channel)."""
+    x, old = inputs
+    mean, var = _bn_batch_moments(x)
+    n = x.size // x.shape[1]
+    stat = mean if attrs["stat"] == "mean" else var * (n / max(n - 1, 1))
+    m = attrs["momentum"]
+    return ((1 - m) * old + m * stat.reshape(old.shape)).astype(old.dtype)
+
+
+def _bn_running_shape(shapes, attrs):
+    x, old = tuple(shapes[0]), tuple(shapes[1])
+    if len(x) < 2 or old != (x[1],):
+        raise OpError(f"batch_norm_running of input {x} and statistic {old}: expected [N, C, ...] and (C,)")
+    if attrs.get("stat") not in ("mean", "var"):
+        raise OpError(f"batch_norm_running of statistic {attrs.get('stat')!r}: expected mean or var")
+    return old
+
+
+def _no_vjp(name):
+    def vjp(g, inputs, out, attrs):
+        raise OpError(f"{name} has no gradient (a buffer's new value)")
+    return vjp
+
+
+# inputs: the batch norm's input, a running statistic (a buffer); its new value, which the run
+# carries to the next step (Program.buffers): no gradient flows through it.
+_register("batch_norm_running", _bn_running_forward, _no_vjp("batch_norm_running"), _bn_running_shape,
+          _elementwise_cost(3))
 
 
 # ---------------------------------------------------------------- values made from a shape
