@@ -530,7 +530,7 @@ def test_tied_gradients_are_unscaled_once_per_layer():
     from types import SimpleNamespace
     from cs_runtime.numerics.precision import unscale_and_check
     from cs_runtime.numerics.program_layer import tie_grads
-    spec = SimpleNamespace(layers=[SimpleNamespace(name="a"), SimpleNamespace(name="b")])
+    spec = SimpleNamespace(program=None, layers=[SimpleNamespace(name="a"), SimpleNamespace(name="b")])
     grads = tie_grads(spec, [{"wte": np.full(3, 2.0, np.float32)}, {"wte": np.full(3, 6.0, np.float32)}])
     assert unscale_and_check(grads, 4.0)
     assert [float(g["wte"][0]) for g in grads] == [2.0, 2.0]   # (2 + 6) / 4 in both layers
