@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cs_runtime.errors import UserInputError
-from cs_runtime.numerics import kernels, parallel
+from cs_runtime.numerics import kernels, parallel, windows
 from cs_runtime.numerics.parallel import matmul as mm
 
 
@@ -1155,38 +1155,6 @@ def _conv_geometry(attrs):
     return _pair(attrs.get("stride", 1)), _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1))
 
 
-def _out_size(n, k, stride, pad, dil):
-    return (n + 2 * pad - dil * (k - 1) - 1) // stride + 1
-
-
-def _windows(x, kh, kw, stride, dil):
-    """[N, C, H, W] (already padded) -> view [N, C, OH, OW, kh, kw] of every window."""
-    n, c, h, w = x.shape
-    oh, ow = _out_size(h, kh, stride[0], 0, dil[0]), _out_size(w, kw, stride[1], 0, dil[1])
-    sn, sc, sh, sw = x.strides
-    return np.lib.stride_tricks.as_strided(
-        x, (n, c, oh, ow, kh, kw), (sn, sc, sh * stride[0], sw * stride[1], sh * dil[0], sw * dil[1]),
-        writeable=False)
-
-
-def _pad(x, pad, value=0.0):
-    if pad == (0, 0):
-        return x
-    return np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])), constant_values=value)
-
-
-def _fold(cols, shape, kh, kw, stride, pad, dil):
-    """The adjoint of _windows on a padded input: add each window's values back to its pixels."""
-    n, c, h, w = shape
-    out = np.zeros((n, c, h + 2 * pad[0], w + 2 * pad[1]), dtype=cols.dtype)
-    oh, ow = cols.shape[2], cols.shape[3]
-    for i in range(kh):
-        for j in range(kw):
-            r, s = i * dil[0], j * dil[1]
-            out[:, :, r:r + stride[0] * oh:stride[0], s:s + stride[1] * ow:stride[1]] += cols[:, :, :, :, i, j]
-    return out[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + w]
-
-
 def _conv_groups(attrs, channels_in, channels_out) -> int:
     g = int(attrs.get("groups", 1))
     if g < 1 or channels_in % g or channels_out % g:
@@ -1195,45 +1163,22 @@ def _conv_groups(attrs, channels_in, channels_out) -> int:
     return g
 
 
-def _grouped(cols, w, g):
-    """(cols [N, G, C/G, OH, OW, kh, kw], w [G, O/G, C/G, kh, kw]): a grouped (depthwise
-    when G is C) convolution as G independent ones."""
-    n, c = cols.shape[:2]
-    return cols.reshape(n, g, c // g, *cols.shape[2:]), w.reshape(g, w.shape[0] // g, *w.shape[1:])
-
-
 def _conv2d_forward(inputs, attrs):
     x, w = inputs[0], inputs[1]
-    groups = _conv_groups(attrs, x.shape[1], w.shape[0])
-    stride, pad, dil = _conv_geometry(attrs)
-    cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)       # N C OH OW kh kw
-    if groups == 1:
-        y = np.einsum("ncpqij,ocij->nopq", cols, w, optimize=True)
-    else:
-        gc, gw = _grouped(cols, w, groups)
-        y = np.einsum("ngcpqij,gocij->ngopq", gc, gw, optimize=True).reshape(x.shape[0], w.shape[0], *cols.shape[2:4])
+    y = windows.conv2d(x, w, _conv_groups(attrs, x.shape[1], w.shape[0]), *_conv_geometry(attrs))
     if len(inputs) > 2 and inputs[2] is not None:
         y += inputs[2][None, :, None, None]
-    return np.ascontiguousarray(y)
+    return y
 
 
-def _conv2d_vjp(g, inputs, out, attrs):
+def _conv2d_vjp(g, inputs, out, attrs, wanted=(True, True, True)):
+    """A first layer's input (the image) wants no gradient: its fold, the costliest part, is skipped."""
     x, w = inputs[0], inputs[1]
-    groups = _conv_groups(attrs, x.shape[1], w.shape[0])
-    stride, pad, dil = _conv_geometry(attrs)
-    cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)
-    if groups == 1:
-        dw = np.einsum("ncpqij,nopq->ocij", cols, g, optimize=True)
-        dcols = np.einsum("nopq,ocij->ncpqij", g, w, optimize=True)
-    else:
-        gc, gw = _grouped(cols, w, groups)
-        gg = g.reshape(g.shape[0], groups, g.shape[1] // groups, *g.shape[2:])
-        dw = np.einsum("ngcpqij,ngopq->gocij", gc, gg, optimize=True).reshape(w.shape)
-        dcols = np.einsum("ngopq,gocij->ngcpqij", gg, gw, optimize=True).reshape(cols.shape)
-    dx = _fold(dcols, x.shape, w.shape[2], w.shape[3], stride, pad, dil)
-    grads = [dx, dw]
+    dx, dw = windows.conv2d_vjp(g, x, w, _conv_groups(attrs, x.shape[1], w.shape[0]), *_conv_geometry(attrs),
+                                input_grad=wanted[0])
+    grads = [dx, dw if wanted[1] else None]
     if len(inputs) > 2:
-        grads.append(g.sum(axis=(0, 2, 3)))
+        grads.append(g.sum(axis=(0, 2, 3)) if len(wanted) < 3 or wanted[2] else None)
     return grads
 
 
@@ -1246,14 +1191,14 @@ def _conv2d_shape(shapes, attrs):
         raise OpError(f"conv2d of input {x} and weight {w} with groups={groups}: expected [N, C, H, W] and "
                       "[O, C/groups, kh, kw]")
     stride, pad, dil = _conv_geometry(attrs)
-    oh, ow = (_out_size(x[2 + d], w[2 + d], stride[d], pad[d], dil[d]) for d in (0, 1))
+    oh, ow = (windows.out_size(x[2 + d], w[2 + d], stride[d], pad[d], dil[d]) for d in (0, 1))
     if oh < 1 or ow < 1:
         raise OpError(f"conv2d of input {x} with kernel {w[2:]} leaves no output")
     return (x[0], w[0], oh, ow)
 
 
 _register("conv2d", _conv2d_forward, _conv2d_vjp, _conv2d_shape,
-          lambda s, out, a: 2 * _numel(out) * int(np.prod(s[1][1:])), saves_inputs=(0, 1))
+          lambda s, out, a: 2 * _numel(out) * int(np.prod(s[1][1:])), saves_inputs=(0, 1), partial=True)
 
 
 def _pool_geometry(attrs):
@@ -1269,42 +1214,34 @@ def _pool_shape(shapes, attrs):
     if len(x) != 4:
         raise OpError(f"pooling of an input {x}: expected [N, C, H, W]")
     k, stride, pad, dil = _pool_geometry(attrs)
-    return (x[0], x[1], *(_out_size(x[2 + d], k[d], stride[d], pad[d], dil[d]) for d in (0, 1)))
+    return (x[0], x[1], *(windows.out_size(x[2 + d], k[d], stride[d], pad[d], dil[d]) for d in (0, 1)))
 
 
 def _max_pool_forward(inputs, attrs):
     k, stride, pad, dil = _pool_geometry(attrs)
-    x = inputs[0]
-    return _windows(_pad(x, pad, -np.inf), *k, stride, dil).max(axis=(4, 5))
+    return windows.max_pool2d(inputs[0], k, stride, pad, dil)
 
 
 def _max_pool_vjp(g, inputs, out, attrs):
-    """The gradient goes to the first maximum of each window (as torch's kernel picks it)."""
     k, stride, pad, dil = _pool_geometry(attrs)
-    x = inputs[0]
-    cols = _windows(_pad(x, pad, -np.inf), *k, stride, dil)
-    flat = cols.reshape(*cols.shape[:4], -1)
-    first = flat.argmax(axis=-1)
-    onehot = np.zeros(flat.shape, dtype=g.dtype)
-    np.put_along_axis(onehot, first[..., None], g[..., None], axis=-1)
-    return [_fold(onehot.reshape(cols.shape), x.shape, *k, stride, pad, dil)]
+    return [windows.max_pool2d_vjp(g, inputs[0], out, k, stride, pad, dil)]
 
 
 def _avg_pool_forward(inputs, attrs):
     k, stride, pad, dil = _pool_geometry(attrs)
     if not attrs.get("count_include_pad", True) and pad != (0, 0):
         raise OpError("avg_pool2d with count_include_pad=False and padding")
-    return _windows(_pad(inputs[0], pad), *k, stride, (1, 1)).mean(axis=(4, 5))
+    return windows.avg_pool2d(inputs[0], k, stride, pad)
 
 
 def _avg_pool_vjp(g, inputs, out, attrs):
     k, stride, pad, _ = _pool_geometry(attrs)
-    cols = np.broadcast_to((g / g.dtype.type(k[0] * k[1]))[..., None, None], (*g.shape, *k))
-    return [_fold(cols, inputs[0].shape, *k, stride, pad, (1, 1))]
+    return [windows.avg_pool2d_vjp(g, inputs[0].shape, k, stride, pad)]
 
 
 _register("max_pool2d", _max_pool_forward, _max_pool_vjp, _pool_shape,
-          lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))), saves_inputs=(0,))
+          lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))), saves_inputs=(0,),
+          saves_output=True)
 _register("avg_pool2d", _avg_pool_forward, _avg_pool_vjp, _pool_shape,
           lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))))
 
