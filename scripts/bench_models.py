@@ -35,10 +35,10 @@ SEQ, VOCAB = 128, 1024
 MODELS = {
     "resnet18": {"batch": 8, "image": 64},
     "mobilenet_v3_small": {"batch": 16, "image": 96},
-    "llama": {"batch": 8, "seq": SEQ},
-    "gpt2": {"batch": 8, "seq": SEQ},
+    "llama_causal_lm": {"batch": 8, "seq": SEQ},
+    "gpt2_lm_head": {"batch": 8, "seq": SEQ},
     "bert_masked_lm": {"batch": 8, "seq": SEQ},
-    "vit": {"batch": 16, "image": 64},
+    "vit_tiny": {"batch": 16, "image": 64},
 }
 CLASSES = 10
 
@@ -120,17 +120,17 @@ def build(name: str):
     if name == "mobilenet_v3_small":
         module = _torchvision().models.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0)
         return _frozen_batch_norm(module), F.cross_entropy, "image"
-    if name == "vit":
+    if name == "vit_tiny":
         _torchvision()
         timm = importlib.import_module("timm")
         return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=MODELS[name]["image"],
                                  patch_size=8, num_classes=CLASSES), F.cross_entropy, "image"
     tf = _transformers()
-    if name == "llama":
+    if name == "llama_causal_lm":
         config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ)
         return _labels_loss(tf.LlamaForCausalLM(config)), _the_loss, "lm"
-    if name == "gpt2":
+    if name == "gpt2_lm_head":
         config = tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4,
                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return _labels_loss(tf.GPT2LMHeadModel(config)), _the_loss, "lm"

@@ -1505,9 +1505,18 @@ _register("elu", _elu_forward, _elu_vjp, _same_shape, _elementwise_cost(4), save
 
 # ---------------------------------------------------------------- binary maths
 
+def _power(a, b):
+    """a ** b; a small whole scalar exponent as products, as torch's kernel computes x ** 2 and x ** 3
+    (the same bits, and a float32 powf an element costs far more: GPT-2's gelu_new cubes every activation)."""
+    if b.ndim == 0 and float(b) in (1.0, 2.0, 3.0) and a.dtype.kind == "f":
+        whole = int(b)
+        return a.copy() if whole == 1 else a * a if whole == 2 else a * a * a
+    return np.power(a, b)
+
+
 def _pow_vjp(g, inputs, out, attrs):
     a, b = _operands(inputs, attrs)
-    ga = g * b * np.power(a, b - 1) if not ("scalar" in attrs and attrs.get("reverse")) else None
+    ga = g * b * _power(a, b - 1) if not ("scalar" in attrs and attrs.get("reverse")) else None
     gb = None
     if "scalar" not in attrs or attrs.get("reverse"):
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -1515,7 +1524,7 @@ def _pow_vjp(g, inputs, out, attrs):
     return _binary_grads(ga, gb, inputs, attrs)
 
 
-_register("pow", lambda i, a: np.power(*_operands(i, a)), _pow_vjp, _binary_shape, _elementwise_cost(10),
+_register("pow", lambda i, a: _power(*_operands(i, a)), _pow_vjp, _binary_shape, _elementwise_cost(10),
           saves_inputs=(0, 1), saves_output=True)
 
 
