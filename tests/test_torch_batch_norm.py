@@ -1,0 +1,173 @@
+"""BatchNorm in training with running statistics (torchvision's default): the batch's
+statistics normalize a train step, the running mean, variance and num_batches_tracked
+are buffers the run carries from step to step (held with the parameters, in
+checkpoints and the state_dict helpers), and an eval step normalizes by them. On the
+CPU path every loss, weight and buffer equals torch eager's; a shard normalizes by its
+own rows, and the shard holding row 0 keeps the buffers, as torch DDP does."""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
+F = torch.nn.functional
+
+from cs_runtime.numerics.model import (  # noqa: E402
+    ShardContext, init_weights, model_backward, model_forward, model_loss)
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec  # noqa: E402
+from cs_torch.capture import CaptureError, capture, load_into, model_spec  # noqa: E402
+
+BATCH, STEPS, LR, MOMENTUM = 8, 4, 0.05, 0.9
+
+
+def conv_bn(momentum=0.1):
+    """A small conv + BatchNorm2d + BatchNorm1d classifier, as torch builds it."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(),
+        torch.nn.Linear(6, 5))
+
+
+def images(seed=0, steps=STEPS, batch=BATCH):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, 3, 6, 6)).astype(np.float32) * 2 + 1, rng.integers(0, 5, batch))
+            for _ in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    """conv_bn captured once (a capture takes seconds): every test trains from its weights."""
+    x, y = images()[0]
+    return model_spec("bn", conv_bn(), (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+
+
+def train_ours(spec, batches, shards=None, weights=None, state=None):
+    """SGD with momentum on the CPU path's calls; `shards`: the rows of each shard of a step,
+    as WSEs take them (their gradients and loss shares summed, as SwarmX sums them)."""
+    weights = weights or init_weights(spec, seed=0)
+    optimizer = Optimizer(OptimizerSpec("sgd", momentum=MOMENTUM))
+    state = state or {name: optimizer.init_state(w) for name, w in weights.items()}
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        loss, grads = 0.0, None
+        for rows in shards or [slice(0, len(y))]:
+            ctx = ShardContext(0, step, len(y), rows, True, labels=y[rows])
+            live, caches = model_forward(spec, x[rows], weights, ctx)
+            result = model_loss(spec, live, y[rows], len(y))
+            shard = model_backward(spec, result.delta, caches, weights, step)
+            grads = shard if grads is None else [{k: g[k] + s[k] for k in g} for g, s in zip(grads, shard)]
+            loss += result.loss
+        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR, step, None)
+        losses.append(loss)
+    return losses, weights, state
+
+
+def train_torch(module, batches, shards=None):
+    """Torch eager; with `shards`, as DDP runs them: each shard's forward on its own rows
+    (its batch statistics), the gradients summed, rank 0's buffers kept (broadcast_buffers)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        rows_of = shards or [slice(0, len(y))]
+        total, kept = 0.0, None
+        for rows in rows_of:
+            before = {k: b.clone() for k, b in module.named_buffers()}
+            loss = F.cross_entropy(module(torch.from_numpy(x[rows])), torch.from_numpy(y[rows]))
+            share = loss * (len(y[rows]) / len(y))
+            share.backward()
+            total += share.item()
+            if rows.start in (0, None):
+                kept = {k: b.clone() for k, b in module.named_buffers()}
+            for k, b in module.named_buffers():
+                b.copy_(before[k])
+        for k, b in module.named_buffers():
+            b.copy_(kept[k])
+        optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def flat(weights):
+    return {p: w for layer in weights.values() for p, w in layer.items()}
+
+
+def assert_same_state(ours: dict, module):
+    reference = module.state_dict()
+    assert set(ours) == set(reference)
+    for name, t in reference.items():
+        want = t.detach().numpy().astype(np.float32)
+        np.testing.assert_allclose(ours[name], want, rtol=1e-5, atol=1e-5 * max(float(np.abs(want).max()), 1.0),
+                                   err_msg=name)
+
+
+def test_the_running_statistics_are_buffers_without_gradient(spec):
+    buffers = spec.program["buffers"]
+    assert set(buffers) == {f"{i}.{b}" for i in (1, 5) for b in ("running_mean", "running_var", "num_batches_tracked")}
+    units = {layer.name: layer.unit["unit"] for layer in spec.layers}
+    for name in buffers:   # streamed with its unit's parameters; no gradient leaves the unit for it
+        unit = next(u for u in units.values() if name in u["params"])
+        assert name not in unit["param_grads"]
+
+
+def test_the_cpu_path_trains_with_torchs_loss_weights_and_running_statistics(spec):
+    batches = images()
+    eager = conv_bn()
+    ours, weights, _ = train_ours(spec, batches)
+    theirs = train_torch(eager, batches)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert flat(weights)["1.num_batches_tracked"] == STEPS
+    assert np.abs(flat(weights)["1.running_var"] - 1).max() > 0.1      # the statistics moved
+    assert_same_state(flat(weights), eager)
+
+
+def test_an_eval_step_normalizes_by_the_running_statistics(spec):
+    batches = images()
+    module = conv_bn()
+    _, weights, _ = train_ours(spec, batches)
+    load_into(module, flat(weights))       # the state_dict helper carries the buffers back
+    assert int(module[1].num_batches_tracked) == STEPS and module[1].num_batches_tracked.dtype == torch.int64
+    x, y = images(seed=9, steps=1)[0]
+    before = copy.deepcopy(flat(weights))
+    live, _ = model_forward(spec, x, weights, ShardContext(0, 0, BATCH, slice(0, BATCH), False, labels=y))
+    with torch.no_grad():
+        want = float(F.cross_entropy(module.eval()(torch.from_numpy(x)), torch.from_numpy(y)))
+    assert model_loss(spec, live, y, BATCH).loss == pytest.approx(want, rel=1e-6)
+    assert all(np.array_equal(before[k], w) for k, w in flat(weights).items())   # eval leaves them
+
+
+@pytest.mark.parametrize("shards", [[slice(0, 4), slice(4, 8)], [slice(0, 3), slice(3, 8)]])
+def test_shards_normalize_by_their_own_rows_and_row_0s_shard_keeps_the_buffers(spec, shards):
+    """What two WSEs compute, against torch DDP without SyncBatchNorm (each rank's batch
+    statistics, the gradients summed, rank 0's buffers broadcast)."""
+    batches = images()
+    eager = conv_bn()
+    ours, weights, _ = train_ours(spec, batches, shards)
+    theirs = train_torch(eager, batches, shards)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    whole, _, _ = train_ours(spec, batches)
+    assert np.abs(np.array(ours) - np.array(whole)).max() > 1e-4   # per-shard statistics differ from the batch's
+    assert_same_state(flat(weights), eager)
+
+
+def test_a_run_resumed_from_its_saved_state_carries_the_buffers(spec, tmp_path):
+    from cs_runtime import checkpoint as ckpt
+    batches = images(steps=4)
+    straight, final, _ = train_ours(spec, batches)
+    first, weights, state = train_ours(spec, batches[:2])
+    path = ckpt.save(tmp_path, ckpt.Checkpoint(2, 2, weights, state, {}))
+    loaded = ckpt.load(path)
+    assert loaded.weights["1"]["1.running_mean"].shape == (4,)
+    then, resumed, _ = train_ours(spec, batches[2:], weights=loaded.weights, state=loaded.opt_state)
+    assert first + then == pytest.approx(straight, rel=1e-6)
+    for name, w in flat(final).items():
+        np.testing.assert_array_equal(flat(resumed)[name], w, err_msg=name)
+
+
+def test_a_cumulative_average_batch_norm_is_refused_naming_the_module():
+    module = conv_bn(momentum=None)
+    x, y = images(steps=1)[0]
+    with pytest.raises(CaptureError, match=r"^module 1: BatchNorm2d with momentum=None") as info:
+        capture(module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+    assert "\n" not in str(info.value)
