@@ -1876,42 +1876,48 @@ def _bn_training(inputs, attrs) -> bool:
 
 
 def _bn_stats(inputs, attrs):
-    """(mean, rstd) per channel, shaped to broadcast: the batch's (training, the biased
-    variance torch normalizes by) or the running statistics (inputs 3 and 4, eval)."""
+    """(mean, rstd, x - mean): per channel [C], the batch's (training, the biased variance torch
+    normalizes by) or the running statistics (inputs 3 and 4, eval), and x centred on the mean
+    (a new array, which the caller may overwrite)."""
     x = inputs[0]
     eps = x.dtype.type(attrs.get("eps", 1e-5))
     if _bn_training(inputs, attrs):
-        axes = _bn_axes(x)
-        mean = x.mean(axis=axes, keepdims=True)
-        d = x - mean
-        var = (d * d).mean(axis=axes, keepdims=True)
+        mean = x.mean(axis=_bn_axes(x))
+        centred = x - _bn_channel(mean, x.ndim)
+        var = np.square(centred).mean(axis=_bn_axes(x))
     else:
-        mean, var = _bn_channel(inputs[3], x.ndim), _bn_channel(inputs[4], x.ndim)
-    return mean, 1 / np.sqrt(var + eps)
+        mean, var = inputs[3], inputs[4]
+        centred = x - _bn_channel(mean, x.ndim)
+    return mean, (1 / np.sqrt(var + eps)).astype(x.dtype), centred
 
 
 def _bn_forward(inputs, attrs):
+    """y = (x - mean) * (rstd * weight) + bias: the per-channel factors first, then two passes over x."""
     x, w, b = inputs[:3]
-    mean, rstd = _bn_stats(inputs, attrs)
-    y = (x - mean) * rstd
-    y *= _bn_channel(w, x.ndim)
+    _, rstd, y = _bn_stats(inputs, attrs)
+    y *= _bn_channel(rstd * w, x.ndim)
     y += _bn_channel(b, x.ndim)
     return y
 
 
 def _bn_vjp(g, inputs, out, attrs):
-    """Training: through the batch statistics, dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),
-    gw = g * weight; eval: the statistics are constants, dx = rstd * gw. Running statistics get none."""
+    """With A = rstd * weight per channel, n values a channel, d = x - mean:
+    training (through the batch statistics) dx = A * (g - sum(g) / n - d * rstd^2 * sum(g * d) / n),
+    eval (the statistics are constants) dx = A * g; dweight = rstd * sum(g * d), dbias = sum(g).
+    Per-channel factors first, then whole-array passes (no x-hat is made). Running statistics get none."""
     x, w = inputs[0], inputs[1]
-    mean, rstd = _bn_stats(inputs, attrs)
-    xhat = (x - mean) * rstd
-    axes = _bn_axes(x)
-    gw = g * _bn_channel(w, x.ndim)
+    _, rstd, centred = _bn_stats(inputs, attrs)
+    axes, ndim = _bn_axes(x), x.ndim
+    per_channel = rstd * w
+    dx = np.multiply(g, _bn_channel(per_channel, ndim))
+    g_sum = g.sum(axis=axes)
+    g_dot = (g * centred).sum(axis=axes)
     if _bn_training(inputs, attrs):
-        dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
-    else:
-        dx = rstd * gw
-    return [dx, (g * xhat).sum(axis=axes), g.sum(axis=axes)] + [None] * (len(inputs) - 3)
+        n = x.dtype.type(x.size // x.shape[1])
+        centred *= _bn_channel(-per_channel * rstd * rstd * g_dot / n, ndim)
+        dx += centred
+        dx -= _bn_channel(per_channel * g_sum / n, ndim)
+    return [dx, rstd * g_dot, g_sum] + [None] * (len(inputs) - 3)
 
 
 def _bn_shape(shapes, attrs):
