@@ -1,9 +1,9 @@
 """Build: everything is in setup.cfg, but for the optional C extensions.
 
-cs_runtime/numerics/_convert.c holds the 16-bit conversions' loops and
-_gelu.c the exact GELU's float64 loops (both include _loops.h). Both are optional: where no C compiler
-is found the build warns and goes on, and precision.py and kernels.py use their
-numpy paths, which give the same bits (only slower). -ffp-contract=off: no
+cs_runtime/numerics/_convert.c holds the 16-bit conversions' loops,
+_gelu.c the exact GELU's float64 loops and _windows.c the depthwise convolution's (each
+includes _loops.h). All are optional: where no C compiler is found the build warns and goes
+on, and precision.py, kernels.py and windows.py use their numpy paths, which give the same bits (only slower). -ffp-contract=off: no
 fused multiply-adds, so each operation rounds as numpy's does."""
 from setuptools import Extension, setup
 
@@ -13,5 +13,5 @@ SHARED = ["cs_runtime/numerics/_loops.h"]     # what both include: a change to i
 setup(ext_modules=[
     Extension(f"cs_runtime.numerics.{name}", [f"cs_runtime/numerics/{name}.c"], depends=SHARED,
               extra_compile_args=FLAGS, optional=True)
-    for name in ("_convert", "_gelu")
+    for name in ("_convert", "_gelu", "_windows")
 ])

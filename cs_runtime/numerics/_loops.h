@@ -24,7 +24,7 @@ static void release_buffers(Py_buffer *buffers, int count) {
 
 /* n, the element count of `count` buffers whose elements are `sizes` bytes: every buffer
    must hold the same. Else a ValueError, the buffers released, and -1. */
-static int same_count(Py_buffer *buffers, const Py_ssize_t *sizes, int count, Py_ssize_t *n) {
+static inline int same_count(Py_buffer *buffers, const Py_ssize_t *sizes, int count, Py_ssize_t *n) {
     *n = buffers[0].len / sizes[0];
     for (int i = 0; i < count; i++) {
         if (buffers[i].len % sizes[i] || buffers[i].len / sizes[i] != *n) {

@@ -6,12 +6,22 @@ each offset is one strided slice of the padded input, a whole-map numpy operatio
 A dense convolution copies those slices once into columns laid out [C, kh, kw, N, OH, OW]
 and makes one matmul of the whole batch (im2col: small late-stage maps still give BLAS a
 wide product); a depthwise one (groups == channels) multiplies and adds the slices, as
-a matmul of one input channel would waste the columns' copy; other groups run the dense
-kernel a group at a time. The adjoints add the same slices back.
+a matmul of one input channel would waste the columns' copy (as C loops where setup.py built
+_windows.c: the same bits); other groups run the dense kernel a group at a time. The adjoints
+add the same slices back.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from cs_runtime.numerics import compiled
+
+_depthwise_loops = compiled.load("_windows", api=1)
+
+
+def depthwise_path() -> str:
+    """Which path the depthwise convolution takes: "C loops" (setup.py built _windows.c) or "numpy"."""
+    return "C loops" if _depthwise_loops is not None else "numpy"
 
 
 def out_size(n: int, k: int, stride: int, pad: int, dil: int) -> int:
@@ -112,9 +122,22 @@ def _dense_vjp(g, x, w, stride, pad, dil, input_grad):
     return _fold_columns(w.reshape(o, -1).T @ g2, x.shape, kh, kw, stride, pad, dil, out_hw), dw
 
 
+def _loops_take(*arrays) -> bool:
+    return _depthwise_loops is not None and all(a.dtype == np.float32 for a in arrays)
+
+
+def _loop_dims(xp, w, out_hw, stride, dil) -> tuple:
+    return (*xp.shape, *w.shape[2:], *out_hw, *stride, *dil)
+
+
 def _depthwise(x, w, stride, pad, dil, out_hw):
     kh, kw = w.shape[2:]
     xp = pad_map(x, pad)
+    if _loops_take(x, w):
+        xp, w = np.ascontiguousarray(xp), np.ascontiguousarray(w)
+        y = np.empty((*x.shape[:2], *out_hw), dtype=np.float32)
+        _depthwise_loops.forward(xp, w, y, _loop_dims(xp, w, out_hw, stride, dil))
+        return y
     y = np.zeros((*x.shape[:2], *out_hw), dtype=np.result_type(x, w))
     term = np.empty_like(y)
     for i, j, (rows, columns) in _offsets(kh, kw, out_hw, stride, dil):
@@ -129,14 +152,19 @@ def _depthwise_vjp(g, x, w, stride, pad, dil, input_grad):
     xp = pad_map(x, pad)
     dxp = np.zeros(xp.shape, dtype=g.dtype)
     dw = np.empty(w.shape, dtype=g.dtype)
-    term = np.empty_like(g)
     for i, j, (rows, columns) in _offsets(kh, kw, out_hw, stride, dil):
         dw[:, 0, i, j] = np.einsum("ncpq,ncpq->c", g, xp[:, :, rows, columns])
-        if not input_grad:
-            continue
+    if not input_grad:
+        return None, dw
+    if _loops_take(g, w):
+        _depthwise_loops.input_grad(np.ascontiguousarray(g), np.ascontiguousarray(w), dxp,
+                                    _loop_dims(dxp, w, out_hw, stride, dil))
+        return np.ascontiguousarray(_unpad(dxp, x.shape, pad)), dw
+    term = np.empty_like(g)
+    for i, j, (rows, columns) in _offsets(kh, kw, out_hw, stride, dil):
         np.multiply(g, w[:, 0, i, j][None, :, None, None], out=term)
         dxp[:, :, rows, columns] += term
-    return (np.ascontiguousarray(_unpad(dxp, x.shape, pad)) if input_grad else None), dw
+    return np.ascontiguousarray(_unpad(dxp, x.shape, pad)), dw
 
 
 def max_pool2d(x, k, stride, pad, dil) -> np.ndarray:
