@@ -29,9 +29,13 @@ def out_size(n: int, k: int, stride: int, pad: int, dil: int) -> int:
 
 
 def pad_map(x: np.ndarray, pad: tuple, value: float = 0.0) -> np.ndarray:
+    """x with `pad` rows and columns of `value` on each side (np.pad's result, at a fraction of its cost)."""
     if pad == (0, 0):
         return x
-    return np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])), constant_values=value)
+    n, c, h, w = x.shape
+    out = np.full((n, c, h + 2 * pad[0], w + 2 * pad[1]), value, dtype=x.dtype)
+    out[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + w] = x
+    return out
 
 
 def _offsets(kh: int, kw: int, out_hw: tuple, stride: tuple, dil: tuple):
