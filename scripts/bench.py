@@ -73,6 +73,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))     # this checkout's packages, scripts/ among them
+from scripts.bench_models import MODELS as FOREIGN_MODELS  # noqa: E402  (the models preset's models)
 FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
 AUGMENTED = REPO / "examples" / "fc_mnist" / "run_augmented.py"
 BENCH_MODELS = REPO / "scripts" / "bench_models.py"
@@ -125,7 +128,6 @@ TARGETS = [
 ]
 TARGETS += [(f"{m} {path} vs torch eager (transformer preset)", f"{m}_{path}", f"{m}_torch_eager", 0.9,
              "transformer") for m in TRANSFORMERS for path in TRANSFORMER_PATHS]
-FOREIGN_MODELS = ("resnet18", "mobilenet_v3_small", "llama_causal_lm", "gpt2_lm_head", "bert_masked_lm", "vit_tiny")
 # The CPU path is judged by CPU time against torch's on one thread (one process, steps alternated);
 # weight streaming, a cluster of processes, by the chief's rate against torch's wall clock.
 TARGETS += [target for m in FOREIGN_MODELS for target in (
