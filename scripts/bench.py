@@ -131,8 +131,8 @@ TARGETS += [(f"{m} {path} vs torch eager (transformer preset)", f"{m}_{path}", f
 # The CPU path is judged by CPU time against torch's on one thread (one process, steps alternated);
 # weight streaming, a cluster of processes, by the chief's rate against torch's wall clock.
 TARGETS += [target for m in FOREIGN_MODELS for target in (
-    (f"{m} CPU path vs torch eager, CPU time (models preset)", f"{m}_cpu", f"{m}_torch_eager", 0.8, "models"),
-    (f"{m} weight streaming vs torch eager (models preset)", f"{m}_weight_streaming_1wse",
+    (f"{m} CPU path vs torch, CPU time", f"{m}_cpu", f"{m}_torch_eager", 0.8, "models"),
+    (f"{m} weight streaming vs torch, wall", f"{m}_weight_streaming_1wse",
      f"{m}_torch_eager_wall", 0.8, "models"))]
 EXECUTOR_TARGET = 0.95   # the executor's speed over the hand-written dense step's (--rows executor)
 RATE_RE = re.compile(r", Rate=([\d.]+) samples/sec")
@@ -766,9 +766,11 @@ def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
 def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
     print(title)
     ratio_width = max(12, len(baseline) + 5)   # the header 'vs <baseline>' and two spaces
-    print(f"{'row':<30}{'samples/sec':>14}{'vs ' + baseline:>{ratio_width}}{'weight B/step':>16}{'grad B/step':>14}")
+    name_width = max([30] + [len(row["name"]) + 2 for row in rows])
+    print(f"{'row':<{name_width}}{'samples/sec':>14}{'vs ' + baseline:>{ratio_width}}{'weight B/step':>16}"
+          f"{'grad B/step':>14}")
     for row in rows:
-        print(f"{row['name']:<30}{row['samples_per_sec']:>14.1f}{row['ratio']:>{ratio_width}.2f}"
+        print(f"{row['name']:<{name_width}}{row['samples_per_sec']:>14.1f}{row['ratio']:>{ratio_width}.2f}"
               f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
 
 
