@@ -1507,8 +1507,9 @@ _register("elu", _elu_forward, _elu_vjp, _same_shape, _elementwise_cost(4), save
 
 def _power(a, b):
     """a ** b; a small whole scalar exponent as products, as torch's kernel computes x ** 2 and x ** 3
-    (the same bits, and a float32 powf an element costs far more: GPT-2's gelu_new cubes every activation)."""
-    if b.ndim == 0 and float(b) in (1.0, 2.0, 3.0) and a.dtype.kind == "f":
+    (the same bits, and a float32 powf an element costs far more: GPT-2's gelu_new cubes every activation).
+    16-bit arrays keep np.power's one rounding."""
+    if b.ndim == 0 and float(b) in (1.0, 2.0, 3.0) and a.dtype in (np.float32, np.float64):
         whole = int(b)
         return a.copy() if whole == 1 else a * a if whole == 2 else a * a * a
     return np.power(a, b)
