@@ -448,7 +448,8 @@ def models_rows(tmp: Path, steps: int) -> dict:
     """Each foreign model (scripts/bench_models.py) on the CPU path's calls beside torch eager on one
     thread, in a process of its own (CPU time a step, median; ours on one thread too), then weight
     streaming on 1 WSE (its threads as a job gets them) against torch's wall clock."""
-    missing = [name for name in ("torch", "torchvision", "transformers", "timm") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("torch", "torchvision", "transformers", "timm")
+               if importlib.util.find_spec(name) is None]
     if missing:
         print(f"bench: models preset skipped: {', '.join(missing)} not installed (pip install -e '.[torch]')")
         return {"rows": []}

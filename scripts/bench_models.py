@@ -106,10 +106,6 @@ def _mlm_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-def _decoder_sizes(tf, cls, **extra):
-    return cls(vocab_size=VOCAB, max_position_embeddings=SEQ, **extra)
-
-
 def build(name: str):
     """(module, loss_fn, kind of batch) of a bench model, seeded."""
     import torch
@@ -235,14 +231,11 @@ class SyntheticBatches:
 
 def model_fn(params):
     import torch
+
+    from cs_torch.capture import model_spec
     name = params.model.name
     module, loss_fn, kind = build(name)
     x, y = batch_of(name, kind, np.random.default_rng(0), params.train_input.batch_size)
-    return model_spec_of(name, module, x, y, loss_fn, torch)
-
-
-def model_spec_of(name, module, x, y, loss_fn, torch):
-    from cs_torch.capture import model_spec
     return model_spec(f"bench_{name}", module, _tensors(x), torch.from_numpy(y), loss_fn)
 
 
