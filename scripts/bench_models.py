@@ -3,14 +3,17 @@ resnet18 and mobilenet_v3_small, transformers' LlamaForCausalLM, GPT2LMHeadModel
 BertForMaskedLM, timm's ViT) at sizes where a torch eager step takes 50-500 ms on
 one thread, captured as they ship.
 
-    python scripts/bench_models.py resnet18 [--steps 4]      # CPU path vs torch eager, in this process
+    OPENBLAS_NUM_THREADS=1 python scripts/bench_models.py resnet18 [--steps 4]   # in this process
     csrun_wse python scripts/bench_models.py --mode train --params p.yaml   # p.yaml's model.name, 1 WSE
 
 In process, each step is timed by CPU time (time.process_time: every thread of this
 process, BLAS's included) and by wall clock; torch runs on one thread
-(torch.set_num_threads(1)), so its CPU time is its work. Batch norm is in eval mode
-(running statistics as constants), dropout off: the step is the same work on both
-sides. Under csrun_wse the same module trains on synthetic batches of the same shapes.
+(torch.set_num_threads(1)) and bench.py runs this with OPENBLAS_NUM_THREADS=1, so that
+each side's CPU time is its work, not a BLAS thread spinning for a core. Batch norm is
+in eval mode (running statistics as constants: with batch norm in training mobilenet's
+program is over the cluster's message header cap), dropout off: the step is the same
+work on both sides. Under csrun_wse the same module trains on synthetic batches of the
+same shapes; model.name picks the model (names that are not the model zoo's).
 """
 from __future__ import annotations
 
