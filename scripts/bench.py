@@ -25,6 +25,11 @@ examples/bert) at 4 layers x 256 wide, sequence 128, batch 32, AdamW, on the CPU
 path, weight streaming (1 WSE) and pipelined, beside torch eager on the
 equivalent module (scripts/bench_baselines.py transformer), with a verdict
 per path against the 0.9x target.
+`--preset models` runs models written by others (scripts/bench_models.py: resnet18,
+mobilenet_v3_small, LlamaForCausalLM, GPT2LMHeadModel, BertForMaskedLM, timm's ViT) at
+sizes where a torch step takes 50-500 ms: the CPU path's calls against torch eager on one
+thread in one process, by CPU time a step, then weight streaming on 1 WSE against torch's
+wall clock, with a verdict per model and path against the 0.8x target.
 `--rows torch_gpt` times a traced GPT-2 (examples/torch_gpt/model.py, 4 layers
 x 256 wide, sequence 128, AdamW) on the CPU path's calls against torch eager
 CPU training the same module on the same batches, in this process; the ratio
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import re
@@ -69,8 +75,12 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))     # this checkout's packages, scripts/ among them
+from scripts.bench_models import MODELS as FOREIGN_MODELS  # noqa: E402  (the models preset's models)
 FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
 AUGMENTED = REPO / "examples" / "fc_mnist" / "run_augmented.py"
+BENCH_MODELS = REPO / "scripts" / "bench_models.py"
 INPUT_WORKERS = (1, 2, 4)
 BIN = Path(sys.executable).parent
 
@@ -100,7 +110,10 @@ PRESETS = {
     # params.yaml's GPT-2 and BERT at 4 layers x 256, sequence 128 (transformer_rows)
     "transformer": {"batch_size": 32, "steps": 20, "seq": 128, "hidden": 256, "layers": 4, "heads": 4,
                     "ffn": 1024},
+    # models written by others, each at its own batch (scripts/bench_models.py: models_rows)
+    "models": {"steps": 6},
 }
+MLP_PRESETS = ("small", "medium", "large", "tiny")
 TRANSFORMERS = ("gpt2", "bert")
 TRANSFORMER_PATHS = ("cpu", "weight_streaming_1wse", "pipelined")
 MIXED = ("float16", "bfloat16", "cbfloat16")
@@ -120,6 +133,12 @@ TARGETS = [
 ]
 TARGETS += [(f"{m} {path} vs torch eager (transformer preset)", f"{m}_{path}", f"{m}_torch_eager", 0.9,
              "transformer") for m in TRANSFORMERS for path in TRANSFORMER_PATHS]
+# The CPU path is judged by CPU time against torch's on one thread (one process, steps alternated);
+# weight streaming, a cluster of processes, by the chief's rate against torch's wall clock.
+TARGETS += [target for m in FOREIGN_MODELS for target in (
+    (f"{m} CPU path vs torch, CPU time", f"{m}_cpu", f"{m}_torch_eager", 0.8, "models"),
+    (f"{m} weight streaming vs torch, wall", f"{m}_weight_streaming_1wse",
+     f"{m}_torch_eager_wall", 0.8, "models"))]
 EXECUTOR_TARGET = 0.95   # the executor's speed over the hand-written dense step's (--rows executor)
 RATE_RE = re.compile(r", Rate=([\d.]+) samples/sec")
 # Steps left out of every rate, as bench_baselines.py leaves out the torch rows' first
@@ -313,31 +332,34 @@ def main(argv: list[str] | None = None) -> None:
     result = {"preset": args.preset, "steps": steps, **c_loops()}
     with tempfile.TemporaryDirectory(prefix="cs_bench_") as tmp:
         tmp = Path(tmp)
-        if args.preset == "transformer" and args.rows in ("all", "model"):
+        if args.preset == "models":
+            if args.rows in ("all", "model"):
+                result.update(models_rows(tmp, steps))
+        elif args.preset == "transformer" and args.rows in ("all", "model"):
             result.update(transformer_rows(tmp, preset, steps))
         elif args.rows in ("all", "model", "precision", "quick"):
             result.update(model_rows(tmp, args.preset, preset, steps, args.rows))
-        if args.rows == "wire" and args.preset != "transformer":
+        if args.rows == "wire" and args.preset in MLP_PRESETS:
             result.update(wire_rows(args.preset, preset, steps))
             result["rows"] = []
-        if args.rows == "trace" and args.preset != "transformer":
+        if args.rows == "trace" and args.preset in MLP_PRESETS:
             result["trace_rows"] = trace_rows(tmp, preset, steps, args.repeats)
             print_rows(f"timeline cost: preset {args.preset}, steps={steps}, median of {args.repeats}",
                        "--trace off", result["trace_rows"])
             result["span_cost"] = span_cost(tmp / "ws_1wse_on0", steps, preset["batch_size"],
                                             result["trace_rows"][0]["samples_per_sec"])
-        if args.rows == "executor" or (args.rows == "all" and args.preset != "transformer"):   # an MLP's rows
+        if args.rows == "executor" or (args.rows == "all" and args.preset in MLP_PRESETS):   # an MLP's rows
             result["executor_rows"] = executor_rows(preset, args.repeats)
             print_rows(f"the executor vs a hand-written numpy dense step: preset {args.preset}, in this process, "
                        f"CPU time per step, median of {args.repeats} alternated", "hand-written", result["executor_rows"])
             executor_verdicts(result["executor_rows"])
-        if args.rows in ("all", "ops") and args.preset != "transformer":
+        if args.rows in ("all", "ops") and args.preset in MLP_PRESETS:
             result["ops_rows"] = ops_rows(args.repeats)
-        if args.rows == "scaling" and args.preset != "transformer":
+        if args.rows == "scaling" and args.preset in MLP_PRESETS:
             result["scaling_rows"] = scaling_rows(tmp, preset, steps)
-        if args.rows in ("all", "torch_gpt"):
+        if args.rows == "torch_gpt" or (args.rows == "all" and args.preset != "models"):
             result["torch_gpt_rows"] = torch_gpt_rows(args.steps or 6)
-        if args.rows in ("all", "input") and args.preset != "transformer":   # FC-MNIST rows
+        if args.rows in ("all", "input") and args.preset in MLP_PRESETS:   # FC-MNIST rows
             result["input_rows"] = input_rows(tmp, preset, args.input_steps)
             print_rows(f"input-bound: {AUGMENTED.name}, 1 WSE, steps={args.input_steps}, "
                        f"{os.cpu_count()} CPUs", "1 worker", result["input_rows"])
@@ -429,6 +451,57 @@ def transformer_rows(tmp: Path, preset: dict, steps: int) -> dict:
                f"{preset['seq']}, batch {preset['batch_size']}, AdamW, steps={steps}; {c_loops_line()}",
                "torch eager (or the CPU path)", rows)
     return {"rows": rows}
+
+
+def models_rows(tmp: Path, steps: int) -> dict:
+    """Each foreign model (scripts/bench_models.py) on the CPU path's calls beside torch eager on one
+    thread, in a process of its own (CPU time a step, median; ours on one thread too), then weight
+    streaming on 1 WSE (its threads as a job gets them) against torch's wall clock."""
+    missing = [name for name in ("torch", "torchvision", "transformers", "timm")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"bench: models preset skipped: {', '.join(missing)} not installed (pip install -e '.[torch]')")
+        return {"rows": []}
+    rows = []
+    for model in FOREIGN_MODELS:
+        result = subprocess.run([sys.executable, str(BENCH_MODELS), model, "--steps", str(steps)],
+                                capture_output=True, text=True, timeout=1800, env=ONE_THREAD)
+        if result.returncode != 0:
+            raise SystemExit(f"bench: {model} in process failed:\n{result.stderr[-2000:]}")
+        timed = json.loads(result.stdout.strip().splitlines()[-1])
+        batch = timed["batch"]
+        streamed = run_row(f"{model}_weight_streaming_1wse", [str(BIN / "csrun_wse")],
+                           write_models_params(tmp, model, batch, steps), tmp / f"{model}_ws", script=BENCH_MODELS)
+        torch_wall = batch / timed["torch_wall_s"]
+        streamed["ratio"] = streamed["samples_per_sec"] / torch_wall
+        rows += [{"name": f"{model}_torch_eager", "samples_per_sec": batch / timed["torch_cpu_s"], "ratio": 1.0},
+                 {"name": f"{model}_cpu", "samples_per_sec": batch / timed["ours_cpu_s"],
+                  "ratio": timed["torch_cpu_s"] / timed["ours_cpu_s"]},
+                 {"name": f"{model}_torch_eager_wall", "samples_per_sec": torch_wall, "ratio": 1.0},
+                 streamed]
+    print_rows(f"models preset: models written by others, AdamW, {steps} steps; torch on one thread; "
+               "*_torch_eager and *_cpu by CPU time a step (median, in one process), *_wall and weight streaming "
+               f"by wall clock; {c_loops_line()}", "torch eager", rows)
+    return {"rows": rows}
+
+
+# Both sides of the in-process comparison on one thread: torch by set_num_threads(1), ours by
+# OpenBLAS's count (which also turns numerics/parallel.py's pieces off), so that CPU time is work
+# (a BLAS thread waiting for a core on a loaded machine spins, and its spin counts as CPU time).
+ONE_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+
+
+def write_models_params(folder: Path, model: str, batch: int, steps: int) -> Path:
+    params = {
+        "train_input": {"batch_size": batch, "shuffle": True, "drop_last_batch": True},
+        "model": {"name": model},
+        "optimizer": {"optimizer_type": "adamw", "learning_rate": 1e-3, "weight_decay": 0.01},
+        "runconfig": {"max_steps": steps, "log_steps": WARMUP_STEPS, "checkpoint_steps": 0, "seed": 1,
+                      "execution_strategy": "weight_streaming"},
+    }
+    path = folder / f"{model}_weight_streaming.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
 
 
 def verdicts(preset: str, rows: list[dict], ceiling: dict) -> list[dict]:
@@ -845,9 +918,11 @@ def torch_gpt_rows(steps: int, batch: int = 8, seq: int = 128) -> list[dict]:
 def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
     print(title)
     ratio_width = max(12, len(baseline) + 5)   # the header 'vs <baseline>' and two spaces
-    print(f"{'row':<30}{'samples/sec':>14}{'vs ' + baseline:>{ratio_width}}{'weight B/step':>16}{'grad B/step':>14}")
+    name_width = max([30] + [len(row["name"]) + 2 for row in rows])
+    print(f"{'row':<{name_width}}{'samples/sec':>14}{'vs ' + baseline:>{ratio_width}}{'weight B/step':>16}"
+          f"{'grad B/step':>14}")
     for row in rows:
-        print(f"{row['name']:<30}{row['samples_per_sec']:>14.1f}{row['ratio']:>{ratio_width}.2f}"
+        print(f"{row['name']:<{name_width}}{row['samples_per_sec']:>14.1f}{row['ratio']:>{ratio_width}.2f}"
               f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
 
 

@@ -1,6 +1,6 @@
 """The compiler's estimate beside throughputs measured on real Cerebras systems.
 
-    python scripts/published_estimates.py          # the table in docs/benchmarks.md
+    python scripts/published_estimates.py          # the table in docs/estimates.md
 
 Each row is a model zoo configuration whose training rate was published (the source is
 named), rebuilt here with the emulator's transformer at the same sizes, compiled in the

@@ -111,3 +111,21 @@ def test_the_step_budget_counts_every_node_and_leaves_the_executor_as_it_was(cap
              "vjp:softmax_cross_entropy", "optimizer update", "the rest (executor, loss)"}
     assert kinds <= set(budget) and all(v >= 0 for k, v in budget.items() if k != "the rest (executor, loss)")
     assert "where a step of [6, 5, 3] goes" in capsys.readouterr().out
+
+
+def test_the_models_preset_judges_each_model_and_path_against_torch():
+    """The CPU path by its CPU-time rate against torch's, weight streaming by the chief's rate
+    against torch's wall clock; 0.8 on the models preset, not judged elsewhere."""
+    bench = _bench_module()
+    rows = [{"name": "resnet18_torch_eager", "samples_per_sec": 40.0},
+            {"name": "resnet18_cpu", "samples_per_sec": 34.0},
+            {"name": "resnet18_torch_eager_wall", "samples_per_sec": 20.0},
+            {"name": "resnet18_weight_streaming_1wse", "samples_per_sec": 15.0}]
+    got = {v["row"]: v for v in bench.verdicts("models", rows, {})}
+    assert set(got) == {"resnet18_cpu", "resnet18_weight_streaming_1wse"}
+    assert got["resnet18_cpu"]["ratio"] == pytest.approx(0.85) and got["resnet18_cpu"]["met"]
+    assert got["resnet18_weight_streaming_1wse"]["ratio"] == pytest.approx(0.75)
+    assert not got["resnet18_weight_streaming_1wse"]["met"]
+    assert not any(v["judged"] for v in bench.verdicts("small", rows, {}))
+    assert set(bench.FOREIGN_MODELS) == {"resnet18", "mobilenet_v3_small", "llama_causal_lm", "gpt2_lm_head",
+                                         "bert_masked_lm", "vit_tiny"}

@@ -1,4 +1,4 @@
-"""scripts/published_estimates.py: the estimate beside published measured throughputs (docs/benchmarks.md)."""
+"""scripts/published_estimates.py: the estimate beside published measured throughputs (docs/estimates.md)."""
 from __future__ import annotations
 
 import pytest

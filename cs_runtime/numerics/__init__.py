@@ -7,6 +7,7 @@
     ops.py               the op set: per op a forward, a vector-Jacobian rule, a shape rule and a cost
     mixed_ops.py         the 16-bit rule of the matmul-like ops
     kernels.py           the numpy kernels behind the op set
+    windows.py           convolution and pooling kernels: im2col and one matmul, depthwise, window offsets
     hashing.py           counter-based draws: the same (key, row, element) in any process, on any shard
     local_step.py        one training step on weights held in this process (CPU path, pipelined WSE, probe)
     executor.py          the one executor of compiled programs (forward, backward, a unit at a time)

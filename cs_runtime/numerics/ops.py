@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cs_runtime.errors import UserInputError
-from cs_runtime.numerics import kernels, parallel
+from cs_runtime.numerics import kernels, parallel, windows
 from cs_runtime.numerics.parallel import matmul as mm
 
 
@@ -1155,38 +1155,6 @@ def _conv_geometry(attrs):
     return _pair(attrs.get("stride", 1)), _pair(attrs.get("padding", 0)), _pair(attrs.get("dilation", 1))
 
 
-def _out_size(n, k, stride, pad, dil):
-    return (n + 2 * pad - dil * (k - 1) - 1) // stride + 1
-
-
-def _windows(x, kh, kw, stride, dil):
-    """[N, C, H, W] (already padded) -> view [N, C, OH, OW, kh, kw] of every window."""
-    n, c, h, w = x.shape
-    oh, ow = _out_size(h, kh, stride[0], 0, dil[0]), _out_size(w, kw, stride[1], 0, dil[1])
-    sn, sc, sh, sw = x.strides
-    return np.lib.stride_tricks.as_strided(
-        x, (n, c, oh, ow, kh, kw), (sn, sc, sh * stride[0], sw * stride[1], sh * dil[0], sw * dil[1]),
-        writeable=False)
-
-
-def _pad(x, pad, value=0.0):
-    if pad == (0, 0):
-        return x
-    return np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])), constant_values=value)
-
-
-def _fold(cols, shape, kh, kw, stride, pad, dil):
-    """The adjoint of _windows on a padded input: add each window's values back to its pixels."""
-    n, c, h, w = shape
-    out = np.zeros((n, c, h + 2 * pad[0], w + 2 * pad[1]), dtype=cols.dtype)
-    oh, ow = cols.shape[2], cols.shape[3]
-    for i in range(kh):
-        for j in range(kw):
-            r, s = i * dil[0], j * dil[1]
-            out[:, :, r:r + stride[0] * oh:stride[0], s:s + stride[1] * ow:stride[1]] += cols[:, :, :, :, i, j]
-    return out[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + w]
-
-
 def _conv_groups(attrs, channels_in, channels_out) -> int:
     g = int(attrs.get("groups", 1))
     if g < 1 or channels_in % g or channels_out % g:
@@ -1195,45 +1163,22 @@ def _conv_groups(attrs, channels_in, channels_out) -> int:
     return g
 
 
-def _grouped(cols, w, g):
-    """(cols [N, G, C/G, OH, OW, kh, kw], w [G, O/G, C/G, kh, kw]): a grouped (depthwise
-    when G is C) convolution as G independent ones."""
-    n, c = cols.shape[:2]
-    return cols.reshape(n, g, c // g, *cols.shape[2:]), w.reshape(g, w.shape[0] // g, *w.shape[1:])
-
-
 def _conv2d_forward(inputs, attrs):
     x, w = inputs[0], inputs[1]
-    groups = _conv_groups(attrs, x.shape[1], w.shape[0])
-    stride, pad, dil = _conv_geometry(attrs)
-    cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)       # N C OH OW kh kw
-    if groups == 1:
-        y = np.einsum("ncpqij,ocij->nopq", cols, w, optimize=True)
-    else:
-        gc, gw = _grouped(cols, w, groups)
-        y = np.einsum("ngcpqij,gocij->ngopq", gc, gw, optimize=True).reshape(x.shape[0], w.shape[0], *cols.shape[2:4])
+    y = windows.conv2d(x, w, _conv_groups(attrs, x.shape[1], w.shape[0]), *_conv_geometry(attrs))
     if len(inputs) > 2 and inputs[2] is not None:
         y += inputs[2][None, :, None, None]
-    return np.ascontiguousarray(y)
+    return y
 
 
-def _conv2d_vjp(g, inputs, out, attrs):
+def _conv2d_vjp(g, inputs, out, attrs, wanted=(True, True, True)):
+    """A first layer's input (the image) wants no gradient: its fold, the costliest part, is skipped."""
     x, w = inputs[0], inputs[1]
-    groups = _conv_groups(attrs, x.shape[1], w.shape[0])
-    stride, pad, dil = _conv_geometry(attrs)
-    cols = _windows(_pad(x, pad), w.shape[2], w.shape[3], stride, dil)
-    if groups == 1:
-        dw = np.einsum("ncpqij,nopq->ocij", cols, g, optimize=True)
-        dcols = np.einsum("nopq,ocij->ncpqij", g, w, optimize=True)
-    else:
-        gc, gw = _grouped(cols, w, groups)
-        gg = g.reshape(g.shape[0], groups, g.shape[1] // groups, *g.shape[2:])
-        dw = np.einsum("ngcpqij,ngopq->gocij", gc, gg, optimize=True).reshape(w.shape)
-        dcols = np.einsum("ngopq,gocij->ngcpqij", gg, gw, optimize=True).reshape(cols.shape)
-    dx = _fold(dcols, x.shape, w.shape[2], w.shape[3], stride, pad, dil)
-    grads = [dx, dw]
+    dx, dw = windows.conv2d_vjp(g, x, w, _conv_groups(attrs, x.shape[1], w.shape[0]), *_conv_geometry(attrs),
+                                input_grad=wanted[0])
+    grads = [dx, dw if wanted[1] else None]
     if len(inputs) > 2:
-        grads.append(g.sum(axis=(0, 2, 3)))
+        grads.append(g.sum(axis=(0, 2, 3)) if len(wanted) < 3 or wanted[2] else None)
     return grads
 
 
@@ -1246,14 +1191,14 @@ def _conv2d_shape(shapes, attrs):
         raise OpError(f"conv2d of input {x} and weight {w} with groups={groups}: expected [N, C, H, W] and "
                       "[O, C/groups, kh, kw]")
     stride, pad, dil = _conv_geometry(attrs)
-    oh, ow = (_out_size(x[2 + d], w[2 + d], stride[d], pad[d], dil[d]) for d in (0, 1))
+    oh, ow = (windows.out_size(x[2 + d], w[2 + d], stride[d], pad[d], dil[d]) for d in (0, 1))
     if oh < 1 or ow < 1:
         raise OpError(f"conv2d of input {x} with kernel {w[2:]} leaves no output")
     return (x[0], w[0], oh, ow)
 
 
 _register("conv2d", _conv2d_forward, _conv2d_vjp, _conv2d_shape,
-          lambda s, out, a: 2 * _numel(out) * int(np.prod(s[1][1:])), saves_inputs=(0, 1))
+          lambda s, out, a: 2 * _numel(out) * int(np.prod(s[1][1:])), saves_inputs=(0, 1), partial=True)
 
 
 def _pool_geometry(attrs):
@@ -1269,42 +1214,34 @@ def _pool_shape(shapes, attrs):
     if len(x) != 4:
         raise OpError(f"pooling of an input {x}: expected [N, C, H, W]")
     k, stride, pad, dil = _pool_geometry(attrs)
-    return (x[0], x[1], *(_out_size(x[2 + d], k[d], stride[d], pad[d], dil[d]) for d in (0, 1)))
+    return (x[0], x[1], *(windows.out_size(x[2 + d], k[d], stride[d], pad[d], dil[d]) for d in (0, 1)))
 
 
 def _max_pool_forward(inputs, attrs):
     k, stride, pad, dil = _pool_geometry(attrs)
-    x = inputs[0]
-    return _windows(_pad(x, pad, -np.inf), *k, stride, dil).max(axis=(4, 5))
+    return windows.max_pool2d(inputs[0], k, stride, pad, dil)
 
 
 def _max_pool_vjp(g, inputs, out, attrs):
-    """The gradient goes to the first maximum of each window (as torch's kernel picks it)."""
     k, stride, pad, dil = _pool_geometry(attrs)
-    x = inputs[0]
-    cols = _windows(_pad(x, pad, -np.inf), *k, stride, dil)
-    flat = cols.reshape(*cols.shape[:4], -1)
-    first = flat.argmax(axis=-1)
-    onehot = np.zeros(flat.shape, dtype=g.dtype)
-    np.put_along_axis(onehot, first[..., None], g[..., None], axis=-1)
-    return [_fold(onehot.reshape(cols.shape), x.shape, *k, stride, pad, dil)]
+    return [windows.max_pool2d_vjp(g, inputs[0], out, k, stride, pad, dil)]
 
 
 def _avg_pool_forward(inputs, attrs):
     k, stride, pad, dil = _pool_geometry(attrs)
     if not attrs.get("count_include_pad", True) and pad != (0, 0):
         raise OpError("avg_pool2d with count_include_pad=False and padding")
-    return _windows(_pad(inputs[0], pad), *k, stride, (1, 1)).mean(axis=(4, 5))
+    return windows.avg_pool2d(inputs[0], k, stride, pad)
 
 
 def _avg_pool_vjp(g, inputs, out, attrs):
     k, stride, pad, _ = _pool_geometry(attrs)
-    cols = np.broadcast_to((g / g.dtype.type(k[0] * k[1]))[..., None, None], (*g.shape, *k))
-    return [_fold(cols, inputs[0].shape, *k, stride, pad, (1, 1))]
+    return [windows.avg_pool2d_vjp(g, inputs[0].shape, k, stride, pad)]
 
 
 _register("max_pool2d", _max_pool_forward, _max_pool_vjp, _pool_shape,
-          lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))), saves_inputs=(0,))
+          lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))), saves_inputs=(0,),
+          saves_output=True)
 _register("avg_pool2d", _avg_pool_forward, _avg_pool_vjp, _pool_shape,
           lambda s, out, a: _numel(out) * int(np.prod(_pair(a["kernel_size"]))))
 
@@ -1583,9 +1520,19 @@ _register("elu", _elu_forward, _elu_vjp, _same_shape, _elementwise_cost(4), save
 
 # ---------------------------------------------------------------- binary maths
 
+def _power(a, b):
+    """a ** b; a small whole scalar exponent as products, as torch's kernel computes x ** 2 and x ** 3
+    (the same bits, and a float32 powf an element costs far more: GPT-2's gelu_new cubes every activation).
+    16-bit arrays keep np.power's one rounding."""
+    if b.ndim == 0 and float(b) in (1.0, 2.0, 3.0) and a.dtype in (np.float32, np.float64):
+        whole = int(b)
+        return a.copy() if whole == 1 else a * a if whole == 2 else a * a * a
+    return np.power(a, b)
+
+
 def _pow_vjp(g, inputs, out, attrs):
     a, b = _operands(inputs, attrs)
-    ga = g * b * np.power(a, b - 1) if not ("scalar" in attrs and attrs.get("reverse")) else None
+    ga = g * b * _power(a, b - 1) if not ("scalar" in attrs and attrs.get("reverse")) else None
     gb = None
     if "scalar" not in attrs or attrs.get("reverse"):
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -1593,7 +1540,7 @@ def _pow_vjp(g, inputs, out, attrs):
     return _binary_grads(ga, gb, inputs, attrs)
 
 
-_register("pow", lambda i, a: np.power(*_operands(i, a)), _pow_vjp, _binary_shape, _elementwise_cost(10),
+_register("pow", lambda i, a: _power(*_operands(i, a)), _pow_vjp, _binary_shape, _elementwise_cost(10),
           saves_inputs=(0, 1), saves_output=True)
 
 
@@ -1957,40 +1904,48 @@ def _bn_batch_moments(x):
 
 
 def _bn_stats(inputs, attrs):
-    """(mean, rstd) per channel, shaped to broadcast: the batch's (training, the biased
-    variance torch normalizes by; float64) or the running statistics (inputs 3 and 4, eval)."""
+    """(mean, rstd, x - mean): per channel [C], the batch's (training: the biased variance torch
+    normalizes by, in float64 as _bn_batch_moments, and x centred in float64) or the running
+    statistics (inputs 3 and 4, eval; in x's dtype), and x centred on the mean (a new array,
+    which the caller may overwrite)."""
     x = inputs[0]
     if _bn_training(inputs, attrs):
         mean, var = _bn_batch_moments(x)
-        return mean, 1 / np.sqrt(var + attrs.get("eps", 1e-5))
+        centred = x.astype(np.float64) - mean
+        return mean.reshape(-1), 1 / np.sqrt(var.reshape(-1) + attrs.get("eps", 1e-5)), centred
     eps = x.dtype.type(attrs.get("eps", 1e-5))
-    mean, var = _bn_channel(inputs[3], x.ndim), _bn_channel(inputs[4], x.ndim)
-    return mean, 1 / np.sqrt(var + eps)
+    mean, var = inputs[3], inputs[4]
+    return mean, (1 / np.sqrt(var + eps)).astype(x.dtype), x - _bn_channel(mean, x.ndim)
 
 
 def _bn_forward(inputs, attrs):
+    """y = (x - mean) * (rstd * weight) + bias: the per-channel factors first, then two passes over x."""
     x, w, b = inputs[:3]
-    mean, rstd = _bn_stats(inputs, attrs)
-    y = (x - mean) * rstd
-    y *= _bn_channel(w, x.ndim)
+    _, rstd, y = _bn_stats(inputs, attrs)
+    y *= _bn_channel(rstd * w, x.ndim)
     y += _bn_channel(b, x.ndim)
     return y.astype(x.dtype, copy=False)
 
 
 def _bn_vjp(g, inputs, out, attrs):
-    """Training: through the batch statistics, dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),
-    gw = g * weight; eval: the statistics are constants, dx = rstd * gw. Running statistics get none."""
+    """With A = rstd * weight per channel, n values a channel, d = x - mean:
+    training (through the batch statistics) dx = A * (g - sum(g) / n - d * rstd^2 * sum(g * d) / n),
+    eval (the statistics are constants) dx = A * g; dweight = rstd * sum(g * d), dbias = sum(g).
+    Per-channel factors first, then whole-array passes (no x-hat is made). Running statistics get none."""
     x, w = inputs[0], inputs[1]
-    mean, rstd = _bn_stats(inputs, attrs)
-    xhat = (x - mean) * rstd
-    axes = _bn_axes(x)
-    gw = g * _bn_channel(w, x.ndim)
-    if _bn_training(inputs, attrs):   # in float64, as the statistics (_bn_batch_moments)
-        dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
-    else:
-        dx = rstd * gw
-    return [dx.astype(x.dtype, copy=False), (g * xhat).sum(axis=axes).astype(w.dtype, copy=False),
-            g.sum(axis=axes)] + [None] * (len(inputs) - 3)
+    _, rstd, centred = _bn_stats(inputs, attrs)   # float64 in training (_bn_batch_moments)
+    axes, ndim = _bn_axes(x), x.ndim
+    per_channel = rstd * w
+    dx = np.multiply(g, _bn_channel(per_channel, ndim), dtype=centred.dtype)
+    g_sum = g.sum(axis=axes)
+    g_dot = (g * centred).sum(axis=axes)
+    if _bn_training(inputs, attrs):
+        n = centred.dtype.type(x.size // x.shape[1])
+        centred *= _bn_channel(-per_channel * rstd * rstd * g_dot / n, ndim)
+        dx += centred
+        dx -= _bn_channel(per_channel * g_sum / n, ndim)
+    return [dx.astype(x.dtype, copy=False), (rstd * g_dot).astype(w.dtype, copy=False),
+            g_sum] + [None] * (len(inputs) - 3)
 
 
 def _bn_shape(shapes, attrs):
