@@ -279,12 +279,19 @@ class TracedStep:
         if probe.loss.dim() != 0:
             raise CsTorchError(f"trace: the loss has shape {tuple(probe.loss.shape)}, not a scalar")
         tensor_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        for arg in probe.model_args:
+        call_leaves: list = []
+        call_template = _flatten(tuple(probe.model_args), call_leaves)
+        call_tensors = [arg for arg in call_leaves if isinstance(arg, torch.Tensor)]
+        for arg in call_tensors:
             if not any(arg is leaves[i] for i in tensor_leaves):
                 raise CsTorchError("trace: call the compiled model with the step's own tensor arguments "
                                    "(a tensor computed inside the step cannot be streamed to the CS system)")
         self.tensor_leaves = tensor_leaves
-        self.model_arg_leaves = [next(i for i in tensor_leaves if arg is leaves[i]) for arg in probe.model_args]
+        self.model_arg_leaves = [next(i for i in tensor_leaves if arg is leaves[i]) for arg in call_tensors]
+        # A model called with a structure (the model zoo's model(batch), a list or dict of the
+        # step's tensors) is captured through a view of it that takes those tensors flat.
+        flat_call = len(call_tensors) == len(call_leaves) and all(isinstance(t, _Leaf) for t in call_template)
+        capture_model = model if flat_call else _flat_arguments(model, call_template, call_leaves)
         self.returned = _spec(returned, probe.loss)
         self.effects = [self._effect_spec(e, probe.loss) for e in probe.effects]
         self.wants_output = _has_other(self.returned) or any(
@@ -328,7 +335,8 @@ class TracedStep:
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         try:
             with grad_mode:
-                captured = capture_mod.capture(model, tuple(probe.model_args), example, replay_loss, dropout=False)
+                captured = capture_mod.capture(capture_model, tuple(call_tensors), example, replay_loss,
+                                               dropout=False)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"trace: {exc}") from None
         finally:
@@ -424,6 +432,24 @@ class TracedStep:
         if rerun is not None:
             return _swap_loss(rerun[0], rerun[2], loss_tensor)
         return _materialize(self.returned, loss_tensor)
+
+
+def _flat_arguments(model: torch.nn.Module, template, call_leaves: list) -> torch.nn.Module:
+    """`model` taking the tensors of its call's arguments flat, in order: the same module (one
+    __dict__, so the same parameters, names and mode) with a forward that rebuilds the call."""
+    positions = [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, torch.Tensor)]
+
+    class FlatArguments(type(model)):
+        def forward(self, *tensors):
+            values = list(call_leaves)
+            for position, tensor in zip(positions, tensors):
+                values[position] = tensor
+            return super().forward(*_rebuild(template, values))
+
+    FlatArguments.__name__ = FlatArguments.__qualname__ = type(model).__name__
+    view = object.__new__(FlatArguments)
+    view.__dict__ = model.__dict__
+    return view
 
 
 class _Tensors(tuple):

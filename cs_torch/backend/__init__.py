@@ -7,31 +7,12 @@ cs_torch.backends.backend (where the backend lives).
 """
 from __future__ import annotations
 
-import enum
 import sys
 import types
 
-from ..backends import Backend, backend, current_backend, current_backend_impl, use_cs
+from ..backends import Backend, BackendType, backend, current_backend, current_backend_impl, use_cs
 
 __all__ = ["Backend", "BackendType", "backend", "current_backend", "current_backend_impl", "use_cs"]
-
-
-class BackendType(enum.Enum):
-    CPU = "CPU"
-    GPU = "GPU"
-    CSX = "CSX"
-
-    @property
-    def is_cpu(self) -> bool:
-        return self is BackendType.CPU
-
-    @property
-    def is_gpu(self) -> bool:
-        return self is BackendType.GPU
-
-    @property
-    def is_csx(self) -> bool:
-        return self is BackendType.CSX
 
 
 class _CallableModule(types.ModuleType):

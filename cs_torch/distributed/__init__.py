@@ -17,7 +17,7 @@ from ..nn import CsTorchError
 from . import cluster_resolver  # noqa: F401 (cstorch.distributed.cluster_resolver)
 
 __all__ = ["ClusterConfig", "get_ordinal", "get_streaming_batch_size", "get_streaming_rank", "get_worker_state",
-           "is_master_ordinal", "is_streamer", "num_streamers"]
+           "is_master_ordinal", "is_streamer", "num_streamers", "num_tasks"]
 
 
 def get_ordinal() -> int:
@@ -27,6 +27,11 @@ def get_ordinal() -> int:
 
 def is_master_ordinal(local: bool = False) -> bool:
     return True
+
+
+def num_tasks() -> int:
+    """The tasks that run the script: the user's process alone (the input workers run input_fn only)."""
+    return 1
 
 
 def is_streamer() -> bool:
