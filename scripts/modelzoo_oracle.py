@@ -1,0 +1,459 @@
+"""The Cerebras model zoo's own run.py on the emulator, checked against torch eager.
+
+    python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout [--models fc_mnist gpt2 bert]
+                                      [--targets CPU CSX1 CSX2] [--dropout zero shipped] [--work DIR]
+
+For each model and target this makes a small data set and a small params
+file (2 layers, hidden 64, sequence 64), runs the checkout's run.py as a user
+would (`python run.py CPU|CSX --mode train --params P --model_dir D
+[--num_csx N]`, with this project on PYTHONPATH so `cerebras_pytorch` /
+`cerebras.pytorch` are the emulator's), and then trains the same model zoo
+model in torch eager here: from the run's own initial checkpoint
+(`save_initial_checkpoint`) and with the params the run saved in it, on the
+batches of the same data loader (the model zoo's, unshuffled), with the
+optimizer, schedule and clipping the model zoo's flow applies on that target.
+It checks the loss of every step (the run's TensorBoard `loss`, float32)
+within 1e-5 relative, and every tensor of the final checkpoint within
+max(1e-5, 3x the largest difference of torch's own float32 and float64
+runs of that tensor).
+
+The model zoo is not part of this project: bring a checkout of its public
+repository at the release to check (Release_2.1.1's layout `modelzoo/...`, or
+2.3 on, `src/cerebras/modelzoo/...`). CI does not run this script. A
+torchvision that does not import (a wheel built for another torch) is
+replaced, for FC-MNIST only, by a stand-in of the MNIST reader and the four
+transforms the model zoo uses, written into the work folder.
+
+Exit status 0 when every check passes, 1 when one fails, 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+SPREAD_FACTOR = 3.0
+STEPS = 6
+SEED = 1
+
+
+# ---------------------------------------------------------------- the models
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    folder: str          # run.py's folder, relative to the package root
+    model: str           # "module:Class" of the model zoo's model (called with params)
+    train_data: str      # "module:function" of its train input function
+
+
+LAYOUTS = {
+    # Release_2.1.1 and the 2.0/2.1 releases: modelzoo/<area>/pytorch/...
+    "2.1": {
+        "fc_mnist": ZooModel("fc_mnist", "modelzoo/fc_mnist/pytorch",
+                             "modelzoo.fc_mnist.pytorch.model:MNISTModel",
+                             "modelzoo.fc_mnist.pytorch.data:get_train_dataloader"),
+        "gpt2": ZooModel("gpt2", "modelzoo/transformers/pytorch/gpt2",
+                         "modelzoo.transformers.pytorch.gpt2.model:Gpt2Model",
+                         "modelzoo.transformers.pytorch.gpt2.data:train_input_dataloader"),
+        "bert": ZooModel("bert", "modelzoo/transformers/pytorch/bert",
+                         "modelzoo.transformers.pytorch.bert.model:BertForPreTrainingModel",
+                         "modelzoo.transformers.pytorch.bert.data:train_input_dataloader"),
+    },
+}
+
+
+def layout_of(checkout: Path) -> tuple[str, Path]:
+    """(layout, the folder that goes on PYTHONPATH) of a model zoo checkout."""
+    if (checkout / "modelzoo" / "common" / "pytorch" / "run_utils.py").is_file():
+        return "2.1", checkout
+    if (checkout / "src" / "cerebras" / "modelzoo").is_dir():
+        return "2.3+", checkout / "src"
+    raise SystemExit(f"modelzoo_oracle: {checkout} is not a model zoo checkout (no modelzoo/common/pytorch/"
+                     "run_utils.py, no src/cerebras/modelzoo)")
+
+
+# ---------------------------------------------------------------- data and params
+def make_mnist(folder: Path, rng) -> Path:
+    """MNIST's four idx files (random images and labels) where torchvision's MNIST reads them."""
+    raw = folder / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, count in (("train", 256), ("t10k", 64)):
+        images = rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, (count,), dtype=np.uint8)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels.tobytes())
+    return folder
+
+
+def make_gpt_hdf5(folder: Path, rng, vocab: int, seq: int, count: int = 64) -> Path:
+    """The model zoo's GPT HDF5 sample format: files of data [n, 3, seq] (input_ids, input_mask,
+    labels, the labels the ids shifted by one), attribute n_examples."""
+    import h5py
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = rng.integers(0, vocab, (count, seq + 1), dtype=np.int32)
+    data = np.stack([tokens[:, :-1], np.ones((count, seq), np.int32), tokens[:, 1:]], axis=1)
+    for index, part in enumerate(np.split(data, 2)):
+        with h5py.File(folder / f"data-{index}.h5", "w") as f:
+            f.attrs["n_examples"] = len(part)
+            f.create_dataset("data", data=part)
+    return folder
+
+
+def params_for(model: str, data: Path, dropout: str) -> dict:
+    """A small params file of the model as the model zoo ships it (2 layers, hidden 64)."""
+    runconfig = {"max_steps": STEPS, "log_steps": 1, "checkpoint_steps": STEPS, "save_initial_checkpoint": True,
+                 "seed": SEED}
+    if model == "fc_mnist":
+        return {
+            "train_input": {"data_dir": str(data), "batch_size": 16, "drop_last_batch": True,
+                            "to_float16": False, "shuffle": False},
+            "eval_input": {"data_dir": str(data), "batch_size": 16, "drop_last_batch": True, "shuffle": False},
+            "model": {"name": "fc_mnist", "mixed_precision": False, "depth": 2, "hidden_size": 64,
+                      "dropout": 0.0 if dropout == "zero" else 0.2, "activation_fn": "relu", "to_float16": False},
+            "optimizer": {"optimizer_type": "SGD", "learning_rate": 0.01, "momentum": 0.9,
+                          "loss_scaling_factor": 1.0},
+            "runconfig": runconfig,
+        }
+    if model == "gpt2":
+        rate = 0.0 if dropout == "zero" else 0.1
+        return {
+            "train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": str(data), "batch_size": 8,
+                            "shuffle": False, "num_workers": 0},
+            "model": {"hidden_size": 64, "vocab_size": 512, "position_embedding_type": "learned",
+                      "share_embedding_weights": True, "max_position_embeddings": 64,
+                      "num_hidden_layers": 2, "dropout_rate": rate, "layer_norm_epsilon": 1.0e-5,
+                      "loss_scaling": "num_tokens", "loss_weight": 1.0, "num_heads": 4,
+                      "attention_type": "scaled_dot_product", "attention_dropout_rate": rate,
+                      "use_projection_bias_in_attention": True, "use_ffn_bias_in_attention": True,
+                      "filter_size": 256, "nonlinearity": "gelu", "use_ffn_bias": True,
+                      "use_bias_in_output": False, "mixed_precision": False},
+            "optimizer": {"optimizer_type": "adamw", "betas": [0.9, 0.95], "eps": 1.0e-8,
+                          "max_gradient_norm": 1.0, "weight_decay": 0.01, "loss_scaling_factor": 1.0,
+                          "learning_rate": [
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0,
+                               "end_learning_rate": 0.0006, "total_iters": 3},
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0006,
+                               "end_learning_rate": 0.0, "total_iters": 100}]},
+            "runconfig": runconfig,
+        }
+    raise SystemExit(f"modelzoo_oracle: no small params for {model}")
+
+
+def make_data(model: str, work: Path) -> Path:
+    rng = np.random.default_rng(0)
+    if model == "fc_mnist":
+        return make_mnist(work / "mnist", rng)
+    if model == "gpt2":
+        return make_gpt_hdf5(work / "gpt2_h5", rng, vocab=512, seq=64)
+    raise SystemExit(f"modelzoo_oracle: no data for {model}")
+
+
+# ---------------------------------------------------------------- torchvision
+_TORCHVISION_STANDIN = {
+    "__init__.py": '"""A stand-in: torchvision\'s MNIST reader and the transforms the model zoo uses."""\n'
+                   "from . import datasets, io, transforms\n",
+    "io/__init__.py": "from . import image\n",
+    "io/image.py": "",
+    "datasets.py": '''
+        import os
+        import numpy as np
+        import torch
+
+        def _idx(path):
+            data = open(path, "rb").read()
+            shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(data[3]))
+            return np.frombuffer(data, np.uint8, offset=4 + 4 * data[3]).reshape(shape)
+
+        class MNIST(torch.utils.data.Dataset):
+            def __init__(self, root, train=True, download=False, transform=None, target_transform=None):
+                prefix = os.path.join(root, "MNIST", "raw", "train" if train else "t10k")
+                self.data = torch.from_numpy(_idx(prefix + "-images-idx3-ubyte").copy())
+                self.targets = torch.from_numpy(_idx(prefix + "-labels-idx1-ubyte").astype(np.int64))
+                self.transform, self.target_transform = transform, target_transform
+
+            def __len__(self):
+                return len(self.data)
+
+            def __getitem__(self, index):
+                image, target = self.data[index], int(self.targets[index])
+                if self.transform is not None:
+                    image = self.transform(image)
+                if self.target_transform is not None:
+                    target = self.target_transform(target)
+                return image, target
+        ''',
+    "transforms.py": '''
+        import torch
+
+        class Compose:
+            def __init__(self, transforms):
+                self.transforms = transforms
+
+            def __call__(self, x):
+                for t in self.transforms:
+                    x = t(x)
+                return x
+
+        class ToTensor:      # uint8 [H, W] -> float32 [1, H, W] in [0, 1], as torchvision's
+            def __call__(self, image):
+                return image.to(torch.float32).div(255).unsqueeze(0)
+
+        class Normalize:
+            def __init__(self, mean, std):
+                self.mean, self.std = mean, std
+
+            def __call__(self, x):
+                mean = torch.as_tensor(self.mean, dtype=x.dtype).view(-1, 1, 1)
+                std = torch.as_tensor(self.std, dtype=x.dtype).view(-1, 1, 1)
+                return (x - mean) / std
+
+        class Lambda:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def __call__(self, x):
+                return self.fn(x)
+        ''',
+}
+
+
+def torchvision_path(work: Path) -> list[str]:
+    """[] when torchvision imports; else the folder of the stand-in, written there."""
+    probe = subprocess.run([sys.executable, "-c", "import torchvision.datasets"], capture_output=True)
+    if probe.returncode == 0:
+        return []
+    folder = work / "standins"
+    for name, text in _TORCHVISION_STANDIN.items():
+        path = folder / "torchvision" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    print("modelzoo_oracle: torchvision does not import here; FC-MNIST reads MNIST through a stand-in "
+          f"({folder / 'torchvision'})", file=sys.stderr)
+    return [str(folder)]
+
+
+# ---------------------------------------------------------------- the run
+def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str]):
+    """Run the model zoo's run.py; (returncode, output)."""
+    import yaml
+    out.mkdir(parents=True, exist_ok=True)
+    params_file = out / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+    layout, root = layout_of(checkout)
+    device, _, count = target.partition("CSX")
+    command = [sys.executable, "run.py", "CSX" if count else "CPU", "--mode", "train", "--params", str(params_file),
+               "--model_dir", str(out / "model_dir")]
+    if count:
+        command += ["--num_csx", count]
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]   # the zoo's requirements
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra_path, str(REPO), str(root), *inherited]))
+    result = subprocess.run(command, cwd=root / zoo.folder, env=env, capture_output=True, text=True,
+                            timeout=1800)
+    (out / "run.log").write_text(result.stdout + result.stderr)
+    return result.returncode, result.stdout + result.stderr
+
+
+def run_losses(model_dir: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(model_dir / "train"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("loss")}
+
+
+def load_checkpoint(path: Path) -> dict:
+    import torch
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- torch eager
+def lr_at(learning_rate, step: int) -> float:
+    """The model zoo's schedule at `step` (0-based): a number, or pieces run one after another
+    (Linear and Constant, as the small params use)."""
+    if isinstance(learning_rate, (int, float)):
+        return float(learning_rate)
+    pieces = learning_rate if isinstance(learning_rate, list) else [learning_rate]
+    for index, piece in enumerate(pieces):
+        total = piece.get("total_iters", piece.get("steps"))
+        last = index == len(pieces) - 1
+        if not last and step >= total:
+            step -= total
+            continue
+        kind = piece["scheduler"].lower()
+        if kind == "constant":
+            return float(piece["learning_rate"])
+        if kind == "linear":
+            start, end = piece["initial_learning_rate"], piece["end_learning_rate"]
+            return start + (end - start) * min(step, total) / total
+        raise ValueError(f"lr_at: scheduler {piece['scheduler']} not modelled here")
+    raise AssertionError("unreachable")
+
+
+def decays(name: str, module) -> bool:
+    """The model zoo's rule for weight decay: not biases, not normalisation layers' weights."""
+    return not (name.endswith("bias") or "norm" in type(module).__name__.lower())
+
+
+def eager_optimizer(model, optimizer: dict, dtype):
+    import torch
+    owners = {f"{m_name}.{p_name}" if m_name else p_name: module
+              for m_name, module in model.named_modules() for p_name, _ in module.named_parameters(recurse=False)}
+    weight_decay = optimizer.get("weight_decay", 0.0)
+    decayed = [p for n, p in model.named_parameters() if decays(n, owners[n])]
+    kept = [p for n, p in model.named_parameters() if not decays(n, owners[n])]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    kind = optimizer["optimizer_type"].lower()
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.0, momentum=optimizer.get("momentum", 0.0),
+                               nesterov=optimizer.get("use_nesterov", False))
+    if kind in ("adam", "adamw"):
+        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        return cls(groups, lr=0.0, betas=tuple(optimizer.get("betas", (0.9, 0.999))),
+                   eps=optimizer.get("eps", 1e-6))
+    raise ValueError(f"eager_optimizer: {kind} not modelled here")
+
+
+def batches_of(loader, steps: int, dtype):
+    import torch
+    out = []
+    while len(out) < steps:
+        for batch in loader:
+            out.append(_cast(batch, dtype))
+            if len(out) == steps:
+                break
+    return out
+
+
+def _cast(batch, dtype):
+    import torch
+    if isinstance(batch, dict):
+        return {k: _cast(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cast(v, dtype) for v in batch)
+    if isinstance(batch, torch.Tensor) and batch.is_floating_point():
+        return batch.to(dtype)
+    return batch
+
+
+def eager(checkout: Path, zoo: ZooModel, params: dict, initial: dict, target: str, dtype_name: str):
+    """(losses, final state dict) of torch eager: the model zoo's model from the run's initial
+    weights, its data loader's batches, the step the model zoo's flow takes on that target."""
+    import torch
+    dtype = getattr(torch, dtype_name)
+    params = copy.deepcopy(params)
+    torch.manual_seed(params["runconfig"].get("seed", 0))
+    model_cls = _load(zoo.model)
+    data_fn = _load(zoo.train_data)
+    model = model_cls(params)
+    model.load_state_dict(initial)
+    model.to(dtype)
+    model.train()
+    optimizer_params = params["optimizer"]
+    optimizer = eager_optimizer(model, optimizer_params, dtype)
+    batches = batches_of(data_fn(params), STEPS, dtype)
+    # The flow clips gradients only where it makes a GradScaler: on CSX, with a loss scaling factor.
+    clip = optimizer_params.get("max_gradient_norm") if target.startswith("CSX") and \
+        optimizer_params.get("loss_scaling_factor", 1.0) is not None else None
+    losses = []
+    for step, batch in enumerate(batches):
+        loss = model(batch)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(optimizer_params["learning_rate"], step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _load(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------- one check
+def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str]) -> dict:
+    data = make_data(zoo.name, work / "data")
+    out = work / f"{zoo.name}_{target}_{dropout}"
+    code, output = run_zoo(checkout, zoo, params_for(zoo.name, data, dropout), target, out, extra_path)
+    row = {"model": zoo.name, "target": target, "dropout": dropout}
+    if code != 0:
+        lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+        return {**row, "ok": False, "error": f"run.py exited {code}: {lines[-1] if lines else ''}",
+                "log": str(out / "run.log")}
+    model_dir = out / "model_dir"
+    first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
+    params = first["__metadata__"][0]["params"]
+    got = run_losses(model_dir)
+    want32, weights32 = eager(checkout, zoo, params, first["model"], target, "float32")
+    try:
+        _, weights64 = eager(checkout, zoo, params, first["model"], target, "float64")
+    except Exception as exc:  # a model zoo model that builds float32 tensors of its own
+        print(f"modelzoo_oracle: {zoo.name} in float64: {exc}; the weight tolerance is {WEIGHT_ATOL}",
+              file=sys.stderr)
+        weights64 = None
+    steps = sorted(got)
+    loss_err = max(abs(got[s] - want32[s - 1]) / max(abs(want32[s - 1]), 1e-30) for s in steps) if steps else math.inf
+    worst = (0.0, 1.0, "")
+    for name, value in last["model"].items():
+        if not hasattr(value, "dtype") or not value.is_floating_point():
+            continue
+        error = float((value.double() - weights32[name].double()).abs().max())
+        spread = float((weights32[name].double() - weights64[name]).abs().max()) if weights64 else 0.0
+        tolerance = max(WEIGHT_ATOL, SPREAD_FACTOR * spread)
+        if error / tolerance >= worst[0] / worst[1]:
+            worst = (error, tolerance, name)
+    ok = steps == list(range(1, STEPS + 1)) and loss_err <= LOSS_RTOL and worst[0] <= worst[1]
+    return {**row, "ok": ok, "steps": len(steps), "loss_rel_err": loss_err, "weight_err": worst[0],
+            "weight_tol": worst[1], "worst_tensor": worst[2]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkout", type=Path, help="a model zoo checkout (its repository root)")
+    parser.add_argument("--models", nargs="+", default=["fc_mnist", "gpt2", "bert"])
+    parser.add_argument("--targets", nargs="+", default=["CPU", "CSX1", "CSX2"], choices=["CPU", "CSX1", "CSX2"])
+    parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
+    parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    if not args.checkout.is_dir():
+        parser.error(f"{args.checkout} is not a folder")
+    layout, root = layout_of(args.checkout)
+    known = LAYOUTS.get(layout, {})
+    for name in args.models:
+        if name not in known:
+            parser.error(f"model {name!r}: not known for the {layout} layout (known: {', '.join(known) or 'none'})")
+    work = args.work or Path(tempfile.mkdtemp(prefix="modelzoo_oracle_"))
+    work.mkdir(parents=True, exist_ok=True)
+    extra_path = torchvision_path(work)
+    sys.path[:0] = [*extra_path, str(REPO), str(root)]
+    rows = []
+    for name in args.models:
+        for dropout in args.dropout:
+            for target in args.targets:
+                row = check(args.checkout, known[name], target, dropout, work, extra_path)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    failed = [r for r in rows if not r["ok"]]
+    print(f"modelzoo_oracle: {len(rows) - len(failed)} of {len(rows)} checks pass (work folder {work})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
