@@ -81,27 +81,31 @@ CONTEXT = "dropout_context"   # int64 [seed, step, row_start, row_stop, global_b
 
 
 class _WithLoss(torch.nn.Module):
-    def __init__(self, model, loss_fn, keywords: list[str] | None):
+    def __init__(self, model, loss_fn, keywords: list[str] | None, target_in_model: bool = False):
         super().__init__()
         self.model, self.loss_fn, self.keywords = model, loss_fn, keywords
+        self.target_in_model = target_in_model
 
     def forward(self, *args):
-        inputs = args[:-1]
+        inputs = args if self.target_in_model else args[:-1]
         out = self.model(**dict(zip(self.keywords, inputs))) if self.keywords else self.model(*inputs)
         loss = self.loss_fn(out, args[-1])
         # The model's own output too, when it is one tensor: a job hands it back on request.
         return (loss, out) if isinstance(out, torch.Tensor) else (loss,)
 
 
-def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dropout: bool = True) -> Captured:
+def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dropout: bool = True,
+            target_in_model: bool = False) -> Captured:
     """The program of `loss_fn(model(*example_inputs), example_target)` at these shapes
     (`model(**example_inputs)` when they are a dict). `dropout`: whether dropout in
-    training may draw masks (the caller feeds the run's context); without, it is refused."""
+    training may draw masks (the caller feeds the run's context); without, it is refused.
+    `target_in_model`: the model takes the target as its last argument too (a model that
+    computes its own loss from its input and the labels: `model(*example_inputs, target)`)."""
     names, inputs, keywords = _example_inputs(model, example_inputs)
     _refuse_sync_batch_norm(model)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
-    wrapped = _WithLoss(model, loss_fn, keywords)
+    wrapped = _WithLoss(model, loss_fn, keywords, target_in_model)
     batch = _batch_size(inputs)
     exported = _export_batch_free(wrapped, examples, batch)
     captured = _Lowering(_functional(exported), model, dropout, batch).run()

@@ -301,13 +301,21 @@ class TracedStep:
         fn, non_tensors = self.fn, list(leaves)
         executor = current_executor()
         pair = executor is not None and executor.on_cluster
+        # A model given the labels too computes its own loss (the model zoo's model([inputs, labels])).
+        target_in_model = pair and sorted(self.model_arg_leaves) == tensor_leaves and len(tensor_leaves) == 2
         if pair:   # the CS system streams one input and the labels: the program takes exactly those
-            if len(tensor_leaves) != 2 or len(self.model_arg_leaves) != 1:
+            if len(tensor_leaves) != 2 or not (len(self.model_arg_leaves) == 1 or target_in_model):
                 raise CsTorchError(f"trace: with a CSX backend {self.fn.__name__} takes two tensors, the model's "
-                                   "input and the labels, and calls the compiled model with the first")
+                                   "input and the labels, and calls the compiled model with the first (or with "
+                                   "both, the input first, when the model computes its own loss)")
+            if target_in_model:
+                self.model_arg_leaves = tensor_leaves[:1]
+                capture_model = _flat_arguments(model, call_template, call_leaves, order=[
+                    next(k for k, leaf in enumerate(call_leaves) if leaf is leaves[i]) for i in tensor_leaves])
             target_leaf = next(i for i in tensor_leaves if i != self.model_arg_leaves[0])
             non_tensors[self.model_arg_leaves[0]] = _sentinel(leaves[self.model_arg_leaves[0]])
         self.input_leaves = self.model_arg_leaves + (([target_leaf]) if pair else tensor_leaves)
+        model_inputs = tuple(leaves[i] for i in self.model_arg_leaves) if target_in_model else tuple(call_tensors)
 
         def replay_loss(model_output, step_tensors):
             replay = _Replay(model_output)
@@ -335,8 +343,8 @@ class TracedStep:
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         try:
             with grad_mode:
-                captured = capture_mod.capture(capture_model, tuple(call_tensors), example, replay_loss,
-                                               dropout=False)
+                captured = capture_mod.capture(capture_model, model_inputs, example, replay_loss,
+                                               dropout=False, target_in_model=target_in_model)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"trace: {exc}") from None
         finally:
@@ -434,10 +442,11 @@ class TracedStep:
         return _materialize(self.returned, loss_tensor)
 
 
-def _flat_arguments(model: torch.nn.Module, template, call_leaves: list) -> torch.nn.Module:
-    """`model` taking the tensors of its call's arguments flat, in order: the same module (one
-    __dict__, so the same parameters, names and mode) with a forward that rebuilds the call."""
-    positions = [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, torch.Tensor)]
+def _flat_arguments(model: torch.nn.Module, template, call_leaves: list, order: list[int] | None = None):
+    """`model` taking the tensors of its call's arguments flat, in order (or in `order`, their
+    places among the call's leaves): the same module (one __dict__, so the same parameters,
+    names and mode) with a forward that rebuilds the call."""
+    positions = order or [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, torch.Tensor)]
 
     class FlatArguments(type(model)):
         def forward(self, *tensors):

@@ -1,0 +1,250 @@
+"""The Cerebras model zoo's 2.x training flow (its run_cstorch_flow and model shapes), written
+here, on the cstorch API: each call it makes, against torch eager.
+
+The model zoo's own run.py is checked from outside by scripts/modelzoo_oracle.py (the model
+zoo is not part of this project); these tests keep each API that flow uses honest.
+
+    python -m pytest tests/test_modelzoo_flow.py -q
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the model zoo's flow trains torch modules; torch is an optional extra")
+
+import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
+from cs_torch import amp  # noqa: E402
+from cs_torch.backends import reset_backend  # noqa: E402
+from examples.cstorch import mlp  # noqa: E402
+
+REL = 1e-5
+STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    """A new backend per test, and cstorch.amp's process-wide half dtype left as it was."""
+    monkeypatch.setattr(amp, "_half", {"dtype": "float16", "enabled": False})
+    reset_backend()
+    yield
+    reset_backend()
+
+
+class SelfLossMLP(torch.nn.Module):
+    """The model zoo's model shape: forward(batch) with batch [inputs, labels] (FC-MNIST) or a
+    dict (GPT-2, BERT), returning its own loss (log_softmax + NLLLoss, as FC-MNIST's)."""
+
+    def __init__(self, keyed: bool = False):
+        super().__init__()
+        self.model = mlp.MLP(hidden=16)
+        self.loss_fn = torch.nn.NLLLoss()
+        self.keyed = keyed
+
+    def forward(self, data):
+        inputs, labels = (data["inputs"], data["labels"]) if self.keyed else data
+        return self.loss_fn(torch.nn.functional.log_softmax(self.model(inputs), dim=1), labels)
+
+
+def zoo_flow(model, batches, backend_kind: str = "CPU", **backend_args):
+    """The 2.1 model zoo's run_cstorch_train, cut to what it calls: (losses, logged steps, saved steps)."""
+    cstorch.amp.set_half_dtype("float16")              # set_half_dtype_from_params: on every run
+    backend = cstorch.backend(backend_kind, artifact_dir="unused", max_checkpoints=None, **backend_args)
+    assert backend.is_cpu and not backend.is_gpu and backend.backend_type.name == "CPU"
+    with backend.device:
+        compiled = cstorch.compile(model, backend)
+    compiled.train()
+    optimizer_params = {"optimizer_type": "SGD", "learning_rate": 0.05, "momentum": 0.9, "weight_decay": 0.01}
+    groups = cstorch.optim.configure_param_groups(model, optimizer_params)
+    optimizer = cstorch.optim.configure_optimizer(optimizer_type=optimizer_params.pop("optimizer_type"),
+                                                  params=groups, **optimizer_params)
+    dataloader = cstorch.utils.data.DataLoader(lambda: batches)
+    assert dataloader.is_restartable is False and dataloader.batch_size is None   # a plain list of batches
+    saved, logged = [], []
+
+    @cstorch.checkpoint_closure
+    def save_checkpoint(step):
+        saved.append(step)
+
+    @cstorch.trace
+    def training_step(batch, step):
+        loss = compiled(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss, None
+
+    @cstorch.step_closure
+    def post_training_step(loss, loss_scale):
+        logged.append(loss.item())
+
+    cs_config = cstorch.utils.CSConfig(num_csx=None, max_wgt_servers=None, mgmt_namespace=None, job_labels=None,
+                                       num_workers_per_csx=None, disable_version_check=False)
+    executor = cstorch.utils.data.DataExecutor(dataloader, num_steps=len(batches), checkpoint_steps=len(batches),
+                                               cs_config=cs_config, writer=None, listeners=[])
+    losses = []
+    for step, batch in enumerate(executor, start=1):
+        loss, _ = training_step(batch, step)
+        post_training_step(loss, None)
+        save_checkpoint(step)                          # called every step; saves on checkpoint steps only
+        losses.append(loss.item())
+    assert executor.profiler.rate_tracker.total_samples == sum(len(b["labels"] if isinstance(b, dict) else b[1])
+                                                               for b in batches)
+    return losses, logged, saved
+
+
+def eager_flow(model, batches):
+    """torch eager of zoo_flow: SGD with the model zoo's two groups (biases undecayed)."""
+    decayed = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    kept = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.SGD([{"params": decayed, "weight_decay": 0.01}, {"params": kept, "weight_decay": 0.0}],
+                                lr=0.05, momentum=0.9)
+    losses = []
+    for batch in batches:
+        loss = model(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def batches_of(keyed: bool):
+    loader = mlp.input_fn(16)
+    out = []
+    for x, y in loader:
+        out.append({"inputs": x, "labels": y} if keyed else [x, y])
+        if len(out) == STEPS:
+            return out
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["list batch", "dict batch"])
+def test_a_model_that_computes_its_own_loss_from_the_batch_trains_as_torch_eager(keyed: bool) -> None:
+    torch.manual_seed(0)
+    model = SelfLossMLP(keyed)
+    reference = copy.deepcopy(model)
+    batches = batches_of(keyed)
+    losses, logged, saved = zoo_flow(model, batches, mixed_precision=False)
+    want = eager_flow(reference, batches)
+    assert logged == losses and saved == [STEPS]
+    for got, expected in zip(losses, want):
+        assert abs(got - expected) <= REL * abs(expected), (losses, want)
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], value, rtol=0, atol=1e-6), name
+
+
+def test_the_cpu_backends_mixed_precision_argument_decides_over_the_half_dtype() -> None:
+    """The 2.1 model zoo sets the half dtype on every run and passes `mixed_precision` to its CPU
+    backend: False trains in float32 (torch eager's numbers), True in the half dtype."""
+    cstorch.amp.set_half_dtype("float16")
+    assert amp.precision() == "float16"               # no backend yet: the half dtype, as before
+    cstorch.backend("CPU", mixed_precision=False)
+    assert amp.precision() == "float32"
+    reset_backend()
+    cstorch.backend("CPU", mixed_precision=True)
+    assert amp.precision() == "float16"
+    torch.manual_seed(0)
+    model = SelfLossMLP()
+    reference = copy.deepcopy(model)
+    batches = batches_of(False)
+    reset_backend()
+    half, _, _ = zoo_flow(model, batches, mixed_precision=True)
+    want = eager_flow(reference, batches)
+    assert max(abs(a - b) / b for a, b in zip(half, want)) > REL     # float16 operands are not float32's
+
+
+def test_visit_torch_tensors_walks_a_batch_in_order() -> None:
+    from cerebras_pytorch.utils.nest import recurse_spec, visit_torch_tensors
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    batch = {"x": [a, 3, b], "y": c}
+    found = list(visit_torch_tensors(batch, scope=["input"]))
+    assert [scope for scope, _ in found] == [["input", "x", "0"], ["input", "x", "2"], ["input", "y"]]
+    assert [t for _, t in found] == [a, b, c]
+    assert list(recurse_spec({"p": [1, 2]})) == [["p", "0"], ["p", "1"]]
+    with pytest.raises(ValueError, match="unknown data structure: int at x.1"):
+        list(visit_torch_tensors(batch, strict=True))
+
+
+def test_the_backend_and_config_as_the_model_zoo_reads_them() -> None:
+    assert cstorch.distributed.num_tasks() == 1
+    config = cstorch.utils.CSConfig(num_csx=None, mgmt_namespace=None, job_labels=None, max_act_per_csx=None,
+                                    num_workers_per_csx=None, transfer_processes=None, debug_args=object())
+    cluster = config.cluster_config()
+    assert (cluster.num_csx, cluster.max_wgt_servers, cluster.num_workers_per_csx) == (1, 24, 0)
+    assert cstorch.utils.CSConfig(num_csx=2).cluster_config().num_csx == 2
+    backend = cstorch.backend("CSX")
+    assert backend.is_csx and backend.backend_type == "CSX" and backend.backend_type.name == "CSX"
+    assert str(backend.device) == "CSX"
+    backend.device.config.lazy_initialization = False     # the model zoo sets these; nothing changes here
+    backend.device.config.drop_data = True
+    with backend.device:
+        layer = torch.nn.Linear(2, 2)
+    assert layer.weight.device.type == "cpu"
+
+
+def test_summary_writer_base_step_offsets_the_executors_steps(tmp_path) -> None:
+    """The model zoo makes its writer with base_step = global_step + 1: a summary of the first step
+    after a restart at step 10 is written at step 11."""
+    writer = cstorch.utils.tensorboard.SummaryWriter(log_dir=str(tmp_path), base_step=11)
+    model = torch.nn.Linear(4, 1)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+
+    @cstorch.trace
+    def step(x):
+        out = compiled(x).sum()
+        cstorch.summarize_tensor("out", out)
+        return out
+
+    data = [torch.ones(2, 4), torch.zeros(2, 4)]
+    for x in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: data), num_steps=2, writer=writer):
+        step(x)
+    steps = [d.step for d in cstorch.utils.tensorboard.SummaryReader(str(tmp_path)).read_tensor("out")]
+    assert steps == [11, 12]
+
+
+@pytest.mark.cluster
+def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_path) -> None:
+    """On CSX the step streams [inputs, labels] and the model computes its loss from both (the
+    labels are the program's target, read by the model): 1 and 2 WSEs against torch eager."""
+    torch.manual_seed(0)
+    initial = SelfLossMLP().state_dict()
+    results = {}
+    for num_csx in (1, 2):
+        reset_backend()
+        model = SelfLossMLP()
+        model.load_state_dict(initial)
+        backend = cstorch.backend("CSX", artifact_dir=str(tmp_path / f"csx{num_csx}"),
+                                  cluster_config=cstorch.distributed.ClusterConfig(num_csx=num_csx))
+        compiled = cstorch.compile(model, backend)
+        optimizer = cstorch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+
+        @cstorch.trace
+        def training_step(batch, step):
+            loss = compiled(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss, None
+
+        executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 16), num_steps=STEPS)
+        losses, seen = [], []
+        for step, batch in enumerate(executor, start=1):
+            seen.append([t.clone() for t in batch])
+            losses.append(training_step(batch, step)[0].item())
+        results[num_csx] = (losses, seen, copy.deepcopy(model.state_dict()))
+    for losses, seen, weights in results.values():
+        reference = SelfLossMLP()
+        reference.load_state_dict(initial)
+        optimizer = torch.optim.SGD(reference.parameters(), 0.05, momentum=0.9)
+        want = []
+        for batch in seen:
+            loss = reference(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            want.append(loss.item())
+        for got, expected in zip(losses, want):
+            assert abs(got - expected) <= REL * abs(expected), (losses, want)
+        for name, value in reference.state_dict().items():
+            assert torch.allclose(weights[name], value, rtol=0, atol=1e-5), name
