@@ -478,7 +478,7 @@ class _Lowering:
         tensors = [n for n in node.all_input_nodes if n not in self.symbolic and n not in self.constants]
         reduced = [self.reduced[n] for n in tensors if n in self.reduced]
         rows = any(_batch_shaped(n.meta.get("val")) for n in tensors)
-        keeps_rows = _batch_shaped(node.meta.get("val"))
+        keeps_rows = _batch_shaped(node.meta.get("val")) or _per_target_loss(node)
         if reduced and (rows or keeps_rows):
             line = _source(node)
             raise CaptureError(f"{_located(reduced[0])}: reduces over the batch (dim 0), and op {node.target}"
@@ -618,6 +618,17 @@ def _batch_shaped(val) -> bool:
     if isinstance(val, (list, tuple)):
         return any(_batch_shaped(v) for v in val)
     return isinstance(val, torch.Tensor) and any(_symbolic(d) for d in val.shape)
+
+
+def _per_target_loss(node) -> bool:
+    """A classification loss with reduction "none" of batch-shaped targets: each target's loss,
+    in the targets' rows. (torch.export's value of it may be a scalar: seen for the model zoo's
+    GPT-2 loss, its meta val size () while the op's result is [B*T].)"""
+    if _packet(node.target) not in ("cross_entropy_loss", "nll_loss", "nll_loss_nd") or len(node.args) < 2:
+        return False
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    target = node.args[1]
+    return reduction == 0 and isinstance(target, torch.fx.Node) and _batch_shaped(target.meta.get("val"))
 
 
 def _follows_batch_shape(node) -> bool:
@@ -889,26 +900,27 @@ def _avg_pool(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, co
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+_PER_TARGET = ("mean", "sum", "none")   # the classification losses may keep each target's loss
 
 
-def _reduction(L, r):
+def _reduction(L, r, allowed=("mean", "sum")):
     name = _REDUCTIONS.get(r, r)
-    if name not in ("mean", "sum"):
-        raise L.error(f"loss reduction {name!r} (only mean and sum)")
+    if name not in allowed:
+        raise L.error(f"loss reduction {name!r} (only {', '.join(allowed[:-1])} and {allowed[-1]})")
     return name
 
 
 def _cross_entropy(L, node, x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
     if weight is not None or label_smoothing:
         raise L.error("cross_entropy with class weights or label smoothing")
-    return L.emit("cross_entropy", [x, target], {"reduction": _reduction(L, reduction),
+    return L.emit("cross_entropy", [x, target], {"reduction": _reduction(L, reduction, _PER_TARGET),
                                                  "ignore_index": int(ignore_index)})
 
 
 def _nll(L, node, x, target, weight=None, reduction=1, ignore_index=-100):
     if weight is not None:
         raise L.error("nll_loss with class weights")
-    return L.emit("nll_loss", [x, target], {"reduction": _reduction(L, reduction),
+    return L.emit("nll_loss", [x, target], {"reduction": _reduction(L, reduction, _PER_TARGET),
                                             "ignore_index": int(ignore_index)})
 
 

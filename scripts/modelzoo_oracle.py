@@ -34,6 +34,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -166,9 +167,14 @@ def make_data(model: str, work: Path) -> Path:
 # ---------------------------------------------------------------- torchvision
 _TORCHVISION_STANDIN = {
     "__init__.py": '"""A stand-in: torchvision\'s MNIST reader and the transforms the model zoo uses."""\n'
-                   "from . import datasets, io, transforms\n",
+                   "from . import datasets, io, ops, transforms\n",
     "io/__init__.py": "from . import image\n",
     "io/image.py": "",
+    "ops.py": '''
+        class FrozenBatchNorm2d:     # named in the model zoo's table of norms; none of the checked models uses it
+            def __init__(self, *args, **kwargs):
+                raise NotImplementedError("the torchvision stand-in has no FrozenBatchNorm2d")
+        ''',
     "datasets.py": '''
         import os
         import numpy as np
@@ -251,7 +257,8 @@ def torchvision_path(work: Path) -> list[str]:
 def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str]):
     """Run the model zoo's run.py; (returncode, output)."""
     import yaml
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)     # the model zoo resumes from a checkpoint it finds there
+    out.mkdir(parents=True)
     params_file = out / "params.yaml"
     params_file.write_text(yaml.safe_dump(params))
     layout, root = layout_of(checkout)

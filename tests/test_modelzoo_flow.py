@@ -248,3 +248,91 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
             assert abs(got - expected) <= REL * abs(expected), (losses, want)
         for name, value in reference.state_dict().items():
             assert torch.allclose(weights[name], value, rtol=0, atol=1e-5), name
+
+
+class MaskedTokenLoss(torch.nn.Module):
+    """The model zoo's GPT-2 loss (GPTLMHeadModelLoss, num_tokens): per-token cross entropy
+    (reduction "none"), masked, summed and divided by the tokens counted."""
+
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab)
+        self.vocab = vocab
+
+    def forward(self, data):
+        logits = self.head(self.embedding(data["input_ids"]))
+        per_token = torch.nn.CrossEntropyLoss(reduction="none")(logits.view(-1, self.vocab),
+                                                                 data["labels"].view(-1).long())
+        mask = data["attention_mask"].to(dtype=logits.dtype)
+        return torch.sum(per_token * mask.view(-1)) / torch.sum(mask)
+
+
+def test_per_token_cross_entropy_with_a_mask_trains_as_torch_eager() -> None:
+    torch.manual_seed(0)
+    model = MaskedTokenLoss()
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(3):
+        mask = (torch.rand(4, 8, generator=gen) > 0.3).to(torch.int32)
+        batches.append({"input_ids": torch.randint(0, 50, (4, 8), generator=gen, dtype=torch.int32),
+                        "attention_mask": mask,
+                        "labels": torch.randint(0, 50, (4, 8), generator=gen, dtype=torch.int32)})
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.5)
+
+    @cstorch.trace
+    def step(batch):
+        loss = compiled(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    got = [step(b).item() for b in batches]
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for batch, loss in zip(batches, got):
+        want = reference(batch)
+        want.backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad()
+        assert abs(loss - want.item()) <= REL * want.item()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], value, rtol=0, atol=1e-6), name
+
+
+class CountingLoader(torch.utils.data.DataLoader):
+    """The model zoo's RestartableDataLoader protocol: each worker's state from get_worker_state,
+    aggregated over the workers, deaggregated and loaded on restart."""
+
+    def state_dict(self):
+        return {"samples_streamed": cstorch.distributed.get_worker_state().samples_streamed}
+
+    def aggregate_state_dict(self, worker_states):
+        return {"samples_streamed": sum(s["samples_streamed"] for s in worker_states), "seed": 7}
+
+    def deaggregate_state_dict(self, aggregated):
+        return {"samples_streamed": aggregated["samples_streamed"]}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_a_restartable_loaders_state_is_the_samples_streamed() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).view(20, 2), torch.arange(20))
+    loader = cstorch.utils.data.DataLoader(lambda: CountingLoader(data, batch_size=4))
+    assert loader.is_restartable and loader.batch_size == 4
+    for _ in cstorch.utils.data.DataExecutor(loader, num_steps=3):
+        pass
+    assert loader.state_dict() == {"samples_streamed": 12, "seed": 7}
+    loader.load_state_dict({"samples_streamed": 12, "seed": 7})
+    assert loader.loader.loaded == {"samples_streamed": 12}
+    with pytest.raises(Exception, match="get_worker_state"):      # outside a loader's state_dict
+        cstorch.distributed.get_worker_state()
+    plain = cstorch.utils.data.DataLoader(lambda: torch.utils.data.DataLoader(data, batch_size=4))
+    with pytest.raises(Exception, match="not restartable"):
+        plain.state_dict()
+    spec = cstorch.distributed.cluster_resolver.ClusterSpec(
+        tasks=[cstorch.distributed.cluster_resolver.TaskSpec(0, 0, 0)])
+    assert spec.num_tasks() == 1

@@ -25,6 +25,10 @@ class ClusterSpec:
     num_csx: int = 1
     num_workers_per_csx: int = 1
 
+    def num_tasks(self) -> int:
+        """The tasks of the job (the model zoo's HDF5 readers shard their files over them)."""
+        return len(self.tasks)
+
     def task(self, rank: int | None = None) -> TaskSpec:
         """The task of `rank` (this process's when None)."""
         wanted = self.rank if rank is None else rank

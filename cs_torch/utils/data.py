@@ -35,6 +35,7 @@ class DataLoader:
             raise CsTorchError(f"DataLoader: input_fn must be callable, got {type(input_fn).__name__}")
         self.input_fn, self.args, self.kwargs = input_fn, args, kwargs
         self._loader = None
+        self.samples_streamed = 0    # counted by the DataExecutor, for a restartable loader's state
 
     @property
     def loader(self):
@@ -51,6 +52,24 @@ class DataLoader:
         not, so a checkpoint holds no loader state and a restart begins its data anew."""
         return callable(getattr(self.loader, "state_dict", None)) and callable(
             getattr(self.loader, "load_state_dict", None))
+
+    def state_dict(self) -> dict:
+        """A restartable loader's state (the model zoo's RestartableDataLoader): its state_dict, with
+        the samples streamed so far as its worker's, aggregated as its aggregate_state_dict says."""
+        from ..distributed import saving_worker_state
+        if not self.is_restartable:
+            raise CsTorchError(f"DataLoader.state_dict: the loader {getattr(self.input_fn, '__name__', 'input_fn')} "
+                               "made has no state_dict/load_state_dict (it is not restartable)")
+        with saving_worker_state(self.samples_streamed):
+            state = self.loader.state_dict()
+        aggregate = getattr(self.loader, "aggregate_state_dict", None)
+        return aggregate([state]) if callable(aggregate) else state
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.is_restartable:
+            raise CsTorchError("DataLoader.load_state_dict: the loader input_fn made is not restartable")
+        deaggregate = getattr(self.loader, "deaggregate_state_dict", None)
+        self.loader.load_state_dict(deaggregate(state) if callable(deaggregate) else state)
 
     @property
     def batch_size(self):
@@ -182,7 +201,10 @@ class DataExecutor:
             self.profiler.rate_tracker.start()
             for batch in source:
                 self.user_iteration += 1
-                self.profiler.rate_tracker.add(_samples(batch))
+                samples = _samples(batch)
+                self.profiler.rate_tracker.add(samples)
+                if isinstance(self.dataloader, DataLoader):
+                    self.dataloader.samples_streamed += samples
                 yield batch
                 if self.user_iteration >= total:
                     break
