@@ -535,6 +535,13 @@ class _Lowering:
                                        or (packet in _FILLED_LIKE and not self._is_const(list(node.args)))):
             self.names[node] = _BATCH_SIZED[packet](self, node, *node.args, **node.kwargs)
             return
+        if packet in ("div", "mul") and len(node.args) == 2 and node.args[1] in self.symbolic and \
+                not self._follows_batch(node.args[0]) and not _batch_shaped(node.args[0].meta.get("val")):
+            # x / batch (the model zoo's BERT: its masked-LM loss summed over the batch, over its
+            # rows): on a shard, over the shard's rows -- the program's loss is a mean over the
+            # shard, weighted by its rows, so this is the shard's share as the CPU path's is the whole.
+            self.names[node] = self.emit(packet, [node.args[0], _batch_count(self, node.args[1])])
+            return
         if packet not in _READS_BATCH_FROM_INPUT and self._follows_batch(list(node.args) + list(node.kwargs.values())):
             raise self.error("an argument follows the batch size: a shard of other rows would compute "
                              "other numbers (write it without the batch size)")
@@ -977,6 +984,30 @@ def _expand(L, node, x, shape, implicit=False):
 def _broadcast_tensors(L, node, tensors):
     shape = node.meta["val"][0].shape
     return [_expand_to(L, t, shape, f"{node.name}_{i}") for i, t in enumerate(tensors)]
+
+
+def _batch_count(L, size_node) -> str:
+    """A program value of a size that follows the batch (k * batch): the shard's rows, as a float
+    (a one-row constant broadcast over them, summed), times k."""
+    size = size_node.meta["val"]
+    expr = size.node.expr
+    batch = _batch_symbol(size)
+    factor = expr / batch
+    if not factor.is_number or factor <= 0:
+        raise L.error(f"divides by {expr}: only a multiple of the batch size is taken")
+    shape = (size if expr.is_Symbol else _batch_sym_of(L, size),)
+    ones = _expand_to(L, L.constant(torch.full((1,), float(factor))), shape, src=(1,))
+    return L.emit("sum", [ones], {"dim": None, "keepdim": False}, out=f"{size_node.name}_count")
+
+
+def _batch_sym_of(L, size):
+    """The batch symbol itself as a size, from a program input's dim 0."""
+    for node in L.ep.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() and \
+                _symbolic(val.shape[0]) and val.shape[0].node.expr.is_Symbol:
+            return val.shape[0]
+    raise L.error("a size of the batch, but no input has the batch in dim 0")
 
 
 def _filled(fill_of):

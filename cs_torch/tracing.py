@@ -116,7 +116,10 @@ class _Probe:
     def model_call(self, args, compiled):
         if self.model_args is not None:
             raise CsTorchError("trace: the step calls the compiled model twice; a traced step calls it once")
-        self.model_args, self.compiled = args, compiled
+        # The call's structure as it was made: a model may pop its batch dict's entries (the
+        # model zoo's BERT does), and the capture rebuilds the call from this.
+        leaves: list = []
+        self.model_args, self.compiled = _rebuild(_flatten(args, leaves), leaves), compiled
 
     def record(self, *effect):
         self.effects.append(effect)

@@ -49,6 +49,12 @@ REPO = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 SPREAD_FACTOR = 3.0
+# On CSX the model zoo trains in mixed precision whatever its params say (the 2.1 flow sets the
+# half dtype on every run, float16 by default; the 2.3+ trainer enables it for CSX), as the CS
+# system does: the matmuls' operands round to float16 (docs/torch.md). Against float32 torch
+# eager that is a bound, not an equality; 2 WSEs are held to 1 WSE's numbers instead.
+MIXED_LOSS_RTOL = 1e-2
+MIXED_WEIGHT_ATOL = 1e-3
 STEPS = 6
 SEED = 1
 
@@ -115,6 +121,30 @@ def make_gpt_hdf5(folder: Path, rng, vocab: int, seq: int, count: int = 64) -> P
     return folder
 
 
+def make_bert_csv(folder: Path, rng, vocab: int, seq: int, predictions: int, count: int = 64) -> Path:
+    """The model zoo's BERT CSV format (BertCSVDataProcessor): files of rows whose features are
+    lists written as text, and meta.dat naming each file and its rows."""
+    import csv
+    folder.mkdir(parents=True, exist_ok=True)
+    columns = ["input_ids", "attention_mask", "token_type_ids", "masked_lm_positions", "masked_lm_weights",
+               "labels", "next_sentence_label"]
+    with open(folder / "data-0.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for _ in range(count):
+            length = int(rng.integers(seq // 2, seq + 1))
+            ids = [int(t) for t in rng.integers(5, vocab, length)] + [0] * (seq - length)
+            split = int(rng.integers(1, length))
+            positions = sorted(int(p) for p in rng.choice(np.arange(1, length), predictions, replace=False))
+            writer.writerow({"input_ids": ids, "attention_mask": [1] * length + [0] * (seq - length),
+                             "token_type_ids": [0] * split + [1] * (length - split) + [0] * (seq - length),
+                             "masked_lm_positions": positions, "masked_lm_weights": [1] * predictions,
+                             "labels": [int(t) for t in rng.integers(5, vocab, predictions)],
+                             "next_sentence_label": [int(rng.integers(0, 2))]})
+    (folder / "meta.dat").write_text(f"data-0.csv {count}\n")
+    return folder
+
+
 def params_for(model: str, data: Path, dropout: str) -> dict:
     """A small params file of the model as the model zoo ships it (2 layers, hidden 64)."""
     runconfig = {"max_steps": STEPS, "log_steps": 1, "checkpoint_steps": STEPS, "save_initial_checkpoint": True,
@@ -152,6 +182,25 @@ def params_for(model: str, data: Path, dropout: str) -> dict:
                                "end_learning_rate": 0.0, "total_iters": 100}]},
             "runconfig": runconfig,
         }
+    if model == "bert":
+        rate = 0.0 if dropout == "zero" else 0.1
+        section = {"data_processor": "BertCSVDataProcessor", "data_dir": str(data), "batch_size": 8,
+                   "max_sequence_length": 64, "max_predictions_per_seq": 8, "shuffle": False, "num_workers": 0}
+        return {
+            "train_input": section, "eval_input": dict(section),
+            "model": {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,
+                      "filter_size": 256, "encoder_nonlinearity": "gelu", "pooler_nonlinearity": "tanh",
+                      "dropout_rate": rate, "attention_dropout_rate": rate, "max_position_embeddings": 64,
+                      "layer_norm_epsilon": 1.0e-5, "mlm_loss_weight": 0.058, "mixed_precision": False},
+            "optimizer": {"optimizer_type": "AdamW", "weight_decay": 0.01, "max_gradient_norm": 1.0,
+                          "loss_scaling_factor": 1.0,
+                          "learning_rate": [
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0,
+                               "end_learning_rate": 0.0002, "total_iters": 3},
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0002,
+                               "end_learning_rate": 0.0, "total_iters": 100}]},
+            "runconfig": runconfig,
+        }
     raise SystemExit(f"modelzoo_oracle: no small params for {model}")
 
 
@@ -161,6 +210,8 @@ def make_data(model: str, work: Path) -> Path:
         return make_mnist(work / "mnist", rng)
     if model == "gpt2":
         return make_gpt_hdf5(work / "gpt2_h5", rng, vocab=512, seq=64)
+    if model == "bert":
+        return make_bert_csv(work / "bert_csv", rng, vocab=512, seq=64, predictions=8)
     raise SystemExit(f"modelzoo_oracle: no data for {model}")
 
 
@@ -385,7 +436,7 @@ def eager(checkout: Path, zoo: ZooModel, params: dict, initial: dict, target: st
             group["lr"] = lr_at(optimizer_params["learning_rate"], step)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -426,9 +477,27 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
         tolerance = max(WEIGHT_ATOL, SPREAD_FACTOR * spread)
         if error / tolerance >= worst[0] / worst[1]:
             worst = (error, tolerance, name)
-    ok = steps == list(range(1, STEPS + 1)) and loss_err <= LOSS_RTOL and worst[0] <= worst[1]
-    return {**row, "ok": ok, "steps": len(steps), "loss_rel_err": loss_err, "weight_err": worst[0],
-            "weight_tol": worst[1], "worst_tensor": worst[2]}
+    mixed = target.startswith("CSX")
+    loss_tol = MIXED_LOSS_RTOL if mixed else LOSS_RTOL
+    weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
+    ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
+    return {**row, "ok": ok, "precision": "mixed float16" if mixed else "float32", "steps": len(steps),
+            "loss_rel_err": loss_err, "loss_tol": loss_tol, "weight_err": worst[0], "weight_tol": weight_tol,
+            "worst_tensor": worst[2], "losses": [got[s] for s in steps], "final": str(model_dir / f"checkpoint_{STEPS}.mdl")}
+
+
+def same_run(one: dict, two: dict) -> dict:
+    """2 WSEs against 1 (the same mixed precision): every loss within 1e-5 relative, every final
+    weight within 1e-5."""
+    row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"]}
+    if not (one.get("losses") and two.get("losses")):
+        return {**row, "ok": False, "error": "a run did not finish"}
+    loss_err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(two["losses"], one["losses"]))
+    first, second = load_checkpoint(Path(one["final"]))["model"], load_checkpoint(Path(two["final"]))["model"]
+    weight_err = max(float((second[k].double() - v.double()).abs().max()) for k, v in first.items()
+                     if hasattr(v, "is_floating_point") and v.is_floating_point())
+    ok = loss_err <= LOSS_RTOL and weight_err <= WEIGHT_ATOL
+    return {**row, "ok": ok, "loss_rel_err": loss_err, "weight_err": weight_err}
 
 
 def main(argv=None) -> int:
@@ -455,8 +524,12 @@ def main(argv=None) -> int:
         for dropout in args.dropout:
             for target in args.targets:
                 row = check(args.checkout, known[name], target, dropout, work, extra_path)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
                 rows.append(row)
+            runs = {r["target"]: r for r in rows if r["model"] == name and r["dropout"] == dropout}
+            if "CSX1" in runs and "CSX2" in runs:
+                rows.append(same_run(runs["CSX1"], runs["CSX2"]))
+                print(json.dumps(rows[-1]), flush=True)
     failed = [r for r in rows if not r["ok"]]
     print(f"modelzoo_oracle: {len(rows) - len(failed)} of {len(rows)} checks pass (work folder {work})")
     return 1 if failed else 0

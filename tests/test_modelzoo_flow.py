@@ -36,15 +36,17 @@ class SelfLossMLP(torch.nn.Module):
     """The model zoo's model shape: forward(batch) with batch [inputs, labels] (FC-MNIST) or a
     dict (GPT-2, BERT), returning its own loss (log_softmax + NLLLoss, as FC-MNIST's)."""
 
-    def __init__(self, keyed: bool = False):
+    def __init__(self, keyed: bool = False, over_rows: bool = False):
         super().__init__()
         self.model = mlp.MLP(hidden=16)
-        self.loss_fn = torch.nn.NLLLoss()
-        self.keyed = keyed
+        self.loss_fn = torch.nn.NLLLoss(reduction="sum" if over_rows else "mean")
+        self.keyed, self.over_rows = keyed, over_rows
 
     def forward(self, data):
         inputs, labels = (data["inputs"], data["labels"]) if self.keyed else data
-        return self.loss_fn(torch.nn.functional.log_softmax(self.model(inputs), dim=1), labels)
+        loss = self.loss_fn(torch.nn.functional.log_softmax(self.model(inputs), dim=1), labels)
+        # BERT's masked-LM loss: summed, then divided by the batch size (labels.shape[0])
+        return loss / labels.shape[0] if self.over_rows else loss
 
 
 def zoo_flow(model, batches, backend_kind: str = "CPU", **backend_args):
@@ -203,16 +205,44 @@ def test_summary_writer_base_step_offsets_the_executors_steps(tmp_path) -> None:
     assert steps == [11, 12]
 
 
-@pytest.mark.cluster
-def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_path) -> None:
-    """On CSX the step streams [inputs, labels] and the model computes its loss from both (the
-    labels are the program's target, read by the model): 1 and 2 WSEs against torch eager."""
+def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
     torch.manual_seed(0)
-    initial = SelfLossMLP().state_dict()
+    model = SelfLossMLP(over_rows=True)
+    reference = copy.deepcopy(model)
+    batches = batches_of(False)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.05)
+
+    @cstorch.trace
+    def step(batch):
+        loss = compiled(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for batch in batches:
+        got = step(batch).item()
+        want = reference(batch)
+        want.backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad()
+        assert abs(got - want.item()) <= REL * want.item()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("over_rows", [False, True], ids=["mean loss", "sum over the batch size"])
+def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_path, over_rows: bool) -> None:
+    """On CSX the step streams [inputs, labels] and the model computes its loss from both (the
+    labels are the program's target, read by the model): 1 and 2 WSEs against torch eager; a
+    loss summed and divided by the batch size is each shard's over its own rows, weighted."""
+    torch.manual_seed(0)
+    initial = SelfLossMLP(over_rows=over_rows).state_dict()
     results = {}
     for num_csx in (1, 2):
         reset_backend()
-        model = SelfLossMLP()
+        model = SelfLossMLP(over_rows=over_rows)
         model.load_state_dict(initial)
         backend = cstorch.backend("CSX", artifact_dir=str(tmp_path / f"csx{num_csx}"),
                                   cluster_config=cstorch.distributed.ClusterConfig(num_csx=num_csx))
@@ -234,7 +264,7 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
             losses.append(training_step(batch, step)[0].item())
         results[num_csx] = (losses, seen, copy.deepcopy(model.state_dict()))
     for losses, seen, weights in results.values():
-        reference = SelfLossMLP()
+        reference = SelfLossMLP(over_rows=over_rows)
         reference.load_state_dict(initial)
         optimizer = torch.optim.SGD(reference.parameters(), 0.05, momentum=0.9)
         want = []
