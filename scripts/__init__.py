@@ -7,4 +7,5 @@ commands are cs_runtime/cli/.
     control_plane_bench.py  the launcher's control plane with many simulated tasks
     chaos.py, soak.py     faults thrown at whole jobs; many jobs back to back
     compare_checkouts.py, same_bits.py  do two versions of the code train to the same bits?
+    modelzoo_oracle.py    a Cerebras model zoo checkout's own run.py on the emulator against torch eager
 """
