@@ -741,8 +741,8 @@ def _dropout(L, node, x, p, train=True):
     if not (p and train):
         return _identity(L, node, x)
     if not L.dropout:
-        raise L.error(f"dropout with p={p} in training: a traced step draws no masks yet (set p=0, or hand "
-                      "the model to run() with cs_torch.capture.model_spec)")
+        raise L.error(f"dropout with p={p} in training: a 1.x loop draws no masks yet (set p=0, or use a "
+                      "2.x traced step, or hand the model to run() with cs_torch.capture.model_spec)")
     if not 0 < p < 1:
         raise L.error(f"dropout with p={p} (0 <= p < 1)")
     L.inputs.setdefault(CONTEXT, Value((6,), "int64"))

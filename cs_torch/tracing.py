@@ -347,7 +347,7 @@ class TracedStep:
         try:
             with grad_mode:
                 captured = capture_mod.capture(capture_model, model_inputs, example, replay_loss,
-                                               dropout=False, target_in_model=target_in_model)
+                                               target_in_model=target_in_model)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"trace: {exc}") from None
         finally:

@@ -12,17 +12,22 @@ model in torch eager here: from the run's own initial checkpoint
 (`save_initial_checkpoint`) and with the params the run saved in it, on the
 batches of the same data loader (the model zoo's, unshuffled), with the
 optimizer, schedule and clipping the model zoo's flow applies on that target.
-It checks the loss of every step (the run's TensorBoard `loss`, float32)
-within 1e-5 relative, and every tensor of the final checkpoint within
-max(1e-5, 3x the largest difference of torch's own float32 and float64
-runs of that tensor).
+On CPU it checks the loss of every step (the run's TensorBoard `loss`,
+float32) within 1e-5 relative, and every tensor of the final checkpoint
+within max(1e-5, 3x the largest difference of torch's own float32 and
+float64 runs of that tensor). On CSX the model zoo trains in mixed precision
+whatever its params say (float16 matmul operands, as the CS system), so
+there the same numbers are reported and held to a bound (1e-2 relative,
+1e-3 in the weights), and 2 WSEs are compared with 1.
 
 The model zoo is not part of this project: bring a checkout of its public
-repository at the release to check (Release_2.1.1's layout `modelzoo/...`, or
-2.3 on, `src/cerebras/modelzoo/...`). CI does not run this script. A
-torchvision that does not import (a wheel built for another torch) is
-replaced, for FC-MNIST only, by a stand-in of the MNIST reader and the four
-transforms the model zoo uses, written into the work folder.
+repository at the release to check (Release_2.1.1's layout `modelzoo/...`;
+the 2.3+ layout `src/cerebras/modelzoo/...` is recognised, and its models are
+not yet known here). Its own requirements (jsonschema, h5py, datasets, ...)
+must import: PYTHONPATH passes through to the runs. CI does not run this
+script. A torchvision that does not import (a wheel built for another torch)
+is replaced by a stand-in of the MNIST reader and the transforms the model
+zoo uses, written into the work folder.
 
 Exit status 0 when every check passes, 1 when one fails, 2 on bad arguments.
 """
@@ -52,7 +57,7 @@ SPREAD_FACTOR = 3.0
 # On CSX the model zoo trains in mixed precision whatever its params say (the 2.1 flow sets the
 # half dtype on every run, float16 by default; the 2.3+ trainer enables it for CSX), as the CS
 # system does: the matmuls' operands round to float16 (docs/torch.md). Against float32 torch
-# eager that is a bound, not an equality; 2 WSEs are held to 1 WSE's numbers instead.
+# eager that is a bound, not an equality.
 MIXED_LOSS_RTOL = 1e-2
 MIXED_WEIGHT_ATOL = 1e-3
 STEPS = 6
@@ -487,8 +492,8 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
 
 
 def same_run(one: dict, two: dict) -> dict:
-    """2 WSEs against 1 (the same mixed precision): every loss within 1e-5 relative, every final
-    weight within 1e-5."""
+    """2 WSEs against 1, reported; held to the mixed-precision bound (each WSE's gradients leave
+    it in float16 before SwarmX sums them, so 2 WSEs round differently from 1)."""
     row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"]}
     if not (one.get("losses") and two.get("losses")):
         return {**row, "ok": False, "error": "a run did not finish"}
@@ -496,7 +501,7 @@ def same_run(one: dict, two: dict) -> dict:
     first, second = load_checkpoint(Path(one["final"]))["model"], load_checkpoint(Path(two["final"]))["model"]
     weight_err = max(float((second[k].double() - v.double()).abs().max()) for k, v in first.items()
                      if hasattr(v, "is_floating_point") and v.is_floating_point())
-    ok = loss_err <= LOSS_RTOL and weight_err <= WEIGHT_ATOL
+    ok = loss_err <= MIXED_LOSS_RTOL and weight_err <= MIXED_WEIGHT_ATOL
     return {**row, "ok": ok, "loss_rel_err": loss_err, "weight_err": weight_err}
 
 

@@ -8,8 +8,10 @@ zoo is not part of this project); these tests keep each API that flow uses hones
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the model zoo's flow trains torch modules; torch is an optional extra")
@@ -21,6 +23,27 @@ from examples.cstorch import mlp  # noqa: E402
 
 REL = 1e-5
 STEPS = 5
+
+
+@contextlib.contextmanager
+def the_runs_dropout_masks(step: int, rows: int, seed: int = 1):
+    """torch eager's dropout with the masks a traced step draws (kernels.sample_keep_mask of the run's
+    seed, the 0-based step, the site in the order the forward reaches it, each sample's elements)."""
+    from cs_runtime.numerics import kernels
+    site = [0]
+    real = torch.nn.functional.dropout
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return x
+        mask = kernels.sample_keep_mask(seed, step, site[0], slice(0, rows), tuple(x.shape), p, np.float32)
+        site[0] += 1
+        return x * torch.from_numpy(mask)
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = real
 
 
 @pytest.fixture(autouse=True)
@@ -36,9 +59,10 @@ class SelfLossMLP(torch.nn.Module):
     """The model zoo's model shape: forward(batch) with batch [inputs, labels] (FC-MNIST) or a
     dict (GPT-2, BERT), returning its own loss (log_softmax + NLLLoss, as FC-MNIST's)."""
 
-    def __init__(self, keyed: bool = False, over_rows: bool = False):
+    def __init__(self, keyed: bool = False, over_rows: bool = False, dropout: float = 0.0):
         super().__init__()
         self.model = mlp.MLP(hidden=16)
+        self.model.fc2 = torch.nn.Sequential(self.model.fc2, torch.nn.Dropout(dropout))
         self.loss_fn = torch.nn.NLLLoss(reduction="sum" if over_rows else "mean")
         self.keyed, self.over_rows = keyed, over_rows
 
@@ -231,18 +255,54 @@ def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
         assert abs(got - want.item()) <= REL * want.item()
 
 
+def test_dropout_in_a_traced_step_draws_the_runs_masks_as_torch_eager_given_them() -> None:
+    """The model zoo's models train with dropout as shipped: a traced step draws each site's masks
+    from (seed, step, site, sample), the same on the CPU path and every WSE; torch eager given the
+    same masks computes the same losses and weights."""
+    torch.manual_seed(0)
+    model = SelfLossMLP(dropout=0.3)
+    reference = copy.deepcopy(model)
+    batches = batches_of(False)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.05)
+
+    @cstorch.trace
+    def step(batch):
+        loss = compiled(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    plain = copy.deepcopy(reference)
+    for index, batch in enumerate(batches):
+        got = step(batch).item()
+        with the_runs_dropout_masks(index, len(batch[1])):
+            want = reference(batch)
+        want.backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad()
+        assert abs(got - want.item()) <= REL * want.item()
+    assert plain(batches[0]).item() != reference(batches[0]).item()      # the masks changed the training
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], value, rtol=0, atol=1e-6), name
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("over_rows", [False, True], ids=["mean loss", "sum over the batch size"])
-def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_path, over_rows: bool) -> None:
+@pytest.mark.parametrize("over_rows, dropout", [(False, 0.0), (True, 0.25)],
+                         ids=["mean loss", "sum over the batch size, dropout"])
+def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_path, over_rows: bool,
+                                                                         dropout: float) -> None:
     """On CSX the step streams [inputs, labels] and the model computes its loss from both (the
     labels are the program's target, read by the model): 1 and 2 WSEs against torch eager; a
     loss summed and divided by the batch size is each shard's over its own rows, weighted."""
     torch.manual_seed(0)
-    initial = SelfLossMLP(over_rows=over_rows).state_dict()
+    initial = SelfLossMLP(over_rows=over_rows, dropout=dropout).state_dict()
     results = {}
     for num_csx in (1, 2):
         reset_backend()
-        model = SelfLossMLP(over_rows=over_rows)
+        model = SelfLossMLP(over_rows=over_rows, dropout=dropout)
         model.load_state_dict(initial)
         backend = cstorch.backend("CSX", artifact_dir=str(tmp_path / f"csx{num_csx}"),
                                   cluster_config=cstorch.distributed.ClusterConfig(num_csx=num_csx))
@@ -264,12 +324,13 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
             losses.append(training_step(batch, step)[0].item())
         results[num_csx] = (losses, seen, copy.deepcopy(model.state_dict()))
     for losses, seen, weights in results.values():
-        reference = SelfLossMLP(over_rows=over_rows)
+        reference = SelfLossMLP(over_rows=over_rows, dropout=dropout)
         reference.load_state_dict(initial)
         optimizer = torch.optim.SGD(reference.parameters(), 0.05, momentum=0.9)
         want = []
-        for batch in seen:
-            loss = reference(batch)
+        for step, batch in enumerate(seen):
+            with the_runs_dropout_masks(step, len(batch[1])):
+                loss = reference(batch)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
