@@ -34,6 +34,7 @@ Exit status 0 when every check passes, 1 when one fails, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import json
@@ -160,6 +161,7 @@ def params_for(model: str, data: Path, dropout: str) -> dict:
                             "to_float16": False, "shuffle": False},
             "eval_input": {"data_dir": str(data), "batch_size": 16, "drop_last_batch": True, "shuffle": False},
             "model": {"name": "fc_mnist", "mixed_precision": False, "depth": 2, "hidden_size": 64,
+                      # FC-MNIST ships dropout 0.0: "shipped" uses 0.2, so that its masks are checked too
                       "dropout": 0.0 if dropout == "zero" else 0.2, "activation_fn": "relu", "to_float16": False},
             "optimizer": {"optimizer_type": "SGD", "learning_rate": 0.01, "momentum": 0.9,
                           "loss_scaling_factor": 1.0},
@@ -433,7 +435,8 @@ def eager(checkout: Path, zoo: ZooModel, params: dict, initial: dict, target: st
         optimizer_params.get("loss_scaling_factor", 1.0) is not None else None
     losses = []
     for step, batch in enumerate(batches):
-        loss = model(batch)
+        with run_dropout_masks(step, _rows(batch)):
+            loss = model(batch)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
@@ -443,6 +446,40 @@ def eager(checkout: Path, zoo: ZooModel, params: dict, initial: dict, target: st
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def run_dropout_masks(step: int, rows: int):
+    """torch eager's dropout with the masks the emulator's traced step draws: site k (the k-th
+    dropout the forward reaches) of step `step` (0-based), from the run's seed (cstorch.manual_seed,
+    1 by default; the model zoo seeds torch only), each sample's elements in order."""
+    import torch
+    from cs_runtime.numerics import kernels
+    from cs_torch import session
+    site = [0]
+    real = torch.nn.functional.dropout
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return x
+        dtype = np.float64 if x.dtype == torch.float64 else np.float32
+        mask = kernels.sample_keep_mask(session._seed, step, site[0], slice(0, rows), tuple(x.shape), p, dtype)
+        site[0] += 1
+        return x * torch.from_numpy(mask)
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = real
+
+
+def _rows(batch) -> int:
+    """The batch's samples: dim 0 of its first tensor."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return _rows(batch[0])
+    return int(batch.shape[0])
 
 
 def _load(spec: str):
