@@ -90,14 +90,13 @@ LAYOUTS = {
 }
 
 
-def layout_of(checkout: Path) -> tuple[str, Path]:
-    """(layout, the folder that goes on PYTHONPATH) of a model zoo checkout."""
+def layout_of(checkout: Path) -> tuple[str, Path] | None:
+    """(layout, the folder that goes on PYTHONPATH) of a model zoo checkout; None if it is not one."""
     if (checkout / "modelzoo" / "common" / "pytorch" / "run_utils.py").is_file():
         return "2.1", checkout
     if (checkout / "src" / "cerebras" / "modelzoo").is_dir():
         return "2.3+", checkout / "src"
-    raise SystemExit(f"modelzoo_oracle: {checkout} is not a model zoo checkout (no modelzoo/common/pytorch/"
-                     "run_utils.py, no src/cerebras/modelzoo)")
+    return None
 
 
 # ---------------------------------------------------------------- data and params
@@ -319,8 +318,8 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
     out.mkdir(parents=True)
     params_file = out / "params.yaml"
     params_file.write_text(yaml.safe_dump(params))
-    layout, root = layout_of(checkout)
-    device, _, count = target.partition("CSX")
+    _, root = layout_of(checkout)
+    _, _, count = target.partition("CSX")
     command = [sys.executable, "run.py", "CSX" if count else "CPU", "--mode", "train", "--params", str(params_file),
                "--model_dir", str(out / "model_dir")]
     if count:
@@ -373,7 +372,7 @@ def decays(name: str, module) -> bool:
     return not (name.endswith("bias") or "norm" in type(module).__name__.lower())
 
 
-def eager_optimizer(model, optimizer: dict, dtype):
+def eager_optimizer(model, optimizer: dict):
     import torch
     owners = {f"{m_name}.{p_name}" if m_name else p_name: module
               for m_name, module in model.named_modules() for p_name, _ in module.named_parameters(recurse=False)}
@@ -393,7 +392,7 @@ def eager_optimizer(model, optimizer: dict, dtype):
 
 
 def batches_of(loader, steps: int, dtype):
-    import torch
+    """The loader's first `steps` batches (epoch after epoch), float tensors in `dtype`."""
     out = []
     while len(out) < steps:
         for batch in loader:
@@ -414,7 +413,7 @@ def _cast(batch, dtype):
     return batch
 
 
-def eager(checkout: Path, zoo: ZooModel, params: dict, initial: dict, target: str, dtype_name: str):
+def eager(zoo: ZooModel, params: dict, initial: dict, target: str, dtype_name: str):
     """(losses, final state dict) of torch eager: the model zoo's model from the run's initial
     weights, its data loader's batches, the step the model zoo's flow takes on that target."""
     import torch
@@ -428,7 +427,7 @@ def eager(checkout: Path, zoo: ZooModel, params: dict, initial: dict, target: st
     model.to(dtype)
     model.train()
     optimizer_params = params["optimizer"]
-    optimizer = eager_optimizer(model, optimizer_params, dtype)
+    optimizer = eager_optimizer(model, optimizer_params)
     batches = batches_of(data_fn(params), STEPS, dtype)
     # The flow clips gradients only where it makes a GradScaler: on CSX, with a loss scaling factor.
     clip = optimizer_params.get("max_gradient_norm") if target.startswith("CSX") and \
@@ -501,9 +500,9 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
     first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
     params = first["__metadata__"][0]["params"]
     got = run_losses(model_dir)
-    want32, weights32 = eager(checkout, zoo, params, first["model"], target, "float32")
+    want32, weights32 = eager(zoo, params, first["model"], target, "float32")
     try:
-        _, weights64 = eager(checkout, zoo, params, first["model"], target, "float64")
+        _, weights64 = eager(zoo, params, first["model"], target, "float64")
     except Exception as exc:  # a model zoo model that builds float32 tensors of its own
         print(f"modelzoo_oracle: {zoo.name} in float64: {exc}; the weight tolerance is {WEIGHT_ATOL}",
               file=sys.stderr)
@@ -550,9 +549,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
     parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
     args = parser.parse_args(argv)
-    if not args.checkout.is_dir():
-        parser.error(f"{args.checkout} is not a folder")
-    layout, root = layout_of(args.checkout)
+    found = layout_of(args.checkout) if args.checkout.is_dir() else None
+    if found is None:
+        parser.error(f"{args.checkout} is not a model zoo checkout (no modelzoo/common/pytorch/run_utils.py, "
+                     "no src/cerebras/modelzoo)")
+    layout, root = found
     known = LAYOUTS.get(layout, {})
     for name in args.models:
         if name not in known:
