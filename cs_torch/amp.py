@@ -79,8 +79,12 @@ def autocast(dtype=None):
 
 
 def precision() -> str:
-    """The format compiled programs run in: the half dtype once one is set, else float32."""
-    return _half["dtype"] if _half["enabled"] else "float32"
+    """The format compiled programs run in: the half dtype once one is set, else float32; a
+    backend made with mixed_precision= (the model zoo's CPU runs) decides for itself."""
+    from .backends import _current
+    chosen = getattr(_current, "mixed_precision", None)
+    enabled = _half["enabled"] if chosen is None else chosen
+    return _half["dtype"] if enabled else "float32"
 
 
 class GradScaler:

@@ -10,7 +10,9 @@ prints one line saying so; none is dropped silently.
 """
 from __future__ import annotations
 
+import enum
 import sys
+import types
 from dataclasses import dataclass, field, fields
 
 from cs_runtime.wire.protocol import check_labels
@@ -91,6 +93,28 @@ _UNHONOURED = {
 }
 
 
+class BackendType(str, enum.Enum):
+    """The kinds of backend; equal to their names as strings ("CSX" == BackendType.CSX)."""
+    CPU = "CPU"
+    GPU = "GPU"
+    CSX = "CSX"
+
+    def __str__(self):
+        return self.value
+
+    @property
+    def is_cpu(self) -> bool:
+        return self is BackendType.CPU
+
+    @property
+    def is_gpu(self) -> bool:
+        return self is BackendType.GPU
+
+    @property
+    def is_csx(self) -> bool:
+        return self is BackendType.CSX
+
+
 @dataclass
 class Backend:
     backend_type: str
@@ -100,16 +124,44 @@ class Backend:
     validate_only: bool
     cluster_config: ClusterConfig
     retrace_every_iteration: bool = False
+    # backend(..., mixed_precision=) as the model zoo passes it on CPU: True trains in the half
+    # dtype, False in float32 whatever the half dtype; None leaves it to cstorch.amp (see there).
+    mixed_precision: bool | None = None
+
+    def __post_init__(self):
+        self.backend_type = BackendType(self.backend_type)
+        self.device = Device(self.backend_type)
 
     @property
     def is_csx(self) -> bool:
-        return self.backend_type == "CSX"
+        return self.backend_type is BackendType.CSX
 
     @property
-    def device(self):
-        """A context manager, as torch.device: parameters stay on the host here."""
-        import torch
-        return torch.device("cpu")
+    def is_cpu(self) -> bool:
+        return self.backend_type is BackendType.CPU
+
+    @property
+    def is_gpu(self) -> bool:
+        return False        # backend("GPU") runs as CPU here
+
+
+class Device:
+    """backend.device: the context the model is made in (`with backend.device: model = ...`; its
+    parameters stay on the host here) and its settings (`device.config.lazy_initialization`,
+    `drop_data`, which the model zoo sets and which change nothing here). Prints as its type."""
+
+    def __init__(self, backend_type: "BackendType"):
+        self.type = backend_type.value
+        self.config = types.SimpleNamespace(lazy_initialization=True, drop_data=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __str__(self):
+        return self.type
 
 
 _current: Backend | None = None
@@ -134,11 +186,12 @@ def backend(backend_type: str = "CSX", *args, artifact_dir: str = "./cerebras", 
                            f"{_current.backend_type} already exists")
     if compile_only and validate_only:
         raise CsTorchError("backend: compile_only and validate_only are exclusive")
+    mixed_precision = kwargs.pop("mixed_precision", None)
     config = ClusterConfig.of(cluster_config)
     for key in ("num_csx", "num_workers_per_csx", "max_wgt_servers", "mount_dirs", "mgmt_address"):
         if key in kwargs:   # flat spellings of earlier releases
             setattr(config, key, kwargs.pop(key))
-    for key in sorted(kwargs):
+    for key in sorted(k for k in kwargs if kwargs[k] is not None):   # None: the real API's default
         note(f"backend: argument {key}={kwargs[key]!r} is not honoured by the emulator")
     defaults = ClusterConfig()
     for key, why in _UNHONOURED.items():
@@ -147,7 +200,8 @@ def backend(backend_type: str = "CSX", *args, artifact_dir: str = "./cerebras", 
     if retrace_every_iteration:
         note("backend: retrace_every_iteration is not honoured: a traced step is captured once")
     _current = Backend(kind, str(artifact_dir), compile_dir, bool(compile_only), bool(validate_only), config,
-                       bool(retrace_every_iteration))
+                       bool(retrace_every_iteration),
+                       None if mixed_precision is None else bool(mixed_precision))
     return _current
 
 

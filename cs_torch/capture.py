@@ -81,27 +81,31 @@ CONTEXT = "dropout_context"   # int64 [seed, step, row_start, row_stop, global_b
 
 
 class _WithLoss(torch.nn.Module):
-    def __init__(self, model, loss_fn, keywords: list[str] | None):
+    def __init__(self, model, loss_fn, keywords: list[str] | None, target_in_model: bool = False):
         super().__init__()
         self.model, self.loss_fn, self.keywords = model, loss_fn, keywords
+        self.target_in_model = target_in_model
 
     def forward(self, *args):
-        inputs = args[:-1]
+        inputs = args if self.target_in_model else args[:-1]
         out = self.model(**dict(zip(self.keywords, inputs))) if self.keywords else self.model(*inputs)
         loss = self.loss_fn(out, args[-1])
         # The model's own output too, when it is one tensor: a job hands it back on request.
         return (loss, out) if isinstance(out, torch.Tensor) else (loss,)
 
 
-def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dropout: bool = True) -> Captured:
+def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dropout: bool = True,
+            target_in_model: bool = False) -> Captured:
     """The program of `loss_fn(model(*example_inputs), example_target)` at these shapes
     (`model(**example_inputs)` when they are a dict). `dropout`: whether dropout in
-    training may draw masks (the caller feeds the run's context); without, it is refused."""
+    training may draw masks (the caller feeds the run's context); without, it is refused.
+    `target_in_model`: the model takes the target as its last argument too (a model that
+    computes its own loss from its input and the labels: `model(*example_inputs, target)`)."""
     names, inputs, keywords = _example_inputs(model, example_inputs)
     _refuse_batch_norm_unsupported(model)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
-    wrapped = _WithLoss(model, loss_fn, keywords)
+    wrapped = _WithLoss(model, loss_fn, keywords, target_in_model)
     batch = _batch_size(inputs)
     exported = _export_batch_free(wrapped, examples, batch)
     try:
@@ -526,7 +530,7 @@ class _Lowering:
         tensors = [n for n in node.all_input_nodes if n not in self.symbolic and n not in self.constants]
         reduced = [self.reduced[n] for n in tensors if n in self.reduced]
         rows = any(_batch_shaped(n.meta.get("val")) for n in tensors)
-        keeps_rows = _batch_shaped(node.meta.get("val"))
+        keeps_rows = _batch_shaped(node.meta.get("val")) or _per_target_loss(node)
         if reduced and (rows or keeps_rows):
             line = _source(node)
             raise CaptureError(f"{_located(reduced[0])}: reduces over the batch (dim 0), and op {node.target}"
@@ -582,6 +586,13 @@ class _Lowering:
         if packet in _BATCH_SIZED and (self._follows_batch(list(node.args)) or _follows_batch_shape(node)
                                        or (packet in _FILLED_LIKE and not self._is_const(list(node.args)))):
             self.names[node] = _BATCH_SIZED[packet](self, node, *node.args, **node.kwargs)
+            return
+        if packet in ("div", "mul") and len(node.args) == 2 and node.args[1] in self.symbolic and \
+                not self._follows_batch(node.args[0]) and not _batch_shaped(node.args[0].meta.get("val")):
+            # x / batch (the model zoo's BERT: its masked-LM loss summed over the batch, over its
+            # rows): on a shard, over the shard's rows -- the program's loss is a mean over the
+            # shard, weighted by its rows, so this is the shard's share as the CPU path's is the whole.
+            self.names[node] = self.emit(packet, [node.args[0], _batch_count(self, node.args[1])])
             return
         if packet not in _READS_BATCH_FROM_INPUT and self._follows_batch(list(node.args) + list(node.kwargs.values())):
             raise self.error("an argument follows the batch size: a shard of other rows would compute "
@@ -666,6 +677,17 @@ def _batch_shaped(val) -> bool:
     if isinstance(val, (list, tuple)):
         return any(_batch_shaped(v) for v in val)
     return isinstance(val, torch.Tensor) and any(_symbolic(d) for d in val.shape)
+
+
+def _per_target_loss(node) -> bool:
+    """A classification loss with reduction "none" of batch-shaped targets: each target's loss,
+    in the targets' rows. (torch.export's value of it may be a scalar: seen for the model zoo's
+    GPT-2 loss, its meta val size () while the op's result is [B*T].)"""
+    if _packet(node.target) not in ("cross_entropy_loss", "nll_loss", "nll_loss_nd") or len(node.args) < 2:
+        return False
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    target = node.args[1]
+    return reduction == 0 and isinstance(target, torch.fx.Node) and _batch_shaped(target.meta.get("val"))
 
 
 def _follows_batch_shape(node) -> bool:
@@ -781,8 +803,8 @@ def _dropout(L, node, x, p, train=True):
     if not (p and train):
         return _identity(L, node, x)
     if not L.dropout:
-        raise L.error(f"dropout with p={p} in training: a traced step draws no masks yet (set p=0, or hand "
-                      "the model to run() with cs_torch.capture.model_spec)")
+        raise L.error(f"dropout with p={p} in training: a 1.x loop draws no masks yet (set p=0, or use a "
+                      "2.x traced step, or hand the model to run() with cs_torch.capture.model_spec)")
     if not 0 < p < 1:
         raise L.error(f"dropout with p={p} (0 <= p < 1)")
     L.inputs.setdefault(CONTEXT, Value((6,), "int64"))
@@ -947,26 +969,27 @@ def _avg_pool(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, co
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+_PER_TARGET = ("mean", "sum", "none")   # the classification losses may keep each target's loss
 
 
-def _reduction(L, r):
+def _reduction(L, r, allowed=("mean", "sum")):
     name = _REDUCTIONS.get(r, r)
-    if name not in ("mean", "sum"):
-        raise L.error(f"loss reduction {name!r} (only mean and sum)")
+    if name not in allowed:
+        raise L.error(f"loss reduction {name!r} (only {', '.join(allowed[:-1])} and {allowed[-1]})")
     return name
 
 
 def _cross_entropy(L, node, x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
     if weight is not None or label_smoothing:
         raise L.error("cross_entropy with class weights or label smoothing")
-    return L.emit("cross_entropy", [x, target], {"reduction": _reduction(L, reduction),
+    return L.emit("cross_entropy", [x, target], {"reduction": _reduction(L, reduction, _PER_TARGET),
                                                  "ignore_index": int(ignore_index)})
 
 
 def _nll(L, node, x, target, weight=None, reduction=1, ignore_index=-100):
     if weight is not None:
         raise L.error("nll_loss with class weights")
-    return L.emit("nll_loss", [x, target], {"reduction": _reduction(L, reduction),
+    return L.emit("nll_loss", [x, target], {"reduction": _reduction(L, reduction, _PER_TARGET),
                                             "ignore_index": int(ignore_index)})
 
 
@@ -1023,6 +1046,30 @@ def _expand(L, node, x, shape, implicit=False):
 def _broadcast_tensors(L, node, tensors):
     shape = node.meta["val"][0].shape
     return [_expand_to(L, t, shape, f"{node.name}_{i}") for i, t in enumerate(tensors)]
+
+
+def _batch_count(L, size_node) -> str:
+    """A program value of a size that follows the batch (k * batch): the shard's rows, as a float
+    (a one-row constant broadcast over them, summed), times k."""
+    size = size_node.meta["val"]
+    expr = size.node.expr
+    batch = _batch_symbol(size)
+    factor = expr / batch
+    if not factor.is_number or factor <= 0:
+        raise L.error(f"divides by {expr}: only a multiple of the batch size is taken")
+    shape = (size if expr.is_Symbol else _batch_sym_of(L, size),)
+    ones = _expand_to(L, L.constant(torch.full((1,), float(factor))), shape, src=(1,))
+    return L.emit("sum", [ones], {"dim": None, "keepdim": False}, out=f"{size_node.name}_count")
+
+
+def _batch_sym_of(L, size):
+    """The batch symbol itself as a size, from a program input's dim 0."""
+    for node in L.ep.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() and \
+                _symbolic(val.shape[0]) and val.shape[0].node.expr.is_Symbol:
+            return val.shape[0]
+    raise L.error("a size of the batch, but no input has the batch in dim 0")
 
 
 def _filled(fill_of):

@@ -22,6 +22,7 @@ import torch
 from cs_runtime.numerics.executor import forward_backward, rounded, run_nodes
 
 from . import amp
+from .capture import CONTEXT
 from .nn import CsTorchError
 
 
@@ -40,6 +41,7 @@ class StepEngine:
                                    "weights (use cstorch.amp for half precision)")
             self.params[name] = p
         self.loss_name = self.program.outputs["loss"]
+        self.steps = 0   # training steps run: the step number dropout masks are drawn for (0-based, as a job's)
 
     def weights(self) -> dict[str, np.ndarray]:
         return {name: p.detach().numpy() for name, p in self.params.items()}
@@ -54,17 +56,30 @@ class StepEngine:
             inputs[name] = np.ascontiguousarray(array, dtype=want.dtype)
         return inputs
 
+    def with_context(self, inputs: dict, train: bool) -> dict:
+        """The inputs, and the run's context where the program draws dropout masks: the same
+        (seed, step, rows) a job's WSEs feed it, so the CPU path and CSX drop the same units."""
+        if CONTEXT in self.program.inputs:
+            from . import session as session_mod
+            rows = int(inputs[self.captured.input_names[0]].shape[0])
+            inputs[CONTEXT] = np.array([session_mod._seed, self.steps if train else 0, 0, rows, rows, int(train)],
+                                       dtype=np.int64)
+        return inputs
+
     def train(self, arrays, seed: float = 1.0, output: bool = False):
         """(loss, {parameter: gradient}, the model's output when `output`, else None)."""
         live = {} if output else None
-        loss, grads = forward_backward(self.captured.units, self.weights(), self.feed(arrays),
+        inputs = self.with_context(self.feed(arrays), train=True)
+        loss, grads = forward_backward(self.captured.units, self.weights(), inputs,
                                        self.program.consts, self.loss_name, seed, amp.precision(), live_out=live)
+        self.steps += 1
         return loss, {self.params[name]: g for name, g in grads.items()}, self._output(live)
 
     def evaluate(self, arrays, output: bool = False):
         """The loss; with `output`, (loss, the model's output)."""
         fmt = amp.precision()
-        env = {**rounded(self.weights(), fmt), **rounded(self.feed(arrays), fmt), **self.program.consts}
+        feed = self.with_context(self.feed(arrays), train=False)
+        env = {**rounded(self.weights(), fmt), **rounded(feed, fmt), **self.program.consts}
         env = run_nodes(self.program.nodes, env, fmt=fmt)
         loss = float(env[self.loss_name])
         return (loss, self._output(env)) if output else loss

@@ -32,9 +32,12 @@ _said = set()
 class SummaryWriter:
     """cstorch.utils.tensorboard.SummaryWriter: TensorBoard event files (tensorboardX)."""
 
-    def __init__(self, log_dir: str | None = None, **kwargs):
+    def __init__(self, log_dir: str | None = None, base_step: int = 0, **kwargs):
         from tensorboardX import SummaryWriter as _Writer
         self.log_dir = log_dir or "runs"
+        # The step of the executor's first step, less one (the model zoo passes its global step
+        # + 1 when it resumes): a summary of executor step n is written at base_step + n - 1.
+        self.base_step = max(int(base_step) - 1, 0)
         self._writer = _Writer(self.log_dir, **kwargs)
 
     def add_scalar(self, tag, value, global_step=None):
@@ -127,7 +130,7 @@ def summarize_tensor(name: str, tensor) -> None:
 def write_tensor(name: str, tensor) -> None:
     writer = _writer("summarize_tensor")
     if writer is not None:
-        writer.add_tensor(name, tensor, current_executor().user_iteration)
+        writer.add_tensor(name, tensor, writer.base_step + current_executor().user_iteration)
 
 
 def _writer(what: str):
@@ -142,4 +145,4 @@ def _writer(what: str):
 def write_scalar(name: str, value) -> None:
     writer = _writer("summarize_scalar")
     if writer is not None:
-        writer.add_scalar(name, _value(value), current_executor().user_iteration)
+        writer.add_scalar(name, _value(value), writer.base_step + current_executor().user_iteration)

@@ -116,7 +116,10 @@ class _Probe:
     def model_call(self, args, compiled):
         if self.model_args is not None:
             raise CsTorchError("trace: the step calls the compiled model twice; a traced step calls it once")
-        self.model_args, self.compiled = args, compiled
+        # The call's structure as it was made: a model may pop its batch dict's entries (the
+        # model zoo's BERT does), and the capture rebuilds the call from this.
+        leaves: list = []
+        self.model_args, self.compiled = _rebuild(_flatten(args, leaves), leaves), compiled
 
     def record(self, *effect):
         self.effects.append(effect)
@@ -279,12 +282,19 @@ class TracedStep:
         if probe.loss.dim() != 0:
             raise CsTorchError(f"trace: the loss has shape {tuple(probe.loss.shape)}, not a scalar")
         tensor_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        for arg in probe.model_args:
+        call_leaves: list = []
+        call_template = _flatten(tuple(probe.model_args), call_leaves)
+        call_tensors = [arg for arg in call_leaves if isinstance(arg, torch.Tensor)]
+        for arg in call_tensors:
             if not any(arg is leaves[i] for i in tensor_leaves):
                 raise CsTorchError("trace: call the compiled model with the step's own tensor arguments "
                                    "(a tensor computed inside the step cannot be streamed to the CS system)")
         self.tensor_leaves = tensor_leaves
-        self.model_arg_leaves = [next(i for i in tensor_leaves if arg is leaves[i]) for arg in probe.model_args]
+        self.model_arg_leaves = [next(i for i in tensor_leaves if arg is leaves[i]) for arg in call_tensors]
+        # A model called with a structure (the model zoo's model(batch), a list or dict of the
+        # step's tensors) is captured through a view of it that takes those tensors flat.
+        flat_call = len(call_tensors) == len(call_leaves) and all(isinstance(t, _Leaf) for t in call_template)
+        capture_model = model if flat_call else _flat_arguments(model, call_template, call_leaves)
         self.returned = _spec(returned, probe.loss)
         self.effects = [self._effect_spec(e, probe.loss) for e in probe.effects]
         self.wants_output = _has_other(self.returned) or any(
@@ -294,13 +304,21 @@ class TracedStep:
         fn, non_tensors = self.fn, list(leaves)
         executor = current_executor()
         pair = executor is not None and executor.on_cluster
+        # A model given the labels too computes its own loss (the model zoo's model([inputs, labels])).
+        target_in_model = pair and sorted(self.model_arg_leaves) == tensor_leaves and len(tensor_leaves) == 2
         if pair:   # the CS system streams one input and the labels: the program takes exactly those
-            if len(tensor_leaves) != 2 or len(self.model_arg_leaves) != 1:
+            if len(tensor_leaves) != 2 or not (len(self.model_arg_leaves) == 1 or target_in_model):
                 raise CsTorchError(f"trace: with a CSX backend {self.fn.__name__} takes two tensors, the model's "
-                                   "input and the labels, and calls the compiled model with the first")
+                                   "input and the labels, and calls the compiled model with the first (or with "
+                                   "both, the input first, when the model computes its own loss)")
+            if target_in_model:
+                self.model_arg_leaves = tensor_leaves[:1]
+                capture_model = _flat_arguments(model, call_template, call_leaves, order=[
+                    next(k for k, leaf in enumerate(call_leaves) if leaf is leaves[i]) for i in tensor_leaves])
             target_leaf = next(i for i in tensor_leaves if i != self.model_arg_leaves[0])
             non_tensors[self.model_arg_leaves[0]] = _sentinel(leaves[self.model_arg_leaves[0]])
         self.input_leaves = self.model_arg_leaves + (([target_leaf]) if pair else tensor_leaves)
+        model_inputs = tuple(leaves[i] for i in self.model_arg_leaves) if target_in_model else tuple(call_tensors)
 
         def replay_loss(model_output, step_tensors):
             replay = _Replay(model_output)
@@ -328,7 +346,8 @@ class TracedStep:
         grad_mode = torch.enable_grad() if self.training else torch.no_grad()
         try:
             with grad_mode:
-                captured = capture_mod.capture(model, tuple(probe.model_args), example, replay_loss, dropout=False)
+                captured = capture_mod.capture(capture_model, model_inputs, example, replay_loss,
+                                               target_in_model=target_in_model)
         except capture_mod.CaptureError as exc:
             raise CsTorchError(f"trace: {exc}") from None
         finally:
@@ -424,6 +443,25 @@ class TracedStep:
         if rerun is not None:
             return _swap_loss(rerun[0], rerun[2], loss_tensor)
         return _materialize(self.returned, loss_tensor)
+
+
+def _flat_arguments(model: torch.nn.Module, template, call_leaves: list, order: list[int] | None = None):
+    """`model` taking the tensors of its call's arguments flat, in order (or in `order`, their
+    places among the call's leaves): the same module (one __dict__, so the same parameters,
+    names and mode) with a forward that rebuilds the call."""
+    positions = order or [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, torch.Tensor)]
+
+    class FlatArguments(type(model)):
+        def forward(self, *tensors):
+            values = list(call_leaves)
+            for position, tensor in zip(positions, tensors):
+                values[position] = tensor
+            return super().forward(*_rebuild(template, values))
+
+    FlatArguments.__name__ = FlatArguments.__qualname__ = type(model).__name__
+    view = object.__new__(FlatArguments)
+    view.__dict__ = model.__dict__
+    return view
 
 
 class _Tensors(tuple):

@@ -9,4 +9,5 @@ commands are cs_runtime/cli/.
     chaos.py, soak.py     faults thrown at whole jobs; many jobs back to back
     compare_checkouts.py, same_bits.py  do two versions of the code train to the same bits?
     modelzoo_data.py      the model zoo's data processors as shipped, on data made here (a checkout brought in)
+    modelzoo_oracle.py    a Cerebras model zoo checkout's own run.py on the emulator against torch eager
 """

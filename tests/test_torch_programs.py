@@ -272,11 +272,11 @@ def test_several_inputs_by_position_or_by_name_are_the_features_forward_names():
                    torch.from_numpy(y), loss_fn)
 
 
-def test_a_traced_step_still_refuses_dropout_in_training():
+def test_a_1x_loops_capture_still_refuses_dropout_in_training():
     from cs_torch.capture import capture
     module, loss_fn = _model("bert_inputs_dropout")
     x, y = _batches("bert_inputs", np.random.default_rng(2), 1, batch=2)[0]
-    with pytest.raises(CaptureError, match="dropout with p=0.2 in training: a traced step draws no masks"):
+    with pytest.raises(CaptureError, match="dropout with p=0.2 in training: a 1.x loop draws no masks"):
         capture(module, _example(x), torch.from_numpy(y), loss_fn, dropout=False)
 
 

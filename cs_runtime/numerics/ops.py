@@ -1264,19 +1264,27 @@ def _nll_forward(logp, target, attrs):
     if np.any(counted & ((lab < 0) | (lab >= flat.shape[1]))):
         raise OpError(f"targets outside [0, {flat.shape[1]}) (and not the ignore index)")
     picked = -flat[np.arange(len(lab)), safe] * counted
+    if attrs.get("reduction", "mean") == "none":     # each target's loss, in the targets' shape
+        return picked.reshape(target.shape).astype(logp.dtype, copy=False)
     if attrs.get("reduction", "mean") == "sum":
         return np.asarray(picked.sum(), dtype=logp.dtype)
     return np.asarray(picked.sum() / max(int(counted.sum()), 1), dtype=logp.dtype)
 
 
 def _nll_dflat(g, logp, target, attrs):
-    """d loss / d (flattened log-probabilities) for an upstream scalar gradient g."""
+    """d loss / d (flattened log-probabilities) for an upstream gradient g: a scalar, or with
+    reduction "none" one per target."""
     flat, lab = _class_axis_last(logp), target.reshape(-1)
     counted = _counted(lab, attrs)
-    scale = 1.0 if attrs.get("reduction", "mean") == "sum" else 1.0 / max(int(counted.sum()), 1)
+    reduction = attrs.get("reduction", "mean")
+    if reduction == "none":
+        upstream = np.asarray(g, dtype=logp.dtype).reshape(-1)
+    else:
+        scale = 1.0 if reduction == "sum" else 1.0 / max(int(counted.sum()), 1)
+        upstream = g * logp.dtype.type(scale)
     d = np.zeros_like(flat)
     rows = np.arange(len(lab))
-    d[rows, np.where(counted, lab, 0)] = np.where(counted, -(g * logp.dtype.type(scale)), 0)
+    d[rows, np.where(counted, lab, 0)] = np.where(counted, -upstream, 0)
     return d
 
 
@@ -1288,12 +1296,12 @@ def _unflatten_classes(d, like):
 
 
 def _loss_shape(shapes, attrs):
-    if attrs.get("reduction", "mean") not in ("mean", "sum"):
-        raise OpError(f"loss reduction {attrs['reduction']!r} (only mean and sum)")
+    if attrs.get("reduction", "mean") not in ("mean", "sum", "none"):
+        raise OpError(f"loss reduction {attrs['reduction']!r} (only mean, sum and none)")
     x, t = tuple(shapes[0]), tuple(shapes[1])
     if len(x) < 2 or (x[0],) + x[2:] != t:
         raise OpError(f"class scores {x} and targets {t}: expected [N, C, ...] and [N, ...]")
-    return ()
+    return t if attrs.get("reduction", "mean") == "none" else ()
 
 
 _register("nll_loss", lambda i, a: _nll_forward(i[0], i[1], a),

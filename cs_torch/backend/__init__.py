@@ -7,33 +7,14 @@ cs_torch.backends.backend (where the backend lives).
 """
 from __future__ import annotations
 
-import enum
 import inspect
 import sys
 import types
 
-from ..backends import Backend, backend, current_backend, current_backend_impl, current_torch_device, use_cs
+from ..backends import Backend, BackendType, backend, current_backend, current_backend_impl, current_torch_device, use_cs
 
 __all__ = ["Backend", "BackendType", "backend", "current_backend", "current_backend_impl", "current_torch_device",
            "get_backend_args", "use_cs"]
-
-
-class BackendType(enum.Enum):
-    CPU = "CPU"
-    GPU = "GPU"
-    CSX = "CSX"
-
-    @property
-    def is_cpu(self) -> bool:
-        return self is BackendType.CPU
-
-    @property
-    def is_gpu(self) -> bool:
-        return self is BackendType.GPU
-
-    @property
-    def is_csx(self) -> bool:
-        return self is BackendType.CSX
 
 
 def get_backend_args(backend_type) -> dict:

@@ -15,7 +15,9 @@ workers do.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from cs_runtime.units import bytes_to_human
@@ -131,6 +133,29 @@ def get_streaming_batch_size(effective_batch_size: int, global_rank: int | None 
     return effective_batch_size
 
 
+@dataclass
+class _WorkerState:
+    """What a restartable loader's state_dict reads of its worker: the samples it streamed."""
+    samples_streamed: int
+    worker_id: int = 0
+
+
+_saving: list[_WorkerState] = []
+
+
+@contextlib.contextmanager
+def saving_worker_state(samples_streamed: int):
+    """While cstorch's DataLoader.state_dict asks its loader for its state: the one worker's state
+    (the whole global batch is made here, so this process is every worker at once)."""
+    _saving.append(_WorkerState(int(samples_streamed)))
+    try:
+        yield
+    finally:
+        _saving.pop()
+
+
 def get_worker_state():
+    if _saving:   # a restartable loader's state_dict, called by cstorch's DataLoader.state_dict
+        return _saving[-1]
     raise CsTorchError("distributed.get_worker_state: the emulator's input workers keep their own place in the "
                        "batch plan; a worker's state is not emulated")

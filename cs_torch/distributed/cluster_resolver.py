@@ -34,6 +34,7 @@ class ClusterSpec:
     num_workers_per_csx: int = 1
 
     def num_tasks(self) -> int:
+        """The tasks of the job (the model zoo's HDF5 readers shard their files over them)."""
         return len(self.tasks)
 
     def filter_tasks_by_role(self, role: TaskRole) -> list[TaskSpec]:

@@ -8,7 +8,7 @@
 from . import data, nest, tensorboard
 from .data import CSConfig, DataLoader
 
-__all__ = ["CSConfig", "DataLoader", "SyntheticDataset", "data", "tensorboard"]
+__all__ = ["CSConfig", "DataLoader", "SyntheticDataset", "data", "nest", "tensorboard"]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ arguments (the workers import it by name).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -35,6 +36,7 @@ class DataLoader:
             raise CsTorchError(f"DataLoader: input_fn must be callable, got {type(input_fn).__name__}")
         self.input_fn, self.args, self.kwargs = input_fn, args, kwargs
         self._loader = None
+        self.samples_streamed = 0    # counted by the DataExecutor, for a restartable loader's state
 
     @property
     def loader(self):
@@ -45,6 +47,36 @@ class DataLoader:
                                    f"{type(self._loader).__name__}, not a torch DataLoader or an iterable")
         return self._loader
 
+    @property
+    def is_restartable(self) -> bool:
+        """Whether the loader saves and restores its place (a state_dict): a torch DataLoader does
+        not, so a checkpoint holds no loader state and a restart begins its data anew."""
+        return callable(getattr(self.loader, "state_dict", None)) and callable(
+            getattr(self.loader, "load_state_dict", None))
+
+    def state_dict(self) -> dict:
+        """A restartable loader's state (the model zoo's RestartableDataLoader): its state_dict, with
+        the samples streamed so far as its worker's, aggregated as its aggregate_state_dict says."""
+        from ..distributed import saving_worker_state
+        if not self.is_restartable:
+            raise CsTorchError(f"DataLoader.state_dict: the loader {getattr(self.input_fn, '__name__', 'input_fn')} "
+                               "made has no state_dict/load_state_dict (it is not restartable)")
+        with saving_worker_state(self.samples_streamed):
+            state = self.loader.state_dict()
+        aggregate = getattr(self.loader, "aggregate_state_dict", None)
+        return aggregate([state]) if callable(aggregate) else state
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.is_restartable:
+            raise CsTorchError("DataLoader.load_state_dict: the loader input_fn made is not restartable")
+        deaggregate = getattr(self.loader, "deaggregate_state_dict", None)
+        self.loader.load_state_dict(deaggregate(state) if callable(deaggregate) else state)
+
+    @property
+    def batch_size(self):
+        """The batch size of the loader input_fn makes (None when it has none)."""
+        return getattr(self.loader, "batch_size", None)
+
     def __len__(self):
         return len(self.loader)
 
@@ -54,22 +86,30 @@ class DataLoader:
 
 @dataclass
 class CSConfig:
-    """The cluster settings of releases before 2.3 (DataExecutor(cs_config=...))."""
+    """The cluster settings of releases before 2.3 (DataExecutor(cs_config=...)). The model zoo
+    passes each runconfig key it reads, None where the file has none: None is the default."""
     mgmt_address: str | None = None
+    mgmt_namespace: str | None = None
     credentials_path: str | None = None
-    num_csx: int = 1
-    max_wgt_servers: int = 24
-    num_workers_per_csx: int = 0
-    mount_dirs: list = field(default_factory=list)
-    python_paths: list = field(default_factory=list)
+    num_csx: int | None = 1
+    max_wgt_servers: int | None = 24
+    max_act_per_csx: int | None = None
+    num_workers_per_csx: int | None = 0
     transfer_processes: int | None = None
     job_time_sec: int | None = None
+    mount_dirs: list | None = field(default_factory=list)
+    python_paths: list | None = field(default_factory=list)
+    job_labels: list | None = field(default_factory=list)
+    debug_args: object = None
     precision_opt_level: int | None = None
+    disable_version_check: bool = False
 
     def cluster_config(self) -> ClusterConfig:
-        keys = ("mgmt_address", "credentials_path", "num_csx", "max_wgt_servers", "num_workers_per_csx",
-                "mount_dirs", "python_paths", "job_time_sec")
-        return ClusterConfig(**{k: getattr(self, k) for k in keys})
+        keys = ("mgmt_address", "mgmt_namespace", "credentials_path", "num_csx", "max_wgt_servers",
+                "max_act_per_csx", "num_workers_per_csx", "job_labels", "job_time_sec", "mount_dirs",
+                "python_paths", "disable_version_check")
+        given = {k: getattr(self, k) for k in keys}
+        return ClusterConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 class DataExecutor:
@@ -99,6 +139,7 @@ class DataExecutor:
         self.on_cluster = False
         self._runs: dict = {}
         self._samples = None    # a CSX loop's samples (cs_torch/loader_replay.py)
+        self.profiler = Profiler()
 
     # ------------------------------------------------------------ the CS system (CSX backend)
     def cluster_run(self, traced):
@@ -160,8 +201,13 @@ class DataExecutor:
         exc = None
         try:
             source = self._plan_batches() if self.on_cluster else self._epochs()
+            self.profiler.rate_tracker.start()
             for batch in source:
                 self.user_iteration += 1
+                samples = _samples(batch)
+                self.profiler.rate_tracker.add(samples)
+                if isinstance(self.dataloader, DataLoader):
+                    self.dataloader.samples_streamed += samples
                 yield batch
                 if self.user_iteration >= total:
                     break
@@ -189,6 +235,49 @@ class DataExecutor:
                 yield batch
             if not produced:
                 raise CsTorchError("DataExecutor: the data loader produced no batch")
+
+
+class RateTracker:
+    """Samples per second of the loop (the real API's executor.profiler.rate_tracker): `rate`
+    over the last step, `global_rate` since the loop began."""
+
+    def __init__(self):
+        self.total_samples, self._began, self._last, self.rate = 0, None, None, 0.0
+
+    def start(self) -> None:
+        self.total_samples, self._began, self._last, self.rate = 0, time.monotonic(), time.monotonic(), 0.0
+
+    def add(self, samples: int) -> None:
+        now = time.monotonic()
+        if self._last is not None and now > self._last:
+            self.rate = samples / (now - self._last)
+        self._last = now
+        self.total_samples += samples
+
+    @property
+    def total_time(self) -> float:
+        return (self._last - self._began) if self._began is not None else 0.0
+
+    @property
+    def global_rate(self) -> float:
+        return self.total_samples / self.total_time if self.total_time > 0 else 0.0
+
+
+class Profiler:
+    """executor.profiler: its rate tracker (profiler activities are not emulated, see above)."""
+
+    def __init__(self):
+        self.rate_tracker = RateTracker()
+
+
+def _samples(batch) -> int:
+    """The rows of a batch: dim 0 of its first tensor (0 when it holds none)."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return next((n for n in (_samples(b) for b in batch) if n), 0)
+    shape = getattr(batch, "shape", None)
+    return int(shape[0]) if shape else 0
 
 
 def compute_num_steps(dataloader, initial_step: int = 0, num_steps: int | None = None,

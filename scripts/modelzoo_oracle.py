@@ -1,0 +1,582 @@
+"""The Cerebras model zoo's own run.py on the emulator, checked against torch eager.
+
+    python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout [--models fc_mnist gpt2 bert]
+                                      [--targets CPU CSX1 CSX2] [--dropout zero shipped] [--work DIR]
+
+For each model and target this makes a small data set and a small params
+file (2 layers, hidden 64, sequence 64), runs the checkout's run.py as a user
+would (`python run.py CPU|CSX --mode train --params P --model_dir D
+[--num_csx N]`, with this project on PYTHONPATH so `cerebras_pytorch` /
+`cerebras.pytorch` are the emulator's), and then trains the same model zoo
+model in torch eager here: from the run's own initial checkpoint
+(`save_initial_checkpoint`) and with the params the run saved in it, on the
+batches of the same data loader (the model zoo's, unshuffled), with the
+optimizer, schedule and clipping the model zoo's flow applies on that target.
+On CPU it checks the loss of every step (the run's TensorBoard `loss`,
+float32) within 1e-5 relative, and every tensor of the final checkpoint
+within max(1e-5, 3x the largest difference of torch's own float32 and
+float64 runs of that tensor). On CSX the model zoo trains in mixed precision
+whatever its params say (float16 matmul operands, as the CS system), so
+there the same numbers are reported and held to a bound (1e-2 relative,
+1e-3 in the weights), and 2 WSEs are compared with 1.
+
+The model zoo is not part of this project: bring a checkout of its public
+repository at the release to check (Release_2.1.1's layout `modelzoo/...`;
+the 2.3+ layout `src/cerebras/modelzoo/...` is recognised, and its models are
+not yet known here). Its own requirements (jsonschema, h5py, datasets, ...)
+must import: PYTHONPATH passes through to the runs. CI does not run this
+script. A torchvision that does not import (a wheel built for another torch)
+is replaced by a stand-in of the MNIST reader and the transforms the model
+zoo uses, written into the work folder.
+
+Exit status 0 when every check passes, 1 when one fails, 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+SPREAD_FACTOR = 3.0
+# On CSX the model zoo trains in mixed precision whatever its params say (the 2.1 flow sets the
+# half dtype on every run, float16 by default; the 2.3+ trainer enables it for CSX), as the CS
+# system does: the matmuls' operands round to float16 (docs/torch.md). Against float32 torch
+# eager that is a bound, not an equality.
+MIXED_LOSS_RTOL = 1e-2
+MIXED_WEIGHT_ATOL = 1e-3
+STEPS = 6
+SEED = 1
+
+
+# ---------------------------------------------------------------- the models
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    folder: str          # run.py's folder, relative to the package root
+    model: str           # "module:Class" of the model zoo's model (called with params)
+    train_data: str      # "module:function" of its train input function
+
+
+LAYOUTS = {
+    # Release_2.1.1 and the 2.0/2.1 releases: modelzoo/<area>/pytorch/...
+    "2.1": {
+        "fc_mnist": ZooModel("fc_mnist", "modelzoo/fc_mnist/pytorch",
+                             "modelzoo.fc_mnist.pytorch.model:MNISTModel",
+                             "modelzoo.fc_mnist.pytorch.data:get_train_dataloader"),
+        "gpt2": ZooModel("gpt2", "modelzoo/transformers/pytorch/gpt2",
+                         "modelzoo.transformers.pytorch.gpt2.model:Gpt2Model",
+                         "modelzoo.transformers.pytorch.gpt2.data:train_input_dataloader"),
+        "bert": ZooModel("bert", "modelzoo/transformers/pytorch/bert",
+                         "modelzoo.transformers.pytorch.bert.model:BertForPreTrainingModel",
+                         "modelzoo.transformers.pytorch.bert.data:train_input_dataloader"),
+    },
+}
+
+
+def layout_of(checkout: Path) -> tuple[str, Path] | None:
+    """(layout, the folder that goes on PYTHONPATH) of a model zoo checkout; None if it is not one."""
+    if (checkout / "modelzoo" / "common" / "pytorch" / "run_utils.py").is_file():
+        return "2.1", checkout
+    if (checkout / "src" / "cerebras" / "modelzoo").is_dir():
+        return "2.3+", checkout / "src"
+    return None
+
+
+# ---------------------------------------------------------------- data and params
+def make_mnist(folder: Path, rng) -> Path:
+    """MNIST's four idx files (random images and labels) where torchvision's MNIST reads them."""
+    raw = folder / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, count in (("train", 256), ("t10k", 64)):
+        images = rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, (count,), dtype=np.uint8)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels.tobytes())
+    return folder
+
+
+def make_gpt_hdf5(folder: Path, rng, vocab: int, seq: int, count: int = 64) -> Path:
+    """The model zoo's GPT HDF5 sample format: files of data [n, 3, seq] (input_ids, input_mask,
+    labels, the labels the ids shifted by one), attribute n_examples."""
+    import h5py
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = rng.integers(0, vocab, (count, seq + 1), dtype=np.int32)
+    data = np.stack([tokens[:, :-1], np.ones((count, seq), np.int32), tokens[:, 1:]], axis=1)
+    for index, part in enumerate(np.split(data, 2)):
+        with h5py.File(folder / f"data-{index}.h5", "w") as f:
+            f.attrs["n_examples"] = len(part)
+            f.create_dataset("data", data=part)
+    return folder
+
+
+def make_bert_csv(folder: Path, rng, vocab: int, seq: int, predictions: int, count: int = 64) -> Path:
+    """The model zoo's BERT CSV format (BertCSVDataProcessor): files of rows whose features are
+    lists written as text, and meta.dat naming each file and its rows."""
+    import csv
+    folder.mkdir(parents=True, exist_ok=True)
+    columns = ["input_ids", "attention_mask", "token_type_ids", "masked_lm_positions", "masked_lm_weights",
+               "labels", "next_sentence_label"]
+    with open(folder / "data-0.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for _ in range(count):
+            length = int(rng.integers(seq // 2, seq + 1))
+            ids = [int(t) for t in rng.integers(5, vocab, length)] + [0] * (seq - length)
+            split = int(rng.integers(1, length))
+            positions = sorted(int(p) for p in rng.choice(np.arange(1, length), predictions, replace=False))
+            writer.writerow({"input_ids": ids, "attention_mask": [1] * length + [0] * (seq - length),
+                             "token_type_ids": [0] * split + [1] * (length - split) + [0] * (seq - length),
+                             "masked_lm_positions": positions, "masked_lm_weights": [1] * predictions,
+                             "labels": [int(t) for t in rng.integers(5, vocab, predictions)],
+                             "next_sentence_label": [int(rng.integers(0, 2))]})
+    (folder / "meta.dat").write_text(f"data-0.csv {count}\n")
+    return folder
+
+
+def params_for(model: str, data: Path, dropout: str) -> dict:
+    """A small params file of the model as the model zoo ships it (2 layers, hidden 64)."""
+    runconfig = {"max_steps": STEPS, "log_steps": 1, "checkpoint_steps": STEPS, "save_initial_checkpoint": True,
+                 "seed": SEED}
+    if model == "fc_mnist":
+        return {
+            "train_input": {"data_dir": str(data), "batch_size": 16, "drop_last_batch": True,
+                            "to_float16": False, "shuffle": False},
+            "eval_input": {"data_dir": str(data), "batch_size": 16, "drop_last_batch": True, "shuffle": False},
+            "model": {"name": "fc_mnist", "mixed_precision": False, "depth": 2, "hidden_size": 64,
+                      # FC-MNIST ships dropout 0.0: "shipped" uses 0.2, so that its masks are checked too
+                      "dropout": 0.0 if dropout == "zero" else 0.2, "activation_fn": "relu", "to_float16": False},
+            "optimizer": {"optimizer_type": "SGD", "learning_rate": 0.01, "momentum": 0.9,
+                          "loss_scaling_factor": 1.0},
+            "runconfig": runconfig,
+        }
+    if model == "gpt2":
+        rate = 0.0 if dropout == "zero" else 0.1
+        return {
+            "train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": str(data), "batch_size": 8,
+                            "shuffle": False, "num_workers": 0},
+            "model": {"hidden_size": 64, "vocab_size": 512, "position_embedding_type": "learned",
+                      "share_embedding_weights": True, "max_position_embeddings": 64,
+                      "num_hidden_layers": 2, "dropout_rate": rate, "layer_norm_epsilon": 1.0e-5,
+                      "loss_scaling": "num_tokens", "loss_weight": 1.0, "num_heads": 4,
+                      "attention_type": "scaled_dot_product", "attention_dropout_rate": rate,
+                      "use_projection_bias_in_attention": True, "use_ffn_bias_in_attention": True,
+                      "filter_size": 256, "nonlinearity": "gelu", "use_ffn_bias": True,
+                      "use_bias_in_output": False, "mixed_precision": False},
+            "optimizer": {"optimizer_type": "adamw", "betas": [0.9, 0.95], "eps": 1.0e-8,
+                          "max_gradient_norm": 1.0, "weight_decay": 0.01, "loss_scaling_factor": 1.0,
+                          "learning_rate": [
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0,
+                               "end_learning_rate": 0.0006, "total_iters": 3},
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0006,
+                               "end_learning_rate": 0.0, "total_iters": 100}]},
+            "runconfig": runconfig,
+        }
+    if model == "bert":
+        rate = 0.0 if dropout == "zero" else 0.1
+        section = {"data_processor": "BertCSVDataProcessor", "data_dir": str(data), "batch_size": 8,
+                   "max_sequence_length": 64, "max_predictions_per_seq": 8, "shuffle": False, "num_workers": 0}
+        return {
+            "train_input": section, "eval_input": dict(section),
+            "model": {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,
+                      "filter_size": 256, "encoder_nonlinearity": "gelu", "pooler_nonlinearity": "tanh",
+                      "dropout_rate": rate, "attention_dropout_rate": rate, "max_position_embeddings": 64,
+                      "layer_norm_epsilon": 1.0e-5, "mlm_loss_weight": 0.058, "mixed_precision": False},
+            "optimizer": {"optimizer_type": "AdamW", "weight_decay": 0.01, "max_gradient_norm": 1.0,
+                          "loss_scaling_factor": 1.0,
+                          "learning_rate": [
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0,
+                               "end_learning_rate": 0.0002, "total_iters": 3},
+                              {"scheduler": "Linear", "initial_learning_rate": 0.0002,
+                               "end_learning_rate": 0.0, "total_iters": 100}]},
+            "runconfig": runconfig,
+        }
+    raise SystemExit(f"modelzoo_oracle: no small params for {model}")
+
+
+def make_data(model: str, work: Path) -> Path:
+    rng = np.random.default_rng(0)
+    if model == "fc_mnist":
+        return make_mnist(work / "mnist", rng)
+    if model == "gpt2":
+        return make_gpt_hdf5(work / "gpt2_h5", rng, vocab=512, seq=64)
+    if model == "bert":
+        return make_bert_csv(work / "bert_csv", rng, vocab=512, seq=64, predictions=8)
+    raise SystemExit(f"modelzoo_oracle: no data for {model}")
+
+
+# ---------------------------------------------------------------- torchvision
+_TORCHVISION_STANDIN = {
+    "__init__.py": '"""A stand-in: torchvision\'s MNIST reader and the transforms the model zoo uses."""\n'
+                   "from . import datasets, io, ops, transforms\n",
+    "io/__init__.py": "from . import image\n",
+    "io/image.py": "",
+    "ops.py": '''
+        class FrozenBatchNorm2d:     # named in the model zoo's table of norms; none of the checked models uses it
+            def __init__(self, *args, **kwargs):
+                raise NotImplementedError("the torchvision stand-in has no FrozenBatchNorm2d")
+        ''',
+    "datasets.py": '''
+        import os
+        import numpy as np
+        import torch
+
+        def _idx(path):
+            data = open(path, "rb").read()
+            shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(data[3]))
+            return np.frombuffer(data, np.uint8, offset=4 + 4 * data[3]).reshape(shape)
+
+        class MNIST(torch.utils.data.Dataset):
+            def __init__(self, root, train=True, download=False, transform=None, target_transform=None):
+                prefix = os.path.join(root, "MNIST", "raw", "train" if train else "t10k")
+                self.data = torch.from_numpy(_idx(prefix + "-images-idx3-ubyte").copy())
+                self.targets = torch.from_numpy(_idx(prefix + "-labels-idx1-ubyte").astype(np.int64))
+                self.transform, self.target_transform = transform, target_transform
+
+            def __len__(self):
+                return len(self.data)
+
+            def __getitem__(self, index):
+                image, target = self.data[index], int(self.targets[index])
+                if self.transform is not None:
+                    image = self.transform(image)
+                if self.target_transform is not None:
+                    target = self.target_transform(target)
+                return image, target
+        ''',
+    "transforms.py": '''
+        import torch
+
+        class Compose:
+            def __init__(self, transforms):
+                self.transforms = transforms
+
+            def __call__(self, x):
+                for t in self.transforms:
+                    x = t(x)
+                return x
+
+        class ToTensor:      # uint8 [H, W] -> float32 [1, H, W] in [0, 1], as torchvision's
+            def __call__(self, image):
+                return image.to(torch.float32).div(255).unsqueeze(0)
+
+        class Normalize:
+            def __init__(self, mean, std):
+                self.mean, self.std = mean, std
+
+            def __call__(self, x):
+                mean = torch.as_tensor(self.mean, dtype=x.dtype).view(-1, 1, 1)
+                std = torch.as_tensor(self.std, dtype=x.dtype).view(-1, 1, 1)
+                return (x - mean) / std
+
+        class Lambda:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def __call__(self, x):
+                return self.fn(x)
+        ''',
+}
+
+
+def torchvision_path(work: Path) -> list[str]:
+    """[] when torchvision imports; else the folder of the stand-in, written there."""
+    probe = subprocess.run([sys.executable, "-c", "import torchvision.datasets"], capture_output=True)
+    if probe.returncode == 0:
+        return []
+    folder = work / "standins"
+    for name, text in _TORCHVISION_STANDIN.items():
+        path = folder / "torchvision" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    print("modelzoo_oracle: torchvision does not import here; FC-MNIST reads MNIST through a stand-in "
+          f"({folder / 'torchvision'})", file=sys.stderr)
+    return [str(folder)]
+
+
+# ---------------------------------------------------------------- the run
+def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str]):
+    """Run the model zoo's run.py; (returncode, output)."""
+    import yaml
+    shutil.rmtree(out, ignore_errors=True)     # the model zoo resumes from a checkpoint it finds there
+    out.mkdir(parents=True)
+    params_file = out / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+    _, root = layout_of(checkout)
+    _, _, count = target.partition("CSX")
+    command = [sys.executable, "run.py", "CSX" if count else "CPU", "--mode", "train", "--params", str(params_file),
+               "--model_dir", str(out / "model_dir")]
+    if count:
+        command += ["--num_csx", count]
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]   # the zoo's requirements
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra_path, str(REPO), str(root), *inherited]))
+    result = subprocess.run(command, cwd=root / zoo.folder, env=env, capture_output=True, text=True,
+                            timeout=1800)
+    (out / "run.log").write_text(result.stdout + result.stderr)
+    return result.returncode, result.stdout + result.stderr
+
+
+def run_losses(model_dir: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(model_dir / "train"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("loss")}
+
+
+def load_checkpoint(path: Path) -> dict:
+    import torch
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- torch eager
+def lr_at(learning_rate, step: int) -> float:
+    """The model zoo's schedule at `step` (0-based): a number, or pieces run one after another
+    (Linear and Constant, as the small params use)."""
+    if isinstance(learning_rate, (int, float)):
+        return float(learning_rate)
+    pieces = learning_rate if isinstance(learning_rate, list) else [learning_rate]
+    for index, piece in enumerate(pieces):
+        total = piece.get("total_iters", piece.get("steps"))
+        last = index == len(pieces) - 1
+        if not last and step >= total:
+            step -= total
+            continue
+        kind = piece["scheduler"].lower()
+        if kind == "constant":
+            return float(piece["learning_rate"])
+        if kind == "linear":
+            start, end = piece["initial_learning_rate"], piece["end_learning_rate"]
+            return start + (end - start) * min(step, total) / total
+        raise ValueError(f"lr_at: scheduler {piece['scheduler']} not modelled here")
+    raise AssertionError("unreachable")
+
+
+def decays(name: str, module) -> bool:
+    """The model zoo's rule for weight decay: not biases, not normalisation layers' weights."""
+    return not (name.endswith("bias") or "norm" in type(module).__name__.lower())
+
+
+def eager_optimizer(model, optimizer: dict):
+    import torch
+    owners = {f"{m_name}.{p_name}" if m_name else p_name: module
+              for m_name, module in model.named_modules() for p_name, _ in module.named_parameters(recurse=False)}
+    weight_decay = optimizer.get("weight_decay", 0.0)
+    decayed = [p for n, p in model.named_parameters() if decays(n, owners[n])]
+    kept = [p for n, p in model.named_parameters() if not decays(n, owners[n])]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    kind = optimizer["optimizer_type"].lower()
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.0, momentum=optimizer.get("momentum", 0.0),
+                               nesterov=optimizer.get("use_nesterov", False))
+    if kind in ("adam", "adamw"):
+        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        return cls(groups, lr=0.0, betas=tuple(optimizer.get("betas", (0.9, 0.999))),
+                   eps=optimizer.get("eps", 1e-6))
+    raise ValueError(f"eager_optimizer: {kind} not modelled here")
+
+
+def batches_of(loader, steps: int, dtype):
+    """The loader's first `steps` batches (epoch after epoch), float tensors in `dtype`."""
+    out = []
+    while len(out) < steps:
+        for batch in loader:
+            out.append(_cast(batch, dtype))
+            if len(out) == steps:
+                break
+    return out
+
+
+def _cast(batch, dtype):
+    import torch
+    if isinstance(batch, dict):
+        return {k: _cast(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cast(v, dtype) for v in batch)
+    if isinstance(batch, torch.Tensor) and batch.is_floating_point():
+        return batch.to(dtype)
+    return batch
+
+
+def eager(zoo: ZooModel, params: dict, initial: dict, target: str, dtype_name: str):
+    """(losses, final state dict) of torch eager: the model zoo's model from the run's initial
+    weights, its data loader's batches, the step the model zoo's flow takes on that target."""
+    import torch
+    dtype = getattr(torch, dtype_name)
+    params = copy.deepcopy(params)
+    torch.manual_seed(params["runconfig"].get("seed", 0))
+    model_cls = _load(zoo.model)
+    data_fn = _load(zoo.train_data)
+    model = model_cls(params)
+    model.load_state_dict(initial)
+    model.to(dtype)
+    model.train()
+    optimizer_params = params["optimizer"]
+    optimizer = eager_optimizer(model, optimizer_params)
+    batches = batches_of(data_fn(params), STEPS, dtype)
+    # The flow clips gradients only where it makes a GradScaler: on CSX, with a loss scaling factor.
+    clip = optimizer_params.get("max_gradient_norm") if target.startswith("CSX") and \
+        optimizer_params.get("loss_scaling_factor", 1.0) is not None else None
+    losses = []
+    for step, batch in enumerate(batches):
+        with run_dropout_masks(step, _rows(batch)):
+            loss = model(batch)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(optimizer_params["learning_rate"], step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def run_dropout_masks(step: int, rows: int):
+    """torch eager's dropout with the masks the emulator's traced step draws: site k (the k-th
+    dropout the forward reaches) of step `step` (0-based), from the run's seed (cstorch.manual_seed,
+    1 by default; the model zoo seeds torch only), each sample's elements in order."""
+    import torch
+    from cs_runtime.numerics import kernels
+    from cs_torch import session
+    site = [0]
+    real = torch.nn.functional.dropout
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return x
+        dtype = np.float64 if x.dtype == torch.float64 else np.float32
+        mask = kernels.sample_keep_mask(session._seed, step, site[0], slice(0, rows), tuple(x.shape), p, dtype)
+        site[0] += 1
+        return x * torch.from_numpy(mask)
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = real
+
+
+def _rows(batch) -> int:
+    """The batch's samples: dim 0 of its first tensor."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return _rows(batch[0])
+    return int(batch.shape[0])
+
+
+def _load(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------- one check
+def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str]) -> dict:
+    data = make_data(zoo.name, work / "data")
+    out = work / f"{zoo.name}_{target}_{dropout}"
+    code, output = run_zoo(checkout, zoo, params_for(zoo.name, data, dropout), target, out, extra_path)
+    row = {"model": zoo.name, "target": target, "dropout": dropout}
+    if code != 0:
+        lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+        return {**row, "ok": False, "error": f"run.py exited {code}: {lines[-1] if lines else ''}",
+                "log": str(out / "run.log")}
+    model_dir = out / "model_dir"
+    first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
+    params = first["__metadata__"][0]["params"]
+    got = run_losses(model_dir)
+    want32, weights32 = eager(zoo, params, first["model"], target, "float32")
+    try:
+        _, weights64 = eager(zoo, params, first["model"], target, "float64")
+    except Exception as exc:  # a model zoo model that builds float32 tensors of its own
+        print(f"modelzoo_oracle: {zoo.name} in float64: {exc}; the weight tolerance is {WEIGHT_ATOL}",
+              file=sys.stderr)
+        weights64 = None
+    steps = sorted(got)
+    loss_err = max(abs(got[s] - want32[s - 1]) / max(abs(want32[s - 1]), 1e-30) for s in steps) if steps else math.inf
+    worst = (0.0, 1.0, "")
+    for name, value in last["model"].items():
+        if not hasattr(value, "dtype") or not value.is_floating_point():
+            continue
+        error = float((value.double() - weights32[name].double()).abs().max())
+        spread = float((weights32[name].double() - weights64[name]).abs().max()) if weights64 else 0.0
+        tolerance = max(WEIGHT_ATOL, SPREAD_FACTOR * spread)
+        if error / tolerance >= worst[0] / worst[1]:
+            worst = (error, tolerance, name)
+    mixed = target.startswith("CSX")
+    loss_tol = MIXED_LOSS_RTOL if mixed else LOSS_RTOL
+    weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
+    ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
+    return {**row, "ok": ok, "precision": "mixed float16" if mixed else "float32", "steps": len(steps),
+            "loss_rel_err": loss_err, "loss_tol": loss_tol, "weight_err": worst[0], "weight_tol": weight_tol,
+            "worst_tensor": worst[2], "losses": [got[s] for s in steps], "final": str(model_dir / f"checkpoint_{STEPS}.mdl")}
+
+
+def same_run(one: dict, two: dict) -> dict:
+    """2 WSEs against 1, reported; held to the mixed-precision bound (each WSE's gradients leave
+    it in float16 before SwarmX sums them, so 2 WSEs round differently from 1)."""
+    row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"]}
+    if not (one.get("losses") and two.get("losses")):
+        return {**row, "ok": False, "error": "a run did not finish"}
+    loss_err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(two["losses"], one["losses"]))
+    first, second = load_checkpoint(Path(one["final"]))["model"], load_checkpoint(Path(two["final"]))["model"]
+    weight_err = max(float((second[k].double() - v.double()).abs().max()) for k, v in first.items()
+                     if hasattr(v, "is_floating_point") and v.is_floating_point())
+    ok = loss_err <= MIXED_LOSS_RTOL and weight_err <= MIXED_WEIGHT_ATOL
+    return {**row, "ok": ok, "loss_rel_err": loss_err, "weight_err": weight_err}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkout", type=Path, help="a model zoo checkout (its repository root)")
+    parser.add_argument("--models", nargs="+", default=["fc_mnist", "gpt2", "bert"])
+    parser.add_argument("--targets", nargs="+", default=["CPU", "CSX1", "CSX2"], choices=["CPU", "CSX1", "CSX2"])
+    parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
+    parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    found = layout_of(args.checkout) if args.checkout.is_dir() else None
+    if found is None:
+        parser.error(f"{args.checkout} is not a model zoo checkout (no modelzoo/common/pytorch/run_utils.py, "
+                     "no src/cerebras/modelzoo)")
+    layout, root = found
+    known = LAYOUTS.get(layout, {})
+    for name in args.models:
+        if name not in known:
+            parser.error(f"model {name!r}: not known for the {layout} layout (known: {', '.join(known) or 'none'})")
+    work = args.work or Path(tempfile.mkdtemp(prefix="modelzoo_oracle_"))
+    work.mkdir(parents=True, exist_ok=True)
+    extra_path = torchvision_path(work)
+    sys.path[:0] = [*extra_path, str(REPO), str(root)]
+    rows = []
+    for name in args.models:
+        for dropout in args.dropout:
+            for target in args.targets:
+                row = check(args.checkout, known[name], target, dropout, work, extra_path)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
+                rows.append(row)
+            runs = {r["target"]: r for r in rows if r["model"] == name and r["dropout"] == dropout}
+            if "CSX1" in runs and "CSX2" in runs:
+                rows.append(same_run(runs["CSX1"], runs["CSX2"]))
+                print(json.dumps(rows[-1]), flush=True)
+    failed = [r for r in rows if not r["ok"]]
+    print(f"modelzoo_oracle: {len(rows) - len(failed)} of {len(rows)} checks pass (work folder {work})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
