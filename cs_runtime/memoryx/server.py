@@ -35,7 +35,7 @@ from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, unscale_and_check, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import JobSettings, KeptBuffers, Message, Msg
+from cs_runtime.wire.protocol import JobSettings, KeptBuffers, Message, Msg, group_message, layer_arrays, layer_groups
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -98,6 +98,8 @@ class MemoryX:
         self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, msg.arrays)
         self.share_weights()
         self.grad_wire = KeptBuffers(self.spec)
+        self.groups = layer_groups([4 * sum(math.prod(shape) for shape in layer.param_shapes().values())
+                                    for layer in self.spec.layers])
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
                  self.spec.num_params())
 
@@ -136,22 +138,27 @@ class MemoryX:
         return buffers
 
     def stream_forward(self, step: int, phase: str, **extra) -> list[dict]:
-        """Encode each layer just before it is sent, so that the WSEs start on layer 0
-        while the layers after it are encoded; the layers as sent (for the backward pass)."""
+        """Encode each layer just before it is sent (with its group, protocol.layer_groups), so
+        that the WSEs start on the first group while the layers after it are encoded; the
+        layers as sent (for the backward pass). In a training step the last group goes
+        once, "fwd_bwd": the WSEs run it forward and at once backward, with the same
+        weights (the backward pass's first group needs no message of its own)."""
         wire = []
-        for index in range(len(self.spec.layers)):
-            with trace.span("encode_weights", step=step, layer=index):
-                wire.append(self.wire_layer(index))
-            self.stream_weights(step, phase, [index], wire, **extra)
+        for group in self.groups:
+            for index in group:
+                with trace.span("encode_weights", step=step, layer=index):
+                    wire.append(self.wire_layer(index))
+            last = group is self.groups[-1]
+            self.stream_weights(step, "fwd_bwd" if last and phase == "fwd" else phase, [group], wire, **extra)
         return wire
 
-    def stream_weights(self, step: int, phase: str, order, wire: list[dict], **extra) -> None:
+    def stream_weights(self, step: int, phase: str, groups, wire: list[dict], **extra) -> None:
         swarmx = self.peers["swarmx"]
         meta = {"phase": phase, "format": self.spec.precision, **extra}
         span_name = "send_" + phase
-        for index in order:
-            with trace.span(span_name, step=step, layer=index):
-                self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
+        for group in groups:
+            with trace.span(span_name, step=step, layer=group[0]):
+                self.router.send(group_message(Msg.WEIGHTS, step, {i: wire[i] for i in group}, meta), swarmx)
 
     def kept_grads(self, mtype: Msg, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
         """Where a GRADS array of several frames is joined (protocol.decode's `into`): a buffer
@@ -163,15 +170,14 @@ class MemoryX:
             return None
         return self.grad_wire.get(index, name, dtype, shape)
 
-    def received_grads(self, msg: Message) -> dict:
-        """A GRADS message's tensors as float32: 16-bit ones widened into buffers kept for
+    def received_grads(self, index: int, arrays: dict, fmt: str) -> dict:
+        """Layer `index`'s gradients as float32: 16-bit ones widened into buffers kept for
         the job (no fresh pages every step); float32 ones as they came (no copy)."""
-        fmt = msg.meta.get("format", "float32")
         if fmt == "float32":
-            return msg.arrays
+            return arrays
         grads = {}
-        for name, arr in msg.arrays.items():
-            key = (msg.layer, name)
+        for name, arr in arrays.items():
+            key = (index, name)
             buffer = self.grad_buffers.get(key)
             if buffer is None or buffer.shape != arr.shape:
                 buffer = self.grad_buffers[key] = np.empty(arr.shape, np.float32)
@@ -185,7 +191,7 @@ class MemoryX:
         wire = self.stream_forward(step, "fwd", loss_scale=loss_scale)   # encoded once, sent forward and backward
         # Weights sent zero-copy must not change until they have left: a layer's
         # gradients only arrive after every WSE received its backward weights.
-        self.stream_weights(step, "bwd", reversed(range(n)), wire)
+        self.stream_weights(step, "bwd", reversed(self.groups[:-1]), wire)
         # Without clipping or loss scaling each layer is updated as its gradients land;
         # a parameter two layers read (tied) waits for both and takes their sum. With loss
         # scaling each layer is unscaled and checked as it lands, off the step's critical
@@ -205,15 +211,17 @@ class MemoryX:
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)
                 continue
-            grads[msg.layer] = self.received_grads(msg)
-            if at_once:   # the norm too, while the WSEs compute the layers below
-                if norms:
-                    squares[msg.layer] = squared_norms(grads[msg.layer])
-                self.update(msg.layer, grads[msg.layer], lr, step)
-            elif check_each:
-                finite = unscale_and_check([grads[msg.layer]], loss_scale) and finite
-                if norms or self.max_norm:
-                    squares[msg.layer] = squared_norms(grads[msg.layer])
+            fmt = msg.meta.get("format", "float32")
+            for index, arrays in reversed(layer_arrays(msg)):   # a group's layers as computed, top first
+                grads[index] = self.received_grads(index, arrays, fmt)
+                if at_once:   # the norm too, while the WSEs compute the layers below
+                    if norms:
+                        squares[index] = squared_norms(grads[index])
+                    self.update(index, grads[index], lr, step)
+                elif check_each:
+                    finite = unscale_and_check([grads[index]], loss_scale) and finite
+                    if norms or self.max_norm:
+                        squares[index] = squared_norms(grads[index])
         ordered = [grads[i] for i in range(n)]
         if at_once:
             applied = True

@@ -256,12 +256,82 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # "label_count": labelled targets in the whole global batch (BATCH; a token loss's normaliser).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
                                  "layer_grad_norms": list, "norms": bool, "label_count": int,
+                                 "layers": int,   # WEIGHTS, GRADS: a group of small layers (below)
                                  "leaving": bool,   # HEARTBEAT: the sender's work is done; it is exiting
                                  # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
                                  # `after` of the next page (absent on the last page)
                                  "after": int, "next": int,
                                  # REFUSED for the rate limit: seconds until a request is taken again
                                  "retry_after": _NUM}
+
+
+# ------------------------------------------------------------ layer groups
+# Small consecutive layers travel together: one WEIGHTS message, and one GRADS back, for a
+# group instead of one per layer (a hop costs every process on the way a wake-up and a
+# message's handling, whatever its size). Such a message's `layer` is the group's first
+# (lowest) layer, meta "layers" how many it holds (2 or more), and each array is named
+# "<layer index>/<parameter>"; a message without "layers" holds one layer, arrays named as
+# the layer's parameters. A layer of GROUP_LAYER_BYTES or more (its weights in float32)
+# travels alone, so that a big model's stream keeps its layer-by-layer overlap and every
+# grouped array fits one frame (kept buffers are for arrays of several frames); a group
+# holds at most GROUP_BYTES.
+GROUP_LAYER_BYTES = MAX_FRAME_BYTES
+GROUP_BYTES = 4 * MAX_FRAME_BYTES
+
+
+def layer_groups(layer_bytes: list[int]) -> list[range]:
+    """Consecutive layers (by their float32 weight bytes) cut into the groups that travel together."""
+    groups: list[range] = []
+    start, total = 0, 0
+    for index, nbytes in enumerate(layer_bytes):
+        small = nbytes < GROUP_LAYER_BYTES
+        if index > start and not (small and total + nbytes <= GROUP_BYTES):
+            groups.append(range(start, index))
+            start, total = index, 0
+        total = total + nbytes if small else GROUP_BYTES   # a big layer closes its group
+    if layer_bytes:
+        groups.append(range(start, len(layer_bytes)))
+    return groups
+
+
+def grouped_name(index: int, name: str) -> str:
+    """An array's name in a group's message: its layer's index, then the parameter's name."""
+    return f"{index}/{name}"
+
+
+def group_message(mtype: "Msg", step: int, layers: dict[int, dict], meta: dict) -> "Message":
+    """One WEIGHTS or GRADS message for consecutive layers ({index: arrays}, at least one)."""
+    first = min(layers)
+    if len(layers) == 1:
+        return Message(mtype, step=step, layer=first, meta=meta, arrays=layers[first])
+    arrays = {grouped_name(index, name): arr for index, named in layers.items() for name, arr in named.items()}
+    return Message(mtype, step=step, layer=first, meta={**meta, "layers": len(layers)}, arrays=arrays)
+
+
+def layer_arrays(msg: "Message") -> list[tuple[int, dict]]:
+    """A WEIGHTS or GRADS message's layers, lowest first, each with its arrays (decode has
+    checked every grouped name); a layer without parameters gets {}."""
+    count = msg.meta.get("layers")
+    if count is None:
+        return [(msg.layer, msg.arrays)]
+    layers: dict[int, dict] = {index: {} for index in range(msg.layer, msg.layer + count)}
+    for name, arr in msg.arrays.items():
+        index, param = name.split("/", 1)
+        layers[int(index)][param] = arr
+    return list(layers.items())
+
+
+def _check_group(mtype: "Msg", header: dict, specs: list) -> None:
+    """A group's layers are in range and every array names one of them."""
+    count, first = header["meta"]["layers"], header["layer"]
+    if mtype not in (Msg.WEIGHTS, Msg.GRADS) or not 2 <= count <= MAX_ARRAYS or first < 0:
+        raise ProtocolError(f"{mtype.value}: a group of {count} layers from layer {first} is not allowed")
+    for name, *_ in specs:
+        index, slash, param = name.partition("/")
+        if not (slash and param and index.isdecimal() and len(index) <= 9 and first <= int(index) < first + count
+                and str(int(index)) == index):
+            raise ProtocolError(f"{mtype.value}: array {name[:40]!r} names no layer of the group "
+                                f"{first}..{first + count - 1}")
 
 
 # ------------------------------------------------------------ BATCH
@@ -467,6 +537,8 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
     if job is not None and header["job"] != job:
         raise ProtocolError(f"message for job {header['job'][:40]!r}, this is job {job!r}")
     specs = _check_array_specs(header["arrays"], frames[1:])
+    if "layers" in header["meta"]:
+        _check_group(mtype, header, specs)
     fmt = header["meta"].get("format")
     if fmt is not None:
         stored = _storage_name(fmt)
