@@ -182,7 +182,8 @@ def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra
         row.update(weight_bytes_per_step=int(pipelined.group(1)), grad_bytes_per_step=0)
     if traffic:
         weight, hops, grads = (int(g) for g in traffic.groups())
-        row.update(weight_bytes_per_step=weight * hops, grad_bytes_per_step=grads * (hops - 1) + grads)
+        row.update(weight_bytes_per_step=weight * hops, grad_bytes_per_step=grads * (hops - 1) + grads,
+                   stream_bytes_per_step=weight)   # what reached the WSEs: one hop
     return row
 
 
@@ -745,7 +746,6 @@ def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], c
     by_name = {r["name"]: r for r in rows}
     base = by_name.get("torch_cpu") or by_name.get("cpu") or rows[0]
     batch = preset["batch_size"]
-    one_pass = 2 * sum(facts["layer_bytes"])          # forward + backward, one hop
     print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps}; "
           f"{c_loops_line()}")
     if ceiling:
@@ -778,10 +778,13 @@ def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], c
         else:
             line += f"{'-':>10}"
         if row.get("weight_bytes_per_step"):
-            # bytes that reached the WSE(s) per second: one hop of the weight stream
-            streamed = one_pass * (rate / batch) * (0.5 if "float16" in row["name"] else 1)
+            line += f"{row['weight_bytes_per_step']:>15}"
+        if row.get("stream_bytes_per_step"):
+            # bytes that reached the WSE(s) per second: one hop of the weight stream, as measured
+            # (16-bit formats at 2 bytes a value; the last group of layers goes once a step)
+            streamed = row["stream_bytes_per_step"] * rate / batch
             row["weight_stream_bytes_per_sec"] = streamed
-            line += f"{row['weight_bytes_per_step']:>15}{streamed / 1e9:>12.3f}"
+            line += f"{streamed / 1e9:>12.3f}"
             if ceiling:
                 line += f"{streamed / ceiling['memcpy']:>10.3f}{streamed / ceiling['zmq']:>8.3f}"
         print(line)

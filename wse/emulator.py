@@ -120,6 +120,7 @@ class WeightStreamingExecutor:
         self.caches: list = []
         self.delta = None
         self.loss_scale = 1.0
+        self.step_loss: dict | None = None   # this step's LOSS fields, sent with its last GRADS
 
     def on_weights(self, msg: Message) -> None:
         """A WEIGHTS message: one layer, or a group of small ones (protocol.layer_groups),
@@ -140,8 +141,12 @@ class WeightStreamingExecutor:
                 with trace.span("recv_weights", step=msg.step, layer=index):
                     weights = self.widen(msg.step, index, arrays, fmt, "bwd")
                 grads[index] = self.backward(msg.step, index, weights)
+            meta = {"format": self.spec.precision}
+            if msg.layer == 0 and self.step_loss is not None:   # the step's last GRADS
+                meta.update(self.step_loss)
+                self.step_loss = None
             with trace.span("send_grads", step=msg.step, layer=msg.layer):
-                self.up.send(group_message(Msg.GRADS, msg.step, grads, {"format": self.spec.precision}))
+                self.up.send(group_message(Msg.GRADS, msg.step, grads, meta))
 
     def widen(self, step: int, index: int, arrays: dict, fmt: str, phase: str) -> dict:
         """Layer `index`'s weights as float32 values. float32 arrives as it is used (no copy).
@@ -195,7 +200,10 @@ class WeightStreamingExecutor:
             self.delta = scaled(result.delta, self.loss_scale)
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
                     "input_wait_s": self.inputs.take_wait()}
-            self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs))
+            if outputs:   # the output rows go up as LOSS, which SwarmX joins in rank order
+                self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs))
+            else:         # rides on the step's last GRADS (protocol.STEP_LOSS)
+                self.step_loss = meta
         else:
             self.up.send(Message(Msg.EVAL_RESULT, step=step, meta={
                 "loss_sum": result.loss_sum, "correct": result.correct, "count": result.count}, arrays=outputs))

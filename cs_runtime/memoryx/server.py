@@ -35,7 +35,8 @@ from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, unscale_and_check, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import JobSettings, KeptBuffers, Message, Msg, group_message, layer_arrays, layer_groups
+from cs_runtime.wire.protocol import (STEP_LOSS, JobSettings, KeptBuffers, Message, Msg, group_message, layer_arrays,
+                                      layer_groups)
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -202,6 +203,7 @@ class MemoryX:
         check_each = (self.skip_nonfinite or loss_scale != 1.0) and not tied
         finite = True
         grads, squares = {}, {}
+        step_loss = {}   # the step's loss, when it rides on a GRADS (protocol.STEP_LOSS): on to the chief
         def into(mtype, at_step, index, name, dtype, shape):   # never a buffer a gradient of this step lies in
             if at_step != step or index in grads:
                 return None
@@ -212,6 +214,7 @@ class MemoryX:
                 self.handle(identity, msg)
                 continue
             fmt = msg.meta.get("format", "float32")
+            step_loss.update((key, msg.meta[key]) for key in STEP_LOSS if key in msg.meta)
             for index, arrays in reversed(layer_arrays(msg)):   # a group's layers as computed, top first
                 grads[index] = self.received_grads(index, arrays, fmt)
                 if at_once:   # the norm too, while the WSEs compute the layers below
@@ -239,7 +242,7 @@ class MemoryX:
                    "grad_bytes": self.router.bytes_received - received}
         self.router.send(Message(Msg.STEP_DONE, step=step,
                                  meta={"grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
-                                       "shared_memory": self.arena is not None, **traffic}),
+                                       "shared_memory": self.arena is not None, **traffic, **step_loss}),
                          self.peers["chief"])
 
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:

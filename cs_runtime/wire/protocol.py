@@ -257,6 +257,8 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
                                  "layer_grad_norms": list, "norms": bool, "label_count": int,
                                  "layers": int,   # WEIGHTS, GRADS: a group of small layers (below)
+                                 # GRADS, STEP_DONE: a weight-streaming step's loss (STEP_LOSS)
+                                 "loss": _NUM, "count": int, "bytes_in": int, "input_wait_s": _NUM,
                                  "leaving": bool,   # HEARTBEAT: the sender's work is done; it is exiting
                                  # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
                                  # `after` of the next page (absent on the last page)
@@ -292,6 +294,12 @@ def layer_groups(layer_bytes: list[int]) -> list[range]:
     if layer_bytes:
         groups.append(range(start, len(layer_bytes)))
     return groups
+
+
+# A weight-streaming step's loss, as LOSS would carry it, rides on the step's last GRADS
+# (summed by SwarmX as LOSS is) and MemoryX hands it on in STEP_DONE: two hops fewer a
+# step. A job whose steps hand out the model's output sends LOSS, with those rows, instead.
+STEP_LOSS = ("loss", "count", "bytes_in", "input_wait_s")
 
 
 def grouped_name(index: int, name: str) -> str:
