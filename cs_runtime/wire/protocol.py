@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -334,10 +333,10 @@ def _check_group(mtype: "Msg", header: dict, specs: list) -> None:
     count, first = header["meta"]["layers"], header["layer"]
     if mtype not in (Msg.WEIGHTS, Msg.GRADS) or not 2 <= count <= MAX_ARRAYS or first < 0:
         raise ProtocolError(f"{mtype.value}: a group of {count} layers from layer {first} is not allowed")
+    prefixes = {str(index) for index in range(first, first + count)}   # as group_message writes them
     for name, *_ in specs:
         index, slash, param = name.partition("/")
-        if not (slash and param and index.isdecimal() and len(index) <= 9 and first <= int(index) < first + count
-                and str(int(index)) == index):
+        if not (slash and param and index in prefixes):
             raise ProtocolError(f"{mtype.value}: array {name[:40]!r} names no layer of the group "
                                 f"{first}..{first + count - 1}")
 
@@ -718,8 +717,9 @@ def _check_header(header: dict) -> Msg:
     for key, typ in META_SCHEMA[mtype].items():
         if not _is(meta.get(key), typ):
             raise ProtocolError(f"{mtype.value}: meta field {key!r} missing or of the wrong type")
-    for key, typ in OPTIONAL_META.items():
-        if key in meta and not _is(meta[key], typ):
+    for key, value in meta.items():   # a message's few keys, not every optional one
+        typ = OPTIONAL_META.get(key)
+        if typ is not None and not _is(value, typ):
             raise ProtocolError(f"{mtype.value}: meta field {key!r} of the wrong type")
     if "format" in meta and meta["format"] not in FORMATS:
         raise ProtocolError(f"{mtype.value}: unknown tensor format {meta['format'][:20]!r}")
@@ -738,8 +738,6 @@ def _is(value, typ) -> bool:
 def _check_array_specs(specs: list, frames: list) -> list:
     if len(specs) > MAX_ARRAYS:
         raise ProtocolError(f"{len(specs)} arrays exceed the cap of {MAX_ARRAYS}")
-    if not all(isinstance(spec, list) for spec in specs):
-        raise ProtocolError("array spec is not a list")
     checked = [_check_array_spec(spec) for spec in specs]
     framed = [nbytes for _, _, _, ref, nbytes in checked if ref is None]
     wanted = sum(frames_for(nbytes) for nbytes in framed)
@@ -749,8 +747,9 @@ def _check_array_specs(specs: list, frames: list) -> list:
     for name, dtype, shape, ref, nbytes in checked:
         parts = []
         if ref is None:
-            parts = frames[start:start + frames_for(nbytes)]
-            start += len(parts)
+            count = frames_for(nbytes)
+            parts = frames[start:start + count]
+            start += count
             _check_frame_sizes(name, nbytes, parts)
         out.append((name, dtype, shape, ref, parts))
     return out
@@ -758,34 +757,49 @@ def _check_array_specs(specs: list, frames: list) -> list:
 
 def _check_frame_sizes(name: str, nbytes: int, parts: list) -> None:
     """Every frame of an array full but the last, together the header's byte count."""
+    if len(parts) == 1:   # most arrays: one frame, its size the header's
+        size = _frame_len(parts[0])
+        if size != nbytes:
+            raise ProtocolError(f"array {name[:40]!r}: frame has {size} bytes, header says {nbytes}")
+        return
     sizes = [_frame_len(p) for p in parts]
     if sum(sizes) != nbytes or any(size != MAX_FRAME_BYTES for size in sizes[:-1]):
         got = sizes[0] if len(sizes) == 1 else f"{sum(sizes)} in frames of {sizes[:3]}..."
         raise ProtocolError(f"array {name[:40]!r}: frame has {got} bytes, header says {nbytes}")
 
 
+# Bytes a value of each wire dtype: np.dtype(name) costs a microsecond an array.
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in _WIRE_DTYPES.items()}
+
+
 def _check_array_spec(spec) -> tuple:
-    """(name, dtype, shape, shared-memory reference or None, bytes) of a valid spec."""
+    """(name, dtype, shape, shared-memory reference or None, bytes) of a valid spec.
+
+    Types are checked exactly (`type(x) is int`): msgpack gives plain ints, strs and lists,
+    and a bool is no int here."""
+    if type(spec) is not list:
+        raise ProtocolError("array spec is not a list")
     ref = None
     if len(spec) == 5:          # [name, dtype, shape, segment, offset]: no frame
         ref = (spec[3], spec[4])
-        if not (isinstance(ref[0], str) and isinstance(ref[1], int) and not isinstance(ref[1], bool)):
+        if not (type(ref[0]) is str and type(ref[1]) is int):
             raise ProtocolError("shared-memory reference is not [segment name, offset]")
         spec = spec[:3]
-    if not (len(spec) == 3 and isinstance(spec[0], str)
-            and isinstance(spec[1], str) and isinstance(spec[2], list)):
+    if not (len(spec) == 3 and type(spec[0]) is str and type(spec[1]) is str and type(spec[2]) is list):
         raise ProtocolError("array spec is not [name, dtype, shape]")
     name, dtype, shape = spec
-    if dtype not in ALLOWED_DTYPES:
+    itemsize = _ITEMSIZES.get(dtype)
+    if itemsize is None:
         raise ProtocolError(f"array {name[:40]!r}: dtype {dtype[:20]!r} is not allowed")
     if len(shape) > MAX_DIMS:
         raise ProtocolError(f"array {name[:40]!r}: {len(shape)} dims exceed the cap of {MAX_DIMS}")
-    if not all(isinstance(d, int) and not isinstance(d, bool)
-               and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
-        raise ProtocolError(f"array {name[:40]!r}: bad shape {str(shape)[:80]} "
-                            f"(dims must be ints in [0, {MAX_ARRAY_BYTES}])")
-    # Python ints: np.prod in int64 wraps (3 dims of 2**31 give 0) and would pass the cap.
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    # Python ints: a product in int64 wraps (3 dims of 2**31 give 0) and would pass the cap.
+    nbytes = itemsize
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_ARRAY_BYTES:
+            raise ProtocolError(f"array {name[:40]!r}: bad shape {str(shape)[:80]} "
+                                f"(dims must be ints in [0, {MAX_ARRAY_BYTES}])")
+        nbytes *= d
     if nbytes > MAX_ARRAY_BYTES:
         raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
     return name, dtype, tuple(shape), ref, nbytes
