@@ -1,12 +1,14 @@
 """The WSE emulator: executes layers as their weights stream in.
 
 Weight-streaming executor. For one training step the WSE receives, in order:
-WEIGHTS(fwd, 0..L-1) then WEIGHTS(bwd, L-1..0). On fwd 0 it takes its shard
-of the step's batch from the input workers; each forward layer keeps its
-activations resident; after the last layer it computes the loss (sent up to
-SwarmX) and the output delta; each backward layer turns the delta into the
-layer's weight gradients (sent to SwarmX for the sum over WSEs) and the delta
-for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
+WEIGHTS(fwd, 0..L-1) then WEIGHTS(bwd, L-1..0), small layers in a row as one
+message (protocol.layer_groups) and the last group once ("fwd_bwd": forward,
+then at once backward). On fwd 0 it takes its shard of the step's batch from
+the input workers; each forward layer keeps its activations resident; after
+the last layer it computes the loss and the output delta; each backward
+layer turns the delta into the layer's weight gradients (a group's go to
+SwarmX as one GRADS, for the sum over WSEs; the last also carries the loss,
+protocol.STEP_LOSS) and the delta for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
 EVAL_RESULT instead. With mixed precision, weights arrive and gradients
 leave in the 16-bit format, and the output delta is multiplied by the step's
 loss scale (sent with the forward weights); each layer's weights are widened

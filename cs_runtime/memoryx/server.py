@@ -2,11 +2,13 @@
 
 Per training step (TRAIN_STEP from the chief) it streams each layer's weights
 to SwarmX for the forward pass (layer 0..L-1), then again for the backward
-pass (L-1..0); SwarmX hands back each layer's gradients summed over the WSEs,
-and MemoryX updates that layer at once (or, with max_gradient_norm or loss
-scaling, after the last layer, since clipping needs the global norm and a
-step with an overflowed gradient anywhere is skipped whole). Then STEP_DONE
-to the chief.
+pass (L-1..0), small layers in a row as one message (protocol.layer_groups)
+and the last group once, forward and at once backward ("fwd_bwd"); SwarmX
+hands back each group's gradients summed over the WSEs, and MemoryX updates
+their layers at once (or, with max_gradient_norm or loss scaling, after the
+last layer, since clipping needs the global norm and a step with an
+overflowed gradient anywhere is skipped whole). Then STEP_DONE to the chief,
+with the step's loss when it came with the gradients (protocol.STEP_LOSS).
 
 With mixed precision the master weights and optimizer state stay float32
 here; weights go out, and gradients come in, in the 16-bit format. Each

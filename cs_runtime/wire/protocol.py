@@ -111,9 +111,9 @@ class Msg(str, enum.Enum):
     # one step
     TRAIN_STEP = "train_step"    # chief -> MemoryX: run training step `step`
     EVAL_STEP = "eval_step"      # chief -> MemoryX: run eval step `step`
-    WEIGHTS = "weights"          # MemoryX -> SwarmX -> every WSE: one layer's weights
+    WEIGHTS = "weights"          # MemoryX -> SwarmX -> every WSE: a layer's weights, or a group's
     BATCH = "batch"              # input worker -> WSE: one shard of one global batch
-    GRADS = "grads"              # WSE -> SwarmX (summed) -> MemoryX: one layer's gradients
+    GRADS = "grads"              # WSE -> SwarmX (summed) -> MemoryX: a layer's or a group's gradients
     LOSS = "loss"                # WSE -> SwarmX (summed) -> chief
     EVAL_RESULT = "eval_result"  # WSE -> SwarmX (summed) -> chief: loss sum, correct, count
     STEP_DONE = "step_done"      # MemoryX -> chief: every layer updated
