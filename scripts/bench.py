@@ -33,6 +33,11 @@ weight streaming on 1, 2 and 4 WSEs at the preset's batch, then on 1 WSE at half
 the batch, with the weight bytes per step and per sample. `--rows wire` runs the transport
 ceilings alone (below; and the tcp row as it was before kept buffers,
 protocol_fresh) on the preset's bytes, with the two transport verdicts.
+`--rows cluster` runs only the rows of the small preset's targets (the CPU path, torch, DDP,
+weight streaming on 1 and 2 WSEs, pipelined). Every row of ours also gives the job's CPU a
+step (every process, children included: the row's run less one with a fifth of the steps)
+and the cluster's share of it (less the CPU path's); scripts/step_budget.py splits a step's
+CPU by process and thread.
 `--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
 weight streaming) and the CPU path, each with --trace off and on, alternated
 --repeats times; the median of each, and on / off. For each: samples/sec (from
