@@ -53,7 +53,8 @@ from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
-PROTOCOL_VERSION = 3   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array
+PROTOCOL_VERSION = 4   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
+                       # 4: layer groups, fwd_bwd and the loss in GRADS / STEP_DONE (an older peer would misread them)
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
 MAX_HEADER_BYTES = 64 * 1024
