@@ -22,6 +22,7 @@ from cs_runtime.wire.auth import stop_authenticator
 from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics.program_layer import hands_out_outputs
 from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
 from cs_runtime.process.service import ProcessEnv
 from cs_runtime.run_args import RunError
@@ -230,10 +231,15 @@ class ClusterExecutor:
             self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
             self.layer_grad_norms = list(loss.meta.get("layer_grad_norms", []))
             return float(loss.meta["loss"]), float(loss.meta["grad_norm"]), bool(loss.meta.get("applied", True))
-        loss = self.wait(self.swarmx, Msg.LOSS, step)
-        self.outputs = float_arrays(loss)   # the model's output, when the job asked for it
-        self.input_monitor.on_step(input_wait(loss))
+        if hands_out_outputs(self.spec):
+            loss = self.wait(self.swarmx, Msg.LOSS, step)
+            self.outputs = float_arrays(loss)   # the model's output
         done = self.wait(self.memoryx, Msg.STEP_DONE, step)
+        if not hands_out_outputs(self.spec):   # the loss came with the gradients (protocol.STEP_LOSS)
+            if "loss" not in done.meta:
+                raise ServiceError(f"MemoryX's step_done of step {step} has no loss")
+            loss, self.outputs = done, {}
+        self.input_monitor.on_step(input_wait(loss))
         self.traffic = {k: int(done.meta.get(k, 0)) for k in ("weight_bytes", "grad_bytes")}
         self.traffic["wse_bytes_in"] = int(loss.meta.get("bytes_in", -1))
         self.traffic["shared_memory"] = bool(done.meta.get("shared_memory", False))

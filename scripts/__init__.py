@@ -3,6 +3,7 @@ commands are cs_runtime/cli/.
 
     bench.py, bench_baselines.py  the benchmark and its baselines (docs/benchmarks.md)
     bench_models.py       the models preset's models written by others, in process and as a run.py
+    step_budget.py        where a step's CPU goes: each process and thread of one job (docs/benchmarks.md)
     batch_study.py        the batch-size study
     published_estimates.py  the compiler's estimate beside published measured throughputs (docs/benchmarks.md)
     control_plane_bench.py  the launcher's control plane with many simulated tasks

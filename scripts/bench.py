@@ -38,6 +38,11 @@ weight streaming on 1, 2 and 4 WSEs at the preset's batch, then on 1 WSE at half
 the batch, with the weight bytes per step and per sample. `--rows wire` runs the transport
 ceilings alone (below; and the tcp row as it was before kept buffers,
 protocol_fresh) on the preset's bytes, with the two transport verdicts.
+`--rows cluster` runs only the rows of the small preset's targets (the CPU path, torch, DDP,
+weight streaming on 1 and 2 WSEs, pipelined). Every row of ours also gives the job's CPU a
+step (every process, children included: the row's run less one with a fifth of the steps)
+and the cluster's share of it (less the CPU path's); scripts/step_budget.py splits a step's
+CPU by process and thread.
 `--rows trace` measures the timeline's cost instead: csrun_wse (1 WSE,
 weight streaming) and the CPU path, each with --trace off and on, alternated
 --repeats times; the median of each, and on / off. For each: samples/sec (from
@@ -65,6 +70,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -164,21 +170,49 @@ def write_params(folder: Path, preset: dict, steps: int, strategy: str, precisio
     return path
 
 
-def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra: tuple = (),
-            script: Path = FC_MNIST) -> dict:
-    cmd = [*launcher, sys.executable, str(script), "--mode", "train", "--params", str(params),
-           "--model_dir", str(model_dir), *extra]
+def run_job(name: str, cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """Run one job to its end: its output and its CPU seconds, every process of it (the
+    launcher reaps the roles it starts, so RUSAGE_CHILDREN counts them when it is reaped)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"bench: {name} failed:\n{result.stderr[-2000:]}")
+    return result, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def short_steps(steps: int) -> int:
+    """The short run whose CPU is taken off a row's: start-up, compilation and the final
+    checkpoint cancel, the steps in between remain."""
+    return max(WARMUP_STEPS, steps // 5 // WARMUP_STEPS * WARMUP_STEPS)
+
+
+def run_row(name: str, launcher: list[str], params: Path, model_dir: Path, extra: tuple = (),
+            script: Path = FC_MNIST, job_cpu: bool = False) -> dict:
+    """One row: samples/sec from the progress lines; with `job_cpu`, also the job's CPU a
+    step (every process, children included): this run's CPU less a short run's, over the
+    steps between them (the short run's params: these with fewer steps)."""
+    def command(params: Path, model_dir: Path) -> list[str]:
+        return [*launcher, sys.executable, str(script), "--mode", "train", "--params", str(params),
+                "--model_dir", str(model_dir), *extra]
+    result, cpu_s = run_job(name, command(params, model_dir))
     row = {"name": name, "samples_per_sec": steady_rate([float(r) for r in RATE_RE.findall(result.stdout)])}
+    if job_cpu:
+        settings = yaml.safe_load(params.read_text())
+        steps = settings["runconfig"]["max_steps"]
+        settings["runconfig"]["max_steps"] = short_steps(steps)
+        short = params.with_name(f"{params.stem}_short.yaml")
+        short.write_text(yaml.safe_dump(settings))
+        _, short_cpu_s = run_job(name, command(short, model_dir.with_name(model_dir.name + "_short")))
+        row["cpu_ms_per_step"] = 1000 * (cpu_s - short_cpu_s) / (steps - short_steps(steps))
     traffic = TRAFFIC_RE.search(result.stdout)
     pipelined = PIPELINED_RE.search(result.stdout)
     if pipelined:
         row.update(weight_bytes_per_step=int(pipelined.group(1)), grad_bytes_per_step=0)
     if traffic:
         weight, hops, grads = (int(g) for g in traffic.groups())
-        row.update(weight_bytes_per_step=weight * hops, grad_bytes_per_step=grads * (hops - 1) + grads)
+        row.update(weight_bytes_per_step=weight * hops, grad_bytes_per_step=grads * (hops - 1) + grads,
+                   stream_bytes_per_step=weight)   # what reached the WSEs: one hop
     return row
 
 
@@ -310,12 +344,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per row (default: the preset's)")
     parser.add_argument("--input_steps", type=int, default=60, help="steps of each input-bound row (default 60)")
     parser.add_argument("--rows", choices=("all", "model", "precision", "input", "trace", "torch_gpt", "executor",
-                                           "ops", "scaling", "wire"),
+                                           "ops", "scaling", "wire", "cluster"),
                         default="all",
                         help="precision: float32 and 16-bit weight streaming on 1 and 2 WSEs only; scaling: "
                              "weight streaming on 1, 2 and 4 WSEs, and on 1 at half, once and twice the batch; "
                              "wire: the transport ceilings alone, with their verdicts; ops: the executor's cost "
-                             "per op against torch eager, in this process")
+                             "per op against torch eager, in this process; cluster: the rows of the "
+                             "small preset's targets (CPU path, torch, DDP, weight streaming on 1 and 2 WSEs, "
+                             "pipelined), each with its job CPU a step and the cluster's share")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: a tiny model, 4 steps, the CPU path and 1-WSE float32 and float16 "
                              "weight streaming, no torch rows or ceilings (numbers only show it runs)")
@@ -337,8 +373,8 @@ def main(argv: list[str] | None = None) -> None:
                 result.update(models_rows(tmp, steps))
         elif args.preset == "transformer" and args.rows in ("all", "model"):
             result.update(transformer_rows(tmp, preset, steps))
-        elif args.rows in ("all", "model", "precision", "quick"):
-            result.update(model_rows(tmp, args.preset, preset, steps, args.rows))
+        elif args.rows in ("all", "model", "precision", "quick", "cluster"):
+            result.update(model_rows(tmp, args.preset, preset, steps, "model" if args.rows == "all" else args.rows))
         if args.rows == "wire" and args.preset in MLP_PRESETS:
             result.update(wire_rows(args.preset, preset, steps))
             result["rows"] = []
@@ -373,30 +409,36 @@ def model_rows(tmp: Path, name: str, preset: dict, steps: int, which: str = "mod
     """The execution paths on the preset's model, the baselines and the ceilings; printed as a table.
 
     which: model (every row), precision (weight streaming in each format on 1 and 2 WSEs),
-    quick (a smoke test: CPU path, 1-WSE float32 and float16, no torch, no ceilings)."""
+    cluster (the CPU path, torch, DDP, weight streaming on 1 and 2 WSEs and pipelined: the rows
+    of the small preset's targets), quick (a smoke test: CPU path, 1-WSE float32 and float16, no
+    torch, no ceilings). Every row of ours also measures the job's CPU a step (run_row)."""
     batch = preset["batch_size"]
     facts = model_facts(preset)
     params = write_params(tmp, preset, steps, "weight_streaming")
     piped = write_params(tmp, preset, steps, "pipelined")
     wse = [str(BIN / "csrun_wse")]
     wse_counts = (1,) if which == "quick" else (1, 2)
-    formats = ("float16",) if which == "quick" else MIXED
+    formats = {"quick": ("float16",), "cluster": ()}.get(which, MIXED)
     rows = []
+
+    def row(*args, **kwargs):
+        rows.append(run_row(*args, **kwargs, job_cpu=True))
     if which != "precision":
-        rows.append(run_row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu"))
-    if which == "model":
+        row("cpu", [str(BIN / "csrun_cpu")], params, tmp / "cpu")
+    if which in ("model", "cluster"):
         rows += torch_rows(facts, batch, steps)
     for n in wse_counts:
-        rows.append(run_row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}"))
+        row(f"weight_streaming_{n}wse", [*wse, "--num_csx", str(n)], params, tmp / f"ws{n}")
     if which == "model":
-        rows.append(run_row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i"))
-        rows.append(run_row("pipelined", wse, piped, tmp / "pipe"))
-        rows.append(run_row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",)))
+        row("weight_streaming_1wse_insecure", [*wse, "--insecure"], params, tmp / "ws1i")
+    if which in ("model", "cluster"):
+        row("pipelined", wse, piped, tmp / "pipe")
+    if which == "model":
+        row("pipelined_multireplica", wse, piped, tmp / "pipe2", ("--multireplica",))
     for n in wse_counts:
         for precision in formats:
             mixed = write_params(tmp, preset, steps, "weight_streaming", precision)
-            rows.append(run_row(f"ws_{n}wse_{precision}", [*wse, "--num_csx", str(n)], mixed,
-                                tmp / f"ws{n}_{precision}"))
+            row(f"ws_{n}wse_{precision}", [*wse, "--num_csx", str(n)], mixed, tmp / f"ws{n}_{precision}")
     ceiling = ceilings(facts, batch, max(5, min(steps, 50))) if which == "model" else {}
     report(name, preset, facts, steps, rows, ceiling)
     curve = {r["name"]: r["samples_per_sec"] for r in rows}
@@ -926,12 +968,15 @@ def print_rows(title: str, baseline: str, rows: list[dict]) -> None:
               f"{row.get('weight_bytes_per_step', 0):>16}{row.get('grad_bytes_per_step', 0):>14}")
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], ceiling: dict) -> None:
     """The table: rates, ratios to the baseline, FLOP/s and streaming against their ceilings (when measured)."""
     by_name = {r["name"]: r for r in rows}
     base = by_name.get("torch_cpu") or by_name.get("cpu") or rows[0]
     batch = preset["batch_size"]
-    one_pass = 2 * sum(facts["layer_bytes"])          # forward + backward, one hop
     print(f"preset={name} layers={facts['sizes']} params={facts['params']:,} batch={batch} steps={steps}; "
           f"{c_loops_line()}")
     if ceiling:
@@ -944,23 +989,33 @@ def report(name: str, preset: dict, facts: dict, steps: int, rows: list[dict], c
               f"{ceiling['protocol_shm'] / mem:.2f} of memcpy")
     else:
         print("ceilings: not measured in this mode")
-    print(f"{'row':<28}{'samples/sec':>12}{'vs ' + base['name']:>28}{'FLOP/s':>10}{'of matmul':>10}"
-          f"{'weight B/step':>15}{'stream GB/s':>12}{'of memcpy':>10}{'of zmq':>8}")
+    print("CPU ms/step: the job's CPU a step, every process (a run less a shorter one); cluster ms/step: "
+          "that less the CPU path's (what the roles, messages and hops add)")
+    print(f"{'row':<28}{'samples/sec':>12}{'vs ' + base['name']:>28}{'CPU ms/step':>12}{'cluster ms/step':>16}"
+          f"{'FLOP/s':>10}{'of matmul':>10}{'weight B/step':>15}{'stream GB/s':>12}{'of memcpy':>10}{'of zmq':>8}")
+    cpu_path = by_name.get("cpu", {}).get("cpu_ms_per_step")
     for row in rows:
         rate = row["samples_per_sec"]
         row["ratio_vs_baseline"] = rate / base["samples_per_sec"]
         row["flops_per_sec"] = rate * facts["flops_per_sample"]
-        line = f"{row['name']:<28}{rate:>12.1f}{row['ratio_vs_baseline']:>28.2f}{row['flops_per_sec'] / 1e9:>9.1f}G"
+        cpu = row.get("cpu_ms_per_step")
+        if cpu is not None and cpu_path is not None and row["name"] != "cpu":
+            row["cluster_ms_per_step"] = cpu - cpu_path
+        line = (f"{row['name']:<28}{rate:>12.1f}{row['ratio_vs_baseline']:>28.2f}"
+                f"{_ms(cpu):>12}{_ms(row.get('cluster_ms_per_step')):>16}{row['flops_per_sec'] / 1e9:>9.1f}G")
         if ceiling:
             row["flops_fraction_of_matmul"] = row["flops_per_sec"] / ceiling["matmul"]
             line += f"{row['flops_fraction_of_matmul']:>10.2f}"
         else:
             line += f"{'-':>10}"
         if row.get("weight_bytes_per_step"):
-            # bytes that reached the WSE(s) per second: one hop of the weight stream
-            streamed = one_pass * (rate / batch) * (0.5 if "float16" in row["name"] else 1)
+            line += f"{row['weight_bytes_per_step']:>15}"
+        if row.get("stream_bytes_per_step"):
+            # bytes that reached the WSE(s) per second: one hop of the weight stream, as measured
+            # (16-bit formats at 2 bytes a value; the last group of layers goes once a step)
+            streamed = row["stream_bytes_per_step"] * rate / batch
             row["weight_stream_bytes_per_sec"] = streamed
-            line += f"{row['weight_bytes_per_step']:>15}{streamed / 1e9:>12.3f}"
+            line += f"{streamed / 1e9:>12.3f}"
             if ceiling:
                 line += f"{streamed / ceiling['memcpy']:>10.3f}{streamed / ceiling['zmq']:>8.3f}"
         print(line)

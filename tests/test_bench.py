@@ -31,10 +31,15 @@ def test_quick_bench_writes_rows_and_verdicts(tmp_path):
     assert (f"16-bit conversions: {got['conversions']}; exact GELU: {got['exact_gelu']}; dropout masks: "
             f"{got['dropout_masks']}; momentum update: {got['momentum_update']}") in result.stdout
     names = [row["name"] for row in got["rows"]]
+    rows_by_name = {row["name"]: row for row in got["rows"]}
     assert names == ["cpu", "weight_streaming_1wse", "ws_1wse_float16"]
     for row in got["rows"]:
         for key in ("samples_per_sec", "ratio_vs_baseline", "flops_per_sec"):
             assert _positive_finite(row[key]), (row["name"], key, row.get(key))
+        # the job's CPU a step: measured for every row (4 steps less 2: a number, not a timing)
+        assert math.isfinite(row["cpu_ms_per_step"]), row
+        if row["name"] != "cpu":
+            assert row["cluster_ms_per_step"] == row["cpu_ms_per_step"] - rows_by_name["cpu"]["cpu_ms_per_step"]
         if row["name"] != "cpu":
             assert _positive_finite(row["weight_bytes_per_step"]), row
             assert _positive_finite(row["weight_stream_bytes_per_sec"]), row

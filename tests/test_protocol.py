@@ -934,3 +934,56 @@ def test_the_handshake_gate_admits_a_budget_of_frames_and_never_cuts_a_connectio
                 assert conn.getpeername() == peer.getsockname()
             accepted.sendall(b"still open")
             assert peer.recv(4096).endswith(b"still open")
+
+
+# ------------------------------------------------------------ layer groups
+MIB = protocol.GROUP_LAYER_BYTES
+
+
+def test_small_layers_in_a_row_are_grouped_and_a_big_one_goes_alone():
+    groups = protocol.layer_groups([803_840, 131_584, 5_160])          # the small preset: one group
+    assert groups == [range(0, 3)]
+    groups = protocol.layer_groups([6 * MIB, 16 * MIB, 16 * MIB, 82_000])   # every big layer alone
+    assert groups == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    # small layers around a big one; a group stops at GROUP_BYTES
+    groups = protocol.layer_groups([10, 2 * MIB, 20, 30, MIB - 1, MIB - 1, MIB - 1, MIB - 1, MIB - 1])
+    assert groups == [range(0, 1), range(1, 2), range(2, 7), range(7, 9)]
+    assert sum(len(g) for g in groups) == 9 and protocol.layer_groups([]) == []
+
+
+def test_a_group_travels_in_one_message_and_comes_apart_as_it_was_sent():
+    layers = {2: {"weight": np.arange(6, dtype=np.float32).reshape(2, 3), "bias": np.ones(3, np.float32)},
+              3: {},                                                     # a layer without parameters
+              4: {"ln/weight": np.full(4, 2, np.float32)}}               # a parameter name with a slash
+    msg = decode(encode(protocol.group_message(Msg.GRADS, 7, layers, {"format": "float32"})))
+    assert msg.layer == 2 and msg.meta["layers"] == 3 and msg.step == 7
+    got = protocol.layer_arrays(msg)
+    assert [index for index, _ in got] == [2, 3, 4]
+    for index, arrays in got:
+        assert arrays.keys() == layers[index].keys()
+        for name, arr in arrays.items():
+            np.testing.assert_array_equal(arr, layers[index][name])
+    single = protocol.group_message(Msg.WEIGHTS, 7, {5: layers[2]}, {"phase": "fwd"})
+    assert "layers" not in single.meta and single.layer == 5 and single.arrays is layers[2]
+    assert protocol.layer_arrays(decode(encode(single)))[0][0] == 5
+
+
+@pytest.mark.parametrize("layer,count,name,why", [
+    (0, 2, "2/weight", "names no layer of the group 0..1"),      # past the group
+    (3, 2, "2/weight", "names no layer of the group 3..4"),      # before it
+    (0, 2, "weight", "names no layer"),                          # no layer index
+    (0, 2, "01/weight", "names no layer"),                       # not as group_message writes it
+    (0, 2, "1/", "names no layer"),                              # no parameter
+    (0, 1, "0/weight", "a group of 1 layers"),                   # a group is 2 or more
+    (-1, 2, "0/weight", "a group of 2 layers from layer -1"),
+])
+def test_a_group_whose_arrays_do_not_fit_its_layers_is_refused(layer, count, name, why):
+    msg = Message(Msg.GRADS, step=1, layer=layer, meta={"layers": count}, arrays={name: np.ones(2, np.float32)})
+    with pytest.raises(ProtocolError, match=re.escape(why)):
+        decode(encode(msg))
+
+
+def test_only_weights_and_grads_come_in_groups():
+    msg = Message(Msg.LOSS, step=1, meta={"loss": 1.0, "count": 2, "layers": 2})
+    with pytest.raises(ProtocolError, match="a group of 2 layers"):
+        decode(encode(msg))

@@ -142,7 +142,9 @@ def test_16bit_gpt_on_one_wse_equals_the_cpu_path_bit_for_bit(tmp_path, cpu_run,
     assert np.max(np.abs(want - float32_losses) / float32_losses) < 2e-2
     if strategy == "weight_streaming":
         num_params = sum(w.size for w in w_want.values())
-        assert f"WeightBytes/step={2 * 2 * num_params} " in result.stdout   # fwd + bwd, 2 bytes each
+        # every layer under 1 MiB: one group (protocol.layer_groups), whose weights go once a
+        # step, forward and at once backward (fwd_bwd), 2 bytes each
+        assert f"WeightBytes/step={2 * num_params} " in result.stdout
 
 
 # ---------------------------------------------------------------- several inputs, dropout

@@ -188,17 +188,25 @@ def test_weight_streaming_trace(tmp_path, oracle):
         assert fwd == every                                     # every layer of every step, in order
         bwd = [(e["args"]["step"], e["args"]["layer"]) for e in spans[wse] if e["name"] == "bwd"]
         assert bwd == [(s, l) for s in range(steps) for l in reversed(range(LAYERS))]
-    sends, updates = keyed(spans["memoryx"], "send_fwd"), keyed(spans["memoryx"], "update")
-    assert set(sends) == set(every) and set(updates) == set(every)
+    # A send per group of layers (protocol.layer_groups), named by its first layer; the last
+    # group goes once, forward and at once backward. These three small layers are one group.
+    sends = {**keyed(spans["memoryx"], "send_fwd"), **keyed(spans["memoryx"], "send_fwd_bwd")}
+    firsts = sorted({layer for _, layer in sends})
+    assert firsts == [0] and set(sends) == {(s, 0) for s in range(steps)}
+    assert not keyed(spans["memoryx"], "send_bwd")             # one group: no backward message of its own
+    updates = keyed(spans["memoryx"], "update")
+    assert set(updates) == set(every)
     tolerance_us = 1000.0   # the clocks of one host are one clock; 1 ms covers the rounding and a remote estimate
     for wse in ("wse0", "wse1"):
         fwd, bwd = keyed(spans[wse], "fwd"), keyed(spans[wse], "bwd")
-        for key in every:
-            # Weight streaming, layer by layer: MemoryX sends W_l before the WSE computes layer l,
-            # and updates layer l only after every WSE's backward of it.
-            assert sends[key]["ts"] <= fwd[key]["ts"] + tolerance_us, key
-            assert bwd[key]["ts"] + bwd[key]["dur"] <= updates[key]["ts"] + tolerance_us, key
-    assert len(keyed(spans["swarmx"], "reduce_grads")) == len(every)
+        for step, layer in every:
+            # MemoryX sends layer l's group before the WSE computes layer l, and updates
+            # layer l only after every WSE's backward of it.
+            group = (step, max(f for f in firsts if f <= layer))
+            assert sends[group]["ts"] <= fwd[(step, layer)]["ts"] + tolerance_us, (step, layer)
+            assert (bwd[(step, layer)]["ts"] + bwd[(step, layer)]["dur"]
+                    <= updates[(step, layer)]["ts"] + tolerance_us), (step, layer)
+    assert len(keyed(spans["swarmx"], "reduce_grads")) == steps * len(firsts)   # a GRADS a group
     assert {e["args"]["step"] for e in spans["chief"] if e["name"] == "train_step"} == set(range(steps))
     assert {e["name"] for e in spans["worker0"]} >= {"make_batch", "send_batch"}
     assert len(keyed(spans["wse0"], "input_wait")) == steps

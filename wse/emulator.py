@@ -1,12 +1,14 @@
 """The WSE emulator: executes layers as their weights stream in.
 
 Weight-streaming executor. For one training step the WSE receives, in order:
-WEIGHTS(fwd, 0..L-1) then WEIGHTS(bwd, L-1..0). On fwd 0 it takes its shard
-of the step's batch from the input workers; each forward layer keeps its
-activations resident; after the last layer it computes the loss (sent up to
-SwarmX) and the output delta; each backward layer turns the delta into the
-layer's weight gradients (sent to SwarmX for the sum over WSEs) and the delta
-for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
+WEIGHTS(fwd, 0..L-1) then WEIGHTS(bwd, L-1..0), small layers in a row as one
+message (protocol.layer_groups) and the last group once ("fwd_bwd": forward,
+then at once backward). On fwd 0 it takes its shard of the step's batch from
+the input workers; each forward layer keeps its activations resident; after
+the last layer it computes the loss and the output delta; each backward
+layer turns the delta into the layer's weight gradients (a group's go to
+SwarmX as one GRADS, for the sum over WSEs; the last also carries the loss,
+protocol.STEP_LOSS) and the delta for the layer below. Eval steps stream WEIGHTS(eval, ...) and end in an
 EVAL_RESULT instead. With mixed precision, weights arrive and gradients
 leave in the 16-bit format, and the output delta is multiplied by the step's
 loss scale (sent with the forward weights); each layer's weights are widened
@@ -36,7 +38,7 @@ from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, l
 from cs_runtime.numerics.program_layer import buffers_sent, step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
 from cs_runtime.wire.protocol import (JobSettings, KeptBuffers, Message, Msg, ProtocolError, batch_features,
-                                      float_arrays)
+                                      float_arrays, group_message, layer_arrays)
 from cs_runtime.process.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
@@ -121,34 +123,47 @@ class WeightStreamingExecutor:
         self.buffers: dict[int, dict] = {}   # layer -> its buffers' new values, sent with its gradients
         self.delta = None
         self.loss_scale = 1.0
+        self.step_loss: dict | None = None   # this step's LOSS fields, sent with its last GRADS
 
     def on_weights(self, msg: Message) -> None:
-        phase, index = msg.meta["phase"], msg.layer
-        with trace.span("recv_weights", step=msg.step, layer=index):
-            weights = self.widen(msg, phase)
-        if phase in ("fwd", "eval"):
+        """A WEIGHTS message: one layer, or a group of small ones (protocol.layer_groups),
+        run forward lowest first, or backward highest first with one GRADS message back."""
+        phase, fmt = msg.meta["phase"], msg.meta.get("format", "float32")
+        layers = layer_arrays(msg)
+        if phase not in ("fwd", "eval", "bwd", "fwd_bwd"):
+            raise ValueError(f"unknown weights phase {phase!r} for layer {msg.layer}")
+        if phase != "bwd":
             self.loss_scale = float(msg.meta.get("loss_scale", 1.0))
-            self.forward(msg.step, index, weights, train=phase == "fwd")
-        elif phase == "bwd":
-            self.backward(msg.step, index, weights)
-        else:
-            raise ValueError(f"unknown weights phase {phase!r} for layer {index}")
+            for index, arrays in layers:
+                with trace.span("recv_weights", step=msg.step, layer=index):
+                    weights = self.widen(msg.step, index, arrays, fmt, "eval" if phase == "eval" else "fwd")
+                self.forward(msg.step, index, weights, train=phase != "eval")
+        if phase in ("bwd", "fwd_bwd"):   # fwd_bwd: the last group, forward then at once backward
+            grads = {}
+            for index, arrays in reversed(layers):
+                with trace.span("recv_weights", step=msg.step, layer=index):
+                    weights = self.widen(msg.step, index, arrays, fmt, "bwd")
+                grads[index] = self.backward(msg.step, index, weights)
+            meta = {"format": self.spec.precision}
+            if msg.layer == 0 and self.step_loss is not None:   # the step's last GRADS
+                meta.update(self.step_loss)
+                self.step_loss = None
+            with trace.span("send_grads", step=msg.step, layer=msg.layer):
+                self.up.send(group_message(Msg.GRADS, msg.step, grads, meta))
 
-    def widen(self, msg: Message, phase: str) -> dict:
-        """The message's weights as float32 values. float32 arrives as it is used (no copy).
+    def widen(self, step: int, index: int, arrays: dict, fmt: str, phase: str) -> dict:
+        """Layer `index`'s weights as float32 values. float32 arrives as it is used (no copy).
         16-bit weights are widened in the forward pass; the backward pass of the same
         step reuses them: MemoryX encodes a step's weights once and streams the same
         values forward and backward (it updates a layer only after its gradients)."""
-        fmt = msg.meta.get("format", "float32")
         if fmt == "float32":
-            return msg.arrays
-        index = msg.layer
+            return arrays
         if phase == "bwd":
-            if msg.step != self.step or index not in self.widened:
-                raise RuntimeError(f"backward weights for layer {index} of step {msg.step} out of order")
+            if step != self.step or index not in self.widened:
+                raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
             return self.widened[index]
         buffers = self.widened.setdefault(index, {})
-        for name, arr in msg.arrays.items():
+        for name, arr in arrays.items():
             if arr.dtype != wire_dtype(fmt):     # not a tensor of the format (none today): as it is
                 buffers[name] = arr
                 continue
@@ -190,24 +205,24 @@ class WeightStreamingExecutor:
             self.delta = scaled(result.delta, self.loss_scale)
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
                     "input_wait_s": self.inputs.take_wait()}
-            self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs))
+            if outputs:   # the output rows go up as LOSS, which SwarmX joins in rank order
+                self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs))
+            else:         # rides on the step's last GRADS (protocol.STEP_LOSS)
+                self.step_loss = meta
         else:
             self.up.send(Message(Msg.EVAL_RESULT, step=step, meta={
                 "loss_sum": result.loss_sum, "correct": result.correct, "count": result.count}, arrays=outputs))
             self.caches = []
 
-    def backward(self, step: int, index: int, weights: dict) -> None:
+    def backward(self, step: int, index: int, weights: dict) -> dict:
+        """Layer `index` backward: its gradients as they travel (in this WSE's arena, when shared)."""
         if step != self.step or index != len(self.caches) - 1 or self.delta is None:
             raise RuntimeError(f"backward weights for layer {index} of step {step} out of order")
-        fmt = self.spec.precision
         with trace.span("bwd", step=step, layer=index):
             self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights,
                                                weights_rounded=True, grads_on_wire=True)
         # Buffers travel as float32 in any format: running statistics are not rounded.
-        arrays = {**encode_arrays(grads, fmt), **self.buffers.pop(index, {})}
-        with trace.span("send_grads", step=step, layer=index):
-            self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
-                                 arrays=self.shared(index, arrays)))
+        return self.shared(index, {**encode_arrays(grads, self.spec.precision), **self.buffers.pop(index, {})})
 
     def weight_buffer(self, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
         """Layer `index`'s buffer for weight `name` as it travels (in `dtype`, the message's:

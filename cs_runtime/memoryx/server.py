@@ -2,11 +2,13 @@
 
 Per training step (TRAIN_STEP from the chief) it streams each layer's weights
 to SwarmX for the forward pass (layer 0..L-1), then again for the backward
-pass (L-1..0); SwarmX hands back each layer's gradients summed over the WSEs,
-and MemoryX updates that layer at once (or, with max_gradient_norm or loss
-scaling, after the last layer, since clipping needs the global norm and a
-step with an overflowed gradient anywhere is skipped whole). Then STEP_DONE
-to the chief.
+pass (L-1..0), small layers in a row as one message (protocol.layer_groups)
+and the last group once, forward and at once backward ("fwd_bwd"); SwarmX
+hands back each group's gradients summed over the WSEs, and MemoryX updates
+their layers at once (or, with max_gradient_norm or loss scaling, after the
+last layer, since clipping needs the global norm and a step with an
+overflowed gradient anywhere is skipped whole). Then STEP_DONE to the chief,
+with the step's loss when it came with the gradients (protocol.STEP_LOSS).
 
 With mixed precision the master weights and optimizer state stay float32
 here; weights go out, and gradients come in, in the 16-bit format. Each
@@ -35,7 +37,8 @@ from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, unscale_and_check, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import JobSettings, KeptBuffers, Message, Msg
+from cs_runtime.wire.protocol import (STEP_LOSS, JobSettings, KeptBuffers, Message, Msg, group_message, layer_arrays,
+                                      layer_groups)
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -98,6 +101,8 @@ class MemoryX:
         self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, msg.arrays)
         self.share_weights()
         self.grad_wire = KeptBuffers(self.spec)
+        self.groups = layer_groups([4 * sum(math.prod(shape) for shape in layer.param_shapes().values())
+                                    for layer in self.spec.layers])
         log.info("loaded %s: %d layers, %d parameters", self.spec.name, len(self.spec.layers),
                  self.spec.num_params())
 
@@ -136,22 +141,27 @@ class MemoryX:
         return buffers
 
     def stream_forward(self, step: int, phase: str, **extra) -> list[dict]:
-        """Encode each layer just before it is sent, so that the WSEs start on layer 0
-        while the layers after it are encoded; the layers as sent (for the backward pass)."""
+        """Encode each layer just before it is sent (with its group, protocol.layer_groups), so
+        that the WSEs start on the first group while the layers after it are encoded; the
+        layers as sent (for the backward pass). In a training step the last group goes
+        once, "fwd_bwd": the WSEs run it forward and at once backward, with the same
+        weights (the backward pass's first group needs no message of its own)."""
         wire = []
-        for index in range(len(self.spec.layers)):
-            with trace.span("encode_weights", step=step, layer=index):
-                wire.append(self.wire_layer(index))
-            self.stream_weights(step, phase, [index], wire, **extra)
+        for group in self.groups:
+            for index in group:
+                with trace.span("encode_weights", step=step, layer=index):
+                    wire.append(self.wire_layer(index))
+            last = group is self.groups[-1]
+            self.stream_weights(step, "fwd_bwd" if last and phase == "fwd" else phase, [group], wire, **extra)
         return wire
 
-    def stream_weights(self, step: int, phase: str, order, wire: list[dict], **extra) -> None:
+    def stream_weights(self, step: int, phase: str, groups, wire: list[dict], **extra) -> None:
         swarmx = self.peers["swarmx"]
         meta = {"phase": phase, "format": self.spec.precision, **extra}
         span_name = "send_" + phase
-        for index in order:
-            with trace.span(span_name, step=step, layer=index):
-                self.router.send(Message(Msg.WEIGHTS, step=step, layer=index, meta=meta, arrays=wire[index]), swarmx)
+        for group in groups:
+            with trace.span(span_name, step=step, layer=group[0]):
+                self.router.send(group_message(Msg.WEIGHTS, step, {i: wire[i] for i in group}, meta), swarmx)
 
     def kept_grads(self, mtype: Msg, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
         """Where a GRADS array of several frames is joined (protocol.decode's `into`): a buffer
@@ -163,15 +173,14 @@ class MemoryX:
             return None
         return self.grad_wire.get(index, name, dtype, shape)
 
-    def received_grads(self, msg: Message) -> dict:
-        """A GRADS message's tensors as float32: 16-bit ones widened into buffers kept for
+    def received_grads(self, index: int, arrays: dict, fmt: str) -> dict:
+        """Layer `index`'s gradients as float32: 16-bit ones widened into buffers kept for
         the job (no fresh pages every step); float32 ones as they came (no copy)."""
-        fmt = msg.meta.get("format", "float32")
         if fmt == "float32":
-            return msg.arrays
+            return arrays
         grads = {}
-        for name, arr in msg.arrays.items():
-            key = (msg.layer, name)
+        for name, arr in arrays.items():
+            key = (index, name)
             buffer = self.grad_buffers.get(key)
             if buffer is None or buffer.shape != arr.shape:
                 buffer = self.grad_buffers[key] = np.empty(arr.shape, np.float32)
@@ -185,7 +194,7 @@ class MemoryX:
         wire = self.stream_forward(step, "fwd", loss_scale=loss_scale)   # encoded once, sent forward and backward
         # Weights sent zero-copy must not change until they have left: a layer's
         # gradients only arrive after every WSE received its backward weights.
-        self.stream_weights(step, "bwd", reversed(range(n)), wire)
+        self.stream_weights(step, "bwd", reversed(self.groups[:-1]), wire)
         # Without clipping or loss scaling each layer is updated as its gradients land;
         # a parameter two layers read (tied) waits for both and takes their sum. With loss
         # scaling each layer is unscaled and checked as it lands, off the step's critical
@@ -196,6 +205,7 @@ class MemoryX:
         check_each = (self.skip_nonfinite or loss_scale != 1.0) and not tied
         finite = True
         grads, squares = {}, {}
+        step_loss = {}   # the step's loss, when it rides on a GRADS (protocol.STEP_LOSS): on to the chief
         def into(mtype, at_step, index, name, dtype, shape):   # never a buffer a gradient of this step lies in
             if at_step != step or index in grads:
                 return None
@@ -205,17 +215,20 @@ class MemoryX:
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)
                 continue
-            # The buffers' new values (running statistics) are kept as they come; the rest are gradients.
-            grads[msg.layer] = program_layer.take_buffers(self.spec, msg.layer, self.received_grads(msg),
-                                                          self.weights[self.spec.layers[msg.layer].name])
-            if at_once:   # the norm too, while the WSEs compute the layers below
-                if norms:
-                    squares[msg.layer] = squared_norms(grads[msg.layer])
-                self.update(msg.layer, grads[msg.layer], lr, step)
-            elif check_each:
-                finite = unscale_and_check([grads[msg.layer]], loss_scale) and finite
-                if norms or self.max_norm:
-                    squares[msg.layer] = squared_norms(grads[msg.layer])
+            fmt = msg.meta.get("format", "float32")
+            step_loss.update((key, msg.meta[key]) for key in STEP_LOSS if key in msg.meta)
+            for index, arrays in reversed(layer_arrays(msg)):   # a group's layers as computed, top first
+                # The buffers' new values (running statistics) are kept as they come; the rest are gradients.
+                grads[index] = program_layer.take_buffers(self.spec, index, self.received_grads(index, arrays, fmt),
+                                                          self.weights[self.spec.layers[index].name])
+                if at_once:   # the norm too, while the WSEs compute the layers below
+                    if norms:
+                        squares[index] = squared_norms(grads[index])
+                    self.update(index, grads[index], lr, step)
+                elif check_each:
+                    finite = unscale_and_check([grads[index]], loss_scale) and finite
+                    if norms or self.max_norm:
+                        squares[index] = squared_norms(grads[index])
         ordered = [grads[i] for i in range(n)]
         if at_once:
             applied = True
@@ -233,7 +246,7 @@ class MemoryX:
                    "grad_bytes": self.router.bytes_received - received}
         self.router.send(Message(Msg.STEP_DONE, step=step,
                                  meta={"grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
-                                       "shared_memory": self.arena is not None, **traffic}),
+                                       "shared_memory": self.arena is not None, **traffic, **step_loss}),
                          self.peers["chief"])
 
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:

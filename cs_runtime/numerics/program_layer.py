@@ -308,6 +308,11 @@ def step_outputs(spec, live) -> dict:
     return {"output": np.ascontiguousarray(live[name])}
 
 
+def hands_out_outputs(spec) -> bool:
+    """Whether a step hands out the model's output (step_outputs), not its loss alone."""
+    return bool((spec.program or {}).get("output"))
+
+
 def _program_names(layer) -> dict[str, str]:
     """{the layer's name of a parameter: the program's}: a lowered built-in layer names its
     own (`unit["local"]`); a captured model's unit uses the program's names."""

@@ -22,7 +22,7 @@ import zmq
 from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.numerics.precision import add_from_bits, from_bits, wire_dtype
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
+from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays, grouped_name, layer_arrays
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -33,6 +33,7 @@ log = logging.getLogger("swarmx")
 BROADCAST = {Msg.WEIGHTS, Msg.LOAD_MODEL, Msg.JOB_END, Msg.TRAIN_STEP, Msg.EVAL_STEP, Msg.GET_STATE}
 REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE}
 GATHER = {Msg.LOSS, Msg.EVAL_RESULT}   # arrays: each WSE's rows of the batch, joined
+NOT_SUMMED = {"layers"}   # numbers in meta that say what a message holds, the same from every WSE
 REDUCE_SPAN = {Msg.GRADS: "reduce_grads", Msg.LOSS: "reduce_loss", Msg.EVAL_RESULT: "reduce_eval",
                Msg.ACK: "reduce_ack", Msg.STATE: "gather_state"}
 
@@ -73,7 +74,7 @@ def reduce_messages(parts: list[Message], into: dict[str, np.ndarray] | None = N
     if "format" in meta:
         meta["format"] = "float32"
     for key, value in first.meta.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in NOT_SUMMED:
             meta[key] = sum(p.meta[key] for p in parts)
     return Message(first.type, first.job, first.step, first.layer, meta, arrays)
 
@@ -150,7 +151,7 @@ class SwarmX:
         elif identity in self.wse.values() and msg.type == Msg.TRACE and self.chief is not None:
             self.router.forward(frames, self.chief)
         elif identity in self.wse.values() and msg.type in REDUCE:
-            self.collect(identity, msg)
+            self.collect(identity, msg, frames)
         elif identity in self.wse.values() and msg.type == Msg.ERROR:
             self.router.send(msg, self.chief)
         else:
@@ -197,7 +198,23 @@ class SwarmX:
             self.segments.release(self.arena)
         self.arena, self.sums = None, {}
 
-    def collect(self, identity: bytes, msg: Message) -> None:
+    def sum_buffers(self, msg: Message) -> dict[str, np.ndarray] | None:
+        """Where a GRADS message's sums land (shared buffers, named as its arrays), or None."""
+        if not self.sums:
+            return None
+        if "layers" not in msg.meta:
+            return self.sums.get(msg.layer)
+        return {grouped_name(index, name): buffer for index, _ in layer_arrays(msg)
+                for name, buffer in self.sums.get(index, {}).items()}
+
+    def collect(self, identity: bytes, msg: Message, frames: list) -> None:
+        if self.num_wse == 1:   # nothing to sum: the validated frames go on as they came
+            with trace.span(REDUCE_SPAN[msg.type], step=msg.step, layer=msg.layer):
+                if msg.type == Msg.GRADS:
+                    self.memoryx.forward(frames)
+                else:
+                    self.router.forward(frames, self.chief)
+            return
         rank = next(r for r, i in self.wse.items() if i == identity)
         key = (msg.type, msg.step, msg.layer, msg.meta.get("what"))
         parts = self.pending.setdefault(key, {})
@@ -206,7 +223,7 @@ class SwarmX:
             return
         del self.pending[key]
         # A layer's buffers are free again: MemoryX applied last step's sums before this step began.
-        into = self.sums.get(msg.layer) if msg.type == Msg.GRADS else None
+        into = self.sum_buffers(msg) if msg.type == Msg.GRADS else None
         with trace.span(REDUCE_SPAN[msg.type], step=msg.step, layer=msg.layer):
             reduced = reduce_messages([parts[r] for r in range(self.num_wse)], into)
             if reduced.type == Msg.GRADS:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,8 +56,9 @@ from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
-PROTOCOL_VERSION = 4   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
-#                        4: frames of 64 KiB (were 1 MiB)
+PROTOCOL_VERSION = 5   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
+#                        4: frames of 64 KiB (were 1 MiB);
+#                        5: layer groups, fwd_bwd and the loss in GRADS / STEP_DONE (an older peer would misread them)
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
 MAX_HEADER_BYTES = 64 * 1024
@@ -116,9 +116,9 @@ class Msg(str, enum.Enum):
     # one step
     TRAIN_STEP = "train_step"    # chief -> MemoryX: run training step `step`
     EVAL_STEP = "eval_step"      # chief -> MemoryX: run eval step `step`
-    WEIGHTS = "weights"          # MemoryX -> SwarmX -> every WSE: one layer's weights
+    WEIGHTS = "weights"          # MemoryX -> SwarmX -> every WSE: a layer's weights, or a group's
     BATCH = "batch"              # input worker -> WSE: one shard of one global batch
-    GRADS = "grads"              # WSE -> SwarmX (summed) -> MemoryX: one layer's gradients
+    GRADS = "grads"              # WSE -> SwarmX (summed) -> MemoryX: a layer's or a group's gradients
     LOSS = "loss"                # WSE -> SwarmX (summed) -> chief
     EVAL_RESULT = "eval_result"  # WSE -> SwarmX (summed) -> chief: loss sum, correct, count
     STEP_DONE = "step_done"      # MemoryX -> chief: every layer updated
@@ -260,12 +260,90 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # "label_count": labelled targets in the whole global batch (BATCH; a token loss's normaliser).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
                                  "layer_grad_norms": list, "norms": bool, "label_count": int,
+                                 "layers": int,   # WEIGHTS, GRADS: a group of small layers (below)
+                                 # GRADS, STEP_DONE: a weight-streaming step's loss (STEP_LOSS)
+                                 "loss": _NUM, "count": int, "bytes_in": int, "input_wait_s": _NUM,
                                  "leaving": bool,   # HEARTBEAT: the sender's work is done; it is exiting
                                  # GET_JOBS: list jobs numbered above `after`; JOBS: `next` is the
                                  # `after` of the next page (absent on the last page)
                                  "after": int, "next": int,
                                  # REFUSED for the rate limit: seconds until a request is taken again
                                  "retry_after": _NUM}
+
+
+# ------------------------------------------------------------ layer groups
+# Small consecutive layers travel together: one WEIGHTS message, and one GRADS back, for a
+# group instead of one per layer (a hop costs every process on the way a wake-up and a
+# message's handling, whatever its size). Such a message's `layer` is the group's first
+# (lowest) layer, meta "layers" how many it holds (2 or more), and each array is named
+# "<layer index>/<parameter>"; a message without "layers" holds one layer, arrays named as
+# the layer's parameters. A layer of GROUP_LAYER_BYTES or more (its weights in float32)
+# travels alone, so that a big model's stream keeps its layer-by-layer overlap; a group
+# holds at most GROUP_BYTES. A grouped array of several frames is decoded into fresh
+# memory (a receiver's kept buffers are named by layer, not by "<layer>/<parameter>").
+GROUP_LAYER_BYTES = 1024 * 1024
+GROUP_BYTES = 4 * GROUP_LAYER_BYTES
+
+
+def layer_groups(layer_bytes: list[int]) -> list[range]:
+    """Consecutive layers (by their float32 weight bytes) cut into the groups that travel together."""
+    groups: list[range] = []
+    start, total = 0, 0
+    for index, nbytes in enumerate(layer_bytes):
+        small = nbytes < GROUP_LAYER_BYTES
+        if index > start and not (small and total + nbytes <= GROUP_BYTES):
+            groups.append(range(start, index))
+            start, total = index, 0
+        total = total + nbytes if small else GROUP_BYTES   # a big layer closes its group
+    if layer_bytes:
+        groups.append(range(start, len(layer_bytes)))
+    return groups
+
+
+# A weight-streaming step's loss, as LOSS would carry it, rides on the step's last GRADS
+# (summed by SwarmX as LOSS is) and MemoryX hands it on in STEP_DONE: two hops fewer a
+# step. A job whose steps hand out the model's output sends LOSS, with those rows, instead.
+STEP_LOSS = ("loss", "count", "bytes_in", "input_wait_s")
+
+
+def grouped_name(index: int, name: str) -> str:
+    """An array's name in a group's message: its layer's index, then the parameter's name."""
+    return f"{index}/{name}"
+
+
+def group_message(mtype: "Msg", step: int, layers: dict[int, dict], meta: dict) -> "Message":
+    """One WEIGHTS or GRADS message for consecutive layers ({index: arrays}, at least one)."""
+    first = min(layers)
+    if len(layers) == 1:
+        return Message(mtype, step=step, layer=first, meta=meta, arrays=layers[first])
+    arrays = {grouped_name(index, name): arr for index, named in layers.items() for name, arr in named.items()}
+    return Message(mtype, step=step, layer=first, meta={**meta, "layers": len(layers)}, arrays=arrays)
+
+
+def layer_arrays(msg: "Message") -> list[tuple[int, dict]]:
+    """A WEIGHTS or GRADS message's layers, lowest first, each with its arrays (decode has
+    checked every grouped name); a layer without parameters gets {}."""
+    count = msg.meta.get("layers")
+    if count is None:
+        return [(msg.layer, msg.arrays)]
+    layers: dict[int, dict] = {index: {} for index in range(msg.layer, msg.layer + count)}
+    for name, arr in msg.arrays.items():
+        index, param = name.split("/", 1)
+        layers[int(index)][param] = arr
+    return list(layers.items())
+
+
+def _check_group(mtype: "Msg", header: dict, specs: list) -> None:
+    """A group's layers are in range and every array names one of them."""
+    count, first = header["meta"]["layers"], header["layer"]
+    if mtype not in (Msg.WEIGHTS, Msg.GRADS) or not 2 <= count <= MAX_ARRAYS or first < 0:
+        raise ProtocolError(f"{mtype.value}: a group of {count} layers from layer {first} is not allowed")
+    prefixes = {str(index) for index in range(first, first + count)}   # as group_message writes them
+    for name, *_ in specs:
+        index, slash, param = name.partition("/")
+        if not (slash and param and index in prefixes):
+            raise ProtocolError(f"{mtype.value}: array {name[:40]!r} names no layer of the group "
+                                f"{first}..{first + count - 1}")
 
 
 # ------------------------------------------------------------ BATCH
@@ -471,6 +549,8 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
     if job is not None and header["job"] != job:
         raise ProtocolError(f"message for job {header['job'][:40]!r}, this is job {job!r}")
     specs = _check_array_specs(header["arrays"], frames[1:])
+    if "layers" in header["meta"]:
+        _check_group(mtype, header, specs)
     fmt = header["meta"].get("format")
     if fmt is not None:
         stored = _storage_name(fmt)
@@ -642,8 +722,9 @@ def _check_header(header: dict) -> Msg:
     for key, typ in META_SCHEMA[mtype].items():
         if not _is(meta.get(key), typ):
             raise ProtocolError(f"{mtype.value}: meta field {key!r} missing or of the wrong type")
-    for key, typ in OPTIONAL_META.items():
-        if key in meta and not _is(meta[key], typ):
+    for key, value in meta.items():   # a message's few keys, not every optional one
+        typ = OPTIONAL_META.get(key)
+        if typ is not None and not _is(value, typ):
             raise ProtocolError(f"{mtype.value}: meta field {key!r} of the wrong type")
     if "format" in meta and meta["format"] not in FORMATS:
         raise ProtocolError(f"{mtype.value}: unknown tensor format {meta['format'][:20]!r}")
@@ -662,8 +743,6 @@ def _is(value, typ) -> bool:
 def _check_array_specs(specs: list, frames: list) -> list:
     if len(specs) > MAX_ARRAYS:
         raise ProtocolError(f"{len(specs)} arrays exceed the cap of {MAX_ARRAYS}")
-    if not all(isinstance(spec, list) for spec in specs):
-        raise ProtocolError("array spec is not a list")
     checked = [_check_array_spec(spec) for spec in specs]
     framed = [nbytes for _, _, _, ref, nbytes in checked if ref is None]
     wanted = sum(frames_for(nbytes) for nbytes in framed)
@@ -673,8 +752,9 @@ def _check_array_specs(specs: list, frames: list) -> list:
     for name, dtype, shape, ref, nbytes in checked:
         parts = []
         if ref is None:
-            parts = frames[start:start + frames_for(nbytes)]
-            start += len(parts)
+            count = frames_for(nbytes)
+            parts = frames[start:start + count]
+            start += count
             _check_frame_sizes(name, nbytes, parts)
         out.append((name, dtype, shape, ref, parts))
     return out
@@ -682,34 +762,49 @@ def _check_array_specs(specs: list, frames: list) -> list:
 
 def _check_frame_sizes(name: str, nbytes: int, parts: list) -> None:
     """Every frame of an array full but the last, together the header's byte count."""
+    if len(parts) == 1:   # most arrays: one frame, its size the header's
+        size = _frame_len(parts[0])
+        if size != nbytes:
+            raise ProtocolError(f"array {name[:40]!r}: frame has {size} bytes, header says {nbytes}")
+        return
     sizes = [_frame_len(p) for p in parts]
     if sum(sizes) != nbytes or any(size != MAX_FRAME_BYTES for size in sizes[:-1]):
         got = sizes[0] if len(sizes) == 1 else f"{sum(sizes)} in frames of {sizes[:3]}..."
         raise ProtocolError(f"array {name[:40]!r}: frame has {got} bytes, header says {nbytes}")
 
 
+# Bytes a value of each wire dtype: np.dtype(name) costs a microsecond an array.
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in _WIRE_DTYPES.items()}
+
+
 def _check_array_spec(spec) -> tuple:
-    """(name, dtype, shape, shared-memory reference or None, bytes) of a valid spec."""
+    """(name, dtype, shape, shared-memory reference or None, bytes) of a valid spec.
+
+    Types are checked exactly (`type(x) is int`): msgpack gives plain ints, strs and lists,
+    and a bool is no int here."""
+    if type(spec) is not list:
+        raise ProtocolError("array spec is not a list")
     ref = None
     if len(spec) == 5:          # [name, dtype, shape, segment, offset]: no frame
         ref = (spec[3], spec[4])
-        if not (isinstance(ref[0], str) and isinstance(ref[1], int) and not isinstance(ref[1], bool)):
+        if not (type(ref[0]) is str and type(ref[1]) is int):
             raise ProtocolError("shared-memory reference is not [segment name, offset]")
         spec = spec[:3]
-    if not (len(spec) == 3 and isinstance(spec[0], str)
-            and isinstance(spec[1], str) and isinstance(spec[2], list)):
+    if not (len(spec) == 3 and type(spec[0]) is str and type(spec[1]) is str and type(spec[2]) is list):
         raise ProtocolError("array spec is not [name, dtype, shape]")
     name, dtype, shape = spec
-    if dtype not in ALLOWED_DTYPES:
+    itemsize = _ITEMSIZES.get(dtype)
+    if itemsize is None:
         raise ProtocolError(f"array {name[:40]!r}: dtype {dtype[:20]!r} is not allowed")
     if len(shape) > MAX_DIMS:
         raise ProtocolError(f"array {name[:40]!r}: {len(shape)} dims exceed the cap of {MAX_DIMS}")
-    if not all(isinstance(d, int) and not isinstance(d, bool)
-               and 0 <= d <= MAX_ARRAY_BYTES for d in shape):
-        raise ProtocolError(f"array {name[:40]!r}: bad shape {str(shape)[:80]} "
-                            f"(dims must be ints in [0, {MAX_ARRAY_BYTES}])")
-    # Python ints: np.prod in int64 wraps (3 dims of 2**31 give 0) and would pass the cap.
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    # Python ints: a product in int64 wraps (3 dims of 2**31 give 0) and would pass the cap.
+    nbytes = itemsize
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_ARRAY_BYTES:
+            raise ProtocolError(f"array {name[:40]!r}: bad shape {str(shape)[:80]} "
+                                f"(dims must be ints in [0, {MAX_ARRAY_BYTES}])")
+        nbytes *= d
     if nbytes > MAX_ARRAY_BYTES:
         raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
     return name, dtype, tuple(shape), ref, nbytes
