@@ -506,10 +506,10 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         raise ProtocolError("empty message")
     header = _unpack_header(_as_bytes(frames[0]))
     mtype = _check_header(header)
+    frames = _with_table(header, frames)
     if job is not None and header["job"] != job:
         raise ProtocolError(f"message for job {header['job'][:40]!r}, this is job {job!r}")
-    table, first_array = _array_table(header, frames)
-    specs = _check_array_specs(table, frames[first_array:])
+    specs = _check_array_specs(header["arrays"], frames[1:])
     fmt = header["meta"].get("format")
     if fmt is not None:
         stored = _storage_name(fmt)
@@ -667,13 +667,14 @@ def _unpack_capped(raw: bytes, what: str):
         raise ProtocolError(f"{what} is not valid msgpack ({type(exc).__name__})") from None
 
 
-def _array_table(header: dict, frames: list) -> tuple[list, int]:
-    """(the message's array specs, the index of its first array frame): the header's list, or,
-    with "tables", the lists of that many frames after it (the header's own list then empty).
-    The count is checked before a table frame is read, each frame's size before it is unpacked."""
+def _with_table(header: dict, frames: list) -> list:
+    """The frames as if the array table were in the header: with "tables", the lists of that many
+    frames after it (the header's own list then empty) become header["arrays"], and those frames
+    leave the list. The count is checked before a table frame is read, each frame's size before
+    it is unpacked; the specs themselves are checked as a header's are."""
     count = header.get("tables")
     if count is None:
-        return header["arrays"], 1
+        return frames
     if type(count) is not int or not 1 <= count <= min(MAX_TABLE_FRAMES, len(frames) - 1) or header["arrays"]:
         raise ProtocolError(f"header field 'tables' is not a count in [1, {MAX_TABLE_FRAMES}] of the frames "
                             f"that follow, with the header's own 'arrays' empty")
@@ -683,7 +684,8 @@ def _array_table(header: dict, frames: list) -> tuple[list, int]:
         if type(part) is not list or not part or len(table) + len(part) > MAX_ARRAYS:
             raise ProtocolError(f"array table frame is not a non-empty list, or the table lists over {MAX_ARRAYS} arrays")
         table.extend(part)
-    return table, 1 + count
+    header["arrays"] = table
+    return [frames[0], *frames[1 + count:]]
 
 
 _HEADER_FIELDS = (("t", str), ("v", int), ("job", str), ("step", int), ("layer", int), ("meta", dict),
