@@ -399,15 +399,14 @@ def many_arrays(count: int) -> dict:
 
 
 def test_a_message_of_thousands_of_arrays_round_trips_with_its_table_in_frames_of_its_own():
-    arrays = many_arrays(5000)
+    arrays = many_arrays(2500)
     frames = encode(Message(Msg.STATE, job="job1", step=3, arrays=arrays))
     tables = msgpack.unpackb(frames[0])["tables"]
-    assert tables >= 5 and len(frames) == 1 + tables + len(arrays)
+    assert tables >= 3 and len(frames) == 1 + tables + len(arrays)
     assert all(len(f) <= protocol.MAX_FRAME_BYTES for f in frames[:1 + tables])
     got = decode(frames)
     assert list(got.arrays) == list(arrays) and got.step == 3
-    for name, arr in arrays.items():
-        np.testing.assert_array_equal(got.arrays[name], arr)
+    np.testing.assert_array_equal(np.stack(list(got.arrays.values())), np.stack(list(arrays.values())))
 
 
 def test_a_load_model_whose_table_outgrows_a_header_arrives_with_its_settings():
