@@ -80,6 +80,17 @@ def final_weights(model_dir: Path) -> dict[str, np.ndarray]:
         return {k: ck[k] for k in ck.files if k.startswith("model/")}
 
 
+def state_needs_table_frames(model_dir: Path) -> bool:
+    """Whether the last checkpoint's weights and slots, sent as one message (as LOAD_MODEL and
+    STATE send them), list more arrays than a header holds: their table takes frames of its own."""
+    import msgpack
+    from cs_runtime.wire.protocol import Message, Msg, encode
+    path = sorted(glob.glob(str(model_dir / "checkpoint_*.npz")), key=lambda p: int(Path(p).stem.split("_")[1]))[-1]
+    with np.load(path) as ck:
+        state = {k: ck[k] for k in ck.files if k.startswith(("model/", "optimizer/"))}
+    return "tables" in msgpack.unpackb(encode(Message(Msg.STATE, arrays=state))[0])
+
+
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-30))
 

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.cluster_utils import (alive, assert_matches_oracle, descendants, final_weights, kill_tree, run_cpu,
-                                 run_wse, wse_command, write_params)
+from tests.cluster_utils import (alive, assert_matches_oracle, descendants, final_weights, kill_tree, relative_error,
+                                 run_cpu, run_wse, state_needs_table_frames, train_losses, wse_command, write_params)
 
 pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
 
@@ -151,3 +151,27 @@ def test_bad_params_fail_at_start_naming_the_key(tmp_path):
     result = run_wse(params, tmp_path / "m")
     assert result.returncode != 0
     assert "optimizer.learning_rat" in result.stdout + result.stderr
+
+
+# 300 dense layers trained with Adam: 2,400 arrays of weights and slots, whose names,
+# dtypes and shapes (some 90 KB) outgrow a header in LOAD_MODEL and STATE.
+DEEP_LAYERS, DEEP_STEPS = 300, 4
+
+
+@pytest.mark.parametrize("strategy", ["weight_streaming", "pipelined"])
+def test_a_model_of_thousands_of_arrays_loads_trains_and_checkpoints_as_the_cpu_path(tmp_path, strategy):
+    params = write_params(tmp_path, model={"hidden_sizes": [8] * (DEEP_LAYERS - 1), "dropout": 0.0},
+                          optimizer={"optimizer_type": "adam", "learning_rate": 0.001},
+                          runconfig={"max_steps": DEEP_STEPS, "log_steps": 1, "checkpoint_steps": DEEP_STEPS,
+                                     "execution_strategy": strategy})
+    cpu = run_cpu(params, tmp_path / "cpu")
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    result = run_wse(params, tmp_path / "wse", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Mode={strategy}, Step={DEEP_STEPS}," in result.stdout, result.stdout[-2000:]
+    oracle, got = final_weights(tmp_path / "cpu"), final_weights(tmp_path / "wse")
+    assert len(got) == 2 * DEEP_LAYERS and got.keys() == oracle.keys()
+    assert state_needs_table_frames(tmp_path / "wse")
+    np.testing.assert_allclose(train_losses(tmp_path / "wse"), train_losses(tmp_path / "cpu"), rtol=1e-5)
+    for name in oracle:
+        assert relative_error(got[name], oracle[name]) < 1e-5, name

@@ -388,6 +388,93 @@ def test_reject_too_many_arrays(monkeypatch):
     reject([pack(header(arrays=specs)), b"\0", b"\0", b"\0"], "3 arrays", "cap")
 
 
+# --------------------------------------------------------------------------
+# array tables over a header (a model's worth of arrays)
+# --------------------------------------------------------------------------
+
+def many_arrays(count: int) -> dict:
+    """`count` tiny arrays with names as long as a deep model's optimizer slots."""
+    return {f"encoder.layers.{i}.self_attention.in_proj_weight.exp_avg_sq": np.full((2, 3), i, np.float32)
+            for i in range(count)}
+
+
+def test_a_message_of_thousands_of_arrays_round_trips_with_its_table_in_frames_of_its_own():
+    arrays = many_arrays(2500)
+    frames = encode(Message(Msg.STATE, job="job1", step=3, arrays=arrays))
+    tables = msgpack.unpackb(frames[0])["tables"]
+    assert tables >= 3 and len(frames) == 1 + tables + len(arrays)
+    assert all(len(f) <= protocol.MAX_FRAME_BYTES for f in frames[:1 + tables])
+    got = decode(frames)
+    assert list(got.arrays) == list(arrays) and got.step == 3
+    np.testing.assert_array_equal(np.stack(list(got.arrays.values())), np.stack(list(arrays.values())))
+
+
+def test_a_load_model_whose_table_outgrows_a_header_arrives_with_its_settings():
+    arrays = many_arrays(1500)
+    frames = encode(Message(Msg.LOAD_MODEL, meta={"spec": SETTINGS}, arrays=arrays))
+    assert msgpack.unpackb(frames[0])["tables"] >= 2
+    got = decode(frames)
+    assert got.meta["spec"] == SETTINGS and list(got.arrays) == list(arrays)
+
+
+def test_a_small_message_keeps_its_table_in_the_header():
+    frames = encode(Message(Msg.GRADS, arrays=many_arrays(3)))
+    assert "tables" not in msgpack.unpackb(frames[0]) and len(frames) == 4
+
+
+def table_message(count: int = 1500) -> list:
+    return encode(Message(Msg.STATE, job="job1", arrays=many_arrays(count)))
+
+
+def with_header(frames: list, **changes) -> list:
+    return [pack({**msgpack.unpackb(frames[0]), **changes}), *frames[1:]]
+
+
+@pytest.mark.parametrize("tables, words", [
+    (0, ["'tables'"]), (-1, ["'tables'"]), (True, ["'tables'"]), ("2", ["'tables'"]),
+    (protocol.MAX_TABLE_FRAMES + 1, ["'tables'", str(protocol.MAX_TABLE_FRAMES)]),
+    (1, ["frames follow"]),   # a table frame too few: the rest of the table is read as arrays
+])
+def test_a_bad_table_count_is_refused(tables, words):
+    reject(with_header(table_message(), tables=tables), *words)
+
+
+def test_a_table_count_beyond_the_frames_that_came_is_refused_before_one_is_read():
+    frames = table_message()
+    count = msgpack.unpackb(frames[0])["tables"]
+    reject(frames[:count], "'tables'")
+
+
+def test_a_table_beside_the_headers_own_list_is_refused():
+    reject(with_header(table_message(), arrays=[["a", "uint8", [1]]]), "'arrays' empty")
+
+
+@pytest.mark.parametrize("frame, words", [
+    (b"\xc1", ["array table frame", "not valid msgpack"]),
+    (pack({"a": 1}), ["not a non-empty list"]),
+    (pack([]), ["not a non-empty list"]),
+    (b"\0" * (MAX_HEADER_BYTES + 1), ["array table frame", "exceeds"]),
+    (pack([["a", "complex64", [1]]]), ["complex64", "not allowed"]),
+])
+def test_a_malformed_or_oversized_table_frame_is_refused(frame, words):
+    frames = table_message()
+    reject([frames[0], frame, *frames[2:]], *words)
+
+
+def test_a_table_over_the_array_cap_is_refused_before_the_next_frame_is_read(monkeypatch):
+    frames = table_message()
+    monkeypatch.setattr(protocol, "MAX_ARRAYS", 10)
+    reject(frames, "over 10 arrays")
+
+
+def test_a_table_beyond_its_caps_is_refused_by_its_sender(monkeypatch):
+    monkeypatch.setattr(protocol, "MAX_TABLE_FRAMES", 1)
+    with pytest.raises(protocol.MessageTooLarge, match="over the cap of 1 frames"):
+        table_message()
+    with pytest.raises(protocol.MessageTooLarge, match="frame cap"):
+        encode(Message(Msg.GRADS, arrays={"n" * MAX_HEADER_BYTES: np.zeros(1, np.float32)}))
+
+
 def test_reject_array_over_cap_without_allocating(monkeypatch):
     cap = 1024
     monkeypatch.setattr(protocol, "MAX_ARRAY_BYTES", cap)

@@ -333,3 +333,40 @@ def test_another_torchvision_model_computes_torchs_step_or_is_refused_at_capture
     assert "\n" not in message and message.startswith("module ") and why in message, message
     line = message.split(" at ", 1)[1].split(":")[0] if " at " in message else ""
     assert line.endswith(".py") and line not in ("capture.py", "test_torch_others.py"), message
+
+
+def test_mobilenet_v3_small_with_batch_norm_in_training_runs_on_a_wse_as_on_the_cpu_path(tmp_path):
+    """Its LOAD_MODEL and STATE list 976 arrays (weights, running statistics, Adam's slots), a
+    table over a message header's 64 KiB: weight streaming on one WSE ends on the CPU path's
+    bits, and the first loss is torch eager's (tests/torch_mobilenet_run.py)."""
+    import subprocess
+    import yaml
+    from tests.cluster_utils import REPO, final_weights, state_needs_table_frames, tool, train_losses
+    from tests.torch_mobilenet_run import CLASSES, data_set
+    _torchvision()
+    batch = 8
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "train_input": {"batch_size": batch, "shuffle": False, "drop_last_batch": True}, "eval_input": {"batch_size": batch},
+        "model": {}, "optimizer": {"optimizer_type": "adam", "learning_rate": 0.001},
+        "runconfig": {"max_steps": 3, "log_steps": 1, "checkpoint_steps": 3, "seed": 1,
+                      "execution_strategy": "weight_streaming"}}))
+    runs = {}
+    for launcher in ("csrun_cpu", "csrun_wse"):
+        cmd = [tool(launcher), sys.executable, str(REPO / "tests" / "torch_mobilenet_run.py"), "--mode", "train",
+               "--params", str(params), "--model_dir", str(tmp_path / launcher)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        runs[launcher] = train_losses(tmp_path / launcher), final_weights(tmp_path / launcher)
+    (cpu_losses, cpu_weights), (wse_losses, wse_weights) = runs["csrun_cpu"], runs["csrun_wse"]
+    np.testing.assert_array_equal(wse_losses, cpu_losses)
+    assert len(cpu_weights) > 200 and wse_weights.keys() == cpu_weights.keys()
+    for name, w in cpu_weights.items():
+        np.testing.assert_array_equal(wse_weights[name], w, err_msg=name)
+    assert state_needs_table_frames(tmp_path / "csrun_wse")
+    x, y = data_set()   # the first batch: its first rows (unshuffled)
+    torch.manual_seed(0)   # the run script's module, in training
+    module = _importable_torchvision().models.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0).train()
+    with torch.no_grad():
+        eager = float(F.cross_entropy(module(torch.from_numpy(x[:batch])), torch.from_numpy(y[:batch])))
+    np.testing.assert_allclose(cpu_losses[0], eager, rtol=1e-5)

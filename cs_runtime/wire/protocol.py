@@ -18,6 +18,15 @@ stranger costs a process at most that per connection, however big the job's
 tensors, and 64 KiB frames cost a tcp transfer of 64 MB arrays some 0 to 15%
 more CPU than 1 MiB frames (docs/security.md has the measurements).
 
+A message of a model's worth of arrays (LOAD_MODEL, STATE, a big group's WEIGHTS or GRADS: a
+name, dtype and shape each, thousands of them) may list more than a header can hold. Then its
+table travels in frames of its own, right after the header: the header says "tables": k and
+lists no arrays ("arrays": []), and frames 1..k are msgpack lists of array specs of at most
+MAX_FRAME_BYTES each, in order, the array frames after them. k is checked against
+MAX_TABLE_FRAMES and the frames that came before a table frame is read, each frame's size
+before it is unpacked, and the whole table is checked as a header's list is, before any array
+is built; so a table costs a receiver no more than the frames it was sent.
+
 An array that lies in a shared-memory segment of the job (same host only,
 see shm.py) is listed as [name, dtype, shape, segment, offset] and has no
 frame: the receiver maps the segment and checks the reference's bounds.
@@ -56,13 +65,17 @@ from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
-PROTOCOL_VERSION = 5   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
+PROTOCOL_VERSION = 6   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
 #                        4: frames of 64 KiB (were 1 MiB);
-#                        5: layer groups, fwd_bwd and the loss in GRADS / STEP_DONE (an older peer would misread them)
+#                        5: layer groups, fwd_bwd and the loss in GRADS / STEP_DONE (an older peer would misread them);
+#                        6: array tables over a header in frames of their own
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
 MAX_HEADER_BYTES = 64 * 1024
-MAX_ARRAYS = 4096
+MAX_ARRAYS = 32768
+# A message's array table, when it does not fit the header, takes at most this many frames
+# (see above): 4 MiB of names, dtypes and shapes, room for MAX_ARRAYS arrays of 100-byte names.
+MAX_TABLE_FRAMES = 64
 MAX_ARRAY_BYTES = 2 * 1024**3
 MAX_DIMS = 8
 # No frame is larger: an array beyond it is split (see above). As small as a header may be,
@@ -76,6 +89,8 @@ MAX_SETTINGS_BYTES = 16 * 1024**2
 # (bfloat16 / cbfloat16 travel as their raw uint16 bit patterns).
 ALLOWED_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint16", "uint8", "bool"}
 _WIRE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
+# msgpack's list prefix for up to 2**32 items (a table frame's budget leaves it room).
+_LIST_PREFIX_BYTES = 5
 # The names of those little-endian dtypes, looked up by dtype: numpy's dtype.name is a
 # Python-level property costing microseconds, and encode named every array twice.
 _WIRE_NAMES = {dtype: name for name, dtype in _WIRE_DTYPES.items()}
@@ -507,10 +522,34 @@ def encode(msg: Message, segments=None) -> list:
     header = {"t": msg.type.value, "v": PROTOCOL_VERSION, "job": msg.job, "step": msg.step,
               "layer": msg.layer, "meta": meta, "arrays": specs}
     raw = msgpack.packb(header, use_bin_type=True)
+    tables = []
+    if len(raw) > MAX_HEADER_BYTES:   # a model's worth of arrays: their table in frames of its own
+        tables = _table_frames(msg.type, specs)
+        raw = msgpack.packb({**header, "arrays": [], "tables": len(tables)}, use_bin_type=True)
     if len(raw) > MAX_HEADER_BYTES:   # array frames are split to fit; a header cannot be
         raise MessageTooLarge(f"a {msg.type.value} message's header is {len(raw)} bytes, over the "
                               f"{MAX_HEADER_BYTES}-byte cap every receiver enforces")
-    return [raw, *frames]
+    return [raw, *tables, *frames]
+
+
+def _table_frames(mtype: Msg, specs: list) -> list[bytes]:
+    """The array table cut into msgpack lists of at most MAX_FRAME_BYTES each (see above)."""
+    tables, chunk, size = [], [], _LIST_PREFIX_BYTES
+    for spec in specs:
+        packed = msgpack.packb(spec, use_bin_type=True)
+        if size + len(packed) > MAX_FRAME_BYTES and chunk:
+            tables.append(msgpack.packb(chunk, use_bin_type=True))
+            chunk, size = [], _LIST_PREFIX_BYTES
+        if size + len(packed) > MAX_FRAME_BYTES:
+            raise MessageTooLarge(f"a {mtype.value} message's array {spec[0][:40]!r} takes {len(packed)} bytes "
+                                  f"to describe, over the {MAX_FRAME_BYTES}-byte frame cap")
+        chunk.append(spec)
+        size += len(packed)
+    tables.append(msgpack.packb(chunk, use_bin_type=True))
+    if len(tables) > MAX_TABLE_FRAMES or len(specs) > MAX_ARRAYS:
+        raise MessageTooLarge(f"a {mtype.value} message of {len(specs)} arrays: its table takes {len(tables)} "
+                              f"frames, over the cap of {MAX_TABLE_FRAMES} frames or {MAX_ARRAYS} arrays")
+    return tables
 
 
 def _array_frames(arr: np.ndarray) -> list:
@@ -546,6 +585,7 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         raise ProtocolError("empty message")
     header = _unpack_header(_as_bytes(frames[0]))
     mtype = _check_header(header)
+    frames = _with_table(header, frames)
     if job is not None and header["job"] != job:
         raise ProtocolError(f"message for job {header['job'][:40]!r}, this is job {job!r}")
     specs = _check_array_specs(header["arrays"], frames[1:])
@@ -691,16 +731,42 @@ def _frame_len(frame) -> int:
 
 
 def _unpack_header(raw: bytes) -> dict:
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES} byte cap")
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
-                                 max_bin_len=MAX_HEADER_BYTES, max_str_len=MAX_HEADER_BYTES)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__})") from None
+    header = _unpack_capped(raw, "header")
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
     return header
+
+
+def _unpack_capped(raw: bytes, what: str):
+    """msgpack data of at most MAX_HEADER_BYTES (a header or a table frame), unpacked."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"{what} of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES} byte cap")
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                               max_bin_len=MAX_HEADER_BYTES, max_str_len=MAX_HEADER_BYTES)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"{what} is not valid msgpack ({type(exc).__name__})") from None
+
+
+def _with_table(header: dict, frames: list) -> list:
+    """The frames as if the array table were in the header: with "tables", the lists of that many
+    frames after it (the header's own list then empty) become header["arrays"], and those frames
+    leave the list. The count is checked before a table frame is read, each frame's size before
+    it is unpacked; the specs themselves are checked as a header's are."""
+    count = header.get("tables")
+    if count is None:
+        return frames
+    if type(count) is not int or not 1 <= count <= min(MAX_TABLE_FRAMES, len(frames) - 1) or header["arrays"]:
+        raise ProtocolError(f"header field 'tables' is not a count in [1, {MAX_TABLE_FRAMES}] of the frames "
+                            f"that follow, with the header's own 'arrays' empty")
+    table = []
+    for frame in frames[1:1 + count]:
+        part = _unpack_capped(_as_bytes(frame), "array table frame")
+        if type(part) is not list or not part or len(table) + len(part) > MAX_ARRAYS:
+            raise ProtocolError(f"array table frame is not a non-empty list, or the table lists over {MAX_ARRAYS} arrays")
+        table.extend(part)
+    header["arrays"] = table
+    return [frames[0], *frames[1 + count:]]
 
 
 _HEADER_FIELDS = (("t", str), ("v", int), ("job", str), ("step", int), ("layer", int), ("meta", dict),
