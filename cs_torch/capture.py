@@ -51,7 +51,7 @@ import torch
 
 from cs_runtime.errors import UserInputError
 from cs_runtime.compiler.units import split_units
-from cs_runtime.numerics.program import Node, Program, ProgramError, Unit, Value, infer_values
+from cs_runtime.numerics.program import BUFFER_ROLE, Node, Program, ProgramError, Unit, Value, infer_values
 from cs_runtime.numerics.program_layer import FEATURE_NAME
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -98,7 +98,7 @@ def capture(model: torch.nn.Module, example_inputs, example_target, loss_fn, dro
     (`model(**example_inputs)` when they are a dict). `dropout`: whether dropout in
     training may draw masks (the caller feeds the run's context); without, it is refused."""
     names, inputs, keywords = _example_inputs(model, example_inputs)
-    _refuse_sync_batch_norm(model)
+    _refuse_batch_norm_unsupported(model)
     # Copies: export treats one tensor passed twice (ids as input and as target) as one input.
     examples = tuple(t.clone() for t in (*inputs, example_target))
     wrapped = _WithLoss(model, loss_fn, keywords)
@@ -201,15 +201,20 @@ def _in_torch(path: str) -> bool:
     return path.startswith(_TORCH_DIR + os.sep)
 
 
-def _refuse_sync_batch_norm(model) -> None:
+def _refuse_batch_norm_unsupported(model) -> None:
     """SyncBatchNorm asks for statistics over every replica; outside torch.distributed its
     forward is a plain batch norm, which on N WSEs would normalize by each WSE's rows: not
-    what the model asks for, so it does not start."""
+    what the model asks for, so it does not start. A cumulative average (momentum None)
+    reads the step count as a Python number, which export would fix at its capture value."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.SyncBatchNorm) and module.training:
             raise CaptureError(f"module {name or '<root>'}: SyncBatchNorm in training: statistics synchronized over "
                                "the WSEs are not supported; use BatchNorm (per-WSE statistics, as torch DDP "
                                "without SyncBatchNorm) or capture it in eval mode")
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training and \
+                module.track_running_stats and module.momentum is None:
+            raise CaptureError(f"module {name or '<root>'}: {type(module).__name__} with momentum=None (a cumulative "
+                               "average over num_batches_tracked) in training is not supported; give it a momentum")
 
 
 def _example_inputs(model, example_inputs) -> tuple[list[str], tuple, list[str] | None]:
@@ -356,13 +361,14 @@ class _Lowering:
         self.inputs: dict[str, Value] = {}
         self.consts: dict[str, np.ndarray] = {}
         self.fx_node = None
+        self.buffer_updates: dict = {}  # buffer (state_dict target) -> the fx node of its value after a train step
 
     def run(self) -> Captured:
         sig = self.ep.graph_signature
         state = {**self.ep.state_dict, **getattr(self.ep, "constants", {})}
         user_inputs = []
         user_outputs = self._user_outputs(sig)
-        needed = _needed(user_outputs)
+        needed = _needed([*user_outputs, *self.buffer_updates.values()])
         for node in self.ep.graph.nodes:
             self.fx_node = node
             if node.op == "placeholder":
@@ -374,6 +380,9 @@ class _Lowering:
         names = [*(f"input{i}" for i in range(len(user_inputs) - 1)), "target"]
         rename = dict(zip(user_inputs, names))
         outputs = {"loss": loss}
+        for target, arg in self.buffer_updates.items():
+            self.fx_node = _first_op(arg)
+            outputs[BUFFER_ROLE + _strip(target)] = self._value(arg)
         if model_out and model_out[0] not in rename:
             outputs["output"] = model_out[0]
         last = self.nodes[-1] if self.nodes else None
@@ -415,6 +424,13 @@ class _Lowering:
             self.params[pname] = Value(tuple(val.shape), self._dtype(val))
             self._param_targets[pname] = sig.inputs_to_parameters[name]
             self.names[node] = pname
+        elif sig.inputs_to_buffers.get(name) in self.buffer_updates:
+            # State a train step updates (running statistics): held and streamed with the parameters,
+            # as float32 (num_batches_tracked too: exact to 2**24 steps), but given no gradient.
+            pname = _strip(sig.inputs_to_buffers[name])
+            self.params[pname] = Value(tuple(val.shape), "float32")
+            self._param_targets[pname] = sig.inputs_to_buffers[name]
+            self.names[node] = pname
         elif name in sig.inputs_to_buffers or name in getattr(sig, "inputs_to_lifted_tensor_constants", {}):
             target = sig.inputs_to_buffers.get(name) or sig.inputs_to_lifted_tensor_constants[name]
             self.constants[node] = state[target]
@@ -428,8 +444,8 @@ class _Lowering:
 
     def _user_outputs(self, sig) -> list:
         """The graph's outputs that are the wrapper's (the loss, the model's output). The
-        others are state a step would carry to the next: a buffer the forward updates
-        (BatchNorm's running statistics in training mode), refused here in one line."""
+        others are state a step carries to the next: BatchNorm's running statistics and
+        count, noted in self.buffer_updates; any other update in place is refused in one line."""
         output = next(n for n in self.ep.graph.nodes if n.op == "output")
         outs = []
         for arg, spec in zip(output.args[0], sig.output_specs):
@@ -437,11 +453,15 @@ class _Lowering:
                 outs.append(arg)
             elif spec.kind == torch.export.graph_signature.OutputKind.BUFFER_MUTATION:
                 self.fx_node = _first_op(arg)
-                raise self.error(
-                    f"the forward updates buffer {_strip(spec.target)!r} (BatchNorm's running statistics in "
-                    "training mode); a run does not carry buffers from step to step yet: capture such layers in "
-                    "eval mode (their running statistics as constants) or with track_running_stats=False "
-                    "(batch statistics in training and eval)")
+                if not _batch_norm_state(arg, spec.target):
+                    raise self.error(f"the forward updates buffer {_strip(spec.target)!r} in place; a run carries "
+                                     "only BatchNorm's running statistics from step to step")
+                if not self.dropout:
+                    raise self.error(f"the forward updates buffer {_strip(spec.target)!r} (BatchNorm's running "
+                                     "statistics in training); a traced step carries no buffers yet: capture such "
+                                     "layers in eval mode, or hand the model to run() with "
+                                     "cs_torch.capture.model_spec")
+                self.buffer_updates[spec.target] = arg
             else:
                 self.fx_node = _first_op(arg)
                 raise self.error(f"the forward changes its {spec.kind.name.lower()} {spec.target!r} in place")
@@ -449,9 +469,10 @@ class _Lowering:
 
     def _aliases(self) -> dict[str, str]:
         """state_dict keys that share a captured parameter's storage (tied weights)."""
-        owner_of = {self.model.get_parameter(name).data_ptr(): name for name in self.params}
+        state = self.model.state_dict(keep_vars=True)
+        owner_of = {state[name].data_ptr(): name for name in self.params}
         aliases = {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
+        for key, t in state.items():
             owner = owner_of.get(t.data_ptr())
             if owner is not None and key != owner:
                 aliases[key] = owner
@@ -646,6 +667,16 @@ def _located(fx_node) -> str:
     """module path, op and source line of an fx node, as a capture error names them."""
     line = _source(fx_node)
     return f"module {_module_path(fx_node) or '<root>'}: op {fx_node.target}{' at ' + line if line else ''}"
+
+
+def _batch_norm_state(arg, target: str) -> bool:
+    """Whether a buffer's update is BatchNorm's: its running mean or variance (outputs 3
+    and 4 of the functional batch norm), or num_batches_tracked + 1."""
+    op = _first_op(arg)
+    if _packet(op.target) == "_native_batch_norm_legit_functional":
+        return arg.target is operator.getitem and arg.args[1] in (3, 4)
+    return (target.endswith("num_batches_tracked") and _packet(op.target) == "add"
+            and isinstance(op.args[0], torch.fx.Node) and op.args[0].op == "placeholder" and op.args[1] == 1)
 
 
 def _first_op(node):
@@ -1285,6 +1316,20 @@ def _bn_eval(L, node, x, weight, bias, running_mean, running_var, momentum, eps)
             None, None]
 
 
+def _bn_running(L, node, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Training with running statistics (torchvision's default): the batch's statistics in
+    a train step, the running ones in an eval step (the run's context says which), and the
+    running mean and variance after the step (outputs 3 and 4: buffers the run carries)."""
+    if not training:
+        raise L.error("batch norm in eval mode that updates its running statistics")
+    L.inputs.setdefault(CONTEXT, Value((6,), "int64"))
+    w, b = _bn_affine(L, node, x, weight, bias)
+    y = L.emit("batch_norm", [x, w, b, running_mean, running_var, CONTEXT], {"running": True, "eps": float(eps)})
+    stats = [L.emit("batch_norm_running", [x, stat], {"stat": kind, "momentum": float(momentum)},
+                    out=f"{node.name}_running_{kind}") for stat, kind in ((running_mean, "mean"), (running_var, "var"))]
+    return [y, None, None, *stats]
+
+
 def _full_like(L, node, x, value, **kw):
     return L.emit("full_like", [x], {"value": value, "dtype": L._dtype(node.meta["val"])})
 
@@ -1382,6 +1427,7 @@ _CORE_LOWER = {
     "native_dropout": _first_of(_native_dropout, 2),
     "_native_batch_norm_legit": _bn_train,
     "_native_batch_norm_legit_no_training": _bn_eval,
+    "_native_batch_norm_legit_functional": _bn_running,
     "slice_scatter": _slice_scatter,
     "select_scatter": lambda L, n, x, src, dim, index: L.emit("select_scatter", [x, src],
                                                               {"dim": int(dim), "index": int(index)}),

@@ -33,7 +33,7 @@ from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batch
 from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
-from cs_runtime.numerics.program_layer import step_outputs
+from cs_runtime.numerics.program_layer import buffers_sent, step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
 from cs_runtime.wire.protocol import (JobSettings, KeptBuffers, Message, Msg, ProtocolError, batch_features,
                                       float_arrays)
@@ -118,6 +118,7 @@ class WeightStreamingExecutor:
         self.labels = None
         self.ctx: ShardContext | None = None
         self.caches: list = []
+        self.buffers: dict[int, dict] = {}   # layer -> its buffers' new values, sent with its gradients
         self.delta = None
         self.loss_scale = 1.0
 
@@ -165,6 +166,8 @@ class WeightStreamingExecutor:
         # Weights arrive in the model's format: exact values of it, nothing to round.
         with trace.span("fwd" if train else "eval_fwd", step=step, layer=index):
             out, cache = layer_forward(self.spec, index, self.x, weights, self.ctx, weights_rounded=True)
+        if train:   # the buffers' new values (running statistics) go up with this layer's gradients
+            self.buffers[index] = buffers_sent(self.spec, index, out, self.ctx)
         self.caches.append(cache)
         self.x = out
         if index == len(self.spec.layers) - 1:
@@ -173,7 +176,7 @@ class WeightStreamingExecutor:
     def start_step(self, step: int, stream: str, train: bool) -> None:
         batch = self.inputs.take(stream, step)
         meta = batch.meta
-        self.step, self.caches = step, []
+        self.step, self.caches, self.buffers = step, [], {}
         self.x, self.labels = batch_features(batch, float_arrays(batch))
         self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
                                 slice(int(meta["row_start"]), int(meta["row_stop"])), train, labels=self.labels)
@@ -200,9 +203,11 @@ class WeightStreamingExecutor:
         with trace.span("bwd", step=step, layer=index):
             self.delta, grads = layer_backward(self.spec, index, self.delta, self.caches.pop(), weights,
                                                weights_rounded=True, grads_on_wire=True)
+        # Buffers travel as float32 in any format: running statistics are not rounded.
+        arrays = {**encode_arrays(grads, fmt), **self.buffers.pop(index, {})}
         with trace.span("send_grads", step=step, layer=index):
             self.up.send(Message(Msg.GRADS, step=step, layer=index, meta={"format": fmt},
-                                 arrays=self.shared(index, encode_arrays(grads, fmt))))
+                                 arrays=self.shared(index, arrays)))
 
     def weight_buffer(self, index: int, name: str, dtype: str, shape: tuple) -> np.ndarray | None:
         """Layer `index`'s buffer for weight `name` as it travels (in `dtype`, the message's:

@@ -21,13 +21,14 @@ from cs_runtime.numerics.ops import OPS
 from cs_runtime.numerics.program import Node, Program
 
 # Ops whose output has no gradient whatever their inputs (comparisons, masks).
-NON_DIFFERENTIABLE = frozenset({"compare", "logical_not", "detach", "dropout_mask"})
+NON_DIFFERENTIABLE = frozenset({"compare", "logical_not", "detach", "dropout_mask", "batch_norm_running"})
 FLOAT_DTYPES = ("float32", "float64")
 
 
 def requires_grad(program: Program, dtypes: dict[str, str]) -> set[str]:
-    """The values that depend on a parameter through differentiable ops."""
-    needs = {name for name, v in program.params.items() if v.dtype in FLOAT_DTYPES}
+    """The values that depend on a parameter through differentiable ops (a buffer takes none)."""
+    buffers = program.buffers()
+    needs = {name for name, v in program.params.items() if v.dtype in FLOAT_DTYPES and name not in buffers}
     for node in program.nodes:
         if node.op in NON_DIFFERENTIABLE:
             continue

@@ -94,7 +94,8 @@ def _unit(name, nodes, program, needs, read_later, toward_loss, dtypes) -> Unit:
     writes = tuple(o for n in nodes for o in n.outputs if o in read_later)
     grad_writes = tuple(w for w in writes if w in needs and w in toward_loss)
     grad_reads_wanted = {r for r in reads if r in needs}
-    trainable = {p for p in params if program.params[p].dtype in FLOAT_DTYPES}
+    buffers = program.buffers()
+    trainable = {p for p in params if program.params[p].dtype in FLOAT_DTYPES and p not in buffers}
     nodes, backward, grads = backward_nodes(nodes, trainable | grad_reads_wanted, list(grad_writes), needs)
     produced.update(o for n in nodes for o in n.outputs)   # the residuals kept for the backward
     param_grads = {p: grads[p] for p in params if p in grads}
@@ -159,6 +160,7 @@ def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[st
     features = list(features) if features is not None else [f"input{i}" for i in range(len(inputs) - 1)]
     if len(features) != len(inputs) - 1 or len(set(features)) != len(features):
         raise CompileError(f"model {name}: {len(features)} feature names for {len(inputs) - 1} model inputs")
+    _check_buffers(name, program, units)
     layers = tuple(LayerSpec(u.name, "program", 0, 0, unit={
         "unit": u.to_meta(), "param_shapes": {p: list(shapes[p]) for p in u.params}}) for u in units)
     shared = {"inputs": inputs, "features": features, "loss": program.outputs["loss"],
@@ -168,10 +170,21 @@ def program_spec(name: str, program: Program, units: list[Unit], shapes: dict[st
               "ignore_index": _ignore_index(program),
               "label_mean": _label_mean(program),
               "output": program.outputs["output"] if return_output else "",
+              "buffers": program.buffers(),
               "values": {v: [list(shapes[v]), dtypes[v]] for v in shapes},   # at the capture's batch
               "consts": {k: [list(a.shape), str(a.dtype), np.ascontiguousarray(a).tobytes()]
                          for k, a in program.consts.items()}}
     return ModelSpec(name, layers, loss="program", program=shared, initial_weights=dict(weights))
+
+
+def _check_buffers(name: str, program: Program, units: list[Unit]) -> None:
+    """A buffer's new value is made in the unit that holds the buffer, which writes it back
+    (program_layer.forward): a module called from two units (a batch norm used twice) is refused."""
+    for buffer, value in program.buffers().items():
+        maker = next((u for u in units if any(value in n.outputs for n in u.forward)), None)
+        if maker is None or buffer not in maker.params:
+            raise CompileError(f"model {name}: buffer {buffer!r} is updated outside the unit that holds it "
+                               "(a module with running statistics called twice in one forward)")
 
 
 def _label_mean(program: Program) -> bool:

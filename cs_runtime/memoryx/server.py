@@ -205,7 +205,9 @@ class MemoryX:
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)
                 continue
-            grads[msg.layer] = self.received_grads(msg)
+            # The buffers' new values (running statistics) are kept as they come; the rest are gradients.
+            grads[msg.layer] = program_layer.take_buffers(self.spec, msg.layer, self.received_grads(msg),
+                                                          self.weights[self.spec.layers[msg.layer].name])
             if at_once:   # the norm too, while the WSEs compute the layers below
                 if norms:
                     squares[msg.layer] = squared_norms(grads[msg.layer])

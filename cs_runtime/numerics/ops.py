@@ -1919,12 +1919,22 @@ def _bn_channel(v, ndim):
     return v.reshape(-1, *([1] * (ndim - 2)))
 
 
+def _bn_training(inputs, attrs) -> bool:
+    """Whether the batch's statistics normalize: attrs["training"], or for a layer that
+    keeps running statistics (attrs["running"]) the train flag of the run's context
+    (input 5, [seed, step, row_start, row_stop, global_batch, train]): an eval step
+    normalizes by the running statistics, as torch's module in eval mode."""
+    if attrs.get("running"):
+        return bool(inputs[5][5])
+    return bool(attrs.get("training"))
+
+
 def _bn_stats(inputs, attrs):
     """(mean, rstd) per channel, shaped to broadcast: the batch's (training, the biased
     variance torch normalizes by) or the running statistics (inputs 3 and 4, eval)."""
     x = inputs[0]
     eps = x.dtype.type(attrs.get("eps", 1e-5))
-    if attrs.get("training"):
+    if _bn_training(inputs, attrs):
         axes = _bn_axes(x)
         mean = x.mean(axis=axes, keepdims=True)
         d = x - mean
@@ -1951,7 +1961,7 @@ def _bn_vjp(g, inputs, out, attrs):
     xhat = (x - mean) * rstd
     axes = _bn_axes(x)
     gw = g * _bn_channel(w, x.ndim)
-    if attrs.get("training"):
+    if _bn_training(inputs, attrs):
         dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
     else:
         dx = rstd * gw
@@ -1960,21 +1970,63 @@ def _bn_vjp(g, inputs, out, attrs):
 
 def _bn_shape(shapes, attrs):
     x = tuple(shapes[0])
-    wanted = 3 if attrs.get("training") else 5
+    wanted = 6 if attrs.get("running") else 3 if attrs.get("training") else 5
     if len(shapes) != wanted:
-        stats = ", running mean and variance" if wanted == 5 else ""
+        stats = ", running mean and variance" + (", the run's context" if wanted == 6 else "") if wanted > 3 else ""
         raise OpError(f"batch_norm takes {wanted} inputs (x, weight, bias{stats}), not {len(shapes)}")
     if len(x) < 2:
         raise OpError(f"batch_norm of input {x}: expected [N, C, ...]")
-    for i, s in enumerate(shapes[1:], 1):
+    if wanted == 6 and tuple(shapes[5]) != (6,):
+        raise OpError(f"batch_norm's context of shape {tuple(shapes[5])}: expected (6,)")
+    for i, s in enumerate(shapes[1:5 if wanted == 6 else None], 1):
         if tuple(s) != (x[1],):
             raise OpError(f"batch_norm input {i} of shape {tuple(s)}: expected ({x[1]},) for {x[1]} channels")
     return x
 
 
 # inputs: x, weight, bias (ones and zeros where the module has no affine part), and in eval
-# (training False) the running mean and variance it normalizes by.
-_register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4))
+# (training False) the running mean and variance it normalizes by; a layer that keeps running
+# statistics in training (running True) takes the run's context too: the batch's statistics
+# in a train step, the running ones in an eval step.
+_register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4, 5))
+
+
+def _bn_running_forward(inputs, attrs):
+    """A running statistic after a train step, as torch's BatchNorm updates it:
+    (1 - momentum) * old + momentum * the batch's mean (stat "mean") or its unbiased
+    variance (stat "var"; the biased one times n / (n - 1), n the values per channel)."""
+    x, old = inputs
+    axes = _bn_axes(x)
+    mean = x.mean(axis=axes)
+    if attrs["stat"] == "mean":
+        stat = mean
+    else:
+        n = x.size // x.shape[1]
+        d = x - _bn_channel(mean, x.ndim)
+        stat = (d * d).sum(axis=axes) / max(n - 1, 1)
+    m = x.dtype.type(attrs["momentum"])
+    return ((1 - m) * old + m * stat).astype(old.dtype)
+
+
+def _bn_running_shape(shapes, attrs):
+    x, old = tuple(shapes[0]), tuple(shapes[1])
+    if len(x) < 2 or old != (x[1],):
+        raise OpError(f"batch_norm_running of input {x} and statistic {old}: expected [N, C, ...] and (C,)")
+    if attrs.get("stat") not in ("mean", "var"):
+        raise OpError(f"batch_norm_running of statistic {attrs.get('stat')!r}: expected mean or var")
+    return old
+
+
+def _no_vjp(name):
+    def vjp(g, inputs, out, attrs):
+        raise OpError(f"{name} has no gradient (a buffer's new value)")
+    return vjp
+
+
+# inputs: the batch norm's input, a running statistic (a buffer); its new value, which the run
+# carries to the next step (Program.buffers): no gradient flows through it.
+_register("batch_norm_running", _bn_running_forward, _no_vjp("batch_norm_running"), _bn_running_shape,
+          _elementwise_cost(3))
 
 
 # ---------------------------------------------------------------- values made from a shape

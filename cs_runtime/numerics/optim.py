@@ -142,8 +142,12 @@ class Optimizer:
 
     def update(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
                state: dict[str, dict[str, np.ndarray]], lr: float) -> None:
-        """Apply one update to one layer in place (Adam's step count advances by one)."""
+        """Apply one update to one layer in place (Adam's step count advances by one). A
+        parameter without a gradient (a buffer: BatchNorm's running statistics) is left as
+        it is, as torch's optimizers skip a parameter whose grad is None."""
         for name, w in params.items():
+            if name not in grads:
+                continue
             g = np.asarray(grads[name], dtype=np.float32)  # read, never written: it may be a peer's memory
             slots = dict(state[name])
             count = slots.pop(STEP_SLOT, None)

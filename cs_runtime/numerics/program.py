@@ -7,6 +7,10 @@ nodes over the op set of ops.py.
                                               {}, module="fc1", source="run.py:12"), ...],
                       outputs={"loss": "loss"})
 
+A buffer (BatchNorm's running statistics and count) is a parameter that
+takes no gradient: outputs["buffer:<name>"] names the value a train step
+leaves in it (`buffers()`), which the run carries to the next step.
+
 Every value has one name; a node names its inputs and its outputs (a
 forward op has one output; a backward `vjp` node one per gradient, "" where
 an input gets none). `module` is the torch module path the op came from and
@@ -33,6 +37,7 @@ META_VERSION = 1
 MAX_NODES = 1 << 16
 MAX_CONST_BYTES = 64 << 20
 BACKWARD_OPS = ("vjp",)      # a node of the backward program: the vjp rule of the forward op in attrs["of"]
+BUFFER_ROLE = "buffer:"      # outputs[BUFFER_ROLE + p]: the value a train step leaves in buffer p
 
 
 class ProgramError(CsError, ValueError):
@@ -67,6 +72,10 @@ class Program:
     nodes: list[Node]
     outputs: dict[str, str]           # role ("loss", ...) -> value name
 
+    def buffers(self) -> dict[str, str]:
+        """{buffer (a parameter without gradient): the value a train step leaves in it}."""
+        return buffer_updates(self.outputs)
+
     def value_names(self) -> set[str]:
         names = set(self.params) | set(self.inputs) | set(self.consts)
         for node in self.nodes:
@@ -99,6 +108,9 @@ class Program:
         for role, name in self.outputs.items():
             if name not in defined:
                 raise ProgramError(f"output {role!r} names {name!r}, which no node defines")
+        for buffer in self.buffers():
+            if buffer not in self.params:
+                raise ProgramError(f"output {BUFFER_ROLE}{buffer} names no parameter")
         return self
 
     # ------------------------------------------------------------ wire form
@@ -133,6 +145,11 @@ class Program:
                 raise
             raise ProgramError(f"program meta is malformed: {exc}") from None
         return cls(params, inputs, consts, nodes, outputs).validate()
+
+
+def buffer_updates(outputs: dict) -> dict[str, str]:
+    """A program's outputs (Program.outputs) -> {buffer: the value a train step leaves in it}."""
+    return {role[len(BUFFER_ROLE):]: value for role, value in outputs.items() if role.startswith(BUFFER_ROLE)}
 
 
 def _plain(attrs: dict) -> dict:

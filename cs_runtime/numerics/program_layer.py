@@ -70,6 +70,7 @@ def check(spec) -> None:
             and isinstance(shared.get("consts"), dict) and isinstance(shared.get("values", {}), dict)):
         raise ProgramError(f"model {spec.name}: malformed program data")
     shared_values(spec)
+    _check_buffers(spec)
     for layer in spec.layers:
         if layer.unit is None:
             raise ProgramError(f"model {spec.name}: layer {layer.name} is not a program unit")
@@ -84,6 +85,59 @@ def check(spec) -> None:
         if not (isinstance(shapes, dict) and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
                                                 for s in shapes.values())):
             raise ProgramError(f"layer {layer.name}: malformed parameter shapes")
+
+
+def _check_buffers(spec) -> None:
+    """spec.program["buffers"]: {buffer: the value a train step leaves in it}, each buffer a
+    parameter of the unit that makes its value (program_spec checks the same at capture)."""
+    buffers = spec.program.get("buffers", {})
+    if not (isinstance(buffers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in buffers.items())):
+        raise ProgramError(f"model {spec.name}: malformed buffers")
+    for buffer, value in buffers.items():
+        if not any(buffer in unit_of(layer).params and value in unit_of(layer).writes for layer in spec.layers):
+            raise ProgramError(f"model {spec.name}: buffer {buffer!r} is not updated by the unit that holds it")
+
+
+def buffers(spec) -> dict[str, str]:
+    """{buffer: the value a train step leaves in it} of a program spec ({} for none)."""
+    return (spec.program or {}).get("buffers") or {}
+
+
+def keeps_buffers(ctx) -> bool:
+    """Whether this shard's forward leaves its buffers' new values: a train step's, on the
+    shard that holds row 0 of the global batch (the CPU path's whole batch, the first WSE,
+    the first replica), as torch DDP keeps rank 0's buffers (broadcast_buffers)."""
+    return bool(ctx.train) and not (ctx.rows.start or 0)
+
+
+def buffers_sent(spec, index: int, live: dict, ctx) -> dict[str, np.ndarray]:
+    """The new values of the buffers layer `index` holds, as a WSE sends them up with the
+    layer's gradients after a train step's forward: its own where it keeps buffers
+    (keeps_buffers), zeros elsewhere, so that SwarmX's sum over the WSEs is row 0's shard's."""
+    if spec.program is None:
+        return {}
+    held = unit_of(spec.layers[index]).params
+    keep = keeps_buffers(ctx)
+    return {buffer: np.array(live[value], dtype=np.float32) if keep else np.zeros(np.shape(live[value]), np.float32)
+            for buffer, value in buffers(spec).items() if buffer in held}
+
+
+def take_buffers(spec, index: int, arrays: dict, weights: dict) -> dict:
+    """A layer's GRADS arrays less its buffers' new values, which are copied into `weights`
+    (the layer's masters, in place); the rest must be its parameters' gradients, one each."""
+    held = unit_of(spec.layers[index]).params if spec.program is not None else ()
+    own = {b for b in buffers(spec) if b in held}
+    expected = set(weights)
+    if set(arrays) != expected:
+        missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+        raise ProgramError(f"layer {spec.layers[index].name}: GRADS lack {missing} or carry unknown {extra}")
+    for buffer in own:
+        value = arrays[buffer]
+        if value.shape != weights[buffer].shape or value.dtype != np.float32:
+            raise ProgramError(f"layer {spec.layers[index].name}: buffer {buffer!r} arrived as {value.dtype} "
+                               f"{value.shape}, expected float32 {weights[buffer].shape}")
+        np.copyto(weights[buffer], value)
+    return {name: g for name, g in arrays.items() if name not in own}
 
 
 def _features_valid(features, count: int) -> bool:
@@ -168,8 +222,13 @@ def forward(spec, index: int, x, weights: dict, ctx, weights_rounded: bool = Fal
             live[spec.program["context"]] = context(ctx, batch_rows(x))
     else:
         live = dict(x)
-    cache = unit_forward(unit_of(layer), _program_weights(layer, weights), live, spec.precision, weights_rounded,
-                         train=bool(ctx.train))
+    unit = unit_of(layer)
+    held = _program_weights(layer, weights)
+    cache = unit_forward(unit, held, live, spec.precision, weights_rounded, train=bool(ctx.train))
+    if keeps_buffers(ctx):
+        for buffer, value in buffers(spec).items():
+            if buffer in unit.params:   # the running statistics the next step starts from
+                held[buffer] = np.array(live[value], dtype=np.float32)
     return live, (cache, live)
 
 

@@ -1,0 +1,240 @@
+"""BatchNorm in training with running statistics (torchvision's default): the batch's
+statistics normalize a train step, the running mean, variance and num_batches_tracked
+are buffers the run carries from step to step (held with the parameters, in
+checkpoints and the state_dict helpers), and an eval step normalizes by them. On the
+CPU path every loss, weight and buffer equals torch eager's; a shard normalizes by its
+own rows, and the shard holding row 0 keeps the buffers, as torch DDP does."""
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
+F = torch.nn.functional
+
+from cs_runtime.numerics.model import (  # noqa: E402
+    ShardContext, init_weights, model_backward, model_forward, model_loss)
+from cs_runtime.numerics.optim import Optimizer, OptimizerSpec  # noqa: E402
+from cs_torch.capture import CaptureError, capture, load_into, model_spec  # noqa: E402
+from tests.cluster_utils import final_weights, tool, train_losses  # noqa: E402
+
+BATCH, STEPS, LR, MOMENTUM = 8, 4, 0.05, 0.9
+
+
+def conv_bn(momentum=0.1):
+    """A small conv + BatchNorm2d + BatchNorm1d classifier, as torch builds it."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(),
+        torch.nn.Linear(6, 5))
+
+
+def data_set(count=64):
+    """The cluster runs' samples (tests/torch_bn_run.py): seeded images and labels."""
+    rng = np.random.default_rng(11)
+    return rng.standard_normal((count, 3, 6, 6)).astype(np.float32) * 2 + 1, rng.integers(0, 5, count)
+
+
+def images(seed=0, steps=STEPS, batch=BATCH):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, 3, 6, 6)).astype(np.float32) * 2 + 1, rng.integers(0, 5, batch))
+            for _ in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    """conv_bn captured once (a capture takes seconds): every test trains from its weights."""
+    x, y = images()[0]
+    return model_spec("bn", conv_bn(), (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+
+
+def train_ours(spec, batches, shards=None, weights=None, state=None):
+    """SGD with momentum on the CPU path's calls; `shards`: the rows of each shard of a step,
+    as WSEs take them (their gradients and loss shares summed, as SwarmX sums them)."""
+    weights = weights or init_weights(spec, seed=0)
+    optimizer = Optimizer(OptimizerSpec("sgd", momentum=MOMENTUM))
+    state = state or {name: optimizer.init_state(w) for name, w in weights.items()}
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        loss, grads = 0.0, None
+        for rows in shards or [slice(0, len(y))]:
+            ctx = ShardContext(0, step, len(y), rows, True, labels=y[rows])
+            live, caches = model_forward(spec, x[rows], weights, ctx)
+            result = model_loss(spec, live, y[rows], len(y))
+            shard = model_backward(spec, result.delta, caches, weights, step)
+            grads = shard if grads is None else [{k: g[k] + s[k] for k in g} for g, s in zip(grads, shard)]
+            loss += result.loss
+        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR, step, None)
+        losses.append(loss)
+    return losses, weights, state
+
+
+def train_torch(module, batches, shards=None):
+    """Torch eager; with `shards`, as DDP runs them: each shard's forward on its own rows
+    (its batch statistics), the gradients summed, rank 0's buffers kept (broadcast_buffers)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        rows_of = shards or [slice(0, len(y))]
+        total, kept = 0.0, None
+        for rows in rows_of:
+            before = {k: b.clone() for k, b in module.named_buffers()}
+            loss = F.cross_entropy(module(torch.from_numpy(x[rows])), torch.from_numpy(y[rows]))
+            share = loss * (len(y[rows]) / len(y))
+            share.backward()
+            total += share.item()
+            if rows.start in (0, None):
+                kept = {k: b.clone() for k, b in module.named_buffers()}
+            for k, b in module.named_buffers():
+                b.copy_(before[k])
+        for k, b in module.named_buffers():
+            b.copy_(kept[k])
+        optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def flat(weights):
+    return {p: w for layer in weights.values() for p, w in layer.items()}
+
+
+def assert_same_state(ours: dict, module):
+    reference = module.state_dict()
+    assert set(ours) == set(reference)
+    for name, t in reference.items():
+        want = t.detach().numpy().astype(np.float32)
+        np.testing.assert_allclose(ours[name], want, rtol=1e-5, atol=1e-5 * max(float(np.abs(want).max()), 1.0),
+                                   err_msg=name)
+
+
+def test_the_running_statistics_are_buffers_without_gradient(spec):
+    buffers = spec.program["buffers"]
+    assert set(buffers) == {f"{i}.{b}" for i in (1, 5) for b in ("running_mean", "running_var", "num_batches_tracked")}
+    units = {layer.name: layer.unit["unit"] for layer in spec.layers}
+    for name in buffers:   # streamed with its unit's parameters; no gradient leaves the unit for it
+        unit = next(u for u in units.values() if name in u["params"])
+        assert name not in unit["param_grads"]
+
+
+def test_the_cpu_path_trains_with_torchs_loss_weights_and_running_statistics(spec):
+    batches = images()
+    eager = conv_bn()
+    ours, weights, _ = train_ours(spec, batches)
+    theirs = train_torch(eager, batches)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert flat(weights)["1.num_batches_tracked"] == STEPS
+    assert np.abs(flat(weights)["1.running_var"] - 1).max() > 0.1      # the statistics moved
+    assert_same_state(flat(weights), eager)
+
+
+def test_an_eval_step_normalizes_by_the_running_statistics(spec):
+    batches = images()
+    module = conv_bn()
+    _, weights, _ = train_ours(spec, batches)
+    load_into(module, flat(weights))       # the state_dict helper carries the buffers back
+    assert int(module[1].num_batches_tracked) == STEPS and module[1].num_batches_tracked.dtype == torch.int64
+    x, y = images(seed=9, steps=1)[0]
+    before = copy.deepcopy(flat(weights))
+    live, _ = model_forward(spec, x, weights, ShardContext(0, 0, BATCH, slice(0, BATCH), False, labels=y))
+    with torch.no_grad():
+        want = float(F.cross_entropy(module.eval()(torch.from_numpy(x)), torch.from_numpy(y)))
+    assert model_loss(spec, live, y, BATCH).loss == pytest.approx(want, rel=1e-6)
+    assert all(np.array_equal(before[k], w) for k, w in flat(weights).items())   # eval leaves them
+
+
+def test_shards_normalize_by_their_own_rows_and_row_0s_shard_keeps_the_buffers(spec):
+    """What two WSEs of uneven shards compute, against torch DDP without SyncBatchNorm (each
+    rank's batch statistics, the gradients summed, rank 0's buffers broadcast); the cluster
+    test below runs two WSEs of 4 rows each."""
+    shards = [slice(0, 3), slice(3, 8)]
+    batches = images()
+    eager = conv_bn()
+    ours, weights, _ = train_ours(spec, batches, shards)
+    theirs = train_torch(eager, batches, shards)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    whole, _, _ = train_ours(spec, batches)
+    assert np.abs(np.array(ours) - np.array(whole)).max() > 1e-4   # per-shard statistics differ from the batch's
+    assert_same_state(flat(weights), eager)
+
+
+def test_a_run_resumed_from_its_saved_state_carries_the_buffers(spec, tmp_path):
+    from cs_runtime import checkpoint as ckpt
+    batches = images(steps=4)
+    straight, final, _ = train_ours(spec, batches)
+    first, weights, state = train_ours(spec, batches[:2])
+    path = ckpt.save(tmp_path, ckpt.Checkpoint(2, 2, weights, state, {}))
+    loaded = ckpt.load(path)
+    assert loaded.weights["1"]["1.running_mean"].shape == (4,)
+    then, resumed, _ = train_ours(spec, batches[2:], weights=loaded.weights, state=loaded.opt_state)
+    assert first + then == pytest.approx(straight, rel=1e-6)
+    for name, w in flat(final).items():
+        np.testing.assert_array_equal(flat(resumed)[name], w, err_msg=name)
+
+
+def test_a_cumulative_average_batch_norm_is_refused_naming_the_module():
+    module = conv_bn(momentum=None)
+    x, y = images(steps=1)[0]
+    with pytest.raises(CaptureError, match=r"^module 1: BatchNorm2d with momentum=None") as info:
+        capture(module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+    assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- every path (processes)
+
+BN_RUN = str(Path(__file__).resolve().parent / "torch_bn_run.py")
+RUN_STEPS = 6
+RUN_PARAMS = {
+    "train_input": {"batch_size": BATCH, "shuffle": False, "drop_last_batch": True},
+    "eval_input": {"batch_size": BATCH},
+    "model": {},
+    "optimizer": {"optimizer_type": "sgd", "learning_rate": LR, "momentum": MOMENTUM},
+    "runconfig": {"max_steps": RUN_STEPS, "log_steps": 3, "checkpoint_steps": 0, "seed": 1},
+}
+
+
+def _run(tmp_path, name, launcher, model_dir=None, **runconfig):
+    import subprocess
+    import sys
+    import yaml
+    params = tmp_path / f"{name}.yaml"
+    params.write_text(yaml.safe_dump({**RUN_PARAMS, "runconfig": {**RUN_PARAMS["runconfig"], **runconfig}}))
+    model_dir = tmp_path / (model_dir or name)
+    cmd = [*launcher, sys.executable, BN_RUN, "--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return train_losses(model_dir), {k[len("model/"):].split("/", 1)[1]: w for k, w in final_weights(model_dir).items()}
+
+
+def _run_batches():
+    x, y = data_set()
+    return [(x[s * BATCH:(s + 1) * BATCH], y[s * BATCH:(s + 1) * BATCH]) for s in range(RUN_STEPS)]
+
+
+@pytest.mark.cluster
+def test_every_path_carries_the_running_statistics_as_torch_does(tmp_path):
+    """The CPU path equals torch eager; one WSE (weight streaming) and pipelined equal the
+    CPU path bit for bit; two WSEs equal torch DDP (per-shard statistics, rank 0's buffers);
+    a run resumed from its checkpoint at step 3 ends where the straight run does."""
+    cpu_losses, cpu = _run(tmp_path, "cpu", [tool("csrun_cpu")])
+    eager = conv_bn()
+    np.testing.assert_allclose(cpu_losses, train_torch(eager, _run_batches()), rtol=1e-5)
+    assert_same_state(cpu, eager)
+    for name, strategy in (("wse1", "weight_streaming"), ("pipelined", "pipelined")):
+        losses, weights = _run(tmp_path, name, [tool("csrun_wse")], execution_strategy=strategy)
+        np.testing.assert_array_equal(losses, cpu_losses, err_msg=name)
+        for key, w in cpu.items():
+            np.testing.assert_array_equal(weights[key], w, err_msg=f"{name} {key}")
+    losses, weights = _run(tmp_path, "wse2", [tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"],
+                           execution_strategy="weight_streaming")
+    ddp = conv_bn()
+    np.testing.assert_allclose(losses, train_torch(ddp, _run_batches(), [slice(0, 4), slice(4, 8)]), rtol=1e-5)
+    assert_same_state(weights, ddp)
+    assert np.abs(weights["1.running_mean"] - cpu["1.running_mean"]).max() > 1e-3   # rank 0's rows, not the batch's
+    _run(tmp_path, "first", [tool("csrun_cpu")], model_dir="resumed", max_steps=3, checkpoint_steps=3)
+    _, resumed = _run(tmp_path, "then", [tool("csrun_cpu")], model_dir="resumed")
+    assert "at global step 3" in (tmp_path / "resumed" / "run.log").read_text()
+    for key, w in cpu.items():   # the buffers too: the resumed run started from the checkpoint's
+        np.testing.assert_array_equal(resumed[key], w, err_msg=key)
