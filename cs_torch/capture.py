@@ -1178,6 +1178,14 @@ def _upsample_bilinear(L, node, x, output_size=None, align_corners=False, *scale
                                                "scales": scales})
 
 
+def _grid_sampler(L, node, x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode not in (0, 1) or padding_mode not in (0, 1):
+        raise L.error("grid_sample other than mode 'bilinear' or 'nearest' with padding_mode 'zeros' or 'border'")
+    return L.emit("grid_sampler_2d", [x, grid], {"interpolation_mode": int(interpolation_mode),
+                                                 "padding_mode": int(padding_mode),
+                                                 "align_corners": bool(align_corners)})
+
+
 def _scatter_reduce(L, node, x, dim, index, src, reduce, include_self=True):
     if reduce not in ("sum", "mean", "amax", "amin"):
         raise L.error(f"scatter_reduce with reduce={reduce!r} (sum, mean, amax or amin)")
@@ -1445,7 +1453,7 @@ _CORE_LOWER = {
                                                                                    "dim2": int(dim2)}),
     **{f"reflection_pad{d}d": _edge_pad("reflect") for d in (1, 2, 3)},
     **{f"replication_pad{d}d": _edge_pad("replicate") for d in (1, 2, 3)},
-    "upsample_bilinear2d": _upsample_bilinear,
+    "upsample_bilinear2d": _upsample_bilinear, "grid_sampler_2d": _grid_sampler,
     "_cdist_forward": lambda L, n, a, b, p=2.0, compute_mode=None: L.emit("cdist", [a, b], {"p": float(p)}),
     "_pdist_forward": _pdist,
     "scatter_reduce": _scatter_reduce,

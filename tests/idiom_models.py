@@ -257,8 +257,8 @@ class UNetStyle(nn.Module):
 
 class ResamplingStyle(nn.Module):
     """Image resampling, distances and 3-d pooling: reflect, replicate and circular padding,
-    bilinear upsampling, F.fold (col2im), cdist to learned prototypes, pdist of them,
-    diagonal, scatter_reduce, max/avg/adaptive 3-d pools."""
+    bilinear upsampling, a warp by grid_sample, F.fold (col2im), cdist to learned prototypes,
+    pdist of them, diagonal, scatter_reduce, max/avg/adaptive 3-d pools."""
     def __init__(self, classes=5):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
@@ -269,6 +269,7 @@ class ResamplingStyle(nn.Module):
     def forward(self, x):                                                    # [B, 3, 8, 8]
         h = F.interpolate(torch.tanh(self.conv(x)), scale_factor=1.5, mode="bilinear")    # [B, 4, 12, 12]
         h = self.conv2(F.pad(h, (1, 1, 2, 0), mode="circular"))[:, :, 1:-1]            # [B, 4, 12, 14]
+        h = F.grid_sample(h, torch.tanh(h[:, :2].permute(0, 2, 3, 1)), align_corners=False) + h   # a warp
         v = h[..., 1:-1].reshape(h.shape[0], 1, 4, 12, 12)
         pooled = F.max_pool3d(v, 2) + F.avg_pool3d(v, 2, stride=2)                      # [B, 1, 2, 6, 6]
         cols = self.mix(pooled.reshape(h.shape[0], 2, 36).transpose(1, 2)).transpose(1, 2)   # [B, 4, 36]

@@ -2661,3 +2661,100 @@ _register("max_pool3d", _max_pool3d_forward, _max_pool3d_vjp, _pool3d_shape,
           lambda s, out, a: _numel(out) * int(np.prod(_triple(a["kernel_size"]))), saves_inputs=(0,))
 _register("avg_pool3d", _avg_pool3d_forward, _avg_pool3d_vjp, _pool3d_shape,
           lambda s, out, a: _numel(out) * int(np.prod(_triple(a["kernel_size"]))))
+
+
+# ---------------------------------------------------------------- grid sampling
+
+_GRID_INTERPOLATION = {0: "bilinear", 1: "nearest"}
+_GRID_PADDING = {0: "zeros", 1: "border"}
+
+
+def _grid_source(coord, size, attrs):
+    """A grid's [-1, 1] coordinates as pixel positions along a dim of `size`, and the
+    derivative of that map (0 where border padding clips)."""
+    if attrs.get("align_corners"):
+        scale = (size - 1) / 2.0
+        pos = (coord + 1) * scale
+    else:
+        scale = size / 2.0
+        pos = ((coord + 1) * size - 1) / 2.0
+    slope = np.full(coord.shape, scale, dtype=coord.dtype)
+    if _GRID_PADDING[int(attrs.get("padding_mode", 0))] == "border":
+        inside = (pos >= 0) & (pos <= size - 1)
+        pos, slope = np.clip(pos, 0, size - 1), np.where(inside, slope, 0)
+    return pos, slope
+
+
+def _grid_corners(x, grid, attrs):
+    """Per corner of each sample point's pixel square: (values [N, C, Ho, Wo], weight, its
+    derivatives by the x and y position, the pixel indices and whether they lie inside)."""
+    n, c, h, w = x.shape
+    px, sx = _grid_source(grid[..., 0], w, attrs)
+    py, sy = _grid_source(grid[..., 1], h, attrs)
+    x0, y0 = np.floor(px), np.floor(py)
+    fx, fy = px - x0, py - y0
+    rows = np.arange(n)[:, None, None]
+    corners = []
+    for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        xi, yi = (x0 + dx).astype(np.int64), (y0 + dy).astype(np.int64)
+        inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h)
+        wx, wy = (fx if dx else 1 - fx), (fy if dy else 1 - fy)
+        values = x[rows, :, np.clip(yi, 0, h - 1), np.clip(xi, 0, w - 1)].transpose(0, 3, 1, 2) * inside[:, None]
+        corners.append((values, wx * wy, (1 if dx else -1) * wy, (1 if dy else -1) * wx, yi, xi, inside))
+    return corners, sx, sy
+
+
+def _grid_nearest(x, grid, attrs):
+    n, c, h, w = x.shape
+    px = np.rint(_grid_source(grid[..., 0], w, attrs)[0]).astype(np.int64)
+    py = np.rint(_grid_source(grid[..., 1], h, attrs)[0]).astype(np.int64)
+    inside = (px >= 0) & (px < w) & (py >= 0) & (py < h)
+    return np.clip(py, 0, h - 1), np.clip(px, 0, w - 1), inside
+
+
+def _grid_sample_forward(inputs, attrs):
+    x, grid = inputs
+    if _GRID_INTERPOLATION[int(attrs.get("interpolation_mode", 0))] == "nearest":
+        yi, xi, inside = _grid_nearest(x, grid, attrs)
+        return np.ascontiguousarray(x[np.arange(x.shape[0])[:, None, None], :, yi, xi].transpose(0, 3, 1, 2)
+                                    * inside[:, None])
+    corners, _, _ = _grid_corners(x, grid, attrs)
+    return sum(values * weight[:, None] for values, weight, *_ in corners).astype(x.dtype)
+
+
+def _grid_sample_vjp(g, inputs, out, attrs):
+    """The input's gradient goes back to the pixels each point read, by the same weights;
+    the grid's (bilinear only) is the change of the weights with the position."""
+    x, grid = inputs
+    rows = np.arange(x.shape[0])[:, None, None]
+    dx = np.zeros(x.shape, dtype=g.dtype)
+    to_pixels = g.transpose(0, 2, 3, 1)                       # [N, Ho, Wo, C]
+    if _GRID_INTERPOLATION[int(attrs.get("interpolation_mode", 0))] == "nearest":
+        yi, xi, inside = _grid_nearest(x, grid, attrs)
+        np.add.at(dx, (rows, slice(None), yi, xi), to_pixels * inside[..., None])
+        return [dx, np.zeros(grid.shape, dtype=g.dtype)]
+    corners, sx, sy = _grid_corners(x, grid, attrs)
+    dpx, dpy = np.zeros(grid.shape[:-1], g.dtype), np.zeros(grid.shape[:-1], g.dtype)
+    for values, weight, by_x, by_y, yi, xi, inside in corners:
+        np.add.at(dx, (rows, slice(None), np.clip(yi, 0, x.shape[2] - 1), np.clip(xi, 0, x.shape[3] - 1)),
+                  to_pixels * (weight * inside)[..., None])
+        read = (g * values).sum(axis=1)
+        dpx += read * by_x
+        dpy += read * by_y
+    return [dx, np.stack([dpx * sx, dpy * sy], axis=-1).astype(g.dtype)]
+
+
+def _grid_sample_shape(shapes, attrs):
+    x, grid = tuple(shapes[0]), tuple(shapes[1])
+    if len(x) != 4 or len(grid) != 4 or grid[-1] != 2 or grid[0] != x[0]:
+        raise OpError(f"grid_sampler_2d of {x} at grid {grid}: expected [N, C, H, W] and [N, Ho, Wo, 2]")
+    if int(attrs.get("interpolation_mode", 0)) not in _GRID_INTERPOLATION or \
+            int(attrs.get("padding_mode", 0)) not in _GRID_PADDING:
+        raise OpError("grid_sampler_2d: bilinear or nearest, with zeros or border padding")
+    return (x[0], x[1], grid[1], grid[2])
+
+
+# torch's grid_sampler_2d (F.grid_sample): interpolation_mode 0 bilinear, 1 nearest; padding_mode
+# 0 zeros, 1 border; align_corners
+_register("grid_sampler_2d", _grid_sample_forward, _grid_sample_vjp, _grid_sample_shape,
+          lambda s, out, a: 12 * _numel(out), saves_inputs=(0, 1))
