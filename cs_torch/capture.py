@@ -698,20 +698,22 @@ def _follows_batch_shape(node) -> bool:
 # along the batch, a shard's rows would differ from the whole batch's.
 _ALONG_DIM = {"softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp",
               "sort", "argsort", "gather", "index_select", "scatter", "scatter_add", "scatter_reduce", "flip",
-              "roll", "cummax", "cummin"}
+              "roll", "cummax", "cummin", "diagonal"}
 
 
 def _mixing_dims(node) -> list[int]:
-    """The dims an op of _ALONG_DIM computes along (its `dim` or `dims` argument)."""
+    """The dims an op of _ALONG_DIM computes along (its `dim` or `dims` argument; diagonal's two)."""
     packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
     if packet not in _ALONG_DIM:
         return []
+    names = ("dim1", "dim2") if packet == "diagonal" else ("dim", "dims")
+    dims = []
     for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name in ("dim", "dims"):
+        if arg.name in names:
             value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else arg.default_value)
             values = value if isinstance(value, (list, tuple)) else [value]
-            return [int(v) for v in values if isinstance(v, int)]
-    return []
+            dims += [int(v) for v in values if isinstance(v, int)]
+    return dims
 
 
 def _located(fx_node) -> str:
@@ -1228,10 +1230,86 @@ def _cat(L, node, tensors, dim=0):
     return L.emit("cat", pieces, {"dim": int(dim)})
 
 
+_EDGE_MODES = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
 def _pad(L, node, x, pad, mode="constant", value=None):
-    if mode != "constant":
-        raise L.error(f"pad with mode={mode!r} (only 'constant')")
-    return L.emit("constant_pad_nd", [x], {"pad": [int(p) for p in pad], "value": float(value or 0.0)})
+    if mode == "constant":
+        return L.emit("constant_pad_nd", [x], {"pad": [int(p) for p in pad], "value": float(value or 0.0)})
+    if mode not in _EDGE_MODES:
+        raise L.error(f"pad with mode={mode!r} (constant, reflect, replicate or circular)")
+    return L.emit("pad_edges", [x], {"pad": [int(p) for p in pad], "mode": _EDGE_MODES[mode]})
+
+
+def _edge_pad(mode):
+    """reflection_pad1d/2d/3d and replication_pad1d/2d/3d: F.pad's modes as ATen spells them."""
+    return lambda L, n, x, padding: _pad(L, n, x, padding, mode)
+
+
+def _upsample_bilinear(L, node, x, output_size=None, align_corners=False, *scales):
+    """upsample_bilinear2d (scales_h, scales_w) and its .vec overload (scale_factors)."""
+    if len(scales) == 1 and isinstance(scales[0], (list, tuple)):
+        scales = tuple(scales[0])
+    scales = [float(v) if v is not None else None for v in (list(scales) + [None, None])[:2]]
+    size = [int(v) for v in node.meta["val"].shape[-2:]]
+    return L.emit("upsample_bilinear2d", [x], {"size": size, "align_corners": bool(align_corners),
+                                               "scales": scales})
+
+
+def _grid_sampler(L, node, x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode not in (0, 1) or padding_mode not in (0, 1):
+        raise L.error("grid_sample other than mode 'bilinear' or 'nearest' with padding_mode 'zeros' or 'border'")
+    return L.emit("grid_sampler_2d", [x, grid], {"interpolation_mode": int(interpolation_mode),
+                                                 "padding_mode": int(padding_mode),
+                                                 "align_corners": bool(align_corners)})
+
+
+def _scatter_reduce(L, node, x, dim, index, src, reduce, include_self=True):
+    if reduce not in ("sum", "mean", "amax", "amin"):
+        raise L.error(f"scatter_reduce with reduce={reduce!r} (sum, mean, amax or amin)")
+    return L.emit("scatter_reduce", [x, index, src], {"dim": int(dim), "reduce": reduce,
+                                                      "include_self": bool(include_self)})
+
+
+def _pdist(L, node, x, p=2.0):
+    if _batch_shaped(x.meta.get("val")):
+        raise L.error("pdist of the batch's rows (each distance from two rows): a shard would see its own rows only")
+    return L.emit("pdist", [x], {"p": float(p)})
+
+
+def _col2im(L, node, x, output_size, kernel_size, dilation, padding, stride):
+    return L.emit("col2im", [x], {"output_size": [int(v) for v in output_size],
+                                  "kernel_size": list(_pair(kernel_size)), "dilation": list(_pair(dilation)),
+                                  "padding": list(_pair(padding)), "stride": list(_pair(stride))})
+
+
+def _triple(v):
+    v = [int(v)] if isinstance(v, int) else [int(x) for x in v]
+    return v * 3 if len(v) == 1 else v
+
+
+def _max_pool3d(L, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return L.emit("max_pool3d", [x], {"kernel_size": _triple(kernel_size),
+                                      "stride": _triple(stride) if stride else None, "padding": _triple(padding),
+                                      "dilation": _triple(dilation), "ceil_mode": bool(ceil_mode)})
+
+
+def _avg_pool3d(L, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    if divisor_override:
+        raise L.error("avg_pool3d with divisor_override")
+    return L.emit("avg_pool3d", [x], {"kernel_size": _triple(kernel_size),
+                                      "stride": _triple(stride) if stride else None, "padding": _triple(padding),
+                                      "ceil_mode": bool(ceil_mode), "count_include_pad": bool(count_include_pad)})
+
+
+def _adaptive_avg_pool3d(L, node, x, output_size):
+    sizes, outs = list(x.meta["val"].shape[-3:]), _triple(output_size)
+    if any(n % o for n, o in zip(sizes, outs)):
+        raise L.error(f"adaptive_avg_pool3d from {sizes} to {outs}: only where the output divides the input")
+    k = [n // o for n, o in zip(sizes, outs)]
+    return L.emit("avg_pool3d", [x], {"kernel_size": k, "stride": k, "padding": [0, 0, 0], "ceil_mode": False,
+                                      "count_include_pad": True})
 
 
 def _index(L, node, x, indices):
@@ -1448,6 +1526,19 @@ _CORE_LOWER = {
     "native_group_norm": _native_group_norm,
     "upsample_nearest2d": _upsample_nearest,
     "topk": _topk, "sort": _sort,
+    "diagonal": lambda L, n, x, offset=0, dim1=0, dim2=1: L.emit("diagonal", [x], {"offset": int(offset),
+                                                                                   "dim1": int(dim1),
+                                                                                   "dim2": int(dim2)}),
+    **{f"reflection_pad{d}d": _edge_pad("reflect") for d in (1, 2, 3)},
+    **{f"replication_pad{d}d": _edge_pad("replicate") for d in (1, 2, 3)},
+    "upsample_bilinear2d": _upsample_bilinear, "grid_sampler_2d": _grid_sampler,
+    "_cdist_forward": lambda L, n, a, b, p=2.0, compute_mode=None: L.emit("cdist", [a, b], {"p": float(p)}),
+    "_pdist_forward": _pdist,
+    "scatter_reduce": _scatter_reduce,
+    "col2im": _col2im,
+    "max_pool3d_with_indices": _first_of(_max_pool3d, 2), "max_pool3d": _max_pool3d,
+    "avg_pool3d": _avg_pool3d, "_adaptive_avg_pool3d": _adaptive_avg_pool3d,
+    "adaptive_avg_pool3d": _adaptive_avg_pool3d,
     "full_like": _full_like,
     "zeros_like": lambda L, n, x, **kw: _full_like(L, n, x, 0),
     "ones_like": lambda L, n, x, **kw: _full_like(L, n, x, 1),

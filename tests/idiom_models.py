@@ -253,3 +253,31 @@ class UNetStyle(nn.Module):
         index = torch.tensor([[0, 1, 1, 3]]).expand(pooled.shape[0], -1)
         pooled = torch.zeros_like(pooled).scatter_add(1, index, pooled) + pooled
         return self.fc(pooled)
+
+
+class ResamplingStyle(nn.Module):
+    """Image resampling, distances and 3-d pooling: reflect, replicate and circular padding,
+    bilinear upsampling, a warp by grid_sample, F.fold (col2im), cdist to learned prototypes,
+    pdist of them, diagonal, scatter_reduce, max/avg/adaptive 3-d pools."""
+    def __init__(self, classes=5):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, padding_mode="replicate")
+        self.mix = nn.Linear(2, 4)
+        self.prototypes = nn.Parameter(torch.randn(classes, 4))
+
+    def forward(self, x):                                                    # [B, 3, 8, 8]
+        h = F.interpolate(torch.tanh(self.conv(x)), scale_factor=1.5, mode="bilinear")    # [B, 4, 12, 12]
+        h = self.conv2(F.pad(h, (1, 1, 2, 0), mode="circular"))[:, :, 1:-1]            # [B, 4, 12, 14]
+        h = F.grid_sample(h, torch.tanh(h[:, :2].permute(0, 2, 3, 1)), align_corners=False) + h   # a warp
+        v = h[..., 1:-1].reshape(h.shape[0], 1, 4, 12, 12)
+        pooled = F.max_pool3d(v, 2) + F.avg_pool3d(v, 2, stride=2)                      # [B, 1, 2, 6, 6]
+        cols = self.mix(pooled.reshape(h.shape[0], 2, 36).transpose(1, 2)).transpose(1, 2)   # [B, 4, 36]
+        folded = F.fold(cols, (7, 7), 2)                                                # [B, 1, 7, 7]
+        feats = F.adaptive_avg_pool3d(v, (1, 2, 2)).flatten(1) + folded.mean((1, 2, 3))[:, None]   # [B, 4]
+        outer = feats[:, :, None] * feats[:, None, :]
+        index = torch.tensor([[0, 0, 1, 3]]).expand(feats.shape[0], -1)
+        feats = feats.scatter_reduce(1, index, torch.diagonal(outer, dim1=1, dim2=2), "amax")
+        # cdist's default mode picks matrix products above 25 rows: a guard on the batch size
+        distances = torch.cdist(feats, self.prototypes, compute_mode="donot_use_mm_for_euclid_dist")
+        return -distances + F.pdist(self.prototypes).mean()

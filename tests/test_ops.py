@@ -281,9 +281,88 @@ def _core_aten_cases():
          lambda F, t, x: F.group_norm(x[0], 3, x[1], x[2], 1e-5)),
         ("upsample_nearest2d", "upsample_nearest2d", lambda g: [_f(g, 1, 2, 2, 3)], {"size": [4, 9]},
          lambda F, t, x: F.interpolate(x[0], size=(4, 9), mode="nearest")),
+        *_rest_of_core_aten_cases(),
         ("batch_norm_eval", "batch_norm", lambda g: [_f(g, 4, 3, 2, 2), _f(g, 3), _f(g, 3), _f(g, 3), _pos(g, 3)],
          {"training": False, "eps": 1e-5},
          lambda F, t, x: F.batch_norm(x[0], x[3].detach(), x[4].detach(), x[1], x[2], training=False, eps=1e-5)),
+    ]
+
+
+def _rest_of_core_aten_cases():
+    """The last Core ATen ops with a meaning for dense tensors: diagonal, padding by the
+    edges, bilinear upsampling, distances, scatter with a reduction, col2im, 3-d pools."""
+    return [
+        ("diagonal", "diagonal", lambda g: [_f(g, 3, 4, 2)], {"offset": 1, "dim1": 0, "dim2": 1},
+         lambda F, t, x: t.diagonal(x[0], 1, 0, 1)),
+        ("diagonal_below", "diagonal", lambda g: [_f(g, 2, 4, 3)], {"offset": -1, "dim1": -1, "dim2": 1},
+         lambda F, t, x: t.diagonal(x[0], -1, -1, 1)),
+        ("reflect_pad1d", "pad_edges", lambda g: [_f(g, 2, 2, 5)], {"pad": [3, 1], "mode": "reflect"},
+         lambda F, t, x: F.pad(x[0], (3, 1), mode="reflect")),
+        ("reflect_pad2d", "pad_edges", lambda g: [_f(g, 1, 2, 3, 4)], {"pad": [1, 2, 2, 0], "mode": "reflect"},
+         lambda F, t, x: F.pad(x[0], (1, 2, 2, 0), mode="reflect")),
+        ("replicate_pad3d", "pad_edges", lambda g: [_f(g, 1, 1, 2, 3, 2)], {"pad": [1, 0, 2, 1, 0, 2],
+                                                                             "mode": "replicate"},
+         lambda F, t, x: F.pad(x[0], (1, 0, 2, 1, 0, 2), mode="replicate")),
+        ("circular_pad2d", "pad_edges", lambda g: [_f(g, 1, 2, 3, 3)], {"pad": [2, 1, 0, 3], "mode": "circular"},
+         lambda F, t, x: F.pad(x[0], (2, 1, 0, 3), mode="circular")),
+        ("bilinear", "upsample_bilinear2d", lambda g: [_f(g, 2, 2, 3, 4)], {"size": [5, 7]},
+         lambda F, t, x: F.interpolate(x[0], size=(5, 7), mode="bilinear")),
+        ("bilinear_corners", "upsample_bilinear2d", lambda g: [_f(g, 1, 2, 4, 3)],
+         {"size": [7, 6], "align_corners": True},
+         lambda F, t, x: F.interpolate(x[0], size=(7, 6), mode="bilinear", align_corners=True)),
+        ("bilinear_scale", "upsample_bilinear2d", lambda g: [_f(g, 1, 1, 3, 5)], {"size": [4, 7],
+                                                                                  "scales": [1.5, 1.5]},
+         lambda F, t, x: F.interpolate(x[0], scale_factor=1.5, mode="bilinear")),
+        ("bilinear_down", "upsample_bilinear2d", lambda g: [_f(g, 1, 1, 6, 5)], {"size": [4, 2]},
+         lambda F, t, x: F.interpolate(x[0], size=(4, 2), mode="bilinear")),
+        ("cdist", "cdist", lambda g: [_f(g, 2, 3, 4), _f(g, 2, 5, 4)], {"p": 2.0},
+         lambda F, t, x: t.cdist(x[0], x[1])),
+        ("cdist_bcast_p1", "cdist", lambda g: [_f(g, 3, 4), _f(g, 2, 2, 4)], {"p": 1.0},
+         lambda F, t, x: t.cdist(x[0], x[1], p=1.0)),
+        ("cdist_p3", "cdist", lambda g: [_f(g, 3, 2), _f(g, 4, 2)], {"p": 3.0},
+         lambda F, t, x: t.cdist(x[0], x[1], p=3.0)),
+        ("cdist_inf", "cdist", lambda g: [_distinct(g, 3, 2), _distinct(g, 2, 2) + 5], {"p": float("inf")},
+         lambda F, t, x: t.cdist(x[0], x[1], p=float("inf"))),
+        ("pdist", "pdist", lambda g: [_f(g, 4, 3)], {"p": 2.0}, lambda F, t, x: F.pdist(x[0])),
+        ("pdist_p1", "pdist", lambda g: [_f(g, 3, 2)], {"p": 1.0}, lambda F, t, x: F.pdist(x[0], p=1.0)),
+        ("scatter_reduce_sum", "scatter_reduce", lambda g: [_f(g, 3, 4), np.array([[0, 2], [3, 3], [1, 0]]),
+                                                            _f(g, 3, 2)], {"dim": 1, "reduce": "sum"},
+         lambda F, t, x: t.scatter_reduce(x[0], 1, x[1], x[2], "sum")),
+        ("scatter_reduce_mean", "scatter_reduce", lambda g: [_f(g, 4, 2), np.array([[0, 1], [0, 1], [3, 1]]),
+                                                             _f(g, 3, 2)], {"dim": 0, "reduce": "mean",
+                                                                            "include_self": False},
+         lambda F, t, x: t.scatter_reduce(x[0], 0, x[1], x[2], "mean", include_self=False)),
+        ("scatter_reduce_amax", "scatter_reduce", lambda g: [_distinct(g, 2, 4), np.array([[1, 1, 3], [0, 2, 2]]),
+                                                             _distinct(g, 2, 3)], {"dim": 1, "reduce": "amax"},
+         lambda F, t, x: t.scatter_reduce(x[0], 1, x[1], x[2], "amax")),
+        ("scatter_reduce_amin", "scatter_reduce", lambda g: [_distinct(g, 2, 4), np.array([[1, 1], [0, 3]]),
+                                                             _distinct(g, 2, 2)], {"dim": 1, "reduce": "amin",
+                                                                                   "include_self": False},
+         lambda F, t, x: t.scatter_reduce(x[0], 1, x[1], x[2], "amin", include_self=False)),
+        ("col2im", "col2im", lambda g: [_f(g, 2, 2 * 2 * 3, 6)], {"output_size": [4, 5], "kernel_size": [2, 3],
+                                                                   "stride": [2, 1], "padding": [0, 0],
+                                                                   "dilation": [1, 1]},
+         lambda F, t, x: F.fold(x[0], (4, 5), (2, 3), stride=(2, 1))),
+        ("col2im_pad", "col2im", lambda g: [_f(g, 1, 3 * 4, 9)], {"output_size": [3, 3], "kernel_size": [2, 2],
+                                                                   "stride": [1, 1], "padding": [1, 1],
+                                                                   "dilation": [2, 2]},
+         lambda F, t, x: F.fold(x[0], (3, 3), 2, dilation=2, padding=1)),
+        ("max_pool3d", "max_pool3d", lambda g: [_distinct(g, 1, 2, 4, 3, 4)],
+         {"kernel_size": [2, 2, 2], "stride": [2, 1, 2], "padding": [1, 0, 1]},
+         lambda F, t, x: F.max_pool3d(x[0], 2, (2, 1, 2), (1, 0, 1))),
+        ("max_pool3d_dil", "max_pool3d", lambda g: [_distinct(g, 1, 1, 5, 4, 4)],
+         {"kernel_size": [2, 2, 2], "dilation": [2, 1, 1]},
+         lambda F, t, x: F.max_pool3d(x[0], 2, dilation=(2, 1, 1))),
+        ("grid_sample", "grid_sampler_2d", lambda g: [_f(g, 2, 2, 3, 4), g.uniform(-1.2, 1.2, (2, 2, 3, 2))], {},
+         lambda F, t, x: F.grid_sample(x[0], x[1], align_corners=False)),
+        ("grid_sample_border", "grid_sampler_2d", lambda g: [_f(g, 1, 2, 4, 3), g.uniform(-1.3, 1.3, (1, 3, 2, 2))],
+         {"padding_mode": 1, "align_corners": True},
+         lambda F, t, x: F.grid_sample(x[0], x[1], padding_mode="border", align_corners=True)),
+        ("grid_sample_nearest", "grid_sampler_2d", lambda g: [_f(g, 1, 2, 3, 3), g.uniform(-1, 1, (1, 2, 2, 2))],
+         {"interpolation_mode": 1}, lambda F, t, x: F.grid_sample(x[0], x[1], mode="nearest", align_corners=False)),
+        ("avg_pool3d", "avg_pool3d", lambda g: [_f(g, 2, 1, 4, 4, 3)],
+         {"kernel_size": [2, 3, 2], "stride": [2, 1, 1], "padding": [1, 1, 0]},
+         lambda F, t, x: F.avg_pool3d(x[0], (2, 3, 2), (2, 1, 1), (1, 1, 0))),
     ]
 
 
@@ -386,6 +465,22 @@ def test_float32_stays_float32():
     assert OPS["batch_norm"].forward([x, c, c, c, c], {"training": False}).dtype == np.float32
 
 
+REST_OF_CORE_ATEN = _rest_of_core_aten_cases()
+
+
+@pytest.mark.parametrize("case", REST_OF_CORE_ATEN, ids=[c[0] for c in REST_OF_CORE_ATEN])
+def test_the_last_core_aten_ops_keep_float32_and_their_shape_rule(case):
+    """Training runs in float32: forward and gradients stay in it, each the shape the shape
+    rule gives."""
+    _, name, make, attrs, _ = case
+    inputs = [x.astype(np.float32) if x.dtype.kind == "f" else x for x in make(np.random.default_rng(11))]
+    op = OPS[name]
+    out = op.forward(inputs, attrs)
+    assert out.dtype == np.float32 and out.shape == op.shape([x.shape for x in inputs], attrs)
+    grads = op.vjp(np.ones(out.shape, np.float32), inputs, out, attrs)
+    assert all(g is None or (g.dtype == np.float32 and g.shape == x.shape) for g, x in zip(grads, inputs))
+
+
 @pytest.mark.parametrize("name,shapes,attrs,words", [
     ("linear", [(2, 3), (4, 5)], {}, "linear of input (2, 3)"),
     ("matmul", [(2, 3), (4, 5)], {}, "inner dims"),
@@ -393,6 +488,10 @@ def test_float32_stays_float32():
     ("reshape", [(2, 3)], {"shape": [4, -1]}, "reshape of (2, 3)"),
     ("conv2d", [(1, 3, 5, 5), (2, 3, 3, 3)], {"groups": 3}, "groups=3"),
     ("cross_entropy", [(4, 3), (5,)], {}, "targets (5,)"),
+    ("pad_edges", [(2, 3)], {"pad": [3, 0], "mode": "reflect"}, "reflect padding of 3 and 0 for a dim of size 3"),
+    ("cdist", [(2, 3), (4, 2)], {}, "cdist of (2, 3) and (4, 2)"),
+    ("col2im", [(1, 12, 5)], {"output_size": [3, 3], "kernel_size": [2, 2]}, "col2im of (1, 12, 5)"),
+    ("max_pool3d", [(1, 2, 3, 3)], {"kernel_size": [2, 2, 2]}, "3-d pooling of an input (1, 2, 3, 3)"),
 ])
 def test_shape_rules_reject_with_a_message(name, shapes, attrs, words):
     with pytest.raises(OpError, match=words.replace("(", r"\(").replace(")", r"\)")):

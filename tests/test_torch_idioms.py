@@ -53,6 +53,7 @@ MODELS = {
     "mobilenet_v3": (im.MobileNetStyle, F.cross_entropy, _images),
     "vit": (im.ViTStyle, F.cross_entropy, _images),
     "unet_pieces": (im.UNetStyle, F.cross_entropy, _images),
+    "resampling": (im.ResamplingStyle, F.cross_entropy, _images),
 }
 
 
@@ -181,6 +182,24 @@ def test_the_documented_core_aten_coverage_is_torchs_count_and_names_each_op_lef
                                f"left out but not documented: {sorted(left_out - listed)}"
 
 
+@pytest.mark.parametrize("mixing,words", [
+    (lambda x: torch.diagonal(x, dim1=0, dim2=1), "computes along the batch dim"),
+    (lambda x: F.pdist(x), "pdist of the batch's rows|a shard of other rows would fail"),
+])
+def test_distances_and_diagonals_across_the_batchs_rows_are_refused(mixing, words):
+    """A shard would see its own rows only: refused at capture (by torch.export's guard on the
+    batch, where pdist's size of batch * (batch - 1) / 2 meets one)."""
+    class Mixing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) + mixing(x).sum()
+    with pytest.raises(CaptureError, match=words):
+        capture(Mixing(), (torch.zeros(4, 4),), torch.zeros(4, dtype=torch.long), F.cross_entropy)
+
+
 def test_one_d_pools_are_the_two_d_ones_of_height_one():
     class Pools(torch.nn.Module):
         def __init__(self):
@@ -198,7 +217,7 @@ def test_one_d_pools_are_the_two_d_ones_of_height_one():
     assert model_loss(spec, live, y.numpy(), 2).loss == pytest.approx(float(F.cross_entropy(module(x), y)), rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["bert_padding_mask", "unet_pieces"])
+@pytest.mark.parametrize("kind", ["bert_padding_mask", "unet_pieces", "resampling"])
 def test_the_new_ops_cross_the_wire_as_plain_data(kind):
     """A program of the new ops (cat, pow, rsqrt, index, bitwise_and, scatter, slice_scatter,
     group_norm, ...) goes to a WSE as msgpack and computes the same loss there."""

@@ -75,23 +75,23 @@ def _model(kind):
     return GPT(GPTConfig(vocab_size=30, block_size=12, n_layer=2, n_head=2, n_embd=16)), gpt_loss
 
 
-def _torch_optimizer(kind, params):
+def _torch_optimizer(kind, params, eps=1e-8):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=LR[kind], momentum=0.9)
     if kind == "adam":
-        return torch.optim.Adam(params, lr=LR[kind])
-    return torch.optim.AdamW(params, lr=LR[kind], weight_decay=0.01)
+        return torch.optim.Adam(params, lr=LR[kind], eps=eps)
+    return torch.optim.AdamW(params, lr=LR[kind], weight_decay=0.01, eps=eps)
 
 
-def _ours(kind):
+def _ours(kind, eps=1e-8):
     """The rule of _torch_optimizer's: torch.optim's Adam eps (1e-8), not the Cerebras API's default."""
     return Optimizer(OptimizerSpec(kind, momentum=0.9 if kind == "sgd" else 0.0,
-                                   weight_decay=0.01 if kind == "adamw" else 0.0, eps=1e-8))
+                                   weight_decay=0.01 if kind == "adamw" else 0.0, eps=eps))
 
 
-def train_cpu_path(spec, batches, opt_kind):
+def train_cpu_path(spec, batches, opt_kind, eps=1e-8):
     weights = init_weights(spec, seed=0)
-    optimizer = _ours(opt_kind)
+    optimizer = _ours(opt_kind, eps)
     state = {name: optimizer.init_state(w) for name, w in weights.items()}
     losses = []
     for step, (x, y) in enumerate(batches):
@@ -104,8 +104,8 @@ def train_cpu_path(spec, batches, opt_kind):
     return losses, weights
 
 
-def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32, before_step=None):
-    optimizer = _torch_optimizer(opt_kind, module.parameters())
+def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32, before_step=None, eps=1e-8):
+    optimizer = _torch_optimizer(opt_kind, module.parameters(), eps)
     losses = []
     for step, (x, y) in enumerate(batches):
         if before_step is not None:

@@ -2239,3 +2239,503 @@ def _sort_cost(shapes, out, attrs):
 # The values (the gradient goes back to where each came from) and, as their own op, the indices.
 _register("topk", _topk_forward, _topk_vjp, _topk_shape, _sort_cost, saves_inputs=(0,))
 _register("topk_indices", lambda i, a: _order(i[0], a)[0].astype(np.int64), _no_grad, _topk_shape, _sort_cost)
+
+
+# ---------------------------------------------------------------- diagonal
+
+def _diagonal_geometry(shape, attrs):
+    """(dim1, dim2, offset, length) of torch's diagonal(x, offset, dim1, dim2)."""
+    ndim = len(shape)
+    d1, d2 = _axis(attrs.get("dim1", 0), ndim), _axis(attrs.get("dim2", 1), ndim)
+    if d1 == d2:
+        raise OpError(f"diagonal of dims {d1} and {d2}: they must differ")
+    offset = int(attrs.get("offset", 0))
+    length = max(0, min(shape[d1] - max(-offset, 0), shape[d2] - max(offset, 0)))
+    return d1, d2, offset, length
+
+
+def _diagonal_forward(inputs, attrs):
+    x = inputs[0]
+    d1, d2, offset, _ = _diagonal_geometry(x.shape, attrs)
+    return np.ascontiguousarray(np.diagonal(x, offset, d1, d2))
+
+
+def _diagonal_vjp(g, inputs, out, attrs):
+    x = inputs[0]
+    d1, d2, offset, length = _diagonal_geometry(x.shape, attrs)
+    dx = np.zeros(x.shape, dtype=g.dtype)
+    i = np.arange(length)
+    np.moveaxis(dx, (d1, d2), (-2, -1))[..., i + max(-offset, 0), i + max(offset, 0)] = g
+    return [dx]
+
+
+def _diagonal_shape(shapes, attrs):
+    s = tuple(shapes[0])
+    d1, d2, _, length = _diagonal_geometry(s, attrs)
+    return tuple(n for d, n in enumerate(s) if d not in (d1, d2)) + (length,)
+
+
+# torch's layout: the two dims go, the diagonal becomes the last dim
+_register("diagonal", _diagonal_forward, _diagonal_vjp, _diagonal_shape, _free)
+
+
+# ---------------------------------------------------------------- padding by the edges
+
+def _edge_indices(n, lo, hi, mode):
+    """The source index of each padded position along a dim of n: reflect (about the edge,
+    which is not repeated), replicate (the edge repeated) or circular (wrapping around)."""
+    i = np.arange(-lo, n + hi)
+    if mode == "reflect":
+        period = 2 * (n - 1)
+        i = np.abs(i) % period if period else np.zeros_like(i)
+        return np.where(i >= n, period - i, i)
+    if mode == "replicate":
+        return np.clip(i, 0, n - 1)
+    if mode == "circular":
+        return i % n
+    raise OpError(f"pad mode {mode!r} (reflect, replicate or circular)")
+
+
+def _edge_widths(shape, attrs):
+    widths = _pad_widths(len(shape), attrs)
+    mode = attrs["mode"]
+    for n, (lo, hi) in zip(shape, widths):
+        if (lo or hi) and (mode == "reflect" and max(lo, hi) >= n or mode == "circular" and max(lo, hi) > n):
+            raise OpError(f"{mode} padding of {lo} and {hi} for a dim of size {n}: too wide")
+    return widths
+
+
+def _pad_edges_forward(inputs, attrs):
+    x = inputs[0]
+    for axis, (lo, hi) in enumerate(_edge_widths(x.shape, attrs)):
+        if lo or hi:
+            x = np.take(x, _edge_indices(x.shape[axis], lo, hi, attrs["mode"]), axis=axis)
+    return x
+
+
+def _pad_edges_vjp(g, inputs, out, attrs):
+    shape = inputs[0].shape
+    for axis, (lo, hi) in enumerate(_edge_widths(shape, attrs)):
+        if lo or hi:
+            moved = np.moveaxis(g, axis, 0)
+            back = np.zeros((shape[axis],) + moved.shape[1:], dtype=g.dtype)
+            np.add.at(back, _edge_indices(shape[axis], lo, hi, attrs["mode"]), moved)
+            g = np.moveaxis(back, 0, axis)
+    return [np.ascontiguousarray(g)]
+
+
+# torch's pad list (last dim first) and mode: reflection_pad1d/2d/3d, replication_pad*, F.pad's modes
+_register("pad_edges", _pad_edges_forward, _pad_edges_vjp,
+          lambda s, a: tuple(n + lo + hi for n, (lo, hi) in zip(s[0], _edge_widths(tuple(s[0]), a))), _free)
+
+
+# ---------------------------------------------------------------- bilinear upsampling
+
+def _linear_weights(n_in, n_out, align_corners, scale):
+    """[n_out, n_in]: each output pixel as torch's upsample_bilinear2d weighs the two input
+    pixels about its source coordinate (`scale`: the caller's scale factor, or None)."""
+    if align_corners:
+        step = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+        src = step * np.arange(n_out)
+    else:
+        step = 1.0 / scale if scale else n_in / n_out
+        src = np.maximum(step * (np.arange(n_out) + 0.5) - 0.5, 0.0)
+    lo = np.minimum(src.astype(np.int64), n_in - 1)
+    hi = np.minimum(lo + 1, n_in - 1)
+    frac = src - lo
+    w = np.zeros((n_out, n_in))
+    np.add.at(w, (np.arange(n_out), lo), 1.0 - frac)
+    np.add.at(w, (np.arange(n_out), hi), frac)
+    return w
+
+
+def _bilinear_matrices(x_shape, attrs, dtype):
+    scales = list(attrs.get("scales") or [None, None])
+    return [_linear_weights(x_shape[2 + d], int(attrs["size"][d]), bool(attrs.get("align_corners")),
+                            scales[d]).astype(dtype) for d in (0, 1)]
+
+
+def _bilinear_forward(inputs, attrs):
+    x = inputs[0]
+    wh, ww = _bilinear_matrices(x.shape, attrs, x.dtype)
+    return np.ascontiguousarray(np.einsum("hH,ncHW,wW->nchw", wh, x, ww, optimize=True))
+
+
+def _bilinear_vjp(g, inputs, out, attrs):
+    wh, ww = _bilinear_matrices(inputs[0].shape, attrs, g.dtype)
+    return [np.ascontiguousarray(np.einsum("hH,nchw,wW->ncHW", wh, g, ww, optimize=True))]
+
+
+def _bilinear_shape(shapes, attrs):
+    x = tuple(shapes[0])
+    if len(x) != 4:
+        raise OpError(f"upsample_bilinear2d of {x}: expected [N, C, H, W]")
+    return (*x[:2], *(int(v) for v in attrs["size"]))
+
+
+# size [H, W] of the output; align_corners; scales [h, w] (the caller's factors, or None)
+_register("upsample_bilinear2d", _bilinear_forward, _bilinear_vjp, _bilinear_shape,
+          lambda s, out, a: 8 * _numel(out))
+
+
+# ---------------------------------------------------------------- distances
+
+def _pnorm(diff, p):
+    """torch's p-norm of each last-dim vector (p 0 counts the nonzeros; inf: the largest)."""
+    a = np.abs(diff)
+    if p == 0:
+        return (a != 0).sum(axis=-1).astype(diff.dtype)
+    if np.isinf(p):
+        return a.max(axis=-1, initial=0)
+    if p == 1:
+        return a.sum(axis=-1)
+    if p == 2:
+        return np.sqrt((diff * diff).sum(axis=-1))
+    return (a ** p).sum(axis=-1) ** (1.0 / p)
+
+
+def _cdist_parts(x1, x2, p):
+    """(x1 - x2 per pair, [..., P, R, M]; the distances, [..., P, R]) of torch's cdist."""
+    diff = x1[..., :, None, :] - x2[..., None, :, :]
+    return diff, _pnorm(diff, p)
+
+
+def _cdist_pair_grad(g, diff, dist, p):
+    """d(sum g * dist) / d(x1 - x2), per pair and feature; zero where a distance is 0, as torch."""
+    if p == 0:
+        return np.zeros_like(diff)
+    a, sign = np.abs(diff), np.sign(diff)
+    if np.isinf(p):
+        return sign * (a == dist[..., None]) * g[..., None]
+    if p == 1:
+        return sign * g[..., None]
+    safe = np.where(dist == 0, 1, dist)[..., None]
+    if p == 2:
+        return np.where(dist[..., None] == 0, 0, diff / safe * g[..., None])
+    scaled = sign * a ** (p - 1) / safe ** (p - 1)
+    return np.where(dist[..., None] == 0, 0, scaled * g[..., None])
+
+
+def _cdist_forward(inputs, attrs):
+    return _cdist_parts(inputs[0], inputs[1], float(attrs.get("p", 2.0)))[1]
+
+
+def _cdist_vjp(g, inputs, out, attrs):
+    x1, x2 = inputs
+    p = float(attrs.get("p", 2.0))
+    diff, dist = _cdist_parts(x1, x2, p)
+    pair = _cdist_pair_grad(g, diff, dist, p)
+    return [unbroadcast(pair.sum(axis=-2), x1.shape), unbroadcast(-pair.sum(axis=-3), x2.shape)]
+
+
+def _cdist_shape(shapes, attrs):
+    a, b = tuple(shapes[0]), tuple(shapes[1])
+    if len(a) < 2 or len(b) < 2 or a[-1] != b[-1]:
+        raise OpError(f"cdist of {a} and {b}: expected [..., P, M] and [..., R, M]")
+    if float(attrs.get("p", 2.0)) < 0:
+        raise OpError(f"cdist with p={attrs['p']}: p must be >= 0")
+    return broadcast_shape(a[:-2], b[:-2]) + (a[-2], b[-2])
+
+
+# torch's cdist(x1, x2, p) (computed pair by pair, not by matrix products)
+_register("cdist", _cdist_forward, _cdist_vjp, _cdist_shape,
+          lambda s, out, a: 3 * _numel(out) * s[0][-1], saves_inputs=(0, 1))
+
+
+def _pdist_pairs(n):
+    return np.triu_indices(n, 1)
+
+
+def _pdist_forward(inputs, attrs):
+    x = inputs[0]
+    i, j = _pdist_pairs(x.shape[0])
+    return _pnorm(x[i] - x[j], float(attrs.get("p", 2.0)))
+
+
+def _pdist_vjp(g, inputs, out, attrs):
+    x = inputs[0]
+    i, j = _pdist_pairs(x.shape[0])
+    diff = x[i] - x[j]
+    p = float(attrs.get("p", 2.0))
+    pair = _cdist_pair_grad(g, diff, _pnorm(diff, p), p)
+    dx = np.zeros(x.shape, dtype=g.dtype)
+    np.add.at(dx, i, pair)
+    np.add.at(dx, j, -pair)
+    return [dx]
+
+
+def _pdist_shape(shapes, attrs):
+    x = tuple(shapes[0])
+    if len(x) != 2:
+        raise OpError(f"pdist of {x}: expected [N, M]")
+    return (x[0] * (x[0] - 1) // 2,)
+
+
+# torch's pdist(x, p): the upper triangle of cdist(x, x), row by row
+_register("pdist", _pdist_forward, _pdist_vjp, _pdist_shape, lambda s, out, a: 3 * _numel(out) * s[0][-1],
+          saves_inputs=(0,))
+
+
+# ---------------------------------------------------------------- scatter with a reduction
+
+_SCATTER_REDUCE = {"sum": np.add, "mean": np.add, "amax": np.maximum, "amin": np.minimum}
+
+
+def _scatter_reduce_parts(inputs, attrs):
+    """(the result; the positions some src element went to; how many values each position
+    averages) of torch's scatter_reduce(x, dim, index, src, reduce, include_self)."""
+    x, index, src = inputs
+    reduce = attrs["reduce"]
+    if reduce not in _SCATTER_REDUCE:
+        raise OpError(f"scatter_reduce with reduce={reduce!r} (sum, mean, amax or amin)")
+    key = _scatter_key(index, _axis(attrs["dim"], x.ndim))
+    hit = np.zeros(x.shape, dtype=bool)
+    hit[key] = True
+    count = np.zeros(x.shape, dtype=x.dtype)
+    np.add.at(count, key, 1)
+    include_self = attrs.get("include_self", True)
+    out = x.copy()
+    if not include_self:
+        identity = {"sum": 0, "mean": 0, "amax": -np.inf, "amin": np.inf}[reduce]
+        out[hit] = identity
+    _SCATTER_REDUCE[reduce].at(out, key, src[tuple(slice(0, n) for n in index.shape)])
+    if reduce == "mean":
+        count = count + (1 if include_self else 0)
+        count[count == 0] = 1
+        out = out / count
+    return out, hit, count, key
+
+
+def _scatter_reduce_vjp(g, inputs, out, attrs):
+    """torch's rule: sum and mean pass the gradient back (over the count, for mean); amax and
+    amin share it evenly among the values equal to the result."""
+    x, index, src = inputs
+    result, hit, count, key = _scatter_reduce_parts(inputs, attrs)
+    part = src[tuple(slice(0, n) for n in index.shape)]
+    if attrs["reduce"] in ("sum", "mean"):
+        dx = g / count if attrs["reduce"] == "mean" else g.copy()
+        dpart = dx[key]
+    else:
+        value = result[key]
+        x_is, part_is = (x == result), (part == value)
+        share = x_is.astype(g.dtype)
+        np.add.at(share, key, part_is.astype(g.dtype))
+        distributed = g / np.where(share == 0, 1, share)
+        dx, dpart = x_is * distributed, part_is * distributed[key]
+    if not attrs.get("include_self", True):
+        dx = np.where(hit, 0, dx)
+    dsrc = np.zeros(src.shape, dtype=g.dtype)
+    dsrc[tuple(slice(0, n) for n in index.shape)] = dpart
+    return [dx.astype(g.dtype), None, dsrc]
+
+
+_register("scatter_reduce", lambda i, a: _scatter_reduce_parts(i, a)[0], _scatter_reduce_vjp, _same_shape,
+          lambda s, out, a: _numel(s[1]), saves_inputs=(0, 1, 2))
+
+
+# ---------------------------------------------------------------- col2im (fold)
+
+def _col2im_geometry(x_shape, attrs):
+    """(N, C, (H, W), kernel, stride, pad, dilation, (OH, OW)) of torch's col2im / F.fold."""
+    k, (h, w) = _pair(attrs["kernel_size"]), _pair(attrs["output_size"])
+    stride, pad, dil = _conv_geometry(attrs)
+    oh, ow = windows.out_size(h, k[0], stride[0], pad[0], dil[0]), windows.out_size(w, k[1], stride[1], pad[1], dil[1])
+    if len(x_shape) != 3 or x_shape[1] % (k[0] * k[1]) or x_shape[2] != oh * ow or oh < 1 or ow < 1:
+        raise OpError(f"col2im of {tuple(x_shape)} to {h}x{w} with kernel {k}: expected [N, C*{k[0]}*{k[1]}, "
+                      f"{max(oh, 0) * max(ow, 0)}]")
+    return x_shape[0], x_shape[1] // (k[0] * k[1]), (h, w), k, stride, pad, dil, (oh, ow)
+
+
+def _col2im_forward(inputs, attrs):
+    x = inputs[0]
+    _, _, size, k, stride, pad, dil, _ = _col2im_geometry(x.shape, attrs)
+    return windows.col2im(x, size, k, stride, pad, dil)
+
+
+def _col2im_vjp(g, inputs, out, attrs):
+    _, _, _, k, stride, pad, dil, _ = _col2im_geometry(inputs[0].shape, attrs)
+    return [windows.im2col(g, k, stride, pad, dil)]
+
+
+_register("col2im", _col2im_forward, _col2im_vjp,
+          lambda s, a: (lambda geo: (geo[0], geo[1], *geo[2]))(_col2im_geometry(tuple(s[0]), a)),
+          lambda s, out, a: _numel(s[0]))
+
+
+# ---------------------------------------------------------------- 3-d pools
+
+def _triple(v):
+    v = [int(v)] if isinstance(v, (int, np.integer)) else [int(x) for x in v]
+    return tuple(v * 3) if len(v) == 1 else tuple(v)
+
+
+def _pool3d_geometry(attrs):
+    k = _triple(attrs["kernel_size"])
+    if attrs.get("ceil_mode"):
+        raise OpError("pooling with ceil_mode=True")
+    return k, _triple(attrs.get("stride") or k), _triple(attrs.get("padding", 0)), _triple(attrs.get("dilation", 1))
+
+
+def _windows3d(x, k, stride, dil):
+    """[N, C, D, H, W] (already padded) -> view [N, C, OD, OH, OW, kd, kh, kw] of every window."""
+    out = [windows.out_size(n, kk, s, 0, d) for n, kk, s, d in zip(x.shape[2:], k, stride, dil)]
+    st = x.strides
+    return np.lib.stride_tricks.as_strided(
+        x, (*x.shape[:2], *out, *k), (*st[:2], *(a * s for a, s in zip(st[2:], stride)),
+                                      *(a * d for a, d in zip(st[2:], dil))), writeable=False)
+
+
+def _pad3d(x, pad, value=0.0):
+    return np.pad(x, ((0, 0), (0, 0), *((p, p) for p in pad)), constant_values=value) if any(pad) else x
+
+
+def _fold3d(cols, shape, k, stride, pad, dil):
+    """The adjoint of _windows3d on a padded input."""
+    out = np.zeros((*shape[:2], *(n + 2 * p for n, p in zip(shape[2:], pad))), dtype=cols.dtype)
+    o = cols.shape[2:5]
+    for offset in np.ndindex(*k):
+        at = tuple(slice(i * d, i * d + s * m, s) for i, d, s, m in zip(offset, dil, stride, o))
+        out[(slice(None), slice(None), *at)] += cols[(Ellipsis, *offset)]
+    return out[(slice(None), slice(None), *(slice(p, p + n) for p, n in zip(pad, shape[2:])))]
+
+
+def _pool3d_shape(shapes, attrs):
+    x = tuple(shapes[0])
+    if len(x) != 5:
+        raise OpError(f"3-d pooling of an input {x}: expected [N, C, D, H, W]")
+    k, stride, pad, dil = _pool3d_geometry(attrs)
+    out = tuple(windows.out_size(n, kk, s, p, d) for n, kk, s, p, d in zip(x[2:], k, stride, pad, dil))
+    if min(out) < 1:
+        raise OpError(f"3-d pooling of {x} with kernel {k} leaves no output")
+    return (*x[:2], *out)
+
+
+def _max_pool3d_forward(inputs, attrs):
+    k, stride, pad, dil = _pool3d_geometry(attrs)
+    return _windows3d(_pad3d(inputs[0], pad, -np.inf), k, stride, dil).max(axis=(5, 6, 7))
+
+
+def _max_pool3d_vjp(g, inputs, out, attrs):
+    """The gradient goes to the first maximum of each window, as torch's kernel picks it."""
+    k, stride, pad, dil = _pool3d_geometry(attrs)
+    cols = _windows3d(_pad3d(inputs[0], pad, -np.inf), k, stride, dil)
+    flat = cols.reshape(*cols.shape[:5], -1)
+    onehot = np.zeros(flat.shape, dtype=g.dtype)
+    np.put_along_axis(onehot, flat.argmax(axis=-1)[..., None], g[..., None], axis=-1)
+    return [_fold3d(onehot.reshape(cols.shape), inputs[0].shape, k, stride, pad, dil)]
+
+
+def _avg_pool3d_forward(inputs, attrs):
+    k, stride, pad, _ = _pool3d_geometry(attrs)
+    if not attrs.get("count_include_pad", True) and any(pad):
+        raise OpError("avg_pool3d with count_include_pad=False and padding")
+    return _windows3d(_pad3d(inputs[0], pad), k, stride, (1, 1, 1)).mean(axis=(5, 6, 7))
+
+
+def _avg_pool3d_vjp(g, inputs, out, attrs):
+    k, stride, pad, _ = _pool3d_geometry(attrs)
+    cols = np.broadcast_to((g / g.dtype.type(np.prod(k)))[..., None, None, None], (*g.shape, *k))
+    return [_fold3d(cols, inputs[0].shape, k, stride, pad, (1, 1, 1))]
+
+
+_register("max_pool3d", _max_pool3d_forward, _max_pool3d_vjp, _pool3d_shape,
+          lambda s, out, a: _numel(out) * int(np.prod(_triple(a["kernel_size"]))), saves_inputs=(0,))
+_register("avg_pool3d", _avg_pool3d_forward, _avg_pool3d_vjp, _pool3d_shape,
+          lambda s, out, a: _numel(out) * int(np.prod(_triple(a["kernel_size"]))))
+
+
+# ---------------------------------------------------------------- grid sampling
+
+_GRID_INTERPOLATION = {0: "bilinear", 1: "nearest"}
+_GRID_PADDING = {0: "zeros", 1: "border"}
+
+
+def _grid_source(coord, size, attrs):
+    """A grid's [-1, 1] coordinates as pixel positions along a dim of `size`, and the
+    derivative of that map (0 where border padding clips)."""
+    if attrs.get("align_corners"):
+        scale = (size - 1) / 2.0
+        pos = (coord + 1) * scale
+    else:
+        scale = size / 2.0
+        pos = ((coord + 1) * size - 1) / 2.0
+    slope = np.full(coord.shape, scale, dtype=coord.dtype)
+    if _GRID_PADDING[int(attrs.get("padding_mode", 0))] == "border":
+        inside = (pos >= 0) & (pos <= size - 1)
+        pos, slope = np.clip(pos, 0, size - 1), np.where(inside, slope, 0)
+    return pos, slope
+
+
+def _grid_corners(x, grid, attrs):
+    """Per corner of each sample point's pixel square: (values [N, C, Ho, Wo], weight, its
+    derivatives by the x and y position, the pixel indices and whether they lie inside)."""
+    n, c, h, w = x.shape
+    px, sx = _grid_source(grid[..., 0], w, attrs)
+    py, sy = _grid_source(grid[..., 1], h, attrs)
+    x0, y0 = np.floor(px), np.floor(py)
+    fx, fy = px - x0, py - y0
+    rows = np.arange(n)[:, None, None]
+    corners = []
+    for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        xi, yi = (x0 + dx).astype(np.int64), (y0 + dy).astype(np.int64)
+        inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h)
+        wx, wy = (fx if dx else 1 - fx), (fy if dy else 1 - fy)
+        values = x[rows, :, np.clip(yi, 0, h - 1), np.clip(xi, 0, w - 1)].transpose(0, 3, 1, 2) * inside[:, None]
+        corners.append((values, wx * wy, (1 if dx else -1) * wy, (1 if dy else -1) * wx, yi, xi, inside))
+    return corners, sx, sy
+
+
+def _grid_nearest(x, grid, attrs):
+    n, c, h, w = x.shape
+    px = np.rint(_grid_source(grid[..., 0], w, attrs)[0]).astype(np.int64)
+    py = np.rint(_grid_source(grid[..., 1], h, attrs)[0]).astype(np.int64)
+    inside = (px >= 0) & (px < w) & (py >= 0) & (py < h)
+    return np.clip(py, 0, h - 1), np.clip(px, 0, w - 1), inside
+
+
+def _grid_sample_forward(inputs, attrs):
+    x, grid = inputs
+    if _GRID_INTERPOLATION[int(attrs.get("interpolation_mode", 0))] == "nearest":
+        yi, xi, inside = _grid_nearest(x, grid, attrs)
+        return np.ascontiguousarray(x[np.arange(x.shape[0])[:, None, None], :, yi, xi].transpose(0, 3, 1, 2)
+                                    * inside[:, None])
+    corners, _, _ = _grid_corners(x, grid, attrs)
+    return sum(values * weight[:, None] for values, weight, *_ in corners).astype(x.dtype)
+
+
+def _grid_sample_vjp(g, inputs, out, attrs):
+    """The input's gradient goes back to the pixels each point read, by the same weights;
+    the grid's (bilinear only) is the change of the weights with the position."""
+    x, grid = inputs
+    rows = np.arange(x.shape[0])[:, None, None]
+    dx = np.zeros(x.shape, dtype=g.dtype)
+    to_pixels = g.transpose(0, 2, 3, 1)                       # [N, Ho, Wo, C]
+    if _GRID_INTERPOLATION[int(attrs.get("interpolation_mode", 0))] == "nearest":
+        yi, xi, inside = _grid_nearest(x, grid, attrs)
+        np.add.at(dx, (rows, slice(None), yi, xi), to_pixels * inside[..., None])
+        return [dx, np.zeros(grid.shape, dtype=g.dtype)]
+    corners, sx, sy = _grid_corners(x, grid, attrs)
+    dpx, dpy = np.zeros(grid.shape[:-1], g.dtype), np.zeros(grid.shape[:-1], g.dtype)
+    for values, weight, by_x, by_y, yi, xi, inside in corners:
+        np.add.at(dx, (rows, slice(None), np.clip(yi, 0, x.shape[2] - 1), np.clip(xi, 0, x.shape[3] - 1)),
+                  to_pixels * (weight * inside)[..., None])
+        read = (g * values).sum(axis=1)
+        dpx += read * by_x
+        dpy += read * by_y
+    return [dx, np.stack([dpx * sx, dpy * sy], axis=-1).astype(g.dtype)]
+
+
+def _grid_sample_shape(shapes, attrs):
+    x, grid = tuple(shapes[0]), tuple(shapes[1])
+    if len(x) != 4 or len(grid) != 4 or grid[-1] != 2 or grid[0] != x[0]:
+        raise OpError(f"grid_sampler_2d of {x} at grid {grid}: expected [N, C, H, W] and [N, Ho, Wo, 2]")
+    if int(attrs.get("interpolation_mode", 0)) not in _GRID_INTERPOLATION or \
+            int(attrs.get("padding_mode", 0)) not in _GRID_PADDING:
+        raise OpError("grid_sampler_2d: bilinear or nearest, with zeros or border padding")
+    return (x[0], x[1], grid[1], grid[2])
+
+
+# torch's grid_sampler_2d (F.grid_sample): interpolation_mode 0 bilinear, 1 nearest; padding_mode
+# 0 zeros, 1 border; align_corners
+_register("grid_sampler_2d", _grid_sample_forward, _grid_sample_vjp, _grid_sample_shape,
+          lambda s, out, a: 12 * _numel(out), saves_inputs=(0, 1))

@@ -1,5 +1,5 @@
 """Convolution and pooling over [N, C, H, W] maps: the kernels behind ops.py's conv2d,
-max_pool2d and avg_pool2d.
+max_pool2d, avg_pool2d and col2im (im2col and col2im: torch's unfold and fold).
 
 Every kernel loops over the kh x kw offsets of a window, never over pixels or windows:
 each offset is one strided slice of the padded input, a whole-map numpy operation.
@@ -78,6 +78,23 @@ def _fold_columns(dcols, shape, kh, kw, stride, pad, dil, out_hw) -> np.ndarray:
     for i, j, (rows, columns) in _offsets(kh, kw, out_hw, stride, dil):
         dxp[:, :, rows, columns] += dcols[:, i, j]
     return np.ascontiguousarray(_unpad(dxp, (c, n, h, w), pad).transpose(1, 0, 2, 3))
+
+
+def im2col(x, k, stride, pad, dil) -> np.ndarray:
+    """torch's im2col (F.unfold): [N, C, H, W] -> [N, C * kh * kw, OH * OW]."""
+    n, c = x.shape[:2]
+    out_hw = _out_hw(x.shape, *k, stride, pad, dil)
+    cols = _columns(x, *k, stride, pad, dil, out_hw).reshape(c * k[0] * k[1], n, -1)
+    return np.ascontiguousarray(cols.transpose(1, 0, 2))
+
+
+def col2im(x, size, k, stride, pad, dil) -> np.ndarray:
+    """torch's col2im (F.fold), im2col's adjoint: [N, C * kh * kw, OH * OW] -> [N, C, *size],
+    each window's values added back to the pixels it covers."""
+    n, c = x.shape[0], x.shape[1] // (k[0] * k[1])
+    out_hw = _out_hw((n, c, *size), *k, stride, pad, dil)
+    dcols = x.reshape(n, c * k[0] * k[1], -1).transpose(1, 0, 2)
+    return _fold_columns(dcols, (n, c, *size), *k, stride, pad, dil, out_hw)
 
 
 def _is_depthwise(x_shape, w_shape, groups: int) -> bool:

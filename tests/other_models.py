@@ -1,0 +1,188 @@
+"""Models written by others, as their packages ship them (transformers, torchvision,
+timm; the `models` extra), at tiny sizes, each with its loss and its batches: what
+tests/test_torch_others.py trains against torch eager and tests/others_run.py (a
+run.py of them) runs on every path.
+
+The registry's torchvision wheel is built against the CUDA torch: its compiled ops
+(`_C.so`: nms, roi_align, the detection ops) do not load beside the CPU torch, and
+`torchvision/_meta_registrations.py`, run at import, then fails registering their
+fake kernels ("operator torchvision::nms does not exist"). The model definitions
+never call those ops, so `importable_torchvision()` imports it with that one module
+stubbed (docs/testing.md)."""
+import importlib
+import sys
+import types
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BATCH, T, VOCAB = 4, 8, 32
+
+
+class MissingPackage(Exception):
+    """A package of the `models` extra is not installed; the message names it."""
+
+
+def importable_torchvision():
+    """torchvision, imported past its detection ops' registration where the wheel's
+    compiled ops do not load; None when not installed. transformers and timm import
+    torchvision themselves when it is there, so they come after."""
+    try:
+        return importlib.import_module("torchvision")
+    except ModuleNotFoundError:
+        return None
+    except RuntimeError as exc:
+        if "torchvision::" not in str(exc):
+            raise
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[name]
+    sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+    return importlib.import_module("torchvision")
+
+
+def _package(name):
+    importable_torchvision()
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        raise MissingPackage(f"{name} is not installed (pip install -e '.[torch,models]')") from None
+
+
+def torchvision():
+    module = importable_torchvision()
+    if module is None:
+        raise MissingPackage("torchvision is not installed (pip install -e '.[torch,models]')")
+    return module
+
+
+class LabelsLoss(torch.nn.Module):
+    """model(input_ids, labels=labels).loss: the loss as a transformers model computes it."""
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def the_loss(loss, target):
+    return loss
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def mlm_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def lm_batches(rng, steps):
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(0, VOCAB, (BATCH, T))
+        out.append(({"input_ids": ids, "labels": ids.copy()}, ids.copy()))
+    return out
+
+
+def mlm_batches(rng, steps):
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(1, VOCAB, (BATCH, T))
+        lengths = rng.integers(3, T + 1, BATCH)
+        mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
+        labels = np.where(mask == 0, -100, rng.integers(0, VOCAB, (BATCH, T)))
+        out.append(({"input_ids": ids * mask, "attention_mask": mask}, labels))
+    return out
+
+
+def image_batches(rng, steps, size=16):
+    return [(rng.standard_normal((BATCH, 3, size, size)).astype(np.float32), rng.integers(0, 5, BATCH))
+            for _ in range(steps)]
+
+
+def gpt2():
+    """GPT2LMHeadModel of the default config (its dropouts of 0.1 included) at a tiny size."""
+    tf = _package("transformers")
+    config = tf.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    return LabelsLoss(tf.GPT2LMHeadModel(config)), the_loss, lm_batches
+
+
+def llama():
+    tf = _package("transformers")
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    return LabelsLoss(tf.LlamaForCausalLM(config)), the_loss, lm_batches
+
+
+def bert():
+    tf = _package("transformers")
+    config = tf.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0)
+    return Logits(tf.BertForMaskedLM(config)), mlm_loss, mlm_batches
+
+
+def resnet18():
+    """torchvision's resnet18 as shipped: batch norm in training, its running statistics
+    carried as buffers; 32x32 images (at 16 its last stages would see 2x2 and 1x1 maps)."""
+    return torchvision().models.resnet18(num_classes=5), F.cross_entropy, \
+        lambda rng, steps: image_batches(rng, steps, size=32)
+
+
+def mobilenet():
+    """mobilenet_v3_small: in-place hardswish and hardsigmoid, depthwise convolutions,
+    squeeze-excite, batch norm in training, Dropout(0.2, inplace=True)."""
+    return torchvision().models.mobilenet_v3_small(num_classes=5), F.cross_entropy, \
+        lambda rng, steps: image_batches(rng, steps, size=32)
+
+
+def vit():
+    torchvision()
+    timm = _package("timm")
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, depth=2,
+                              num_classes=5)
+    return model, F.cross_entropy, image_batches
+
+
+def nanogpt():
+    from examples.torch_gpt.model import GPT, GPTConfig, gpt_loss
+
+    def batches(rng, steps):
+        out = []
+        for _ in range(steps):
+            ids = rng.integers(0, VOCAB, (BATCH, T))
+            labels = np.roll(ids, -1, axis=1)
+            labels[:, -1] = -1
+            out.append((ids, labels))
+        return out
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=16)), gpt_loss, batches
+
+
+MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "bert_masked_lm": bert, "llama": llama, "resnet18": resnet18,
+          "mobilenet_v3_small": mobilenet, "vit": vit}
+# Their dropouts in training (p > 0): torch is given the run's masks.
+WITH_DROPOUT = {"gpt2", "mobilenet_v3_small"}
+
+
+def build(kind):
+    """(module, loss_fn, batches_of(rng, steps)) of a model, its weights from seed 0."""
+    if kind not in MODELS:
+        raise ValueError(f"unknown model {kind!r}; expected one of {sorted(MODELS)}")
+    torch.manual_seed(0)
+    return MODELS[kind]()
+
+
+def as_dataset(batches_list):
+    """A list of (features, labels) batches as one data set of arrays indexed by sample."""
+    xs, ys = zip(*batches_list)
+    labels = np.concatenate(ys)
+    if isinstance(xs[0], dict):
+        return {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}, labels
+    return np.concatenate(xs), labels
