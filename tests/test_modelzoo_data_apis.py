@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="the model zoo's loaders are torch D
 
 import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
 from cs_torch.backends import reset_backend  # noqa: E402
-from tests.test_torch_others import _importable_torchvision  # noqa: E402  (past the wheel's compiled ops)
+from tests.other_models import importable_torchvision  # noqa: E402  (past the wheel's compiled ops)
 
 SEQ = 6
 
@@ -89,7 +89,7 @@ def write_mnist(root, images, labels):
 
 
 def test_torchvisions_mnist_reader_and_transforms_give_the_fc_mnist_processors_tensors(tmp_path):
-    torchvision = _importable_torchvision()
+    torchvision = importable_torchvision()
     if torchvision is None:
         pytest.skip("torchvision is not installed (the FC-MNIST processor reads through it; pip install -e "
                     "'.[models]')")

@@ -11,7 +11,7 @@ if not __package__:  # run as a script: the tests package is found from the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cs_runtime.runner import run  # noqa: E402
 from cs_torch.capture import model_spec  # noqa: E402
-from tests.test_torch_others import _importable_torchvision  # noqa: E402
+from tests.other_models import importable_torchvision  # noqa: E402
 
 CLASSES, SIDE = 5, 32
 
@@ -23,7 +23,7 @@ def data_set(count=32):
 
 def model_fn(params):
     torch.manual_seed(0)
-    module = _importable_torchvision().models.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0)
+    module = importable_torchvision().models.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0)
     x, y = data_set(params.train_input.batch_size)
     return model_spec("mobilenet_v3_small", module, (torch.from_numpy(x),), torch.from_numpy(y),
                       torch.nn.functional.cross_entropy)
