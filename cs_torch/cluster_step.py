@@ -36,7 +36,7 @@ from . import amp
 from . import session as session_mod
 from .capture import load_into
 from .data import DataLoader as WorkerLoader
-from .loader_replay import RunSamples, is_iterable, start_states
+from .loader_replay import LABELS, RunSamples, is_iterable, start_states
 from .nn import CrossEntropyLoss, CsTorchError
 from . import optim as old_optim
 
@@ -163,7 +163,8 @@ class ClusterRun:
                  return_output: bool = False, report_eval: bool = True):
         weights = {name: p.detach().numpy().copy() for name, p in params.items()}
         spec = program_spec(type(model).__name__.lower(), captured.program, captured.units, captured.shapes,
-                            captured.dtypes, weights, return_output=return_output)
+                            captured.dtypes, weights, return_output=return_output,
+                            features=captured.feature_names)   # a dict batch's inputs travel by these names
         spec = dataclasses.replace(spec, precision=amp.precision())   # cstorch.amp.set_half_dtype
         self.optimizer, self.scaler, self.params, self.batch_of = optimizer, scaler, params, batch_of
         mode = "train" if training else "eval"
@@ -310,4 +311,7 @@ def plan_batches(loader: WorkerLoader, arrays):
     stream = InputStream.build("train", arrays, section, seed)
     for step in itertools.count():
         x, y = fetch(stream.dataset, stream.plan.global_indices(step))
-        yield torch.from_numpy(x), torch.from_numpy(y)
+        if isinstance(x, dict):   # a dict batch, as the loader gave it: its named inputs and its labels
+            yield {**{name: torch.from_numpy(a) for name, a in x.items()}, LABELS: torch.from_numpy(y)}
+        else:
+            yield torch.from_numpy(x), torch.from_numpy(y)

@@ -24,6 +24,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from cs_runtime.data.inputs import take_rows
+
 from .nn import CsTorchError
 
 WINDOW_BATCHES = 256    # batches kept for the workers' prefetch, which asks a little out of order
@@ -135,14 +137,37 @@ def _read_batches(dataset, size: int):
         yield stacked_pairs(chunk)
 
 
-def stacked_pairs(pairs: list) -> tuple[np.ndarray, np.ndarray]:
-    """(input, label) samples as an inputs array and a labels array."""
-    if not pairs or len(pairs[0]) != 2:
-        raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs")
-    return tuple(torch.stack([torch.as_tensor(p[k]) for p in pairs]).detach().cpu().numpy() for k in (0, 1))
+LABELS = "labels"   # a dict sample's entry that is the program's target; its other tensors are the inputs
 
 
-def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
+def stacked_pairs(samples: list):
+    """(input, label) samples as an inputs array and a labels array; dict samples (the model
+    zoo's: input_ids, attention_mask, labels, ...) as a dict of input arrays by name and the
+    labels array."""
+    if samples and isinstance(samples[0], dict):
+        return _stacked_dicts(samples)
+    if not samples or len(samples[0]) != 2:
+        raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs or dicts of named "
+                           f"tensors with {LABELS!r}")
+    return tuple(_stacked([p[k] for p in samples]) for k in (0, 1))
+
+
+def _stacked(values: list) -> np.ndarray:
+    return torch.stack([torch.as_tensor(v) for v in values]).detach().cpu().numpy()
+
+
+def _stacked_dicts(samples: list) -> tuple[dict, np.ndarray]:
+    names = list(samples[0])
+    if LABELS not in names:
+        raise CsTorchError(f"CSX backend: a dict sample needs a {LABELS!r} entry (the program's target); it has "
+                           f"{', '.join(map(str, names))}")
+    if any(list(s) != names for s in samples):
+        raise CsTorchError("CSX backend: the data set's dict samples do not all have the same entries")
+    features = {name: _stacked([s[name] for s in samples]) for name in names if name != LABELS}
+    return features, _stacked([s[LABELS] for s in samples])
+
+
+def arrays_of(loader) -> tuple[np.ndarray | dict, np.ndarray]:
     """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream). An
     IterableDataset is read in its own order to its end."""
     dataset = getattr(loader, "dataset", None)
@@ -198,7 +223,7 @@ class RunSamples:
         if isinstance(item, tuple):
             return item
         x, y = self.arrays
-        return x[item], y[item]
+        return take_rows(x, item), y[item]
 
     def hand_back(self) -> None:
         """The user's generators left as iterating the loader for the epochs reached would leave them."""
