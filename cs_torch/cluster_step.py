@@ -309,9 +309,17 @@ def plan_batches(loader: WorkerLoader, arrays):
     section = type("Section", (), {"batch_size": loader.batch_size, "shuffle": loader.shuffle,
                                    "drop_last_batch": loader.drop_last, "seed": lambda _self, run_seed: seed})()
     stream = InputStream.build("train", arrays, section, seed)
+    own = arrays.get(np.arange(loader.batch_size))   # the first batch as the loader gave it: its dtypes
     for step in itertools.count():
         x, y = fetch(stream.dataset, stream.plan.global_indices(step))
-        if isinstance(x, dict):   # a dict batch, as the loader gave it: its named inputs and its labels
-            yield {**{name: torch.from_numpy(a) for name, a in x.items()}, LABELS: torch.from_numpy(y)}
+        if isinstance(x, dict):   # a dict batch as the loader gave it (its dtypes too): named inputs and labels
+            yield {**{name: _as_loader_gave(a, own[0][name]) for name, a in x.items()},
+                   LABELS: _as_loader_gave(y, own[1])}
         else:
             yield torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _as_loader_gave(array: np.ndarray, own: np.ndarray):
+    """A batch's array as a torch tensor of the dtype the loader gave (the wire carries ids as int32 and
+    labels as int64; the model zoo's models assert their dtypes)."""
+    return torch.from_numpy(np.asarray(array, dtype=own.dtype))

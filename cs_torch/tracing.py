@@ -484,15 +484,17 @@ def _flat_arguments(model: torch.nn.Module, template, call_leaves: list, order: 
 
 
 def _named_batch(template, leaves) -> tuple[dict[int, str], int] | None:
-    """For a step given one dict of tensors with labels (the model zoo's batch): (each tensor leaf's
-    name, the labels' leaf); None for any other step."""
+    """For a step whose tensors are one dict argument's, with labels (the model zoo's batch, beside
+    other arguments that are no tensors: its step number): (each tensor leaf's name, the labels'
+    leaf); None for any other step."""
     from .loader_replay import LABELS
-    if len(template) != 1 or not isinstance(template[0], dict) or LABELS not in template[0]:
+    batches = [a for a in template if isinstance(a, dict) and LABELS in a]
+    if len(batches) != 1 or not all(isinstance(v, _Leaf) for v in batches[0].values()):
         return None
-    batch = template[0]
-    if not all(isinstance(v, _Leaf) and isinstance(leaves[v], torch.Tensor) for v in batch.values()):
+    names = {int(leaf): str(name) for name, leaf in batches[0].items()}
+    if {i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)} != set(names):
         return None
-    return {int(leaf): str(name) for name, leaf in batch.items()}, int(batch[LABELS])
+    return names, int(batches[0][LABELS])
 
 
 def _named_arguments(model: torch.nn.Module, template, call_leaves: list, positions: dict[str, int],
