@@ -88,3 +88,25 @@ def test_an_iterable_is_read_a_pass_an_epoch_and_a_custom_sampler_is_refused():
     loader = torch.utils.data.DataLoader(DATA, 4, sampler=Backwards(), drop_last=True)
     with pytest.raises(CsTorchError, match="sampler Backwards is not one of torch's"):
         start_states(loader)
+
+
+def test_dict_samples_stream_as_named_inputs_and_labels_and_one_without_labels_is_refused():
+    """The model zoo's dict samples: the workers stream each named tensor but the labels as an input
+    (map-style and iterable alike, in the loader's order and dtypes), the labels as the target."""
+    rows = [{"input_ids": torch.arange(3, dtype=torch.int32) + i, "attention_mask": torch.ones(3, dtype=torch.int32),
+             "labels": torch.tensor(i % 2, dtype=torch.int32)} for i in range(8)]
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(rows, 4, shuffle=True, drop_last=True)
+    want = [b for _ in range(2) for b in loader]
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(rows, 4, shuffle=True, drop_last=True)
+    samples = RunSamples(loader, 4, start_states(loader))
+    for b, batch in enumerate(want):
+        x, y = samples.get(np.arange(b * 4, b * 4 + 4))
+        assert sorted(x) == ["attention_mask", "input_ids"] and x["input_ids"].dtype == np.int32
+        np.testing.assert_array_equal(x["input_ids"], batch["input_ids"].numpy())
+        np.testing.assert_array_equal(y, batch["labels"].numpy())
+
+    unlabelled = torch.utils.data.DataLoader([{"input_ids": torch.zeros(3)}] * 4, 4)
+    with pytest.raises(CsTorchError, match="a dict sample needs a 'labels' entry .* it has input_ids$"):
+        RunSamples(unlabelled, 1, start_states(unlabelled))
