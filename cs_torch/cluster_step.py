@@ -36,7 +36,7 @@ from . import amp
 from . import session as session_mod
 from .capture import load_into
 from .data import DataLoader as WorkerLoader
-from .loader_replay import LABELS, RunSamples, is_iterable, start_states
+from .loader_replay import LABELS, RunSamples, batch_size_of, is_iterable, start_states
 from .nn import CrossEntropyLoss, CsTorchError
 from . import optim as old_optim
 
@@ -256,7 +256,7 @@ def worker_dataset(module, file, function, args, kwargs, states_file, steps):
 
 def _settings(loader) -> dict:
     """The batching of a torch DataLoader, as the workers' batch plan takes it."""
-    batch_size = getattr(loader, "batch_size", None)
+    batch_size = batch_size_of(loader) if hasattr(loader, "dataset") else None
     if not isinstance(batch_size, int):
         raise CsTorchError("CSX backend: the torch DataLoader needs a batch_size")
     sampler = type(getattr(loader, "sampler", None)).__name__
