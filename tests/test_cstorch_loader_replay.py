@@ -110,3 +110,23 @@ def test_dict_samples_stream_as_named_inputs_and_labels_and_one_without_labels_i
     unlabelled = torch.utils.data.DataLoader([{"input_ids": torch.zeros(3)}] * 4, 4)
     with pytest.raises(CsTorchError, match="a dict sample needs a 'labels' entry .* it has input_ids$"):
         RunSamples(unlabelled, 1, start_states(unlabelled))
+
+
+def test_an_iterable_of_whole_batches_streams_them_with_its_first_batchs_size():
+    """DataLoader(batch_size=None) over a data set that yields dicts of batched arrays (the model zoo's
+    BERT processor): each batch as it was yielded, a pass an epoch; a batch of another size is refused."""
+    class Batches(torch.utils.data.IterableDataset):
+        def __init__(self, sizes):
+            self.sizes = sizes
+
+        def __iter__(self):
+            for b, size in enumerate(self.sizes):
+                yield {"input_ids": np.full((size, 2), b, dtype=np.int32), "labels": np.arange(size, dtype=np.int32)}
+
+    samples = RunSamples(torch.utils.data.DataLoader(Batches([3, 3]), batch_size=None), 3, None)
+    assert samples.batch_size == 3
+    firsts = [int(samples.get(np.arange(b * 3, b * 3 + 3))[0]["input_ids"][0, 0]) for b in range(3)]
+    assert firsts == [0, 1, 0]
+    ragged = RunSamples(torch.utils.data.DataLoader(Batches([3, 2]), batch_size=None), 2, None)
+    with pytest.raises(CsTorchError, match="batches have 2 and 3 samples"):
+        ragged.get(np.arange(3, 6))
