@@ -213,6 +213,12 @@ def current_backend() -> Backend:
     return _current
 
 
+def cluster_config_in_use() -> ClusterConfig:
+    """The backend's cluster settings, the defaults before one is made; asking makes no backend (the model
+    zoo asks for the job's tasks while it sets up logging, before it makes its CSX backend)."""
+    return _current.cluster_config if _current is not None else ClusterConfig()
+
+
 def use_cs() -> bool:
     """Whether this process runs on the CS system (its backend is CSX); asking makes no backend."""
     return _current is not None and _current.is_csx

@@ -88,7 +88,10 @@ class _WithLoss(torch.nn.Module):
 
     def forward(self, *args):
         inputs = args if self.target_in_model else args[:-1]
-        out = self.model(**dict(zip(self.keywords, inputs))) if self.keywords else self.model(*inputs)
+        if self.keywords:   # a model taking its inputs by name (and the target first, when it takes it too)
+            out = self.model(*args[len(self.keywords):len(inputs)], **dict(zip(self.keywords, inputs)))
+        else:
+            out = self.model(*inputs)
         loss = self.loss_fn(out, args[-1])
         # The model's own output too, when it is one tensor: a job hands it back on request.
         return (loss, out) if isinstance(out, torch.Tensor) else (loss,)

@@ -36,7 +36,7 @@ from . import amp
 from . import session as session_mod
 from .capture import load_into
 from .data import DataLoader as WorkerLoader
-from .loader_replay import RunSamples, is_iterable, start_states
+from .loader_replay import LABELS, RunSamples, batch_size_of, is_iterable, start_states
 from .nn import CrossEntropyLoss, CsTorchError
 from . import optim as old_optim
 
@@ -163,7 +163,8 @@ class ClusterRun:
                  return_output: bool = False, report_eval: bool = True):
         weights = {name: p.detach().numpy().copy() for name, p in params.items()}
         spec = program_spec(type(model).__name__.lower(), captured.program, captured.units, captured.shapes,
-                            captured.dtypes, weights, return_output=return_output)
+                            captured.dtypes, weights, return_output=return_output,
+                            features=captured.feature_names)   # a dict batch's inputs travel by these names
         spec = dataclasses.replace(spec, precision=amp.precision())   # cstorch.amp.set_half_dtype
         self.optimizer, self.scaler, self.params, self.batch_of = optimizer, scaler, params, batch_of
         mode = "train" if training else "eval"
@@ -255,7 +256,7 @@ def worker_dataset(module, file, function, args, kwargs, states_file, steps):
 
 def _settings(loader) -> dict:
     """The batching of a torch DataLoader, as the workers' batch plan takes it."""
-    batch_size = getattr(loader, "batch_size", None)
+    batch_size = batch_size_of(loader) if hasattr(loader, "dataset") else None
     if not isinstance(batch_size, int):
         raise CsTorchError("CSX backend: the torch DataLoader needs a batch_size")
     sampler = type(getattr(loader, "sampler", None)).__name__
@@ -308,6 +309,17 @@ def plan_batches(loader: WorkerLoader, arrays):
     section = type("Section", (), {"batch_size": loader.batch_size, "shuffle": loader.shuffle,
                                    "drop_last_batch": loader.drop_last, "seed": lambda _self, run_seed: seed})()
     stream = InputStream.build("train", arrays, section, seed)
+    own = arrays.get(np.arange(loader.batch_size))   # the first batch as the loader gave it: its dtypes
     for step in itertools.count():
         x, y = fetch(stream.dataset, stream.plan.global_indices(step))
-        yield torch.from_numpy(x), torch.from_numpy(y)
+        if isinstance(x, dict):   # a dict batch as the loader gave it (its dtypes too): named inputs and labels
+            yield {**{name: _as_loader_gave(a, own[0][name]) for name, a in x.items()},
+                   LABELS: _as_loader_gave(y, own[1])}
+        else:
+            yield torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _as_loader_gave(array: np.ndarray, own: np.ndarray):
+    """A batch's array as a torch tensor of the dtype the loader gave (the wire carries ids as int32 and
+    labels as int64; the model zoo's models assert their dtypes)."""
+    return torch.from_numpy(np.asarray(array, dtype=own.dtype))

@@ -24,6 +24,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from cs_runtime.data.inputs import take_rows
+
 from .nn import CsTorchError
 
 WINDOW_BATCHES = 256    # batches kept for the workers' prefetch, which asks a little out of order
@@ -108,13 +110,27 @@ def _all_batches(iterator) -> list[list[int]]:
             return batches
 
 
+def batch_size_of(loader) -> int | None:
+    """The loader's batch size; for an IterableDataset that yields whole batches (batch_size=None, as the
+    model zoo's BERT processor), the rows of its first batch; None when there is none to read."""
+    if isinstance(loader.batch_size, int) or not is_iterable(loader):
+        return loader.batch_size
+    first = next(iter(loader.dataset), None)
+    if first is None:
+        return None
+    rows = first[LABELS] if isinstance(first, dict) and LABELS in first else \
+        first[0] if isinstance(first, (tuple, list)) else first
+    return len(rows) if hasattr(rows, "__len__") else None
+
+
 def _batches_of(loader, draws: _EpochDraws | None):
     """The run's batches in order, endlessly: index arrays (map-style, `draws` its epochs) or (x, y) arrays
     (an IterableDataset, a fresh pass each epoch)."""
-    size = loader.batch_size
+    size = batch_size_of(loader)
+    whole = loader.batch_size is None   # the data set yields whole batches
     while True:
         produced = 0
-        for batch in (_read_batches(loader.dataset, size) if draws is None else draws.next_epoch()):
+        for batch in (_read_batches(loader.dataset, size, whole) if draws is None else draws.next_epoch()):
             if draws is not None and len(batch) != size:
                 raise CsTorchError(f"CSX backend: the torch DataLoader's batch {produced} has {len(batch)} "
                                    f"samples, not {size} (a traced step takes one input shape: drop_last=True)")
@@ -125,9 +141,18 @@ def _batches_of(loader, draws: _EpochDraws | None):
                                + (f" (its IterableDataset holds fewer than {size} samples)" if draws is None else ""))
 
 
-def _read_batches(dataset, size: int):
-    """An IterableDataset's full batches of one pass, as (inputs, labels) arrays (the tail short of a batch dropped)."""
+def _read_batches(dataset, size: int, whole: bool = False):
+    """An IterableDataset's full batches of one pass, as (inputs, labels) arrays (the tail short of a batch
+    dropped); `whole`: its items are batches already."""
     pairs = iter(dataset)
+    if whole:
+        for batch in pairs:
+            x, y = stacked_pairs(_rows(batch))
+            if len(y) != size:
+                raise CsTorchError(f"CSX backend: the data set's batches have {len(y)} and {size} samples (a traced "
+                                   "step takes one input shape)")
+            yield x, y
+        return
     while True:
         chunk = list(itertools.islice(pairs, size))
         if len(chunk) < size:
@@ -135,14 +160,44 @@ def _read_batches(dataset, size: int):
         yield stacked_pairs(chunk)
 
 
-def stacked_pairs(pairs: list) -> tuple[np.ndarray, np.ndarray]:
-    """(input, label) samples as an inputs array and a labels array."""
-    if not pairs or len(pairs[0]) != 2:
-        raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs")
-    return tuple(torch.stack([torch.as_tensor(p[k]) for p in pairs]).detach().cpu().numpy() for k in (0, 1))
+LABELS = "labels"   # a dict sample's entry that is the program's target; its other tensors are the inputs
 
 
-def arrays_of(loader) -> tuple[np.ndarray, np.ndarray]:
+def stacked_pairs(samples: list):
+    """(input, label) samples as an inputs array and a labels array; dict samples (the model
+    zoo's: input_ids, attention_mask, labels, ...) as a dict of input arrays by name and the
+    labels array."""
+    if samples and isinstance(samples[0], dict):
+        return _stacked_dicts(samples)
+    if not samples or len(samples[0]) != 2:
+        raise CsTorchError("CSX backend: the data set's samples must be (input, label) pairs or dicts of named "
+                           f"tensors with {LABELS!r}")
+    return tuple(_stacked([p[k] for p in samples]) for k in (0, 1))
+
+
+def _rows(batch) -> list:
+    """A whole batch (a dict of arrays, or a pair) as its samples."""
+    if isinstance(batch, dict):
+        return [{k: v[i] for k, v in batch.items()} for i in range(len(batch[next(iter(batch))]))]
+    return list(zip(*batch))
+
+
+def _stacked(values: list) -> np.ndarray:
+    return torch.stack([torch.as_tensor(v) for v in values]).detach().cpu().numpy()
+
+
+def _stacked_dicts(samples: list) -> tuple[dict, np.ndarray]:
+    names = list(samples[0])
+    if LABELS not in names:
+        raise CsTorchError(f"CSX backend: a dict sample needs a {LABELS!r} entry (the program's target); it has "
+                           f"{', '.join(map(str, names))}")
+    if any(list(s) != names for s in samples):
+        raise CsTorchError("CSX backend: the data set's dict samples do not all have the same entries")
+    features = {name: _stacked([s[name] for s in samples]) for name in names if name != LABELS}
+    return features, _stacked([s[LABELS] for s in samples])
+
+
+def arrays_of(loader) -> tuple[np.ndarray | dict, np.ndarray]:
     """A torch DataLoader's data set as (inputs, labels) arrays (what the input workers stream). An
     IterableDataset is read in its own order to its end."""
     dataset = getattr(loader, "dataset", None)
@@ -164,7 +219,7 @@ class RunSamples:
         """`states`: the generators' states the run starts from (start_states; None for an IterableDataset)."""
         self.loader, self.steps, self.states = loader, steps, states
         self.arrays = None if is_iterable(loader) else arrays_of(loader)   # a map-style data set, read once
-        self.batch_size = loader.batch_size
+        self.batch_size = batch_size_of(loader)
         self._lock = threading.Lock()
         self._restart()
 
@@ -198,7 +253,7 @@ class RunSamples:
         if isinstance(item, tuple):
             return item
         x, y = self.arrays
-        return x[item], y[item]
+        return take_rows(x, item), y[item]
 
     def hand_back(self) -> None:
         """The user's generators left as iterating the loader for the epochs reached would leave them."""

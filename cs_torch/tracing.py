@@ -306,7 +306,24 @@ class TracedStep:
         pair = executor is not None and executor.on_cluster
         # A model given the labels too computes its own loss (the model zoo's model([inputs, labels])).
         target_in_model = pair and sorted(self.model_arg_leaves) == tensor_leaves and len(tensor_leaves) == 2
-        if pair:   # the CS system streams one input and the labels: the program takes exactly those
+        named = _named_batch(template, leaves) if pair else None
+        if named is not None:   # a dict batch: its named tensors are the program's inputs, its labels the target
+            names, target_leaf = named
+            feature_leaves = [i for i in tensor_leaves if i != target_leaf]
+            if not set(feature_leaves) <= set(self.model_arg_leaves):
+                raise CsTorchError(f"trace: with a CSX backend {self.fn.__name__} calls the compiled model with "
+                                   "every tensor of its dict batch but the labels (the input workers stream them "
+                                   "as the program's inputs)")
+            target_in_model = target_leaf in self.model_arg_leaves
+            place = {id(leaf): k for k, leaf in enumerate(call_leaves)}
+            capture_model = _named_arguments(model, call_template, call_leaves,
+                                             {names[i]: place[id(leaves[i])] for i in feature_leaves},
+                                             place[id(leaves[target_leaf])] if target_in_model else None)
+            model_inputs = {names[i]: leaves[i] for i in feature_leaves}
+            self.model_arg_leaves = feature_leaves
+            for i in feature_leaves:
+                non_tensors[i] = _sentinel(leaves[i])
+        elif pair:   # the CS system streams one input and the labels: the program takes exactly those
             if len(tensor_leaves) != 2 or not (len(self.model_arg_leaves) == 1 or target_in_model):
                 raise CsTorchError(f"trace: with a CSX backend {self.fn.__name__} takes two tensors, the model's "
                                    "input and the labels, and calls the compiled model with the first (or with "
@@ -317,8 +334,10 @@ class TracedStep:
                     next(k for k, leaf in enumerate(call_leaves) if leaf is leaves[i]) for i in tensor_leaves])
             target_leaf = next(i for i in tensor_leaves if i != self.model_arg_leaves[0])
             non_tensors[self.model_arg_leaves[0]] = _sentinel(leaves[self.model_arg_leaves[0]])
+            model_inputs = tuple(leaves[i] for i in self.model_arg_leaves) if target_in_model else tuple(call_tensors)
+        else:
+            model_inputs = tuple(call_tensors)
         self.input_leaves = self.model_arg_leaves + (([target_leaf]) if pair else tensor_leaves)
-        model_inputs = tuple(leaves[i] for i in self.model_arg_leaves) if target_in_model else tuple(call_tensors)
 
         def replay_loss(model_output, step_tensors):
             replay = _Replay(model_output)
@@ -460,6 +479,40 @@ def _flat_arguments(model: torch.nn.Module, template, call_leaves: list, order: 
 
     FlatArguments.__name__ = FlatArguments.__qualname__ = type(model).__name__
     view = object.__new__(FlatArguments)
+    view.__dict__ = model.__dict__
+    return view
+
+
+def _named_batch(template, leaves) -> tuple[dict[int, str], int] | None:
+    """For a step whose tensors are one dict argument's, with labels (the model zoo's batch, beside
+    other arguments that are no tensors: its step number): (each tensor leaf's name, the labels'
+    leaf); None for any other step."""
+    from .loader_replay import LABELS
+    batches = [a for a in template if isinstance(a, dict) and LABELS in a]
+    if len(batches) != 1 or not all(isinstance(v, _Leaf) for v in batches[0].values()):
+        return None
+    names = {int(leaf): str(name) for name, leaf in batches[0].items()}
+    if {i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)} != set(names):
+        return None
+    return names, int(batches[0][LABELS])
+
+
+def _named_arguments(model: torch.nn.Module, template, call_leaves: list, positions: dict[str, int],
+                     target_position: int | None):
+    """`model` taking its call's tensors by name (`positions`: each name's place among the call's
+    leaves), and the target first when the model is called with it too (`target_position`)."""
+
+    class NamedArguments(type(model)):
+        def forward(self, *target, **features):
+            values = list(call_leaves)
+            for name, tensor in features.items():
+                values[positions[name]] = tensor
+            if target_position is not None:
+                values[target_position] = target[0]
+            return super().forward(*_rebuild(template, values))
+
+    NamedArguments.__name__ = NamedArguments.__qualname__ = type(model).__name__
+    view = object.__new__(NamedArguments)
     view.__dict__ = model.__dict__
     return view
 

@@ -88,3 +88,45 @@ def test_an_iterable_is_read_a_pass_an_epoch_and_a_custom_sampler_is_refused():
     loader = torch.utils.data.DataLoader(DATA, 4, sampler=Backwards(), drop_last=True)
     with pytest.raises(CsTorchError, match="sampler Backwards is not one of torch's"):
         start_states(loader)
+
+
+def test_dict_samples_stream_as_named_inputs_and_labels_and_one_without_labels_is_refused():
+    """The model zoo's dict samples: the workers stream each named tensor but the labels as an input
+    (map-style and iterable alike, in the loader's order and dtypes), the labels as the target."""
+    rows = [{"input_ids": torch.arange(3, dtype=torch.int32) + i, "attention_mask": torch.ones(3, dtype=torch.int32),
+             "labels": torch.tensor(i % 2, dtype=torch.int32)} for i in range(8)]
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(rows, 4, shuffle=True, drop_last=True)
+    want = [b for _ in range(2) for b in loader]
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(rows, 4, shuffle=True, drop_last=True)
+    samples = RunSamples(loader, 4, start_states(loader))
+    for b, batch in enumerate(want):
+        x, y = samples.get(np.arange(b * 4, b * 4 + 4))
+        assert sorted(x) == ["attention_mask", "input_ids"] and x["input_ids"].dtype == np.int32
+        np.testing.assert_array_equal(x["input_ids"], batch["input_ids"].numpy())
+        np.testing.assert_array_equal(y, batch["labels"].numpy())
+
+    unlabelled = torch.utils.data.DataLoader([{"input_ids": torch.zeros(3)}] * 4, 4)
+    with pytest.raises(CsTorchError, match="a dict sample needs a 'labels' entry .* it has input_ids$"):
+        RunSamples(unlabelled, 1, start_states(unlabelled))
+
+
+def test_an_iterable_of_whole_batches_streams_them_with_its_first_batchs_size():
+    """DataLoader(batch_size=None) over a data set that yields dicts of batched arrays (the model zoo's
+    BERT processor): each batch as it was yielded, a pass an epoch; a batch of another size is refused."""
+    class Batches(torch.utils.data.IterableDataset):
+        def __init__(self, sizes):
+            self.sizes = sizes
+
+        def __iter__(self):
+            for b, size in enumerate(self.sizes):
+                yield {"input_ids": np.full((size, 2), b, dtype=np.int32), "labels": np.arange(size, dtype=np.int32)}
+
+    samples = RunSamples(torch.utils.data.DataLoader(Batches([3, 3]), batch_size=None), 3, None)
+    assert samples.batch_size == 3
+    firsts = [int(samples.get(np.arange(b * 3, b * 3 + 3))[0]["input_ids"][0, 0]) for b in range(3)]
+    assert firsts == [0, 1, 0]
+    ragged = RunSamples(torch.utils.data.DataLoader(Batches([3, 2]), batch_size=None), 2, None)
+    with pytest.raises(CsTorchError, match="batches have 2 and 3 samples"):
+        ragged.get(np.arange(3, 6))

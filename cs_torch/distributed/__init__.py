@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cs_runtime.units import bytes_to_human
 
-from ..backends import ClusterConfig, current_backend
+from ..backends import ClusterConfig, cluster_config_in_use
 from ..nn import CsTorchError
 from . import cluster_resolver  # noqa: F401 (cstorch.distributed.cluster_resolver)
 from .cluster_resolver import TaskRole, emulated_cluster_spec
@@ -41,7 +41,7 @@ class BaseServiceResolver:
     """The tasks of the job of the current backend, and which of them stream and receive."""
 
     def __init__(self):
-        config = current_backend().cluster_config
+        config = cluster_config_in_use()
         self.cluster_spec = emulated_cluster_spec(config.num_csx, max(1, config.num_workers_per_csx or 1))
 
     def streamer_ordinals(self) -> list[int]:

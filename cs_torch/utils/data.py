@@ -126,6 +126,7 @@ class DataExecutor:
         self.dataloader, self.num_steps = dataloader, num_steps
         self.checkpoint_steps, self.activation_steps, self.writer = checkpoint_steps, activation_steps, writer
         self.backend = current_backend()
+        self.cs_config = cs_config if cs_config is not None else CSConfig()   # the real executor's attribute
         if cs_config is not None:
             self.backend.cluster_config = cs_config.cluster_config()
         if micro_batch_size not in (None, "auto", "explore"):
