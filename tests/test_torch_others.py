@@ -23,10 +23,12 @@ F = torch.nn.functional
 
 from cs_runtime.compiler.stage import compile_model  # noqa: E402
 from cs_runtime.run_args import parse_args  # noqa: E402
-from cs_torch.capture import model_spec  # noqa: E402
+from cs_runtime.numerics.model import (ShardContext, init_weights, model_backward, model_forward,  # noqa: E402
+                                       model_loss)
+from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
 from tests import other_models  # noqa: E402
 from tests.cluster_utils import REPO, final_weights, tool, train_losses  # noqa: E402
-from tests.test_torch_programs import LR, _dropout_as_drawn, _example, train_cpu_path, train_torch  # noqa: E402
+from tests.test_torch_programs import LR, _call, _dropout_as_drawn, _example, train_cpu_path, train_torch  # noqa: E402
 
 # Capturing and training real models takes seconds each: the full pass runs them.
 pytestmark = pytest.mark.cluster
@@ -234,6 +236,42 @@ def _close(ours, theirs, name):
     assert float(np.abs(ours - theirs).max()) <= max(1e-5 * float(np.abs(theirs).max()), 1e-6), name
 
 
+# Torchvision models beyond the seven: built here, their first step against torch's.
+_image_batches = other_models.image_batches
+
+
+def _torchvision():
+    try:
+        return other_models.torchvision()
+    except other_models.MissingPackage as exc:
+        pytest.skip(str(exc))
+
+
+def _same_gradients(spec, module, loss_fn, batch):
+    """The first step's gradients: ours as close to torch's float64 ones as torch's float32
+    ones are (within 3x that spread, or 1e-6 of the tensor's scale: a few float32 ulps).
+    AdamW's step m / sqrt(v) turns float32 noise in a near-zero gradient into a step of up to
+    the learning rate, in torch too, so among millions of weights (resnet18, timm's ViT) a few
+    end 5-6x torch's spread from torch's float32 ones after a few steps: with AdamW the weights
+    are held by the gradients that made them, and by the loss at every step."""
+    x, y = batch
+    live, caches = model_forward(spec, x, init_weights(spec, 0), ShardContext(0, 0, len(y), slice(0, len(y)), True,
+                                                                               labels=y))
+    grads = model_backward(spec, model_loss(spec, live, y, len(y)).delta, caches, init_weights(spec, 0), 0)
+    ours = {p: g for layer in grads for p, g in layer.items()}
+    eager, exact = copy.deepcopy(module), copy.deepcopy(module).double()
+    for m, dtype in ((eager, np.float32), (exact, np.float64)):
+        m.zero_grad()
+        loss_fn(_call(m, x, dtype), torch.from_numpy(y)).backward()
+    exact_grads = dict(exact.named_parameters())
+    for name, p in eager.named_parameters():
+        if name not in ours:
+            continue
+        g32, g64 = p.grad.numpy(), exact_grads[name].grad.numpy()
+        tol = max(3 * float(np.abs(g32 - g64).max()), 1e-6 * float(np.abs(g64).max()))
+        assert float(np.abs(ours[name] - g64).max()) <= tol, name
+
+
 def test_torchvisions_batch_norm_in_training_carries_its_running_statistics():
     module, _, _, spec = _captured("resnet18")
     norms = [name for name, m in module.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
@@ -307,7 +345,62 @@ def test_mobilenet_v3_small_with_batch_norm_in_training_runs_on_a_wse_as_on_the_
     assert state_needs_table_frames(tmp_path / "csrun_wse")
     x, y = data_set()   # the first batch: its first rows (unshuffled)
     torch.manual_seed(0)   # the run script's module, in training
-    module = _importable_torchvision().models.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0).train()
+    module = other_models.importable_torchvision().models.mobilenet_v3_small(num_classes=CLASSES, dropout=0.0).train()
     with torch.no_grad():
         eager = float(F.cross_entropy(module(torch.from_numpy(x[:batch])), torch.from_numpy(y[:batch])))
     np.testing.assert_allclose(cpu_losses[0], eager, rtol=1e-5)
+# mnasnet0_5 and regnet_x_400mf in training, their last blocks on 2x2 feature maps (batch norm's
+# statistics from 16 values). On 64x64 images (mnasnet) and 48x48 (regnet) with these weights one
+# batch-normalized value sits closer to a ReLU's kink in float64 than float32's forward error there
+# (6.6e-7 from it in mnasnet's layers.12.2.layers.4, where torch's float32 values and ours are 1e-5
+# to 1e-4 off): our float32 lands on the other side than torch's, the ReLU passes that value's
+# gradient, and the first step's gradients below leave float64's by up to 10-19% of a tensor's
+# scale. Float64 with that one value moved to our side agrees with ours within the float32 bound.
+# So the rules are held in float64, where no kink is that close: every gradient within 1e-9 of its
+# tensor's scale of torch's (measured 2.5e-11 and 8e-13). In float32 the bound holds where every
+# kink stays clear of float32's error: mnasnet at 48x48 (regnet has one that close at every size
+# tried, 32 to 64, and which side it lands on depends on the kernels' summation order).
+KINKED_VISION = {"mnasnet0_5": 64, "regnet_x_400mf": 48}
+
+
+def _torchvision_in_training(name):
+    torch.manual_seed(0)
+    module = getattr(_torchvision().models, name)(num_classes=5).train()
+    for dropout in (m for m in module.modules() if isinstance(m, torch.nn.Dropout)):
+        dropout.p = 0.0
+    return module
+
+
+def _widened(weights: dict) -> dict:
+    return {layer: {p: w.astype(np.float64) if w.dtype == np.float32 else w for p, w in params.items()}
+            for layer, params in weights.items()}
+
+
+@pytest.mark.parametrize("name", list(KINKED_VISION))
+def test_small_feature_maps_with_batch_norm_in_training_take_torchs_float64_step(name):
+    module = _torchvision_in_training(name)
+    x, y = _image_batches(np.random.default_rng(2), 1, size=KINKED_VISION[name])[0]
+    spec = model_spec(name, module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+    weights = _widened(init_weights(spec, 0))
+    live, caches = model_forward(spec, x.astype(np.float64), weights,
+                                 ShardContext(0, 0, BATCH, slice(0, BATCH), True, labels=y))
+    result = model_loss(spec, live, y, BATCH)
+    ours = {p: g for layer in model_backward(spec, result.delta, caches, weights, 0) for p, g in layer.items()}
+    exact = copy.deepcopy(module).double()
+    loss = F.cross_entropy(_call(exact, x, np.float64), torch.from_numpy(y))
+    loss.backward()
+    assert result.loss == pytest.approx(loss.item(), rel=1e-12)
+    for p, param in exact.named_parameters():   # a bias that batch norm follows: 0 up to 1e-13 of noise
+        want = param.grad.numpy()
+        assert ours[p].dtype == np.float64 and np.abs(ours[p] - want).max() <= 1e-9 * max(np.abs(want).max(), 1e-3), p
+
+
+def test_mnasnet_on_small_feature_maps_takes_torchs_float32_step_where_no_kink_is_within_its_error():
+    module = _torchvision_in_training("mnasnet0_5")
+    x, y = _image_batches(np.random.default_rng(2), 1, size=48)[0]
+    spec = model_spec("mnasnet0_5", module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
+    live, _ = model_forward(spec, x, init_weights(spec, 0), ShardContext(0, 0, BATCH, slice(0, BATCH), True,
+                                                                         labels=y))
+    want = F.cross_entropy(copy.deepcopy(module)(torch.from_numpy(x)), torch.from_numpy(y)).item()
+    assert model_loss(spec, live, y, BATCH).loss == pytest.approx(want, rel=1e-5)
+    _same_gradients(spec, module, F.cross_entropy, (x, y))
