@@ -10,8 +10,7 @@ In process, each step is timed by CPU time (time.process_time: every thread of t
 process, BLAS's included) and by wall clock; torch runs on one thread
 (torch.set_num_threads(1)) and bench.py runs this with OPENBLAS_NUM_THREADS=1, so that
 each side's CPU time is its work, not a BLAS thread spinning for a core. Batch norm is
-in eval mode (running statistics as constants: with batch norm in training mobilenet's
-program is over the cluster's message header cap), dropout off: the step is the same
+in eval mode (running statistics as constants), dropout off: the step is the same
 work on both sides. Under csrun_wse the same module trains on synthetic batches of the
 same shapes; model.name picks the model (names that are not the model zoo's).
 """
@@ -23,7 +22,6 @@ import importlib
 import json
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +45,9 @@ CLASSES = 10
 
 
 def _torchvision():
-    """torchvision past its detection ops' registration where the wheel's compiled ops do
-    not load beside the CPU torch (tests/test_torch_others.py says why)."""
-    try:
-        return importlib.import_module("torchvision")
-    except RuntimeError as exc:
-        if "torchvision::" not in str(exc):
-            raise
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
-    sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
-    return importlib.import_module("torchvision")
+    """torchvision past its detection ops' registration (tests/other_models.py says why)."""
+    from tests.other_models import importable_torchvision   # imports torch: only when a model is built
+    return importable_torchvision()
 
 
 def _frozen_batch_norm(model):
