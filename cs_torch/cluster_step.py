@@ -309,7 +309,8 @@ def plan_batches(loader: WorkerLoader, arrays):
     section = type("Section", (), {"batch_size": loader.batch_size, "shuffle": loader.shuffle,
                                    "drop_last_batch": loader.drop_last, "seed": lambda _self, run_seed: seed})()
     stream = InputStream.build("train", arrays, section, seed)
-    own = arrays.get(np.arange(loader.batch_size))   # the first batch as the loader gave it: its dtypes
+    # the loader's dtypes: a 1.x loop's (inputs, labels) arrays, or the first batch a run's samples give
+    own = arrays if isinstance(arrays, tuple) else arrays.get(np.arange(loader.batch_size))
     for step in itertools.count():
         x, y = fetch(stream.dataset, stream.plan.global_indices(step))
         if isinstance(x, dict):   # a dict batch as the loader gave it (its dtypes too): named inputs and labels

@@ -156,3 +156,36 @@ def kill_tree(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+# FC-MNIST whose input worker, when GATE_FIFO is set, stops before its GATE_AT-th batch until
+# the FIFO is opened for writing and closed: the job stays up (every role waits for that
+# batch, heartbeats go on) however fast this machine trains, and the run's numbers are the
+# ungated run's.
+GATED_RUN = """
+import os, runpy, sys
+fc = runpy.run_path(sys.argv.pop(1))
+
+class Gated:
+    def __init__(self, x, y):
+        self.x, self.y, self.fetched = x, y, 0
+    def __len__(self):
+        return len(self.x)
+    def get(self, indices):
+        self.fetched += 1
+        if self.fetched == int(os.environ["GATE_AT"]):
+            open(os.environ["GATE_FIFO"]).read()
+        return self.x[indices], self.y[indices]
+
+def train_input_fn(params):
+    data = fc["train_input_fn"](params)
+    return Gated(*data) if os.environ.get("GATE_FIFO") else data
+
+fc["run"](fc["model_fn"], train_input_fn, fc["eval_input_fn"], model="fc_mnist")
+"""
+
+
+def gated_fc_mnist(cmd: list[str], script: Path) -> list[str]:
+    """`cmd` (a csrun_cpu / csrun_wse command of FC-MNIST) with its run.py gated."""
+    at = cmd.index(FC_MNIST)
+    return [*cmd[:at], str(script), FC_MNIST, *cmd[at + 1:]]

@@ -34,9 +34,9 @@ from zmq.utils.monitor import recv_monitor_message
 from cs_runtime.wire import auth
 from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.wire.protocol import PROTOCOL_VERSION, Message, Msg, ProtocolError, decode, encode
-from tests.cluster_utils import (FC_MNIST, TOL, alive, assert_matches_oracle, descendants, final_weights,
-                                 kill_tree, relative_error, run_cpu, run_wse, tool, train_losses, wse_command,
-                                 write_params)
+from tests.cluster_utils import (FC_MNIST, GATED_RUN, TOL, alive, assert_matches_oracle, descendants, final_weights,
+                                 gated_fc_mnist, kill_tree, relative_error, run_cpu, run_wse, tool, train_losses,
+                                 wse_command, write_params)
 from tests.test_cluster import ROLE_PATTERNS
 
 pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
@@ -193,11 +193,17 @@ def is_dropped(frames: list[bytes], job: str) -> bool:
 
 
 def test_bad_messages_during_a_run_are_logged_once_and_change_nothing(tmp_path, monkeypatch):
-    # Long enough that the services are still running when their memory is read afterwards.
-    params = write_params(tmp_path, runconfig={"max_steps": 600, "log_steps": 10, "checkpoint_steps": 0})
+    # Held at its 60th batch (GATED_RUN) until the bad messages are sent and the services' memory
+    # is read, however fast this machine trains.
+    params = write_params(tmp_path, runconfig={"max_steps": 120, "log_steps": 10, "checkpoint_steps": 0})
     cpu = run_cpu(params, tmp_path / "cpu")
     assert cpu.returncode == 0, cpu.stderr[-2000:]
-    proc = start_job(wse_command(params, tmp_path / "m"))
+    script, gate = tmp_path / "gated_run.py", tmp_path / "gate"
+    script.write_text(GATED_RUN)
+    os.mkfifo(gate)
+    monkeypatch.setenv("GATE_FIFO", str(gate))
+    monkeypatch.setenv("GATE_AT", "60")   # past the first "| Train" line (step 10)
+    proc = start_job(gated_fc_mnist(wse_command(params, tmp_path / "m"), script))
     seen: list[str] = []
     ctx = zmq.Context()
     try:
@@ -238,6 +244,8 @@ def test_bad_messages_during_a_run_are_logged_once_and_change_nothing(tmp_path, 
         growth = {pid: rss - rss_before[pid] for pid, rss in rss_after.items()
                   if rss is not None and rss_before[pid] is not None}
         assert growth, "every service had exited before its memory could be read"
+        with open(gate, "w"):   # let the input worker go on: the job ends as the CPU run did
+            pass
         output = "".join(seen) + proc.stdout.read()
         assert proc.wait(timeout=180) == 0, output[-3000:]
     finally:

@@ -31,8 +31,8 @@ from cs_runtime.wire.transport import CONTROL_MAX_FRAME, CURVE_FRAME_OVERHEAD, H
 from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.wire.gate import young_limits
 from scripts.chaos import near_cap_handshakes
-from tests.cluster_utils import (FC_MNIST, final_weights, kill_tree, run_cpu, run_wse, tool, train_losses, write_params,
-                                 wse_command)
+from tests.cluster_utils import (FC_MNIST, GATED_RUN, final_weights, gated_fc_mnist, kill_tree, run_cpu, run_wse,
+                                 tool, train_losses, write_params, wse_command)
 from tests.test_faults import assert_matches, pids_by_role, process_env, read_until, rss_bytes, start_job
 
 pytestmark = pytest.mark.cluster  # the tests here start processes
@@ -166,39 +166,6 @@ def open_descriptors(pid: int) -> int:
         return len(list(Path(f"/proc/{pid}/fd").iterdir()))
     except FileNotFoundError:
         return 0
-
-
-# FC-MNIST whose input worker, when GATE_FIFO is set, stops before its GATE_AT-th batch until
-# the FIFO is opened for writing and closed: the job stays up (every role waits for that
-# batch, heartbeats go on) however fast this machine trains, and the run's numbers are the
-# ungated run's.
-GATED_RUN = """
-import os, runpy, sys
-fc = runpy.run_path(sys.argv.pop(1))
-
-class Gated:
-    def __init__(self, x, y):
-        self.x, self.y, self.fetched = x, y, 0
-    def __len__(self):
-        return len(self.x)
-    def get(self, indices):
-        self.fetched += 1
-        if self.fetched == int(os.environ["GATE_AT"]):
-            open(os.environ["GATE_FIFO"]).read()
-        return self.x[indices], self.y[indices]
-
-def train_input_fn(params):
-    data = fc["train_input_fn"](params)
-    return Gated(*data) if os.environ.get("GATE_FIFO") else data
-
-fc["run"](fc["model_fn"], train_input_fn, fc["eval_input_fn"], model="fc_mnist")
-"""
-
-
-def gated_fc_mnist(cmd: list[str], script: Path) -> list[str]:
-    """`cmd` (a csrun_cpu / csrun_wse command of FC-MNIST) with its run.py gated."""
-    at = cmd.index(FC_MNIST)
-    return [*cmd[:at], str(script), FC_MNIST, *cmd[at + 1:]]
 
 
 def test_floods_and_held_connections_on_every_port_cost_little_and_change_nothing(tmp_path, monkeypatch):

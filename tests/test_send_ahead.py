@@ -51,6 +51,7 @@ class Sent:
 def executor(strategy: str) -> ClusterExecutor:
     ex = ClusterExecutor.__new__(ClusterExecutor)   # no sockets: the sends are recorded
     ex.strategy, ex.swarmx, ex.memoryx, ex.sent_ahead = strategy, Sent(), Sent(), None
+    ex.spec = SimpleNamespace(program=None)   # a model whose steps hand out their loss alone
     ex.input_monitor = InputMonitor(1, 1)
     meta = {"loss": 1.5, "grad_norm": 2.0, "applied": True}
     ex.wait = lambda endpoint, mtype, step: Message(mtype, step=step, meta=meta)
