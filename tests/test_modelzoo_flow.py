@@ -228,13 +228,11 @@ def test_summary_writer_base_step_offsets_the_executors_steps(tmp_path) -> None:
     assert steps == [11, 12]
 
 
-def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
-    torch.manual_seed(0)
-    model = SelfLossMLP(over_rows=True)
-    reference = copy.deepcopy(model)
-    batches = batches_of(False)
+def traced_sgd_step(model, lr: float):
+    """The model zoo's training step, traced: the model computes its own loss from the batch
+    (`model(batch)`), then backward and SGD on the CPU backend."""
     compiled = cstorch.compile(model, cstorch.backend("CPU"))
-    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=lr)
 
     @cstorch.trace
     def step(batch):
@@ -243,6 +241,16 @@ def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
         optimizer.step()
         optimizer.zero_grad()
         return loss
+
+    return step
+
+
+def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
+    torch.manual_seed(0)
+    model = SelfLossMLP(over_rows=True)
+    reference = copy.deepcopy(model)
+    batches = batches_of(False)
+    step = traced_sgd_step(model, lr=0.05)
 
     eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
     for batch in batches:
@@ -262,16 +270,7 @@ def test_dropout_in_a_traced_step_draws_the_runs_masks_as_torch_eager_given_them
     model = SelfLossMLP(dropout=0.3)
     reference = copy.deepcopy(model)
     batches = batches_of(False)
-    compiled = cstorch.compile(model, cstorch.backend("CPU"))
-    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.05)
-
-    @cstorch.trace
-    def step(batch):
-        loss = compiled(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+    step = traced_sgd_step(model, lr=0.05)
 
     eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
     plain = copy.deepcopy(reference)
@@ -369,16 +368,7 @@ def test_per_token_cross_entropy_with_a_mask_trains_as_torch_eager() -> None:
         batches.append({"input_ids": torch.randint(0, 50, (4, 8), generator=gen, dtype=torch.int32),
                         "attention_mask": mask,
                         "labels": torch.randint(0, 50, (4, 8), generator=gen, dtype=torch.int32)})
-    compiled = cstorch.compile(model, cstorch.backend("CPU"))
-    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.5)
-
-    @cstorch.trace
-    def step(batch):
-        loss = compiled(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+    step = traced_sgd_step(model, lr=0.5)
 
     got = [step(b).item() for b in batches]
     eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
