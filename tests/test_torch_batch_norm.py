@@ -3,8 +3,12 @@ statistics normalize a train step, the running mean, variance and num_batches_tr
 are buffers the run carries from step to step (held with the parameters, in
 checkpoints and the state_dict helpers), and an eval step normalizes by them. On the
 CPU path every loss, weight and buffer equals torch eager's; a shard normalizes by its
-own rows, and the shard holding row 0 keeps the buffers, as torch DDP does."""
+own rows, and the shard holding row 0 keeps the buffers, as torch DDP does. A
+SyncBatchNorm's shards normalize by the whole batch's statistics, summed over the
+shards: they equal torch eager on the whole batch."""
 import copy
+import dataclasses
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +26,15 @@ from tests.cluster_utils import final_weights, tool, train_losses  # noqa: E402
 BATCH, STEPS, LR, MOMENTUM = 8, 4, 0.05, 0.9
 
 
-def conv_bn(momentum=0.1):
-    """A small conv + BatchNorm2d + BatchNorm1d classifier, as torch builds it."""
+def conv_bn(momentum=0.1, sync=False):
+    """A small conv + BatchNorm2d + BatchNorm1d classifier, as torch builds it; `sync`: its batch
+    norms made SyncBatchNorm, as a DDP script does (torch.nn.SyncBatchNorm.convert_sync_batchnorm)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
+    module = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=momentum), torch.nn.ReLU(),
         torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(),
         torch.nn.Linear(6, 5))
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module) if sync else module
 
 
 def data_set(count=64):
@@ -50,22 +56,64 @@ def spec():
     return model_spec("bn", conv_bn(), (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
 
 
-def train_ours(spec, batches, shards=None, weights=None, state=None):
+def shard_step(spec, step, x, y, rows, weights, reduce=None):
+    """One shard's forward and backward: (its loss share, its gradients)."""
+    ctx = ShardContext(0, step, len(y), rows, True, labels=y[rows], reduce=reduce)
+    live, caches = model_forward(spec, x[rows], weights, ctx)
+    result = model_loss(spec, live, y[rows], len(y))
+    return result.loss, model_backward(spec, result.delta, caches, weights, step)
+
+
+def side_by_side(spec, step, x, y, shards, weights):
+    """The shards of a step each in a thread, as WSEs run them at once, their collectives
+    summed in rank order as SwarmX sums ALL_REDUCE; row 0's shard keeps the buffers."""
+    barrier, sent, out = threading.Barrier(len(shards), timeout=60), [None] * len(shards), [None] * len(shards)
+
+    def reduce_of(rank):
+        def reduce(values):
+            sent[rank] = values
+            barrier.wait()
+            total = sent[0] + sent[1]
+            for more in sent[2:]:
+                total += more
+            barrier.wait()   # every shard has its sum before the next collective is sent
+            return total
+        return reduce
+
+    def run(rank):
+        mine = weights if rank == 0 else {name: dict(w) for name, w in weights.items()}
+        try:
+            out[rank] = shard_step(spec, step, x, y, shards[rank], mine, reduce_of(rank))
+        except BaseException as exc:
+            barrier.abort()
+            out[rank] = exc
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in out:
+        if isinstance(result, BaseException):
+            raise result
+    return out
+
+
+def train_ours(spec, batches, shards=None, weights=None, state=None, synced=False):
     """SGD with momentum on the CPU path's calls; `shards`: the rows of each shard of a step,
-    as WSEs take them (their gradients and loss shares summed, as SwarmX sums them)."""
+    as WSEs take them (their gradients and loss shares summed, as SwarmX sums them), one after
+    another, or with `synced` side by side, their collectives summed."""
     weights = weights or init_weights(spec, seed=0)
     optimizer = Optimizer(OptimizerSpec("sgd", momentum=MOMENTUM))
     state = state or {name: optimizer.init_state(w) for name, w in weights.items()}
     losses = []
     for step, (x, y) in enumerate(batches):
         loss, grads = 0.0, None
-        for rows in shards or [slice(0, len(y))]:
-            ctx = ShardContext(0, step, len(y), rows, True, labels=y[rows])
-            live, caches = model_forward(spec, x[rows], weights, ctx)
-            result = model_loss(spec, live, y[rows], len(y))
-            shard = model_backward(spec, result.delta, caches, weights, step)
+        rows_of = shards or [slice(0, len(y))]
+        parts = side_by_side(spec, step, x, y, rows_of, weights) if synced else \
+            (shard_step(spec, step, x, y, rows, weights) for rows in rows_of)
+        for part, shard in parts:
             grads = shard if grads is None else [{k: g[k] + s[k] for k in g} for g, s in zip(grads, shard)]
-            loss += result.loss
+            loss += part
         optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR, step, None)
         losses.append(loss)
     return losses, weights, state
@@ -174,6 +222,39 @@ def test_a_run_resumed_from_its_saved_state_carries_the_buffers(spec, tmp_path):
         np.testing.assert_array_equal(flat(resumed)[name], w, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def sync_spec(spec):
+    """conv_bn with SyncBatchNorm: `spec` with its batch norms marked synchronized, as capture marks
+    a SyncBatchNorm module's (a second capture would cost seconds; the runs below capture it)."""
+    layers = []
+    for layer in spec.layers:
+        unit = copy.deepcopy(layer.unit)
+        for op, _, _, attrs, *_ in unit["unit"]["forward"]:
+            if op in ("batch_norm", "batch_norm_running"):
+                attrs["sync"] = True
+        for op, _, _, attrs, *_ in unit["unit"]["backward"]:
+            if op == "vjp" and attrs["of"] == "batch_norm":
+                attrs["attrs"]["sync"] = True
+        layers.append(dataclasses.replace(layer, unit=unit))
+    return dataclasses.replace(spec, layers=layers)
+
+
+def test_sync_batch_norm_on_uneven_shards_takes_torchs_whole_batch_step(spec, sync_spec):
+    """Shards of 3 and 5 rows side by side, the statistics and the backward's per-channel sums
+    summed over them: torch eager's BatchNorm on the whole batch, within float32 reordering. As
+    one shard (the CPU path, one WSE: nothing to sum) the synchronized model is BatchNorm's bit for bit."""
+    batches = images(steps=2)
+    eager = conv_bn()
+    ours, weights, _ = train_ours(sync_spec, batches, [slice(0, 3), slice(3, 8)], synced=True)
+    np.testing.assert_allclose(ours, train_torch(eager, batches), rtol=1e-5)
+    assert_same_state(flat(weights), eager)
+    alone, weights_alone, _ = train_ours(sync_spec, batches)
+    plain, weights_plain, _ = train_ours(spec, batches)
+    assert alone == plain
+    for name, w in flat(weights_plain).items():
+        np.testing.assert_array_equal(flat(weights_alone)[name], w, err_msg=name)
+
+
 def test_a_cumulative_average_batch_norm_is_refused_naming_the_module():
     module = conv_bn(momentum=None)
     x, y = images(steps=1)[0]
@@ -195,7 +276,9 @@ RUN_PARAMS = {
 }
 
 
-def _run(tmp_path, name, launcher, model_dir=None, **runconfig):
+def _run(tmp_path, name, launcher, model_dir=None, sync=False, **runconfig):
+    """`sync`: the model's batch norms as SyncBatchNorm (torch_bn_run.py's BN_SYNC)."""
+    import os
     import subprocess
     import sys
     import yaml
@@ -203,7 +286,8 @@ def _run(tmp_path, name, launcher, model_dir=None, **runconfig):
     params.write_text(yaml.safe_dump({**RUN_PARAMS, "runconfig": {**RUN_PARAMS["runconfig"], **runconfig}}))
     model_dir = tmp_path / (model_dir or name)
     cmd = [*launcher, sys.executable, BN_RUN, "--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "BN_SYNC": "1" if sync else "0"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return train_losses(model_dir), {k[len("model/"):].split("/", 1)[1]: w for k, w in final_weights(model_dir).items()}
 
@@ -253,8 +337,28 @@ def test_two_wses_keep_per_shard_statistics_as_torch_ddp(tmp_path, cpu_run):
     assert np.abs(state["1.running_mean"] - cpu_run[1]["1.running_mean"]).max() > 1e-3   # rank 0's rows only
 
 
+@pytest.mark.cluster
+def test_two_wses_synchronize_a_sync_batch_norm_through_swarmx_as_torch_on_the_whole_batch(tmp_path, cpu_run):
+    """SyncBatchNorm on two WSEs of 4 rows: every statistic and backward sum over all 8 rows
+    (ALL_REDUCE through SwarmX), so the run is torch eager's BatchNorm on the whole batch and the
+    CPU path's, within float32 reordering."""
+    losses, state = _run(tmp_path, "sync2", [tool("csrun_wse"), "--num_csx", "2", "--num_workers_per_csx", "1"],
+                         sync=True, execution_strategy="weight_streaming")
+    eager = conv_bn()
+    np.testing.assert_allclose(losses, train_torch(eager, _run_batches()), rtol=1e-5)
+    assert_same_state(state, eager)
+    np.testing.assert_allclose(losses, cpu_run[0], rtol=1e-5)
+
+
+@pytest.mark.cluster
+def test_one_wse_trains_a_sync_batch_norm_as_the_cpu_paths_batch_norm_bit_for_bit(tmp_path, cpu_run):
+    losses, state = _run(tmp_path, "sync1", [tool("csrun_wse")], sync=True, execution_strategy="weight_streaming")
+    np.testing.assert_array_equal(losses, cpu_run[0])
+    for key, w in cpu_run[1].items():
+        np.testing.assert_array_equal(state[key], w, err_msg=key)
+
+
 def test_running_statistics_with_mixed_precision_are_refused_before_any_step(spec):
-    import dataclasses
     from cs_runtime.compiler.errors import CompileError
     from cs_runtime.compiler.stage import runnable
     with pytest.raises(CompileError, match=r"^model bn: BatchNorm's running statistics in training .* with mixed "
