@@ -255,6 +255,17 @@ def test_sync_batch_norm_on_uneven_shards_takes_torchs_whole_batch_step(spec, sy
         np.testing.assert_array_equal(flat(weights_alone)[name], w, err_msg=name)
 
 
+def test_sync_batch_norm_with_pipelined_replicas_is_refused_naming_the_module(spec, sync_spec):
+    """--multireplica's replicas run one after another in one WSE: their statistics cannot be summed."""
+    from cs_runtime.compiler.errors import CompileError
+    from cs_runtime.compiler.stage import refuse_synced_replicas
+    with pytest.raises(CompileError, match=r"^module 1: SyncBatchNorm in training with --multireplica") as info:
+        refuse_synced_replicas(sync_spec, 2)
+    assert "\n" not in str(info.value)
+    refuse_synced_replicas(sync_spec, 1)   # one replica: its shard is the WSE's
+    refuse_synced_replicas(spec, 2)        # BatchNorm: per-replica statistics, as DDP
+
+
 def test_a_cumulative_average_batch_norm_is_refused_naming_the_module():
     module = conv_bn(momentum=None)
     x, y = images(steps=1)[0]

@@ -99,6 +99,16 @@ def _check_buffers(spec) -> None:
             raise ProgramError(f"model {spec.name}: buffer {buffer!r} is not updated by the unit that holds it")
 
 
+def synced_modules(spec) -> list[str]:
+    """The modules (by path) whose batch norm sums its statistics over the shards
+    (SyncBatchNorm: ops.py batch_norm's sync), in program order; [] for none."""
+    if spec.program is None:
+        return []
+    found = (node.module for layer in spec.layers for node in unit_of(layer).forward
+             if node.op == "batch_norm" and node.attrs.get("sync"))
+    return list(dict.fromkeys(found))
+
+
 def buffers(spec) -> dict[str, str]:
     """{buffer: the value a train step leaves in it} of a program spec ({} for none)."""
     return (spec.program or {}).get("buffers") or {}
