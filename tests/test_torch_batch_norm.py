@@ -287,14 +287,16 @@ RUN_PARAMS = {
 }
 
 
-def _run(tmp_path, name, launcher, model_dir=None, sync=False, **runconfig):
-    """`sync`: the model's batch norms as SyncBatchNorm (torch_bn_run.py's BN_SYNC)."""
+def _run(tmp_path, name, launcher, model_dir=None, sync=False, model=None, **runconfig):
+    """`sync`: the model's batch norms as SyncBatchNorm (torch_bn_run.py's BN_SYNC); `model`: the
+    params' model section (mixed precision)."""
     import os
     import subprocess
     import sys
     import yaml
     params = tmp_path / f"{name}.yaml"
-    params.write_text(yaml.safe_dump({**RUN_PARAMS, "runconfig": {**RUN_PARAMS["runconfig"], **runconfig}}))
+    params.write_text(yaml.safe_dump({**RUN_PARAMS, "model": model or {},
+                                      "runconfig": {**RUN_PARAMS["runconfig"], **runconfig}}))
     model_dir = tmp_path / (model_dir or name)
     cmd = [*launcher, sys.executable, BN_RUN, "--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]
     env = {**os.environ, "BN_SYNC": "1" if sync else "0"}
@@ -362,17 +364,41 @@ def test_two_wses_synchronize_a_sync_batch_norm_through_swarmx_as_torch_on_the_w
 
 
 @pytest.mark.cluster
-def test_one_wse_trains_a_sync_batch_norm_as_the_cpu_paths_batch_norm_bit_for_bit(tmp_path, cpu_run):
-    losses, state = _run(tmp_path, "sync1", [tool("csrun_wse")], sync=True, execution_strategy="weight_streaming")
-    np.testing.assert_array_equal(losses, cpu_run[0])
-    for key, w in cpu_run[1].items():
+def test_one_wse_in_bfloat16_trains_a_sync_batch_norm_as_the_cpu_paths_batch_norm_bit_for_bit(tmp_path):
+    """One WSE has nothing to sum: its SyncBatchNorm is the CPU path's BatchNorm. In bfloat16, where
+    the weights stream in 16 bits and the running statistics in float32 (MemoryX -> WSE -> MemoryX)."""
+    bf16 = {"mixed_precision": True, "fp16_type": "bfloat16"}
+    cpu_losses, cpu_state = _run(tmp_path, "cpu16", [tool("csrun_cpu")], model=bf16)
+    losses, state = _run(tmp_path, "sync16", [tool("csrun_wse")], sync=True, model=bf16,
+                         execution_strategy="weight_streaming")
+    np.testing.assert_array_equal(losses, cpu_losses)
+    for key, w in cpu_state.items():
         np.testing.assert_array_equal(state[key], w, err_msg=key)
+    from cs_runtime.numerics.precision import quantize
+    assert not np.array_equal(quantize(state["1.running_var"], "bfloat16"), state["1.running_var"])   # float32
+    assert state["1.num_batches_tracked"] == RUN_STEPS
 
 
-def test_running_statistics_with_mixed_precision_are_refused_before_any_step(spec):
-    from cs_runtime.compiler.errors import CompileError
+def test_running_statistics_under_mixed_precision_stay_float32_as_torch_autocast_keeps_them(spec):
+    """bfloat16: the conv rounds its operands (x, weight, bias) and accumulates in float32; the batch
+    norm after it computes in float32 and its running statistics stay float32 values from step to
+    step, never rounded to 16 bits, as torch's autocast keeps them: each step's equal torch eager's
+    BatchNorm2d update from the step's running statistics on the same conv output."""
     from cs_runtime.compiler.stage import runnable
-    with pytest.raises(CompileError, match=r"^model bn: BatchNorm's running statistics in training .* with mixed "
-                                           r"precision \(bfloat16\) are not supported yet"):
-        runnable(dataclasses.replace(spec, precision="bfloat16"))
-    assert runnable(spec) is not None
+    from cs_runtime.numerics.precision import quantize
+    sixteen = runnable(dataclasses.replace(spec, precision="bfloat16"))
+    as_bf16 = lambda a: torch.from_numpy(np.asarray(a)).to(torch.bfloat16).to(torch.float32)   # noqa: E731
+    weights = state = None
+    for x, y in images(steps=2):
+        before = {k: np.array(w) for k, w in flat(weights or init_weights(sixteen, seed=0)).items()}
+        _, weights, state = train_ours(sixteen, [(x, y)], weights=weights, state=state)
+        norm = conv_bn()[1]
+        for name in ("running_mean", "running_var"):
+            getattr(norm, name).copy_(torch.from_numpy(before[f"1.{name}"]))
+        with torch.no_grad():
+            norm(F.conv2d(as_bf16(x), as_bf16(before["0.weight"]), as_bf16(before["0.bias"])))
+        for name in ("running_mean", "running_var"):
+            ours = flat(weights)[f"1.{name}"]
+            np.testing.assert_allclose(ours, getattr(norm, name).numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+            assert not np.array_equal(quantize(ours, "bfloat16"), ours)   # float32 values, not 16-bit ones
+    assert flat(weights)["1.num_batches_tracked"] == 2

@@ -200,9 +200,13 @@ def rounded(arrays: dict, fmt: str) -> dict:
 
 def unit_params(unit, weights: dict, fmt: str = "float32", weights_rounded: bool = False) -> dict:
     """The unit's parameters as it uses them: in `fmt` (they stream in it). `weights_rounded`:
-    they hold fmt's values already (they arrived in it)."""
+    they hold fmt's values already (they arrived in it). Its buffers (parameters without a
+    gradient: running statistics) stay float32 in every format, as torch's autocast keeps them."""
     own = {p: weights[p] for p in unit.params}
-    return own if weights_rounded else rounded(own, fmt)
+    if weights_rounded or fmt == "float32":
+        return own
+    return {**rounded({p: w for p, w in own.items() if p in unit.param_grads}, fmt),
+            **{p: w for p, w in own.items() if p not in unit.param_grads}}
 
 
 def _rounds(node: Node, name: str) -> bool:
@@ -234,7 +238,7 @@ class UnitPlan:
     """A unit's sets and node plans, as unit_forward and unit_backward use them every step."""
     keep: frozenset        # what its forward holds on to: its writes and what its backward reads
     shape_only: frozenset
-    params: frozenset
+    params: frozenset          # the parameters used in the format (those with a gradient; not buffers)
     rounded_reads: frozenset   # in a 16-bit format, rounded once as they come in (rounded_reads)
     forward: NodePlan
     backward: NodePlan
@@ -256,7 +260,7 @@ def unit_plan(unit) -> UnitPlan:
     cached = _UNIT_PLANS.get(id(unit))
     if cached is None or cached[0] is not unit:
         keep, shape_only = frozenset(unit.writes) | frozenset(unit.kept), frozenset(unit.shape_only)
-        plan = UnitPlan(keep, shape_only, frozenset(unit.params), rounded_reads(unit),
+        plan = UnitPlan(keep, shape_only, frozenset(unit.param_grads), rounded_reads(unit),
                         plan_nodes(unit.forward, keep, shape_only), plan_nodes(unit.backward))
         cached = _UNIT_PLANS[id(unit)] = (unit, plan)
     return cached[1]

@@ -599,7 +599,8 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         for name, dtype, _, _, _ in specs:
             if name == SETTINGS_ARRAY:
                 continue
-            if dtype != stored and dtype not in ("int64", "int32", "bool"):   # labels, ids, masks ride along
+            # labels, ids and masks ride along, and float32 values (running statistics, never rounded)
+            if dtype != stored and dtype not in ("int64", "int32", "bool", "float32"):
                 raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
     # Every reference and destination is checked before the first byte lands in a kept
     # buffer: a refused message leaves the receiver's buffers as they were.
