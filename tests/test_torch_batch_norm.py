@@ -364,15 +364,18 @@ def test_two_wses_synchronize_a_sync_batch_norm_through_swarmx_as_torch_on_the_w
 
 
 @pytest.mark.cluster
-def test_one_wse_in_bfloat16_trains_a_sync_batch_norm_as_the_cpu_paths_batch_norm_bit_for_bit(tmp_path):
+def test_one_wse_in_bfloat16_trains_a_sync_batch_norm_as_the_cpu_paths_batch_norm_bit_for_bit(tmp_path, spec):
     """One WSE has nothing to sum: its SyncBatchNorm is the CPU path's BatchNorm. In bfloat16, where
-    the weights stream in 16 bits and the running statistics in float32 (MemoryX -> WSE -> MemoryX)."""
+    the weights stream in 16 bits and the running statistics in float32 (MemoryX -> WSE -> MemoryX).
+    The CPU path's BatchNorm run is its step run here (csrun_cpu's bits, one process less)."""
+    from cs_runtime.compiler.stage import runnable
     bf16 = {"mixed_precision": True, "fp16_type": "bfloat16"}
-    cpu_losses, cpu_state = _run(tmp_path, "cpu16", [tool("csrun_cpu")], model=bf16)
+    cpu_losses, cpu_weights, _ = train_ours(runnable(dataclasses.replace(spec, precision="bfloat16")),
+                                            _run_batches())
     losses, state = _run(tmp_path, "sync16", [tool("csrun_wse")], sync=True, model=bf16,
                          execution_strategy="weight_streaming")
     np.testing.assert_array_equal(losses, cpu_losses)
-    for key, w in cpu_state.items():
+    for key, w in flat(cpu_weights).items():
         np.testing.assert_array_equal(state[key], w, err_msg=key)
     from cs_runtime.numerics.precision import quantize
     assert not np.array_equal(quantize(state["1.running_var"], "bfloat16"), state["1.running_var"])   # float32

@@ -24,7 +24,8 @@ import zmq
 from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.numerics.precision import add_from_bits, from_bits, wire_dtype
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, encode, float_arrays, grouped_name, layer_arrays
+from cs_runtime.wire.protocol import (ALL_REDUCE_ARRAY, JobSettings, Message, Msg, encode, float_arrays, grouped_name,
+                                      layer_arrays)
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -226,6 +227,13 @@ class SwarmX:
         if len(parts) < self.num_wse:
             return
         del self.pending[key]
+        if msg.type == Msg.ALL_REDUCE and len({p.arrays[ALL_REDUCE_ARRAY].shape for p in parts.values()}) > 1:
+            # The WSEs run one program, so the n-th collective of a step has one length on all:
+            # anything else is a fault, and summing it would hand every WSE wrong statistics.
+            self.router.send(Message(Msg.ERROR, meta={"role": "swarmx", "rank": self.penv.rank, "reason": (
+                f"all_reduce {msg.layer} of step {msg.step}: the WSEs sent vectors of different lengths "
+                f"{[len(parts[r].arrays[ALL_REDUCE_ARRAY]) for r in sorted(parts)]}")}), self.chief)
+            return
         # A layer's buffers are free again: MemoryX applied last step's sums before this step began.
         into = self.sum_buffers(msg) if msg.type == Msg.GRADS else None
         with trace.span(REDUCE_SPAN[msg.type], step=msg.step, layer=msg.layer):
