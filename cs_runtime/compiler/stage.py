@@ -105,11 +105,11 @@ def unit_rows(spec: ModelSpec) -> list[dict[str, Any]]:
 
 def validate_only(spec: ModelSpec, kernels: list, args: RunArgs, target: Target, seconds: float) -> dict[str, Any]:
     strategy, why = strategy_for(spec, kernels, args.params, target)
+    replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
+    refuse_synced_replicas(spec, replicas)
     ops = sorted({op for k in kernels for op in k.nodes})
     say(f"validate_only: {spec.name} is valid: {len(spec.layers)} layers, {spec.num_params():,} parameters, "
         f"{len(kernels)} kernels ({', '.join(ops)}), checked in {seconds * 1000:.1f} ms")
-    replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
-    refuse_synced_replicas(spec, replicas)
     say(f"validate_only: would run {mode_name(strategy, replicas)} on {target.num_csx} CS system(s) ({why}); "
         "nothing was compiled or run")
     return {"execution_strategy": strategy, "strategy_reason": why, "num_replicas": replicas,
