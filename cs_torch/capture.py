@@ -240,15 +240,9 @@ def _in_torch(path: str) -> bool:
 
 
 def _refuse_batch_norm_unsupported(model) -> None:
-    """SyncBatchNorm asks for statistics over every replica; outside torch.distributed its
-    forward is a plain batch norm, which on N WSEs would normalize by each WSE's rows: not
-    what the model asks for, so it does not start. A cumulative average (momentum None)
-    reads the step count as a Python number, which export would fix at its capture value."""
+    """A cumulative average (momentum None) reads the step count as a Python number, which
+    export would fix at its capture value."""
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.SyncBatchNorm) and module.training:
-            raise CaptureError(f"module {name or '<root>'}: SyncBatchNorm in training: statistics synchronized over "
-                               "the WSEs are not supported; use BatchNorm (per-WSE statistics, as torch DDP "
-                               "without SyncBatchNorm) or capture it in eval mode")
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training and \
                 module.track_running_stats and module.momentum is None:
             raise CaptureError(f"module {name or '<root>'}: {type(module).__name__} with momentum=None (a cumulative "
@@ -400,6 +394,12 @@ class _Lowering:
         self.consts: dict[str, np.ndarray] = {}
         self.fx_node = None
         self.buffer_updates: dict = {}  # buffer (state_dict target) -> the fx node of its value after a train step
+        # SyncBatchNorm modules in training, by path: their batch norms are synchronized over the
+        # shards (ops.py batch_norm's sync). Outside torch.distributed their forward exports as a
+        # plain batch norm, so the module is what says it; each must be found (run()).
+        self.synced = {name for name, m in model.named_modules()
+                       if isinstance(m, torch.nn.SyncBatchNorm) and m.training}
+        self.synced_found: set = set()
 
     def run(self) -> Captured:
         sig = self.ep.graph_signature
@@ -427,6 +427,10 @@ class _Lowering:
         if last is not None and last.outputs[0] == loss and last.op == "cross_entropy":
             # The scores a classification loss reads: eval counts the predictions they get right.
             outputs["logits"] = last.inputs[0]
+        missed = sorted(self.synced - self.synced_found)
+        if missed:   # never train per-shard statistics where the model asked for synchronized ones
+            raise CaptureError(f"module {missed[0]}: SyncBatchNorm in training whose batch norm the exported "
+                               "program does not show as the module's; use BatchNorm, or capture it in eval mode")
         program = _renamed(Program(self.params, self.inputs, self.consts, self.nodes, outputs), rename)
         program.validate()
         shapes, dtypes = infer_values(program)
@@ -525,6 +529,14 @@ class _Lowering:
 
     def error(self, what: str) -> CaptureError:
         return CaptureError(f"{_located(self.fx_node)}: {what}")
+
+    def batch_norm_attrs(self) -> dict:
+        """{"sync": True} for the batch norm of a SyncBatchNorm module in training, else {}."""
+        path = _module_path(self.fx_node)
+        if path not in self.synced:
+            return {}
+        self.synced_found.add(path)
+        return {"sync": True}
 
     def _check_rows_stay_apart(self, node):
         """Refuse an op that meets a value reduced over the batch (x.mean(0), x[:1]) with the
@@ -1395,7 +1407,8 @@ def _bn_train(L, node, x, weight, bias, *rest):
     if not training:
         raise L.error("batch norm in eval mode without running statistics")
     w, b = _bn_affine(L, node, x, weight, bias)
-    return [L.emit("batch_norm", [x, w, b], {"training": True, "eps": float(eps)}), None, None]
+    return [L.emit("batch_norm", [x, w, b], {"training": True, "eps": float(eps), **L.batch_norm_attrs()}),
+            None, None]
 
 
 def _bn_eval(L, node, x, weight, bias, running_mean, running_var, momentum, eps):
@@ -1413,8 +1426,10 @@ def _bn_running(L, node, x, weight, bias, running_mean, running_var, training, m
         raise L.error("batch norm in eval mode that updates its running statistics")
     L.inputs.setdefault(CONTEXT, Value((6,), "int64"))
     w, b = _bn_affine(L, node, x, weight, bias)
-    y = L.emit("batch_norm", [x, w, b, running_mean, running_var, CONTEXT], {"running": True, "eps": float(eps)})
-    stats = [L.emit("batch_norm_running", [x, stat], {"stat": kind, "momentum": float(momentum)},
+    sync = L.batch_norm_attrs()
+    y = L.emit("batch_norm", [x, w, b, running_mean, running_var, CONTEXT],
+               {"running": True, "eps": float(eps), **sync})
+    stats = [L.emit("batch_norm_running", [x, stat], {"stat": kind, "momentum": float(momentum), **sync},
                     out=f"{node.name}_running_{kind}") for stat, kind in ((running_mean, "mean"), (running_var, "var"))]
     return [y, None, None, *stats]
 

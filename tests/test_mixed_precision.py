@@ -161,10 +161,14 @@ def test_16bit_tensors_cross_the_wire_in_half_the_bytes(fmt):
 
 
 def test_a_message_whose_arrays_are_not_its_formats_storage_is_refused():
-    as_f32 = Message(Msg.GRADS, step=0, layer=0, meta={"format": "bfloat16"},
-                     arrays={"weight": np.ones(3, np.float32)})
+    as_f16 = Message(Msg.GRADS, step=0, layer=0, meta={"format": "bfloat16"},
+                     arrays={"weight": np.ones(3, np.float16)})
     with pytest.raises(ProtocolError, match="not the storage of bfloat16"):
-        decode(encode(as_f32))
+        decode(encode(as_f16))
+    # float32 rides along in any format: running statistics, which are never rounded
+    with_f32 = Message(Msg.GRADS, step=0, layer=0, meta={"format": "bfloat16"},
+                       arrays={"weight": np.ones(3, np.uint16), "running_var": np.full(3, 0.1, np.float32)})
+    assert float_arrays(decode(encode(with_f32)))["running_var"].tolist() == np.full(3, 0.1, np.float32).tolist()
     unknown = Message(Msg.GRADS, step=0, layer=0, meta={"format": "float8"}, arrays={})
     with pytest.raises(ProtocolError, match="unknown tensor format"):
         decode(encode(unknown))

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from cs_runtime.wire import protocol
 from cs_runtime.wire.protocol import (
+    ALL_REDUCE_ARRAY,
     ALLOWED_DTYPES,
     FRONT_DOOR,
     MAX_DIMS,
@@ -120,12 +121,22 @@ def test_every_type_round_trips_with_minimal_meta(mtype):
     if mtype == Msg.TRACE:   # its names and span arrays are checked too (tests/test_trace.py)
         meta["names"] = ["fwd"]
         arrays = {name: np.zeros(4, dtype) for name, dtype in SPAN_ARRAYS.items()}
+    if mtype == Msg.ALL_REDUCE:   # one float64 vector of sums (below)
+        arrays = {ALL_REDUCE_ARRAY: np.arange(4, dtype=np.float64)}
     msg = Message(mtype, job="j", step=7, layer=3, meta=meta, arrays=arrays)
     out = decode(encode(msg))
     assert out.type is mtype
     assert (out.job, out.step, out.layer, out.meta) == ("j", 7, 3, msg.meta)
     for name, arr in arrays.items():
         np.testing.assert_array_equal(out.arrays[name], arr)
+
+
+@pytest.mark.parametrize("arrays, layer", [({ALL_REDUCE_ARRAY: np.zeros(3, np.float32)}, 0),
+                                           ({ALL_REDUCE_ARRAY: np.zeros((2, 3))}, 0),
+                                           ({ALL_REDUCE_ARRAY: np.zeros(3), "b": np.zeros(3)}, 0),
+                                           ({ALL_REDUCE_ARRAY: np.zeros(3)}, -1)])
+def test_an_all_reduce_is_one_float64_vector_of_a_numbered_collective(arrays, layer):
+    reject(encode(Message(Msg.ALL_REDUCE, job="j", step=1, layer=layer, arrays=arrays)), "all_reduce")
 
 
 def test_meta_schema_covers_every_type():

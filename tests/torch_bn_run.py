@@ -1,6 +1,8 @@
 """run.py of tests/test_torch_batch_norm.conv_bn (a conv + BatchNorm classifier in training,
 running statistics kept) on seeded random images, for the cluster tests that train it
-on the CPU path, one and two WSEs and pipelined (tests/test_torch_batch_norm.py)."""
+on the CPU path, one and two WSEs and pipelined (tests/test_torch_batch_norm.py).
+BN_SYNC=1 in the environment: its batch norms as SyncBatchNorm."""
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from tests.test_torch_batch_norm import conv_bn, data_set  # noqa: E402
 
 def model_fn(params):
     x, y = data_set(params.train_input.batch_size)
-    return model_spec("conv_bn", conv_bn(), (torch.from_numpy(x),), torch.from_numpy(y),
+    return model_spec("conv_bn", conv_bn(sync=os.environ.get("BN_SYNC") == "1"), (torch.from_numpy(x),), torch.from_numpy(y),
                       torch.nn.functional.cross_entropy)
 
 

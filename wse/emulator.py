@@ -17,6 +17,13 @@ and the backward pass uses that copy. On one host (cs_runtime/wire/shm.py)
 weights are read where MemoryX keeps them, and gradients are written into
 this WSE's shared arena, one buffer per tensor, reused every step.
 
+A synchronized batch norm (SyncBatchNorm) sums its statistics over the WSEs
+in the middle of a layer: the op hands this WSE's per-channel sums to
+`WSE.all_reduce`, which sends them to SwarmX as ALL_REDUCE (numbered in the
+order the step runs them) and waits for the sums over every WSE; what
+arrives meanwhile (the step's later weights) is handled after, in order.
+With one WSE there is nothing to wait for: its shard is the whole batch.
+
 Input batches arrive on a PULL socket from one or more input workers in any
 order; `InputMerger` hands them out in (stream, step) order, so results never
 depend on how many workers there are or which is faster, and checks each
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 import zmq
@@ -37,8 +45,8 @@ from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batc
 from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.numerics.program_layer import buffers_sent, step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
-from cs_runtime.wire.protocol import (JobSettings, KeptBuffers, Message, Msg, ProtocolError, batch_features,
-                                      float_arrays, group_message, layer_arrays)
+from cs_runtime.wire.protocol import (ALL_REDUCE_ARRAY, JobSettings, KeptBuffers, Message, Msg, ProtocolError,
+                                      batch_features, float_arrays, group_message, layer_arrays)
 from cs_runtime.process.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
@@ -104,9 +112,10 @@ class InputMerger:
 
 class WeightStreamingExecutor:
     def __init__(self, spec: ModelSpec, seed: int, up: Endpoint, inputs: InputMerger,
-                 arena: shm.Arena | None = None):
+                 arena: shm.Arena | None = None, reduce=None):
         self.spec, self.seed, self.up, self.inputs = spec, seed, up, inputs
         self.arena = arena
+        self.reduce = reduce   # ShardContext.reduce: WSE.all_reduce with several WSEs, else None
         self.grad_buffers: dict[tuple[int, str], object] = {}
         self.weight_buffers = KeptBuffers(spec)
         # 16-bit formats: each layer's weights widened to float32, into buffers reused every
@@ -194,7 +203,8 @@ class WeightStreamingExecutor:
         self.step, self.caches, self.buffers = step, [], {}
         self.x, self.labels = batch_features(batch, float_arrays(batch))
         self.ctx = ShardContext(self.seed, step, int(meta["global_batch"]),
-                                slice(int(meta["row_start"]), int(meta["row_stop"])), train, labels=self.labels)
+                                slice(int(meta["row_start"]), int(meta["row_stop"])), train, labels=self.labels,
+                                reduce=self.reduce)
         self.label_count = meta.get("label_count")
 
     def finish_forward(self, step: int, train: bool) -> None:
@@ -267,6 +277,8 @@ class WSE:
         self.executor: WeightStreamingExecutor | None = None
         self.segments = shm.process_segments()
         self.arena: shm.Arena | None = None
+        self.backlog: deque[Message] = deque()   # what came while an all-reduce waited, handled next
+        self.collective = (-1, 0)   # (step, its collectives sent so far): the next ALL_REDUCE's number
 
     def connect_swarmx(self, ctx: zmq.Context, address: str) -> None:
         self.up = Endpoint(ctx, zmq.DEALER, f"wse{self.penv.rank}->swarmx", self.penv.job).connect(address)
@@ -285,12 +297,38 @@ class WSE:
         shapes = [s for layer in spec.layers for s in layer.param_shapes().values()]
         self.arena = shm.new_arena(self.penv.job, f"wse{self.penv.rank}",
                                    shm.arena_bytes(shapes, wire_dtype(spec.precision).itemsize))
-        return WeightStreamingExecutor(spec, settings.seed, self.up, self.inputs, self.arena)
+        return WeightStreamingExecutor(spec, settings.seed, self.up, self.inputs, self.arena,
+                                       self.all_reduce if self.penv.num_csx > 1 else None)
 
     def serve(self) -> None:
         while True:
-            _, msg = self.up.recv(into=self.kept_weights)
+            msg = self.backlog.popleft() if self.backlog else self.up.recv(into=self.kept_weights)[1]
             self.handle(msg)
+
+    def all_reduce(self, values: np.ndarray) -> np.ndarray:
+        """The sum over every WSE of `values` (this WSE's: a float64 vector), for the step's
+        next collective (ShardContext.reduce). Every WSE runs the same program, so the n-th
+        collective of a step is the same on each: SwarmX sums the n-th ALL_REDUCEs in rank order
+        and sends the sum to all. The answer must be that one, of the length sent; anything
+        else in the meantime waits in the backlog."""
+        step = self.executor.step
+        number = self.collective[1] if self.collective[0] == step else 0
+        self.collective = (step, number + 1)
+        sums = np.ascontiguousarray(values, dtype=np.float64)
+        with trace.span("all_reduce", step=step, layer=number):
+            self.up.send(Message(Msg.ALL_REDUCE, step=step, layer=number, arrays={ALL_REDUCE_ARRAY: sums}),
+                         share=False)
+            while True:
+                _, msg = self.up.recv(into=self.kept_weights)
+                if msg.type != Msg.ALL_REDUCE:
+                    self.backlog.append(msg)
+                    continue
+                summed = msg.arrays[ALL_REDUCE_ARRAY]   # protocol.check_all_reduce: one float64 vector
+                if (msg.step, msg.layer) != (step, number) or summed.shape != sums.shape:
+                    raise RuntimeError(f"all_reduce {number} of step {step}: SwarmX answered collective "
+                                       f"{msg.layer} of step {msg.step} with {summed.shape[0]} values, "
+                                       f"not {sums.shape[0]}")
+                return summed
 
     def kept_weights(self, mtype: Msg, step: int, index: int, name: str, dtype: str,
                      shape: tuple) -> np.ndarray | None:

@@ -61,13 +61,6 @@ def build_spec(args: RunArgs, fns: UserFunctions) -> ModelSpec:
 
 def runnable(spec: ModelSpec) -> ModelSpec:
     """The spec as every path runs it: a built-in model lowered to its program, in every precision."""
-    buffers = program_layer.buffers(spec)
-    if buffers and spec.precision != "float32":
-        # Buffers stream as the parameters do, so a 16-bit format would round the running
-        # statistics every step (and stop num_batches_tracked at 256 in bfloat16).
-        raise CompileError(f"model {spec.name}: BatchNorm's running statistics in training ({next(iter(buffers))}, "
-                           f"...) with mixed precision ({spec.precision}) are not supported yet: train in float32, "
-                           "or capture the batch norms in eval mode")
     return lower_spec(spec)
 
 
@@ -87,11 +80,13 @@ def compile_model(spec: ModelSpec, args: RunArgs, target: Target | None = None) 
     found, why = reusable(compile_dir, inputs, key)
     if found is not None:
         plan = found.plan
+        refuse_synced_replicas(spec, plan.get("num_replicas", 1))
         say(f"reused compiled artifact {key[:12]} from {compile_dir}: skipped compilation")
     else:
         say(f"compiling {spec.name} ({why})")
         plan = {**make_plan(spec, args.params, args.mode, target, kernels).to_dict(),
                 "units": unit_rows(spec)}
+        refuse_synced_replicas(spec, plan.get("num_replicas", 1))
         saved = artifact.save(compile_dir, inputs, plan)
         say(f"compiled in {time.perf_counter() - start:.2f} s; artifact {key[:12]} saved to {saved}")
     written = write_outputs(args.model_dir, plan, listing(spec))
@@ -110,14 +105,26 @@ def unit_rows(spec: ModelSpec) -> list[dict[str, Any]]:
 
 def validate_only(spec: ModelSpec, kernels: list, args: RunArgs, target: Target, seconds: float) -> dict[str, Any]:
     strategy, why = strategy_for(spec, kernels, args.params, target)
+    replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
+    refuse_synced_replicas(spec, replicas)
     ops = sorted({op for k in kernels for op in k.nodes})
     say(f"validate_only: {spec.name} is valid: {len(spec.layers)} layers, {spec.num_params():,} parameters, "
         f"{len(kernels)} kernels ({', '.join(ops)}), checked in {seconds * 1000:.1f} ms")
-    replicas = run_mode(strategy, target.num_csx, target.multireplica)[1]
     say(f"validate_only: would run {mode_name(strategy, replicas)} on {target.num_csx} CS system(s) ({why}); "
         "nothing was compiled or run")
     return {"execution_strategy": strategy, "strategy_reason": why, "num_replicas": replicas,
             "validated_only": True}
+
+
+def refuse_synced_replicas(spec: ModelSpec, replicas: int) -> None:
+    """The replicas of a pipelined WSE (--multireplica) run one after another in its process,
+    so a SyncBatchNorm's statistics cannot be summed over them: refused before anything runs
+    (weight streaming sums them over the WSEs through SwarmX)."""
+    synced = program_layer.synced_modules(spec) if replicas > 1 else []
+    if synced:
+        raise CompileError(f"module {synced[0]}: SyncBatchNorm in training with --multireplica is not supported "
+                           f"(the {replicas} pipelined replicas run one after another, so their batch statistics "
+                           "cannot be synchronized); run without --multireplica, or use BatchNorm")
 
 
 def reusable(compile_dir: Path, inputs: dict[str, Any], key: str) -> tuple[artifact.Artifact | None, str]:

@@ -107,20 +107,23 @@ class MemoryX:
                  self.spec.num_params())
 
     def share_weights(self) -> None:
-        """On one host: move the masters (float32) or make 16-bit buffers in a shared arena."""
+        """On one host: move the masters (float32) or make 16-bit buffers in a shared arena
+        (float32 ones for the buffers: running statistics stream unrounded)."""
         self.release_arena()
-        shapes = [w.shape for layer in self.weights.values() for w in layer.values()]
         fmt = self.spec.precision
+        kept = program_layer.buffers(self.spec)
+        sizes = [(w.shape, 4 if p in kept else wire_dtype(fmt).itemsize)
+                 for layer in self.weights.values() for p, w in layer.items()]
         self.arena = shm.new_arena(self.penv.job, f"memoryx{self.penv.rank}",
-                                   shm.arena_bytes(shapes, wire_dtype(fmt).itemsize))
+                                   sum(shm.arena_bytes([shape], size) for shape, size in sizes))
         if self.arena is None:
             return
         if fmt == "float32":
             self.weights = {name: {p: self.arena.copy_of(w) for p, w in layer.items()}
                             for name, layer in self.weights.items()}
         else:
-            self.wire = [{p: self.arena.empty(w.shape, wire_dtype(fmt)) for p, w in self.weights[l.name].items()}
-                         for l in self.spec.layers]
+            self.wire = [{p: self.arena.empty(w.shape, np.float32 if p in kept else wire_dtype(fmt))
+                          for p, w in self.weights[l.name].items()} for l in self.spec.layers]
 
     def release_arena(self) -> None:
         if self.segments is not None:
@@ -133,11 +136,16 @@ class MemoryX:
         16-bit copies (encoded straight into the shared buffers that are sent, when shared)."""
         fmt = self.spec.precision
         masters = self.weights[self.spec.layers[index].name]
+        kept = program_layer.buffers(self.spec)   # running statistics: float32 in every format
         if self.wire is None:
-            return encode_arrays(masters, fmt)
+            return {**encode_arrays({p: w for p, w in masters.items() if p not in kept}, fmt),
+                    **{p: w for p, w in masters.items() if p in kept}}
         buffers = self.wire[index]
         for name, out in buffers.items():
-            to_bits(masters[name], fmt, out=out)
+            if name in kept:
+                np.copyto(out, masters[name])
+            else:
+                to_bits(masters[name], fmt, out=out)
         return buffers
 
     def stream_forward(self, step: int, phase: str, **extra) -> list[dict]:

@@ -15,6 +15,10 @@ through this one function.
 round as a dense layer does (mixed_ops.py), a unit's parameters are used
 in the format (they stream in it) and its parameter gradients leave in it.
 In float32 (the default) nothing is rounded.
+
+`reduce` is the shard's collective (model.ShardContext.reduce): a function that sums a
+float64 vector over every shard of the step, handed to the collective ops (ops.Op.collective:
+a synchronized batch norm's statistics); None where this shard is the whole batch.
 """
 from __future__ import annotations
 
@@ -31,12 +35,12 @@ from cs_runtime.numerics.program import Node
 
 
 def run_node(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset(),
-             residuals: bool = True) -> None:
+             residuals: bool = True, reduce=None) -> None:
     """`exact`: names of values that hold fmt's values already (a unit's parameters).
     `residuals`: False where no backward follows (eval), so none is made."""
     try:
         if node.op == "vjp":
-            _run_vjp(node, env, fmt, exact)
+            _run_vjp(node, env, fmt, exact, reduce)
             return
         inputs = [env[name] for name in node.inputs]
         residual = None   # a second output: the op's residual, for its vjp (autodiff.py)
@@ -45,7 +49,7 @@ def run_node(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
         elif len(node.outputs) == 2 and residuals:
             out, residual = OPS[node.op].residual(inputs, node.attrs)
         else:
-            out = OPS[node.op].forward(inputs, node.attrs)
+            out = OPS[node.op].run(inputs, node.attrs, reduce)
         env[node.outputs[0]] = out
         if len(node.outputs) == 2:
             env[node.outputs[1]] = residual   # None in eval, and where the 16-bit rule starts from the inputs
@@ -60,7 +64,7 @@ def _positions(names, exact: frozenset) -> frozenset:
 _NO_ATTRS: dict = {}
 
 
-def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset()) -> None:
+def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = frozenset(), reduce=None) -> None:
     """inputs: (upstream gradient, forward inputs..., forward output or its residual)."""
     attrs, names = node.attrs, node.inputs
     of, op_attrs = attrs["of"], attrs.get("attrs", _NO_ATTRS)
@@ -72,7 +76,7 @@ def _run_vjp(node: Node, env: dict, fmt: str = "float32", exact: frozenset = fro
     elif attrs.get("residual"):
         grads = OPS[of].residual_vjp(g, fwd, out, op_attrs)
     else:   # wanted: the outputs named (the rest: no gradient asked for)
-        grads = OPS[of].grads(g, fwd, out, op_attrs, tuple(map(bool, node.outputs)))
+        grads = OPS[of].grads(g, fwd, out, op_attrs, tuple(map(bool, node.outputs)), reduce)
     for name, grad, x in zip(node.outputs, grads, fwd):
         if name:
             # Gradients take the dtype and shape of what they are the gradient of (most have them).
@@ -158,7 +162,8 @@ def plan_nodes(nodes: list[Node], keep: set[str] | None = None, shapes_of=frozen
 
 def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
               shapes_of: set[str] = frozenset(), shapes: dict | None = None, fmt: str = "float32",
-              exact: frozenset = frozenset(), plan: NodePlan | None = None, residuals: bool = True) -> dict:
+              exact: frozenset = frozenset(), plan: NodePlan | None = None, residuals: bool = True,
+              reduce=None) -> dict:
     """Run the nodes in order, adding their outputs to env (returned). With
     `keep`, values last read by a node and not in `keep` are dropped as the
     run goes (what a unit's forward need not hold for its backward); the
@@ -173,7 +178,7 @@ def run_nodes(nodes: Iterable[Node], env: dict, keep: set[str] | None = None,
             shapes[name] = (env[name].shape, env[name].dtype)
     for node, in_place, noted, drops in zip(nodes, plan.in_place, plan.noted, plan.drops):
         if not (in_place and _run_in_place(node, env)):
-            run_node(node, env, fmt, exact, residuals)
+            run_node(node, env, fmt, exact, residuals, reduce)
         if noted:
             for name in noted:
                 shapes[name] = (env[name].shape, env[name].dtype)
@@ -195,9 +200,13 @@ def rounded(arrays: dict, fmt: str) -> dict:
 
 def unit_params(unit, weights: dict, fmt: str = "float32", weights_rounded: bool = False) -> dict:
     """The unit's parameters as it uses them: in `fmt` (they stream in it). `weights_rounded`:
-    they hold fmt's values already (they arrived in it)."""
+    they hold fmt's values already (they arrived in it). Its buffers (parameters without a
+    gradient: running statistics) stay float32 in every format, as torch's autocast keeps them."""
     own = {p: weights[p] for p in unit.params}
-    return own if weights_rounded else rounded(own, fmt)
+    if weights_rounded or fmt == "float32":
+        return own
+    return {**rounded({p: w for p, w in own.items() if p in unit.param_grads}, fmt),
+            **{p: w for p, w in own.items() if p not in unit.param_grads}}
 
 
 def _rounds(node: Node, name: str) -> bool:
@@ -229,7 +238,7 @@ class UnitPlan:
     """A unit's sets and node plans, as unit_forward and unit_backward use them every step."""
     keep: frozenset        # what its forward holds on to: its writes and what its backward reads
     shape_only: frozenset
-    params: frozenset
+    params: frozenset          # the parameters used in the format (those with a gradient; not buffers)
     rounded_reads: frozenset   # in a 16-bit format, rounded once as they come in (rounded_reads)
     forward: NodePlan
     backward: NodePlan
@@ -251,7 +260,7 @@ def unit_plan(unit) -> UnitPlan:
     cached = _UNIT_PLANS.get(id(unit))
     if cached is None or cached[0] is not unit:
         keep, shape_only = frozenset(unit.writes) | frozenset(unit.kept), frozenset(unit.shape_only)
-        plan = UnitPlan(keep, shape_only, frozenset(unit.params), rounded_reads(unit),
+        plan = UnitPlan(keep, shape_only, frozenset(unit.param_grads), rounded_reads(unit),
                         plan_nodes(unit.forward, keep, shape_only), plan_nodes(unit.backward))
         cached = _UNIT_PLANS[id(unit)] = (unit, plan)
     return cached[1]
@@ -264,7 +273,7 @@ def _read(value, fmt: str, rounded_here: bool):
 
 
 def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_rounded: bool = False,
-                 train: bool = True) -> dict:
+                 train: bool = True, reduce=None) -> dict:
     """Run a unit's forward on its parameters and the live values it reads;
     add what it writes to `live` and return what its backward keeps (the values
     its rules read, and zero-cost stand-ins of those whose shape is all they need;
@@ -280,7 +289,7 @@ def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_
         env.update((r, live[r]) for r in unit.reads)
     shapes = {}
     run_nodes(unit.forward, env, keep=plan.keep, shapes_of=plan.shape_only, shapes=shapes, fmt=fmt,
-              exact=plan.exact(fmt), plan=plan.forward, residuals=train)
+              exact=plan.exact(fmt), plan=plan.forward, residuals=train, reduce=reduce)
     live.update((w, env[w]) for w in unit.writes)
     cache = {k: env[k] for k in unit.kept}
     cache.update((k, _stand_in(*shapes[k])) for k in unit.shape_only)
@@ -289,7 +298,7 @@ def unit_forward(unit, weights: dict, live: dict, fmt: str = "float32", weights_
 
 
 def unit_backward(unit, weights: dict, cache: dict, live: dict, dlive: dict, fmt: str = "float32",
-                  weights_rounded: bool = False, grads_on_wire: bool = False) -> dict:
+                  weights_rounded: bool = False, grads_on_wire: bool = False, reduce=None) -> dict:
     """Run a unit's backward: reads the gradients of what it wrote from `dlive`
     (zero where none arrived), adds its contributions to the gradients of what
     it read into `dlive`, and returns its parameter gradients: in a 16-bit `fmt`
@@ -302,7 +311,7 @@ def unit_backward(unit, weights: dict, cache: dict, live: dict, dlive: dict, fmt
         g = dlive.pop(w, None)
         env[f"d:{w}"] = g if g is not None else np.zeros_like(live[w])
     plan = unit_plan(unit)   # the cache holds the reads rounded once (plan.exact)
-    run_nodes(unit.backward, env, fmt=fmt, exact=plan.exact(fmt), plan=plan.backward)
+    run_nodes(unit.backward, env, fmt=fmt, exact=plan.exact(fmt), plan=plan.backward, reduce=reduce)
     for value, name in unit.input_grads.items():
         dlive[value] = dlive[value] + env[name] if value in dlive else env[name]
     grads = {p: env[name] for p, name in unit.param_grads.items()}

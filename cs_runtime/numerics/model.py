@@ -32,6 +32,7 @@ master weights stay float32.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Callable
 
 import numpy as np
 
@@ -268,6 +269,10 @@ class ShardContext:
     key_keep: np.ndarray | None = field(default=None, repr=False)
     # This shard's labels: a compiled program computes its loss in its last unit.
     labels: np.ndarray | None = field(default=None, repr=False)
+    # Sums a float64 vector over every shard of the step, in rank order, and returns the sum:
+    # a synchronized batch norm's statistics (ops.Op.collective). None: this shard is the
+    # whole batch (the CPU path, one WSE), or its statistics are its own.
+    reduce: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False, compare=False)
 
 
 def not_lowered(spec: ModelSpec, layer: LayerSpec | None = None) -> ValueError:
@@ -320,7 +325,7 @@ def layer_backward(spec: ModelSpec, index: int, delta, cache, weights: dict,
                    weights_rounded: bool = False, grads_on_wire: bool = False):
     """(delta for the layer below or None for the first layer, {param: gradient});
     with `grads_on_wire` the gradients come in the format's storage, as a WSE sends them."""
-    with blas_threads(spec, lowered(spec, index), cache[1]):   # cache: (the unit's, the live values)
+    with blas_threads(spec, lowered(spec, index), cache[1]):   # cache: (the unit's, the live values, the reduce)
         return program_layer.backward(spec, index, delta, cache, weights, weights_rounded, grads_on_wire)
 
 

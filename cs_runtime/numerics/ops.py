@@ -59,21 +59,33 @@ class Op:
     residual_reads: tuple[int, ...] = ()      # the inputs residual_vjp reads (the rest: stand-ins)
     residual_shape: Callable | None = None    # its (largest) array's shape, from (input shapes, output
     #                                           shape, attrs); None: the output's
+    # A collective op (SyncBatchNorm's) may sum per-shard values over every shard of the step:
+    # its forward and vjp take reduce= (the shard's: float64 vector -> its sum over the shards,
+    # in rank order; None where the shard is the whole batch).
+    collective: bool = False
 
-    def grads(self, g, inputs, out, attrs, wanted=None) -> list:
-        """The vjp, told which gradients are wanted when it can use that."""
+    def run(self, inputs, attrs, reduce=None):
+        """The forward, handed the shard's reduce when it is a collective op."""
+        if self.collective:
+            return self.forward(inputs, attrs, reduce=reduce)
+        return self.forward(inputs, attrs)
+
+    def grads(self, g, inputs, out, attrs, wanted=None, reduce=None) -> list:
+        """The vjp, told which gradients are wanted when it can use that (and a collective
+        op the shard's reduce)."""
+        extra = {"reduce": reduce} if self.collective else {}
         if self.partial and wanted is not None:
-            return self.vjp(g, inputs, out, attrs, wanted=wanted)
-        return self.vjp(g, inputs, out, attrs)
+            extra["wanted"] = wanted
+        return self.vjp(g, inputs, out, attrs, **extra)
 
 
 OPS: dict[str, Op] = {}
 
 
 def _register(name, forward, vjp, shape, flops, saves_output=False, saves_inputs=(), partial=False,
-              residual=None, residual_vjp=None, residual_reads=(), residual_shape=None):
+              residual=None, residual_vjp=None, residual_reads=(), residual_shape=None, collective=False):
     OPS[name] = Op(name, forward, vjp, shape, flops, saves_output, tuple(saves_inputs), partial,
-                   residual, residual_vjp, tuple(residual_reads), residual_shape)
+                   residual, residual_vjp, tuple(residual_reads), residual_shape, collective)
 
 
 def _numel(shape) -> int:
@@ -1899,59 +1911,84 @@ def _bn_training(inputs, attrs) -> bool:
     return bool(attrs.get("training"))
 
 
-def _bn_batch_moments(x):
-    """The batch's mean and biased variance per channel (keepdims), in float64: torch's
-    kernel accumulates them in double, and where a channel's values sit close together
-    (a small variance beside a large mean: a deep network's last, smallest feature maps)
-    float32 sums would lose the digits its gradient divides by the standard deviation."""
+def _bn_batch_moments(x, reduce=None):
+    """The batch's mean and biased variance per channel (keepdims), and the values per channel
+    they are over, in float64: torch's kernel accumulates them in double, and where a channel's
+    values sit close together (a small variance beside a large mean: a deep network's last,
+    smallest feature maps) float32 sums would lose the digits its gradient divides by the
+    standard deviation. With `reduce` (a synchronized batch norm on one of several shards) the
+    sums are the whole batch's: the count and the sums, then the squared deviations from the
+    whole batch's mean, each summed over the shards (two passes, as on one)."""
     axes = _bn_axes(x)
     wide = x.astype(np.float64)
-    mean = wide.mean(axis=axes, keepdims=True)
+    n = x.size // x.shape[1]
+    total = wide.sum(axis=axes, keepdims=True)
+    if reduce is not None:
+        summed = reduce(np.concatenate([[float(n)], total.reshape(-1)]))
+        n, total = summed[0], summed[1:].reshape(total.shape)
+    mean = total / n
     d = wide - mean
-    return mean, (d * d).mean(axis=axes, keepdims=True)
+    squares = (d * d).sum(axis=axes, keepdims=True)
+    if reduce is not None:
+        squares = reduce(squares.reshape(-1)).reshape(squares.shape)
+    return mean, squares / n, n
 
 
-def _bn_stats(inputs, attrs):
-    """(mean, rstd, x - mean): per channel [C], the batch's (training: the biased variance torch
-    normalizes by, in float64 as _bn_batch_moments, and x centred in float64) or the running
-    statistics (inputs 3 and 4, eval; in x's dtype), and x centred on the mean (a new array,
-    which the caller may overwrite)."""
+def _bn_sync(attrs, reduce):
+    """The reduce a batch norm's statistics are summed with: the shard's for a synchronized one
+    (SyncBatchNorm, attrs["sync"]), None (this shard's own rows) for the others."""
+    return reduce if attrs.get("sync") else None
+
+
+def _bn_stats(inputs, attrs, reduce=None):
+    """(mean, rstd, x - mean, n): per channel [C], the batch's (training: the biased variance torch
+    normalizes by, in float64 as _bn_batch_moments, and x centred in float64; synchronized
+    over the shards with `reduce`) or the running statistics (inputs 3 and 4, eval; in x's
+    dtype), x centred on the mean (a new array, which the caller may overwrite), and the values
+    per channel the statistics are over."""
     x = inputs[0]
     if _bn_training(inputs, attrs):
-        mean, var = _bn_batch_moments(x)
+        mean, var, n = _bn_batch_moments(x, reduce)
         centred = x.astype(np.float64) - mean
-        return mean.reshape(-1), 1 / np.sqrt(var.reshape(-1) + attrs.get("eps", 1e-5)), centred
+        return mean.reshape(-1), 1 / np.sqrt(var.reshape(-1) + attrs.get("eps", 1e-5)), centred, n
     eps = x.dtype.type(attrs.get("eps", 1e-5))
     mean, var = inputs[3], inputs[4]
-    return mean, (1 / np.sqrt(var + eps)).astype(x.dtype), x - _bn_channel(mean, x.ndim)
+    return mean, (1 / np.sqrt(var + eps)).astype(x.dtype), x - _bn_channel(mean, x.ndim), x.size // x.shape[1]
 
 
-def _bn_forward(inputs, attrs):
+def _bn_forward(inputs, attrs, reduce=None):
     """y = (x - mean) * (rstd * weight) + bias: the per-channel factors first, then two passes over x."""
     x, w, b = inputs[:3]
-    _, rstd, y = _bn_stats(inputs, attrs)
+    _, rstd, y, _ = _bn_stats(inputs, attrs, _bn_sync(attrs, reduce))
     y *= _bn_channel(rstd * w, x.ndim)
     y += _bn_channel(b, x.ndim)
     return y.astype(x.dtype, copy=False)
 
 
-def _bn_vjp(g, inputs, out, attrs):
+def _bn_vjp(g, inputs, out, attrs, reduce=None):
     """With A = rstd * weight per channel, n values a channel, d = x - mean:
     training (through the batch statistics) dx = A * (g - sum(g) / n - d * rstd^2 * sum(g * d) / n),
     eval (the statistics are constants) dx = A * g; dweight = rstd * sum(g * d), dbias = sum(g).
-    Per-channel factors first, then whole-array passes (no x-hat is made). Running statistics get none."""
+    Per-channel factors first, then whole-array passes (no x-hat is made). Running statistics get none.
+    Synchronized (`reduce`): dx's two sums and n are the whole batch's, as its statistics are;
+    dweight and dbias stay this shard's (SwarmX sums them with every other gradient)."""
     x, w = inputs[0], inputs[1]
-    _, rstd, centred = _bn_stats(inputs, attrs)   # float64 in training (_bn_batch_moments)
+    sync = _bn_sync(attrs, reduce)
+    _, rstd, centred, n = _bn_stats(inputs, attrs, sync)   # float64 in training (_bn_batch_moments)
     axes, ndim = _bn_axes(x), x.ndim
     per_channel = rstd * w
     dx = np.multiply(g, _bn_channel(per_channel, ndim), dtype=centred.dtype)
     g_sum = g.sum(axis=axes)
     g_dot = (g * centred).sum(axis=axes)
     if _bn_training(inputs, attrs):
-        n = centred.dtype.type(x.size // x.shape[1])
-        centred *= _bn_channel(-per_channel * rstd * rstd * g_dot / n, ndim)
+        whole_sum, whole_dot = g_sum, g_dot
+        if sync is not None:
+            summed = sync(np.concatenate([g_sum, g_dot]).astype(np.float64))
+            whole_sum, whole_dot = summed[:len(g_sum)], summed[len(g_sum):]
+        n = centred.dtype.type(n)
+        centred *= _bn_channel(-per_channel * rstd * rstd * whole_dot / n, ndim)
         dx += centred
-        dx -= _bn_channel(per_channel * g_sum / n, ndim)
+        dx -= _bn_channel(per_channel * whole_sum / n, ndim)
     return [dx.astype(x.dtype, copy=False), (rstd * g_dot).astype(w.dtype, copy=False),
             g_sum] + [None] * (len(inputs) - 3)
 
@@ -1964,6 +2001,7 @@ def _bn_shape(shapes, attrs):
         raise OpError(f"batch_norm takes {wanted} inputs (x, weight, bias{stats}), not {len(shapes)}")
     if len(x) < 2:
         raise OpError(f"batch_norm of input {x}: expected [N, C, ...]")
+    _check_sync(attrs, "batch_norm")
     if wanted == 6 and tuple(shapes[5]) != (6,):
         raise OpError(f"batch_norm's context of shape {tuple(shapes[5])}: expected (6,)")
     for i, s in enumerate(shapes[1:5 if wanted == 6 else None], 1):
@@ -1976,16 +2014,23 @@ def _bn_shape(shapes, attrs):
 # (training False) the running mean and variance it normalizes by; a layer that keeps running
 # statistics in training (running True) takes the run's context too: the batch's statistics
 # in a train step, the running ones in an eval step.
-_register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4, 5))
+# attrs["sync"]: the statistics are the whole batch's over every shard (SyncBatchNorm).
+_register("batch_norm", _bn_forward, _bn_vjp, _bn_shape, _elementwise_cost(8), saves_inputs=(0, 1, 2, 3, 4, 5),
+          collective=True)
 
 
-def _bn_running_forward(inputs, attrs):
+def _check_sync(attrs, op: str) -> None:
+    if not isinstance(attrs.get("sync", False), bool):
+        raise OpError(f"{op}'s sync {attrs.get('sync')!r}: expected true or false")
+
+
+def _bn_running_forward(inputs, attrs, reduce=None):
     """A running statistic after a train step, as torch's BatchNorm updates it:
     (1 - momentum) * old + momentum * the batch's mean (stat "mean") or its unbiased
-    variance (stat "var"; the biased one times n / (n - 1), n the values per channel)."""
+    variance (stat "var"; the biased one times n / (n - 1), n the values per channel),
+    synchronized as the batch norm it belongs to (attrs["sync"])."""
     x, old = inputs
-    mean, var = _bn_batch_moments(x)
-    n = x.size // x.shape[1]
+    mean, var, n = _bn_batch_moments(x, _bn_sync(attrs, reduce))
     stat = mean if attrs["stat"] == "mean" else var * (n / max(n - 1, 1))
     m = attrs["momentum"]
     return ((1 - m) * old + m * stat.reshape(old.shape)).astype(old.dtype)
@@ -1997,6 +2042,7 @@ def _bn_running_shape(shapes, attrs):
         raise OpError(f"batch_norm_running of input {x} and statistic {old}: expected [N, C, ...] and (C,)")
     if attrs.get("stat") not in ("mean", "var"):
         raise OpError(f"batch_norm_running of statistic {attrs.get('stat')!r}: expected mean or var")
+    _check_sync(attrs, "batch_norm_running")
     return old
 
 
@@ -2009,7 +2055,7 @@ def _no_vjp(name):
 # inputs: the batch norm's input, a running statistic (a buffer); its new value, which the run
 # carries to the next step (Program.buffers): no gradient flows through it.
 _register("batch_norm_running", _bn_running_forward, _no_vjp("batch_norm_running"), _bn_running_shape,
-          _elementwise_cost(3))
+          _elementwise_cost(3), collective=True)
 
 
 # ---------------------------------------------------------------- values made from a shape

@@ -99,6 +99,16 @@ def _check_buffers(spec) -> None:
             raise ProgramError(f"model {spec.name}: buffer {buffer!r} is not updated by the unit that holds it")
 
 
+def synced_modules(spec) -> list[str]:
+    """The modules (by path) whose batch norm sums its statistics over the shards
+    (SyncBatchNorm: ops.py batch_norm's sync), in program order; [] for none."""
+    if spec.program is None:
+        return []
+    found = (node.module for layer in spec.layers for node in unit_of(layer).forward
+             if node.op == "batch_norm" and node.attrs.get("sync"))
+    return list(dict.fromkeys(found))
+
+
 def buffers(spec) -> dict[str, str]:
     """{buffer: the value a train step leaves in it} of a program spec ({} for none)."""
     return (spec.program or {}).get("buffers") or {}
@@ -225,23 +235,23 @@ def forward(spec, index: int, x, weights: dict, ctx, weights_rounded: bool = Fal
         live = dict(x)
     unit = unit_of(layer)
     held = _program_weights(layer, weights)
-    cache = unit_forward(unit, held, live, spec.precision, weights_rounded, train=bool(ctx.train))
+    cache = unit_forward(unit, held, live, spec.precision, weights_rounded, train=bool(ctx.train), reduce=ctx.reduce)
     if keeps_buffers(ctx):
         for buffer, value in buffers(spec).items():
             if buffer in unit.params:   # the running statistics the next step starts from
                 held[buffer] = np.array(live[value], dtype=np.float32)
-    return live, (cache, live)
+    return live, (cache, live, ctx.reduce)   # the backward sums over the shards as the forward did
 
 
 def backward(spec, index: int, delta: dict, cache, weights: dict, weights_rounded: bool = False,
              grads_on_wire: bool = False):
     """(the gradients of the live values the unit read, or None at the first; its parameter
     gradients, in the format's values, or with `grads_on_wire` its storage)."""
-    kept, live = cache
+    kept, live, reduce = cache
     dlive = dict(delta)
     layer = spec.layers[index]
     grads = unit_backward(unit_of(layer), _program_weights(layer, weights), kept, live, dlive, spec.precision,
-                          weights_rounded, grads_on_wire)
+                          weights_rounded, grads_on_wire, reduce)
     local = layer.unit.get("local")
     if local is not None:
         grads = {local[full]: g for full, g in grads.items()}

@@ -9,6 +9,8 @@ everything else to the chief. Sums are float32: 16-bit gradients come in at
 half the bytes and their sum goes on unrounded (docs/design.md, mixed precision).
 The arrays of a loss or an eval result (the model's output, when the job asked
 for it) are rows of each WSE's shard: they are joined in rank order, not summed.
+An ALL_REDUCE (a synchronized batch norm's per-shard sums, in float64) is summed
+the same way and sent back down to every WSE.
 
     python -m cs_runtime.swarmx      (started by csrun_wse or the appliance)
 """
@@ -22,7 +24,8 @@ import zmq
 from cs_runtime.wire import shm
 from cs_runtime import trace
 from cs_runtime.numerics.precision import add_from_bits, from_bits, wire_dtype
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays, grouped_name, layer_arrays
+from cs_runtime.wire.protocol import (ALL_REDUCE_ARRAY, JobSettings, Message, Msg, encode, float_arrays, grouped_name,
+                                      layer_arrays)
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -31,11 +34,11 @@ log = logging.getLogger("swarmx")
 # TRAIN_STEP, EVAL_STEP and GET_STATE come from the chief in layer-pipelined
 # mode, where the WSE holds the weights and MemoryX is not involved.
 BROADCAST = {Msg.WEIGHTS, Msg.LOAD_MODEL, Msg.JOB_END, Msg.TRAIN_STEP, Msg.EVAL_STEP, Msg.GET_STATE}
-REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE}
+REDUCE = {Msg.GRADS, Msg.LOSS, Msg.EVAL_RESULT, Msg.ACK, Msg.STATE, Msg.ALL_REDUCE}
 GATHER = {Msg.LOSS, Msg.EVAL_RESULT}   # arrays: each WSE's rows of the batch, joined
 NOT_SUMMED = {"layers"}   # numbers in meta that say what a message holds, the same from every WSE
 REDUCE_SPAN = {Msg.GRADS: "reduce_grads", Msg.LOSS: "reduce_loss", Msg.EVAL_RESULT: "reduce_eval",
-               Msg.ACK: "reduce_ack", Msg.STATE: "gather_state"}
+               Msg.ACK: "reduce_ack", Msg.STATE: "gather_state", Msg.ALL_REDUCE: "all_reduce"}
 
 
 def reduce_messages(parts: list[Message], into: dict[str, np.ndarray] | None = None) -> Message:
@@ -210,7 +213,9 @@ class SwarmX:
     def collect(self, identity: bytes, msg: Message, frames: list) -> None:
         if self.num_wse == 1:   # nothing to sum: the validated frames go on as they came
             with trace.span(REDUCE_SPAN[msg.type], step=msg.step, layer=msg.layer):
-                if msg.type == Msg.GRADS:
+                if msg.type == Msg.ALL_REDUCE:
+                    self.router.forward(frames, identity)
+                elif msg.type == Msg.GRADS:
                     self.memoryx.forward(frames)
                 else:
                     self.router.forward(frames, self.chief)
@@ -222,12 +227,23 @@ class SwarmX:
         if len(parts) < self.num_wse:
             return
         del self.pending[key]
+        if msg.type == Msg.ALL_REDUCE and len({p.arrays[ALL_REDUCE_ARRAY].shape for p in parts.values()}) > 1:
+            # The WSEs run one program, so the n-th collective of a step has one length on all:
+            # anything else is a fault, and summing it would hand every WSE wrong statistics.
+            self.router.send(Message(Msg.ERROR, meta={"role": "swarmx", "rank": self.penv.rank, "reason": (
+                f"all_reduce {msg.layer} of step {msg.step}: the WSEs sent vectors of different lengths "
+                f"{[len(parts[r].arrays[ALL_REDUCE_ARRAY]) for r in sorted(parts)]}")}), self.chief)
+            return
         # A layer's buffers are free again: MemoryX applied last step's sums before this step began.
         into = self.sum_buffers(msg) if msg.type == Msg.GRADS else None
         with trace.span(REDUCE_SPAN[msg.type], step=msg.step, layer=msg.layer):
             reduced = reduce_messages([parts[r] for r in range(self.num_wse)], into)
             if reduced.type == Msg.GRADS:
                 self.memoryx.send(reduced)
+            elif reduced.type == Msg.ALL_REDUCE:   # the sums back down, the same bytes to each WSE
+                frames = encode(reduced)
+                for r in range(self.num_wse):
+                    self.router.forward(frames, self.wse[r])
             else:
                 self.router.send(reduced, self.chief)
 

@@ -65,10 +65,10 @@ from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
-PROTOCOL_VERSION = 6   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
+PROTOCOL_VERSION = 7   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
 #                        4: frames of 64 KiB (were 1 MiB);
 #                        5: layer groups, fwd_bwd and the loss in GRADS / STEP_DONE (an older peer would misread them);
-#                        6: array tables over a header in frames of their own
+#                        6: array tables over a header in frames of their own; 7: ALL_REDUCE
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
 MAX_HEADER_BYTES = 64 * 1024
@@ -140,6 +140,7 @@ class Msg(str, enum.Enum):
     GET_STATE = "get_state"      # chief -> MemoryX: weights + optimizer state for a checkpoint
     STATE = "state"              # MemoryX -> chief
     JOB_END = "job_end"          # chief -> services: forget the job
+    ALL_REDUCE = "all_reduce"    # WSE -> SwarmX (summed) -> every WSE: per-shard sums (SyncBatchNorm's statistics)
     # the CS system's front door (cs_system serve): submitters and csctl
     SUBMIT = "submit"            # csrun_wse -> front door: queue a job
     JOB_POLL = "job_poll"        # csrun_wse -> front door: where is my job (also: I am still here)
@@ -187,6 +188,7 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.GET_STATE: {},
     Msg.STATE: {},
     Msg.JOB_END: {},
+    Msg.ALL_REDUCE: {},
     Msg.SUBMIT: {"user": str, "num_csx": int, "owner": str, "labels": dict, "keys": dict},
     Msg.JOB_POLL: {"name": str, "owner": str},
     Msg.JOB_STATE: {"name": str, "job": str, "phase": str, "reason": str, "cs_ip": str, "position": int,
@@ -597,7 +599,8 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         for name, dtype, _, _, _ in specs:
             if name == SETTINGS_ARRAY:
                 continue
-            if dtype != stored and dtype not in ("int64", "int32", "bool"):   # labels, ids, masks ride along
+            # labels, ids and masks ride along, and float32 values (running statistics, never rounded)
+            if dtype != stored and dtype not in ("int64", "int32", "bool", "float32"):
                 raise ProtocolError(f"array {name[:40]!r}: {dtype} is not the storage of {fmt} ({stored})")
     # Every reference and destination is checked before the first byte lands in a kept
     # buffer: a refused message leaves the receiver's buffers as they were.
@@ -619,6 +622,8 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         arrays[name] = arr
     if mtype == Msg.TRACE:
         _check_trace(header["meta"], arrays)
+    if mtype == Msg.ALL_REDUCE:
+        check_all_reduce(header["layer"], arrays)
     meta = header["meta"]
     if mtype == Msg.LOAD_MODEL:
         meta = {**meta, "spec": JobSettings.from_meta(_settings_meta(arrays.pop(SETTINGS_ARRAY, None)))}
@@ -874,6 +879,21 @@ def _check_array_spec(spec) -> tuple:
     if nbytes > MAX_ARRAY_BYTES:
         raise ProtocolError(f"array {name[:40]!r}: {nbytes} bytes exceed the cap")
     return name, dtype, tuple(shape), ref, nbytes
+
+
+# ALL_REDUCE: a step's collectives are numbered in the order every WSE runs them (the message's
+# `layer`: 0, 1, ...), each one float64 vector of per-shard sums (a batch norm's count and
+# per-channel sums: at most MAX_ARRAY_BYTES / 8 values), summed by SwarmX in rank order.
+ALL_REDUCE_ARRAY = "sum"
+
+
+def check_all_reduce(number: int, arrays: dict) -> None:
+    """An ALL_REDUCE's number and its one float64 vector (what a WSE acts on before it sums)."""
+    if number < 0:
+        raise ProtocolError(f"all_reduce: collective number {number} is negative")
+    if set(arrays) != {ALL_REDUCE_ARRAY} or arrays[ALL_REDUCE_ARRAY].dtype != np.float64 \
+            or arrays[ALL_REDUCE_ARRAY].ndim != 1:
+        raise ProtocolError(f"all_reduce: arrays must be one 1-D float64 {ALL_REDUCE_ARRAY!r}")
 
 
 def _check_trace(meta: dict, arrays: dict) -> None:
