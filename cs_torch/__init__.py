@@ -59,6 +59,11 @@ from . import nn, optim
 from .data import Batch, DataLoader
 from .nn import CsTorchError
 from .session import JobFailed, Module, Session, dataloader, initialize, manual_seed, module
+from cs_runtime.errors import exit_on_user_input_error
+
+# A script written for the real API (the model zoo's run.py) catches nothing: our one-line errors
+# out of it end the run as they do out of the project's own entry points (one line, exit 2).
+exit_on_user_input_error()
 
 # The 2.x names, each from the module that holds it; loaded on first use (they need torch).
 _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing",
