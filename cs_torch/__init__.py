@@ -48,6 +48,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     cluster_step.py     a traced step as a job of the emulated CS system
     loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)
     cbtorch.py          the 1.x API (cbtorch); cbtorch_cluster.py: its loop on the CS system
+    batch_files.py      a 1.x loop's IterableDataset read as the loop goes, one file a step for the workers
     saving.py           cstorch.save / cstorch.load
     storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
     summary.py          summarize_scalar, summarize_tensor

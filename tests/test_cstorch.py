@@ -730,3 +730,45 @@ def test_param_groups_that_are_not_one_memoryx_rule_are_one_line():
     other_lr = cstorch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], 0.01)
     with pytest.raises(CsTorchError, match="param groups differing in lr"):
         memoryx_optimizer(other_lr, params)
+
+
+class Endless(torch.utils.data.IterableDataset):
+    """(input, label) pairs without end; counts what was read of it."""
+
+    def __init__(self):
+        self.read = 0
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(4)
+        while True:
+            self.read += 1
+            x = torch.randn(32, generator=gen)
+            yield x, int(x[:10].argmax())
+
+
+@pytest.mark.cluster
+def test_a_cbtorch_loop_over_an_endless_iterable_dataset_reads_only_its_steps(tmp_path):
+    torch.manual_seed(1)
+    cbtorch.initialize(service_workdir=str(tmp_path / "work"))
+    net = mlp.MLP(hidden=16)
+    ref = copy.deepcopy(net)
+    model = cbtorch.module(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = Endless()
+    loader = cbtorch.dataloader(torch.utils.data.DataLoader(data, batch_size=8))
+    losses, seen = [], []
+    with cbtorch.Session(loader, mode="train") as session:
+        for step, (x, y) in enumerate(loader, start=1):
+            seen.append((x, y))
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            session.add_step_closure(lambda loss: losses.append(loss.item()), [loss])
+            if step == 5:
+                break
+    assert data.read == 5 * 8     # nothing read ahead of the loop (the workers waited for each batch)
+    ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    assert_close_losses(losses, eager_train(ref, ref_optimizer, seen, torch.nn.functional.cross_entropy))
+    assert_same_weights(net, ref)
+    assert not [p for p in (tmp_path / "work").rglob("*.npz")]   # the batches' files went with the job
