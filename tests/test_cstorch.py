@@ -257,13 +257,14 @@ def test_dynamic_loss_scaling_skips_overflowing_steps_and_grows_back():
 
 # ---------------------------------------------------------------- mixed precision
 def _scaled_mlp_loop(kind, fmt, data=None, steps=10):
-    """An MLP under GradScaler (from 2**20: float16 overflows) in `fmt` (cstorch.amp.set_half_dtype);
-    with a CSX backend over a DataExecutor, else over `data`. (losses, weights, batches, final scale)."""
+    """An MLP under GradScaler (from 2**20: float16 overflows) in `fmt` (cstorch.amp.set_half_dtype and
+    the backend's mixed_precision); with a CSX backend over a DataExecutor, else over `data`.
+    (losses, weights, batches, final scale)."""
     if fmt != "float32":
         assert cstorch.amp.set_half_dtype(fmt) == getattr(torch, "float16" if fmt == "cbfloat16" else fmt)
     cstorch.manual_seed(1)
     model = mlp.MLP(hidden=16)
-    compiled = cstorch.compile(model, cstorch.backend(kind))
+    compiled = cstorch.compile(model, cstorch.backend(kind, mixed_precision=fmt != "float32"))
     opt = cstorch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
     scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0 ** 20, max_loss_scale=2.0 ** 20,
                                     steps_per_increase=3)
@@ -281,13 +282,13 @@ def _scaled_mlp_loop(kind, fmt, data=None, steps=10):
 @pytest.fixture
 def half_dtype_unset(monkeypatch):
     """cstorch.amp's setting is process-wide: each test starts without one and leaves none behind."""
-    monkeypatch.setattr(cstorch.amp, "_half", {"dtype": "float16", "enabled": False})
+    monkeypatch.setattr(cstorch.amp, "_half", {"dtype": "float16"})
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16", "cbfloat16"])
 def test_half_dtype_trains_in_16_bits_on_csx_as_on_the_cpu_backend(fmt, half_dtype_unset):
-    """cstorch.amp.set_half_dtype makes the program's matmuls 16-bit on CSX (weights streamed in
+    """mixed_precision=True makes the program's matmuls 16-bit in the half dtype on CSX (weights streamed in
     16 bits, MemoryX unscaling and skipping overflowed steps) and on the CPU backend: the same
     batches give the same losses and weights, to the bit."""
     losses, weights, data, scale = _scaled_mlp_loop("CSX", fmt)
@@ -299,7 +300,6 @@ def test_half_dtype_trains_in_16_bits_on_csx_as_on_the_cpu_backend(fmt, half_dty
     if fmt == "float16":
         assert scale < 2.0 ** 20, "2**20 should have overflowed float16 at least once"
     backends.reset_backend()
-    cstorch.amp._half["enabled"] = False
     float32_losses, _, _, _ = _scaled_mlp_loop("CPU", "float32", data)
     assert losses != float32_losses
     assert max(abs(a - b) / b for a, b in zip(losses, float32_losses)) < 2e-2
@@ -309,6 +309,19 @@ def test_use_cbfloat16_of_cbtorch_sets_the_half_dtype(half_dtype_unset):
     assert cstorch.amp.precision() == "float32"
     cbtorch.initialize(use_cbfloat16=True)
     assert cstorch.amp.precision() == "cbfloat16"
+
+
+def test_the_half_dtype_alone_leaves_programs_in_float32(half_dtype_unset):
+    """As the real API: set_half_dtype picks the 16-bit format; the backend's mixed_precision (default
+    False) switches mixed precision on, on CSX as on CPU."""
+    cstorch.amp.set_half_dtype("bfloat16")
+    for kind in ("CPU", "CSX"):
+        backends.reset_backend()
+        cstorch.backend(kind)
+        assert cstorch.amp.precision() == "float32"
+        backends.reset_backend()
+        cstorch.backend(kind, mixed_precision=True)
+        assert cstorch.amp.precision() == "bfloat16"
 
 
 # ---------------------------------------------------------------- save, load, closures, errors
