@@ -163,6 +163,8 @@ class GradScaler:
         return self._apply(optimizer, grads, unscale=True)
 
     def _apply(self, optimizer, grads: dict, unscale: bool) -> bool:
+        if hasattr(optimizer, "mask_gradients"):   # sparsity masks the gradients before they are clipped
+            grads = optimizer.mask_gradients(grads)
         with np.errstate(over="ignore", invalid="ignore"):   # an overflow is what this looks for
             if unscale:
                 grads = {p: (g.astype(np.float64) / self.scale_).astype(np.float32) for p, g in grads.items()}

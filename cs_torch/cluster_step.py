@@ -82,6 +82,8 @@ def memoryx_optimizer(optimizer, params: dict | None = None):
 
 def _rule_of(optimizer, g: dict):
     from . import optimizers
+    if getattr(optimizer, "cluster_refusal", None):
+        raise CsTorchError(f"CSX backend: {optimizer.cluster_refusal}")
     if g.get("maximize"):
         raise CsTorchError(f"CSX backend: {type(optimizer).__name__} with maximize=True is not a MemoryX rule; "
                            "use backend('CPU') for it")

@@ -518,7 +518,7 @@ def test_backend_arguments_it_cannot_honour_say_so(capsys):
 
 
 def test_unsupported_parts_of_the_api_say_so():
-    for name in ("sparse", "profiler"):
+    for name in ("experimental", "profiler"):
         with pytest.raises(AttributeError, match=f"cstorch.{name} is not supported by the emulator: "):
             getattr(cstorch, name)
 
