@@ -12,9 +12,12 @@ entries (init_method "random": a random choice, drawn from torch's generator; "t
 the largest in magnitude); the parameter is masked before the model runs and its
 gradient after the backward, so a masked weight stays 0 and its optimizer state (the
 tensors of its shape) stays 0 too. Here the masks are applied where the update is:
-the parameters once when the module is hooked, the gradients before the optimizer's
+the parameters once when the masks are drawn, the gradients before the optimizer's
 update (and before a GradScaler's clipping sees them), the parameters and their
 optimizer state after it; for elementwise optimizers that is the same arithmetic.
+The masks are drawn by initialize_sparsity() (the 2.1 flow calls it after loading
+a checkpoint, whose masks are the optimizer's state), or else at the hooked
+module's first call, and the parameters are masked then.
 
 Static sparsity only, on the CPU backend: a dynamic algorithm (gmp, set, rigl) or a
 CSX run (MemoryX holds dense weights and has no masks) is refused with one line.
@@ -59,7 +62,8 @@ def _mask(param: torch.Tensor, sparsity: float, init_method: str) -> torch.Tenso
 
 
 class BaseSparsityOptimizer:
-    """Masks of named parameters; step() updates them (a static pattern never changes)."""
+    """Masks of named parameters, drawn by initialize_sparsity() (or loaded from a checkpoint's state);
+    step() updates them (a static pattern never changes)."""
 
     def __init__(self, params, sparsity: float, init_method: str = "random"):
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
@@ -68,8 +72,21 @@ class BaseSparsityOptimizer:
             raise CsTorchError(f"sparse: init_method must be one of {', '.join(INIT_METHODS)}, got {init_method!r}")
         self.sparsity, self.init_method = float(sparsity), init_method
         self.params = list(params)
-        with torch.no_grad():
-            self.masks = {p: _mask(p, self.sparsity, init_method) for _, p in self.params}
+        self._masks: dict | None = None
+
+    def initialize_sparsity(self) -> None:
+        """Draw the masks unless a checkpoint's were loaded (the 2.1 flow calls this after loading one, so
+        `topk` sees the loaded weights), and mask the parameters."""
+        if self._masks is None:
+            with torch.no_grad():
+                self._masks = {p: _mask(p, self.sparsity, self.init_method) for _, p in self.params}
+        self.apply_sparsity()
+
+    @property
+    def masks(self) -> dict:
+        if self._masks is None:
+            self.initialize_sparsity()
+        return self._masks
 
     def apply_sparsity(self) -> None:
         """Zero every masked entry of the parameters."""
@@ -78,12 +95,17 @@ class BaseSparsityOptimizer:
                 p.mul_(mask)
 
     def hook_module(self, module: torch.nn.Module) -> None:
-        """The module computes with the sparse parameters from now on (they are masked here once; the
-        wrapper keeps them so after every update)."""
+        """The module computes with the sparse parameters from its next call on: the masks are drawn then
+        if initialize_sparsity() has not been called (the wrapper keeps the parameters masked after every
+        update, so nothing else is needed per call)."""
         owned = {id(p) for p in module.parameters()}
-        if not all(id(p) in owned for p in self.masks):
+        if not all(id(p) in owned for _, p in self.params):
             raise CsTorchError("sparse.hook_module: a sparsified parameter is not the module's")
-        self.apply_sparsity()
+        module.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module, args) -> None:
+        if self._masks is None:
+            self.initialize_sparsity()
 
     def mask_gradients(self, grads: dict) -> dict:
         """{parameter: ndarray} with the masked entries of the sparsified parameters' gradients zeroed."""
@@ -110,7 +132,7 @@ class BaseSparsityOptimizer:
         for name, p in self.params:
             if name not in masks or tuple(masks[name].shape) != tuple(p.shape):
                 raise CsTorchError(f"sparse.load_state_dict: no mask of {tuple(p.shape)} for {name}")
-            self.masks[p] = masks[name].to(torch.bool).clone()
+        self._masks = {p: masks[name].to(torch.bool).clone() for name, p in self.params}
 
 
 class StaticSparsityOptimizer(BaseSparsityOptimizer):

@@ -434,6 +434,7 @@ def test_static_sparsity_trains_as_torch_eager_with_its_masks() -> None:
                                                            init_method="random", param_name_patterns=SPARSE)
     sparsity.hook_module(model)
     optimizer = cstorch.sparse.SparsityWrapperOptimizer(optimizer, sparsity)
+    sparsity.initialize_sparsity()                     # the flow's call, after loading a checkpoint if any
     masks = {name: sparsity.masks[p] for name, p in sparsity.params}
     assert sorted(masks) == ["model.fc1.weight", "model.out.weight"]
     assert all(int(m.sum()) == round(0.25 * m.numel()) for m in masks.values())
@@ -482,6 +483,8 @@ def test_what_sparsity_cannot_do_here_is_one_line() -> None:
         cstorch.sparse.configure_sparsity_optimizer("static", model.named_parameters(), sparsity=0.5)
     wrapped = cstorch.sparse.configure_sparsity_wrapper(model, cstorch.optim.SGD(model.parameters(), lr=0.1),
                                                         "static", sparsity=0.5, param_name_patterns="weight")
+    assert not (model.weight == 0).any()             # the masks are drawn at the module's first call
+    model(torch.ones(1, 4))
     assert int((model.weight == 0).sum()) == 8
     with pytest.raises(cstorch.CsTorchError, match="^CSX backend: weight sparsity is not emulated on CSX"):
         memoryx_optimizer(wrapped)
