@@ -114,7 +114,9 @@ def batch_size_of(loader) -> int | None:
     model zoo's BERT processor), the rows of its first batch; None when there is none to read."""
     if isinstance(loader.batch_size, int) or not is_iterable(loader):
         return loader.batch_size
-    first = next(iter(loader.dataset), None)
+    # Through the loader: with worker processes the data set may be readable only in them (BERT's CSV
+    # processor shards its files in the loader's worker_init_fn).
+    first = next(iter(loader), None)
     if first is None:
         return None
     rows = first[LABELS] if isinstance(first, dict) and LABELS in first else \

@@ -42,21 +42,27 @@ def iterable_input_fn(batch_size):
 
 
 class ShardedBatches(torch.utils.data.IterableDataset):
-    """Whole batches of 4, each of the loader's worker processes reading its own share of 4 'files', as
-    the model zoo's BERT CSV processor does under batch_size=None with num_workers > 0."""
+    """Whole batches of 4 from 4 'files', shared among the loader's worker processes by its worker_init_fn,
+    as the model zoo's BERT CSV processor does under batch_size=None with num_workers > 0 (so the data set
+    can be read only through the loader)."""
+    files = None
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for file in range(worker, 4, workers):
+        for file in self.files:
             gen = torch.Generator().manual_seed(10 + file)
             for _ in range(2):
                 x = torch.randn(4, 6, generator=gen)
                 yield x, x[:, :4].argmax(dim=1)
 
 
+def _share_files(worker_id):
+    info = torch.utils.data.get_worker_info()
+    info.dataset.files = list(range(info.id, 4, info.num_workers))
+
+
 def worker_processes_input_fn(batch_size):
-    return torch.utils.data.DataLoader(ShardedBatches(), batch_size=batch_size, num_workers=2)
+    return torch.utils.data.DataLoader(ShardedBatches(), batch_size=batch_size, num_workers=2,
+                                       worker_init_fn=_share_files)
 
 
 def train(kind: str, input_fn, batch_size: int):
