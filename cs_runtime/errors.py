@@ -17,6 +17,7 @@ user sees their file and line, not ours.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -98,3 +99,38 @@ def report(exc: BaseException, where: str) -> int | None:
         return None
     say_error(trimmed)
     return 1   # the user's code may have met a passing fault (a file system): a restart may help
+
+
+def exit_on_user_input_error() -> None:
+    """Make an uncaught UserInputError in this process's main thread end it as the project's
+    own entry points do: its one line on stderr, exit EXIT_BAD_INPUT, no traceback. A script
+    that is not ours (the model zoo's run.py) catches nothing, so without this Python would
+    print the traceback above the line and exit 1. Every other exception goes to the hook
+    that was there before; so does everything in an interactive session, which must go on.
+    Installing twice keeps one hook."""
+    previous = sys.excepthook
+    if getattr(previous, "one_line_user_errors", False):
+        return
+
+    def hook(kind, exc, tb):
+        if not is_user_input(exc) or hasattr(sys, "ps1") or sys.flags.interactive:
+            return previous(kind, exc, tb)
+        for line in str(exc).splitlines():
+            say_error(f"error: {line}")
+        _exit_after_cleanup(EXIT_BAD_INPUT)
+
+    hook.one_line_user_errors = True
+    sys.excepthook = hook
+
+
+def _exit_after_cleanup(code: int) -> None:
+    """Exit with `code` from inside sys.excepthook, where Python would exit 1 whatever the hook
+    does: the atexit handlers run first (they stop what the run started and flush the logs),
+    then the output is flushed, as a normal exit would."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):   # closed, or replaced by None
+            pass
+    os._exit(code)

@@ -48,8 +48,10 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     cluster_step.py     a traced step as a job of the emulated CS system
     loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)
     cbtorch.py          the 1.x API (cbtorch); cbtorch_cluster.py: its loop on the CS system
+    batch_files.py      a 1.x loop's IterableDataset read as the loop goes, one file a step for the workers
     saving.py           cstorch.save / cstorch.load
     storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
+    sparse.py           cstorch.sparse (2.0/2.1): static weight sparsity on the CPU backend
     summary.py          summarize_scalar, summarize_tensor
     metrics.py          cstorch.metrics
     utils/              cstorch.utils: data (DataLoader, DataExecutor), tensorboard, CSConfig
@@ -59,6 +61,11 @@ from . import nn, optim
 from .data import Batch, DataLoader
 from .nn import CsTorchError
 from .session import JobFailed, Module, Session, dataloader, initialize, manual_seed, module
+from cs_runtime.errors import exit_on_user_input_error
+
+# A script written for the real API (the model zoo's run.py) catches nothing: our one-line errors
+# out of it end the run as they do out of the project's own entry points (one line, exit 2).
+exit_on_user_input_error()
 
 # The 2.x names, each from the module that holds it; loaded on first use (they need torch).
 _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing",
@@ -70,15 +77,14 @@ _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing"
          "ones": "core.tensors", "ones_like": "core.tensors", "zeros": "core.tensors", "zeros_like": "core.tensors",
          "current_torch_device": "backends", "pol": "core.pol", "current_pol": "core.pol"}
 # `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
-_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage")
+_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage", "sparse")
 
 # The release of the real API this emulates (the model zoo writes it into checkpoints).
 __version__ = "2.1.1"
 
 
 # Parts of the real API the emulator does not have: one line saying so, not a bare AttributeError.
-_NOT_SUPPORTED = {"sparse": "weights are dense (no sparsity masks in the program or MemoryX)",
-                  "experimental": "listeners and implicit autoregressive loops are not emulated",
+_NOT_SUPPORTED = {"experimental": "listeners and implicit autoregressive loops are not emulated",
                   "profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
 
 

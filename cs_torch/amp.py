@@ -3,12 +3,17 @@
     cstorch.amp.set_half_dtype("bfloat16")     # or torch.bfloat16, "float16", "cbfloat16";
     cstorch.amp.use_bfloat16(True)             # the 1.x-style spelling
 
-Once a half dtype is set, compiled programs train in mixed precision in it
-(cs_runtime/numerics/mixed_ops.py: the matmul-like ops round their operands
-as the CS system's 16-bit matmuls do; master weights stay float32): on CSX,
-where the weights also stream in 16 bits, and on the CPU backend, which runs
-the same program in the same format (the reference for the CSX numbers).
-Without a call, programs run in float32.
+As in the real API, the half dtype is which 16-bit format mixed precision
+uses (float16 unless set); it does not switch mixed precision on. A backend
+made with `mixed_precision=True` trains its programs in mixed precision in
+that format (cs_runtime/numerics/mixed_ops.py: the matmul-like ops round their
+operands as the CS system's 16-bit matmuls do; master weights stay float32):
+on CSX, where the weights also stream in 16 bits, and on the CPU backend,
+which runs the same program in the same format (the reference for the CSX
+numbers). Otherwise programs run in float32, on CSX too: the real CS system
+trains only in mixed precision, the emulator in float32 unless asked, so that
+a run's numbers are torch eager's (the model zoo's 2.1 flow sets the half
+dtype on every run and passes `mixed_precision` to its CPU backend only).
 
     grad_scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
     ...
@@ -34,21 +39,21 @@ from .nn import CsTorchError
 from .recording import probing, replaying
 
 HALF_DTYPES = ("float16", "bfloat16", "cbfloat16")
-_half = {"dtype": "float16", "enabled": False}
+_half = {"dtype": "float16"}
 
 
 def set_half_dtype(dtype):
-    """Train in mixed precision with this 16-bit dtype; returns the torch dtype a model
-    uses for it (cbfloat16 has none of its own: float16 stands in, as in cstorch)."""
+    """The 16-bit dtype mixed precision uses (a backend's mixed_precision switches it on); returns the
+    torch dtype a model uses for it (cbfloat16 has none of its own: float16 stands in, as in cstorch)."""
     name = str(dtype).replace("torch.", "")
     if name not in HALF_DTYPES:
         raise CsTorchError(f"amp.set_half_dtype: expected one of {', '.join(HALF_DTYPES)}, got {dtype!r}")
-    _half.update(dtype=name, enabled=True)
+    _half.update(dtype=name)
     return _torch_dtype(name)
 
 
 def use_bfloat16(enabled: bool):
-    """bfloat16 (True) or float16 (False) mixed precision."""
+    """bfloat16 (True) or float16 (False) as the half dtype."""
     return set_half_dtype("bfloat16" if enabled else "float16")
 
 
@@ -79,12 +84,10 @@ def autocast(dtype=None):
 
 
 def precision() -> str:
-    """The format compiled programs run in: the half dtype once one is set, else float32; a
-    backend made with mixed_precision= (the model zoo's CPU runs) decides for itself."""
+    """The format compiled programs run in: the half dtype when the backend was made with
+    mixed_precision=True, else float32."""
     from .backends import _current
-    chosen = getattr(_current, "mixed_precision", None)
-    enabled = _half["enabled"] if chosen is None else chosen
-    return _half["dtype"] if enabled else "float32"
+    return _half["dtype"] if getattr(_current, "mixed_precision", False) else "float32"
 
 
 class GradScaler:
@@ -160,6 +163,8 @@ class GradScaler:
         return self._apply(optimizer, grads, unscale=True)
 
     def _apply(self, optimizer, grads: dict, unscale: bool) -> bool:
+        if hasattr(optimizer, "mask_gradients"):   # sparsity masks the gradients before they are clipped
+            grads = optimizer.mask_gradients(grads)
         with np.errstate(over="ignore", invalid="ignore"):   # an overflow is what this looks for
             if unscale:
                 grads = {p: (g.astype(np.float64) / self.scale_).astype(np.float32) for p, g in grads.items()}

@@ -124,9 +124,9 @@ class Backend:
     validate_only: bool
     cluster_config: ClusterConfig
     retrace_every_iteration: bool = False
-    # backend(..., mixed_precision=) as the model zoo passes it on CPU: True trains in the half
-    # dtype, False in float32 whatever the half dtype; None leaves it to cstorch.amp (see there).
-    mixed_precision: bool | None = None
+    # backend(..., mixed_precision=), as the model zoo passes it on CPU: True trains in the half
+    # dtype (cstorch.amp), False in float32; the real CPU backend's default, False, on every type.
+    mixed_precision: bool = False
 
     def __post_init__(self):
         self.backend_type = BackendType(self.backend_type)
@@ -186,7 +186,7 @@ def backend(backend_type: str = "CSX", *args, artifact_dir: str = "./cerebras", 
                            f"{_current.backend_type} already exists")
     if compile_only and validate_only:
         raise CsTorchError("backend: compile_only and validate_only are exclusive")
-    mixed_precision = kwargs.pop("mixed_precision", None)
+    mixed_precision = kwargs.pop("mixed_precision", False)
     config = ClusterConfig.of(cluster_config)
     for key in ("num_csx", "num_workers_per_csx", "max_wgt_servers", "mount_dirs", "mgmt_address"):
         if key in kwargs:   # flat spellings of earlier releases
@@ -201,7 +201,7 @@ def backend(backend_type: str = "CSX", *args, artifact_dir: str = "./cerebras", 
         note("backend: retrace_every_iteration is not honoured: a traced step is captured once")
     _current = Backend(kind, str(artifact_dir), compile_dir, bool(compile_only), bool(validate_only), config,
                        bool(retrace_every_iteration),
-                       None if mixed_precision is None else bool(mixed_precision))
+                       bool(mixed_precision))
     return _current
 
 

@@ -54,10 +54,10 @@ def initialize(cs_ip: str | None = None, service_workdir: str = "./", compile_di
     switch) runs the model in this process instead."""
     for key in sorted(kwargs):
         note(f"cbtorch.initialize: argument {key}={kwargs[key]!r} is not honoured by the emulator")
-    if use_cbfloat16:   # mixed precision in cbfloat16, as cstorch.amp.set_half_dtype("cbfloat16")
+    if use_cbfloat16:   # asks for mixed precision in cbfloat16
         amp.set_half_dtype("cbfloat16")
     return backend("CPU" if cpu else "CSX", artifact_dir=service_workdir, compile_dir=compile_dir,
-                   compile_only=compile_only, validate_only=validate_only,
+                   compile_only=compile_only, validate_only=validate_only, mixed_precision=bool(use_cbfloat16),
                    cluster_config={"mgmt_address": cs_ip, "num_csx": num_csx,
                                    "num_workers_per_csx": num_workers_per_csx})
 

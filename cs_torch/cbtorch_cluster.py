@@ -27,7 +27,9 @@ When the Session ends the trained weights and the optimizer's state come
 back into the module and the optimizer; during the loop the module keeps
 its starting weights. The loop's data set is saved for the input workers
 (numpy arrays in artifact_dir, never pickled): a torch DataLoader object
-cannot be imported by name as a 2.x input_fn is.
+cannot be imported by name as a 2.x input_fn is. An IterableDataset, which
+may be endless, is read as the loop iterates, a batch a step
+(cs_torch/batch_files.py).
 """
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ from torch.overrides import TorchFunctionMode
 
 from . import capture as capture_mod
 from . import session as session_mod
-from .cluster_step import ClusterRun, plan_batches, saved_loader
-from .loader_replay import arrays_of
+from .batch_files import BatchWriter, streamed_batches
+from .cluster_step import ClusterRun, WorkerLoader, loader_settings, plan_batches, saved_loader
+from .loader_replay import arrays_of, is_iterable
 from .data import Batch
 from .nn import CsTorchError
 
@@ -126,6 +129,7 @@ class ClusterLoop:
         self.mode, self.dataloader, self.backend = session.mode, session.dataloader, backend
         self.model = self.optimizer = self.run = self.recorder = None
         self.plan = self.batch = None
+        self.writer = None           # an IterableDataset's batches, written as the loop reads them
         self.yielded = 0             # batches the loop has had: the workers stream batch i for step i
         self.first = None            # (model args, eager output) of the recorded iteration
         self.calls: list | None = None
@@ -137,6 +141,9 @@ class ClusterLoop:
     # ------------------------------------------------------------ the data
     def batches(self, loader):
         """The loop's pass over its loader: the global batches the input workers stream."""
+        if is_iterable(loader.loader):
+            yield from self._streamed(loader.loader)
+            return
         if self.plan is None:
             arrays = arrays_of(loader.loader)
             batch_size = getattr(loader.loader, "batch_size", None)
@@ -148,6 +155,23 @@ class ClusterLoop:
             self.plan = plan_batches(self.worker_loader, arrays)
         for _ in range(len(loader)):
             self.batch = next(self.plan)
+            self.yielded += 1
+            yield self.batch
+
+    def _streamed(self, torch_loader):
+        """A pass over an IterableDataset (it may be endless): each batch is read when the loop asks for
+        it and written for the workers as that step's file (cs_torch/batch_files.py)."""
+        if self.writer is None:
+            batch_size = loader_settings(torch_loader)["batch_size"]
+            self.writer = BatchWriter(self.backend.artifact_dir, batch_size)
+            self.worker_loader = WorkerLoader(streamed_batches, batch_size, self.writer.folder, batch_size,
+                                              shuffle=False, drop_last=True, shuffle_seed=session_mod._seed)
+        for batch in torch_loader:
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise CsTorchError("cbtorch.Session (CSX): the IterableDataset's loader must give "
+                                   "(input, label) batches")
+            self.writer.write(*batch)
+            self.batch = tuple(batch)
             self.yielded += 1
             yield self.batch
 
@@ -276,6 +300,9 @@ class ClusterLoop:
                 if run is not None:
                     run.finish(exc)
             finally:
-                path = getattr(getattr(self, "worker_loader", None), "args", [None])[0]
-                if path and os.path.exists(path):
-                    os.remove(path)
+                if self.writer is not None:
+                    self.writer.remove()
+                else:
+                    path = getattr(getattr(self, "worker_loader", None), "args", [None])[0]
+                    if path and os.path.exists(path):
+                        os.remove(path)

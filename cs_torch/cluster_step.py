@@ -82,6 +82,8 @@ def memoryx_optimizer(optimizer, params: dict | None = None):
 
 def _rule_of(optimizer, g: dict):
     from . import optimizers
+    if getattr(optimizer, "cluster_refusal", None):
+        raise CsTorchError(f"CSX backend: {optimizer.cluster_refusal}")
     if g.get("maximize"):
         raise CsTorchError(f"CSX backend: {type(optimizer).__name__} with maximize=True is not a MemoryX rule; "
                            "use backend('CPU') for it")
@@ -254,7 +256,7 @@ def worker_dataset(module, file, function, args, kwargs, states_file, steps):
     return RunSamples(loader, steps, states)
 
 
-def _settings(loader) -> dict:
+def loader_settings(loader) -> dict:
     """The batching of a torch DataLoader, as the workers' batch plan takes it."""
     batch_size = batch_size_of(loader) if hasattr(loader, "dataset") else None
     if not isinstance(batch_size, int):
@@ -270,7 +272,7 @@ def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[Wo
     and those samples here."""
     from .data import function_location
     loader = dataloader.loader
-    settings = _settings(loader)
+    settings = loader_settings(loader)
     states, states_file = None, None
     if not is_iterable(loader):
         states = start_states(loader)
@@ -298,7 +300,7 @@ def saved_loader(loader, arrays, directory: str, seed: int) -> WorkerLoader:
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(os.path.abspath(directory), f"dataset_{os.getpid()}_{next(_runs)}.npz")
     np.savez(path, x=arrays[0], y=arrays[1])
-    settings = _settings(loader)
+    settings = loader_settings(loader)
     return WorkerLoader(saved_dataset, settings.pop("batch_size"), path, shuffle_seed=seed, **settings)
 
 

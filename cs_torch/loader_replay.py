@@ -17,7 +17,6 @@ b * batch_size + i), so the plan reads them without shuffling.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from collections import OrderedDict
 
@@ -115,7 +114,9 @@ def batch_size_of(loader) -> int | None:
     model zoo's BERT processor), the rows of its first batch; None when there is none to read."""
     if isinstance(loader.batch_size, int) or not is_iterable(loader):
         return loader.batch_size
-    first = next(iter(loader.dataset), None)
+    # Through the loader: with worker processes the data set may be readable only in them (BERT's CSV
+    # processor shards its files in the loader's worker_init_fn).
+    first = next(iter(loader), None)
     if first is None:
         return None
     rows = first[LABELS] if isinstance(first, dict) and LABELS in first else \
@@ -130,7 +131,7 @@ def _batches_of(loader, draws: _EpochDraws | None):
     whole = loader.batch_size is None   # the data set yields whole batches
     while True:
         produced = 0
-        for batch in (_read_batches(loader.dataset, size, whole) if draws is None else draws.next_epoch()):
+        for batch in (_read_batches(loader, size, whole) if draws is None else draws.next_epoch()):
             if draws is not None and len(batch) != size:
                 raise CsTorchError(f"CSX backend: the torch DataLoader's batch {produced} has {len(batch)} "
                                    f"samples, not {size} (a traced step takes one input shape: drop_last=True)")
@@ -141,23 +142,19 @@ def _batches_of(loader, draws: _EpochDraws | None):
                                + (f" (its IterableDataset holds fewer than {size} samples)" if draws is None else ""))
 
 
-def _read_batches(dataset, size: int, whole: bool = False):
-    """An IterableDataset's full batches of one pass, as (inputs, labels) arrays (the tail short of a batch
-    dropped); `whole`: its items are batches already."""
-    pairs = iter(dataset)
-    if whole:
-        for batch in pairs:
-            x, y = stacked_pairs(_rows(batch))
-            if len(y) != size:
-                raise CsTorchError(f"CSX backend: the data set's batches have {len(y)} and {size} samples (a traced "
-                                   "step takes one input shape)")
-            yield x, y
-        return
-    while True:
-        chunk = list(itertools.islice(pairs, size))
-        if len(chunk) < size:
-            return
-        yield stacked_pairs(chunk)
+def _read_batches(loader, size: int, whole: bool = False):
+    """An IterableDataset's full batches of one pass, as (inputs, labels) arrays, read through its torch
+    DataLoader as iterating it does (its worker processes, each with its share of the data set, their
+    batches interleaved, and its collate_fn); a short tail is dropped. `whole`: the data set yields
+    batches (batch_size=None), each of which must have the first one's size."""
+    for batch in loader:
+        x, y = stacked_pairs(_rows(batch))
+        if len(y) != size:
+            if not whole:
+                return   # the tail of a pass (drop_last=False)
+            raise CsTorchError(f"CSX backend: the data set's batches have {len(y)} and {size} samples (a traced "
+                               "step takes one input shape)")
+        yield x, y
 
 
 LABELS = "labels"   # a dict sample's entry that is the program's target; its other tensors are the inputs
@@ -256,6 +253,8 @@ class RunSamples:
         return take_rows(x, item), y[item]
 
     def hand_back(self) -> None:
-        """The user's generators left as iterating the loader for the epochs reached would leave them."""
+        """At the run's end: the user's generators left as iterating the loader for the epochs reached would
+        leave them, and the pass in progress closed (a loader's worker processes stop with it)."""
+        self._source.close()
         if self._draws is not None:
             self._draws.hand_back()

@@ -257,13 +257,14 @@ def test_dynamic_loss_scaling_skips_overflowing_steps_and_grows_back():
 
 # ---------------------------------------------------------------- mixed precision
 def _scaled_mlp_loop(kind, fmt, data=None, steps=10):
-    """An MLP under GradScaler (from 2**20: float16 overflows) in `fmt` (cstorch.amp.set_half_dtype);
-    with a CSX backend over a DataExecutor, else over `data`. (losses, weights, batches, final scale)."""
+    """An MLP under GradScaler (from 2**20: float16 overflows) in `fmt` (cstorch.amp.set_half_dtype and
+    the backend's mixed_precision); with a CSX backend over a DataExecutor, else over `data`.
+    (losses, weights, batches, final scale)."""
     if fmt != "float32":
         assert cstorch.amp.set_half_dtype(fmt) == getattr(torch, "float16" if fmt == "cbfloat16" else fmt)
     cstorch.manual_seed(1)
     model = mlp.MLP(hidden=16)
-    compiled = cstorch.compile(model, cstorch.backend(kind))
+    compiled = cstorch.compile(model, cstorch.backend(kind, mixed_precision=fmt != "float32"))
     opt = cstorch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
     scaler = cstorch.amp.GradScaler(loss_scale="dynamic", init_scale=2.0 ** 20, max_loss_scale=2.0 ** 20,
                                     steps_per_increase=3)
@@ -281,13 +282,13 @@ def _scaled_mlp_loop(kind, fmt, data=None, steps=10):
 @pytest.fixture
 def half_dtype_unset(monkeypatch):
     """cstorch.amp's setting is process-wide: each test starts without one and leaves none behind."""
-    monkeypatch.setattr(cstorch.amp, "_half", {"dtype": "float16", "enabled": False})
+    monkeypatch.setattr(cstorch.amp, "_half", {"dtype": "float16"})
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16", "cbfloat16"])
 def test_half_dtype_trains_in_16_bits_on_csx_as_on_the_cpu_backend(fmt, half_dtype_unset):
-    """cstorch.amp.set_half_dtype makes the program's matmuls 16-bit on CSX (weights streamed in
+    """mixed_precision=True makes the program's matmuls 16-bit in the half dtype on CSX (weights streamed in
     16 bits, MemoryX unscaling and skipping overflowed steps) and on the CPU backend: the same
     batches give the same losses and weights, to the bit."""
     losses, weights, data, scale = _scaled_mlp_loop("CSX", fmt)
@@ -299,7 +300,6 @@ def test_half_dtype_trains_in_16_bits_on_csx_as_on_the_cpu_backend(fmt, half_dty
     if fmt == "float16":
         assert scale < 2.0 ** 20, "2**20 should have overflowed float16 at least once"
     backends.reset_backend()
-    cstorch.amp._half["enabled"] = False
     float32_losses, _, _, _ = _scaled_mlp_loop("CPU", "float32", data)
     assert losses != float32_losses
     assert max(abs(a - b) / b for a, b in zip(losses, float32_losses)) < 2e-2
@@ -309,6 +309,19 @@ def test_use_cbfloat16_of_cbtorch_sets_the_half_dtype(half_dtype_unset):
     assert cstorch.amp.precision() == "float32"
     cbtorch.initialize(use_cbfloat16=True)
     assert cstorch.amp.precision() == "cbfloat16"
+
+
+def test_the_half_dtype_alone_leaves_programs_in_float32(half_dtype_unset):
+    """As the real API: set_half_dtype picks the 16-bit format; the backend's mixed_precision (default
+    False) switches mixed precision on, on CSX as on CPU."""
+    cstorch.amp.set_half_dtype("bfloat16")
+    for kind in ("CPU", "CSX"):
+        backends.reset_backend()
+        cstorch.backend(kind)
+        assert cstorch.amp.precision() == "float32"
+        backends.reset_backend()
+        cstorch.backend(kind, mixed_precision=True)
+        assert cstorch.amp.precision() == "bfloat16"
 
 
 # ---------------------------------------------------------------- save, load, closures, errors
@@ -505,7 +518,7 @@ def test_backend_arguments_it_cannot_honour_say_so(capsys):
 
 
 def test_unsupported_parts_of_the_api_say_so():
-    for name in ("sparse", "profiler"):
+    for name in ("experimental", "profiler"):
         with pytest.raises(AttributeError, match=f"cstorch.{name} is not supported by the emulator: "):
             getattr(cstorch, name)
 
@@ -730,3 +743,45 @@ def test_param_groups_that_are_not_one_memoryx_rule_are_one_line():
     other_lr = cstorch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], 0.01)
     with pytest.raises(CsTorchError, match="param groups differing in lr"):
         memoryx_optimizer(other_lr, params)
+
+
+class Endless(torch.utils.data.IterableDataset):
+    """(input, label) pairs without end; counts what was read of it."""
+
+    def __init__(self):
+        self.read = 0
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(4)
+        while True:
+            self.read += 1
+            x = torch.randn(32, generator=gen)
+            yield x, int(x[:10].argmax())
+
+
+@pytest.mark.cluster
+def test_a_cbtorch_loop_over_an_endless_iterable_dataset_reads_only_its_steps(tmp_path):
+    torch.manual_seed(1)
+    cbtorch.initialize(service_workdir=str(tmp_path / "work"))
+    net = mlp.MLP(hidden=16)
+    ref = copy.deepcopy(net)
+    model = cbtorch.module(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = Endless()
+    loader = cbtorch.dataloader(torch.utils.data.DataLoader(data, batch_size=8))
+    losses, seen = [], []
+    with cbtorch.Session(loader, mode="train") as session:
+        for step, (x, y) in enumerate(loader, start=1):
+            seen.append((x, y))
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            session.add_step_closure(lambda loss: losses.append(loss.item()), [loss])
+            if step == 5:
+                break
+    assert data.read == 5 * 8     # nothing read ahead of the loop (the workers waited for each batch)
+    ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    assert_close_losses(losses, eager_train(ref, ref_optimizer, seen, torch.nn.functional.cross_entropy))
+    assert_same_weights(net, ref)
+    assert not [p for p in (tmp_path / "work").rglob("*.npz")]   # the batches' files went with the job

@@ -1,8 +1,11 @@
 """A CSX loop over the torch DataLoaders the model zoo gives it, against the CPU backend and torch eager:
-a shuffling loader over several epochs (the global generator) and an IterableDataset. The CSX run trains
+a shuffling loader over several epochs (the global generator), an IterableDataset, and one of whole
+batches read by the loader's worker processes (BERT's, num_workers > 0). The CSX run trains
 on the batches the CPU run sees, in the same order, and its losses and weights equal torch eager's there.
 """
 from __future__ import annotations
+
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -36,6 +39,30 @@ class Stream(torch.utils.data.IterableDataset):
 
 def iterable_input_fn(batch_size):
     return torch.utils.data.DataLoader(Stream(), batch_size, drop_last=True)
+
+
+class ShardedBatches(torch.utils.data.IterableDataset):
+    """Whole batches of 4 from 4 'files', shared among the loader's worker processes by its worker_init_fn,
+    as the model zoo's BERT CSV processor does under batch_size=None with num_workers > 0 (so the data set
+    can be read only through the loader)."""
+    files = None
+
+    def __iter__(self):
+        for file in self.files:
+            gen = torch.Generator().manual_seed(10 + file)
+            for _ in range(2):
+                x = torch.randn(4, 6, generator=gen)
+                yield x, x[:, :4].argmax(dim=1)
+
+
+def _share_files(worker_id):
+    info = torch.utils.data.get_worker_info()
+    info.dataset.files = list(range(info.id, 4, info.num_workers))
+
+
+def worker_processes_input_fn(batch_size):
+    return torch.utils.data.DataLoader(ShardedBatches(), batch_size=batch_size, num_workers=2,
+                                       worker_init_fn=_share_files)
 
 
 def train(kind: str, input_fn, batch_size: int):
@@ -79,11 +106,13 @@ def eager(batches):
     return losses, model
 
 
-@pytest.mark.parametrize("input_fn, batch_size", [(shuffled_input_fn, 8), (iterable_input_fn, 4)])
+@pytest.mark.parametrize("input_fn, batch_size", [(shuffled_input_fn, 8), (iterable_input_fn, 4),
+                                                   (worker_processes_input_fn, None)])
 def test_csx_trains_on_the_cpu_runs_batches_in_order(input_fn, batch_size, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cpu_losses, cpu_batches, _ = train("CPU", input_fn, batch_size)
     csx_losses, csx_batches, csx_model = train("CSX", input_fn, batch_size)
+    assert not multiprocessing.active_children()   # a loader's worker processes stopped with the run
     assert len(csx_batches) == STEPS
     for (a, b), (c, d) in zip(cpu_batches, csx_batches):
         assert torch.equal(a, c) and torch.equal(b, d)

@@ -54,7 +54,7 @@ def test_submodules_by_the_real_dotted_names() -> None:
     assert modes.EVAL_ALL == "eval_all"
 
 
-@pytest.mark.parametrize("name, why", [("sparse", "weights are dense"), ("experimental", "listeners")])
+@pytest.mark.parametrize("name, why", [("experimental", "listeners")])
 def test_a_name_not_emulated_is_one_line_naming_it(name: str, why: str) -> None:
     with pytest.raises(AttributeError, match=rf"^cstorch\.{name} is not supported by the emulator: .*{why}"):
         getattr(cstorch, name)

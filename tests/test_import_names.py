@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -104,3 +106,50 @@ def test_setup_installs_every_name() -> None:
                  "cerebras_appliance.utils", "cs_torch.core"):
         assert name in packages
     assert "cerebras" not in packages and not any("__pycache__" in p for p in packages)
+
+
+RUN_PY_OF_A_MODEL_ZOO = '''
+import atexit, os, sys
+sys.path.append(os.path.join(os.path.dirname(__file__), "../../.."))   # as the model zoo's run.py does
+import cerebras_pytorch as cstorch
+atexit.register(lambda: print("atexit handlers ran", flush=True))
+
+def get_cluster_config(params):
+    return cstorch.distributed.ClusterConfig(num_csx=params["num_csx"])
+
+def main():
+    get_cluster_config({"num_csx": 0})
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.cluster
+def test_a_script_that_catches_nothing_ends_on_our_one_line_error(tmp_path: Path) -> None:
+    """The model zoo's run.py lets every error out: ours is still one line and exit 2, after the
+    script's atexit handlers ran (they stop what the run started)."""
+    script = tmp_path / "run.py"
+    script.write_text(RUN_PY_OF_A_MODEL_ZOO)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "error: ClusterConfig: num_csx must be a positive integer, got 0\n"
+    assert result.stdout == "atexit handlers ran\n"
+
+
+def test_any_other_error_and_an_interactive_session_keep_the_previous_hook(monkeypatch) -> None:
+    from cs_runtime.errors import exit_on_user_input_error
+    from cs_torch.nn import CsTorchError
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: seen.append(exc))
+    exit_on_user_input_error()
+    hook = sys.excepthook
+    exit_on_user_input_error()                       # installed once however often it is asked
+    assert sys.excepthook is hook
+    fault = KeyError("ours or the user's: its traceback is kept")
+    hook(KeyError, fault, None)
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    typo = CsTorchError("a typo at the prompt must not end the session")
+    hook(CsTorchError, typo, None)
+    assert seen == [fault, typo]

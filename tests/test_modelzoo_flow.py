@@ -49,7 +49,7 @@ def the_runs_dropout_masks(step: int, rows: int, seed: int = 1):
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
     """A new backend per test, and cstorch.amp's process-wide half dtype left as it was."""
-    monkeypatch.setattr(amp, "_half", {"dtype": "float16", "enabled": False})
+    monkeypatch.setattr(amp, "_half", {"dtype": "float16"})
     reset_backend()
     yield
     reset_backend()
@@ -164,7 +164,7 @@ def test_the_cpu_backends_mixed_precision_argument_decides_over_the_half_dtype()
     """The 2.1 model zoo sets the half dtype on every run and passes `mixed_precision` to its CPU
     backend: False trains in float32 (torch eager's numbers), True in the half dtype."""
     cstorch.amp.set_half_dtype("float16")
-    assert amp.precision() == "float16"               # no backend yet: the half dtype, as before
+    assert amp.precision() == "float32"               # the half dtype alone switches nothing on
     cstorch.backend("CPU", mixed_precision=False)
     assert amp.precision() == "float32"
     reset_backend()
@@ -416,3 +416,75 @@ def test_a_restartable_loaders_state_is_the_samples_streamed() -> None:
     spec = cstorch.distributed.cluster_resolver.ClusterSpec(
         tasks=[cstorch.distributed.cluster_resolver.TaskSpec(0, 0, 0)])
     assert spec.num_tasks() == 1
+
+
+SPARSE = [r".*fc1\.weight", r".*out\.weight"]
+
+
+def test_static_sparsity_trains_as_torch_eager_with_its_masks() -> None:
+    """The 2.1 flow's three calls (configure_sparsity_optimizer on the params file's section, hook_module,
+    SparsityWrapperOptimizer) against torch eager with the same masks on the weights and their gradients:
+    SGD with momentum and weight decay, so the masked weights and momentum must stay 0."""
+    torch.manual_seed(0)
+    model = SelfLossMLP()
+    reference = copy.deepcopy(model)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    sparsity = cstorch.sparse.configure_sparsity_optimizer("static", model.named_parameters(), sparsity=0.75,
+                                                           init_method="random", param_name_patterns=SPARSE)
+    sparsity.hook_module(model)
+    optimizer = cstorch.sparse.SparsityWrapperOptimizer(optimizer, sparsity)
+    sparsity.initialize_sparsity()                     # the flow's call, after loading a checkpoint if any
+    masks = {name: sparsity.masks[p] for name, p in sparsity.params}
+    assert sorted(masks) == ["model.fc1.weight", "model.out.weight"]
+    assert all(int(m.sum()) == round(0.25 * m.numel()) for m in masks.values())
+
+    @cstorch.trace
+    def training_step(batch):
+        loss = compiled(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    batches = batches_of(False)
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: batches), num_steps=STEPS)
+    losses = [training_step(batch).item() for batch in executor]
+
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name in masks:
+                p.mul_(masks[name])
+                p.register_hook(lambda grad, mask=masks[name]: grad * mask)
+    eager = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    want = []
+    for batch in batches:
+        loss = reference(batch)
+        loss.backward()
+        eager.step()
+        eager.zero_grad()
+        want.append(loss.item())
+    np.testing.assert_allclose(losses, want, rtol=REL)
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state[name], value, rtol=0, atol=1e-6), name
+        if name in masks:
+            assert not state[name][~masks[name]].any()
+            assert not optimizer.state[model.get_parameter(name)]["momentum_buffer"][~masks[name]].any()
+
+
+def test_what_sparsity_cannot_do_here_is_one_line() -> None:
+    from cs_torch.cluster_step import memoryx_optimizer
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(cstorch.CsTorchError, match=r"^sparse: dynamic sparsity \(rigl\) is not emulated"):
+        cstorch.sparse.configure_sparsity_optimizer("rigl", model.named_parameters(), sparsity=0.5,
+                                                    param_name_patterns="weight")
+    with pytest.raises(cstorch.CsTorchError, match="give param_name_patterns"):
+        cstorch.sparse.configure_sparsity_optimizer("static", model.named_parameters(), sparsity=0.5)
+    wrapped = cstorch.sparse.configure_sparsity_wrapper(model, cstorch.optim.SGD(model.parameters(), lr=0.1),
+                                                        "static", sparsity=0.5, param_name_patterns="weight")
+    assert not (model.weight == 0).any()             # the masks are drawn at the module's first call
+    model(torch.ones(1, 4))
+    assert int((model.weight == 0).sum()) == 8
+    with pytest.raises(cstorch.CsTorchError, match="^CSX backend: weight sparsity is not emulated on CSX"):
+        memoryx_optimizer(wrapped)

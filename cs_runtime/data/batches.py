@@ -67,8 +67,10 @@ class BatchPlan:
         if step < 0:
             raise DataError(f"step must be non-negative, got {step}")
         epoch, within = divmod(step, self.steps_per_epoch)
-        order = _epoch_order(self.num_samples, self.shuffle, self.seed, epoch)
         start = within * self.batch_size
+        if not self.shuffle:   # in file order: no epoch's order held (a streamed data set has no end)
+            return np.arange(start, min(start + self.batch_size, self.num_samples), dtype=np.int64)
+        order = _epoch_order(self.num_samples, self.shuffle, self.seed, epoch)
         return order[start:start + self.batch_size].copy()
 
 

@@ -194,7 +194,7 @@ class FolderWatch:
     """A small process that removes `folder` as soon as this process is gone, however it ends
     (kill -9 included): the key folder of a launcher killed before its services started, or
     between a restart's attempts, when no service is there to remove it. `close()` (at the
-    job's end, after removing the folder) lets it exit."""
+    job's end, after removing the folder) stops it."""
 
     def __init__(self, folder: Path):
         import subprocess
@@ -209,9 +209,13 @@ class FolderWatch:
             os.close(read_end)
 
     def close(self) -> None:
+        """The owner removed the folder: the watcher has nothing left to do, and is stopped rather than
+        waited for, since a child forked from this process (a torch DataLoader's worker) holds the
+        pipe's write end too, and the watcher would see its EOF only once that child is gone."""
         if self._write_end >= 0:
             os.close(self._write_end)
             self._write_end = -1
+            self.proc.kill()
             self.proc.wait()
 
 
