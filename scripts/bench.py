@@ -84,6 +84,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))     # this checkout's packages, scripts/ among them
 from scripts.bench_models import MODELS as FOREIGN_MODELS  # noqa: E402  (the models preset's models)
+from cs_runtime.env import with_numerics_defaults  # noqa: E402
 FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
 AUGMENTED = REPO / "examples" / "fc_mnist" / "run_augmented.py"
 BENCH_MODELS = REPO / "scripts" / "bench_models.py"
@@ -530,7 +531,9 @@ def models_rows(tmp: Path, steps: int) -> dict:
 # Both sides of the in-process comparison on one thread: torch by set_num_threads(1), ours by
 # OpenBLAS's count (which also turns numerics/parallel.py's pieces off), so that CPU time is work
 # (a BLAS thread waiting for a core on a loaded machine spins, and its spin counts as CPU time).
-ONE_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+# The process gets the allocator csrun_cpu gives the CPU path (env.ALLOCATOR: freed arrays
+# reused, not fresh pages the kernel zeroes), torch's side included.
+ONE_THREAD = with_numerics_defaults({**os.environ, "OPENBLAS_NUM_THREADS": "1"}, threaded=False)
 
 
 def write_models_params(folder: Path, model: str, batch: int, steps: int) -> Path:

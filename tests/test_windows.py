@@ -1,5 +1,6 @@
 """The depthwise convolution's C loops (_windows.c, where setup.py built them) give the numpy
-path's bits, forward and input gradient, over strides, dilations, padding and odd sizes.
+path's bits, forward, input gradient and weight gradient, over strides, dilations, padding
+and odd sizes.
 The kernels' numbers against torch: tests/test_ops.py."""
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ GEOMETRIES = [  # (n, c, h, w, k, stride, pad, dilation)
     (3, 4, 11, 8, 5, (2, 2), (2, 2), (1, 1)),
     (1, 5, 9, 9, 3, (2, 1), (0, 1), (2, 1)),
     (2, 2, 6, 6, 1, (1, 1), (0, 0), (1, 1)),
+    (5, 3, 19, 21, 3, (1, 1), (1, 1), (1, 1)),   # weight-gradient sums of 2,000 terms
 ]
 
 

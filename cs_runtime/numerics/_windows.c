@@ -11,8 +11,10 @@ the same bits as the numpy path. tests/test_windows.py checks that.
     forward(xp, w, y, dims)        y[n, c, p, q] = sum over (i, j) of
                                    xp[n, c, p * sh + i * dh, q * sw + j * dw] * w[c, i, j]
     input_grad(g, w, dxp, dims)    dxp[n, c, p * sh + i * dh, q * sw + j * dw] += g[n, c, p, q] * w[c, i, j]
+    weight_grad(g, xp, dw, dims)   dw[c, i, j] = sum over (n, p, q), in that order from 0, of
+                                   g[n, c, p, q] * xp[n, c, p * sh + i * dh, q * sw + j * dw]
     dims = (n, c, hp, wp, kh, kw, oh, ow, sh, sw, dh, dw); xp, dxp [n, c, hp, wp] (padded),
-    w [c, kh, kw], y, g [n, c, oh, ow]: float32, C-contiguous. dxp must hold zeros. */
+    w, dw [c, kh, kw], y, g [n, c, oh, ow]: float32, C-contiguous. dxp must hold zeros. */
 #include "_loops.h"
 
 typedef struct {
@@ -56,6 +58,32 @@ static void input_grad_loop(const float *restrict g, const float *restrict w, fl
                     const float *row = grad + p * d.ow;
                     for (Py_ssize_t q = 0; q < d.ow; q++)
                         to[q * d.sw] = to[q * d.sw] + row[q] * weight;
+                }
+            }
+        }
+    }
+}
+
+/* Each (i, j) has its own sum, added to in (n, p, q) order: the sums of a channel run side by
+   side (independent additions, where one sum would wait for each), the order of each unchanged. */
+VECTOR_CLONES
+static void weight_grad_loop(const float *restrict g, const float *restrict xp, float *restrict dw, Dims d) {
+    for (Py_ssize_t c = 0; c < d.c; c++) {
+        float *sums = dw + c * d.kh * d.kw;
+        for (Py_ssize_t k = 0; k < d.kh * d.kw; k++)
+            sums[k] = 0.0f;
+        for (Py_ssize_t n = 0; n < d.n; n++) {
+            const float *grad = g + (n * d.c + c) * d.oh * d.ow;
+            const float *x = xp + (n * d.c + c) * d.hp * d.wp;
+            for (Py_ssize_t p = 0; p < d.oh; p++) {
+                for (Py_ssize_t q = 0; q < d.ow; q++) {
+                    const float gv = grad[p * d.ow + q];
+                    for (Py_ssize_t i = 0; i < d.kh; i++) {
+                        const float *from = x + (p * d.sh + i * d.dh) * d.wp + q * d.sw;
+                        float *row = sums + i * d.kw;
+                        for (Py_ssize_t j = 0; j < d.kw; j++)
+                            row[j] = row[j] + gv * from[j * d.dw];
+                    }
                 }
             }
         }
@@ -112,10 +140,30 @@ static PyObject *input_grad(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *weight_grad(PyObject *self, PyObject *args) {
+    Py_buffer b[3], ordered[3];
+    Dims d;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*" DIMS_FORMAT, &b[0], &b[1], &b[2], DIMS_FIELDS(d)))
+        return NULL;
+    ordered[0] = b[1];      /* xp, w-like dw, y-like g */
+    ordered[1] = b[2];
+    ordered[2] = b[0];
+    if (!sizes_agree(ordered, &d))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    weight_grad_loop(b[0].buf, b[1].buf, b[2].buf, d);
+    Py_END_ALLOW_THREADS
+    release_buffers(b, 3);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS, "forward(float32 xp, w, y, (n, c, hp, wp, kh, kw, oh, ow, sh, sw, dh, dw))"},
     {"input_grad", input_grad, METH_VARARGS,
      "input_grad(float32 g, w, dxp (zeros), (n, c, hp, wp, kh, kw, oh, ow, sh, sw, dh, dw))"},
+    {"weight_grad", weight_grad, METH_VARARGS,
+     "weight_grad(float32 g, xp, dw, (n, c, hp, wp, kh, kw, oh, ow, sh, sw, dh, dw))"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -123,4 +171,4 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_windows", "The depthwise convolution's loops (windows.py).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__windows(void) { return module_with_api(&module, 1); }
+PyMODINIT_FUNC PyInit__windows(void) { return module_with_api(&module, 2); }

@@ -149,15 +149,25 @@ def _sub_vjp(g, inputs, out, attrs):
     return _binary_grads(g, -g * alpha if alpha != 1 else -g, inputs, attrs)
 
 
-def _mul_vjp(g, inputs, out, attrs):
+# mul and div make only the gradients asked for (wanted; a scalar operand asks for none): in
+# GPT-2's gelu_new and mobilenet's hardswish most operands are constants, and each gradient
+# not made is a pass over a whole activation.
+
+def _mul_vjp(g, inputs, out, attrs, wanted=(True, True)):
     a, b = _operands(inputs, attrs)
-    return _binary_grads(g * b, g * a, inputs, attrs)
+    if "scalar" in attrs:
+        return [unbroadcast(g * (a if attrs.get("reverse") else b), inputs[0].shape)]
+    return [unbroadcast(g * b, inputs[0].shape) if wanted[0] else None,
+            unbroadcast(g * a, inputs[1].shape) if wanted[1] else None]
 
 
-def _div_vjp(g, inputs, out, attrs):
+def _div_vjp(g, inputs, out, attrs, wanted=(True, True)):
     a, b = _operands(inputs, attrs)
     ga = g / b
-    return _binary_grads(ga, -ga * a / b, inputs, attrs)
+    if "scalar" in attrs:
+        return [unbroadcast(-ga * a / b if attrs.get("reverse") else ga, inputs[0].shape)]
+    return [unbroadcast(ga, inputs[0].shape) if wanted[0] else None,
+            unbroadcast(-ga * a / b, inputs[1].shape) if wanted[1] else None]
 
 
 def _alpha(b, attrs):
@@ -178,9 +188,9 @@ def _sub_forward(inputs, attrs):
 _register("add", _add_forward, _add_vjp, _binary_shape, _elementwise_cost(1))
 _register("sub", _sub_forward, _sub_vjp, _binary_shape, _elementwise_cost(1))
 _register("mul", lambda i, a: parallel.binary(np.multiply, *_operands(i, a), commutative=True), _mul_vjp,
-          _binary_shape, _elementwise_cost(1), saves_inputs=(0, 1))
+          _binary_shape, _elementwise_cost(1), saves_inputs=(0, 1), partial=True)
 _register("div", lambda i, a: np.divide(*_operands(i, a)), _div_vjp, _binary_shape, _elementwise_cost(1),
-          saves_inputs=(0, 1))
+          saves_inputs=(0, 1), partial=True)
 _register("neg", lambda i, a: -i[0], lambda g, i, o, a: [-g], _same_shape, _elementwise_cost(1))
 
 
@@ -411,13 +421,24 @@ _register("sigmoid", lambda i, a: _sigmoid(i[0]), lambda g, i, o, a: [g * (o * (
           _elementwise_cost(4), saves_output=True)
 
 
+def _silu_slope(x, s):
+    """d/dx x * sigmoid(x), s = sigmoid(x)."""
+    return s * (1 + x * (1 - s))
+
+
 def _silu_vjp(g, inputs, out, attrs):
+    return [g * _silu_slope(inputs[0], _sigmoid(inputs[0]))]
+
+
+# As GELU's: a training step's forward makes the slope with the value, sigmoid once (Llama's MLP).
+
+def _silu_and_slope(inputs, attrs):
     s = _sigmoid(inputs[0])
-    return [g * s * (1 + inputs[0] * (1 - s))]
+    return inputs[0] * s, _silu_slope(inputs[0], s)
 
 
 _register("silu", lambda i, a: i[0] * _sigmoid(i[0]), _silu_vjp, _same_shape, _elementwise_cost(5),
-          saves_inputs=(0,))
+          saves_inputs=(0,), residual=_silu_and_slope, residual_vjp=lambda g, i, slope, a: [g * slope])
 
 
 # ---------------------------------------------------------------- softmax family
@@ -431,8 +452,11 @@ def softmax(x, axis):
 
 
 def log_softmax(x, axis):
+    """shifted - log(sum(exp(shifted))), shifted = x - max: one new array besides the result."""
     shifted = x - x.max(axis=axis, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+    e = np.exp(shifted)
+    total = np.log(e.sum(axis=axis, keepdims=True))
+    return np.subtract(shifted, total, out=e)
 
 
 def _softmax_vjp(g, inputs, out, attrs):
@@ -1314,16 +1338,29 @@ def _ce_logp(x):
 
 
 def _ce_vjp(g, inputs, out, attrs):
-    x, target = inputs
-    logp = _ce_logp(x)
-    d = _nll_dflat(g, logp, target, attrs)
-    flat_p = np.exp(_class_axis_last(logp))
-    dx = d - flat_p * d.sum(axis=-1, keepdims=True)
-    return [_unflatten_classes(dx, x), None]
+    return _ce_vjp_from_logp(g, inputs, _ce_logp(inputs[0]), attrs)
+
+
+# In a training step the forward keeps its log-probabilities (the scores' size) as the residual,
+# so the backward does not compute log_softmax again: a language model's scores are its
+# largest activation (GPT-2's, vocabulary 1024: 1M floats a batch of 8).
+
+def _ce_and_logp(inputs, attrs):
+    logp = _ce_logp(inputs[0])
+    return _nll_forward(logp, inputs[1], attrs), logp
+
+
+def _ce_vjp_from_logp(g, inputs, logp, attrs):
+    d = _nll_dflat(g, logp, inputs[1], attrs)
+    dx = np.exp(_class_axis_last(logp))
+    dx *= d.sum(axis=-1, keepdims=True)
+    np.subtract(d, dx, out=dx)     # d - p * sum(d), in p's array
+    return [_unflatten_classes(dx, logp), None]
 
 
 _register("cross_entropy", lambda i, a: _nll_forward(_ce_logp(i[0]), i[1], a), _ce_vjp, _loss_shape,
-          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1))
+          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1), residual=_ce_and_logp,
+          residual_vjp=_ce_vjp_from_logp, residual_reads=(1,), residual_shape=lambda s, out, a: tuple(s[0]))
 
 
 def _classifier_loss_shape(shapes, attrs):
@@ -1486,12 +1523,10 @@ def _clamp_vjp(g, inputs, out, attrs):
     """torch's: the gradient passes where min <= x <= max (both ends included)."""
     x = inputs[0]
     lo, hi = _clamp_bounds(x, attrs)
-    keep = np.ones(x.shape, dtype=bool)
-    if lo is not None:
-        keep &= x >= lo
+    keep = x >= lo if lo is not None else None
     if hi is not None:
-        keep &= x <= hi
-    return [np.where(keep, g, 0).astype(g.dtype)]
+        keep = x <= hi if keep is None else np.logical_and(keep, x <= hi, out=keep)
+    return [np.where(keep, g, g.dtype.type(0)).astype(g.dtype, copy=False)]
 
 
 _register("clamp", _clamp_forward, _clamp_vjp, _same_shape, _elementwise_cost(2), saves_inputs=(0,))
