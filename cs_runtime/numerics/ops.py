@@ -1039,8 +1039,11 @@ def _sdpa_probs(inputs, attrs):
     scores = q @ _swap(k)
     scores *= scale
     mask = inputs[3] if len(inputs) > 3 else None
-    if mask is not None:
-        scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
+    if mask is not None and mask.dtype == bool:
+        if not mask.all():    # an all-True mask (BERT's, of unpadded batches) changes nothing: no pass
+            scores = np.where(mask, scores, -np.inf)
+    elif mask is not None:
+        scores = scores + mask
     if attrs.get("is_causal"):
         scores += _causal_bias(q.shape[-2], k.shape[-2], scores.dtype)
     return softmax(scores, -1).astype(q.dtype, copy=False), scale
@@ -1099,7 +1102,7 @@ def _sdpa_output(inputs, attrs, keep_probs: bool):
         probs, _ = _sdpa_probs(part, attrs)
         if kept is not None:
             kept[lo:hi] = probs
-        out[lo:hi] = probs @ np.ascontiguousarray(part[2])
+        np.matmul(probs, np.ascontiguousarray(part[2]), out=out[lo:hi])
     _sdpa_by_samples(inputs, samples, rows)
     return out, kept
 
