@@ -95,18 +95,21 @@ BIN = Path(sys.executable).parent
 def c_loops() -> dict:
     """Which of this checkout's optional C loops (setup.py) are built: "C loops" or "numpy"
     for the 16-bit conversions (precision.py), the exact GELU and the dense dropout masks
-    (kernels.py) and SGD's momentum update (optim.py)."""
+    (kernels.py), SGD's momentum update (optim.py), the depthwise convolution (windows.py)
+    and layer norm (ops.py)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
-    from cs_runtime.numerics import kernels, optim, precision
+    from cs_runtime.numerics import kernels, ops, optim, precision, windows
     return {"conversions": precision.conversion_path(), "exact_gelu": kernels.gelu_path(),
-            "dropout_masks": kernels.mask_path(), "momentum_update": optim.momentum_path()}
+            "dropout_masks": kernels.mask_path(), "momentum_update": optim.momentum_path(),
+            "depthwise": windows.depthwise_path(), "layer_norm": ops.norms_path()}
 
 
 def c_loops_line() -> str:
     paths = c_loops()
     return (f"16-bit conversions: {paths['conversions']}; exact GELU: {paths['exact_gelu']}; "
-            f"dropout masks: {paths['dropout_masks']}; momentum update: {paths['momentum_update']}")
+            f"dropout masks: {paths['dropout_masks']}; momentum update: {paths['momentum_update']}; "
+            f"depthwise convolution: {paths['depthwise']}; layer norm: {paths['layer_norm']}")
 
 
 PRESETS = {

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cs_runtime.errors import UserInputError
-from cs_runtime.numerics import kernels, parallel, windows
+from cs_runtime.numerics import compiled, kernels, parallel, windows
 from cs_runtime.numerics.parallel import matmul as mm
 
 
@@ -498,6 +498,48 @@ def _by_rows(x, axes, work) -> None:
         parallel.in_pieces(x.shape[0], work, elements=x.size, align=1)
 
 
+# optional: the row passes as C loops (_norms.c), the same bits, for float32 rows normalised
+# over the last axis alone (numpy's reduction of such a row is the pairwise sum the loops make)
+_norm_loops = compiled.load("_norms", api=1)
+
+
+def norms_path() -> str:
+    """How this install runs layer norm's row passes: "C loops" (_norms.c built) or "numpy"."""
+    return "numpy" if _norm_loops is None else "C loops"
+
+
+def _parameter(inputs, i):
+    return inputs[i] if len(inputs) > i and inputs[i] is not None else None
+
+
+def _loops_take(x, inputs, attrs) -> bool:
+    if _norm_loops is None or len(attrs["normalized_shape"]) != 1 or x.dtype != np.float32:
+        return False
+    return x.flags.c_contiguous and x.size > 0 and all(
+        p is None or (p.dtype == np.float32 and p.shape == x.shape[-1:] and p.flags.c_contiguous)
+        for p in (_parameter(inputs, 1), _parameter(inputs, 2)))
+
+
+def _dims(rows, width, gain, bias) -> tuple:
+    return rows, width, gain is not None, bias is not None
+
+
+def _layer_norm_by_loops(inputs, attrs, keep_xhat: bool):
+    """(y, x-hat, rstd) by the C loops, a piece of rows at a time; x-hat is y's array unless
+    `keep_xhat` (a training step's forward keeps it)."""
+    x, gain, bias = inputs[0], _parameter(inputs, 1), _parameter(inputs, 2)
+    width, eps = x.shape[-1], float(x.dtype.type(attrs.get("eps", 1e-5)))
+    xhat, rstd = np.empty_like(x), np.empty(x.shape[:-1] + (1,), x.dtype)
+    y = np.empty_like(x) if keep_xhat else xhat
+
+    def rows(lo, hi):
+        part = x[lo:hi]
+        _norm_loops.forward(part, part if gain is None else gain, part if bias is None else bias, xhat[lo:hi],
+                            rstd[lo:hi], y[lo:hi], _dims(part.size // width, width, gain, bias), eps)
+    _by_rows(x, (x.ndim - 1,), rows)
+    return y, xhat, rstd
+
+
 def _layer_norm_stats(x, attrs):
     """(x-hat in a new array, rstd)."""
     axes = _ln_axes(x, attrs)
@@ -517,6 +559,8 @@ def _layer_norm_stats(x, attrs):
 
 
 def _layer_norm_forward(inputs, attrs):
+    if _loops_take(inputs[0], inputs, attrs):
+        return _layer_norm_by_loops(inputs, attrs, keep_xhat=False)[0]
     y, _ = _layer_norm_stats(inputs[0], attrs)
     return _scale_and_shift(y, inputs, out=y)
 
@@ -537,6 +581,9 @@ def _scale_and_shift(xhat, inputs, out=None):
 def _layer_norm_and_stats(inputs, attrs):
     """(the output, (x-hat, rstd)): a training step's forward keeps the statistics, so the
     backward need not compute them again from x (which it then does not keep)."""
+    if _loops_take(inputs[0], inputs, attrs):
+        y, xhat, rstd = _layer_norm_by_loops(inputs, attrs, keep_xhat=True)
+        return y, (xhat, rstd)
     xhat, rstd = _layer_norm_stats(inputs[0], attrs)
     return _scale_and_shift(xhat, inputs), (xhat, rstd)
 
@@ -555,6 +602,15 @@ def _layer_norm_vjp_from_stats(g, inputs, stats, attrs):
     lead = tuple(range(x.ndim - len(axes)))
     has_gain = len(inputs) > 1 and inputs[1] is not None
     dx = np.empty(np.broadcast_shapes(g.shape, x.shape), np.result_type(g, inputs[1]) if has_gain else g.dtype)
+    gain, width = _parameter(inputs, 1), x.shape[-1]
+    by_loops = (g.shape == x.shape and g.dtype == np.float32 and xhat.flags.c_contiguous
+                and _loops_take(xhat, inputs[:2], attrs))
+    g = np.ascontiguousarray(g) if by_loops else g
+
+    def loop_rows(lo, hi):
+        part = g[lo:hi]
+        _norm_loops.backward(part, xhat[lo:hi], rstd[lo:hi], part if gain is None else gain, dx[lo:hi],
+                             _dims(part.size // width, width, gain, None))
 
     def rows(lo, hi):
         d = dx[lo:hi]
@@ -568,7 +624,7 @@ def _layer_norm_vjp_from_stats(g, inputs, stats, attrs):
         np.multiply(xhat[lo:hi], projection, out=scratch)
         d -= scratch
         d *= rstd[lo:hi]
-    _by_rows(x, axes, rows)
+    _by_rows(x, axes, loop_rows if by_loops else rows)
     grads = [dx]
     if len(inputs) > 1:
         grads.append(np.multiply(g, xhat).sum(axis=lead) if has_gain else None)
