@@ -17,9 +17,11 @@ GEOMETRIES = [  # (n, c, h, w, k, stride, pad, dilation)
 
 
 @pytest.mark.parametrize("n, c, h, w, k, stride, pad, dil", GEOMETRIES)
-def test_the_depthwise_loops_give_the_numpy_paths_bits(monkeypatch, n, c, h, w, k, stride, pad, dil):
+@pytest.mark.parametrize("layout", ["planes first", "channels last"])
+def test_the_depthwise_loops_give_the_numpy_paths_bits(monkeypatch, n, c, h, w, k, stride, pad, dil, layout):
     if windows.depthwise_path() != "C loops":
         pytest.skip("_windows.c is not built here (pip install -e . builds it where a C compiler is found)")
+    monkeypatch.setattr(windows, "CHANNELS_LAST_RATIO", 1 << 30 if layout == "planes first" else 0)
     rng = np.random.default_rng(k)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
     weight = rng.standard_normal((c, 1, k, k)).astype(np.float32)
@@ -40,4 +42,4 @@ def test_the_loops_refuse_buffers_that_do_not_match_their_dimensions():
         pytest.skip("_windows.c is not built here")
     xp, w, y = np.zeros((1, 2, 5, 5), np.float32), np.zeros((2, 3, 3), np.float32), np.zeros((1, 2, 3, 3), np.float32)
     with pytest.raises(ValueError, match="dimensions"):
-        windows._depthwise_loops.forward(xp, w, y, (1, 2, 5, 5, 3, 3, 4, 4, 1, 1, 1, 1))   # 4 x 4 out of a 5 x 5
+        windows._depthwise_loops.forward(xp, w, y, (1, 2, 5, 5, 3, 3, 4, 4, 1, 1, 1, 1, 1))   # 4 x 4 out of a 5 x 5
