@@ -148,17 +148,18 @@ def in_pieces(n: int, work: Callable[[int, int], None], elements: int | None = N
     run([lambda lo=lo, hi=hi: work(lo, hi) for lo, hi in cuts(n, align=align)])
 
 
-def in_chunks(n: int, work: Callable[..., None], scratch: Callable[[int], tuple] | None = None) -> None:
-    """work(start, stop, *buffers) for every CHUNK of range(n) (the last one shorter), the
+def in_chunks(n: int, work: Callable[..., None], scratch: Callable[[int], tuple] | None = None,
+              chunk: int = CHUNK) -> None:
+    """work(start, stop, *buffers) for every `chunk` of range(n) (the last one shorter), the
     chunks in pieces side by side (in_pieces). `scratch(size)`: a chunk's working arrays,
     made once per piece and handed to each of its chunks cut to the chunk's length (pieces
     side by side cannot share them)."""
     def piece(begin: int, end: int) -> None:
-        buffers = scratch(min(CHUNK, end - begin)) if scratch is not None else ()
-        for start in range(begin, end, CHUNK):
-            stop = min(start + CHUNK, end)
+        buffers = scratch(min(chunk, end - begin)) if scratch is not None else ()
+        for start in range(begin, end, chunk):
+            stop = min(start + chunk, end)
             work(start, stop, *(buffer[:stop - start] for buffer in buffers))
-    in_pieces(n, piece, align=CHUNK)
+    in_pieces(n, piece, align=chunk)
 
 
 def map_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
