@@ -1,4 +1,4 @@
-/* Layer norm's row passes of cs_runtime/numerics/ops.py as C loops: optional.
+/* Row passes of cs_runtime/numerics/ops.py as C loops, layer norm's and softmax's backward: optional.
 
 Why: ops.py normalises a row in some dozen numpy passes (a mean, a centring, a square,
 a second mean, a scaling, the gain and the bias; the backward as many), each over the
@@ -16,8 +16,10 @@ checks that.
     backward(g, xhat, rstd, gain, dx, (rows, width, has_gain, 0))
         d = g * gain (has_gain; else g);  p = sum(d * xhat) / width
         dx = ((d - sum(d) / width) - xhat * p) * rstd
-    x, xhat, y, g, dx [rows, width]; rstd [rows]; gain, bias [width] (any float32 buffer
-    when absent): float32, C-contiguous. */
+    softmax_backward(g, p, out, (rows, width), scale, scaled)
+        out = (g - sum(g * p)) * p, then * scale where `scaled` (attention's)   out may be g itself
+    x, xhat, y, g, dx, p, out [rows, width]; rstd [rows]; gain, bias [width] (any float32 buffer
+    when absent): float32, C-contiguous. The sums are numpy's row sums (pairwise, from 0). */
 #include "_loops.h"
 #include <math.h>
 #include <stdlib.h>
@@ -114,6 +116,30 @@ static void backward_loop(const float *g, const float *xhat, const float *rstd, 
     }
 }
 
+VECTOR_CLONES
+static void products(const float *restrict a, const float *restrict b, float *restrict out, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++)
+        out[j] = a[j] * b[j];
+}
+
+VECTOR_CLONES
+static void softmax_row(const float *g, const float *restrict p, float *out, float total, float scale, int scaled,
+                        Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        float v = (g[j] - total) * p[j];
+        out[j] = scaled ? v * scale : v;
+    }
+}
+
+static void softmax_backward_loop(const float *g, const float *p, float *out, float *scratch, Dims d, float scale,
+                                  int scaled) {
+    for (Py_ssize_t r = 0; r < d.rows; r++) {
+        const Py_ssize_t at = r * d.width;
+        products(g + at, p + at, scratch, d.width);
+        softmax_row(g + at, p + at, out + at, 0.0f + pairwise_sum(scratch, d.width), scale, scaled, d.width);
+    }
+}
+
 /* Each buffer's length in floats against what dims make of it (-1: any, an absent operand). */
 static int lengths_agree(Py_buffer *b, const Py_ssize_t *wanted, int count) {
     for (int i = 0; i < count; i++) {
@@ -175,15 +201,42 @@ static PyObject *backward(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *softmax_backward(PyObject *self, PyObject *args) {
+    Py_buffer b[3];
+    Dims d = {0, 0, 0, 0};
+    float scale;
+    int scaled;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*(nn)fp", &b[0], &b[1], &b[2], &d.rows, &d.width, &scale, &scaled))
+        return NULL;
+    Py_ssize_t all = d.rows * d.width;
+    Py_ssize_t wanted[3] = {all, all, all};
+    if (d.width < 1 || !lengths_agree(b, wanted, 3))
+        return d.width < 1 ? (release_buffers(b, 3), PyErr_Format(PyExc_ValueError, "rows of no width")) : NULL;
+    float *scratch = malloc((size_t)d.width * sizeof(float));
+    if (scratch == NULL) {
+        release_buffers(b, 3);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    softmax_backward_loop(b[0].buf, b[1].buf, b[2].buf, scratch, d, scale, scaled);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    release_buffers(b, 3);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"forward", forward, METH_VARARGS,
      "forward(float32 x, gain, bias, xhat, rstd, y, (rows, width, has_gain, has_bias), eps)"},
     {"backward", backward, METH_VARARGS, "backward(float32 g, xhat, rstd, gain, dx, (rows, width, has_gain, 0))"},
+    {"softmax_backward", softmax_backward, METH_VARARGS,
+     "softmax_backward(float32 g, p, out, (rows, width), scale, scaled)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_norms", "Layer norm's row passes (ops.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_norms", "Row passes of ops.py: layer norm's, softmax's backward.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__norms(void) { return module_with_api(&module, 1); }

@@ -441,6 +441,18 @@ _register("silu", lambda i, a: i[0] * _sigmoid(i[0]), _silu_vjp, _same_shape, _e
           saves_inputs=(0,), residual=_silu_and_slope, residual_vjp=lambda g, i, slope, a: [g * slope])
 
 
+# optional: row passes as C loops (_norms.c), the same bits, for float32 rows along the last
+# axis (numpy's reduction of such a row is the pairwise sum the loops make): layer norm's, and
+# the softmax's backward (attention's among them)
+_norm_loops = compiled.load("_norms", api=1)
+
+
+def norms_path() -> str:
+    """How this install runs layer norm's and softmax's backward row passes: "C loops" (_norms.c
+    built) or "numpy"."""
+    return "numpy" if _norm_loops is None else "C loops"
+
+
 # ---------------------------------------------------------------- softmax family
 
 def softmax(x, axis):
@@ -459,8 +471,24 @@ def log_softmax(x, axis):
     return np.subtract(shifted, total, out=e)
 
 
+def _softmax_grad_by_loops(g, p, into, scale=None) -> bool:
+    """into <- (g - rowsum(g * p)) * p (then * scale), over the last axis, by the C loops
+    (_norms.c: numpy's bits) when they take these arrays (float32, C-contiguous, one shape;
+    `into` may be g); False: nothing done."""
+    if _norm_loops is None or not all(a.dtype == np.float32 and a.flags.c_contiguous and a.shape == p.shape
+                                      for a in (g, p, into)) or p.ndim == 0 or p.size == 0:
+        return False
+    _norm_loops.softmax_backward(g, p, into, (p.size // p.shape[-1], p.shape[-1]),
+                                 1.0 if scale is None else float(scale), scale is not None)
+    return True
+
+
 def _softmax_vjp(g, inputs, out, attrs):
     axis = _axis(attrs["dim"], out.ndim)
+    if axis == out.ndim - 1:
+        d = np.empty_like(out)
+        if _softmax_grad_by_loops(g, out, d):
+            return [d]
     d = g * out
     np.subtract(g, d.sum(axis=axis, keepdims=True), out=d)
     d *= out
@@ -496,16 +524,6 @@ def _by_rows(x, axes, work) -> None:
         work(None, None)
     else:
         parallel.in_pieces(x.shape[0], work, elements=x.size, align=1)
-
-
-# optional: the row passes as C loops (_norms.c), the same bits, for float32 rows normalised
-# over the last axis alone (numpy's reduction of such a row is the pairwise sum the loops make)
-_norm_loops = compiled.load("_norms", api=1)
-
-
-def norms_path() -> str:
-    """How this install runs layer norm's row passes: "C loops" (_norms.c built) or "numpy"."""
-    return "numpy" if _norm_loops is None else "C loops"
 
 
 def _parameter(inputs, i):
@@ -1199,9 +1217,10 @@ def _sdpa_vjp_whole(g, inputs, out, attrs, probs=None):
         scale = _sdpa_scale(q, attrs)
     dv = unbroadcast(_swap(probs) @ g, v.shape)
     dscores = g @ _swap(v)
-    dscores -= (dscores * probs).sum(axis=-1, keepdims=True)
-    dscores *= probs
-    dscores *= scale
+    if not _softmax_grad_by_loops(dscores, probs, dscores, scale):
+        dscores -= (dscores * probs).sum(axis=-1, keepdims=True)
+        dscores *= probs
+        dscores *= scale
     grads = [unbroadcast(dscores @ k, q.shape), unbroadcast(_swap(dscores) @ q, k.shape), dv]
     if len(inputs) > 3:
         mask = inputs[3]
