@@ -84,6 +84,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))     # this checkout's packages, scripts/ among them
 from scripts.bench_models import MODELS as FOREIGN_MODELS  # noqa: E402  (the models preset's models)
+from cs_runtime.env import with_numerics_defaults  # noqa: E402
 FC_MNIST = REPO / "examples" / "fc_mnist" / "run.py"
 AUGMENTED = REPO / "examples" / "fc_mnist" / "run_augmented.py"
 BENCH_MODELS = REPO / "scripts" / "bench_models.py"
@@ -94,18 +95,21 @@ BIN = Path(sys.executable).parent
 def c_loops() -> dict:
     """Which of this checkout's optional C loops (setup.py) are built: "C loops" or "numpy"
     for the 16-bit conversions (precision.py), the exact GELU and the dense dropout masks
-    (kernels.py) and SGD's momentum update (optim.py)."""
+    (kernels.py), SGD's momentum update (optim.py), the depthwise convolution (windows.py)
+    and layer norm (ops.py)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))     # this checkout's cs_runtime
-    from cs_runtime.numerics import kernels, optim, precision
+    from cs_runtime.numerics import kernels, ops, optim, precision, windows
     return {"conversions": precision.conversion_path(), "exact_gelu": kernels.gelu_path(),
-            "dropout_masks": kernels.mask_path(), "momentum_update": optim.momentum_path()}
+            "dropout_masks": kernels.mask_path(), "momentum_update": optim.momentum_path(),
+            "depthwise": windows.depthwise_path(), "layer_norm": ops.norms_path()}
 
 
 def c_loops_line() -> str:
     paths = c_loops()
     return (f"16-bit conversions: {paths['conversions']}; exact GELU: {paths['exact_gelu']}; "
-            f"dropout masks: {paths['dropout_masks']}; momentum update: {paths['momentum_update']}")
+            f"dropout masks: {paths['dropout_masks']}; momentum update: {paths['momentum_update']}; "
+            f"depthwise convolution: {paths['depthwise']}; layer norm: {paths['layer_norm']}")
 
 
 PRESETS = {
@@ -530,7 +534,9 @@ def models_rows(tmp: Path, steps: int) -> dict:
 # Both sides of the in-process comparison on one thread: torch by set_num_threads(1), ours by
 # OpenBLAS's count (which also turns numerics/parallel.py's pieces off), so that CPU time is work
 # (a BLAS thread waiting for a core on a loaded machine spins, and its spin counts as CPU time).
-ONE_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+# The process gets the allocator csrun_cpu gives the CPU path (env.ALLOCATOR: freed arrays
+# reused, not fresh pages the kernel zeroes), torch's side included.
+ONE_THREAD = with_numerics_defaults({**os.environ, "OPENBLAS_NUM_THREADS": "1"}, threaded=False)
 
 
 def write_models_params(folder: Path, model: str, batch: int, steps: int) -> Path:

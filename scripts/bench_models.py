@@ -9,7 +9,8 @@ one thread, captured as they ship.
 In process, each step is timed by CPU time (time.process_time: every thread of this
 process, BLAS's included) and by wall clock; torch runs on one thread
 (torch.set_num_threads(1)) and bench.py runs this with OPENBLAS_NUM_THREADS=1, so that
-each side's CPU time is its work, not a BLAS thread spinning for a core. Batch norm is
+each side's CPU time is its work, not a BLAS thread spinning for a core, and with the
+allocator csrun_cpu gives the CPU path (cs_runtime/env.py's ALLOCATOR). Batch norm is
 in eval mode (running statistics as constants), dropout off: the step is the same
 work on both sides. Under csrun_wse the same module trains on synthetic batches of the
 same shapes; model.name picks the model (names that are not the model zoo's).

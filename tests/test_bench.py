@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from cs_runtime.numerics.kernels import gelu_path, mask_path
+from cs_runtime.numerics.ops import norms_path
 from cs_runtime.numerics.optim import momentum_path
 from cs_runtime.numerics.precision import conversion_path
+from cs_runtime.numerics.windows import depthwise_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,8 +30,10 @@ def test_quick_bench_writes_rows_and_verdicts(tmp_path):
     assert got["preset"] == "tiny" and got["steps"] >= 4
     assert got["conversions"] == conversion_path() and got["exact_gelu"] == gelu_path()
     assert got["dropout_masks"] == mask_path() and got["momentum_update"] == momentum_path()
+    assert got["depthwise"] == depthwise_path() and got["layer_norm"] == norms_path()
     assert (f"16-bit conversions: {got['conversions']}; exact GELU: {got['exact_gelu']}; dropout masks: "
-            f"{got['dropout_masks']}; momentum update: {got['momentum_update']}") in result.stdout
+            f"{got['dropout_masks']}; momentum update: {got['momentum_update']}; depthwise convolution: "
+            f"{got['depthwise']}; layer norm: {got['layer_norm']}") in result.stdout
     names = [row["name"] for row in got["rows"]]
     rows_by_name = {row["name"]: row for row in got["rows"]}
     assert names == ["cpu", "weight_streaming_1wse", "ws_1wse_float16"]

@@ -115,12 +115,14 @@ def test_a_lowered_spec_crosses_the_wire_as_data_and_is_validated():
 def test_residuals_are_kept_for_the_backward_and_the_gradients_keep_their_bits(name, monkeypatch):
     """A GELU's forward keeps its derivative (r:<output>, the size of its input) and layer
     norm its statistics in place of their input, attention its probabilities beside its
-    inputs, a classifier's loss its gradient in place of the scores; every gradient is bit
+    inputs, a classifier's loss its gradient and a token model's cross entropy its
+    log-probabilities in place of the scores; every gradient is bit
     for bit the one of the rules that recompute them (the ops without their residuals)."""
     spec = SPECS[name]()
     lowered = lower_spec(spec)
     units = [unit_of(layer) for layer in lowered.layers]
-    kinds = {"gelu"} | ({"self_attention", "layer_norm"} if spec.token_model else {"softmax_cross_entropy"})
+    kinds = {"gelu"} | ({"self_attention", "layer_norm", "cross_entropy"} if spec.token_model
+                        else {"softmax_cross_entropy"})
     made = [(n, u) for u in units for n in u.forward if len(n.outputs) == 2]
     assert {n.op for n, _ in made} == kinds
     for node, unit in made:

@@ -16,5 +16,6 @@
     precision.py         16-bit formats, rounding, loss scaling
     parallel.py          large products and passes cut into pieces that run side by side, same bits
     blas.py              how many BLAS threads a product gets
-    compiled.py          the optional C loops (_convert.c, _gelu.c, _optim.c, _masks.c) where built, else None
+    compiled.py          the optional C loops (_convert.c, _gelu.c, _optim.c, _masks.c, _windows.c, _norms.c)
+                         where built, else None
 """

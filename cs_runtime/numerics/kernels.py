@@ -225,6 +225,12 @@ def _by_loops(x: np.ndarray) -> bool:
     return _gelu_loops is not None and x.dtype == np.float32
 
 
+# The C loops' chunk: a quarter of parallel.CHUNK, so that a chunk's three float64 scratch
+# arrays (768 KB) stay in the core's L2 between the loops and numpy's exps. 800K elements
+# (ViT's MLP activation), CPU ms, median of 8: 3.82 at 2**17, 3.16 at 2**15, 3.35 at 2**13.
+GELU_LOOP_CHUNK = 1 << 15
+
+
 def _gelu_and_grad_by_loops(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """_gelu_and_grad64's results in float32, by the C loops (_gelu.c) and numpy's exp, a
     chunk at a time: the same operations in the same order, so the same bits."""
@@ -236,7 +242,8 @@ def _gelu_and_grad_by_loops(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         np.exp(tail, out=tail)
         np.exp(density, out=density)
         _gelu_loops.finish(flat[start:stop], t, tail, density, values[start:stop], slopes[start:stop])
-    parallel.in_chunks(flat.size, chunk, lambda size: tuple(np.empty(size, np.float64) for _ in range(3)))
+    parallel.in_chunks(flat.size, chunk, lambda size: tuple(np.empty(size, np.float64) for _ in range(3)),
+                       chunk=GELU_LOOP_CHUNK)
     return values.reshape(x.shape), slopes.reshape(x.shape)
 
 

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cs_runtime.errors import UserInputError
-from cs_runtime.numerics import kernels, parallel, windows
+from cs_runtime.numerics import compiled, kernels, parallel, windows
 from cs_runtime.numerics.parallel import matmul as mm
 
 
@@ -161,15 +161,25 @@ def _sub_vjp(g, inputs, out, attrs):
     return _binary_grads(g, -g * alpha if alpha != 1 else -g, inputs, attrs)
 
 
-def _mul_vjp(g, inputs, out, attrs):
+# mul and div make only the gradients asked for (wanted; a scalar operand asks for none): in
+# GPT-2's gelu_new and mobilenet's hardswish most operands are constants, and each gradient
+# not made is a pass over a whole activation.
+
+def _mul_vjp(g, inputs, out, attrs, wanted=(True, True)):
     a, b = _operands(inputs, attrs)
-    return _binary_grads(g * b, g * a, inputs, attrs)
+    if "scalar" in attrs:
+        return [unbroadcast(g * (a if attrs.get("reverse") else b), inputs[0].shape)]
+    return [unbroadcast(g * b, inputs[0].shape) if wanted[0] else None,
+            unbroadcast(g * a, inputs[1].shape) if wanted[1] else None]
 
 
-def _div_vjp(g, inputs, out, attrs):
+def _div_vjp(g, inputs, out, attrs, wanted=(True, True)):
     a, b = _operands(inputs, attrs)
     ga = g / b
-    return _binary_grads(ga, -ga * a / b, inputs, attrs)
+    if "scalar" in attrs:
+        return [unbroadcast(-ga * a / b if attrs.get("reverse") else ga, inputs[0].shape)]
+    return [unbroadcast(ga, inputs[0].shape) if wanted[0] else None,
+            unbroadcast(-ga * a / b, inputs[1].shape) if wanted[1] else None]
 
 
 def _alpha(b, attrs):
@@ -190,9 +200,9 @@ def _sub_forward(inputs, attrs):
 _register("add", _add_forward, _add_vjp, _binary_shape, _elementwise_cost(1))
 _register("sub", _sub_forward, _sub_vjp, _binary_shape, _elementwise_cost(1))
 _register("mul", lambda i, a: parallel.binary(np.multiply, *_operands(i, a), commutative=True), _mul_vjp,
-          _binary_shape, _elementwise_cost(1), saves_inputs=(0, 1))
+          _binary_shape, _elementwise_cost(1), saves_inputs=(0, 1), partial=True)
 _register("div", lambda i, a: np.divide(*_operands(i, a)), _div_vjp, _binary_shape, _elementwise_cost(1),
-          saves_inputs=(0, 1))
+          saves_inputs=(0, 1), partial=True)
 _register("neg", lambda i, a: -i[0], lambda g, i, o, a: [-g], _same_shape, _elementwise_cost(1))
 
 
@@ -417,19 +427,50 @@ _register("relu", lambda i, a: np.maximum(i[0], 0), lambda g, i, o, a: [g * (o >
           _elementwise_cost(1), saves_output=True)
 _register("gelu", _gelu_forward, _gelu_vjp, _same_shape, _elementwise_cost(10), saves_inputs=(0,),
           residual=_gelu_and_slope, residual_vjp=_gelu_vjp_from_slope)
-_register("tanh", lambda i, a: np.tanh(i[0]), lambda g, i, o, a: [g * (1 - o * o)], _same_shape,
-          _elementwise_cost(4), saves_output=True)
+def _tanh_vjp(g, inputs, out, attrs):
+    """g * (1 - out * out), in one new array where the dtypes allow (GPT-2's gelu_new: 1M floats a call)."""
+    slope = out * out
+    np.subtract(1, slope, out=slope)
+    if np.result_type(g, slope) != slope.dtype or np.broadcast_shapes(g.shape, slope.shape) != slope.shape:
+        return [g * slope]
+    return [np.multiply(slope, g, out=slope)]
+
+
+_register("tanh", lambda i, a: np.tanh(i[0]), _tanh_vjp, _same_shape, _elementwise_cost(4), saves_output=True)
 _register("sigmoid", lambda i, a: _sigmoid(i[0]), lambda g, i, o, a: [g * (o * (1 - o))], _same_shape,
           _elementwise_cost(4), saves_output=True)
 
 
+def _silu_slope(x, s):
+    """d/dx x * sigmoid(x), s = sigmoid(x)."""
+    return s * (1 + x * (1 - s))
+
+
 def _silu_vjp(g, inputs, out, attrs):
+    return [g * _silu_slope(inputs[0], _sigmoid(inputs[0]))]
+
+
+# As GELU's: a training step's forward makes the slope with the value, sigmoid once (Llama's MLP).
+
+def _silu_and_slope(inputs, attrs):
     s = _sigmoid(inputs[0])
-    return [g * s * (1 + inputs[0] * (1 - s))]
+    return inputs[0] * s, _silu_slope(inputs[0], s)
 
 
 _register("silu", lambda i, a: i[0] * _sigmoid(i[0]), _silu_vjp, _same_shape, _elementwise_cost(5),
-          saves_inputs=(0,))
+          saves_inputs=(0,), residual=_silu_and_slope, residual_vjp=lambda g, i, slope, a: [g * slope])
+
+
+# optional: row passes as C loops (_norms.c), the same bits, for float32 rows along the last
+# axis (numpy's reduction of such a row is the pairwise sum the loops make): layer norm's, and
+# the softmax's backward (attention's among them)
+_norm_loops = compiled.load("_norms", api=1)
+
+
+def norms_path() -> str:
+    """How this install runs layer norm's and softmax's backward row passes: "C loops" (_norms.c
+    built) or "numpy"."""
+    return "numpy" if _norm_loops is None else "C loops"
 
 
 # ---------------------------------------------------------------- softmax family
@@ -443,12 +484,31 @@ def softmax(x, axis):
 
 
 def log_softmax(x, axis):
+    """shifted - log(sum(exp(shifted))), shifted = x - max: one new array besides the result."""
     shifted = x - x.max(axis=axis, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+    e = np.exp(shifted)
+    total = np.log(e.sum(axis=axis, keepdims=True))
+    return np.subtract(shifted, total, out=e)
+
+
+def _softmax_grad_by_loops(g, p, into, scale=None) -> bool:
+    """into <- (g - rowsum(g * p)) * p (then * scale), over the last axis, by the C loops
+    (_norms.c: numpy's bits) when they take these arrays (float32, C-contiguous, one shape;
+    `into` may be g); False: nothing done."""
+    if _norm_loops is None or not all(a.dtype == np.float32 and a.flags.c_contiguous and a.shape == p.shape
+                                      for a in (g, p, into)) or p.ndim == 0 or p.size == 0:
+        return False
+    _norm_loops.softmax_backward(g, p, into, (p.size // p.shape[-1], p.shape[-1]),
+                                 1.0 if scale is None else float(scale), scale is not None)
+    return True
 
 
 def _softmax_vjp(g, inputs, out, attrs):
     axis = _axis(attrs["dim"], out.ndim)
+    if axis == out.ndim - 1:
+        d = np.empty_like(out)
+        if _softmax_grad_by_loops(g, out, d):
+            return [d]
     d = g * out
     np.subtract(g, d.sum(axis=axis, keepdims=True), out=d)
     d *= out
@@ -486,6 +546,38 @@ def _by_rows(x, axes, work) -> None:
         parallel.in_pieces(x.shape[0], work, elements=x.size, align=1)
 
 
+def _parameter(inputs, i):
+    return inputs[i] if len(inputs) > i and inputs[i] is not None else None
+
+
+def _loops_take(x, inputs, attrs) -> bool:
+    if _norm_loops is None or len(attrs["normalized_shape"]) != 1 or x.dtype != np.float32:
+        return False
+    return x.flags.c_contiguous and x.size > 0 and all(
+        p is None or (p.dtype == np.float32 and p.shape == x.shape[-1:] and p.flags.c_contiguous)
+        for p in (_parameter(inputs, 1), _parameter(inputs, 2)))
+
+
+def _dims(rows, width, gain, bias) -> tuple:
+    return rows, width, gain is not None, bias is not None
+
+
+def _layer_norm_by_loops(inputs, attrs, keep_xhat: bool):
+    """(y, x-hat, rstd) by the C loops, a piece of rows at a time; x-hat is y's array unless
+    `keep_xhat` (a training step's forward keeps it)."""
+    x, gain, bias = inputs[0], _parameter(inputs, 1), _parameter(inputs, 2)
+    width, eps = x.shape[-1], float(x.dtype.type(attrs.get("eps", 1e-5)))
+    xhat, rstd = np.empty_like(x), np.empty(x.shape[:-1] + (1,), x.dtype)
+    y = np.empty_like(x) if keep_xhat else xhat
+
+    def rows(lo, hi):
+        part = x[lo:hi]
+        _norm_loops.forward(part, part if gain is None else gain, part if bias is None else bias, xhat[lo:hi],
+                            rstd[lo:hi], y[lo:hi], _dims(part.size // width, width, gain, bias), eps)
+    _by_rows(x, (x.ndim - 1,), rows)
+    return y, xhat, rstd
+
+
 def _layer_norm_stats(x, attrs):
     """(x-hat in a new array, rstd)."""
     axes = _ln_axes(x, attrs)
@@ -505,6 +597,8 @@ def _layer_norm_stats(x, attrs):
 
 
 def _layer_norm_forward(inputs, attrs):
+    if _loops_take(inputs[0], inputs, attrs):
+        return _layer_norm_by_loops(inputs, attrs, keep_xhat=False)[0]
     y, _ = _layer_norm_stats(inputs[0], attrs)
     return _scale_and_shift(y, inputs, out=y)
 
@@ -525,6 +619,9 @@ def _scale_and_shift(xhat, inputs, out=None):
 def _layer_norm_and_stats(inputs, attrs):
     """(the output, (x-hat, rstd)): a training step's forward keeps the statistics, so the
     backward need not compute them again from x (which it then does not keep)."""
+    if _loops_take(inputs[0], inputs, attrs):
+        y, xhat, rstd = _layer_norm_by_loops(inputs, attrs, keep_xhat=True)
+        return y, (xhat, rstd)
     xhat, rstd = _layer_norm_stats(inputs[0], attrs)
     return _scale_and_shift(xhat, inputs), (xhat, rstd)
 
@@ -543,6 +640,15 @@ def _layer_norm_vjp_from_stats(g, inputs, stats, attrs):
     lead = tuple(range(x.ndim - len(axes)))
     has_gain = len(inputs) > 1 and inputs[1] is not None
     dx = np.empty(np.broadcast_shapes(g.shape, x.shape), np.result_type(g, inputs[1]) if has_gain else g.dtype)
+    gain, width = _parameter(inputs, 1), x.shape[-1]
+    by_loops = (g.shape == x.shape and g.dtype == np.float32 and xhat.flags.c_contiguous
+                and _loops_take(xhat, inputs[:2], attrs))
+    g = np.ascontiguousarray(g) if by_loops else g
+
+    def loop_rows(lo, hi):
+        part = g[lo:hi]
+        _norm_loops.backward(part, xhat[lo:hi], rstd[lo:hi], part if gain is None else gain, dx[lo:hi],
+                             _dims(part.size // width, width, gain, None))
 
     def rows(lo, hi):
         d = dx[lo:hi]
@@ -556,7 +662,7 @@ def _layer_norm_vjp_from_stats(g, inputs, stats, attrs):
         np.multiply(xhat[lo:hi], projection, out=scratch)
         d -= scratch
         d *= rstd[lo:hi]
-    _by_rows(x, axes, rows)
+    _by_rows(x, axes, loop_rows if by_loops else rows)
     grads = [dx]
     if len(inputs) > 1:
         grads.append(np.multiply(g, xhat).sum(axis=lead) if has_gain else None)
@@ -1027,8 +1133,11 @@ def _sdpa_probs(inputs, attrs):
     scores = q @ _swap(k)
     scores *= scale
     mask = inputs[3] if len(inputs) > 3 else None
-    if mask is not None:
-        scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
+    if mask is not None and mask.dtype == bool:
+        if not mask.all():    # an all-True mask (BERT's, of unpadded batches) changes nothing: no pass
+            scores = np.where(mask, scores, -np.inf)
+    elif mask is not None:
+        scores = scores + mask
     if attrs.get("is_causal"):
         scores += _causal_bias(q.shape[-2], k.shape[-2], scores.dtype)
     return softmax(scores, -1).astype(q.dtype, copy=False), scale
@@ -1087,7 +1196,7 @@ def _sdpa_output(inputs, attrs, keep_probs: bool):
         probs, _ = _sdpa_probs(part, attrs)
         if kept is not None:
             kept[lo:hi] = probs
-        out[lo:hi] = probs @ np.ascontiguousarray(part[2])
+        np.matmul(probs, np.ascontiguousarray(part[2]), out=out[lo:hi])
     _sdpa_by_samples(inputs, samples, rows)
     return out, kept
 
@@ -1128,9 +1237,10 @@ def _sdpa_vjp_whole(g, inputs, out, attrs, probs=None):
         scale = _sdpa_scale(q, attrs)
     dv = unbroadcast(_swap(probs) @ g, v.shape)
     dscores = g @ _swap(v)
-    dscores -= (dscores * probs).sum(axis=-1, keepdims=True)
-    dscores *= probs
-    dscores *= scale
+    if not _softmax_grad_by_loops(dscores, probs, dscores, scale):
+        dscores -= (dscores * probs).sum(axis=-1, keepdims=True)
+        dscores *= probs
+        dscores *= scale
     grads = [unbroadcast(dscores @ k, q.shape), unbroadcast(_swap(dscores) @ q, k.shape), dv]
     if len(inputs) > 3:
         mask = inputs[3]
@@ -1326,16 +1436,29 @@ def _ce_logp(x):
 
 
 def _ce_vjp(g, inputs, out, attrs):
-    x, target = inputs
-    logp = _ce_logp(x)
-    d = _nll_dflat(g, logp, target, attrs)
-    flat_p = np.exp(_class_axis_last(logp))
-    dx = d - flat_p * d.sum(axis=-1, keepdims=True)
-    return [_unflatten_classes(dx, x), None]
+    return _ce_vjp_from_logp(g, inputs, _ce_logp(inputs[0]), attrs)
+
+
+# In a training step the forward keeps its log-probabilities (the scores' size) as the residual,
+# so the backward does not compute log_softmax again: a language model's scores are its
+# largest activation (GPT-2's, vocabulary 1024: 1M floats a batch of 8).
+
+def _ce_and_logp(inputs, attrs):
+    logp = _ce_logp(inputs[0])
+    return _nll_forward(logp, inputs[1], attrs), logp
+
+
+def _ce_vjp_from_logp(g, inputs, logp, attrs):
+    d = _nll_dflat(g, logp, inputs[1], attrs)
+    dx = np.exp(_class_axis_last(logp))
+    dx *= d.sum(axis=-1, keepdims=True)
+    np.subtract(d, dx, out=dx)     # d - p * sum(d), in p's array
+    return [_unflatten_classes(dx, logp), None]
 
 
 _register("cross_entropy", lambda i, a: _nll_forward(_ce_logp(i[0]), i[1], a), _ce_vjp, _loss_shape,
-          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1))
+          lambda s, out, a: 6 * _numel(s[0]), saves_inputs=(0, 1), residual=_ce_and_logp,
+          residual_vjp=_ce_vjp_from_logp, residual_reads=(1,), residual_shape=lambda s, out, a: tuple(s[0]))
 
 
 def _classifier_loss_shape(shapes, attrs):
@@ -1498,12 +1621,10 @@ def _clamp_vjp(g, inputs, out, attrs):
     """torch's: the gradient passes where min <= x <= max (both ends included)."""
     x = inputs[0]
     lo, hi = _clamp_bounds(x, attrs)
-    keep = np.ones(x.shape, dtype=bool)
-    if lo is not None:
-        keep &= x >= lo
+    keep = x >= lo if lo is not None else None
     if hi is not None:
-        keep &= x <= hi
-    return [np.where(keep, g, 0).astype(g.dtype)]
+        keep = x <= hi if keep is None else np.logical_and(keep, x <= hi, out=keep)
+    return [np.where(keep, g, g.dtype.type(0)).astype(g.dtype, copy=False)]
 
 
 _register("clamp", _clamp_forward, _clamp_vjp, _same_shape, _elementwise_cost(2), saves_inputs=(0,))
