@@ -153,9 +153,9 @@ def test_eval_makes_no_residual():
     for train in (True, False):
         ctx = ShardContext(5, 3, 4, slice(0, 4), train, labels=y)
         runs[train] = model.model_forward(spec, x, weights, ctx)
-    residuals = [[k for k in cache if k.startswith("r:")] for cache, _ in runs[False][1]]
+    residuals = [[k for k in cache[0] if k.startswith("r:")] for cache in runs[False][1]]
     assert any(residuals)
-    for (trained, _), (evaluated, _), names in zip(runs[True][1], runs[False][1], residuals):
+    for (trained, *_), (evaluated, *_), names in zip(runs[True][1], runs[False][1], residuals):
         assert all(evaluated[k] is None and trained[k] is not None for k in names)
     # dropout is off in eval, so compare eval with a training forward without dropout
     no_drop = lower_spec(transformer_spec("bert", style="bert", vocab_size=50, max_len=12, hidden_size=16,
