@@ -236,14 +236,6 @@ def test_the_new_ops_cross_the_wire_as_plain_data(kind):
     assert np.isfinite(losses[0]) and losses[0] == losses[1]
 
 
-def test_sync_batch_norm_in_training_is_refused_naming_the_module():
-    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.SyncBatchNorm(4), torch.nn.Flatten(),
-                                 torch.nn.Linear(4 * 6 * 6, 5))
-    x, y = _images(np.random.default_rng(1), 1)[0]
-    with pytest.raises(CaptureError, match=r"^module 1: SyncBatchNorm in training: statistics synchronized"):
-        capture(module, (torch.from_numpy(x),), torch.from_numpy(y), F.cross_entropy)
-
-
 class _Pooled(torch.nn.Module):
     def __init__(self, **pool):
         super().__init__()
