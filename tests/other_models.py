@@ -9,6 +9,8 @@ The registry's torchvision wheel is built against the CUDA torch: its compiled o
 fake kernels ("operator torchvision::nms does not exist"). The model definitions
 never call those ops, so `importable_torchvision()` imports it with that one module
 stubbed (docs/testing.md)."""
+import copy
+import functools
 import importlib
 import sys
 import types
@@ -177,6 +179,28 @@ def build(kind):
         raise ValueError(f"unknown model {kind!r}; expected one of {sorted(MODELS)}")
     torch.manual_seed(0)
     return MODELS[kind]()
+
+
+def first_batch(batches_of):
+    """The batch a model is captured on: the first of its batches (seed 3), every run's first."""
+    return batches_of(np.random.default_rng(3), 1)[0]
+
+
+def example_of(x):
+    """A batch's features as the model's example inputs: by name, or the one positional input."""
+    return {k: torch.from_numpy(a) for k, a in x.items()} if isinstance(x, dict) else (torch.from_numpy(x),)
+
+
+@functools.lru_cache(maxsize=None)
+def captured(kind):
+    """(the module as built, its loss, batches_of, the spec captured on a copy of it at its
+    first batch); once per model and process: the tests train from it and run
+    tests/others_run.py's command line in-process on it."""
+    from cs_torch.capture import model_spec
+    module, loss_fn, batches_of = build(kind)
+    x, y = first_batch(batches_of)
+    return module, loss_fn, batches_of, model_spec(kind, copy.deepcopy(module), example_of(x), torch.from_numpy(y),
+                                                   loss_fn)
 
 
 def as_dataset(batches_list):

@@ -9,12 +9,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 if not __package__:  # run as a script: the repository root holds tests/ and examples/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cs_runtime.runner import run  # noqa: E402
-from cs_torch.capture import model_spec  # noqa: E402
 from tests import other_models  # noqa: E402
 
 
@@ -24,10 +22,9 @@ def the_batches(kind, params):
 
 
 def model_fn(kind, params):
-    module, loss_fn, batches_of = other_models.build(kind)
-    x, y = batches_of(np.random.default_rng(3), 1)[0]
-    example = {k: torch.from_numpy(v) for k, v in x.items()} if isinstance(x, dict) else (torch.from_numpy(x),)
-    return model_spec(kind, module, example, torch.from_numpy(y), loss_fn)
+    """The model captured on its first batch (once per process: tests/test_torch_others.py runs
+    this command line in-process, for --validate_only and --compile_only in turn)."""
+    return other_models.captured(kind)[3]
 
 
 def main(argv):

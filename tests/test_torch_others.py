@@ -10,7 +10,7 @@ those) also run through csrun_cpu against torch eager, and on 1 WSE, 2 WSEs and
 pipelined against the csrun_cpu run. A package that is missing skips its tests
 with a line naming it."""
 import copy
-import functools
+import signal
 import subprocess
 import sys
 
@@ -21,14 +21,12 @@ import yaml
 torch = pytest.importorskip("torch", reason="capturing a torch model needs torch (an optional extra)")
 F = torch.nn.functional
 
-from cs_runtime.compiler.stage import compile_model  # noqa: E402
-from cs_runtime.run_args import parse_args  # noqa: E402
 from cs_runtime.numerics.model import (ShardContext, init_weights, model_backward, model_forward,  # noqa: E402
                                        model_loss)
 from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
 from tests import other_models  # noqa: E402
 from tests.cluster_utils import REPO, final_weights, tool, train_losses  # noqa: E402
-from tests.test_torch_programs import LR, _call, _dropout_as_drawn, _example, train_cpu_path, train_torch  # noqa: E402
+from tests.test_torch_programs import LR, _call, _dropout_as_drawn, train_cpu_path, train_torch  # noqa: E402
 
 # Capturing and training real models takes seconds each: the full pass runs them.
 pytestmark = pytest.mark.cluster
@@ -44,21 +42,13 @@ BATCH = other_models.BATCH
 RUN = str(REPO / "tests" / "others_run.py")
 
 
-def _build(kind):
+def _captured(kind):
+    """(the module as built, its loss, its batches, the spec captured at the first); captured once per model."""
     try:
-        return other_models.build(kind)
+        module, loss_fn, batches_of, spec = other_models.captured(kind)
     except other_models.MissingPackage as exc:
         pytest.skip(str(exc))
-
-
-@functools.lru_cache(maxsize=None)
-def _captured(kind):
-    """(the module as built, its loss, its batches, the spec captured at the first); once per model."""
-    module, loss_fn, batches_of = _build(kind)
-    batches = batches_of(np.random.default_rng(3), STEPS_OF.get(kind, STEPS))
-    x0, y0 = batches[0]
-    spec = model_spec(kind, copy.deepcopy(module), _example(x0), torch.from_numpy(y0), loss_fn)
-    return module, loss_fn, batches, spec
+    return module, loss_fn, batches_of(np.random.default_rng(3), STEPS_OF.get(kind, STEPS)), spec
 
 
 def _sdpa_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -123,22 +113,69 @@ def test_a_packaged_model_trains_20_steps_with_torchs_numbers(kind, opt):
                                        err_msg=name)
 
 
+def _command_line(argv, capsys):
+    """tests/others_run.py's command line, run in this process (its model captured once, by
+    _captured): (exit code, stdout, stderr). The CPU path's chief stops on SIGTERM as on
+    Ctrl-C; this process's own handler is put back."""
+    from tests import others_run
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        others_run.main([RUN, *argv])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# What --compile_only writes (cs_runtime/compiler/report.py; docs/running.md); --validate_only writes nothing.
+COMPILE_OUTPUTS = ("compile_report.txt", "compile/plan.json", "compile/program.txt", "compile/streaming.svg",
+                   "compile/artifact.json")
+
+
 @pytest.mark.parametrize("kind", list(other_models.MODELS))
-def test_a_packaged_model_passes_validate_only_and_compile_only(kind, tmp_path, capsys):
-    """The compile stage both flags run (cs_runtime/compiler/stage.py), on the captured program."""
+def test_a_packaged_model_passes_validate_only_and_compile_only_on_the_command_line(kind, tmp_path, capsys):
+    """`python tests/others_run.py KIND --mode train --params ... --validate_only`, then
+    `--compile_only`: exit 0, the lines and files each says it makes, and no step run."""
     spec = _captured(kind)[3]
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"train_input": {"batch_size": BATCH},
                                       "runconfig": {"max_steps": STEPS, "seed": 0}}))
-    for flag in ("--validate_only", "--compile_only"):
-        args = parse_args(["--mode", "train", "--params", str(params), "--model_dir", str(tmp_path / "m"), flag])
-        plan = compile_model(spec, args)
-        assert plan["execution_strategy"] == "weight_streaming"
-    out = capsys.readouterr().out
+    model_dir = tmp_path / "m"
+    common = [kind, "--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]
+    code, out, err = _command_line([*common, "--validate_only"], capsys)
+    assert code == 0, err[-2000:]
     assert f"validate_only: {kind} is valid: {len(spec.layers)} layers" in out, out
-    assert "compile_only: done; nothing was run" in out, out
-    report = (tmp_path / "m" / "compile_report.txt").read_text()
+    assert "would run weight_streaming on 1 CS system(s)" in out and "nothing was compiled or run" in out, out
+    assert not model_dir.exists() or not any(model_dir.iterdir())
+    code, out, err = _command_line([*common, "--compile_only"], capsys)
+    assert code == 0, err[-2000:]
+    assert f"compile: compiling {kind} (" in out and "compile_only: done; nothing was run" in out, out
+    assert all((model_dir / name).is_file() for name in COMPILE_OUTPUTS), sorted(model_dir.rglob("*"))
+    report = (model_dir / "compile_report.txt").read_text()
     assert all(layer.name in report for layer in spec.layers)
+    assert not list(model_dir.glob("checkpoint_*")) and not (model_dir / "train").exists()
+
+
+def test_an_unsupported_torchvision_op_fails_validate_only_in_one_line(tmp_path, capsys, monkeypatch):
+    """squeezenet1_0's max_pool2d(ceil_mode=True), through the same command line: exit 2, one
+    line naming the module, the op and torchvision's own source line."""
+    models = _torchvision().models
+    monkeypatch.setitem(other_models.MODELS, "squeezenet1_0", lambda: (
+        models.squeezenet1_0(num_classes=5), F.cross_entropy, lambda rng, steps: _image_batches(rng, steps, 32)))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"train_input": {"batch_size": BATCH}}))
+    code, out, err = _command_line(["squeezenet1_0", "--mode", "train", "--params", str(params),
+                                    "--model_dir", str(tmp_path / "m"), "--validate_only"], capsys)
+    assert code == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, err[-2000:]
+    line = errors[0]
+    assert line.startswith("error: module features.") and "op max_pool2d" in line, line
+    assert "squeezenet.py:" in line and "ceil_mode=True" in line, line
+    assert "validate_only" not in out
 
 
 # ---------------------------------------------------------------- through the system
