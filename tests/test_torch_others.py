@@ -10,6 +10,7 @@ those) also run through csrun_cpu against torch eager, and on 1 WSE, 2 WSEs and
 pipelined against the csrun_cpu run. A package that is missing skips its tests
 with a line naming it."""
 import copy
+import logging
 import signal
 import subprocess
 import sys
@@ -116,9 +117,9 @@ def test_a_packaged_model_trains_20_steps_with_torchs_numbers(kind, opt):
 def _command_line(argv, capsys):
     """tests/others_run.py's command line, run in this process (its model captured once, by
     _captured): (exit code, stdout, stderr). The CPU path's chief stops on SIGTERM as on
-    Ctrl-C; this process's own handler is put back."""
+    Ctrl-C and logs to the stderr of its start; this process's handler and logging are put back."""
     from tests import others_run
-    handler = signal.getsignal(signal.SIGTERM)
+    handler, log_handlers = signal.getsignal(signal.SIGTERM), logging.root.handlers[:]
     try:
         others_run.main([RUN, *argv])
         code = 0
@@ -126,6 +127,7 @@ def _command_line(argv, capsys):
         code = exc.code or 0
     finally:
         signal.signal(signal.SIGTERM, handler)
+        logging.root.handlers[:] = log_handlers
     out = capsys.readouterr()
     return code, out.out, out.err
 
