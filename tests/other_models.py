@@ -9,15 +9,16 @@ The registry's torchvision wheel is built against the CUDA torch: its compiled o
 fake kernels ("operator torchvision::nms does not exist"). The model definitions
 never call those ops, so `importable_torchvision()` imports it with that one module
 stubbed (docs/testing.md)."""
+import copy
+import functools
 import importlib
 import sys
 import types
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-BATCH, T, VOCAB = 4, 8, 32
+from tests.other_batches import BATCHES, T, VOCAB, first_batch
 
 
 class MissingPackage(Exception):
@@ -83,42 +84,18 @@ def mlm_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-def lm_batches(rng, steps):
-    out = []
-    for _ in range(steps):
-        ids = rng.integers(0, VOCAB, (BATCH, T))
-        out.append(({"input_ids": ids, "labels": ids.copy()}, ids.copy()))
-    return out
-
-
-def mlm_batches(rng, steps):
-    out = []
-    for _ in range(steps):
-        ids = rng.integers(1, VOCAB, (BATCH, T))
-        lengths = rng.integers(3, T + 1, BATCH)
-        mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
-        labels = np.where(mask == 0, -100, rng.integers(0, VOCAB, (BATCH, T)))
-        out.append(({"input_ids": ids * mask, "attention_mask": mask}, labels))
-    return out
-
-
-def image_batches(rng, steps, size=16):
-    return [(rng.standard_normal((BATCH, 3, size, size)).astype(np.float32), rng.integers(0, 5, BATCH))
-            for _ in range(steps)]
-
-
 def gpt2():
     """GPT2LMHeadModel of the default config (its dropouts of 0.1 included) at a tiny size."""
     tf = _package("transformers")
     config = tf.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2)
-    return LabelsLoss(tf.GPT2LMHeadModel(config)), the_loss, lm_batches
+    return LabelsLoss(tf.GPT2LMHeadModel(config)), the_loss
 
 
 def llama():
     tf = _package("transformers")
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
-    return LabelsLoss(tf.LlamaForCausalLM(config)), the_loss, lm_batches
+    return LabelsLoss(tf.LlamaForCausalLM(config)), the_loss
 
 
 def bert():
@@ -126,21 +103,19 @@ def bert():
     config = tf.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                            intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0)
-    return Logits(tf.BertForMaskedLM(config)), mlm_loss, mlm_batches
+    return Logits(tf.BertForMaskedLM(config)), mlm_loss
 
 
 def resnet18():
     """torchvision's resnet18 as shipped: batch norm in training, its running statistics
-    carried as buffers; 32x32 images (at 16 its last stages would see 2x2 and 1x1 maps)."""
-    return torchvision().models.resnet18(num_classes=5), F.cross_entropy, \
-        lambda rng, steps: image_batches(rng, steps, size=32)
+    carried as buffers."""
+    return torchvision().models.resnet18(num_classes=5), F.cross_entropy
 
 
 def mobilenet():
     """mobilenet_v3_small: in-place hardswish and hardsigmoid, depthwise convolutions,
     squeeze-excite, batch norm in training, Dropout(0.2, inplace=True)."""
-    return torchvision().models.mobilenet_v3_small(num_classes=5), F.cross_entropy, \
-        lambda rng, steps: image_batches(rng, steps, size=32)
+    return torchvision().models.mobilenet_v3_small(num_classes=5), F.cross_entropy
 
 
 def vit():
@@ -148,23 +123,15 @@ def vit():
     timm = _package("timm")
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, depth=2,
                               num_classes=5)
-    return model, F.cross_entropy, image_batches
+    return model, F.cross_entropy
 
 
 def nanogpt():
     from examples.torch_gpt.model import GPT, GPTConfig, gpt_loss
-
-    def batches(rng, steps):
-        out = []
-        for _ in range(steps):
-            ids = rng.integers(0, VOCAB, (BATCH, T))
-            labels = np.roll(ids, -1, axis=1)
-            labels[:, -1] = -1
-            out.append((ids, labels))
-        return out
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=16)), gpt_loss, batches
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=16)), gpt_loss
 
 
+# kind -> () -> (module, loss_fn); its batches: tests/other_batches.py's BATCHES[kind].
 MODELS = {"nanogpt": nanogpt, "gpt2": gpt2, "bert_masked_lm": bert, "llama": llama, "resnet18": resnet18,
           "mobilenet_v3_small": mobilenet, "vit": vit}
 # Their dropouts in training (p > 0): torch is given the run's masks.
@@ -176,13 +143,22 @@ def build(kind):
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; expected one of {sorted(MODELS)}")
     torch.manual_seed(0)
-    return MODELS[kind]()
+    return (*MODELS[kind](), BATCHES[kind])
 
 
-def as_dataset(batches_list):
-    """A list of (features, labels) batches as one data set of arrays indexed by sample."""
-    xs, ys = zip(*batches_list)
-    labels = np.concatenate(ys)
-    if isinstance(xs[0], dict):
-        return {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}, labels
-    return np.concatenate(xs), labels
+def example_of(x):
+    """A batch's features as the model's example inputs: by name, or the one positional input."""
+    return {k: torch.from_numpy(a) for k, a in x.items()} if isinstance(x, dict) else (torch.from_numpy(x),)
+
+
+@functools.lru_cache(maxsize=None)
+def captured(kind):
+    """(the module as built, its loss, batches_of, the spec captured on a copy of it at its
+    first batch); once per model and process: the tests train from it and run
+    tests/others_run.py's command line in-process on it."""
+    from cs_torch.capture import model_spec
+    module, loss_fn, batches_of = build(kind)
+    x, y = first_batch(batches_of)
+    return module, loss_fn, batches_of, model_spec(kind, copy.deepcopy(module), example_of(x), torch.from_numpy(y),
+                                                   loss_fn)
+

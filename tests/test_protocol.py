@@ -218,6 +218,22 @@ def test_decoded_arrays_are_read_only():
     assert big.flags.writeable and (big == 1).all()  # the sender's array is untouched
 
 
+def test_an_array_in_a_misaligned_frame_arrives_aligned_so_products_keep_their_bits():
+    """ZeroMQ hands small frames over as views into its receive buffer, at any byte offset.
+    numpy computes a product of a misaligned operand without BLAS (other float32 bits), so a
+    decoded array is aligned whatever its frame's address."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((32, 32)).astype(np.float32), rng.standard_normal((16, 32)).astype(np.float32)
+    frames = encode(Message(Msg.WEIGHTS, meta={"phase": "fwd"}, arrays={"w": w}))
+    stream = bytearray(len(frames[1]) + 1)
+    stream[1:] = frames[1]
+    misaligned = memoryview(stream)[1:]
+    assert not np.frombuffer(misaligned, np.float32).flags.aligned
+    out = decode([frames[0], misaligned]).arrays["w"]
+    assert out.flags.aligned and not out.flags.writeable
+    np.testing.assert_array_equal(x @ out.T, x @ w.T)
+
+
 def test_encode_refuses_disallowed_dtypes():
     for bad in (np.array([object()], dtype=object), np.array(["hello"]), np.array([1 + 2j])):
         with pytest.raises(ProtocolError, match="not allowed"):

@@ -618,6 +618,12 @@ def decode(frames: list, segments=None, into=None, job: str | None = None, build
         # ZeroMQ frames (and inproc zero-copy buffers) are writable, so say it explicitly:
         # a receiver must never scribble on memory the sender may still own.
         arr = np.frombuffer(_joined(parts, kept.get(name)), dtype=dtype).reshape(shape)
+        if not arr.flags.aligned:
+            # ZeroMQ receives a small frame into its batch buffer, where it starts wherever the
+            # stream put it. numpy runs a product of a misaligned operand without BLAS, which
+            # gives other float32 bits than the same product of an array made in-process: so
+            # every array arrives aligned, and a WSE computes a layer as the CPU path does.
+            arr = arr.copy()
         arr.flags.writeable = False
         arrays[name] = arr
     if mtype == Msg.TRACE:
