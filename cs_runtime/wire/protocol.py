@@ -65,10 +65,11 @@ from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
-PROTOCOL_VERSION = 6   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
+PROTOCOL_VERSION = 7   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
 #                        4: frames of 64 KiB (were 1 MiB);
 #                        5: layer groups, fwd_bwd and the loss in GRADS / STEP_DONE (an older peer would misread them);
-#                        6: array tables over a header in frames of their own
+#                        6: array tables over a header in frames of their own;
+#                        7: batches by shared memory, their slots handed back by BATCHES_DONE
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
 MAX_HEADER_BYTES = 64 * 1024
@@ -133,6 +134,7 @@ class Msg(str, enum.Enum):
     EVAL_STEP = "eval_step"      # chief -> MemoryX: run eval step `step`
     WEIGHTS = "weights"          # MemoryX -> SwarmX -> every WSE: a layer's weights, or a group's
     BATCH = "batch"              # input worker -> WSE: one shard of one global batch
+    BATCHES_DONE = "batches_done"  # WSE -> input worker: how many of its batches the WSE is done with
     GRADS = "grads"              # WSE -> SwarmX (summed) -> MemoryX: a layer's or a group's gradients
     LOSS = "loss"                # WSE -> SwarmX (summed) -> chief
     EVAL_RESULT = "eval_result"  # WSE -> SwarmX (summed) -> chief: loss sum, correct, count
@@ -180,6 +182,7 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.EVAL_STEP: {},
     Msg.WEIGHTS: {"phase": str},
     Msg.BATCH: {"stream": str, "global_batch": int, "row_start": int, "row_stop": int},
+    Msg.BATCHES_DONE: {"done": int},
     Msg.GRADS: {},
     Msg.LOSS: {"loss": _NUM, "count": int},
     Msg.EVAL_RESULT: {"loss_sum": _NUM, "correct": int, "count": int},
@@ -367,6 +370,17 @@ def _check_group(mtype: "Msg", header: dict, specs: list) -> None:
 # names: x.input_ids, x.attention_mask, ...), every one with a row per sample of the shard.
 BATCH_LABELS, BATCH_FEATURES = "y", "x"
 MAX_FEATURES = 64
+
+
+# How far an input worker may run ahead of a WSE: at most BATCH_SLOTS of its batches that the WSE
+# has not said it is done with (BATCHES_DONE, a running count per worker, sent after every
+# BATCHES_DONE_EVERY batches it finished and whenever it waits for input). A batch is done when
+# the WSE takes the next one: steps are lockstep, so nothing of the earlier batch is read again.
+# Only then may the worker write that batch's shared-memory slot again (worker/input_worker.py).
+# BATCHES_DONE_EVERY <= BATCH_SLOTS keeps every WSE of a step fed: the slowest one has said it is
+# done with all but the last BATCHES_DONE_EVERY - 1 batches it finished.
+BATCH_SLOTS = 8
+BATCHES_DONE_EVERY = 4
 
 
 def batch_arrays(x, y: np.ndarray) -> dict[str, np.ndarray]:
