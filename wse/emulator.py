@@ -331,8 +331,13 @@ class WSE:
 
     def serve(self) -> None:
         while True:
-            _, msg = self.up.recv(into=self.kept_weights)
-            self.handle(msg)
+            holding = isinstance(self.executor, PipelinedExecutor) and self.executor.held
+            got = self.up.recv(0, into=self.kept_weights) if holding else None
+            if got is None:
+                if holding:
+                    self.executor.flush()   # about to wait: the chief hears of every step done
+                got = self.up.recv(into=self.kept_weights)
+            self.handle(got[1])
 
     def kept_weights(self, mtype: Msg, step: int, index: int, name: str, dtype: str,
                      shape: tuple) -> np.ndarray | None:
@@ -342,6 +347,8 @@ class WSE:
         return self.executor.weight_buffer(index, name, dtype, shape)
 
     def handle(self, msg: Message) -> None:
+        if isinstance(self.executor, PipelinedExecutor) and msg.type != Msg.TRAIN_STEP:
+            self.executor.flush()   # the held losses go before any other answer
         if msg.type == Msg.GET_TRACE:
             received_ns = trace.now_ns()
             self.up.send(trace.reply(msg, "wse", self.penv.rank, received_ns), share=False)
