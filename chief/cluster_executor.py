@@ -24,7 +24,7 @@ from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import hands_out_outputs
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
+from cs_runtime.wire.protocol import STEPS_AHEAD, JobSettings, Message, Msg, float_arrays
 from cs_runtime.process.service import ProcessEnv
 from cs_runtime.run_args import RunError
 from cs_runtime.wire.transport import Endpoint
@@ -32,10 +32,6 @@ from cs_runtime.wire.transport import Endpoint
 log = logging.getLogger("chief")
 
 POLL_MS = 1000
-# Pipelined: TRAIN_STEPs the WSE may have queued before their turn. Sent in bursts (topped up to
-# STEPS_AHEAD once half are done) and answered in bursts (wse/pipelined.py LOSSES_HELD): a
-# burst wakes each process on the way once, where a message a step woke it each step.
-STEPS_AHEAD = 8
 JOB_END_TIMEOUT_MS = 2000
 TRACE_TIMEOUT_S = 30     # for every process's spans at the end of a --trace run
 
@@ -220,8 +216,8 @@ class ClusterExecutor:
         (self.swarmx if self.pipelined else self.memoryx).send(start)
 
     def send_ahead(self, step: int, ahead) -> None:
-        """Pipelined: once fewer than half of STEPS_AHEAD steps after `step` are queued, the next
-        ones whose arguments `ahead` knows now, up to STEPS_AHEAD."""
+        """Once no more than half of STEPS_AHEAD steps after `step` are queued, the next ones
+        whose arguments `ahead` knows now, up to STEPS_AHEAD (protocol.STEPS_AHEAD)."""
         if len(self.sent_ahead) > STEPS_AHEAD // 2:
             return
         last = self.sent_ahead[-1][0] if self.sent_ahead else step
@@ -238,14 +234,12 @@ class ClusterExecutor:
         """(loss, gradient norm (nan unless `norms`), whether the update was applied).
 
         `ahead(s)`: the arguments (step, lr, loss_scale, norms) of the step after s when they are
-        known now, else None. Pipelined, up to STEPS_AHEAD of the next steps are sent before this
-        step's LOSS: the WSE finds them queued as it finishes this step instead of idling through
-        four hops (LOSS up through SwarmX, TRAIN_STEP down) and the chief's logging. The WSE
-        handles its messages in order, so the maths is that of lockstep steps. Weight
-        streaming does not send ahead: tried (MemoryX queueing the next TRAIN_STEP), it
-        measured no faster beyond the noise there (CHANGELOG.md)."""
+        known now, else None. Up to STEPS_AHEAD of the next steps are sent before this step's
+        answer: MemoryX (or a pipelined WSE) finds them queued as it finishes this step instead
+        of idling through the hops of the chief's round trip and its logging, and answers in
+        bursts. It runs its steps in order, so the maths is that of lockstep steps."""
         self.start_step(step, lr, loss_scale, norms)
-        if ahead is not None and self.pipelined:
+        if ahead is not None:
             self.send_ahead(step, ahead)
         if self.pipelined:
             loss = self.wait(self.swarmx, Msg.LOSS, step)

@@ -365,8 +365,8 @@ class Trainer:
 
     def next_step_args(self, step: int) -> tuple | None:
         """step_args of the step after `step` when they are known before `step` ends, else None.
-        A pipelined cluster sends such steps ahead, so that the WSE finds them queued instead of
-        idling through the hops of the chief's round trip (chief/cluster_executor.py). It asks
+        A cluster sends such steps ahead, so that MemoryX (or a pipelined WSE) finds them queued
+        instead of idling through the hops of the chief's round trip (chief/cluster_executor.py). It asks
         for steps beyond the next too, before `step` ends: what decides the answer (the lr
         schedule, a static scale, the log and checkpoint steps) does not depend on results.
         Not known: a dynamic loss scale (it follows the step's result); not sent: after the

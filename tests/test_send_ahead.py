@@ -1,7 +1,8 @@
-"""The chief sends a pipelined WSE its next TRAIN_STEPs before the current step's LOSS
-(chief/trainer.py next_step_args, chief/cluster_executor.py train_step's `ahead`): which
-steps go ahead, that each goes once with the arguments its turn gives it, in bursts of at
-most STEPS_AHEAD, and that weight streaming sends nothing ahead. That the numbers stay the CPU path's: tests/test_pipelined.py."""
+"""The chief sends MemoryX, or a pipelined WSE, its next TRAIN_STEPs before the current step's
+answer (chief/trainer.py next_step_args, chief/cluster_executor.py train_step's `ahead`): which
+steps go ahead, that each goes once with the arguments its turn gives it, in bursts of at most
+STEPS_AHEAD, and that answers go in bursts (protocol.ANSWERS_HELD). That the numbers stay the
+CPU path's: tests/test_pipelined.py and tests/test_cluster.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,12 +11,12 @@ import pytest
 
 import collections
 
-from chief.cluster_executor import STEPS_AHEAD, ClusterExecutor, ServiceError
+from chief.cluster_executor import ClusterExecutor, ServiceError
 from chief.input_monitor import InputMonitor
 from chief.trainer import Trainer
 from cs_runtime.numerics.precision import LossScaler
-from cs_runtime.wire.protocol import Message, Msg
-from wse.pipelined import LOSSES_HELD, PipelinedExecutor
+from cs_runtime.wire.protocol import ANSWERS_HELD, STEPS_AHEAD, Message, Msg
+from wse.pipelined import PipelinedExecutor
 
 
 def trainer(max_steps=10, checkpoint_steps=0, log_steps=2, scaling="none") -> Trainer:
@@ -93,20 +94,20 @@ def test_a_step_asked_otherwise_than_it_went_ahead_is_refused():
         ex.train_step(1, 0.3, 1.0, False)
 
 
-def test_weight_streaming_sends_nothing_ahead():
+def test_weight_streaming_sends_ahead_to_memoryx():
     ex, t = executor("weight_streaming"), trainer()
     ex.train_step(*t.step_args(0), ahead=t.next_step_args)
     ex.train_step(*t.step_args(1), ahead=t.next_step_args)
-    assert train_steps(ex) == [(0, 0.5), (1, 0.25)] and not ex.swarmx.messages
+    assert train_steps(ex) == [(s, t.step_args(s)[1]) for s in range(STEPS_AHEAD + 1)] and not ex.swarmx.messages
 
 
 def test_a_pipelined_wse_answers_in_bursts_in_step_order():
     wse = PipelinedExecutor.__new__(PipelinedExecutor)   # only what hold and flush use
     wse.up, wse.held = Sent(), []
-    for step in range(LOSSES_HELD - 1):
+    for step in range(ANSWERS_HELD - 1):
         wse.hold(Message(Msg.LOSS, step=step))
     assert not wse.up.messages                       # held while more steps wait
-    wse.hold(Message(Msg.LOSS, step=LOSSES_HELD - 1))
-    wse.hold(Message(Msg.LOSS, step=LOSSES_HELD))
+    wse.hold(Message(Msg.LOSS, step=ANSWERS_HELD - 1))
+    wse.hold(Message(Msg.LOSS, step=ANSWERS_HELD))
     wse.flush()                                      # before it waits, or answers anything else
-    assert [m.step for m in wse.up.messages] == list(range(LOSSES_HELD + 1)) and not wse.held
+    assert [m.step for m in wse.up.messages] == list(range(ANSWERS_HELD + 1)) and not wse.held

@@ -12,11 +12,9 @@ computes), so input transfer overlaps compute. The maths stays that of
 sequential minibatch SGD: step s+1 sees the weights step s updated, as on the
 real wafer where each layer's update lands before the next sample reaches it.
 
-Answers go up in bursts: a step's LOSS is held while further TRAIN_STEPs wait on the socket, up to
-LOSSES_HELD of them, and every held one goes before anything else is sent and before the WSE waits
-for a message (`flush`). The chief sends steps ahead in bursts too (chief/cluster_executor.py
-STEPS_AHEAD, twice LOSSES_HELD, so the WSE always has work queued when a burst leaves), and a
-burst wakes each process on its way once.
+Steps come ahead of their turn and losses go up in bursts (protocol.ANSWERS_HELD): a step's LOSS
+is held while further TRAIN_STEPs wait, and every held one goes before anything else is sent and
+before the WSE waits for a message (`flush`).
 
 Multi-replica: with k replicas the WSE's shard is split in k parts, each
 "copy" of the model computes its own gradients, and the copies' gradients are
@@ -33,9 +31,7 @@ from cs_runtime.numerics.model import ShardContext, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.data.inputs import take_rows
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, batch_features, float_arrays
-
-LOSSES_HELD = 4
+from cs_runtime.wire.protocol import ANSWERS_HELD, JobSettings, Message, Msg, batch_features, float_arrays
 
 
 class PipelinedExecutor:
@@ -57,7 +53,7 @@ class PipelinedExecutor:
 
     def hold(self, loss: Message) -> None:
         self.held.append(loss)
-        if len(self.held) >= LOSSES_HELD:
+        if len(self.held) >= ANSWERS_HELD:
             self.flush()
 
     def handle(self, msg: Message) -> bool:

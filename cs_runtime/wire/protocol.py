@@ -318,6 +318,17 @@ def layer_groups(layer_bytes: list[int]) -> list[range]:
     return groups
 
 
+# Steps sent ahead, answers in bursts. When a step's arguments do not depend on the results
+# before it (chief/trainer.py next_step_args), the chief sends up to STEPS_AHEAD TRAIN_STEPs
+# before their turn, topping them up in one burst once half are done; whoever runs the steps
+# (MemoryX, or a pipelined WSE) runs them in order and holds each step's answer (STEP_DONE,
+# LOSS) while more steps wait, up to ANSWERS_HELD, sending every held one before any other
+# answer and before it waits. A burst wakes each process on its way once, not once a step.
+# ANSWERS_HELD <= STEPS_AHEAD / 2: a burst of answers leaves while steps are still queued.
+STEPS_AHEAD = 8
+ANSWERS_HELD = 4
+
+
 # A weight-streaming step's loss, as LOSS would carry it, rides on the step's last GRADS
 # (summed by SwarmX as LOSS is) and MemoryX hands it on in STEP_DONE: two hops fewer a
 # step. A job whose steps hand out the model's output sends LOSS, with those rows, instead.
