@@ -247,12 +247,15 @@ class WeightStreamingExecutor:
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
                     "input_wait_s": self.inputs.take_wait()}
             if outputs:   # the output rows go up as LOSS, which SwarmX joins in rank order
-                self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs))
+                # share=False: for the chief, which maps no segment (an output may be a view of
+                # the batch, which lies in a worker's)
+                self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs), share=False)
             else:         # rides on the step's last GRADS (protocol.STEP_LOSS)
                 self.step_loss = meta
         else:
             self.up.send(Message(Msg.EVAL_RESULT, step=step, meta={
-                "loss_sum": result.loss_sum, "correct": result.correct, "count": result.count}, arrays=outputs))
+                "loss_sum": result.loss_sum, "correct": result.correct, "count": result.count}, arrays=outputs),
+                share=False)
             self.caches = []
 
     def backward(self, step: int, index: int, weights: dict) -> dict:
