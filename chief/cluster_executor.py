@@ -7,6 +7,7 @@ plan (which batches to stream) and are answered whenever they connect.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -23,7 +24,7 @@ from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import hands_out_outputs
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, float_arrays
+from cs_runtime.wire.protocol import STEPS_AHEAD, JobSettings, Message, Msg, float_arrays
 from cs_runtime.process.service import ProcessEnv
 from cs_runtime.run_args import RunError
 from cs_runtime.wire.transport import Endpoint
@@ -93,7 +94,7 @@ class ClusterExecutor:
         self.outputs: dict = {}   # what the last step handed back besides its loss (the model's output)
         self.input_monitor = InputMonitor(self.penv.num_csx, self.penv.num_workers)
         self.pollers: dict[str, zmq.Poller] = {}   # wait's, by the endpoint awaited
-        self.sent_ahead: tuple | None = None   # the TRAIN_STEP sent before its turn (train_step's `then`)
+        self.sent_ahead: collections.deque = collections.deque()   # TRAIN_STEPs sent before their turn
 
     def dealer(self, role: str, peer: dict) -> Endpoint:
         ep = Endpoint(self.ctx, zmq.DEALER, f"chief->{role}", self.penv.job)
@@ -202,28 +203,44 @@ class ClusterExecutor:
     def start_step(self, step: int, lr: float, loss_scale: float, norms: bool) -> None:
         """Send TRAIN_STEP `step`, unless it went ahead already with these very arguments."""
         args = (step, lr, loss_scale, norms)
-        if self.sent_ahead is not None:
-            if self.sent_ahead != args:   # a bug of the caller's, never a result of the run
-                raise ServiceError(f"step {step} was sent ahead as {self.sent_ahead}, now asked as {args}")
-            self.sent_ahead = None
+        if self.sent_ahead:
+            went = self.sent_ahead.popleft()
+            if went != args:   # a bug of the caller's, never a result of the run
+                raise ServiceError(f"step {step} was sent ahead as {went}, now asked as {args}")
             return
+        self.send_step(args)
+
+    def send_step(self, args: tuple) -> None:
+        step, lr, loss_scale, norms = args
         start = Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr, "loss_scale": loss_scale, "norms": norms})
         (self.swarmx if self.pipelined else self.memoryx).send(start)
 
+    def send_ahead(self, step: int, ahead) -> None:
+        """Once no more than half of STEPS_AHEAD steps after `step` are queued, the next ones
+        whose arguments `ahead` knows now, up to STEPS_AHEAD (protocol.STEPS_AHEAD)."""
+        if len(self.sent_ahead) > STEPS_AHEAD // 2:
+            return
+        last = self.sent_ahead[-1][0] if self.sent_ahead else step
+        while len(self.sent_ahead) < STEPS_AHEAD:
+            args = ahead(last)
+            if args is None:
+                return
+            self.send_step(args)
+            self.sent_ahead.append(tuple(args))
+            last = args[0]
+
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
-                   norms: bool = True, then: tuple | None = None) -> tuple[float, float, bool]:
+                   norms: bool = True, ahead=None) -> tuple[float, float, bool]:
         """(loss, gradient norm (nan unless `norms`), whether the update was applied).
 
-        `then`: the next step's (step, lr, loss_scale, norms). Pipelined, it is sent now, before
-        this step's LOSS: the WSE finds it queued as it finishes this step instead of idling
-        through four hops (LOSS up through SwarmX, TRAIN_STEP down) and the chief's logging.
-        The WSE handles its messages in order, so the maths is that of lockstep steps. Weight
-        streaming does not send ahead: tried (MemoryX queueing the next TRAIN_STEP), it
-        measured no faster beyond the noise there (CHANGELOG.md)."""
+        `ahead(s)`: the arguments (step, lr, loss_scale, norms) of the step after s when they are
+        known now, else None. Up to STEPS_AHEAD of the next steps are sent before this step's
+        answer: MemoryX (or a pipelined WSE) finds them queued as it finishes this step instead
+        of idling through the hops of the chief's round trip and its logging, and answers in
+        bursts. It runs its steps in order, so the maths is that of lockstep steps."""
         self.start_step(step, lr, loss_scale, norms)
-        if then is not None and self.pipelined:
-            self.start_step(*then)
-            self.sent_ahead = tuple(then)
+        if ahead is not None:
+            self.send_ahead(step, ahead)
         if self.pipelined:
             loss = self.wait(self.swarmx, Msg.LOSS, step)
             self.outputs = float_arrays(loss)

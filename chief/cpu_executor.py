@@ -63,9 +63,9 @@ class CpuExecutor:
             raise RunError(line) from None
 
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
-                   norms: bool = True, then: tuple | None = None) -> tuple[float, float, bool]:
+                   norms: bool = True, ahead=None) -> tuple[float, float, bool]:
         """(loss, gradient norm (nan unless `norms`), whether the update was applied).
-        `then` (the next step's arguments, for a cluster to send ahead): nothing to do here."""
+        `ahead` (the next steps' arguments, for a cluster to send ahead): nothing to do here."""
         ctx, shard = self.shard("train", step, train=True)
         result, grads, _ = forward_backward(self.spec, shard.x, shard.y, self.weights, ctx, shard.label_count,
                                             loss_scale, step)

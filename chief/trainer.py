@@ -318,7 +318,7 @@ class Trainer:
             args = self.step_args(step)
             lr, loss_scale = args[1], args[2]
             with trace.span("train_step", step=step):
-                loss, grad_norm, applied = self.executor.train_step(*args, then=self.next_step_args(step))
+                loss, grad_norm, applied = self.executor.train_step(*args, ahead=self.next_step_args)
             if not math.isfinite(loss):
                 raise RunError(f"loss is {loss} at step {step + 1}; stopping (lower the learning rate?)")
             self.after_step(step, applied, loss_scale)
@@ -365,8 +365,10 @@ class Trainer:
 
     def next_step_args(self, step: int) -> tuple | None:
         """step_args of the step after `step` when they are known before `step` ends, else None.
-        A pipelined cluster sends that step ahead, so that the WSE finds it queued instead of
-        idling through the hops of the chief's round trip (chief/cluster_executor.py).
+        A cluster sends such steps ahead, so that MemoryX (or a pipelined WSE) finds them queued
+        instead of idling through the hops of the chief's round trip (chief/cluster_executor.py). It asks
+        for steps beyond the next too, before `step` ends: what decides the answer (the lr
+        schedule, a static scale, the log and checkpoint steps) does not depend on results.
         Not known: a dynamic loss scale (it follows the step's result); not sent: after the
         last step, or when a checkpoint comes between (it must hold this step's weights)."""
         nxt = step + 1

@@ -218,7 +218,7 @@ def test_bad_messages_during_a_run_are_logged_once_and_change_nothing(tmp_path, 
                    "chief": (zmq.DEALER, found["chief"][0]["endpoints"]["router"]),
                    "memoryx": (zmq.DEALER, found["memoryx"][0]["endpoints"]["router"]),
                    "swarmx": (zmq.DEALER, found["swarmx"][0]["endpoints"]["router"]),
-                   "wse0-input": (zmq.PUSH, found["wse"][0]["endpoints"]["input"])}
+                   "wse0-input": (zmq.DEALER, found["wse"][0]["endpoints"]["input"])}
         sockets = {}
         for name, (kind, address) in targets.items():
             sock = ctx.socket(kind)

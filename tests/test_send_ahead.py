@@ -1,18 +1,22 @@
-"""The chief sends a pipelined WSE its next TRAIN_STEP before the current step's LOSS
-(chief/trainer.py next_step_args, chief/cluster_executor.py train_step's `then`): which
-steps go ahead, that each goes once with the arguments its turn gives it, and that weight
-streaming sends nothing ahead. That the numbers stay the CPU path's: tests/test_pipelined.py."""
+"""The chief sends MemoryX, or a pipelined WSE, its next TRAIN_STEPs before the current step's
+answer (chief/trainer.py next_step_args, chief/cluster_executor.py train_step's `ahead`): which
+steps go ahead, that each goes once with the arguments its turn gives it, in bursts of at most
+STEPS_AHEAD, and that answers go in bursts (protocol.ANSWERS_HELD). That the numbers stay the
+CPU path's: tests/test_pipelined.py and tests/test_cluster.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
+import collections
+
 from chief.cluster_executor import ClusterExecutor, ServiceError
 from chief.input_monitor import InputMonitor
 from chief.trainer import Trainer
 from cs_runtime.numerics.precision import LossScaler
-from cs_runtime.wire.protocol import Message, Msg
+from cs_runtime.wire.protocol import ANSWERS_HELD, STEPS_AHEAD, Message, Msg
+from wse.pipelined import PipelinedExecutor
 
 
 def trainer(max_steps=10, checkpoint_steps=0, log_steps=2, scaling="none") -> Trainer:
@@ -50,7 +54,7 @@ class Sent:
 
 def executor(strategy: str) -> ClusterExecutor:
     ex = ClusterExecutor.__new__(ClusterExecutor)   # no sockets: the sends are recorded
-    ex.strategy, ex.swarmx, ex.memoryx, ex.sent_ahead = strategy, Sent(), Sent(), None
+    ex.strategy, ex.swarmx, ex.memoryx, ex.sent_ahead = strategy, Sent(), Sent(), collections.deque()
     ex.spec = SimpleNamespace(program=None)   # a model whose steps hand out their loss alone
     ex.input_monitor = InputMonitor(1, 1)
     meta = {"loss": 1.5, "grad_norm": 2.0, "applied": True}
@@ -62,25 +66,48 @@ def train_steps(ex):
     return [(m.step, m.meta["lr"]) for m in (*ex.swarmx.messages, *ex.memoryx.messages) if m.type == Msg.TRAIN_STEP]
 
 
-def test_pipelined_sends_each_step_once_the_next_one_ahead():
-    ex = executor("pipelined")
-    assert ex.train_step(0, 0.5, 1.0, True, then=(1, 0.25, 1.0, False)) == (1.5, 2.0, True)
-    assert train_steps(ex) == [(0, 0.5), (1, 0.25)]
-    ex.train_step(1, 0.25, 1.0, False, then=(2, 0.125, 1.0, True))
-    ex.train_step(2, 0.125, 1.0, True)
-    assert train_steps(ex) == [(0, 0.5), (1, 0.25), (2, 0.125)]
-    assert ex.sent_ahead is None
+def test_pipelined_sends_each_step_once_in_bursts_ahead():
+    ex, t = executor("pipelined"), trainer(max_steps=20, log_steps=3)
+    assert ex.train_step(*t.step_args(0), ahead=t.next_step_args) == (1.5, 2.0, True)
+    assert train_steps(ex) == [(s, t.step_args(s)[1]) for s in range(STEPS_AHEAD + 1)]   # 0, and 8 ahead
+    for step in range(1, STEPS_AHEAD // 2):   # no top-up while more than half are queued
+        ex.train_step(*t.step_args(step), ahead=t.next_step_args)
+    assert len(train_steps(ex)) == STEPS_AHEAD + 1
+    ex.train_step(*t.step_args(STEPS_AHEAD // 2), ahead=t.next_step_args)   # half left: topped up in one burst
+    assert [s for s, _ in train_steps(ex)] == list(range(STEPS_AHEAD // 2 + STEPS_AHEAD + 1))
+    for step in range(STEPS_AHEAD // 2 + 1, 20):
+        ex.train_step(*t.step_args(step), ahead=t.next_step_args)
+    assert train_steps(ex) == [(s, t.step_args(s)[1]) for s in range(20)] and not ex.sent_ahead
+    assert [m.meta["norms"] for m in ex.swarmx.messages] == [t.logs_at(s + 1) for s in range(20)]
+
+
+def test_steps_go_ahead_only_up_to_a_checkpoint():
+    ex, t = executor("pipelined"), trainer(max_steps=20, checkpoint_steps=5)
+    ex.train_step(*t.step_args(0), ahead=t.next_step_args)
+    assert [s for s, _ in train_steps(ex)] == [0, 1, 2, 3, 4]   # the checkpoint after step 5 holds its weights
 
 
 def test_a_step_asked_otherwise_than_it_went_ahead_is_refused():
-    ex = executor("pipelined")
-    ex.train_step(0, 0.5, 1.0, True, then=(1, 0.25, 1.0, False))
+    ex, t = executor("pipelined"), trainer()
+    ex.train_step(*t.step_args(0), ahead=t.next_step_args)
     with pytest.raises(ServiceError, match="sent ahead"):
         ex.train_step(1, 0.3, 1.0, False)
 
 
-def test_weight_streaming_sends_nothing_ahead():
-    ex = executor("weight_streaming")
-    ex.train_step(0, 0.5, 1.0, True, then=(1, 0.25, 1.0, False))
-    ex.train_step(1, 0.25, 1.0, False)
-    assert train_steps(ex) == [(0, 0.5), (1, 0.25)] and not ex.swarmx.messages
+def test_weight_streaming_sends_ahead_to_memoryx():
+    ex, t = executor("weight_streaming"), trainer()
+    ex.train_step(*t.step_args(0), ahead=t.next_step_args)
+    ex.train_step(*t.step_args(1), ahead=t.next_step_args)
+    assert train_steps(ex) == [(s, t.step_args(s)[1]) for s in range(STEPS_AHEAD + 1)] and not ex.swarmx.messages
+
+
+def test_a_pipelined_wse_answers_in_bursts_in_step_order():
+    wse = PipelinedExecutor.__new__(PipelinedExecutor)   # only what hold and flush use
+    wse.up, wse.held = Sent(), []
+    for step in range(ANSWERS_HELD - 1):
+        wse.hold(Message(Msg.LOSS, step=step))
+    assert not wse.up.messages                       # held while more steps wait
+    wse.hold(Message(Msg.LOSS, step=ANSWERS_HELD - 1))
+    wse.hold(Message(Msg.LOSS, step=ANSWERS_HELD))
+    wse.flush()                                      # before it waits, or answers anything else
+    assert [m.step for m in wse.up.messages] == list(range(ANSWERS_HELD + 1)) and not wse.held

@@ -4,12 +4,20 @@ Worker w of a job's K input workers (on any number of hosts) produces the
 global batches s with s % K == w (`worker_steps`): it fetches each once and
 sends every WSE its rows. Each WSE merges the streams of all workers in step
 order (`wse.emulator.InputMerger`), so results never depend on K or on which
-worker is faster. A PUSH high-water mark of PREFETCH per WSE lets a worker
-run that far ahead of the WSE (prefetch) and no further.
+worker is faster. A worker runs at most protocol.BATCH_SLOTS batches ahead of
+each WSE: the WSE says, in BATCHES_DONE, how many of this worker's batches it
+is done with (prefetch, and no further).
+
+On the WSEs' host (CS_SHM_DIR set) the batches' big arrays travel as shared
+memory (wire/shm.py): each WSE has a ring of BATCH_SLOTS slots in this
+worker's arena, batch k is copied into slot k % BATCH_SLOTS, and the message
+carries references instead of bytes (no kernel copies, no encryption on the
+way). A slot is written again only once the WSE said it is done with the
+batch that was in it. A batch too big for its slot goes as frames.
 
 About once a second the worker tells the chief how it is doing
 (INPUT_STATS: batches made, seconds busy in the input function, seconds
-blocked because the WSE's queue was full): the chief's evidence when it
+blocked because a WSE had all the batches it may hold): the chief's evidence when it
 suspects an input bottleneck.
 """
 from __future__ import annotations
@@ -20,6 +28,7 @@ import logging
 import sys
 import time
 
+import numpy as np
 import zmq
 
 from cs_runtime import errors, trace
@@ -28,7 +37,8 @@ from cs_runtime.data.batches import worker_steps
 from cs_runtime.data.mnist import DataError
 from cs_runtime.data.inputs import InputStream
 from cs_runtime.numerics.precision import encode_arrays
-from cs_runtime.wire.protocol import Message, Msg, batch_arrays
+from cs_runtime.wire import shm
+from cs_runtime.wire.protocol import BATCH_SLOTS, Message, Msg, batch_arrays
 from cs_runtime.errors import EXIT_BAD_INPUT
 from cs_runtime.run_args import RunArgs, UserFunctions
 from cs_runtime.process.service import ProcessEnv
@@ -36,7 +46,6 @@ from cs_runtime.wire.transport import Endpoint, host_name
 
 log = logging.getLogger("worker")
 
-PREFETCH = 4
 PLAN_TIMEOUT_S = 300
 STATS_INTERVAL_S = 1.0
 SEND_POLL_MS = 250
@@ -81,10 +90,11 @@ class InputWorker:
         cs_system = DirectoryClient(self.ctx, self.penv.cs_ip, "worker", self.penv.rank, self.penv.job)
         wses = cs_system.lookup(["wse"])["wse"]
         phases = self.ask_plan(chief["endpoints"]["router"])
-        pushes = [self.push_to(wse["endpoints"]["input"]) for wse in wses]
+        segments = shm.process_segments()
+        lanes = [self.lane_to(wse["endpoints"]["input"], segments) for wse in wses]
         self.started = time.monotonic()
         for phase in phases:
-            self.stream(pushes, phase)
+            self.stream(lanes, phase)
         self.report(done=True)
         log.info("worker %d made %d batches for %d WSE(s) in %.1f s (%.1f s in the input function)",
                  self.penv.rank, self.batches, len(wses), time.monotonic() - self.started, self.busy_s)
@@ -108,10 +118,11 @@ class InputWorker:
             else:
                 self.chief.warn_once(None, f"unexpected {msg.type.value} from the chief")
 
-    def push_to(self, address: str) -> Endpoint:
-        push = Endpoint(self.ctx, zmq.PUSH, f"worker{self.penv.rank}", self.penv.job)
-        push.sock.setsockopt(zmq.SNDHWM, PREFETCH)
-        return push.connect(address)
+    def lane_to(self, address: str, segments) -> "WseLane":
+        to_wse = Endpoint(self.ctx, zmq.DEALER, f"worker{self.penv.rank}->wse", self.penv.job).connect(address)
+        if segments is not None:
+            to_wse.share_memory(segments)
+        return WseLane(to_wse, segments, self.penv.job, f"worker{self.penv.rank}")
 
     def ask_plan(self, address: str) -> list[dict]:
         self.chief = Endpoint(self.ctx, zmq.DEALER, f"worker{self.penv.rank}->chief", self.penv.job)
@@ -128,37 +139,39 @@ class InputWorker:
             return InputStream.build("train", self.fns.train_input_fn(p), p.train_input, p.runconfig.seed)
         return InputStream.build("eval", self.fns.eval_input_fn(p), p.eval_input, p.runconfig.seed)
 
-    def stream(self, pushes: list[Endpoint], phase: dict) -> None:
+    def stream(self, lanes: list["WseLane"], phase: dict) -> None:
         name, p = str(phase["stream"]), self.args.params
         stream = self.open_stream(name)
         section = p.train_input if name == "train" else p.eval_input
         steps = worker_steps(int(phase["start"]), int(phase["stop"]), self.penv.rank, self.penv.num_workers)
-        for step, shards in fetched_ahead(stream, steps, len(pushes), section):
+        for step, shards in fetched_ahead(stream, steps, len(lanes), section):
             t0 = time.monotonic()
             with trace.span("make_batch", step=step):
                 shards = shards()
             self.busy_s += time.monotonic() - t0
-            for push, shard in zip(pushes, shards):
+            for lane, shard in zip(lanes, shards):
                 meta = {"stream": name, "global_batch": shard.global_batch, "worker": self.penv.rank,
                         "row_start": shard.rows.start, "row_stop": shard.rows.stop,
                         "label_count": shard.label_count}
                 # The first layer rounds its input to the 16-bit format anyway: send it so.
                 arrays = encode_arrays(batch_arrays(shard.x, shard.y), p.precision)
+                self.wait_for_room(lane)
                 with trace.span("send_batch", step=step):
-                    self.send(push, Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision},
-                                            arrays=arrays))
+                    lane.send(Message(Msg.BATCH, step=step, meta={**meta, "format": p.precision},
+                                      arrays=lane.placed(arrays)))
             self.batches += 1
             self.maybe_report()
 
-    def send(self, push: Endpoint, msg: Message) -> None:
-        """Send once the WSE has room; time spent waiting is 'blocked' (the WSE is the slower side)."""
+    def wait_for_room(self, lane: "WseLane") -> None:
+        """Return once the WSE may take another batch; time spent waiting is 'blocked' (the WSE
+        is the slower side)."""
+        lane.hear(0)
         t0 = time.monotonic()
-        while not push.sock.poll(SEND_POLL_MS, zmq.POLLOUT):
+        while lane.full():
+            lane.hear(SEND_POLL_MS)
             self.blocked_s += time.monotonic() - t0
             t0 = time.monotonic()
             self.maybe_report()
-        self.blocked_s += time.monotonic() - t0
-        push.send(msg)
 
     def maybe_report(self) -> None:
         if time.monotonic() - self.last_report >= STATS_INTERVAL_S:
@@ -169,6 +182,64 @@ class InputWorker:
         meta = {"rank": self.penv.rank, "host": host_name(), "batches": self.batches, "busy_s": self.busy_s,
                 "blocked_s": self.blocked_s, "elapsed_s": self.last_report - self.started, "done": done}
         self.chief.send(Message(Msg.INPUT_STATS, meta=meta))
+
+
+class WseLane:
+    """This worker's batches to one WSE: the socket, how many were sent and how many the WSE
+    is done with (BATCHES_DONE), and, on a shared host, the ring of slots they are copied into."""
+
+    def __init__(self, endpoint: Endpoint, segments, job: str, owner: str):
+        self.endpoint, self.segments, self.job, self.owner = endpoint, segments, job, owner
+        self.sent = self.done = 0
+        self.slots: list[np.ndarray] = []   # made for the first batch: BATCH_SLOTS of its size
+
+    def full(self) -> bool:
+        return self.sent - self.done >= BATCH_SLOTS
+
+    def hear(self, timeout_ms: int) -> None:
+        """Take the WSE's BATCHES_DONE that wait (the first up to timeout_ms); anything else, or a
+        count that is not a running count of the batches sent, is dropped with a line."""
+        while True:
+            got = self.endpoint.recv(timeout_ms)
+            if got is None:
+                return
+            msg, timeout_ms = got[1], 0
+            done = msg.meta.get("done") if msg.type == Msg.BATCHES_DONE else None
+            if done is None or not self.done <= done <= self.sent:
+                self.endpoint.warn_once(None, f"unexpected {msg.type.value} from the WSE "
+                                              f"(done {done}, {self.done} to {self.sent} possible)")
+                continue
+            self.done = done
+
+    def placed(self, arrays: dict) -> dict:
+        """The arrays, those that travel by reference copied into this batch's slot (the caller
+        has waited for room: the WSE is done with what the slot held)."""
+        if self.segments is None:
+            return arrays
+        shared = {name: a for name, a in arrays.items() if a.nbytes >= shm.MIN_SHARED_BYTES}
+        if not shared:
+            return arrays
+        if not self.slots:
+            self.make_slots(sum(a.nbytes + shm.ALIGN for a in shared.values()))
+        slot, used, out = self.slots[self.sent % BATCH_SLOTS], 0, dict(arrays)
+        for name, arr in shared.items():
+            start = -(-used // shm.ALIGN) * shm.ALIGN
+            if start + arr.nbytes > len(slot):
+                return arrays   # bigger than the first batch: as frames
+            out[name] = slot[start:start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+            np.copyto(out[name], arr)
+            used = start + arr.nbytes
+        return out
+
+    def make_slots(self, slot_bytes: int) -> None:
+        slot_bytes = -(-slot_bytes // shm.ALIGN) * shm.ALIGN
+        arena = shm.new_arena(self.job, self.owner, slot_bytes * BATCH_SLOTS)
+        whole = arena.empty((slot_bytes * BATCH_SLOTS,), np.uint8)
+        self.slots = [whole[i * slot_bytes:(i + 1) * slot_bytes] for i in range(BATCH_SLOTS)]
+
+    def send(self, msg: Message) -> None:
+        self.endpoint.send(msg)
+        self.sent += 1
 
 
 def fetched_ahead(stream, steps, num_ranks: int, section):

@@ -24,11 +24,15 @@ order the step runs them) and waits for the sums over every WSE; what
 arrives meanwhile (the step's later weights) is handled after, in order.
 With one WSE there is nothing to wait for: its shard is the whole batch.
 
-Input batches arrive on a PULL socket from one or more input workers in any
+Input batches arrive on a ROUTER socket from one or more input workers in any
 order; `InputMerger` hands them out in (stream, step) order, so results never
 depend on how many workers there are or which is faster, and checks each
 before the model sees it (cs_runtime/numerics/batch_check.py): a bad sample
 ends this process with one line naming the worker, step and sample, exit 2.
+It tells each worker how many of its batches it is done with (BATCHES_DONE:
+protocol.BATCH_SLOTS), which bounds how far the worker runs ahead and when it
+may write a batch's shared-memory slot again (on one host the batches' arrays
+are read where the worker put them).
 """
 from __future__ import annotations
 
@@ -45,25 +49,49 @@ from cs_runtime.numerics.batch_check import BadBatch, bad_input_line, check_batc
 from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, layer_forward, model_loss
 from cs_runtime.numerics.program_layer import buffers_sent, step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
-from cs_runtime.wire.protocol import (ALL_REDUCE_ARRAY, JobSettings, KeptBuffers, Message, Msg, ProtocolError,
-                                      batch_features, float_arrays, group_message, layer_arrays)
+from cs_runtime.wire.protocol import (ALL_REDUCE_ARRAY, BATCHES_DONE_EVERY, JobSettings, KeptBuffers, Message,
+                                      Msg, ProtocolError, batch_features, float_arrays, group_message, layer_arrays)
 from cs_runtime.process.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
 
 log = logging.getLogger("wse")
 
-INPUT_PREFETCH = 4  # batches each worker may have in flight to this WSE
-
-
 class InputMerger:
-    """Buffers BATCH messages and returns them in the order the WSE asks for them."""
+    """Buffers BATCH messages and returns them in the order the WSE asks for them; tells each
+    worker how many of its batches it is done with (BATCHES_DONE)."""
 
     def __init__(self, pull: Endpoint):
         self.pull = pull
-        self.buffer: dict[tuple[str, int], Message] = {}
+        self.buffer: dict[tuple[str, int], tuple[bytes, Message]] = {}   # with the sending worker
         self.spec: ModelSpec | None = None   # the loaded model, which every batch is checked against
         self.waited_s = 0.0  # time the WSE sat idle for want of input (reported with each loss)
+        self.forget()
+
+    def forget(self) -> None:
+        """A new job: no batch buffered, held or counted."""
+        self.buffer.clear()
+        self.holding: bytes | None = None    # the worker of the batch taken last (in use until the next)
+        self.done: dict[bytes, int] = {}     # worker -> its batches this WSE is done with
+        self.told: dict[bytes, int] = {}     # worker -> the count it was last told
+
+    def release(self) -> None:
+        """The batch taken last is done with (the WSE takes the next: steps are lockstep)."""
+        worker, self.holding = self.holding, None
+        if worker is not None:
+            self.done[worker] = self.done.get(worker, 0) + 1
+            if self.done[worker] - self.told.get(worker, 0) >= BATCHES_DONE_EVERY:
+                self.tell(worker)
+
+    def tell(self, worker: bytes) -> None:
+        self.told[worker] = self.done[worker]
+        self.pull.send(Message(Msg.BATCHES_DONE, meta={"done": self.done[worker]}), worker)
+
+    def tell_all(self) -> None:
+        """Before waiting for input: every worker knows all it may send (none waits on us)."""
+        for worker, done in self.done.items():
+            if done != self.told.get(worker):
+                self.tell(worker)
 
     def take_wait(self) -> float:
         """Seconds waited for input since the previous call."""
@@ -97,17 +125,30 @@ class InputMerger:
 
     def _take(self, key: tuple[str, int], poll_ms: int) -> Message:
         stream, step = key
+        self.release()
+        if key not in self.buffer:
+            self.receive(0)
+        if key not in self.buffer:
+            self.tell_all()
         while key not in self.buffer:
-            got = self.pull.recv(poll_ms)
-            if got is None:
+            if not self.receive(poll_ms):
                 log.debug("waiting for input %s step %d", stream, step)
-                continue
-            msg = got[1]
+        self.holding, batch = self.buffer.pop(key)
+        return batch
+
+    def receive(self, timeout_ms: int) -> bool:
+        """Buffer the batches waiting on the socket (the first up to timeout_ms); whether any came."""
+        came = False
+        while True:
+            got = self.pull.recv(timeout_ms)
+            if got is None:
+                return came
+            (worker, msg), timeout_ms = got, 0
             if msg.type != Msg.BATCH:
-                self.pull.warn_once(None, f"unexpected {msg.type.value} on the input socket")
+                self.pull.warn_once(worker, f"unexpected {msg.type.value} on the input socket")
                 continue
-            self.buffer[(msg.meta["stream"], msg.step)] = msg
-        return self.buffer.pop(key)
+            self.buffer[(msg.meta["stream"], msg.step)] = (worker, msg)
+            came = True
 
 
 class WeightStreamingExecutor:
@@ -216,12 +257,15 @@ class WeightStreamingExecutor:
             meta = {"loss": result.loss, "count": len(self.labels), "bytes_in": self.up.take_received(),
                     "input_wait_s": self.inputs.take_wait()}
             if outputs:   # the output rows go up as LOSS, which SwarmX joins in rank order
-                self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs))
+                # share=False: for the chief, which maps no segment (an output may be a view of
+                # the batch, which lies in a worker's)
+                self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=outputs), share=False)
             else:         # rides on the step's last GRADS (protocol.STEP_LOSS)
                 self.step_loss = meta
         else:
             self.up.send(Message(Msg.EVAL_RESULT, step=step, meta={
-                "loss_sum": result.loss_sum, "correct": result.correct, "count": result.count}, arrays=outputs))
+                "loss_sum": result.loss_sum, "correct": result.correct, "count": result.count}, arrays=outputs),
+                share=False)
             self.caches = []
 
     def backward(self, step: int, index: int, weights: dict) -> dict:
@@ -269,13 +313,14 @@ class WeightStreamingExecutor:
 class WSE:
     def __init__(self, penv: ProcessEnv, ctx: zmq.Context):
         self.penv = penv
-        self.pull = Endpoint(ctx, zmq.PULL, f"wse{penv.rank}-input", penv.job)
-        self.pull.sock.setsockopt(zmq.RCVHWM, INPUT_PREFETCH)
+        self.pull = Endpoint(ctx, zmq.ROUTER, f"wse{penv.rank}-input", penv.job)
         self.input_address = self.pull.bind()
         self.inputs = InputMerger(self.pull)
         self.up: Endpoint | None = None
         self.executor: WeightStreamingExecutor | None = None
         self.segments = shm.process_segments()
+        if self.segments is not None:
+            self.pull.share_memory(self.segments)
         self.arena: shm.Arena | None = None
         self.backlog: deque[Message] = deque()   # what came while an all-reduce waited, handled next
         self.collective = (-1, 0)   # (step, its collectives sent so far): the next ALL_REDUCE's number
@@ -302,8 +347,16 @@ class WSE:
 
     def serve(self) -> None:
         while True:
-            msg = self.backlog.popleft() if self.backlog else self.up.recv(into=self.kept_weights)[1]
-            self.handle(msg)
+            if self.backlog:   # what came while an all-reduce waited
+                self.handle(self.backlog.popleft())
+                continue
+            holding = isinstance(self.executor, PipelinedExecutor) and self.executor.held
+            got = self.up.recv(0, into=self.kept_weights) if holding else None
+            if got is None:
+                if holding:
+                    self.executor.flush()   # about to wait: the chief hears of every step done
+                got = self.up.recv(into=self.kept_weights)
+            self.handle(got[1])
 
     def all_reduce(self, values: np.ndarray) -> np.ndarray:
         """The sum over every WSE of `values` (this WSE's: a float64 vector), for the step's
@@ -338,6 +391,8 @@ class WSE:
         return self.executor.weight_buffer(index, name, dtype, shape)
 
     def handle(self, msg: Message) -> None:
+        if isinstance(self.executor, PipelinedExecutor) and msg.type != Msg.TRAIN_STEP:
+            self.executor.flush()   # the held losses go before any other answer
         if msg.type == Msg.GET_TRACE:
             received_ns = trace.now_ns()
             self.up.send(trace.reply(msg, "wse", self.penv.rank, received_ns), share=False)
@@ -351,7 +406,7 @@ class WSE:
         elif msg.type == Msg.JOB_END:
             trace.RECORDER.reset(False)
             self.executor = None
-            self.inputs.buffer.clear()
+            self.inputs.forget()
             self.inputs.spec = None
             if self.segments is not None:
                 self.segments.release(self.arena)

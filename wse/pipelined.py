@@ -12,6 +12,10 @@ computes), so input transfer overlaps compute. The maths stays that of
 sequential minibatch SGD: step s+1 sees the weights step s updated, as on the
 real wafer where each layer's update lands before the next sample reaches it.
 
+Steps come ahead of their turn and losses go up in bursts (protocol.ANSWERS_HELD): a step's LOSS
+is held while further TRAIN_STEPs wait, and every held one goes before anything else is sent and
+before the WSE waits for a message (`flush`).
+
 Multi-replica: with k replicas the WSE's shard is split in k parts, each
 "copy" of the model computes its own gradients, and the copies' gradients are
 summed on the wafer (in replica order) before the one update.
@@ -27,7 +31,7 @@ from cs_runtime.numerics.model import ShardContext, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.data.inputs import take_rows
-from cs_runtime.wire.protocol import JobSettings, Message, Msg, batch_features, float_arrays
+from cs_runtime.wire.protocol import ANSWERS_HELD, JobSettings, Message, Msg, batch_features, float_arrays
 
 
 class PipelinedExecutor:
@@ -39,6 +43,18 @@ class PipelinedExecutor:
         self.skip_nonfinite = settings.skips_nonfinite
         self.optimizer = Optimizer(settings.optimizer)
         self.weights, self.opt_state = unflatten_for(self.spec, self.optimizer, arrays)
+        self.held: list[Message] = []   # LOSS messages not yet sent (see above)
+
+    def flush(self) -> None:
+        """Send the held LOSS messages, in step order."""
+        held, self.held = self.held, []
+        for msg in held:
+            self.up.send(msg)
+
+    def hold(self, loss: Message) -> None:
+        self.held.append(loss)
+        if len(self.held) >= ANSWERS_HELD:
+            self.flush()
 
     def handle(self, msg: Message) -> bool:
         """Handle a step-level message; False if it is not one of ours."""
@@ -80,7 +96,7 @@ class PipelinedExecutor:
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
         meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                 "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}
-        self.up.send(Message(Msg.LOSS, step=step, meta=meta, arrays=joined(outputs)))
+        self.hold(Message(Msg.LOSS, step=step, meta=meta, arrays=joined(outputs)))
 
     def eval_step(self, step: int) -> None:
         batch = self.inputs.take("eval", step)

@@ -243,7 +243,10 @@ def _start_job(options: JobOptions, layout: Layout, tasks: bool, handle_signals:
         backend.start_services(group, directory, layout, env, options, job, shm_dir)
         if tasks:
             # the chief drives, the workers feed: neither multiplies matrices
-            backend.start_tasks(group, directory, layout, numerics_env(env, 1), options, job)
+            task_env = numerics_env(env, 1)
+            if shm_dir and backend.tasks_here():   # the workers hand the WSEs batches in shared memory
+                task_env[cs_env.SHM_DIR.name] = shm_dir
+            backend.start_tasks(group, directory, layout, task_env, options, job)
     except BaseException:
         directory.close()
         started.close()

@@ -9,6 +9,10 @@ their layers at once (or, with max_gradient_norm or loss scaling, after the
 last layer, since clipping needs the global norm and a step with an
 overflowed gradient anywhere is skipped whole). Then STEP_DONE to the chief,
 with the step's loss when it came with the gradients (protocol.STEP_LOSS).
+The chief may send TRAIN_STEPs ahead of their turn: one that comes while a
+step runs is queued, and the steps run in order; STEP_DONEs go in bursts
+(protocol.ANSWERS_HELD), every held one before any other answer and before
+MemoryX waits for a message.
 
 With mixed precision the master weights and optimizer state stay float32
 here; weights go out, and gradients come in, in the 16-bit format. Each
@@ -24,6 +28,7 @@ them.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 
@@ -37,8 +42,8 @@ from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, unscale_and_check, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import (STEP_LOSS, JobSettings, KeptBuffers, Message, Msg, group_message, layer_arrays,
-                                      layer_groups)
+from cs_runtime.wire.protocol import (ANSWERS_HELD, STEP_LOSS, JobSettings, KeptBuffers, Message, Msg, group_message,
+                                      layer_arrays, layer_groups)
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -59,14 +64,29 @@ class MemoryX:
         self.wire: list[dict] | None = None    # 16-bit weight buffers in the arena
         self.grad_buffers: dict[tuple[int, str], np.ndarray] = {}   # 16-bit gradients widened
         self.grad_wire: KeptBuffers | None = None   # gradients as they travel (kept_grads)
+        self.queued: collections.deque = collections.deque()   # (identity, TRAIN_STEP) sent ahead
+        self.held: list[Message] = []   # STEP_DONEs not yet sent
 
     def serve(self) -> None:
         while True:
-            identity, msg = self.router.recv()
-            self.handle(identity, msg)
+            got = self.queued.popleft() if self.queued else None
+            if got is None and self.held:
+                got = self.router.recv(0)
+            if got is None:
+                self.flush()   # about to wait: the chief hears of every step done
+                got = self.router.recv()
+            self.handle(*got)
+
+    def flush(self) -> None:
+        """Send the held STEP_DONEs, in step order."""
+        held, self.held = self.held, []
+        for msg in held:
+            self.router.send(msg, self.peers["chief"])
 
     def handle(self, identity: bytes, msg: Message) -> None:
         received_ns = trace.now_ns()
+        if msg.type != Msg.TRAIN_STEP:
+            self.flush()   # the held STEP_DONEs go before any other answer
         if msg.type == Msg.HELLO:
             self.peers[msg.meta["role"]] = identity
         elif msg.type == Msg.LOAD_MODEL:
@@ -84,7 +104,7 @@ class MemoryX:
         elif msg.type == Msg.GET_TRACE:
             self.router.send(trace.reply(msg, "memoryx", self.penv.rank, received_ns), identity, share=False)
         elif msg.type == Msg.JOB_END:
-            self.spec = None
+            self.spec, self.queued = None, collections.deque()
             trace.RECORDER.reset(False)
             self.release_arena()
             self.router.send(Message(Msg.ACK, meta={"what": "job_end"}), identity)
@@ -220,6 +240,9 @@ class MemoryX:
             return self.kept_grads(mtype, index, name, dtype, shape)
         while len(grads) < n:
             identity, msg = self.router.recv(into=into)
+            if msg.type == Msg.TRAIN_STEP:   # sent ahead: its turn comes after this step
+                self.queued.append((identity, msg))
+                continue
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)
                 continue
@@ -252,10 +275,11 @@ class MemoryX:
                 squares=[squares[i] for i in range(n)] if squares else None)
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
-        self.router.send(Message(Msg.STEP_DONE, step=step,
+        self.held.append(Message(Msg.STEP_DONE, step=step,
                                  meta={"grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
-                                       "shared_memory": self.arena is not None, **traffic, **step_loss}),
-                         self.peers["chief"])
+                                       "shared_memory": self.arena is not None, **traffic, **step_loss}))
+        if len(self.held) >= ANSWERS_HELD:
+            self.flush()
 
     def update(self, index: int, grads: dict, lr: float, step: int) -> None:
         name = self.spec.layers[index].name

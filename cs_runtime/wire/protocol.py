@@ -65,10 +65,11 @@ from cs_runtime.numerics.program_layer import FEATURE_NAME
 from cs_runtime.spans import MAX_SPANS
 from cs_runtime.numerics.precision import FORMATS, decode_arrays, wire_dtype
 
-PROTOCOL_VERSION = 7   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
+PROTOCOL_VERSION = 8   # 2: arrays over MAX_FRAME_BYTES travel in several frames; 3: LOAD_MODEL settings in an array;
 #                        4: frames of 64 KiB (were 1 MiB);
 #                        5: layer groups, fwd_bwd and the loss in GRADS / STEP_DONE (an older peer would misread them);
-#                        6: array tables over a header in frames of their own; 7: ALL_REDUCE
+#                        6: array tables over a header in frames of their own; 7: ALL_REDUCE;
+#                        8: batches by shared memory, their slots handed back by BATCHES_DONE
 
 # Caps checked before any allocation (a stranger must not make us allocate GBs).
 MAX_HEADER_BYTES = 64 * 1024
@@ -133,6 +134,7 @@ class Msg(str, enum.Enum):
     EVAL_STEP = "eval_step"      # chief -> MemoryX: run eval step `step`
     WEIGHTS = "weights"          # MemoryX -> SwarmX -> every WSE: a layer's weights, or a group's
     BATCH = "batch"              # input worker -> WSE: one shard of one global batch
+    BATCHES_DONE = "batches_done"  # WSE -> input worker: how many of its batches the WSE is done with
     GRADS = "grads"              # WSE -> SwarmX (summed) -> MemoryX: a layer's or a group's gradients
     LOSS = "loss"                # WSE -> SwarmX (summed) -> chief
     EVAL_RESULT = "eval_result"  # WSE -> SwarmX (summed) -> chief: loss sum, correct, count
@@ -181,6 +183,7 @@ META_SCHEMA: dict[Msg, dict[str, Any]] = {
     Msg.EVAL_STEP: {},
     Msg.WEIGHTS: {"phase": str},
     Msg.BATCH: {"stream": str, "global_batch": int, "row_start": int, "row_stop": int},
+    Msg.BATCHES_DONE: {"done": int},
     Msg.GRADS: {},
     Msg.LOSS: {"loss": _NUM, "count": int},
     Msg.EVAL_RESULT: {"loss_sum": _NUM, "correct": int, "count": int},
@@ -317,6 +320,17 @@ def layer_groups(layer_bytes: list[int]) -> list[range]:
     return groups
 
 
+# Steps sent ahead, answers in bursts. When a step's arguments do not depend on the results
+# before it (chief/trainer.py next_step_args), the chief sends up to STEPS_AHEAD TRAIN_STEPs
+# before their turn, topping them up in one burst once half are done; whoever runs the steps
+# (MemoryX, or a pipelined WSE) runs them in order and holds each step's answer (STEP_DONE,
+# LOSS) while more steps wait, up to ANSWERS_HELD, sending every held one before any other
+# answer and before it waits. A burst wakes each process on its way once, not once a step.
+# ANSWERS_HELD <= STEPS_AHEAD / 2: a burst of answers leaves while steps are still queued.
+STEPS_AHEAD = 8
+ANSWERS_HELD = 4
+
+
 # A weight-streaming step's loss, as LOSS would carry it, rides on the step's last GRADS
 # (summed by SwarmX as LOSS is) and MemoryX hands it on in STEP_DONE: two hops fewer a
 # step. A job whose steps hand out the model's output sends LOSS, with those rows, instead.
@@ -369,6 +383,17 @@ def _check_group(mtype: "Msg", header: dict, specs: list) -> None:
 # names: x.input_ids, x.attention_mask, ...), every one with a row per sample of the shard.
 BATCH_LABELS, BATCH_FEATURES = "y", "x"
 MAX_FEATURES = 64
+
+
+# How far an input worker may run ahead of a WSE: at most BATCH_SLOTS of its batches that the WSE
+# has not said it is done with (BATCHES_DONE, a running count per worker, sent after every
+# BATCHES_DONE_EVERY batches it finished and whenever it waits for input). A batch is done when
+# the WSE takes the next one: steps are lockstep, so nothing of the earlier batch is read again.
+# Only then may the worker write that batch's shared-memory slot again (worker/input_worker.py).
+# BATCHES_DONE_EVERY <= BATCH_SLOTS keeps every WSE of a step fed: the slowest one has said it is
+# done with all but the last BATCHES_DONE_EVERY - 1 batches it finished.
+BATCH_SLOTS = 8
+BATCHES_DONE_EVERY = 4
 
 
 def batch_arrays(x, y: np.ndarray) -> dict[str, np.ndarray]:
