@@ -5,7 +5,7 @@ This is an emulation of the vendor's API, not the vendor's package (see
 docs/cstorch.md, "Import names"): log settings (`log`), the environment the
 job's workers see (`environment`), debug args and ini settings (`run_utils`,
 `utils.debug_args`, `utils.ini`), errors (`errors`) and byte units
-(`utils.units`). The emulated cluster takes its settings from run.py's flags
+(`utils.units`), checkpoint paths (`storage`), telemetry (`cluster`). The emulated cluster takes its settings from run.py's flags
 and the params file, so debug args and inis are kept but change nothing.
 """
 import logging

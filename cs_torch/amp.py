@@ -47,6 +47,34 @@ def set_half_dtype(dtype):
     return _torch_dtype(name)
 
 
+def enable_mixed_precision(enabled: bool = True) -> None:
+    """Turn mixed precision on (in the half dtype set, float16 by default) or off (float32)."""
+    if not isinstance(enabled, bool):
+        raise CsTorchError(f"amp.enable_mixed_precision: expected True or False, got {enabled!r}")
+    _half["enabled"] = enabled
+
+
+def mixed_precision() -> bool:
+    """Whether mixed precision is on."""
+    return _half["enabled"]
+
+
+def get_floating_point_dtype():
+    """The dtype a model's floating-point inputs take: the half dtype under mixed precision, else
+    float32 (a torch dtype)."""
+    return get_half_dtype() if _half["enabled"] else _torch_dtype("float32")
+
+
+def get_floating_point_dtype_str() -> str:
+    return _half["dtype"] if _half["enabled"] else "float32"
+
+
+def is_cbfloat16_tensor(tensor) -> bool:
+    """Whether a tensor holds cbfloat16 values: never here (float16 tensors stand in for cbfloat16 on the
+    host, and a program's 16-bit rounding happens inside it)."""
+    return False
+
+
 def use_bfloat16(enabled: bool):
     """bfloat16 (True) or float16 (False) mixed precision."""
     return set_half_dtype("bfloat16" if enabled else "float16")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 
 from cs_runtime.wire.protocol import check_labels
 
+from .csx_settings import csx  # noqa: F401 (cstorch.backends.csx: the CS system's settings)
 from .nn import CsTorchError
 
 BACKEND_TYPES = ("CSX", "CPU", "GPU")
@@ -102,6 +103,15 @@ class BackendType(str, enum.Enum):
     def __str__(self):
         return self.value
 
+    @classmethod
+    def from_str(cls, name: str) -> "BackendType":
+        """The type of that name, in any case ("csx" is CSX)."""
+        try:
+            return cls(str(name).upper())
+        except ValueError:
+            raise ValueError(f"{name} backend not yet supported. Supported backends include: "
+                             f"{', '.join(t.value for t in cls)}") from None
+
     @property
     def is_cpu(self) -> bool:
         return self is BackendType.CPU
@@ -143,6 +153,26 @@ class Backend:
     @property
     def is_gpu(self) -> bool:
         return False        # backend("GPU") runs as CPU here
+
+    @property
+    def is_e2e_execution(self) -> bool:
+        """Whether runs execute (not only compile or validate)."""
+        return not (self.compile_only or self.validate_only)
+
+    @property
+    def is_tracing(self) -> bool:
+        """Whether a traced step's code is running as a trace now (captured, or replayed on the step's
+        values): its effects are recorded, not done, and its tensors are not values yet."""
+        from .recording import probing, replaying
+        return probing() is not None or replaying() is not None
+
+    @property
+    def _impl(self) -> "Backend":
+        """The real API's backend object behind the handle: the same object here."""
+        return self
+
+    # The real backend's compile response (kernels' FLOPs): the emulator's compiler makes none.
+    appliance = None
 
 
 class Device:
@@ -230,8 +260,12 @@ def current_torch_device():
     return torch.device("cpu")
 
 
-def current_backend_impl() -> Backend:
-    """The real API's name for the backend in use (cstorch.backend.current_backend_impl)."""
+def current_backend_impl(raise_exception: bool = True) -> Backend | None:
+    """The real API's name for the backend in use (cstorch.backend.current_backend_impl). With
+    raise_exception=False, None while no backend is made (the model zoo's trainer asks so before it
+    makes one); otherwise the backend, a CPU one if none was made (current_backend)."""
+    if not raise_exception and _current is None:
+        return None
     return current_backend()
 
 

@@ -45,7 +45,9 @@ import sys
 import numpy as np
 import torch
 
+from .backend.ltc_backend import after_tensor_to_cpu
 from .backends import current_backend
+from .experimental.listener import naming_tensors
 from . import summary
 from .nn import CsTorchError
 from .recording import _active, current_executor, probing, replaying
@@ -66,6 +68,8 @@ class CompiledModel:
             if kwargs:
                 raise CsTorchError("trace: call the compiled model with positional tensors (no keywords)")
             probe.model_call(args, self)
+            with naming_tensors(self.model):   # the capture names its tensors to listeners' hooks
+                return self.model(*args, **kwargs)
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -79,6 +83,8 @@ def compile(model: torch.nn.Module, backend=None) -> CompiledModel:  # noqa: A00
     if not isinstance(model, torch.nn.Module):
         raise CsTorchError(f"compile: expected a torch.nn.Module, got {type(model).__name__}")
     backend = backend or current_backend()
+    if not hasattr(model, "device"):   # the real API's compiled module names its device (the host's here)
+        model.device = torch.device("cpu")
     return CompiledModel(model, backend)
 
 
@@ -245,7 +251,20 @@ class TracedStep:
     def __init__(self, fn):
         self.fn = fn
         self.engine = None
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn.func if isinstance(fn, functools.partial) else fn)
+        if isinstance(fn, functools.partial):
+            self.fn.__name__ = fn.func.__name__
+
+    def __get__(self, instance, owner=None):
+        """@cstorch.trace on a method (the model zoo's Trainer.training_step): each instance has its
+        own traced step of the bound method, captured on its own first call."""
+        if instance is None:
+            return self
+        key = f"_traced_{self.fn.__name__}"
+        bound = instance.__dict__.get(key)
+        if bound is None:
+            bound = instance.__dict__[key] = TracedStep(functools.partial(self.fn, instance))
+        return bound
 
     def __call__(self, *args, **kwargs):
         if kwargs:
@@ -555,16 +574,23 @@ def trace(fn) -> TracedStep:
 
 
 # ---------------------------------------------------------------- closures
-def _host_values(obj):
+def _host_values(obj, name: str = ""):
+    """obj with its tensors as host tensors, each handed to the after-tensor-to-CPU hooks."""
     if not _has_tensor(obj):
         return obj
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        host = obj.detach().cpu()
+        after_tensor_to_cpu(host, name)
+        return host
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_host_values(o) for o in obj)
+        return type(obj)(_host_values(o, _joined(name, i)) for i, o in enumerate(obj))
     if isinstance(obj, dict):
-        return {k: _host_values(v) for k, v in obj.items()}
+        return {k: _host_values(v, _joined(name, k)) for k, v in obj.items()}
     return obj
+
+
+def _joined(name: str, key) -> str:
+    return f"{name}.{key}" if name else str(key)
 
 
 def step_closure(fn):
@@ -580,7 +606,7 @@ def step_closure(fn):
             if replay.effects is not None:   # a rerun: this step's values of the arguments
                 replay.effects.append((args, kwargs))
             return None
-        return fn(*_host_values(args), **_host_values(kwargs))
+        return fn(*_host_values(args), **{k: _host_values(v, k) for k, v in kwargs.items()})
     return closure
 
 
