@@ -154,13 +154,26 @@ class _Session(session_mod.Session):
         return loss
 
 
+def _clipping(effects, params: dict) -> float | None:
+    """The max norm of a traced step's clip_grad_norm_ (MemoryX clips the global norm of every trained
+    weight): None without one; clipping some weights only, or twice, is refused."""
+    clips = [e for e in effects if e[0] == "clip_norm"]
+    if not clips:
+        return None
+    trained = {id(p) for p in params.values() if p.requires_grad}
+    if len(clips) > 1 or not trained <= {id(p) for p in clips[0][1]}:
+        raise CsTorchError("CSX backend: the step clips the gradients of some weights only (or twice); MemoryX "
+                           "clips the global norm of every weight once (use backend('CPU'))")
+    return clips[0][2]
+
+
 class ClusterRun:
     """One job: a captured program, for the steps of one loop. `params` maps the program's
     parameter names to the module's parameters; `batch_of(i)` is the i-th step's batch handle
     (the input workers'); with `return_output` each step hands back the model's output too."""
 
     def __init__(self, captured, model, params: dict, backend, optimizer, scaler, training: bool, batch_of,
-                 return_output: bool = False, report_eval: bool = True):
+                 return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None):
         weights = {name: p.detach().numpy().copy() for name, p in params.items()}
         spec = program_spec(type(model).__name__.lower(), captured.program, captured.units, captured.shapes,
                             captured.dtypes, weights, return_output=return_output,
@@ -172,8 +185,10 @@ class ClusterRun:
         session_mod._backend = session_mod.Backend(cc.mgmt_address, cc.num_csx, max(cc.num_workers_per_csx, 1),
                                                    job_labels=tuple(cc.labels().items()))
         model_dir = os.path.join(backend.artifact_dir, f"job_{os.getpid()}_{next(_runs)}_{mode}")
-        self.session = _Session(spec, memoryx_optimizer(self.optimizer, params) if self.optimizer else None,
-                                CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)
+        rule = memoryx_optimizer(self.optimizer, params) if self.optimizer else None
+        if rule is not None and max_gradient_norm is not None:   # the step's clip_grad_norm_, done by MemoryX
+            rule.section["max_gradient_norm"] = max_gradient_norm
+        self.session = _Session(spec, rule, CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)
         self.session.lr_of = _step_rate(self.optimizer) if self.optimizer else None
         self.session.scale_of = lambda: self.scaler.scale_value() if self.scaler else 1.0
         self.session.loss_scaled = self.scaler is not None
@@ -192,7 +207,8 @@ class ClusterRun:
             next((e[2] for e in effects if e[0] == "scaler_step"), None)
         scaler = next((e[1] for e in effects if e[0] == "scaler_step"), None)
         run = cls(traced.captured, traced.compiled.model, traced.engine.params, traced.compiled.backend, optimizer,
-                  scaler, traced.training, executor.worker_batch, return_output)
+                  scaler, traced.training, executor.worker_batch, return_output,
+                  max_gradient_norm=_clipping(effects, traced.engine.params))
         run.on_failure = lambda: executor._runs.pop(traced, None)
         return run
 

@@ -113,7 +113,7 @@ def document_signatures() -> None:
     import inspect
     from . import optimizers
     for cls in (SGD, Adam, AdamW):
-        signature = inspect.signature(getattr(optimizers, cls.__name__).__init__)
+        signature = inspect.signature(getattr(optimizers, cls.__name__).__init__, eval_str=True)
         parameters = [p.replace(annotation=optimizer.ParamsT) if p.name == "params" else p
                       for p in signature.parameters.values()]
         cls.__init__.__signature__ = signature.replace(parameters=parameters)

@@ -441,6 +441,7 @@ def annotate_signatures(base: type, classes) -> None:
     schedulers of `base`, and the optimizer is left out of the schema, where torch's optimizer type
     names it). torch's type is named only when torch is already imported, as a torch model's is:
     this module imports no torch."""
+    import inspect
     import sys
     import types
     from typing import List
@@ -454,7 +455,7 @@ def annotate_signatures(base: type, classes) -> None:
                                   shared.__closure__)
         init.__kwdefaults__, init.__qualname__ = shared.__kwdefaults__, f"{cls.__qualname__}.__init__"
         params = init.__code__.co_varnames[:init.__code__.co_argcount]
-        notes = dict(shared.__annotations__)
+        notes = inspect.get_annotations(shared, eval_str=True)   # types, not their source text
         if "schedulers" in params:
             notes["schedulers"] = List[base]
         if "scheduler" in params:

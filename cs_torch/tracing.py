@@ -138,15 +138,48 @@ def _backward_recorder(tensor, *args, **kwargs):
     state.loss = tensor
 
 
+def _clip_recorder(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_ inside a traced step: the gradients are the program's, so the
+    clipping is an effect done on them (on CSX by MemoryX); the norm returned is a stand-in zero."""
+    probe = probing()
+    if probe is not None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if float(norm_type) != 2.0:
+            raise CsTorchError(f"trace: clip_grad_norm_ with norm_type={norm_type}: only the 2-norm is emulated")
+        probe.record("clip_norm", params, float(max_norm))
+    return torch.zeros(())
+
+
+def _clip_value_refused(*args, **kwargs):
+    raise CsTorchError("trace: clip_grad_value_ inside a traced step is not emulated; use clip_grad_norm_")
+
+
+def clip_grads(grads: dict, params: list, max_norm: float) -> None:
+    """torch's clip_grad_norm_ on a step's gradients ({parameter: ndarray}, scaled in place): the 2-norm
+    of the per-tensor 2-norms, and a factor max_norm / (norm + 1e-6) when it is below 1, in float32."""
+    chosen = [grads[p] for p in dict.fromkeys(params) if p in grads]
+    if not chosen:
+        return
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.from_numpy(np.asarray(g)))
+                                                 for g in chosen]))
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in dict.fromkeys(params):
+        if p in grads:
+            grads[p] = (torch.from_numpy(np.asarray(grads[p])) * factor).numpy()
+
+
 class _Patched:
-    """Tensor.backward records the loss while a step is probed or replayed."""
+    """Tensor.backward records the loss, and clip_grad_norm_ the clipping, while a step is probed or
+    replayed."""
 
     def __enter__(self):
-        self.saved = torch.Tensor.backward
+        self.saved = (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_)
         torch.Tensor.backward = _backward_recorder
+        torch.nn.utils.clip_grad_norm_ = _clip_recorder
+        torch.nn.utils.clip_grad_value_ = _clip_value_refused
 
     def __exit__(self, *exc):
-        torch.Tensor.backward = self.saved
+        torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_ = self.saved
 
 
 class _Replay:
@@ -466,7 +499,9 @@ class TracedStep:
                 values = [_swap_loss(v, rerun[2], loss_tensor) for v in next(noted)]
                 effect = (effect[0], effect[1], *values)
             kind = effect[0]
-            if kind == "opt_step" and cluster_applied is None:
+            if kind == "clip_norm" and cluster_applied is None:
+                clip_grads(grads, effect[1], effect[2])
+            elif kind == "opt_step" and cluster_applied is None:
                 effect[1].apply(grads)
             elif kind == "scaler_step" and cluster_applied is None:
                 found_inf = effect[1].step_with(effect[2], grads)

@@ -40,6 +40,7 @@ import importlib
 import json
 import math
 import os
+import runpy
 import shutil
 import struct
 import subprocess
@@ -71,7 +72,8 @@ class ZooModel:
     name: str
     folder: str          # run.py's folder, relative to the package root
     model: str           # "module:Class" of the model zoo's model (called with params)
-    train_data: str      # "module:function" of its train input function
+    train_data: str = ""  # "module:function" of its train input function (2.1; the trainer reads its config)
+    entry: str = "run.py"  # run.py, or "cszoo": the model zoo CLI's `fit` (2.3+)
 
 
 LAYOUTS = {
@@ -86,6 +88,13 @@ LAYOUTS = {
         "bert": ZooModel("bert", "modelzoo/transformers/pytorch/bert",
                          "modelzoo.transformers.pytorch.bert.model:BertForPreTrainingModel",
                          "modelzoo.transformers.pytorch.bert.data:train_input_dataloader"),
+    },
+    # 2.3 on (checked at Release_2.10.0): src/cerebras/modelzoo/..., the Trainer. FC-MNIST has no run.py
+    # any more: it runs through the model zoo's CLI (`cszoo fit`); GPT-2 through its run.py.
+    "2.3+": {
+        "fc_mnist": ZooModel("fc_mnist", "cerebras/modelzoo/models/vision/fc_mnist",
+                             "cerebras.modelzoo.models.vision.fc_mnist.model:MNISTModel", entry="cszoo"),
+        "gpt2": ZooModel("gpt2", "cerebras/modelzoo/models/nlp/gpt2", "cerebras.modelzoo.models.nlp.gpt2.model:Gpt2Model"),
     },
 }
 
@@ -295,11 +304,87 @@ _TORCHVISION_STANDIN = {
 }
 
 
-def torchvision_path(work: Path) -> list[str]:
-    """[] when torchvision imports; else the folder of the stand-in, written there."""
-    probe = subprocess.run([sys.executable, "-c", "import torchvision.datasets"], capture_output=True)
+_SITECUSTOMIZE = '''
+    """Stand-ins for the model zoo oracle's runs (written by scripts/modelzoo_oracle.py)."""
+    import dataclasses
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    # torchvision's compiled ops (a wheel built for another torch) do not load; its data sets and
+    # transforms never call them, so the module that registers their fake kernels is left out.
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+
+
+    class _StandIn:
+        """A name of an eval harness the 2.3+ trainer imports at its start; called, it says so."""
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, *args, **kwargs):
+            if len(args) == 1 and isinstance(args[0], type) and not kwargs:
+                return args[0]     # a registering decorator
+            raise RuntimeError("modelzoo_oracle: the eval harnesses (lm_eval, bigcode_eval) are stand-ins here")
+
+
+    class _Module(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (_StandIn,), {})
+
+
+    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        """lm_eval and bigcode_eval (installed from source archives, not a registry) when not installed."""
+        ROOTS = ("lm_eval", "bigcode_eval")
+
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname.split(".")[0] in self.ROOTS:
+                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = _Module(spec.name)
+            module.__path__ = []
+            return module
+
+        def exec_module(self, module):
+            pass
+
+
+    sys.meta_path.append(_Finder())
+
+    # The 2.3+ model zoo (written for torch 2.4) rebuilds pytree TreeSpecs with
+    # dataclasses.replace(spec, type=, children_specs=); later torch's TreeSpec takes
+    # (type, context, children_specs) and names its fields _context and _children.
+    _replace = dataclasses.replace
+
+
+    def _treespec_replace(obj, /, **changes):
+        cls = type(obj)
+        if cls.__name__ == "TreeSpec" and cls.__module__ == "torch.utils._pytree" and hasattr(obj, "_children"):
+            return cls(changes.get("type", obj.type), changes.get("context", obj._context),
+                       changes.get("children_specs", list(obj._children)))
+        return _replace(obj, **changes)
+
+
+    dataclasses.replace = _treespec_replace
+    '''
+
+
+def standins_path(work: Path) -> list[str]:
+    """The folders of the runs' stand-ins: a sitecustomize (torchvision past its compiled ops, the eval
+    harnesses, the TreeSpec spelling), and where torchvision does not import even so, the MNIST reader."""
+    site = work / "standins_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(textwrap.dedent(_SITECUSTOMIZE))
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *inherited]))
+    probe = subprocess.run([sys.executable, "-c", "import torchvision.datasets"], capture_output=True, env=env)
     if probe.returncode == 0:
-        return []
+        return [str(site)]
     folder = work / "standins"
     for name, text in _TORCHVISION_STANDIN.items():
         path = folder / "torchvision" / name
@@ -307,7 +392,7 @@ def torchvision_path(work: Path) -> list[str]:
         path.write_text(textwrap.dedent(text))
     print("modelzoo_oracle: torchvision does not import here; FC-MNIST reads MNIST through a stand-in "
           f"({folder / 'torchvision'})", file=sys.stderr)
-    return [str(folder)]
+    return [str(site), str(folder)]
 
 
 # ---------------------------------------------------------------- the run
@@ -320,8 +405,13 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
     params_file.write_text(yaml.safe_dump(params))
     _, root = layout_of(checkout)
     _, _, count = target.partition("CSX")
-    command = [sys.executable, "run.py", "CSX" if count else "CPU", "--mode", "train", "--params", str(params_file),
-               "--model_dir", str(out / "model_dir")]
+    device = "CSX" if count else "CPU"
+    if zoo.entry == "cszoo":    # the model zoo CLI (the `cszoo` console script is this module's main)
+        command = [sys.executable, "-m", "cerebras.modelzoo.cli.main", "fit", str(params_file),
+                   "--target_device", device, "--model_dir", str(out / "model_dir")]
+    else:
+        command = [sys.executable, "run.py", device, "--mode", "train", "--params", str(params_file),
+                   "--model_dir", str(out / "model_dir")]
     if count:
         command += ["--num_csx", count]
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]   # the zoo's requirements
@@ -333,8 +423,10 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
 
 
 def run_losses(model_dir: Path) -> dict[int, float]:
+    """The run's `loss` scalars by step: model_dir/train (2.1) or model_dir/events (the 2.3+ trainer)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(model_dir / "train"), size_guidance={"scalars": 0})
+    folder = model_dir / "train" if (model_dir / "train").is_dir() else model_dir / "events"
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     acc.Reload()
     return {e.step: e.value for e in acc.Scalars("loss")}
 
@@ -486,23 +578,112 @@ def _load(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
+# ---------------------------------------------------------------- the 2.3+ trainer
+def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dict:
+    """The small params of params_for in the 2.3+ trainer's format (trainer: init, fit)."""
+    legacy = params_for(model, data, dropout)
+    optimizer = dict(legacy["optimizer"])
+    kind = {"sgd": "SGD", "adamw": "AdamW", "adam": "Adam"}[optimizer.pop("optimizer_type").lower()]
+    schedule = optimizer.pop("learning_rate")
+    clip = optimizer.pop("max_gradient_norm", None)
+    optimizer.pop("loss_scaling_factor", None)
+    model_section = {k: v for k, v in legacy["model"].items() if k not in ("name", "mixed_precision")}
+    init = {"model_dir": str(model_dir), "seed": SEED, "model": {"name": model, **model_section},
+            "precision": {"enabled": False, "loss_scaling_factor": 1.0,
+                          **({"max_gradient_norm": clip} if clip else {})},
+            "loop": {"max_steps": STEPS}, "checkpoint": {"steps": STEPS, "save_initial_checkpoint": True},
+            "logging": {"log_steps": 1}}
+    if isinstance(schedule, list):
+        init["optimizer"] = {kind: optimizer}
+        init["schedulers"] = [{"SequentialLR": {"schedulers": [
+            {"LinearLR": {k: piece[k] for k in ("initial_learning_rate", "end_learning_rate", "total_iters")}}
+            for piece in schedule]}}]
+    else:
+        init["optimizer"] = {kind: {**optimizer, "learning_rate": schedule}}
+    train = dict(legacy["train_input"])
+    if model == "fc_mnist":
+        train.update(data_processor="MNISTDataProcessor", split="train")
+    return {"trainer": {"init": init, "fit": {"train_dataloader": train}}}
+
+
+def trainer_schedule(params: dict):
+    """The trainer params' learning rate in the 2.1 spelling lr_at reads."""
+    init = params["trainer"]["init"]
+    if "schedulers" in init:
+        return [{"scheduler": "Linear", **piece["LinearLR"]}
+                for piece in init["schedulers"][0]["SequentialLR"]["schedulers"]]
+    return next(iter(init["optimizer"].values()))["learning_rate"]
+
+
+def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
+    """(losses, final state dict) of torch eager: the model zoo's model from the run's initial weights,
+    the batches of the loader its trainer config makes, the param groups its configure_param_groups
+    makes, the optimizer, schedule and clipping of its params, in `dtype`."""
+    import torch
+    from cerebras.modelzoo.common.optim_utils import configure_param_groups
+    from cerebras.modelzoo.trainer.utils import create_dataloader_from_config
+    from cerebras.modelzoo.trainer.validate import validate_trainer_params
+    dtype = getattr(torch, dtype_name)
+    init = params["trainer"]["init"]
+    torch.manual_seed(init["seed"])
+    model = _load(zoo.model)(copy.deepcopy(init["model"]))
+    model.load_state_dict(initial)
+    model.to(dtype)
+    model.train()
+    (kind, settings), = init["optimizer"].items()
+    groups = configure_param_groups(model, dict(settings))
+    options = {k: v for k, v in settings.items() if k not in ("learning_rate", "weight_decay")}
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    optimizer = getattr(torch.optim, kind)(groups, lr=0.0, **options)
+    config = validate_trainer_params(copy.deepcopy(params))[0]
+    loader = create_dataloader_from_config(config.fit.train_dataloader).dataloader
+    batches = batches_of(loader, STEPS, dtype)
+    clip = init["precision"].get("max_gradient_norm")
+    schedule = trainer_schedule(params)
+    losses = []
+    for step, batch in enumerate(batches):
+        with run_dropout_masks(step, _rows(batch)):
+            output = model(batch)
+        loss = output["loss"] if isinstance(output, dict) else output
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(schedule, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 # ---------------------------------------------------------------- one check
-def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str]) -> dict:
+def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str],
+          layout: str = "2.1") -> dict:
     data = make_data(zoo.name, work / "data")
     out = work / f"{zoo.name}_{target}_{dropout}"
-    code, output = run_zoo(checkout, zoo, params_for(zoo.name, data, dropout), target, out, extra_path)
-    row = {"model": zoo.name, "target": target, "dropout": dropout}
+    model_dir = out / "model_dir"
+    trainer = layout == "2.3+"
+    params = trainer_params(zoo.name, data, dropout, model_dir) if trainer else params_for(zoo.name, data, dropout)
+    code, output = run_zoo(checkout, zoo, params, target, out, extra_path)
+    row = {"model": zoo.name, "target": target, "dropout": dropout, "entry": zoo.entry}
     if code != 0:
         lines = [ln for ln in output.strip().splitlines() if ln.strip()]
-        return {**row, "ok": False, "error": f"run.py exited {code}: {lines[-1] if lines else ''}",
+        return {**row, "ok": False, "error": f"{zoo.entry} exited {code}: {lines[-1] if lines else ''}",
                 "log": str(out / "run.log")}
-    model_dir = out / "model_dir"
     first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
-    params = first["__metadata__"][0]["params"]
+    if trainer:
+        def eager_run(dtype):
+            return eager_trainer(zoo, params, first["model"], dtype)
+    else:
+        saved = first["__metadata__"][0]["params"]     # the params the run saved, as it read them
+
+        def eager_run(dtype):
+            return eager(zoo, saved, first["model"], target, dtype)
     got = run_losses(model_dir)
-    want32, weights32 = eager(zoo, params, first["model"], target, "float32")
+    want32, weights32 = eager_run("float32")
     try:
-        _, weights64 = eager(zoo, params, first["model"], target, "float64")
+        _, weights64 = eager_run("float64")
     except Exception as exc:  # a model zoo model that builds float32 tensors of its own
         print(f"modelzoo_oracle: {zoo.name} in float64: {exc}; the weight tolerance is {WEIGHT_ATOL}",
               file=sys.stderr)
@@ -560,13 +741,14 @@ def main(argv=None) -> int:
             parser.error(f"model {name!r}: not known for the {layout} layout (known: {', '.join(known) or 'none'})")
     work = args.work or Path(tempfile.mkdtemp(prefix="modelzoo_oracle_"))
     work.mkdir(parents=True, exist_ok=True)
-    extra_path = torchvision_path(work)
+    extra_path = standins_path(work)
     sys.path[:0] = [*extra_path, str(REPO), str(root)]
+    runpy.run_path(str(Path(extra_path[0]) / "sitecustomize.py"))    # the runs' stand-ins, here too
     rows = []
     for name in args.models:
         for dropout in args.dropout:
             for target in args.targets:
-                row = check(args.checkout, known[name], target, dropout, work, extra_path)
+                row = check(args.checkout, known[name], target, dropout, work, extra_path, layout)
                 print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
                 rows.append(row)
             runs = {r["target"]: r for r in rows if r["model"] == name and r["dropout"] == dropout}
