@@ -11,6 +11,7 @@ prints one line saying so; none is dropped silently.
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import types
 from dataclasses import dataclass, field, fields
@@ -54,6 +55,10 @@ class ClusterConfig:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise CsTorchError(f"ClusterConfig: num_workers_per_csx must be a non-negative integer, got {n!r}")
         self.labels()   # checked now: a bad label is one line before anything starts
+
+    def __hash__(self) -> int:
+        """By value (the model zoo caches its backend by its arguments, this among them)."""
+        return hash(tuple((f.name, repr(getattr(self, f.name))) for f in fields(self)))
 
     def labels(self) -> dict[str, str]:
         """job_labels ("key=value" strings, as the real API takes them) as the job's labels (csctl shows them)."""
@@ -173,6 +178,46 @@ class Backend:
 
     # The real backend's compile response (kernels' FLOPs): the emulator's compiler makes none.
     appliance = None
+
+    @property
+    def cluster(self) -> "Cluster":
+        """A CSX backend's link to its cluster (the real API's backend.cluster)."""
+        if not self.is_csx:
+            raise AttributeError(f"a {self.backend_type.value} backend has no cluster")
+        if "_cluster" not in self.__dict__:
+            self.__dict__["_cluster"] = Cluster(self)
+        return self.__dict__["_cluster"]
+
+
+class Cluster:
+    """backend.cluster: the CS system's settings and workflow. A workflow is the span over which the
+    real cluster keeps a run's resources across its jobs; here each loop of a run is its own job of
+    the emulated cluster (started for it), so a workflow is an id the run's jobs share and nothing
+    is held between them. Telemetry the run pushes is kept (client.telemetry)."""
+
+    def __init__(self, backend: "Backend"):
+        self._backend = backend
+        self.workflow_id: str | None = None
+        self.client = types.SimpleNamespace(telemetry=[])
+
+    @property
+    def config(self) -> "ClusterConfig":
+        return self._backend.cluster_config
+
+    @config.setter
+    def config(self, value) -> None:
+        self._backend.cluster_config = ClusterConfig.of(value)
+
+    def start_workflow(self, lock_resources: bool = True) -> bool:
+        if self.workflow_id is None:
+            self.workflow_id = f"wflow-{os.getpid()}"
+        return True
+
+    def stop_workflow(self) -> None:
+        self.workflow_id = None
+
+    def check_storage_connectivity(self) -> None:
+        """Every process of the emulated cluster shares this machine's file system: nothing to check."""
 
 
 class Device:

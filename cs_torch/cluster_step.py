@@ -195,6 +195,7 @@ class ClusterRun:
         self.session.report_eval = report_eval
         self.session.__enter__()
         self.aliases = captured.aliases
+        self.scalar_output = captured.shapes.get(captured.program.outputs.get("output")) == ()
         self.model = model
         self.steps = 0
         self.on_failure = None   # called (with nothing) before a failed job is stopped
@@ -225,6 +226,10 @@ class ClusterRun:
         if not math.isfinite(loss) and self.scaler is None and self.session.mode == "train":
             raise CsTorchError(f"loss is {loss} at step {self.steps} (lower the learning rate?)")
         output = self.session.executor.outputs.get("output")
+        if output is not None and self.scalar_output:
+            # A model that returns its own loss: each WSE hands back its shard's; the step's is the
+            # loss the cluster reports for the whole batch (SwarmX combines the shards' by their rows).
+            output = np.array(loss, dtype=np.float32)
         return loss, bool(self.session.applied), output
 
     def sync(self) -> None:
@@ -256,13 +261,14 @@ class ClusterRun:
 
 
 # ---------------------------------------------------------------- the data, for the workers
-def worker_dataset(module, file, function, args, kwargs, states_file, steps):
+def worker_dataset(module, file, function, args, kwargs, states_file, steps, closure=None):
     """What the input workers call (by name): the samples of the run's `steps` batches of the user's
     input_fn's torch DataLoader, in its order (replayed from the generators' states the user's process
     saved in states_file; None for an IterableDataset)."""
     from .input_worker import load_function
-    fn = load_function({"module": module, "file": file, "function": function})
-    loader = fn(*args, **kwargs)
+    from .data import arrived
+    fn = load_function({"module": module, "file": file, "function": function, "closure": closure})
+    loader = fn(*arrived(args), **arrived(kwargs))
     states = None
     if states_file is not None:
         with np.load(states_file, allow_pickle=False) as saved:
@@ -284,7 +290,7 @@ def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[Wo
     """The ModelSpec API's loader that has the input workers build the 2.x loader's batches of `steps`
     steps, in the torch loader's order (its generators' states saved in `directory` for them to replay),
     and those samples here."""
-    from .data import function_location
+    from .data import function_location, travelling
     loader = dataloader.loader
     settings = _settings(loader)
     states, states_file = None, None
@@ -297,8 +303,9 @@ def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[Wo
     location = function_location(dataloader.input_fn)
     settings.update(shuffle=False, drop_last=True)   # the order is the torch loader's, shuffle included
     return WorkerLoader(worker_dataset, settings.pop("batch_size"), location["module"], location["file"],
-                        location["function"], list(dataloader.args), dict(dataloader.kwargs), states_file, steps,
-                        shuffle_seed=seed, **settings), samples
+                        location["function"], travelling(list(dataloader.args)), travelling(dict(dataloader.kwargs)),
+                        states_file, steps,
+                        location.get("closure"), shuffle_seed=seed, **settings), samples
 
 
 def saved_dataset(path: str):

@@ -509,8 +509,10 @@ class TracedStep:
                 effect[1].update_with(found_inf)
             elif kind == "sched_step":
                 effect[1].step()
-            elif kind == "closure":
-                effect[1](*_materialize(effect[2], loss_tensor), **_materialize(effect[3], loss_tensor))
+            elif kind == "closure":   # host tensors, each handed to the after-tensor-to-CPU hooks
+                kwargs = _materialize(effect[3], loss_tensor)
+                effect[1](*_host_values(_materialize(effect[2], loss_tensor)),
+                          **{k: _host_values(v, k) for k, v in kwargs.items()})
             elif kind == "summary":
                 summary.write_scalar(effect[1], _materialize(effect[2], loss_tensor))
         if rerun is not None:

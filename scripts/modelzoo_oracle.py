@@ -703,7 +703,8 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
     loss_tol = MIXED_LOSS_RTOL if mixed else LOSS_RTOL
     weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
     ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
-    return {**row, "ok": ok, "precision": "mixed float16" if mixed else "float32", "steps": len(steps),
+    half = "bfloat16" if trainer else "float16"   # the half dtype the flow sets on CSX (2.3+: the trainer's default)
+    return {**row, "ok": ok, "precision": f"mixed {half}" if mixed else "float32", "steps": len(steps),
             "loss_rel_err": loss_err, "loss_tol": loss_tol, "weight_err": worst[0], "weight_tol": weight_tol,
             "worst_tensor": worst[2], "losses": [got[s] for s in steps], "final": str(model_dir / f"checkpoint_{STEPS}.mdl")}
 

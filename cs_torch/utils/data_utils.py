@@ -75,9 +75,11 @@ def infer_batch_size(batch) -> int | None:
     capture's symbolic batch, kept as it is (int() of it would fix the program to one batch size)."""
     sizes: list = []
     _collect_rows(batch, sizes)
-    if any(size != sizes[0] for size in sizes[1:]):
+    known = [size for size in sizes if isinstance(size, int)]   # comparing symbolic sizes would fix them
+    if any(size != known[0] for size in known[1:]):
         raise ValueError(f"infer_batch_size: the batch's tensors disagree on dim 0: {sizes}")
-    return sizes[0] if sizes else None
+    symbolic = [size for size in sizes if not isinstance(size, int)]
+    return (symbolic or sizes or [None])[0]
 
 
 def _collect_rows(obj, sizes: list) -> None:
