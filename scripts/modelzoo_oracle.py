@@ -2,6 +2,7 @@
 
     python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout [--models fc_mnist gpt2 bert]
                                       [--targets CPU CSX1 CSX2] [--dropout zero shipped] [--work DIR]
+    python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout --count-names
 
 For each model and target this makes a small data set and a small params
 file (2 layers, hidden 64, sequence 64), runs the checkout's run.py as a user
@@ -16,24 +17,35 @@ On CPU it checks the loss of every step (the run's TensorBoard `loss`,
 float32) within 1e-5 relative, and every tensor of the final checkpoint
 within max(1e-5, 3x the largest difference of torch's own float32 and
 float64 runs of that tensor). On CSX the model zoo trains in mixed precision
-whatever its params say (float16 matmul operands, as the CS system), so
-there the same numbers are reported and held to a bound (1e-2 relative,
-1e-3 in the weights), and 2 WSEs are compared with 1.
+whatever its params say (16-bit matmul operands, as the CS system: float16
+in the 2.1 flow, bfloat16 by the 2.3+ trainer's default), so there the same
+numbers are reported and held to a bound (1e-2 relative, 1e-3 in the
+weights), and 2 WSEs are compared with 1.
 
 The model zoo is not part of this project: bring a checkout of its public
-repository at the release to check (Release_2.1.1's layout `modelzoo/...`;
-the 2.3+ layout `src/cerebras/modelzoo/...` is recognised, and its models are
-not yet known here). Its own requirements (jsonschema, h5py, datasets, ...)
-must import: PYTHONPATH passes through to the runs. CI does not run this
-script. A torchvision that does not import (a wheel built for another torch)
-is replaced by a stand-in of the MNIST reader and the transforms the model
-zoo uses, written into the work folder.
+repository at the release to check. Release_2.1.1's layout (`modelzoo/...`:
+FC-MNIST, GPT-2 and BERT through their run.py) and the 2.3+ layout
+(`src/cerebras/modelzoo/...`, checked at Release_2.10.0: the Trainer, with
+FC-MNIST through the model zoo CLI, `python -m cerebras.modelzoo.cli.main fit
+P --target_device CPU|CSX`, the `cszoo` console script, and GPT-2 through its
+run.py; the params in the trainer's format, torch eager on the loader and
+param groups the trainer's own config makes). Its own requirements
+(jsonschema, h5py, datasets, pydantic as it pins it, ...) must import:
+PYTHONPATH passes through to the runs. CI does not run this script. The runs
+get stand-ins, written into the work folder: a sitecustomize (torchvision
+imported past its compiled ops, a wheel built for another torch; the eval
+harnesses the 2.3+ trainer imports at its start, when not installed; the
+TreeSpec spelling of torch 2.4 that the 2.3+ model zoo rebuilds its params
+with) and, where torchvision does not import even so, the MNIST reader and
+the transforms the model zoo uses. `--count-names` only counts the
+`cerebras.pytorch` names the checkout references that resolve here.
 
 Exit status 0 when every check passes, 1 when one fails, 2 on bad arguments.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
 import importlib
@@ -723,6 +735,72 @@ def same_run(one: dict, two: dict) -> dict:
     return {**row, "ok": ok, "loss_rel_err": loss_err, "weight_err": weight_err}
 
 
+# ---------------------------------------------------------------- the API names a checkout references
+def referenced_names(package: Path, prefix: str) -> set[str]:
+    """Every `cstorch.X.Y` chain (cstorch: a name `prefix` is imported as) and every
+    `from prefix.X import Y` in the package's sources, each at its longest (a name another extends
+    is left out)."""
+    names: set[str] = set()
+    for path in package.rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == prefix or alias.name.startswith(prefix + "."):
+                        aliases[alias.asname or prefix] = alias.name if alias.asname else prefix
+            elif isinstance(node, ast.ImportFrom) and node.module and \
+                    (node.module == prefix or node.module.startswith(prefix + ".")):
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        for node in ast.walk(tree):
+            chain = _dotted(node) if isinstance(node, ast.Attribute) else None
+            for alias, module in aliases.items() if chain else ():
+                head = alias.split(".")
+                if chain[:len(head)] == head and len(chain) > len(head):
+                    names.add(".".join([module, *chain[len(head):]]))
+    return {n for n in names if not any(other.startswith(n + ".") for other in names)}
+
+
+def _dotted(node) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def resolves(name: str) -> bool:
+    """Whether the dotted name imports here: the longest module prefix, then attributes."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except Exception:  # noqa: BLE001 (any failure to import means: not this prefix)
+            continue
+        try:
+            for part in parts[cut:]:
+                value = getattr(value, part)
+            return True
+        except Exception:  # noqa: BLE001 (a name that fails to resolve, however it fails)
+            return False
+    return False
+
+
+def count_names(root: Path, layout: str) -> int:
+    prefix = "cerebras.pytorch" if layout == "2.3+" else "cerebras_pytorch"
+    package = root / ("cerebras/modelzoo" if layout == "2.3+" else "modelzoo")
+    names = sorted(referenced_names(package, prefix))
+    missing = [n for n in names if not resolves(n)]
+    print(f"modelzoo_oracle: {len(names) - len(missing)} of {len(names)} {prefix} names the model zoo references "
+          "resolve here")
+    for name in missing:
+        print(f"  missing: {name}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkout", type=Path, help="a model zoo checkout (its repository root)")
@@ -730,12 +808,17 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="+", default=["CPU", "CSX1", "CSX2"], choices=["CPU", "CSX1", "CSX2"])
     parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
     parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
+    parser.add_argument("--count-names", action="store_true",
+                        help="only count the cerebras.pytorch names the checkout references that resolve here")
     args = parser.parse_args(argv)
     found = layout_of(args.checkout) if args.checkout.is_dir() else None
     if found is None:
         parser.error(f"{args.checkout} is not a model zoo checkout (no modelzoo/common/pytorch/run_utils.py, "
                      "no src/cerebras/modelzoo)")
     layout, root = found
+    if args.count_names:
+        sys.path[:0] = [str(REPO), str(root)]
+        return count_names(root, layout)
     known = LAYOUTS.get(layout, {})
     for name in args.models:
         if name not in known:
