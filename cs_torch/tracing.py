@@ -461,20 +461,28 @@ class TracedStep:
             grads = {}
             loss, output = self.engine.evaluate(arrays, output=True) if self.wants_output else \
                 (self.engine.evaluate(arrays), None)
-        return self._effects(loss, grads, rerun=self._rerun(leaves, output))
+        return self._effects(loss, grads, rerun=self._rerun(leaves, output, grads))
 
-    def _rerun(self, leaves, output):
+    def _rerun(self, leaves, output, grads: dict | None = None):
         """(the step's return value, its closures' and summaries' arguments in order, its loss), the step
-        run here on this step's model output; None when the step hands out nothing but its loss."""
+        run here on this step's model output; None when the step hands out nothing but its loss. With
+        `grads` (the CPU backend's), the parameters hold this step's gradients meanwhile, so what the
+        step computes from them after backward() (a gradient norm it logs) has their values; on CSX the
+        gradients stay in MemoryX and the parameters hold none."""
         if not self.wants_output:
             return None
         replay = _Replay(torch.from_numpy(np.array(output)), effects=[])
         _active["replay"] = replay
+        held = {p: p.grad for p in grads or {}}
         try:
+            for p, g in (grads or {}).items():
+                p.grad = torch.from_numpy(np.asarray(g, dtype=np.float32)).view_as(p)
             with _Patched(), torch.no_grad():
                 returned = self.fn(*_rebuild(self.template, leaves))
         finally:
             _active["replay"] = None
+            for p, g in held.items():
+                p.grad = g
         loss = replay.loss if replay.loss is not None else _eval_loss(returned)
         return returned, replay.effects, loss
 

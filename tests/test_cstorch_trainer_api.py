@@ -38,18 +38,24 @@ class _Trainer:
         self.max_norm, self.logged = max_norm, []
 
     @cstorch.step_closure
-    def log(self, loss):
-        self.logged.append(float(loss))
+    def log(self, loss, grad_norm):
+        self.logged.append((float(loss), float(grad_norm)))
 
     @cstorch.trace
     def training_step(self, batch):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.compiled(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], self.max_norm)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grad_norm = torch.tensor(0.0)      # as the trainer's ComputeNorm computes it
+        for p in params:
+            if p.grad is not None:
+                grad_norm = grad_norm + torch.sum(p.grad ** 2)
+        grad_norm = torch.sqrt(grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, self.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad()
-        self.log(loss)
+        self.log(loss, grad_norm)
         return loss
 
 
@@ -78,11 +84,11 @@ def test_a_traced_method_clips_as_torch_and_hands_its_tensors_to_the_hooks():
         assert norm > 0.1          # the clipping is exercised
         eager.step()
         eager.zero_grad()
-        want.append(float(loss))
+        want.append((float(loss), float(norm)))
     np.testing.assert_allclose(trainer.logged, want, rtol=1e-6)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, twin.state_dict()[name], rtol=1e-6, atol=1e-7)
-    assert seen == ["1"] * 3          # the closure's loss each step, named by its place (self is 0)
+    assert seen == ["1", "2"] * 3     # the closure's tensors each step, named by their place (self is 0)
     assert traced_names == [("Linear", (8, 3))]   # the capture names the root module's output (by its type) once
     assert isinstance(_Trainer.__dict__["training_step"], type(trainer.training_step))   # one capture per instance
 
