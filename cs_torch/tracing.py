@@ -517,10 +517,12 @@ class TracedStep:
                 effect[1].update_with(found_inf)
             elif kind == "sched_step":
                 effect[1].step()
-            elif kind == "closure":   # host tensors, each handed to the after-tensor-to-CPU hooks
-                kwargs = _materialize(effect[3], loss_tensor)
-                effect[1](*_host_values(_materialize(effect[2], loss_tensor)),
-                          **{k: _host_values(v, k) for k, v in kwargs.items()})
+            elif kind == "closure":   # host tensors (the same objects the step returns), each to the hooks
+                args, kwargs = _materialize(effect[2], loss_tensor), _materialize(effect[3], loss_tensor)
+                _announce(args)
+                for key, value in kwargs.items():
+                    _announce(value, key)
+                effect[1](*args, **kwargs)
             elif kind == "summary":
                 summary.write_scalar(effect[1], _materialize(effect[2], loss_tensor))
         if rerun is not None:
@@ -632,6 +634,18 @@ def _host_values(obj, name: str = ""):
     if isinstance(obj, dict):
         return {k: _host_values(v, _joined(name, k)) for k, v in obj.items()}
     return obj
+
+
+def _announce(obj, name: str = "") -> None:
+    """Hand each tensor of obj (host tensors already) to the after-tensor-to-CPU hooks, by name."""
+    if isinstance(obj, torch.Tensor):
+        after_tensor_to_cpu(obj, name)
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            _announce(item, _joined(name, i))
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            _announce(item, _joined(name, key))
 
 
 def _joined(name: str, key) -> str:
