@@ -260,3 +260,32 @@ def test_appliance_storage_telemetry_and_annotations(tmp_path):
     named = create_annotation(Named, lambda c, bwd: AnnotationMode.Attribute("named", c.name), name="x")
     assert named(lambda a: a + 1)(1) == 2
     assert cstorch.utils.kernel.kernel_annotater("FLASH")(torch.matmul) is torch.matmul
+
+
+def _ten_rows():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10.0)), batch_size=2)
+
+
+def test_an_executor_checkpoints_on_its_schedule_and_has_a_folder(tmp_path):
+    cstorch.backend("CPU", artifact_dir=str(tmp_path))
+    Schedule = cstorch.utils.data.Schedule
+    loader = cstorch.utils.data.DataLoader(_ten_rows)
+    executor = cstorch.utils.data.DataExecutor(
+        loader, num_steps=5, checkpoint_steps=Schedule([Schedule.Range(start=1, step=2, end=5, include_last=True)]))
+    checkpointed = [executor.iteration for _ in executor if executor.on_checkpoint_step]
+    assert checkpointed == [1, 3, 4] and executor.user_iteration == 5
+    assert executor.artifact_dir.is_dir() and executor.artifact_dir.parent == tmp_path / "executors"
+    assert loader.dataloader is loader.loader
+    with pytest.raises(cstorch.CsTorchError, match="checkpoint_steps must be a positive integer"):
+        cstorch.utils.data.DataExecutor(loader, num_steps=5, checkpoint_steps=0)
+
+
+def test_a_csx_backend_has_its_cluster():
+    backend = cstorch.backend("CSX", cluster_config=cstorch.distributed.ClusterConfig(num_csx=2))
+    cluster = backend.cluster
+    assert cluster.config.num_csx == 2 and cluster.workflow_id is None
+    assert cluster.start_workflow(lock_resources=True) and cluster.workflow_id
+    cluster.config = {"num_csx": 1}
+    assert backend.cluster_config.num_csx == 1
+    cluster.stop_workflow()
+    assert cluster.workflow_id is None
