@@ -106,7 +106,8 @@ LAYOUTS = {
     "2.3+": {
         "fc_mnist": ZooModel("fc_mnist", "cerebras/modelzoo/models/vision/fc_mnist",
                              "cerebras.modelzoo.models.vision.fc_mnist.model:MNISTModel", entry="cszoo"),
-        "gpt2": ZooModel("gpt2", "cerebras/modelzoo/models/nlp/gpt2", "cerebras.modelzoo.models.nlp.gpt2.model:Gpt2Model"),
+        "gpt2": ZooModel("gpt2", "cerebras/modelzoo/models/nlp/gpt2",
+                         "cerebras.modelzoo.models.nlp.gpt2.model:Gpt2Model"),
     },
 }
 

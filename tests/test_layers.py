@@ -67,7 +67,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "cs_torch.distributed"),
     # The torch front end's rules a step applies: optimizers and their update
     # rules, schedulers, the loss scaler, summaries.
-    ("cs_torch.optim", "cs_torch.optim_params", "cs_torch.optimizers", "cs_torch.optim_configure", "cs_torch.lr_scheduler", "cs_torch.amp",
+    ("cs_torch.optim", "cs_torch.optim_params", "cs_torch.optimizers", "cs_torch.optim_configure",
+     "cs_torch.lr_scheduler", "cs_torch.amp",
      "cs_torch.summary", "cs_torch.scheduler", "cs_torch.weight_decay_scheduler"),
     # The rest of the torch front end: the tracer, the session, the cluster
     # step and the DataExecutor that drives them.
