@@ -84,7 +84,7 @@ def test_a_traced_method_clips_as_torch_and_hands_its_tensors_to_the_hooks():
         assert norm > 0.1          # the clipping is exercised
         eager.step()
         eager.zero_grad()
-        want.append((float(loss), float(norm)))
+        want.append((loss.item(), norm.item()))
     np.testing.assert_allclose(trainer.logged, want, rtol=1e-6)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, twin.state_dict()[name], rtol=1e-6, atol=1e-7)
