@@ -19,3 +19,12 @@ class ApplianceRuntimeJobError(ApplianceClientException):
 
 class ApplianceUnknownError(ApplianceClientException):
     """Anything else the cluster reports."""
+
+
+class ApplianceDeadlockError(ApplianceClientException):
+    """The job's processes stopped waiting on one another (the model zoo's restartable trainer
+    restarts on it)."""
+
+
+class ClusterJobCancelledByCsctl(ApplianceClientException):
+    """The job was cancelled by `csctl cancel job` (the restartable trainer does not restart it)."""

@@ -30,12 +30,15 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     input_worker.py     python -m cs_torch.input_worker (started by a Session)
     nn.py               layers and the loss, PyTorch-style names for the project's model description
     optim.py            optimizers by PyTorch's names (params.yaml's section; torch modules': optimizers.py)
+    lib.py              cstorch.lib.cerebras_pytorch_lib.set_attribute (compiler attributes: checked, dropped)
+    optim_params.py     cstorch.optim.optimizer: ParamsT (an optimizer's parameters, as a type)
     optimizers.py       cstorch.optim for torch modules (2.x): SGD, Adam, AdamW; on CPU eight more (Adagrad, ...)
     lr_scheduler.py     cstorch.optim.lr_scheduler
     scheduler.py        cstorch.optim.scheduler: any param-group value by the step (lr, weight decay)
     weight_decay_scheduler.py  cstorch.optim.weight_decay_scheduler
     amp.py              GradScaler and the half dtype
     backends.py         cstorch.backend(): where a 2.x run executes
+    csx_settings.py     cstorch.backends.csx: the CS system's settings (POL, debug, performance), kept
     distributed/        cstorch.distributed: the cluster settings of a backend, the job's tasks
     backend/            cstorch.backend: the function and the module of the real API's names
     core/               cstorch.core: run modes, name scopes and debug names, host tensors
@@ -51,10 +54,11 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     batch_files.py      a 1.x loop's IterableDataset read as the loop goes, one file a step for the workers
     saving.py           cstorch.save / cstorch.load
     storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
-    sparse.py           cstorch.sparse (2.0/2.1): static weight sparsity on the CPU backend
     summary.py          summarize_scalar, summarize_tensor
     metrics.py          cstorch.metrics
     utils/              cstorch.utils: data (DataLoader, DataExecutor), tensorboard, CSConfig
+    experimental/       cstorch.experimental: its module names; listener hooks; the rest refused in one line
+    sparse/             cstorch.sparse: 2.0/2.1 static sparsity on the CPU backend; the 2.3+ algorithms' names
 """
 import importlib
 from . import nn, optim
@@ -77,15 +81,18 @@ _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing"
          "ones": "core.tensors", "ones_like": "core.tensors", "zeros": "core.tensors", "zeros_like": "core.tensors",
          "current_torch_device": "backends", "pol": "core.pol", "current_pol": "core.pol"}
 # `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
-_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage", "sparse")
+_LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage", "sparse", "lib",
+                 "experimental")
+
+# The real package sets this while its API docs are built; code run then skips work (never here).
+_generating_docs = False
 
 # The release of the real API this emulates (the model zoo writes it into checkpoints).
 __version__ = "2.1.1"
 
 
 # Parts of the real API the emulator does not have: one line saying so, not a bare AttributeError.
-_NOT_SUPPORTED = {"experimental": "listeners and implicit autoregressive loops are not emulated",
-                  "profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
+_NOT_SUPPORTED = {"profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
 
 
 def __getattr__(name):

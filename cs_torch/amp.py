@@ -5,8 +5,9 @@
 
 As in the real API, the half dtype is which 16-bit format mixed precision
 uses (float16 unless set); it does not switch mixed precision on. A backend
-made with `mixed_precision=True` trains its programs in mixed precision in
-that format (cs_runtime/numerics/mixed_ops.py: the matmul-like ops round their
+made with `mixed_precision=True`, or `enable_mixed_precision()` (the 2.3+
+model zoo trainer calls it for every CSX run), trains programs in mixed
+precision in that format (cs_runtime/numerics/mixed_ops.py: the matmul-like ops round their
 operands as the CS system's 16-bit matmuls do; master weights stay float32):
 on CSX, where the weights also stream in 16 bits, and on the CPU backend,
 which runs the same program in the same format (the reference for the CSX
@@ -39,7 +40,7 @@ from .nn import CsTorchError
 from .recording import probing, replaying
 
 HALF_DTYPES = ("float16", "bfloat16", "cbfloat16")
-_half = {"dtype": "float16"}
+_half = {"dtype": "float16", "enabled": False}   # enabled: enable_mixed_precision's
 
 
 def set_half_dtype(dtype):
@@ -50,6 +51,36 @@ def set_half_dtype(dtype):
         raise CsTorchError(f"amp.set_half_dtype: expected one of {', '.join(HALF_DTYPES)}, got {dtype!r}")
     _half.update(dtype=name)
     return _torch_dtype(name)
+
+
+def enable_mixed_precision(enabled: bool = True) -> None:
+    """Turn mixed precision on (in the half dtype set, float16 by default) or off (float32)."""
+    if not isinstance(enabled, bool):
+        raise CsTorchError(f"amp.enable_mixed_precision: expected True or False, got {enabled!r}")
+    _half["enabled"] = enabled
+
+
+def mixed_precision() -> bool:
+    """Whether mixed precision is on: enable_mixed_precision() turned it on, or the backend was
+    made with mixed_precision=True."""
+    from .backends import _current
+    return _half["enabled"] or getattr(_current, "mixed_precision", False)
+
+
+def get_floating_point_dtype():
+    """The dtype a model's floating-point inputs take: the half dtype under mixed precision, else
+    float32 (a torch dtype)."""
+    return get_half_dtype() if mixed_precision() else _torch_dtype("float32")
+
+
+def get_floating_point_dtype_str() -> str:
+    return _half["dtype"] if mixed_precision() else "float32"
+
+
+def is_cbfloat16_tensor(tensor) -> bool:
+    """Whether a tensor holds cbfloat16 values: never here (float16 tensors stand in for cbfloat16 on the
+    host, and a program's 16-bit rounding happens inside it)."""
+    return False
 
 
 def use_bfloat16(enabled: bool):
@@ -84,10 +115,8 @@ def autocast(dtype=None):
 
 
 def precision() -> str:
-    """The format compiled programs run in: the half dtype when the backend was made with
-    mixed_precision=True, else float32."""
-    from .backends import _current
-    return _half["dtype"] if getattr(_current, "mixed_precision", False) else "float32"
+    """The format compiled programs run in: the half dtype under mixed precision, else float32."""
+    return _half["dtype"] if mixed_precision() else "float32"
 
 
 class GradScaler:

@@ -11,12 +11,14 @@ prints one line saying so; none is dropped silently.
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import types
 from dataclasses import dataclass, field, fields
 
 from cs_runtime.wire.protocol import check_labels
 
+from .csx_settings import csx  # noqa: F401 (cstorch.backends.csx: the CS system's settings)
 from .nn import CsTorchError
 
 BACKEND_TYPES = ("CSX", "CPU", "GPU")
@@ -53,6 +55,10 @@ class ClusterConfig:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise CsTorchError(f"ClusterConfig: num_workers_per_csx must be a non-negative integer, got {n!r}")
         self.labels()   # checked now: a bad label is one line before anything starts
+
+    def __hash__(self) -> int:
+        """By value (the model zoo caches its backend by its arguments, this among them)."""
+        return hash(tuple((f.name, repr(getattr(self, f.name))) for f in fields(self)))
 
     def labels(self) -> dict[str, str]:
         """job_labels ("key=value" strings, as the real API takes them) as the job's labels (csctl shows them)."""
@@ -102,6 +108,15 @@ class BackendType(str, enum.Enum):
     def __str__(self):
         return self.value
 
+    @classmethod
+    def from_str(cls, name: str) -> "BackendType":
+        """The type of that name, in any case ("csx" is CSX)."""
+        try:
+            return cls(str(name).upper())
+        except ValueError:
+            raise ValueError(f"{name} backend not yet supported. Supported backends include: "
+                             f"{', '.join(t.value for t in cls)}") from None
+
     @property
     def is_cpu(self) -> bool:
         return self is BackendType.CPU
@@ -143,6 +158,66 @@ class Backend:
     @property
     def is_gpu(self) -> bool:
         return False        # backend("GPU") runs as CPU here
+
+    @property
+    def is_e2e_execution(self) -> bool:
+        """Whether runs execute (not only compile or validate)."""
+        return not (self.compile_only or self.validate_only)
+
+    @property
+    def is_tracing(self) -> bool:
+        """Whether a traced step's code is running as a trace now (captured, or replayed on the step's
+        values): its effects are recorded, not done, and its tensors are not values yet."""
+        from .recording import probing, replaying
+        return probing() is not None or replaying() is not None
+
+    @property
+    def _impl(self) -> "Backend":
+        """The real API's backend object behind the handle: the same object here."""
+        return self
+
+    # The real backend's compile response (kernels' FLOPs): the emulator's compiler makes none.
+    appliance = None
+
+    @property
+    def cluster(self) -> "Cluster":
+        """A CSX backend's link to its cluster (the real API's backend.cluster)."""
+        if not self.is_csx:
+            raise AttributeError(f"a {self.backend_type.value} backend has no cluster")
+        if "_cluster" not in self.__dict__:
+            self.__dict__["_cluster"] = Cluster(self)
+        return self.__dict__["_cluster"]
+
+
+class Cluster:
+    """backend.cluster: the CS system's settings and workflow. A workflow is the span over which the
+    real cluster keeps a run's resources across its jobs; here each loop of a run is its own job of
+    the emulated cluster (started for it), so a workflow is an id the run's jobs share and nothing
+    is held between them. Telemetry the run pushes is kept (client.telemetry)."""
+
+    def __init__(self, backend: "Backend"):
+        self._backend = backend
+        self.workflow_id: str | None = None
+        self.client = types.SimpleNamespace(telemetry=[])
+
+    @property
+    def config(self) -> "ClusterConfig":
+        return self._backend.cluster_config
+
+    @config.setter
+    def config(self, value) -> None:
+        self._backend.cluster_config = ClusterConfig.of(value)
+
+    def start_workflow(self, lock_resources: bool = True) -> bool:
+        if self.workflow_id is None:
+            self.workflow_id = f"wflow-{os.getpid()}"
+        return True
+
+    def stop_workflow(self) -> None:
+        self.workflow_id = None
+
+    def check_storage_connectivity(self) -> None:
+        """Every process of the emulated cluster shares this machine's file system: nothing to check."""
 
 
 class Device:
@@ -230,8 +305,12 @@ def current_torch_device():
     return torch.device("cpu")
 
 
-def current_backend_impl() -> Backend:
-    """The real API's name for the backend in use (cstorch.backend.current_backend_impl)."""
+def current_backend_impl(raise_exception: bool = True) -> Backend | None:
+    """The real API's name for the backend in use (cstorch.backend.current_backend_impl). With
+    raise_exception=False, None while no backend is made (the model zoo's trainer asks so before it
+    makes one); otherwise the backend, a CPU one if none was made (current_backend)."""
+    if not raise_exception and _current is None:
+        return None
     return current_backend()
 
 

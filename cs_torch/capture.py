@@ -164,6 +164,10 @@ def _batch_size(inputs) -> int:
     return sizes.pop()
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def _per_tensor(example, fn):
     """`example` with fn applied to each of its tensors, its tuples kept."""
     if isinstance(example, (tuple, list)):
@@ -191,7 +195,12 @@ def _export_batch_free(wrapped, examples, batch: int):
             if "specialized it to be a constant" in str(exc):
                 raise _fixed_batch_error(wrapped, examples, batch) from exc
             raise _batch_range_error(str(exc)) from exc
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc)
+        cause = exc
+        while cause.__cause__ is not None:   # code that wraps errors (the model zoo's callbacks): say the root
+            cause = cause.__cause__
+        if cause is not exc:
+            first = f"{first}: {_first_line(cause)}"
         where = _user_frame(exc.__traceback__, wrapped.model)
         raise CaptureError(f"{where + ': ' if where else ''}torch.export could not trace the model: {first}") from exc
 

@@ -156,13 +156,26 @@ class _Session(session_mod.Session):
         return loss
 
 
+def _clipping(effects, params: dict) -> float | None:
+    """The max norm of a traced step's clip_grad_norm_ (MemoryX clips the global norm of every trained
+    weight): None without one; clipping some weights only, or twice, is refused."""
+    clips = [e for e in effects if e[0] == "clip_norm"]
+    if not clips:
+        return None
+    trained = {id(p) for p in params.values() if p.requires_grad}
+    if len(clips) > 1 or not trained <= {id(p) for p in clips[0][1]}:
+        raise CsTorchError("CSX backend: the step clips the gradients of some weights only (or twice); MemoryX "
+                           "clips the global norm of every weight once (use backend('CPU'))")
+    return clips[0][2]
+
+
 class ClusterRun:
     """One job: a captured program, for the steps of one loop. `params` maps the program's
     parameter names to the module's parameters; `batch_of(i)` is the i-th step's batch handle
     (the input workers'); with `return_output` each step hands back the model's output too."""
 
     def __init__(self, captured, model, params: dict, backend, optimizer, scaler, training: bool, batch_of,
-                 return_output: bool = False, report_eval: bool = True):
+                 return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None):
         weights = {name: p.detach().numpy().copy() for name, p in params.items()}
         spec = program_spec(type(model).__name__.lower(), captured.program, captured.units, captured.shapes,
                             captured.dtypes, weights, return_output=return_output,
@@ -174,14 +187,17 @@ class ClusterRun:
         session_mod._backend = session_mod.Backend(cc.mgmt_address, cc.num_csx, max(cc.num_workers_per_csx, 1),
                                                    job_labels=tuple(cc.labels().items()))
         model_dir = os.path.join(backend.artifact_dir, f"job_{os.getpid()}_{next(_runs)}_{mode}")
-        self.session = _Session(spec, memoryx_optimizer(self.optimizer, params) if self.optimizer else None,
-                                CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)
+        rule = memoryx_optimizer(self.optimizer, params) if self.optimizer else None
+        if rule is not None and max_gradient_norm is not None:   # the step's clip_grad_norm_, done by MemoryX
+            rule.section["max_gradient_norm"] = max_gradient_norm
+        self.session = _Session(spec, rule, CrossEntropyLoss(), mode, model_dir=model_dir, execution_strategy=None)
         self.session.lr_of = _step_rate(self.optimizer) if self.optimizer else None
         self.session.scale_of = lambda: self.scaler.scale_value() if self.scaler else 1.0
         self.session.loss_scaled = self.scaler is not None
         self.session.report_eval = report_eval
         self.session.__enter__()
         self.aliases = captured.aliases
+        self.scalar_output = captured.shapes.get(captured.program.outputs.get("output")) == ()
         self.model = model
         self.steps = 0
         self.on_failure = None   # called (with nothing) before a failed job is stopped
@@ -194,7 +210,8 @@ class ClusterRun:
             next((e[2] for e in effects if e[0] == "scaler_step"), None)
         scaler = next((e[1] for e in effects if e[0] == "scaler_step"), None)
         run = cls(traced.captured, traced.compiled.model, traced.engine.params, traced.compiled.backend, optimizer,
-                  scaler, traced.training, executor.worker_batch, return_output)
+                  scaler, traced.training, executor.worker_batch, return_output,
+                  max_gradient_norm=_clipping(effects, traced.engine.params))
         run.on_failure = lambda: executor._runs.pop(traced, None)
         return run
 
@@ -211,6 +228,10 @@ class ClusterRun:
         if not math.isfinite(loss) and self.scaler is None and self.session.mode == "train":
             raise CsTorchError(f"loss is {loss} at step {self.steps} (lower the learning rate?)")
         output = self.session.executor.outputs.get("output")
+        if output is not None and self.scalar_output:
+            # A model that returns its own loss: each WSE hands back its shard's; the step's is the
+            # loss the cluster reports for the whole batch (SwarmX combines the shards' by their rows).
+            output = np.array(loss, dtype=np.float32)
         return loss, bool(self.session.applied), output
 
     def sync(self) -> None:
@@ -242,13 +263,14 @@ class ClusterRun:
 
 
 # ---------------------------------------------------------------- the data, for the workers
-def worker_dataset(module, file, function, args, kwargs, states_file, steps):
+def worker_dataset(module, file, function, args, kwargs, states_file, steps, closure=None):
     """What the input workers call (by name): the samples of the run's `steps` batches of the user's
     input_fn's torch DataLoader, in its order (replayed from the generators' states the user's process
     saved in states_file; None for an IterableDataset)."""
     from .input_worker import load_function
-    fn = load_function({"module": module, "file": file, "function": function})
-    loader = fn(*args, **kwargs)
+    from .data import arrived
+    fn = load_function({"module": module, "file": file, "function": function, "closure": closure})
+    loader = fn(*arrived(args), **arrived(kwargs))
     states = None
     if states_file is not None:
         with np.load(states_file, allow_pickle=False) as saved:
@@ -270,7 +292,7 @@ def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[Wo
     """The ModelSpec API's loader that has the input workers build the 2.x loader's batches of `steps`
     steps, in the torch loader's order (its generators' states saved in `directory` for them to replay),
     and those samples here."""
-    from .data import function_location
+    from .data import function_location, travelling
     loader = dataloader.loader
     settings = loader_settings(loader)
     states, states_file = None, None
@@ -283,8 +305,9 @@ def worker_loader(dataloader, seed: int, steps: int, directory: str) -> tuple[Wo
     location = function_location(dataloader.input_fn)
     settings.update(shuffle=False, drop_last=True)   # the order is the torch loader's, shuffle included
     return WorkerLoader(worker_dataset, settings.pop("batch_size"), location["module"], location["file"],
-                        location["function"], list(dataloader.args), dict(dataloader.kwargs), states_file, steps,
-                        shuffle_seed=seed, **settings), samples
+                        location["function"], travelling(list(dataloader.args)), travelling(dict(dataloader.kwargs)),
+                        states_file, steps,
+                        location.get("closure"), shuffle_seed=seed, **settings), samples
 
 
 def saved_dataset(path: str):

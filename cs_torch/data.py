@@ -23,6 +23,7 @@ travel to the workers as JSON, never pickled.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from dataclasses import dataclass
@@ -91,16 +92,80 @@ class DataLoader:
 
 
 def function_location(fn) -> dict:
-    """{"module", "file", "function"} by which an input worker can import `fn`, or a one-line error."""
+    """{"module", "file", "function"} by which an input worker can import `fn`, or a one-line error.
+    A function defined inside another (`outer.<locals>.inner`, as the model zoo's trainer makes its
+    input function) is rebuilt there from the outer function's code and the values it captured, each
+    named ("closure": {variable: {"name": "module:qualname"}} for a class or function a worker can
+    import) or a JSON value ({"value": ...}); anything else is refused in one line."""
     name = getattr(fn, "__qualname__", None)
     module = getattr(fn, "__module__", None)
     if not callable(fn) or not name or not module:
         raise CsTorchError(f"dataloader: input_fn must be a function, got {type(fn).__name__}")
-    if "<" in name or "." in name:
+    nested = name.count(".<locals>.") == 1 and "<" not in name.replace(".<locals>.", "") and \
+        "." not in name.split(".<locals>.")[0]
+    if ("<" in name or "." in name) and not nested:
         raise CsTorchError(f"dataloader: input_fn {name} must be defined at the top level of a module or "
-                           "script (the input workers import it by name)")
+                           "script, or directly inside a top-level function (the input workers import it by name)")
     file = getattr(sys.modules.get(module), "__file__", None)
     if module == "__main__" and not file:
         raise CsTorchError(f"dataloader: input_fn {name} is defined in an interactive session; define it "
                            "in a file (the input workers import it by name)")
-    return {"module": module, "file": str(Path(file).resolve()) if file else None, "function": name}
+    location = {"module": module, "file": str(Path(file).resolve()) if file else None, "function": name}
+    if nested:
+        location["closure"] = _captured(fn)
+    return location
+
+
+CONFIG_KEY = "__config__"
+
+
+def travelling(value):
+    """An input function's argument as JSON for the input workers: a config object (a pydantic model:
+    model_dump / model_validate, as the model zoo's data processors take) as its class's name and its
+    fields; other values as they are (they must be JSON)."""
+    if isinstance(value, dict):
+        return {k: travelling(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [travelling(v) for v in value]
+    cls = type(value)
+    if callable(getattr(value, "model_dump", None)) and callable(getattr(cls, "model_validate", None)) and \
+            "<" not in cls.__qualname__:
+        return {CONFIG_KEY: f"{cls.__module__}:{cls.__qualname__}", "fields": value.model_dump(mode="json")}
+    return value
+
+
+def arrived(value):
+    """travelling's value rebuilt in an input worker (a config validated again by its class)."""
+    if isinstance(value, dict) and CONFIG_KEY in value:
+        module, _, qualname = value[CONFIG_KEY].partition(":")
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        return cls.model_validate(value["fields"])
+    if isinstance(value, dict):
+        return {k: arrived(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [arrived(v) for v in value]
+    return value
+
+
+def _captured(fn) -> dict:
+    """What a nested input function captured, each value named or JSON (see function_location)."""
+    if fn.__defaults__ or fn.__kwdefaults__:
+        raise CsTorchError(f"dataloader: input_fn {fn.__qualname__} has default arguments; the input workers "
+                           "rebuild a nested function from its captured values only")
+    captured = {}
+    for variable, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        value = cell.cell_contents
+        owner, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+        if callable(value) and owner and qualname and "<" not in qualname:   # a class or function by name
+            captured[variable] = {"name": f"{owner}:{qualname}"}
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise CsTorchError(f"dataloader: input_fn {fn.__qualname__} captures {variable} "
+                               f"({type(value).__name__}): the input workers get only JSON values and "
+                               "classes or functions they can import") from None
+        captured[variable] = {"value": value}
+    return captured

@@ -12,6 +12,7 @@ import importlib
 import json
 import runpy
 import sys
+import types
 from pathlib import Path
 
 from cs_runtime import env
@@ -23,17 +24,41 @@ SCRIPT_RUN_NAME = "__cs_torch_input__"
 
 
 def load_function(spec: dict):
-    """The input function named by a DataLoader's worker_spec."""
+    """The input function named by a DataLoader's worker_spec (cs_torch.data.function_location)."""
     module, file, name = spec["module"], spec["file"], spec["function"]
+    outer, _, inner = name.partition(".<locals>.")
     if module == "__main__":
         namespace = runpy.run_path(file, run_name=SCRIPT_RUN_NAME)
+    else:
+        if file:  # the folder the module was imported from, in case it is not on the worker's path
+            root = Path(file).parent
+            for _ in range(module.count(".") + (Path(file).name == "__init__.py")):
+                root = root.parent
+            sys.path.insert(0, str(root))
+        namespace = vars(importlib.import_module(module))
+    if not inner:
         return namespace[name]
-    if file:  # the folder the module was imported from, in case it is not on the worker's path
-        root = Path(file).parent
-        for _ in range(module.count(".") + (Path(file).name == "__init__.py")):
-            root = root.parent
-        sys.path.insert(0, str(root))
-    return getattr(importlib.import_module(module), name)
+    return _rebuilt(namespace, outer, inner, spec.get("closure") or {})
+
+
+def _rebuilt(namespace: dict, outer: str, inner: str, closure: dict):
+    """A function defined inside `outer`: its code (a constant of outer's), with the values it captured."""
+    code = next((c for c in namespace[outer].__code__.co_consts
+                 if isinstance(c, types.CodeType) and c.co_name == inner), None)
+    if code is None or set(code.co_freevars) != set(closure):
+        raise RuntimeError(f"input worker: cannot rebuild {outer}.<locals>.{inner} from its captured values")
+    cells = tuple(types.CellType(_captured_value(closure[v])) for v in code.co_freevars)
+    return types.FunctionType(code, namespace, inner, None, cells)
+
+
+def _captured_value(spec: dict):
+    if "value" in spec:
+        return spec["value"]
+    module, _, qualname = spec["name"].partition(":")
+    value = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def main() -> None:

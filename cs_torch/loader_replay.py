@@ -180,7 +180,14 @@ def _rows(batch) -> list:
 
 
 def _stacked(values: list) -> np.ndarray:
-    return torch.stack([torch.as_tensor(v) for v in values]).detach().cpu().numpy()
+    return host_array(torch.stack([torch.as_tensor(v) for v in values]))
+
+
+def host_array(tensor) -> np.ndarray:
+    """A tensor as a numpy array; bfloat16 (numpy has none; the model zoo's data under mixed precision on
+    CSX) as float32, which holds each of its values exactly."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _stacked_dicts(samples: list) -> tuple[dict, np.ndarray]:
@@ -206,7 +213,7 @@ def arrays_of(loader) -> tuple[np.ndarray | dict, np.ndarray]:
     else:
         pairs = list(dataset) if is_iterable(loader) else [dataset[i] for i in range(len(dataset))]
         return stacked_pairs(pairs)
-    return x.detach().cpu().numpy(), y.detach().cpu().numpy()
+    return host_array(x), host_array(y)
 
 
 class RunSamples:

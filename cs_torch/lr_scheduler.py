@@ -22,7 +22,7 @@ from .scheduler import (  # noqa: F401 (the real module exports the generic name
     CosineAnnealingWarmRestartsScheduler, CosineDecayScheduler, CyclicScheduler, ExponentialScheduler,
     InverseExponentialTimeDecayScheduler, InverseSquareRootDecayScheduler, LambdaScheduler, LinearScheduler,
     MultiplicativeScheduler, MultiStepScheduler, OneCycleScheduler, PiecewiseConstantScheduler, PolynomialScheduler,
-    ScalePerParamScheduler, Scheduler, SequentialScheduler, StepScheduler,
+    ScalePerParamScheduler, Scheduler, SequentialScheduler, StepScheduler, annotate_signatures,
 )
 
 
@@ -153,3 +153,12 @@ class OneCycleLR(LRScheduler, OneCycleScheduler):
 
 class ScalePerParamLR(LRScheduler, ScalePerParamScheduler):
     pass
+
+
+def annotate() -> None:
+    """The schedulers' signatures with their argument types (scheduler.annotate_signatures)."""
+    annotate_signatures(LRScheduler, [c for c in list(globals().values())
+                                      if isinstance(c, type) and issubclass(c, Scheduler)])
+
+
+annotate()

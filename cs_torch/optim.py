@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 from . import lr_scheduler, scheduler, weight_decay_scheduler  # noqa: F401 (cstorch.optim.<name>)
+from . import optim_params as optimizer  # noqa: F401 (cstorch.optim.optimizer.ParamsT)
 from .nn import CsTorchError
 
 
@@ -101,3 +102,18 @@ class AdamW(Adam):
                  eps: float = 1e-6, weight_decay: float = 0.0, max_gradient_norm: float | None = None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          max_gradient_norm=max_gradient_norm)
+
+
+
+def document_signatures() -> None:
+    """Give SGD, Adam and AdamW the signatures the real API documents, for code that reads them (the
+    model zoo builds its params schema from them): those of the torch modules' optimizers they make
+    (cs_torch/optimizers.py), the parameters first and typed ParamsT. A call may still use the
+    ModelSpec spelling (SGD(lr=0.01)). Needs torch: called where torch is imported (cerebras.pytorch)."""
+    import inspect
+    from . import optimizers
+    for cls in (SGD, Adam, AdamW):
+        signature = inspect.signature(getattr(optimizers, cls.__name__).__init__, eval_str=True)
+        parameters = [p.replace(annotation=optimizer.ParamsT) if p.name == "params" else p
+                      for p in signature.parameters.values()]
+        cls.__init__.__signature__ = signature.replace(parameters=parameters)

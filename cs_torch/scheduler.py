@@ -433,3 +433,34 @@ __all__ = ["Scheduler", "ConstantScheduler", "PolynomialScheduler", "LinearSched
            "SequentialScheduler", "PiecewiseConstantScheduler", "MultiStepScheduler", "StepScheduler",
            "CosineAnnealingScheduler", "CosineAnnealingWarmRestartsScheduler", "MultiplicativeScheduler",
            "LambdaScheduler", "CyclicScheduler", "OneCycleScheduler", "ChainedScheduler", "ScalePerParamScheduler"]
+
+
+def annotate_signatures(base: type, classes) -> None:
+    """Give the schedulers' __init__ the types of their scheduler arguments as objects: the model
+    zoo builds its params schema from these signatures (a nested `schedulers:` list is parsed into
+    schedulers of `base`, and the optimizer is left out of the schema, where torch's optimizer type
+    names it). torch's type is named only when torch is already imported, as a torch model's is:
+    this module imports no torch."""
+    import inspect
+    import sys
+    import types
+    from typing import List
+    torch = sys.modules.get("torch")
+    optimizer_type = torch.optim.Optimizer if torch is not None and hasattr(torch, "optim") else None
+    # Each class's __init__ as its MRO finds it, all read before any is set (the base, e.g. LRScheduler,
+    # is left as it is: an __init__ set there would come before SequentialScheduler's in SequentialLR).
+    inits = [(cls, cls.__init__) for cls in classes if cls is not base]
+    for cls, shared in inits:   # a copy per class: SequentialLR and SequentialWD share one __init__
+        init = types.FunctionType(shared.__code__, shared.__globals__, shared.__name__, shared.__defaults__,
+                                  shared.__closure__)
+        init.__kwdefaults__, init.__qualname__ = shared.__kwdefaults__, f"{cls.__qualname__}.__init__"
+        params = init.__code__.co_varnames[:init.__code__.co_argcount]
+        notes = inspect.get_annotations(shared, eval_str=True)   # types, not their source text
+        if "schedulers" in params:
+            notes["schedulers"] = List[base]
+        if "scheduler" in params:
+            notes["scheduler"] = base
+        if "optimizer" in params and optimizer_type is not None:
+            notes["optimizer"] = optimizer_type
+        init.__annotations__ = notes
+        cls.__init__ = init

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +50,17 @@ class SummaryWriter:
         os.makedirs(folder, exist_ok=True)
         array = tensor.detach().cpu().numpy() if hasattr(tensor, "detach") else np.asarray(tensor)
         np.save(os.path.join(folder, f"{int(global_step or 0)}.npy"), array, allow_pickle=False)
+
+    @property
+    def cs_events_dir(self) -> str:
+        """Where tensor summaries go (the real writer's name for its folder of them)."""
+        return os.path.join(self.log_dir, TENSOR_DIR)
+
+    def _get_file_writer(self):
+        """torch's SummaryWriter's: the event file writer; `.event_writer._file_name` is the event
+        file's path (the model zoo links it into its run's folder)."""
+        events = self._writer._get_file_writer().event_writer
+        return types.SimpleNamespace(event_writer=types.SimpleNamespace(_file_name=events._ev_writer._file_name))
 
     def flush(self):
         self._writer.flush()

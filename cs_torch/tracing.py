@@ -45,7 +45,9 @@ import sys
 import numpy as np
 import torch
 
+from .backend.ltc_backend import after_tensor_to_cpu
 from .backends import current_backend
+from .experimental.listener import naming_tensors
 from . import summary
 from .nn import CsTorchError
 from .recording import _active, current_executor, probing, replaying
@@ -66,6 +68,8 @@ class CompiledModel:
             if kwargs:
                 raise CsTorchError("trace: call the compiled model with positional tensors (no keywords)")
             probe.model_call(args, self)
+            with naming_tensors(self.model):   # the capture names its tensors to listeners' hooks
+                return self.model(*args, **kwargs)
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -79,6 +83,8 @@ def compile(model: torch.nn.Module, backend=None) -> CompiledModel:  # noqa: A00
     if not isinstance(model, torch.nn.Module):
         raise CsTorchError(f"compile: expected a torch.nn.Module, got {type(model).__name__}")
     backend = backend or current_backend()
+    if not hasattr(model, "device"):   # the real API's compiled module names its device (the host's here)
+        model.device = torch.device("cpu")
     return CompiledModel(model, backend)
 
 
@@ -132,15 +138,48 @@ def _backward_recorder(tensor, *args, **kwargs):
     state.loss = tensor
 
 
+def _clip_recorder(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_ inside a traced step: the gradients are the program's, so the
+    clipping is an effect done on them (on CSX by MemoryX); the norm returned is a stand-in zero."""
+    probe = probing()
+    if probe is not None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if float(norm_type) != 2.0:
+            raise CsTorchError(f"trace: clip_grad_norm_ with norm_type={norm_type}: only the 2-norm is emulated")
+        probe.record("clip_norm", params, float(max_norm))
+    return torch.zeros(())
+
+
+def _clip_value_refused(*args, **kwargs):
+    raise CsTorchError("trace: clip_grad_value_ inside a traced step is not emulated; use clip_grad_norm_")
+
+
+def clip_grads(grads: dict, params: list, max_norm: float) -> None:
+    """torch's clip_grad_norm_ on a step's gradients ({parameter: ndarray}, scaled in place): the 2-norm
+    of the per-tensor 2-norms, and a factor max_norm / (norm + 1e-6) when it is below 1, in float32."""
+    chosen = [grads[p] for p in dict.fromkeys(params) if p in grads]
+    if not chosen:
+        return
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.from_numpy(np.asarray(g)))
+                                                 for g in chosen]))
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in dict.fromkeys(params):
+        if p in grads:
+            grads[p] = (torch.from_numpy(np.asarray(grads[p])) * factor).numpy()
+
+
 class _Patched:
-    """Tensor.backward records the loss while a step is probed or replayed."""
+    """Tensor.backward records the loss, and clip_grad_norm_ the clipping, while a step is probed or
+    replayed."""
 
     def __enter__(self):
-        self.saved = torch.Tensor.backward
+        self.saved = (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_)
         torch.Tensor.backward = _backward_recorder
+        torch.nn.utils.clip_grad_norm_ = _clip_recorder
+        torch.nn.utils.clip_grad_value_ = _clip_value_refused
 
     def __exit__(self, *exc):
-        torch.Tensor.backward = self.saved
+        torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_ = self.saved
 
 
 class _Replay:
@@ -245,7 +284,20 @@ class TracedStep:
     def __init__(self, fn):
         self.fn = fn
         self.engine = None
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn.func if isinstance(fn, functools.partial) else fn)
+        if isinstance(fn, functools.partial):
+            self.fn.__name__ = fn.func.__name__
+
+    def __get__(self, instance, owner=None):
+        """@cstorch.trace on a method (the model zoo's Trainer.training_step): each instance has its
+        own traced step of the bound method, captured on its own first call."""
+        if instance is None:
+            return self
+        key = f"_traced_{self.fn.__name__}"
+        bound = instance.__dict__.get(key)
+        if bound is None:
+            bound = instance.__dict__[key] = TracedStep(functools.partial(self.fn, instance))
+        return bound
 
     def __call__(self, *args, **kwargs):
         if kwargs:
@@ -409,20 +461,28 @@ class TracedStep:
             grads = {}
             loss, output = self.engine.evaluate(arrays, output=True) if self.wants_output else \
                 (self.engine.evaluate(arrays), None)
-        return self._effects(loss, grads, rerun=self._rerun(leaves, output))
+        return self._effects(loss, grads, rerun=self._rerun(leaves, output, grads))
 
-    def _rerun(self, leaves, output):
+    def _rerun(self, leaves, output, grads: dict | None = None):
         """(the step's return value, its closures' and summaries' arguments in order, its loss), the step
-        run here on this step's model output; None when the step hands out nothing but its loss."""
+        run here on this step's model output; None when the step hands out nothing but its loss. With
+        `grads` (the CPU backend's), the parameters hold this step's gradients meanwhile, so what the
+        step computes from them after backward() (a gradient norm it logs) has their values; on CSX the
+        gradients stay in MemoryX and the parameters hold none."""
         if not self.wants_output:
             return None
         replay = _Replay(torch.from_numpy(np.array(output)), effects=[])
         _active["replay"] = replay
+        held = {p: p.grad for p in grads or {}}
         try:
+            for p, g in (grads or {}).items():
+                p.grad = torch.from_numpy(np.asarray(g, dtype=np.float32)).view_as(p)
             with _Patched(), torch.no_grad():
                 returned = self.fn(*_rebuild(self.template, leaves))
         finally:
             _active["replay"] = None
+            for p, g in held.items():
+                p.grad = g
         loss = replay.loss if replay.loss is not None else _eval_loss(returned)
         return returned, replay.effects, loss
 
@@ -447,7 +507,9 @@ class TracedStep:
                 values = [_swap_loss(v, rerun[2], loss_tensor) for v in next(noted)]
                 effect = (effect[0], effect[1], *values)
             kind = effect[0]
-            if kind == "opt_step" and cluster_applied is None:
+            if kind == "clip_norm" and cluster_applied is None:
+                clip_grads(grads, effect[1], effect[2])
+            elif kind == "opt_step" and cluster_applied is None:
                 effect[1].apply(grads)
             elif kind == "scaler_step" and cluster_applied is None:
                 found_inf = effect[1].step_with(effect[2], grads)
@@ -455,8 +517,12 @@ class TracedStep:
                 effect[1].update_with(found_inf)
             elif kind == "sched_step":
                 effect[1].step()
-            elif kind == "closure":
-                effect[1](*_materialize(effect[2], loss_tensor), **_materialize(effect[3], loss_tensor))
+            elif kind == "closure":   # host tensors (the same objects the step returns), each to the hooks
+                args, kwargs = _materialize(effect[2], loss_tensor), _materialize(effect[3], loss_tensor)
+                _announce(args)
+                for key, value in kwargs.items():
+                    _announce(value, key)
+                effect[1](*args, **kwargs)
             elif kind == "summary":
                 summary.write_scalar(effect[1], _materialize(effect[2], loss_tensor))
         if rerun is not None:
@@ -555,16 +621,35 @@ def trace(fn) -> TracedStep:
 
 
 # ---------------------------------------------------------------- closures
-def _host_values(obj):
+def _host_values(obj, name: str = ""):
+    """obj with its tensors as host tensors, each handed to the after-tensor-to-CPU hooks."""
     if not _has_tensor(obj):
         return obj
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        host = obj.detach().cpu()
+        after_tensor_to_cpu(host, name)
+        return host
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_host_values(o) for o in obj)
+        return type(obj)(_host_values(o, _joined(name, i)) for i, o in enumerate(obj))
     if isinstance(obj, dict):
-        return {k: _host_values(v) for k, v in obj.items()}
+        return {k: _host_values(v, _joined(name, k)) for k, v in obj.items()}
     return obj
+
+
+def _announce(obj, name: str = "") -> None:
+    """Hand each tensor of obj (host tensors already) to the after-tensor-to-CPU hooks, by name."""
+    if isinstance(obj, torch.Tensor):
+        after_tensor_to_cpu(obj, name)
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            _announce(item, _joined(name, i))
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            _announce(item, _joined(name, key))
+
+
+def _joined(name: str, key) -> str:
+    return f"{name}.{key}" if name else str(key)
 
 
 def step_closure(fn):
@@ -580,7 +665,7 @@ def step_closure(fn):
             if replay.effects is not None:   # a rerun: this step's values of the arguments
                 replay.effects.append((args, kwargs))
             return None
-        return fn(*_host_values(args), **_host_values(kwargs))
+        return fn(*_host_values(args), **{k: _host_values(v, k) for k, v in kwargs.items()})
     return closure
 
 

@@ -36,3 +36,12 @@ ChainedWD = _named("ChainedWD", s.ChainedScheduler)
 CyclicWD = _named("CyclicWD", s.CyclicScheduler)
 OneCycleWD = _named("OneCycleWD", s.OneCycleScheduler)
 ScalePerParamWD = _named("ScalePerParamWD", s.ScalePerParamScheduler)
+
+
+def annotate() -> None:
+    """The schedulers' signatures with their argument types (scheduler.annotate_signatures)."""
+    s.annotate_signatures(WeightDecayScheduler, [c for c in list(globals().values())
+                                                 if isinstance(c, type) and issubclass(c, WeightDecayScheduler)])
+
+
+annotate()

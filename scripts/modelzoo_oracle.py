@@ -2,6 +2,7 @@
 
     python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout [--models fc_mnist gpt2 bert]
                                       [--targets CPU CSX1 CSX2] [--dropout zero shipped] [--work DIR]
+    python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout --count-names
 
 For each model and target this makes a small data set and a small params
 file (2 layers, hidden 64, sequence 64), runs the checkout's run.py as a user
@@ -17,30 +18,45 @@ On every target it checks the loss of every step (the run's TensorBoard
 checkpoint within max(1e-5, 3x the largest difference of torch's own float32
 and float64 runs of that tensor); 2 WSEs are compared with 1 to the same
 bounds. The params ask for float32 (`mixed_precision: false`), and the
-emulator trains a CSX run in float32 unless its backend is made with
-`mixed_precision=True` (docs/cstorch.md), which the 2.1 flow never does for
-CSX: the half dtype it sets on every run only picks the 16-bit format.
+emulator trains a CSX run in float32 unless mixed precision is asked for
+(docs/cstorch.md), which the 2.1 flow never does for CSX: the half dtype it
+sets on every run only picks the 16-bit format. The 2.3+ trainer does ask:
+it enables mixed precision for CSX whatever its params say ("Mixed precision
+must be enabled for CSX"), bfloat16 by default, so its CSX runs are reported
+and held to a bound (1e-2 relative in the loss, 1e-3 in the weights, and so
+2 WSEs against 1).
 
 The model zoo is not part of this project: bring a checkout of its public
-repository at the release to check (Release_2.1.1's layout `modelzoo/...`;
-the 2.3+ layout `src/cerebras/modelzoo/...` is recognised, and its models are
-not yet known here). Its own requirements (jsonschema, h5py, datasets, ...)
-must import: PYTHONPATH passes through to the runs. CI does not run this
-script. A torchvision that does not import (a wheel built for another torch)
-is replaced by a stand-in of the MNIST reader and the transforms the model
-zoo uses, written into the work folder.
+repository at the release to check. Release_2.1.1's layout (`modelzoo/...`:
+FC-MNIST, GPT-2 and BERT through their run.py) and the 2.3+ layout
+(`src/cerebras/modelzoo/...`, checked at Release_2.10.0: the Trainer, with
+FC-MNIST through the model zoo CLI, `python -m cerebras.modelzoo.cli.main fit
+P --target_device CPU|CSX`, the `cszoo` console script, and GPT-2 through its
+run.py; the params in the trainer's format, torch eager on the loader and
+param groups the trainer's own config makes). Its own requirements
+(jsonschema, h5py, datasets, pydantic as it pins it, ...) must import:
+PYTHONPATH passes through to the runs. CI does not run this script. The runs
+get stand-ins, written into the work folder: a sitecustomize (torchvision
+imported past its compiled ops, a wheel built for another torch; the eval
+harnesses the 2.3+ trainer imports at its start, when not installed; the
+TreeSpec spelling of torch 2.4 that the 2.3+ model zoo rebuilds its params
+with) and, where torchvision does not import even so, the MNIST reader and
+the transforms the model zoo uses. `--count-names` only counts the
+`cerebras.pytorch` names the checkout references that resolve here.
 
 Exit status 0 when every check passes, 1 when one fails, 2 on bad arguments.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
 import importlib
 import json
 import math
 import os
+import runpy
 import shutil
 import struct
 import subprocess
@@ -56,6 +72,11 @@ REPO = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 SPREAD_FACTOR = 3.0
+# The 2.3+ trainer enables mixed precision on CSX (its precision callback), as the CS system
+# trains: the matmuls' operands round to bfloat16 (docs/torch.md). Against float32 torch eager
+# that is a bound, not an equality.
+MIXED_LOSS_RTOL = 1e-2
+MIXED_WEIGHT_ATOL = 1e-3
 STEPS = 6
 SEED = 1
 
@@ -66,7 +87,8 @@ class ZooModel:
     name: str
     folder: str          # run.py's folder, relative to the package root
     model: str           # "module:Class" of the model zoo's model (called with params)
-    train_data: str      # "module:function" of its train input function
+    train_data: str = ""  # "module:function" of its train input function (2.1; the trainer reads its config)
+    entry: str = "run.py"  # run.py, or "cszoo": the model zoo CLI's `fit` (2.3+)
 
 
 LAYOUTS = {
@@ -81,6 +103,14 @@ LAYOUTS = {
         "bert": ZooModel("bert", "modelzoo/transformers/pytorch/bert",
                          "modelzoo.transformers.pytorch.bert.model:BertForPreTrainingModel",
                          "modelzoo.transformers.pytorch.bert.data:train_input_dataloader"),
+    },
+    # 2.3 on (checked at Release_2.10.0): src/cerebras/modelzoo/..., the Trainer. FC-MNIST has no run.py
+    # any more: it runs through the model zoo's CLI (`cszoo fit`); GPT-2 through its run.py.
+    "2.3+": {
+        "fc_mnist": ZooModel("fc_mnist", "cerebras/modelzoo/models/vision/fc_mnist",
+                             "cerebras.modelzoo.models.vision.fc_mnist.model:MNISTModel", entry="cszoo"),
+        "gpt2": ZooModel("gpt2", "cerebras/modelzoo/models/nlp/gpt2",
+                         "cerebras.modelzoo.models.nlp.gpt2.model:Gpt2Model"),
     },
 }
 
@@ -290,11 +320,87 @@ _TORCHVISION_STANDIN = {
 }
 
 
-def torchvision_path(work: Path) -> list[str]:
-    """[] when torchvision imports; else the folder of the stand-in, written there."""
-    probe = subprocess.run([sys.executable, "-c", "import torchvision.datasets"], capture_output=True)
+_SITECUSTOMIZE = '''
+    """Stand-ins for the model zoo oracle's runs (written by scripts/modelzoo_oracle.py)."""
+    import dataclasses
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    # torchvision's compiled ops (a wheel built for another torch) do not load; its data sets and
+    # transforms never call them, so the module that registers their fake kernels is left out.
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+
+
+    class _StandIn:
+        """A name of an eval harness the 2.3+ trainer imports at its start; called, it says so."""
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, *args, **kwargs):
+            if len(args) == 1 and isinstance(args[0], type) and not kwargs:
+                return args[0]     # a registering decorator
+            raise RuntimeError("modelzoo_oracle: the eval harnesses (lm_eval, bigcode_eval) are stand-ins here")
+
+
+    class _Module(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (_StandIn,), {})
+
+
+    class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        """lm_eval and bigcode_eval (installed from source archives, not a registry) when not installed."""
+        ROOTS = ("lm_eval", "bigcode_eval")
+
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname.split(".")[0] in self.ROOTS:
+                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = _Module(spec.name)
+            module.__path__ = []
+            return module
+
+        def exec_module(self, module):
+            pass
+
+
+    sys.meta_path.append(_Finder())
+
+    # The 2.3+ model zoo (written for torch 2.4) rebuilds pytree TreeSpecs with
+    # dataclasses.replace(spec, type=, children_specs=); later torch's TreeSpec takes
+    # (type, context, children_specs) and names its fields _context and _children.
+    _replace = dataclasses.replace
+
+
+    def _treespec_replace(obj, /, **changes):
+        cls = type(obj)
+        if cls.__name__ == "TreeSpec" and cls.__module__ == "torch.utils._pytree" and hasattr(obj, "_children"):
+            return cls(changes.get("type", obj.type), changes.get("context", obj._context),
+                       changes.get("children_specs", list(obj._children)))
+        return _replace(obj, **changes)
+
+
+    dataclasses.replace = _treespec_replace
+    '''
+
+
+def standins_path(work: Path) -> list[str]:
+    """The folders of the runs' stand-ins: a sitecustomize (torchvision past its compiled ops, the eval
+    harnesses, the TreeSpec spelling), and where torchvision does not import even so, the MNIST reader."""
+    site = work / "standins_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(textwrap.dedent(_SITECUSTOMIZE))
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *inherited]))
+    probe = subprocess.run([sys.executable, "-c", "import torchvision.datasets"], capture_output=True, env=env)
     if probe.returncode == 0:
-        return []
+        return [str(site)]
     folder = work / "standins"
     for name, text in _TORCHVISION_STANDIN.items():
         path = folder / "torchvision" / name
@@ -302,7 +408,7 @@ def torchvision_path(work: Path) -> list[str]:
         path.write_text(textwrap.dedent(text))
     print("modelzoo_oracle: torchvision does not import here; FC-MNIST reads MNIST through a stand-in "
           f"({folder / 'torchvision'})", file=sys.stderr)
-    return [str(folder)]
+    return [str(site), str(folder)]
 
 
 # ---------------------------------------------------------------- the run
@@ -315,8 +421,13 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
     params_file.write_text(yaml.safe_dump(params))
     _, root = layout_of(checkout)
     _, _, count = target.partition("CSX")
-    command = [sys.executable, "run.py", "CSX" if count else "CPU", "--mode", "train", "--params", str(params_file),
-               "--model_dir", str(out / "model_dir")]
+    device = "CSX" if count else "CPU"
+    if zoo.entry == "cszoo":    # the model zoo CLI (the `cszoo` console script is this module's main)
+        command = [sys.executable, "-m", "cerebras.modelzoo.cli.main", "fit", str(params_file),
+                   "--target_device", device, "--model_dir", str(out / "model_dir")]
+    else:
+        command = [sys.executable, "run.py", device, "--mode", "train", "--params", str(params_file),
+                   "--model_dir", str(out / "model_dir")]
     if count:
         command += ["--num_csx", count]
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]   # the zoo's requirements
@@ -328,8 +439,10 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
 
 
 def run_losses(model_dir: Path) -> dict[int, float]:
+    """The run's `loss` scalars by step: model_dir/train (2.1) or model_dir/events (the 2.3+ trainer)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(model_dir / "train"), size_guidance={"scalars": 0})
+    folder = model_dir / "train" if (model_dir / "train").is_dir() else model_dir / "events"
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     acc.Reload()
     return {e.step: e.value for e in acc.Scalars("loss")}
 
@@ -481,23 +594,112 @@ def _load(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
+# ---------------------------------------------------------------- the 2.3+ trainer
+def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dict:
+    """The small params of params_for in the 2.3+ trainer's format (trainer: init, fit)."""
+    legacy = params_for(model, data, dropout)
+    optimizer = dict(legacy["optimizer"])
+    kind = {"sgd": "SGD", "adamw": "AdamW", "adam": "Adam"}[optimizer.pop("optimizer_type").lower()]
+    schedule = optimizer.pop("learning_rate")
+    clip = optimizer.pop("max_gradient_norm", None)
+    optimizer.pop("loss_scaling_factor", None)
+    model_section = {k: v for k, v in legacy["model"].items() if k not in ("name", "mixed_precision")}
+    init = {"model_dir": str(model_dir), "seed": SEED, "model": {"name": model, **model_section},
+            "precision": {"enabled": False, "loss_scaling_factor": 1.0,
+                          **({"max_gradient_norm": clip} if clip else {})},
+            "loop": {"max_steps": STEPS}, "checkpoint": {"steps": STEPS, "save_initial_checkpoint": True},
+            "logging": {"log_steps": 1}}
+    if isinstance(schedule, list):
+        init["optimizer"] = {kind: optimizer}
+        init["schedulers"] = [{"SequentialLR": {"schedulers": [
+            {"LinearLR": {k: piece[k] for k in ("initial_learning_rate", "end_learning_rate", "total_iters")}}
+            for piece in schedule]}}]
+    else:
+        init["optimizer"] = {kind: {**optimizer, "learning_rate": schedule}}
+    train = dict(legacy["train_input"])
+    if model == "fc_mnist":
+        train.update(data_processor="MNISTDataProcessor", split="train")
+    return {"trainer": {"init": init, "fit": {"train_dataloader": train}}}
+
+
+def trainer_schedule(params: dict):
+    """The trainer params' learning rate in the 2.1 spelling lr_at reads."""
+    init = params["trainer"]["init"]
+    if "schedulers" in init:
+        return [{"scheduler": "Linear", **piece["LinearLR"]}
+                for piece in init["schedulers"][0]["SequentialLR"]["schedulers"]]
+    return next(iter(init["optimizer"].values()))["learning_rate"]
+
+
+def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
+    """(losses, final state dict) of torch eager: the model zoo's model from the run's initial weights,
+    the batches of the loader its trainer config makes, the param groups its configure_param_groups
+    makes, the optimizer, schedule and clipping of its params, in `dtype`."""
+    import torch
+    from cerebras.modelzoo.common.optim_utils import configure_param_groups
+    from cerebras.modelzoo.trainer.utils import create_dataloader_from_config
+    from cerebras.modelzoo.trainer.validate import validate_trainer_params
+    dtype = getattr(torch, dtype_name)
+    init = params["trainer"]["init"]
+    torch.manual_seed(init["seed"])
+    model = _load(zoo.model)(copy.deepcopy(init["model"]))
+    model.load_state_dict(initial)
+    model.to(dtype)
+    model.train()
+    (kind, settings), = init["optimizer"].items()
+    groups = configure_param_groups(model, dict(settings))
+    options = {k: v for k, v in settings.items() if k not in ("learning_rate", "weight_decay")}
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    optimizer = getattr(torch.optim, kind)(groups, lr=0.0, **options)
+    config = validate_trainer_params(copy.deepcopy(params))[0]
+    loader = create_dataloader_from_config(config.fit.train_dataloader).dataloader
+    batches = batches_of(loader, STEPS, dtype)
+    clip = init["precision"].get("max_gradient_norm")
+    schedule = trainer_schedule(params)
+    losses = []
+    for step, batch in enumerate(batches):
+        with run_dropout_masks(step, _rows(batch)):
+            output = model(batch)
+        loss = output["loss"] if isinstance(output, dict) else output
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(schedule, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 # ---------------------------------------------------------------- one check
-def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str]) -> dict:
+def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str],
+          layout: str = "2.1") -> dict:
     data = make_data(zoo.name, work / "data")
     out = work / f"{zoo.name}_{target}_{dropout}"
-    code, output = run_zoo(checkout, zoo, params_for(zoo.name, data, dropout), target, out, extra_path)
-    row = {"model": zoo.name, "target": target, "dropout": dropout}
+    model_dir = out / "model_dir"
+    trainer = layout == "2.3+"
+    params = trainer_params(zoo.name, data, dropout, model_dir) if trainer else params_for(zoo.name, data, dropout)
+    code, output = run_zoo(checkout, zoo, params, target, out, extra_path)
+    row = {"model": zoo.name, "target": target, "dropout": dropout, "entry": zoo.entry}
     if code != 0:
         lines = [ln for ln in output.strip().splitlines() if ln.strip()]
-        return {**row, "ok": False, "error": f"run.py exited {code}: {lines[-1] if lines else ''}",
+        return {**row, "ok": False, "error": f"{zoo.entry} exited {code}: {lines[-1] if lines else ''}",
                 "log": str(out / "run.log")}
-    model_dir = out / "model_dir"
     first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
-    params = first["__metadata__"][0]["params"]
+    if trainer:
+        def eager_run(dtype):
+            return eager_trainer(zoo, params, first["model"], dtype)
+    else:
+        saved = first["__metadata__"][0]["params"]     # the params the run saved, as it read them
+
+        def eager_run(dtype):
+            return eager(zoo, saved, first["model"], target, dtype)
     got = run_losses(model_dir)
-    want32, weights32 = eager(zoo, params, first["model"], target, "float32")
+    want32, weights32 = eager_run("float32")
     try:
-        _, weights64 = eager(zoo, params, first["model"], target, "float64")
+        _, weights64 = eager_run("float64")
     except Exception as exc:  # a model zoo model that builds float32 tensors of its own
         print(f"modelzoo_oracle: {zoo.name} in float64: {exc}; the weight tolerance is {WEIGHT_ATOL}",
               file=sys.stderr)
@@ -513,16 +715,19 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
         tolerance = max(WEIGHT_ATOL, SPREAD_FACTOR * spread)
         if error / tolerance >= worst[0] / worst[1]:
             worst = (error, tolerance, name)
-    loss_tol, weight_tol = LOSS_RTOL, worst[1]
+    mixed = trainer and target.startswith("CSX")
+    loss_tol = MIXED_LOSS_RTOL if mixed else LOSS_RTOL
+    weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
     ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
-    return {**row, "ok": ok, "precision": "float32", "steps": len(steps),
+    return {**row, "ok": ok, "precision": "mixed bfloat16" if mixed else "float32", "steps": len(steps),
             "loss_rel_err": loss_err, "loss_tol": loss_tol, "weight_err": worst[0], "weight_tol": weight_tol,
             "worst_tensor": worst[2], "losses": [got[s] for s in steps], "final": str(model_dir / f"checkpoint_{STEPS}.mdl")}
 
 
 def same_run(one: dict, two: dict) -> dict:
     """2 WSEs against 1: the float32 bounds (SwarmX sums the WSEs' gradients in another order than
-    one WSE's batch sum, so they may differ in the last bits)."""
+    one WSE's batch sum, so they may differ in the last bits); the mixed-precision bound where the
+    runs were mixed (each WSE's gradients leave it in 16 bits before SwarmX sums them)."""
     row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"]}
     if not (one.get("losses") and two.get("losses")):
         return {**row, "ok": False, "error": "a run did not finish"}
@@ -530,8 +735,76 @@ def same_run(one: dict, two: dict) -> dict:
     first, second = load_checkpoint(Path(one["final"]))["model"], load_checkpoint(Path(two["final"]))["model"]
     weight_err = max(float((second[k].double() - v.double()).abs().max()) for k, v in first.items()
                      if hasattr(v, "is_floating_point") and v.is_floating_point())
-    ok = loss_err <= LOSS_RTOL and weight_err <= WEIGHT_ATOL
+    mixed = one.get("precision", "float32") != "float32"
+    ok = (loss_err <= MIXED_LOSS_RTOL and weight_err <= MIXED_WEIGHT_ATOL if mixed
+          else loss_err <= LOSS_RTOL and weight_err <= WEIGHT_ATOL)
     return {**row, "ok": ok, "loss_rel_err": loss_err, "weight_err": weight_err}
+
+
+# ---------------------------------------------------------------- the API names a checkout references
+def referenced_names(package: Path, prefix: str) -> set[str]:
+    """Every `cstorch.X.Y` chain (cstorch: a name `prefix` is imported as) and every
+    `from prefix.X import Y` in the package's sources, each at its longest (a name another extends
+    is left out)."""
+    names: set[str] = set()
+    for path in package.rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == prefix or alias.name.startswith(prefix + "."):
+                        aliases[alias.asname or prefix] = alias.name if alias.asname else prefix
+            elif isinstance(node, ast.ImportFrom) and node.module and \
+                    (node.module == prefix or node.module.startswith(prefix + ".")):
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        for node in ast.walk(tree):
+            chain = _dotted(node) if isinstance(node, ast.Attribute) else None
+            for alias, module in aliases.items() if chain else ():
+                head = alias.split(".")
+                if chain[:len(head)] == head and len(chain) > len(head):
+                    names.add(".".join([module, *chain[len(head):]]))
+    return {n for n in names if not any(other.startswith(n + ".") for other in names)}
+
+
+def _dotted(node) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def resolves(name: str) -> bool:
+    """Whether the dotted name imports here: the longest module prefix, then attributes."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except Exception:  # noqa: BLE001 (any failure to import means: not this prefix)
+            continue
+        try:
+            for part in parts[cut:]:
+                value = getattr(value, part)
+            return True
+        except Exception:  # noqa: BLE001 (a name that fails to resolve, however it fails)
+            return False
+    return False
+
+
+def count_names(root: Path, layout: str) -> int:
+    prefix = "cerebras.pytorch" if layout == "2.3+" else "cerebras_pytorch"
+    package = root / ("cerebras/modelzoo" if layout == "2.3+" else "modelzoo")
+    names = sorted(referenced_names(package, prefix))
+    missing = [n for n in names if not resolves(n)]
+    print(f"modelzoo_oracle: {len(names) - len(missing)} of {len(names)} {prefix} names the model zoo references "
+          "resolve here")
+    for name in missing:
+        print(f"  missing: {name}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -541,25 +814,31 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="+", default=["CPU", "CSX1", "CSX2"], choices=["CPU", "CSX1", "CSX2"])
     parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
     parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
+    parser.add_argument("--count-names", action="store_true",
+                        help="only count the cerebras.pytorch names the checkout references that resolve here")
     args = parser.parse_args(argv)
     found = layout_of(args.checkout) if args.checkout.is_dir() else None
     if found is None:
         parser.error(f"{args.checkout} is not a model zoo checkout (no modelzoo/common/pytorch/run_utils.py, "
                      "no src/cerebras/modelzoo)")
     layout, root = found
+    if args.count_names:
+        sys.path[:0] = [str(REPO), str(root)]
+        return count_names(root, layout)
     known = LAYOUTS.get(layout, {})
     for name in args.models:
         if name not in known:
             parser.error(f"model {name!r}: not known for the {layout} layout (known: {', '.join(known) or 'none'})")
     work = args.work or Path(tempfile.mkdtemp(prefix="modelzoo_oracle_"))
     work.mkdir(parents=True, exist_ok=True)
-    extra_path = torchvision_path(work)
+    extra_path = standins_path(work)
     sys.path[:0] = [*extra_path, str(REPO), str(root)]
+    runpy.run_path(str(Path(extra_path[0]) / "sitecustomize.py"))    # the runs' stand-ins, here too
     rows = []
     for name in args.models:
         for dropout in args.dropout:
             for target in args.targets:
-                row = check(args.checkout, known[name], target, dropout, work, extra_path)
+                row = check(args.checkout, known[name], target, dropout, work, extra_path, layout)
                 print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
                 rows.append(row)
             runs = {r["target"]: r for r in rows if r["model"] == name and r["dropout"] == dropout}

@@ -63,10 +63,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # CS_ROLE names, importing it by name) and the torch front end's base: its
     # modules and errors, the backend, and what the step in progress is doing
     # (recording: read by everything that records into a traced step).
-    ("cs_runtime.runner", "cs_torch.nn", "cs_torch.backends", "cs_torch.recording", "cs_torch.distributed"),
+    ("cs_runtime.runner", "cs_torch.nn", "cs_torch.backends", "cs_torch.csx_settings", "cs_torch.recording",
+     "cs_torch.distributed"),
     # The torch front end's rules a step applies: optimizers and their update
     # rules, schedulers, the loss scaler, summaries.
-    ("cs_torch.optim", "cs_torch.optimizers", "cs_torch.optim_configure", "cs_torch.lr_scheduler", "cs_torch.amp",
+    ("cs_torch.optim", "cs_torch.optim_params", "cs_torch.optimizers", "cs_torch.optim_configure",
+     "cs_torch.lr_scheduler", "cs_torch.amp",
      "cs_torch.summary", "cs_torch.scheduler", "cs_torch.weight_decay_scheduler"),
     # The rest of the torch front end: the tracer, the session, the cluster
     # step and the DataExecutor that drives them.

@@ -49,7 +49,7 @@ def the_runs_dropout_masks(step: int, rows: int, seed: int = 1):
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
     """A new backend per test, and cstorch.amp's process-wide half dtype left as it was."""
-    monkeypatch.setattr(amp, "_half", {"dtype": "float16"})
+    monkeypatch.setattr(amp, "_half", {"dtype": "float16", "enabled": False})
     reset_backend()
     yield
     reset_backend()

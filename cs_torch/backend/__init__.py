@@ -4,6 +4,8 @@ import from it (`from cerebras.pytorch.backend import current_backend_impl`, `cs
 
 The real package is one name for both too; here the module is callable, and a call is
 cs_torch.backends.backend (where the backend lives).
+
+    ltc_backend.py  register_after_tensor_to_cpu: hooks on the tensors a traced step brings to the host
 """
 from __future__ import annotations
 

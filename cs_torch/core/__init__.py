@@ -1,5 +1,6 @@
 """cstorch.core: the run modes (`core.modes`) as the model zoo's flow imports them.
 
+    annotation.py  AnnotationMode, create_annotation: compiler attributes of a region (validated, no effect)
     modes.py       the run modes a model zoo run.py takes, by the real API's names
     name_scope.py  name scopes and debug names
     pol.py         pol / current_pol: kernels' precision optimisation levels (checked and kept)

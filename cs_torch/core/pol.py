@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from ..csx_settings import csx
+
 _levels: list[tuple[int | None, int | None]] = []
-DEFAULT_POL = 1     # the real API's default optimisation level of a CSX backend
 
 
 def _check(name: str, value) -> None:
@@ -43,8 +44,9 @@ class pol(contextlib.ContextDecorator):  # noqa: N801 (the real API's name)
 
 
 def current_pol() -> int:
-    """The forward level of the innermost pol in force (the backend's default outside any)."""
+    """The forward level of the innermost pol in force (outside any, the backend's setting:
+    cstorch.backends.csx.precision.optimization_level)."""
     for level, _ in reversed(_levels):
         if level is not None:
             return level
-    return DEFAULT_POL
+    return csx.precision.optimization_level

@@ -19,13 +19,20 @@ arguments (the workers import it by name).
 """
 from __future__ import annotations
 
+import inspect
+import itertools
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Literal, Protocol, Union, runtime_checkable
 
 from ..backends import ClusterConfig, current_backend, note
 from ..nn import CsTorchError
 from ..recording import _current, current_executor  # noqa: F401 (current_executor: cstorch.utils.data API)
+from . import data_sampler as sampler   # cstorch.utils.data.sampler (the real package's module of that name)
+from . import data_utils as utils   # cstorch.utils.data.utils (likewise)
+from .data_utils import Schedule, infer_batch_size  # noqa: F401 (cstorch.utils.data API)
 
 
 class DataLoader:
@@ -48,6 +55,11 @@ class DataLoader:
         return self._loader
 
     @property
+    def dataloader(self):
+        """The real API's name for the loader input_fn made."""
+        return self.loader
+
+    @property
     def is_restartable(self) -> bool:
         """Whether the loader saves and restores its place (a state_dict): a torch DataLoader does
         not, so a checkpoint holds no loader state and a restart begins its data anew."""
@@ -66,11 +78,17 @@ class DataLoader:
         aggregate = getattr(self.loader, "aggregate_state_dict", None)
         return aggregate([state]) if callable(aggregate) else state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """The loader's place from a checkpoint; `strict` (check the state matches the loader) is passed
+        on to a loader whose load_state_dict takes it."""
         if not self.is_restartable:
             raise CsTorchError("DataLoader.load_state_dict: the loader input_fn made is not restartable")
         deaggregate = getattr(self.loader, "deaggregate_state_dict", None)
-        self.loader.load_state_dict(deaggregate(state) if callable(deaggregate) else state)
+        state = deaggregate(state) if callable(deaggregate) else state
+        if "strict" in inspect.signature(self.loader.load_state_dict).parameters:
+            self.loader.load_state_dict(state, strict=strict)
+        else:
+            self.loader.load_state_dict(state)
 
     @property
     def batch_size(self):
@@ -112,12 +130,20 @@ class CSConfig:
         return ClusterConfig(**{k: v for k, v in given.items() if v is not None})
 
 
+_EXECUTOR_NUMBERS = itertools.count()
+
+# A DataExecutor's micro_batch_size: a size, "auto" or "explore" (searched for), or None (the batch whole).
+MbsSetting = Union[None, int, Literal["auto", "explore"]]
+
+
 class DataExecutor:
-    def __init__(self, dataloader, num_steps: int | None = None, checkpoint_steps: int | None = None,
+    def __init__(self, dataloader, num_steps: int | None = None, checkpoint_steps: int | Schedule | None = None,
                  activation_steps: int | None = None, cs_config: CSConfig | None = None, writer=None,
                  micro_batch_size=None, profiler_activities=None, listeners=None):
-        for name, value in (("num_steps", num_steps), ("checkpoint_steps", checkpoint_steps),
-                            ("activation_steps", activation_steps)):
+        steps = [("num_steps", num_steps), ("activation_steps", activation_steps)]
+        if not isinstance(checkpoint_steps, Schedule):
+            steps.append(("checkpoint_steps", checkpoint_steps))
+        for name, value in steps:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise CsTorchError(f"DataExecutor: {name} must be a positive integer or None, got {value!r}")
         if not hasattr(dataloader, "__iter__"):
@@ -141,6 +167,17 @@ class DataExecutor:
         self._runs: dict = {}
         self._samples = None    # a CSX loop's samples (cs_torch/loader_replay.py)
         self.profiler = Profiler()
+        self._artifact_dir = None
+
+    @property
+    def artifact_dir(self) -> Path:
+        """This executor's own folder under the backend's artifact folder (executors/<n>, n counting the
+        process's executors from 0), made on first use: what a run writes about this loop goes there."""
+        if self._artifact_dir is None:
+            number = next(_EXECUTOR_NUMBERS)
+            self._artifact_dir = Path(self.backend.artifact_dir) / "executors" / f"{number:06d}"
+            self._artifact_dir.mkdir(parents=True, exist_ok=True)
+        return self._artifact_dir
 
     # ------------------------------------------------------------ the CS system (CSX backend)
     def cluster_run(self, traced):
@@ -182,11 +219,18 @@ class DataExecutor:
         return self.num_steps if self.num_steps is not None else len(self.dataloader)
 
     @property
+    def iteration(self) -> int:
+        """The step in progress, from 0 (user_iteration counts from 1)."""
+        return max(self.user_iteration - 1, 0)
+
+    @property
     def on_final_iteration(self) -> bool:
         return self.user_iteration == self.total_steps
 
     @property
     def on_checkpoint_step(self) -> bool:
+        if isinstance(self.checkpoint_steps, Schedule):   # its steps are 0-based, and it says of the last
+            return self.user_iteration - 1 in self.checkpoint_steps
         if not self.checkpoint_steps:
             return self.on_final_iteration
         return self.user_iteration % self.checkpoint_steps == 0 or self.on_final_iteration
@@ -344,6 +388,10 @@ class RestartableDataLoader(Protocol):
     def aggregate_state_dict(self, worker_states: list) -> dict: ...
 
     def deaggregate_state_dict(self, aggregated_state_dict: dict) -> dict: ...
+
+
+# `cerebras.pytorch.utils.data.data_executor` (where the real package defines DataExecutor) is this module.
+data_executor = sys.modules[__name__]
 
 
 def __getattr__(name: str):

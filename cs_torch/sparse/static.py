@@ -1,4 +1,4 @@
-"""cstorch.sparse (the 2.0/2.1 API the model zoo's flow calls): static weight sparsity.
+"""cstorch.sparse.static (the 2.0/2.1 API the model zoo's flow calls): static weight sparsity.
 
     sparsity = cstorch.sparse.configure_sparsity_optimizer(
         "static", model.named_parameters(), sparsity=0.75, init_method="random",
@@ -28,8 +28,8 @@ import re
 
 import torch
 
-from .nn import CsTorchError
-from .optimizers import Optimizer
+from ..nn import CsTorchError
+from ..optimizers import Optimizer
 
 INIT_METHODS = ("random", "topk")
 DYNAMIC_TYPES = ("gmp", "set", "rigl")
