@@ -95,6 +95,21 @@ __version__ = "2.1.1"
 _NOT_SUPPORTED = {"profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
 
 
+def _as_vendor_package() -> None:
+    """What importing a vendor's name (cerebras_pytorch, cerebras.pytorch) adds: the vendor's package is
+    a torch package, so with torch installed the signatures the real API documents name torch's types
+    (cs_torch may have been imported before torch). Without torch the ModelSpec API, and the names,
+    still import."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    from . import lr_scheduler, weight_decay_scheduler
+    optim.document_signatures()
+    lr_scheduler.annotate()
+    weight_decay_scheduler.annotate()
+
+
 def __getattr__(name):
     if name in _NOT_SUPPORTED:
         raise AttributeError(f"cstorch.{name} is not supported by the emulator: {_NOT_SUPPORTED[name]}")
