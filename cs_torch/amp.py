@@ -44,7 +44,7 @@ _half = {"dtype": "float16", "enabled": False}   # enabled: enable_mixed_precisi
 
 
 def set_half_dtype(dtype):
-    """The 16-bit dtype mixed precision uses (a backend's mixed_precision switches it on); returns the
+    """The 16-bit dtype mixed precision uses (mixed_precision() says whether it is on); returns the
     torch dtype a model uses for it (cbfloat16 has none of its own: float16 stands in, as in cstorch)."""
     name = str(dtype).replace("torch.", "")
     if name not in HALF_DTYPES:
