@@ -10,27 +10,16 @@ within it, joined by '.').
 """
 from __future__ import annotations
 
-_hooks: dict[int, object] = {}
-_next_id = [0]
+from ..hooks import Hooks, RemovableHandle
 
-
-class RemovableHandle:
-    def __init__(self, key: int):
-        self.key = key
-
-    def remove(self) -> None:
-        _hooks.pop(self.key, None)
+_hooks = Hooks("register_after_tensor_to_cpu")
 
 
 def register_after_tensor_to_cpu(hook) -> RemovableHandle:
-    if not callable(hook):
-        raise TypeError(f"register_after_tensor_to_cpu: the hook must be callable, got {type(hook).__name__}")
-    _next_id[0] += 1
-    _hooks[_next_id[0]] = hook
-    return RemovableHandle(_next_id[0])
+    return _hooks.register(hook)
 
 
 def after_tensor_to_cpu(tensor, name: str) -> None:
     """Call the hooks (cs_torch.tracing calls this for each tensor it brings to the host)."""
-    for hook in list(_hooks.values()):
+    for hook in _hooks:
         hook(tensor, name)

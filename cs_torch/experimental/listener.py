@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import contextlib
 
-_hooks: dict[int, object] = {}
-_next_id = [0]
+from ..hooks import Hooks, RemovableHandle
 
-
-class RemovableHandle:
-    def __init__(self, key: int):
-        self.key = key
-
-    def remove(self) -> None:
-        _hooks.pop(self.key, None)
+_hooks = Hooks("register_traced_tensor_hook")
 
 
 def register_traced_tensor_hook(hook) -> RemovableHandle:
-    if not callable(hook):
-        raise TypeError(f"register_traced_tensor_hook: the hook must be callable, got {type(hook).__name__}")
-    _next_id[0] += 1
-    _hooks[_next_id[0]] = hook
-    return RemovableHandle(_next_id[0])
+    return _hooks.register(hook)
 
 
 @contextlib.contextmanager
@@ -56,7 +45,7 @@ def naming_tensors(model):
 
 def _call_hooks(value, name: str) -> None:
     if hasattr(value, "detach") and hasattr(value, "shape"):
-        for hook in list(_hooks.values()):
+        for hook in _hooks:
             hook(value, name)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
