@@ -55,6 +55,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     saving.py           cstorch.save / cstorch.load
     storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
     summary.py          summarize_scalar, summarize_tensor
+    oracle.py           torch eager given a run's dropout masks, for oracle comparisons
     hooks.py            user hooks and the handles that remove them (backend and listener hooks)
     metrics.py          cstorch.metrics
     utils/              cstorch.utils: data (DataLoader, DataExecutor), tensorboard, CSConfig

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import copy
 import importlib
 import json
@@ -524,6 +523,7 @@ def _cast(batch, dtype):
 def eager(zoo: ZooModel, params: dict, initial: dict, target: str, dtype_name: str):
     """(losses, final state dict) of torch eager: the model zoo's model from the run's initial
     weights, its data loader's batches, the step the model zoo's flow takes on that target."""
+    from cs_torch.oracle import torch_dropout_with_run_masks
     import torch
     dtype = getattr(torch, dtype_name)
     params = copy.deepcopy(params)
@@ -542,7 +542,7 @@ def eager(zoo: ZooModel, params: dict, initial: dict, target: str, dtype_name: s
         optimizer_params.get("loss_scaling_factor", 1.0) is not None else None
     losses = []
     for step, batch in enumerate(batches):
-        with run_dropout_masks(step, _rows(batch)):
+        with torch_dropout_with_run_masks(step, _rows(batch)):
             loss = model(batch)
         loss.backward()
         if clip:
@@ -553,31 +553,6 @@ def eager(zoo: ZooModel, params: dict, initial: dict, target: str, dtype_name: s
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-@contextlib.contextmanager
-def run_dropout_masks(step: int, rows: int):
-    """torch eager's dropout with the masks the emulator's traced step draws: site k (the k-th
-    dropout the forward reaches) of step `step` (0-based), from the run's seed (cstorch.manual_seed,
-    1 by default; the model zoo seeds torch only), each sample's elements in order."""
-    import torch
-    from cs_runtime.numerics import kernels
-    from cs_torch import session
-    site = [0]
-    real = torch.nn.functional.dropout
-
-    def dropout(x, p=0.5, training=True, inplace=False):
-        if not training or p == 0:
-            return x
-        dtype = np.float64 if x.dtype == torch.float64 else np.float32
-        mask = kernels.sample_keep_mask(session._seed, step, site[0], slice(0, rows), tuple(x.shape), p, dtype)
-        site[0] += 1
-        return x * torch.from_numpy(mask)
-    torch.nn.functional.dropout = dropout
-    try:
-        yield
-    finally:
-        torch.nn.functional.dropout = real
 
 
 def _rows(batch) -> int:
@@ -635,6 +610,7 @@ def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
     """(losses, final state dict) of torch eager: the model zoo's model from the run's initial weights,
     the batches of the loader its trainer config makes, the param groups its configure_param_groups
     makes, the optimizer, schedule and clipping of its params, in `dtype`."""
+    from cs_torch.oracle import torch_dropout_with_run_masks
     import torch
     from cerebras.modelzoo.common.optim_utils import configure_param_groups
     from cerebras.modelzoo.trainer.utils import create_dataloader_from_config
@@ -659,7 +635,7 @@ def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
     schedule = trainer_schedule(params)
     losses = []
     for step, batch in enumerate(batches):
-        with run_dropout_masks(step, _rows(batch)):
+        with torch_dropout_with_run_masks(step, _rows(batch)):
             output = model(batch)
         loss = output["loss"] if isinstance(output, dict) else output
         loss.backward()

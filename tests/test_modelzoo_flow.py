@@ -8,7 +8,6 @@ zoo is not part of this project); these tests keep each API that flow uses hones
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import numpy as np
@@ -19,31 +18,11 @@ torch = pytest.importorskip("torch", reason="the model zoo's flow trains torch m
 import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
 from cs_torch import amp  # noqa: E402
 from cs_torch.backends import reset_backend  # noqa: E402
+from cs_torch.oracle import torch_dropout_with_run_masks  # noqa: E402
 from examples.cstorch import mlp  # noqa: E402
 
 REL = 1e-5
 STEPS = 5
-
-
-@contextlib.contextmanager
-def the_runs_dropout_masks(step: int, rows: int, seed: int = 1):
-    """torch eager's dropout with the masks a traced step draws (kernels.sample_keep_mask of the run's
-    seed, the 0-based step, the site in the order the forward reaches it, each sample's elements)."""
-    from cs_runtime.numerics import kernels
-    site = [0]
-    real = torch.nn.functional.dropout
-
-    def dropout(x, p=0.5, training=True, inplace=False):
-        if not training or p == 0:
-            return x
-        mask = kernels.sample_keep_mask(seed, step, site[0], slice(0, rows), tuple(x.shape), p, np.float32)
-        site[0] += 1
-        return x * torch.from_numpy(mask)
-    torch.nn.functional.dropout = dropout
-    try:
-        yield
-    finally:
-        torch.nn.functional.dropout = real
 
 
 @pytest.fixture(autouse=True)
@@ -276,7 +255,7 @@ def test_dropout_in_a_traced_step_draws_the_runs_masks_as_torch_eager_given_them
     plain = copy.deepcopy(reference)
     for index, batch in enumerate(batches):
         got = step(batch).item()
-        with the_runs_dropout_masks(index, len(batch[1])):
+        with torch_dropout_with_run_masks(index, len(batch[1]), seed=1):
             want = reference(batch)
         want.backward()
         eager_optimizer.step()
@@ -327,7 +306,7 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
         optimizer = torch.optim.SGD(reference.parameters(), 0.05, momentum=0.9)
         want = []
         for step, batch in enumerate(seen):
-            with the_runs_dropout_masks(step, len(batch[1])):
+            with torch_dropout_with_run_masks(step, len(batch[1]), seed=1):
                 loss = reference(batch)
             loss.backward()
             optimizer.step()
