@@ -72,13 +72,7 @@ def zoo_flow(model, batches, backend_kind: str = "CPU", **backend_args):
     def save_checkpoint(step):
         saved.append(step)
 
-    @cstorch.trace
-    def training_step(batch, step):
-        loss = compiled(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss, None
+    training_step = zoo_training_step(compiled, optimizer)
 
     @cstorch.step_closure
     def post_training_step(loss, loss_scale):
@@ -207,21 +201,25 @@ def test_summary_writer_base_step_offsets_the_executors_steps(tmp_path) -> None:
     assert steps == [11, 12]
 
 
-def traced_sgd_step(model, lr: float):
-    """The model zoo's training step, traced: the model computes its own loss from the batch
-    (`model(batch)`), then backward and SGD on the CPU backend."""
-    compiled = cstorch.compile(model, cstorch.backend("CPU"))
-    optimizer = cstorch.optim.SGD(model.parameters(), lr=lr)
-
+def zoo_training_step(compiled, optimizer):
+    """The model zoo's training step, traced: `training_step(batch, step)` -> (loss, None), the
+    model computing its own loss from the batch (`compiled(batch)`), then backward and the update."""
     @cstorch.trace
-    def step(batch):
+    def training_step(batch, step):
         loss = compiled(batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        return loss
+        return loss, None
 
-    return step
+    return training_step
+
+
+def traced_sgd_step(model, lr: float):
+    """zoo_training_step with SGD on the CPU backend, as `step(batch)` -> the loss."""
+    training_step = zoo_training_step(cstorch.compile(model, cstorch.backend("CPU")),
+                                      cstorch.optim.SGD(model.parameters(), lr=lr))
+    return lambda batch: training_step(batch, None)[0]
 
 
 def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
@@ -286,13 +284,7 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
         compiled = cstorch.compile(model, backend)
         optimizer = cstorch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
 
-        @cstorch.trace
-        def training_step(batch, step):
-            loss = compiled(batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss, None
+        training_step = zoo_training_step(compiled, optimizer)
 
         executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 16), num_steps=STEPS)
         losses, seen = [], []
