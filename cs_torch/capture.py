@@ -36,7 +36,9 @@ Dropout in training (nn.Dropout, F.dropout with p > 0) becomes the op
 dropout_mask, fed the run's context (seed, step, the shard's rows, global
 batch, train): a sample's mask depends only on (seed, step, dropout site,
 its row in the global batch), so the CPU path and every WSE draw the same
-masks, and an eval step (train 0 in the context) drops nothing.
+masks, and an eval step (train 0 in the context) drops nothing. torch.rand,
+randn, randperm and their _like forms become the op draw, from the same
+context: fresh each step, a sample's draws the same on any shard (DRAWS).
 """
 from __future__ import annotations
 
@@ -303,7 +305,8 @@ def _functional(exported):
     or accuracy (attention, layer norm, batch norm, GELU)."""
     _inplace_to_functional(exported.graph_module.graph)
     exported.graph_module.recompile()
-    if all(_packet(n.target) in _LOWER or _packet(n.target) in MADE_AT_CAPTURE for n in exported.graph.nodes
+    if all(_packet(n.target) in _LOWER or _packet(n.target) in MADE_AT_CAPTURE or _packet(n.target) in DRAWS
+           for n in exported.graph.nodes
            if n.op == "call_function" and n.target is not operator.getitem and "_assert" not in str(n.target)):
         return exported   # nothing to do, and run_decompositions costs a second or more
     table = torch.export.default_decompositions()
@@ -602,9 +605,12 @@ class _Lowering:
         if isinstance(node.meta.get("val"), torch.SymInt):
             self.symbolic.add(node)   # a size computed from the batch: its ops read it from their output
             return
+        if _packet(node.target) in DRAWS:   # before the constants: a draw is made anew each step
+            self.names[node] = _draw(self, node, DRAWS[_packet(node.target)])
+            return
         if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and _packet(node.target) not in _LOWER:
-            raise self.error("a random op: capture would draw its values once, and every step would reuse them "
-                             "(dropout is the randomness a run draws anew each step)")
+            raise self.error("a random op other than rand, randn, randperm and their _like forms: capture would "
+                             "draw its values once, and every step would reuse them")
         self._check_rows_stay_apart(node)
         packet = node.target._overloadpacket.__name__ if hasattr(node.target, "_overloadpacket") else ""
         if packet in _BATCH_SIZED and (self._follows_batch(list(node.args)) or _follows_batch_shape(node)
@@ -838,6 +844,39 @@ def _dropout(L, node, x, p, train=True):
     mask = L.emit("dropout_mask", [x, CONTEXT], {"p": float(p), "kind": "flat", "layer": site, "site": 0},
                   out=f"{node.name}_mask")
     return L.emit("dropout", [x, mask], {"p": float(p)})
+
+
+# torch's random ops a program draws anew each step (ops.py draw), and from what
+DRAWS = {"rand": "uniform", "rand_like": "uniform", "randn": "normal", "randn_like": "normal",
+         "randperm": "permutation"}
+
+
+def _draw(L, node, dist: str) -> str:
+    """A fresh draw each step from the run's context, seeded as dropout's masks (its own
+    site number). A draw whose dim 0 is the batch (randn_like of the activations, rand(B, n))
+    draws each sample's elements by its row in the global batch, so any shard split draws
+    what the whole batch does; one without the batch is the same on every shard."""
+    if not L.dropout:
+        raise L.error(f"a random draw ({dist}) in training: a 1.x loop feeds no run context to draw from (use "
+                      "a 2.x traced step, or hand the model to run() with cs_torch.capture.model_spec)")
+    dims = list(node.meta["val"].shape)
+    if any(_symbolic(d) for d in dims[1:]):
+        raise L.error(f"a draw of shape {dims}: only dim 0 may follow the batch")
+    rows = []
+    if dims and _symbolic(dims[0]):
+        if dist == "permutation":
+            raise L.error("a permutation of the batch's rows: a shard would permute its own rows only")
+        if _packet(node.target).endswith("_like"):
+            rows = [node.args[0]]
+        elif dims[0].node.expr.is_Symbol:
+            rows = [L.batch_input()]
+        else:
+            raise L.error(f"a draw of shape {dims}: only the batch itself can size it (or draw _like a value)")
+    L.inputs.setdefault(CONTEXT, Value((6,), "int64"))
+    site = sum(n.op == "draw" for n in L.nodes)
+    shape = [-1 if _symbolic(d) else int(d) for d in dims]
+    return L.emit("draw", [*rows, CONTEXT], {"dist": dist, "shape": shape, "site": site,
+                                             "dtype": L._dtype(node.meta["val"])})
 
 
 def _layer_norm(L, node, x, normalized_shape, weight=None, bias=None, eps=1e-5, *rest):
@@ -1613,7 +1652,7 @@ _LOWER = {
 # ---------------------------------------------------------------- coverage of torch's Core ATen opset
 
 # Core ATen ops without a tensor input: always constants of the program, made once here by
-# torch (positions, masks). The random ones among such ops are refused (_Lowering._call).
+# torch (positions, masks). The random ones are drawn each step instead (DRAWS).
 MADE_AT_CAPTURE = frozenset({"arange", "full", "empty", "empty_strided", "scalar_tensor"})
 
 
@@ -1636,7 +1675,7 @@ def core_aten_coverage() -> tuple[set[str], set[str]]:
     """(the Core ATen ops capture takes, those it does not); docs/torch.md gives the count
     and says why each of the second is left out."""
     core = core_aten_ops()
-    taken = core & (set(_LOWER) | MADE_AT_CAPTURE)
+    taken = core & (set(_LOWER) | MADE_AT_CAPTURE | set(DRAWS))
     return taken, core - taken
 
 

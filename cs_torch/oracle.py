@@ -2,6 +2,8 @@
 
     with torch_dropout_with_run_masks(step, rows):    # the run's seed (cstorch.manual_seed)
         loss = model(batch)                           # torch eager, the run's dropout masks
+    with torch_random_with_run_draws(step, seed=0):   # a ShardContext's seed
+        loss = model(batch)                           # torch.randn_like & co. give the run's draws
 """
 from __future__ import annotations
 
@@ -35,3 +37,43 @@ def torch_dropout_with_run_masks(step: int, rows: int, seed: int | None = None):
         yield
     finally:
         torch.nn.functional.dropout = real
+
+
+@contextlib.contextmanager
+def torch_random_with_run_draws(step: int, seed: int | None = None):
+    """While inside, torch.rand, randn, randperm, rand_like and randn_like return what a
+    captured program draws for the whole batch of `step` (kernels.sample_draws of the run's
+    seed, the site: the k-th draw the forward reaches). On the whole batch a draw that follows
+    it and one that does not are the same numbers (row r's elements are the counters after
+    row r-1's), so each is drawn here as one row."""
+    import torch
+    from cs_runtime.numerics import kernels
+    from . import session
+    seed = session._seed if seed is None else seed
+    site = [0]
+    real = {name: getattr(torch, name) for name in ("rand", "randn", "randperm", "rand_like", "randn_like")}
+
+    def draw(dist, shape, dtype):
+        numpy_dtype = {torch.float64: np.float64, torch.int64: np.int64}.get(dtype, np.float32)
+        values = kernels.sample_draws(seed, step, site[0], slice(0, 1), tuple(shape), dist, numpy_dtype)
+        site[0] += 1
+        return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+
+    def sized(dist):
+        def make(*size, dtype=None, **_):
+            shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+            return draw(dist, shape, dtype or torch.get_default_dtype())
+        return make
+
+    def like(dist):
+        return lambda x, dtype=None, **_: draw(dist, x.shape, dtype or x.dtype)
+    patched = {"rand": sized("uniform"), "randn": sized("normal"), "rand_like": like("uniform"),
+               "randn_like": like("normal"),
+               "randperm": lambda n, dtype=torch.int64, **_: draw("permutation", (n,), dtype)}
+    for name, fn in patched.items():
+        setattr(torch, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(torch, name, fn)

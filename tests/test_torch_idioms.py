@@ -151,15 +151,16 @@ def test_a_buffer_updated_in_place_other_than_batch_norms_is_refused_in_one_line
     assert "test_torch_idioms.py:" in message, message
 
 
-def test_a_random_op_is_refused_not_drawn_once_at_capture():
+def test_a_random_op_other_than_the_draws_is_refused_not_drawn_once_at_capture():
+    """rand, randn, randperm are drawn each step (tests/test_torch_draws.py); randint is not."""
     class Noisy(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = torch.nn.Linear(4, 3)
 
         def forward(self, x):
-            return self.fc(x) + torch.randn(3)
-    with pytest.raises(CaptureError, match=r"module <root>: op aten\.randn.*a random op: capture would draw"):
+            return self.fc(x) + torch.randint(0, 3, (3,))
+    with pytest.raises(CaptureError, match=r"module <root>: op aten\.randint.*capture would draw its values once"):
         capture(Noisy(), (torch.zeros(2, 4),), torch.zeros(2, dtype=torch.long), F.cross_entropy)
 
 

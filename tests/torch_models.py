@@ -112,9 +112,9 @@ class ViewAttention(nn.Module):
     """Causal attention with the heads found by view(B, T, -1, head_dim), as transformers
     writes it: the -1 sits after the batch, so the shape must follow a shard's rows. Token
     types from a buffer expanded to the batch, as BERT's embeddings make them."""
-    def __init__(self, vocab=30, d=32, head_dim=8, max_len=12):
+    def __init__(self, vocab=30, d=32, head_dim=8, max_len=12, noise=0.0):
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.noise = head_dim, noise   # noise: the embeddings' std of Gaussian noise
         self.register_buffer("token_type_ids", torch.ones((1, max_len), dtype=torch.long), persistent=False)
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
@@ -126,6 +126,8 @@ class ViewAttention(nn.Module):
     def forward(self, ids):
         B, T = ids.shape
         x = self.tok(ids) + self.pos(torch.arange(T)) + self.typ(self.token_type_ids[:, :T].expand(B, T))
+        if self.noise:
+            x = x + self.noise * torch.randn_like(x)
         q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -222,3 +224,39 @@ class RowNumberAsValue(nn.Module):
     def forward(self, ids):
         row = torch.arange(ids.shape[0], dtype=torch.float32)[:, None, None]
         return self.head(self.embed(ids) + row)
+
+
+class VAE(nn.Module):
+    """A variational autoencoder's reparameterisation: z = mu + exp(logvar / 2) * randn_like(mu),
+    drawn anew each step; forward gives (reconstruction, mu, logvar) for vae_loss."""
+    def __init__(self, features=12, hidden=16, latent=4):
+        super().__init__()
+        self.enc = nn.Linear(features, hidden)
+        self.mu, self.logvar = nn.Linear(hidden, latent), nn.Linear(hidden, latent)
+        self.dec = nn.Sequential(nn.Linear(latent, hidden), nn.Tanh(), nn.Linear(hidden, features))
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        return self.dec(mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)), mu, logvar
+
+
+def vae_loss(out, x):
+    recon, mu, logvar = out
+    kl = -0.5 * (1 + logvar - mu * mu - logvar.exp()).sum(-1).mean()
+    return F.mse_loss(recon, x) + 0.1 * kl
+
+
+class Draws(nn.Module):
+    """Every draw capture takes: rand and randn of the batch's rows and of a fixed shape,
+    rand_like of a [B*T, D] view, and a randperm of the features."""
+    def __init__(self, features=6, classes=3):
+        super().__init__()
+        self.fc, self.out = nn.Linear(features, features), nn.Linear(features, classes)
+
+    def forward(self, x):
+        B = x.shape[0]
+        h = self.fc(x) + torch.rand(B, x.shape[1]) + 0.1 * torch.randn(x.shape[1])
+        h = h.view(B * 2, -1)
+        h = (h * torch.rand_like(h)).view(B, -1) + torch.randn(B, x.shape[1])
+        return self.out(h[:, torch.randperm(x.shape[1])])

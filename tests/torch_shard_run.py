@@ -1,6 +1,7 @@
 """run.py of tests/torch_models.ViewAttention (heads by view(B, T, -1, head_dim), token
-types from a buffer expanded to the batch) on the byte corpus, for the cluster test
-that runs it on shards (tests/test_torch_shards.py)."""
+types from a buffer expanded to the batch, Gaussian noise on the embeddings by
+torch.randn_like) on the byte corpus, for the cluster test that runs it on shards
+(tests/test_torch_shards.py)."""
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from tests.torch_models import ViewAttention, token_loss  # noqa: E402
 def model_fn(params):
     torch.manual_seed(params.runconfig.seed)
     t = params.train_input.max_sequence_length
-    module = ViewAttention(vocab=params.model.vocab_size, d=params.model.hidden_size, head_dim=8, max_len=t)
+    module = ViewAttention(vocab=params.model.vocab_size, d=params.model.hidden_size, head_dim=8, max_len=t,
+                           noise=0.1)
     ids = torch.zeros(params.train_input.batch_size, t, dtype=torch.long)
     return model_spec("view_attention", module, (ids,), ids, token_loss)
 

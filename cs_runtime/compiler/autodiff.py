@@ -20,8 +20,8 @@ from __future__ import annotations
 from cs_runtime.numerics.ops import OPS
 from cs_runtime.numerics.program import Node, Program
 
-# Ops whose output has no gradient whatever their inputs (comparisons, masks).
-NON_DIFFERENTIABLE = frozenset({"compare", "logical_not", "detach", "dropout_mask", "batch_norm_running"})
+# Ops whose output has no gradient whatever their inputs (comparisons, masks, random draws).
+NON_DIFFERENTIABLE = frozenset({"compare", "logical_not", "detach", "dropout_mask", "draw", "batch_norm_running"})
 FLOAT_DTYPES = ("float32", "float64")
 
 

@@ -1,6 +1,6 @@
 """Counter-based random numbers: the same draw for (key, row, element) in any process, on any
-shard. Dropout's masks (kernels.keep_mask) and the language models' token masking (data/text.py)
-draw from here.
+shard. Dropout's masks (kernels.keep_mask), a captured model's draws (kernels.sample_draws) and
+the language models' token masking (data/text.py) draw from here.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Numpy kernels behind the op set (ops.py): dropout masks, GELU, attention,
+"""Numpy kernels behind the op set (ops.py): dropout masks, random draws, GELU, attention,
 the token loss and the forward pieces its ops are written with.
 
     out, cache = attention_forward(qkv, heads, causal, key_keep, drop)
@@ -8,10 +8,11 @@ Every kernel works in the dtype it is given (float64 in the gradient tests,
 float32 in training). tests/test_kernels.py checks each backward against
 central differences.
 
-Dropout masks come from a counter-based hash, not a sequential generator:
-the mask element of (key, global sample row, position) is a pure function of
-those numbers, so a sample gets the same mask whichever WSE (or replica) holds
-it, and no process draws more random numbers than its own rows need.
+Dropout masks, and a captured model's random draws (sample_draws), come from
+a counter-based hash, not a sequential generator: the element of (key, global
+sample row, position) is a pure function of those numbers, so a sample gets
+the same mask or draw whichever WSE (or replica) holds it, and no process
+draws more random numbers than its own rows need.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from cs_runtime.numerics import compiled, parallel
 from cs_runtime.numerics.batch_check import IGNORE_INDEX
-from cs_runtime.numerics.hashing import GOLDEN, hash_key, splitmix64_rounds
+from cs_runtime.numerics.hashing import GOLDEN, hash_key, splitmix64, splitmix64_rounds
 
 MASKED_SCORE = -1e9     # attention score of a key a query may not see
 
@@ -75,6 +76,43 @@ def sample_keep_mask(seed: int, step: int, site: int, rows: slice, shape: tuple[
                          "its elements do not split into the rows")
     key = hash_key(seed, step, site, 0)
     return keep_mask(key, rows, (n // count,), p, dtype).reshape(shape)
+
+
+# A captured model's draws (rand, randn, randperm) hash (seed, step, site, DRAW_STREAM): keys
+# of their own, apart from its dropout sites' (seed, step, site, 0).
+DRAW_STREAM = 0x52414E44
+DRAWS = ("uniform", "normal", "permutation")
+
+
+def sample_draws(seed: int, step: int, site: int, rows: slice, shape: tuple[int, ...], dist: str,
+                 dtype=np.float32) -> np.ndarray:
+    """A captured model's random draw of `shape` for `rows` of the global batch of `step`: each
+    sample's elements in C order, element j of row r a function of (seed, step, site, r, j)
+    alone, so any shard draws what the whole batch draws for its rows (a value without the
+    batch is drawn as one row, 0: the same on every shard). `dist`: "uniform" on [0, 1)
+    (24 random bits in float32, as torch.rand; 53 in float64), "normal" (Box-Muller on one
+    64-bit draw's halves, in float64, then rounded to dtype), or "permutation" of the
+    `shape[0]` elements (int64, the order that sorts their draws; torch.randperm)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    count = rows.stop - rows.start
+    if count <= 0 or n % count:
+        raise ValueError(f"a draw of shape {tuple(shape)} for {count} rows of the batch: its elements do not "
+                         "split into the rows")
+    per_sample = n // count
+    counters = (np.arange(rows.start * per_sample, rows.stop * per_sample, dtype=np.uint64)
+                ^ hash_key(seed, step, site, DRAW_STREAM))
+    bits = splitmix64(counters)
+    if dist == "permutation":
+        return np.argsort(bits, kind="stable").astype(np.int64).reshape(shape)
+    if dist == "uniform":
+        if np.dtype(dtype) == np.float64:
+            return ((bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53).reshape(shape)
+        return ((bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)).astype(dtype).reshape(shape)
+    if dist != "normal":
+        raise ValueError(f"a draw from {dist!r} (known: {', '.join(DRAWS)})")
+    u1 = ((bits >> np.uint64(32)).astype(np.float64) + 0.5) * 2.0 ** -32     # (0, 1): its log is finite
+    u2 = (bits & np.uint64(0xFFFFFFFF)).astype(np.float64) * 2.0 ** -32
+    return (np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)).astype(dtype).reshape(shape)
 
 
 def rows_keep_mask(seed: int, step: int, layer_index: int, global_batch: int, width: int,

@@ -792,6 +792,34 @@ _register("dropout_mask", _dropout_mask_forward, lambda g, i, o, a: [None, None]
           lambda s, a: _mask_shape(s[0], a), lambda s, out, a: 2 * _numel(out))
 
 
+def _draw_shape(shapes, attrs):
+    """attrs["shape"], its -1 (dim 0 only) the rows of input 0, a value of the batch's rows."""
+    shape = [int(d) for d in attrs["shape"]]
+    if -1 in shape[1:] or (shape and shape[0] == -1 and len(shapes) < 2):
+        raise OpError(f"a draw of shape {shape}: only dim 0 follows the batch, read from a first input")
+    return tuple(shapes[0][0] if d == -1 else d for d in shape)
+
+
+def _draw_forward(inputs, attrs):
+    """A captured model's random draw (torch.rand, randn, randperm and their _like forms),
+    anew each step from the run's context (the last input, as dropout_mask's): with a first
+    input the draw follows the batch, each sample's elements drawn by its row in the global
+    batch; without, it is drawn as row 0, the same on every shard (kernels.sample_draws)."""
+    seed, step, start, stop = map(int, np.asarray(inputs[-1]).tolist()[:4])
+    rows = slice(start, stop) if len(inputs) > 1 else slice(0, 1)
+    shape = _draw_shape([np.shape(i) for i in inputs], attrs)
+    try:
+        return kernels.sample_draws(seed, step, int(attrs["site"]), rows, shape, attrs["dist"],
+                                    np.dtype(attrs["dtype"]))
+    except ValueError as exc:
+        raise OpError(str(exc)) from None
+
+
+# No gradient flows into a draw: its first input gives only its rows.
+_register("draw", _draw_forward, lambda g, inputs, out, attrs: [None] * len(inputs), _draw_shape,
+          lambda s, out, a: 20 * _numel(out))
+
+
 # ---------------------------------------------------------------- built-in transformer pieces
 
 def _positions_forward(inputs, attrs):

@@ -304,7 +304,7 @@ def _out_dtype(node: Node, dtypes: dict[str, str]) -> str:
         return "bool"
     if node.op in ("argmax", "argmin", "topk_indices"):
         return "int64"
-    if node.op in ("cast", "full_like"):
+    if node.op in ("cast", "full_like", "draw"):
         return node.attrs["dtype"]
     if node.op == "softmax_cross_entropy":
         return "float64"   # the loss as the runner reports it
