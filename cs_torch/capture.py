@@ -879,6 +879,59 @@ def _draw(L, node, dist: str) -> str:
                                              "dtype": L._dtype(node.meta["val"])})
 
 
+def _strided_view(L, node, x, *args, **kw):
+    """as_strided (and unfold, a window view torch makes by strides): the elements the view's
+    strides reach in x's storage, as a gather of fixed indices from x's values. Where x's dim
+    0 is the batch, the view keeps it (the same size and stride) and reaches into each row
+    only, so the gather is per row and holds for any shard; a view across rows is refused."""
+    src, out = x.meta["val"], node.meta["val"]
+    batched = src.dim() > 0 and _symbolic(src.shape[0])
+    if batched and not (out.dim() and _symbolic(out.shape[0]) and out.shape[0].node.expr == src.shape[0].node.expr
+                        and src.stride()[0] == out.stride()[0]):
+        raise L.error("a strided view across the batch's rows: a shard holds its own rows only (keep dim 0 as "
+                      "the input's, and view inside each row)")
+    lead = 1 if batched else 0
+    fixed = [src.shape[lead:], src.stride()[lead:], out.shape[lead:], out.stride()[lead:],
+             [src.storage_offset(), out.storage_offset()]]
+    if any(_symbolic(d) for part in fixed for d in part):
+        raise L.error("a strided view whose other dims, strides or offset follow the batch size")
+    src_shape, src_strides, out_shape, out_strides, (src_at, out_at) = ([int(d) for d in part] for part in fixed)
+    offset = out_at - src_at
+    reach = offset + sum((n - 1) * stride for n, stride in zip(out_shape, out_strides) if n)
+    if batched and (_symbolic(src.stride()[0]) or offset < 0 or reach >= int(src.stride()[0])):
+        raise L.error("a strided view across the batch's rows: a shard holds its own rows only (view inside "
+                      "each row)")
+    index = _strided_index(src_shape, src_strides, out_shape, out_strides, offset)
+    if index is None:
+        raise L.error("a strided view that reaches storage outside its input's elements (a view of a view's "
+                      "base): its values are not the input's")
+    row = int(np.prod(src_shape, dtype=np.int64))
+    flat = L.emit("reshape", [x], {"shape": [-1, row] if batched else [row]}, out=f"{node.name}_rows")
+    picked = L.emit("index_select", [flat, L.constant(torch.from_numpy(index.ravel()))], {"dim": lead},
+                    out=f"{node.name}_picked")
+    return L.emit("reshape", [picked], {"shape": [-1 if _symbolic(d) else int(d) for d in out.shape]})
+
+
+def _strided_index(src_shape, src_strides, out_shape, out_strides, offset):
+    """For each element of a view (shape, strides, storage offset relative to its input's), the
+    index of the input's element (in C order) at that place of storage; None where one is not
+    an input element's place."""
+    def places(shape, strides):
+        grid = np.zeros(shape, dtype=np.int64)
+        for dim, (size, stride) in enumerate(zip(shape, strides)):
+            along = [-1 if d == dim else 1 for d in range(len(shape))]
+            grid += (np.arange(size, dtype=np.int64) * stride).reshape(along)
+        return grid
+    held = places(src_shape, src_strides).ravel()
+    wanted = offset + places(out_shape, out_strides)
+    if held.size == 0 or held.min() < 0 or wanted.size and (wanted.min() < 0 or wanted.max() > held.max()):
+        return None
+    element = np.full(int(held.max()) + 1, -1, dtype=np.int64)
+    element[held] = np.arange(held.size, dtype=np.int64)
+    index = element[wanted]
+    return None if (index < 0).any() else index
+
+
 def _layer_norm(L, node, x, normalized_shape, weight=None, bias=None, eps=1e-5, *rest):
     if weight is None and bias is not None:
         raise L.error("layer_norm with a bias but no weight")
@@ -1214,7 +1267,7 @@ _BATCH_SIZED = {
 _FILLED_LIKE = ("ones_like", "zeros_like", "empty_like", "full_like")
 # Ops handed the batch size as an argument (group norm's N) whose lowering takes it from the
 # input's own rows instead: on a shard they compute what they would on the whole batch's rows.
-_READS_BATCH_FROM_INPUT = frozenset({"native_group_norm"})
+_READS_BATCH_FROM_INPUT = frozenset({"native_group_norm", "as_strided"})
 
 
 # ---------------------------------------------------------------- torch's Core ATen ops beyond the above
@@ -1569,6 +1622,7 @@ _CORE_LOWER = {
     "constant_pad_nd": lambda L, n, x, pad, value=0: _pad(L, n, x, pad, "constant", value), "pad": _pad,
     "index": _index,
     "index_select": lambda L, n, x, dim, index: L.emit("index_select", [x, index], {"dim": int(dim)}),
+    "as_strided": _strided_view, "unfold": _strided_view,
     "flip": lambda L, n, x, dims: L.emit("flip", [x], {"dims": [int(d) for d in dims]}),
     "repeat": lambda L, n, x, repeats: L.emit("repeat", [x], {"repeats": [int(r) for r in repeats]}),
     "avg_pool1d": _avg_pool1d, "adaptive_avg_pool1d": _adaptive_avg_pool1d,
@@ -1656,6 +1710,12 @@ _LOWER = {
 MADE_AT_CAPTURE = frozenset({"arange", "full", "empty", "empty_strided", "scalar_tensor"})
 
 
+# Core ATen ops of sizes, not tensors: torch.export writes sym_numel, sym_stride and
+# sym_storage_offset as sym_size and numbers and decides sym_is_contiguous at export; capture
+# reads a sym_size that follows the batch in the shapes it makes (_Lowering._call's SymInt).
+READ_AS_SIZES = frozenset({"sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "sym_is_contiguous"})
+
+
 def core_aten_ops() -> set[str]:
     """torch's Core ATen opset: the names of the ops torch tags `core` (what
     run_decompositions() leaves a model in)."""
@@ -1675,7 +1735,7 @@ def core_aten_coverage() -> tuple[set[str], set[str]]:
     """(the Core ATen ops capture takes, those it does not); docs/torch.md gives the count
     and says why each of the second is left out."""
     core = core_aten_ops()
-    taken = core & (set(_LOWER) | MADE_AT_CAPTURE | set(DRAWS))
+    taken = core & (set(_LOWER) | MADE_AT_CAPTURE | set(DRAWS) | READ_AS_SIZES)
     return taken, core - taken
 
 

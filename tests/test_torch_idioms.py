@@ -183,6 +183,26 @@ def test_the_documented_core_aten_coverage_is_torchs_count_and_names_each_op_lef
                                f"left out but not documented: {sorted(left_out - listed)}"
 
 
+@pytest.mark.cluster
+def test_the_size_ops_are_read_as_sizes_that_follow_the_batch():
+    """The Core ATen ops of sizes count as taken: torch.export writes each as sym_size and
+    numbers (or decides it at export), and views by them follow a shard's rows."""
+    aten = torch.ops.aten
+
+    class Sized(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            x = x.view(aten.sym_size.int(x, 0), 6).view(aten.sym_numel(x) // 6, 6)
+            x = x.view(x.shape[0] * aten.sym_stride.int(x, 1), 6).view(x.shape[0] + aten.sym_storage_offset(x), 6)
+            return self.fc(x.view(x.shape[0] if aten.sym_is_contiguous(x) else 1, 6))
+    captured = capture(Sized(), (torch.zeros(4, 6),), torch.zeros(4, dtype=torch.long), F.cross_entropy)
+    reshapes = [n.attrs["shape"] for n in captured.program.nodes if n.op == "reshape"]
+    assert reshapes and all(shape == [-1, 6] for shape in reshapes)
+
+
 @pytest.mark.parametrize("mixing,words", [
     (lambda x: torch.diagonal(x, dim1=0, dim2=1), "computes along the batch dim"),
     (lambda x: F.pdist(x), "pdist of the batch's rows|a shard of other rows would fail"),
