@@ -955,6 +955,41 @@ def _embedding(L, node, weight, ids, padding_idx=-1, scale_grad_by_freq=False, s
     return L.emit("embedding", [weight, ids], {"padding_idx": int(padding_idx)})
 
 
+_BAG_REDUCE = {0: "sum", 1: "mean", 2: "amax"}   # _embedding_bag's mode
+
+
+def _fixed_bags(offsets, indices) -> int | None:
+    """The bag size L where `offsets` is arange(0, B * L, L) over `indices` of B * L ids: an
+    EmbeddingBag of a 2-d input (every sample one bag of its L ids), whose bags a shard's rows
+    hold whole; else None."""
+    if not (isinstance(offsets, torch.fx.Node) and _packet(offsets.target) == "arange" and len(offsets.args) == 3):
+        return None
+    start, end, step = offsets.args
+    if start != 0 or not isinstance(step, int) or not isinstance(end, torch.fx.Node):
+        return None
+    size, count = end.meta.get("val"), indices.meta["val"].shape
+    if not (_symbolic(size) and len(count) == 1 and _symbolic(count[0]) and count[0].node.expr == size.node.expr
+            and (size.node.expr / step).is_Symbol):
+        return None
+    return step
+
+
+def _embedding_bag(L, node, weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """EmbeddingBag of a 2-d input: embedding(ids).sum / .mean / .amax over each sample's L ids.
+    Bags given by offsets of the data are refused: a data-dependent grouping of the ids."""
+    bag = _fixed_bags(offsets, indices)
+    if bag is None:
+        raise L.error("bags given by offsets (a data-dependent grouping of the ids): give EmbeddingBag a 2-d "
+                      "input, one bag of fixed size per sample")
+    if scale_grad_by_freq or per_sample_weights is not None or include_last_offset or padding_idx not in (None, -1):
+        raise L.error("an embedding bag with scale_grad_by_freq, per_sample_weights, include_last_offset or "
+                      "padding_idx")
+    ids = L.emit("reshape", [indices], {"shape": [-1, bag]}, out=f"{node.name}_ids")
+    rows = L.emit("embedding", [weight, ids], {"padding_idx": -1}, out=f"{node.name}_rows")
+    return [L.emit(_BAG_REDUCE[int(mode)], [rows], {"dim": [1], "keepdim": False}), None, None, None]
+
+
 def _softmax(op):
     return lambda L, node, x, dim, *rest, **kw: L.emit(op, [x], {"dim": int(dim)})
 
@@ -1215,6 +1250,9 @@ def _arange(L, node, *args, **kw):
     0..n-1, which pick the shard's own rows as the whole batch's pick the batch's. Only that use is
     taken (`_indexes_own_rows`); any other (a row number as a value) would differ on a shard."""
     out = node.meta["val"]
+    if node.users and all(_packet(user.target) == "_embedding_bag" and user.args[2] is node and
+           _fixed_bags(node, user.args[1]) for user in node.users):
+        return None   # a 2-d input's bag offsets: _embedding_bag reads them as its bag size
     start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, kw.get("step", 1))[:3]
     whole_batch = (out.dim() == 1 and _symbolic(out.shape[0]) and out.shape[0].node.expr.is_Symbol
                    and start == 0 and step == 1)
@@ -1623,6 +1661,7 @@ _CORE_LOWER = {
     "index": _index,
     "index_select": lambda L, n, x, dim, index: L.emit("index_select", [x, index], {"dim": int(dim)}),
     "as_strided": _strided_view, "unfold": _strided_view,
+    "_embedding_bag": _embedding_bag,
     "flip": lambda L, n, x, dims: L.emit("flip", [x], {"dims": [int(d) for d in dims]}),
     "repeat": lambda L, n, x, repeats: L.emit("repeat", [x], {"repeats": [int(r) for r in repeats]}),
     "avg_pool1d": _avg_pool1d, "adaptive_avg_pool1d": _adaptive_avg_pool1d,

@@ -203,6 +203,56 @@ def test_the_size_ops_are_read_as_sizes_that_follow_the_batch():
     assert reshapes and all(shape == [-1, 6] for shape in reshapes)
 
 
+class _Bags(torch.nn.Module):
+    """EmbeddingBag of a 2-d input (one bag of 5 ids per sample) in each of its modes."""
+    def __init__(self):
+        super().__init__()
+        self.bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(10, 4, mode=m) for m in ("sum", "mean", "max"))
+        self.fc = torch.nn.Linear(12, 3)
+
+    def forward(self, ids, offsets=None):
+        return self.fc(torch.cat([bag(ids, offsets) for bag in self.bags], dim=1))
+
+
+@pytest.mark.cluster
+def test_fixed_size_embedding_bags_are_torchs_on_any_shard_and_offsets_are_refused():
+    """A 2-d input's bags (offsets arange(0, B*L, L)) are embedding(ids) summed, averaged or
+    maxed over each sample's ids: logits and gradients as torch's, on shards of 3 + 5 rows.
+    Bags by offsets the data gives are a data-dependent grouping: refused in one line."""
+    from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss
+    from cs_torch.capture import load_into, model_spec
+    torch.manual_seed(0)
+    module, ids, y = _Bags(), torch.randint(0, 10, (8, 5)), torch.arange(8) % 3
+    spec = model_spec("bags", module, (ids,), y, F.cross_entropy)
+    weights = init_weights(spec, 0)
+    load_into(module, {p: w for layer in weights.values() for p, w in layer.items()})
+    logits = module(ids)
+    F.cross_entropy(logits, y).backward()
+    scores, grads = [], {}
+    for rows in (slice(0, 3), slice(3, 8)):
+        live, caches = model_forward(spec, ids.numpy()[rows], weights,
+                                     ShardContext(0, 0, 8, rows, True, labels=y.numpy()[rows]))
+        scores.append(live[spec.program["logits"]])
+        for layer in model_backward(spec, model_loss(spec, live, y.numpy()[rows], 8).delta, caches, weights):
+            for name, g in layer.items():
+                grads[name] = grads.get(name, 0) + g
+    np.testing.assert_allclose(np.concatenate(scores), logits.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name, p in module.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+
+    class ByOffsets(torch.nn.Module):   # bags of 3, 4, 2 and the rest of the flattened batch's ids
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(10, 4)
+            self.register_buffer("offsets", torch.tensor([0, 3, 7, 9]))
+
+        def forward(self, ids):
+            return self.bag(ids.flatten(), self.offsets)
+    with pytest.raises(CaptureError, match=r"aten\._embedding_bag.*bags given by offsets") as err:
+        capture(ByOffsets(), (torch.randint(0, 10, (4, 6)),), torch.zeros(4), lambda out, t: out.sum())
+    assert "\n" not in str(err.value) and "test_torch_idioms.py:" in str(err.value)
+
+
 @pytest.mark.parametrize("mixing,words", [
     (lambda x: torch.diagonal(x, dim1=0, dim2=1), "computes along the batch dim"),
     (lambda x: F.pdist(x), "pdist of the batch's rows|a shard of other rows would fail"),
