@@ -602,7 +602,7 @@ class _Lowering:
             return
         if "_assert" in str(node.target) or "constrain_range" in str(node.target):
             return
-        if isinstance(node.meta.get("val"), torch.SymInt):
+        if isinstance(node.meta.get("val"), torch.SymInt) and not _from_data(node.meta["val"]):
             self.symbolic.add(node)   # a size computed from the batch: its ops read it from their output
             return
         if _packet(node.target) in DRAWS:   # before the constants: a draw is made anew each step
@@ -700,6 +700,12 @@ def _symbolic(size) -> bool:
 
 def _batch_symbol(size):
     return next(iter(size.node.expr.free_symbols))
+
+
+def _from_data(size) -> bool:
+    """Whether a symbolic number is a tensor's value (.item(): an unbacked symbol), not a size."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    return bool(free_unbacked_symbols(size))
 
 
 def _batch_shaped(val) -> bool:
@@ -953,6 +959,29 @@ def _embedding(L, node, weight, ids, padding_idx=-1, scale_grad_by_freq=False, s
     if scale_grad_by_freq or sparse:
         raise L.error("embedding with scale_grad_by_freq or sparse")
     return L.emit("embedding", [weight, ids], {"padding_idx": int(padding_idx)})
+
+
+# Ops that take a tensor's value as a Python number (.item()) as an operand, as a 0-d value does
+_TAKE_A_NUMBER = frozenset({"add", "sub", "rsub", "mul", "div"})
+
+
+def _item(L, node, x):
+    """.item(): a tensor's value as a Python number, which only scales or shifts values here:
+    the 0-d value itself, detached (torch's number carries no gradient), in the dtype its
+    users compute in (as torch casts a Python number to a tensor's). As a size, an index or
+    in control flow it would fix data-dependent shapes: refused."""
+    users = list(node.users)
+    if not users or any(_packet(u.target) not in _TAKE_A_NUMBER or node not in u.args[:2] for u in users):
+        what = next((str(u.target) for u in users if _packet(u.target) not in _TAKE_A_NUMBER), "an op")
+        raise L.error(f".item() read by {what}: a tensor's value as a size, an index or in control flow "
+                      "(data-dependent; a program's shapes are fixed at capture)")
+    dtypes = {u.meta["val"].dtype for u in users}
+    if len(dtypes) != 1:
+        raise L.error(f".item() read by ops of dtypes {sorted(map(str, dtypes))}")
+    value = L.emit("detach", [x], out=f"{node.name}_value")
+    if dtypes.pop() == x.meta["val"].dtype:
+        return value
+    return L.emit("cast", [value], {"dtype": L._dtype(users[0].meta["val"])})
 
 
 _BAG_REDUCE = {0: "sum", 1: "mean", 2: "amax"}   # _embedding_bag's mode
@@ -1662,6 +1691,7 @@ _CORE_LOWER = {
     "index_select": lambda L, n, x, dim, index: L.emit("index_select", [x, index], {"dim": int(dim)}),
     "as_strided": _strided_view, "unfold": _strided_view,
     "_embedding_bag": _embedding_bag,
+    "_local_scalar_dense": _item,
     "flip": lambda L, n, x, dims: L.emit("flip", [x], {"dims": [int(d) for d in dims]}),
     "repeat": lambda L, n, x, repeats: L.emit("repeat", [x], {"repeats": [int(r) for r in repeats]}),
     "avg_pool1d": _avg_pool1d, "adaptive_avg_pool1d": _adaptive_avg_pool1d,

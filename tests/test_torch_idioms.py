@@ -214,23 +214,19 @@ class _Bags(torch.nn.Module):
         return self.fc(torch.cat([bag(ids, offsets) for bag in self.bags], dim=1))
 
 
-@pytest.mark.cluster
-def test_fixed_size_embedding_bags_are_torchs_on_any_shard_and_offsets_are_refused():
-    """A 2-d input's bags (offsets arange(0, B*L, L)) are embedding(ids) summed, averaged or
-    maxed over each sample's ids: logits and gradients as torch's, on shards of 3 + 5 rows.
-    Bags by offsets the data gives are a data-dependent grouping: refused in one line."""
+def _as_torch_on_shards_of_3_and_5(module, x, y):
+    """The module captured at 8 rows, run as shards of 3 and 5: its logits and the shards' summed
+    gradients against torch eager's on the whole batch, from the same weights (1e-5)."""
     from cs_runtime.numerics.model import ShardContext, init_weights, model_backward, model_forward, model_loss
     from cs_torch.capture import load_into, model_spec
-    torch.manual_seed(0)
-    module, ids, y = _Bags(), torch.randint(0, 10, (8, 5)), torch.arange(8) % 3
-    spec = model_spec("bags", module, (ids,), y, F.cross_entropy)
+    spec = model_spec(type(module).__name__, module, (x,), y, F.cross_entropy)
     weights = init_weights(spec, 0)
     load_into(module, {p: w for layer in weights.values() for p, w in layer.items()})
-    logits = module(ids)
+    logits = module(x)
     F.cross_entropy(logits, y).backward()
     scores, grads = [], {}
     for rows in (slice(0, 3), slice(3, 8)):
-        live, caches = model_forward(spec, ids.numpy()[rows], weights,
+        live, caches = model_forward(spec, x.numpy()[rows], weights,
                                      ShardContext(0, 0, 8, rows, True, labels=y.numpy()[rows]))
         scores.append(live[spec.program["logits"]])
         for layer in model_backward(spec, model_loss(spec, live, y.numpy()[rows], 8).delta, caches, weights):
@@ -239,6 +235,16 @@ def test_fixed_size_embedding_bags_are_torchs_on_any_shard_and_offsets_are_refus
     np.testing.assert_allclose(np.concatenate(scores), logits.detach().numpy(), rtol=1e-5, atol=1e-6)
     for name, p in module.named_parameters():
         np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+    return spec
+
+
+@pytest.mark.cluster
+def test_fixed_size_embedding_bags_are_torchs_on_any_shard_and_offsets_are_refused():
+    """A 2-d input's bags (offsets arange(0, B*L, L)) are embedding(ids) summed, averaged or
+    maxed over each sample's ids, as torch's on shards of 3 + 5 rows. Bags by offsets the data
+    gives are a data-dependent grouping: refused in one line."""
+    torch.manual_seed(0)
+    _as_torch_on_shards_of_3_and_5(_Bags(), torch.randint(0, 10, (8, 5)), torch.arange(8) % 3)
 
     class ByOffsets(torch.nn.Module):   # bags of 3, 4, 2 and the rest of the flattened batch's ids
         def __init__(self):
@@ -251,6 +257,32 @@ def test_fixed_size_embedding_bags_are_torchs_on_any_shard_and_offsets_are_refus
     with pytest.raises(CaptureError, match=r"aten\._embedding_bag.*bags given by offsets") as err:
         capture(ByOffsets(), (torch.randint(0, 10, (4, 6)),), torch.zeros(4), lambda out, t: out.sum())
     assert "\n" not in str(err.value) and "test_torch_idioms.py:" in str(err.value)
+
+
+class _ScaledByItems(torch.nn.Module):
+    """Numbers read off tensors by .item() that scale and shift the values (a float, an int count)."""
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(x) / self.fc.weight.abs().sum().item() + self.fc.bias.sum() * (self.fc.weight > 0).sum().item()
+
+
+class _ItemAsSize(_ScaledByItems):
+    def forward(self, x):
+        return self.fc(x)[:, :(self.fc.weight > 0).sum().item() % 3 + 1].sum(1, keepdim=True).expand(-1, 3)
+
+
+@pytest.mark.cluster
+def test_item_as_a_factor_is_a_detached_value_and_as_a_size_is_refused():
+    """.item() of a float and of an int count scale and shift the values as torch's numbers do
+    (no gradient through them; the int was once read as the batch size); as a size, refused."""
+    torch.manual_seed(0)
+    spec = _as_torch_on_shards_of_3_and_5(_ScaledByItems(), torch.randn(8, 6), torch.arange(8) % 3)
+    assert sum(n[0] == "detach" for layer in spec.layers for n in layer.unit["unit"]["forward"]) == 2
+    with pytest.raises(CaptureError, match=r"aten\._local_scalar_dense.*\.item\(\) read by .*mod.*as a size"):
+        capture(_ItemAsSize(), (torch.randn(8, 6),), torch.arange(8) % 3, F.cross_entropy)
 
 
 @pytest.mark.parametrize("mixing,words", [
