@@ -971,10 +971,13 @@ def _item(L, node, x):
     users compute in (as torch casts a Python number to a tensor's). As a size, an index or
     in control flow it would fix data-dependent shapes: refused."""
     users = list(node.users)
-    if not users or any(_packet(u.target) not in _TAKE_A_NUMBER or node not in u.args[:2] for u in users):
-        what = next((str(u.target) for u in users if _packet(u.target) not in _TAKE_A_NUMBER), "an op")
-        raise L.error(f".item() read by {what}: a tensor's value as a size, an index or in control flow "
-                      "(data-dependent; a program's shapes are fixed at capture)")
+    taken = [_packet(u.target) in _TAKE_A_NUMBER and node in u.args[:2] and isinstance(u.meta.get("val"), torch.Tensor)
+             for u in users]
+    if not users or not all(taken):
+        what = next((str(u.target) for u, ok in zip(users, taken) if not ok), "nothing")
+        raise L.error(f".item() read by {what}: only a tensor's add, sub, mul or div takes a tensor's value as "
+                      "a number (as a size, an index, in control flow or Python arithmetic it is data-dependent, "
+                      "and a program is fixed at capture)")
     dtypes = {u.meta["val"].dtype for u in users}
     if len(dtypes) != 1:
         raise L.error(f".item() read by ops of dtypes {sorted(map(str, dtypes))}")
