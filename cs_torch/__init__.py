@@ -43,6 +43,8 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     backend/            cstorch.backend: the function and the module of the real API's names
     core/               cstorch.core: run modes, name scopes and debug names, host tensors
     nn_functional.py    cstorch.nn.functional (one_hot)
+    nn_losses.py        cstorch.nn's losses for torch modules (SmoothL1Loss)
+    selective_grad.py   cstorch.nn.SelectiveGrad: only the masked entries of chosen parameters are trained
     optim_configure.py  cstorch.optim.configure_param_groups / configure_optimizer / configure_lr_scheduler
     capture.py          a torch.nn.Module captured as a program (torch.export)
     tracing.py          compile, @trace, @step_closure, @checkpoint_closure
@@ -53,7 +55,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     cbtorch.py          the 1.x API (cbtorch); cbtorch_cluster.py: its loop on the CS system
     batch_files.py      a 1.x loop's IterableDataset read as the loop goes, one file a step for the workers
     saving.py           cstorch.save / cstorch.load
-    storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
+    storage/            cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
     summary.py          summarize_scalar, summarize_tensor
     oracle.py           torch eager given a run's dropout masks, for oracle comparisons
     hooks.py            user hooks and the handles that remove them (backend and listener hooks)

@@ -84,6 +84,10 @@ def _rule_of(optimizer, g: dict):
     from . import optimizers
     if getattr(optimizer, "cluster_refusal", None):
         raise CsTorchError(f"CSX backend: {optimizer.cluster_refusal}")
+    if any(getattr(p, "_selective_grad", None) is not None for group in optimizer.param_groups
+           for p in group["params"]):
+        raise CsTorchError("CSX backend: nn.SelectiveGrad is not emulated on CSX (MemoryX updates whole weights, "
+                           "without masks); use backend('CPU')")
     if g.get("maximize"):
         raise CsTorchError(f"CSX backend: {type(optimizer).__name__} with maximize=True is not a MemoryX rule; "
                            "use backend('CPU') for it")

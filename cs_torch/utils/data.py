@@ -398,4 +398,7 @@ def __getattr__(name: str):
     if name == "SyntheticDataset":   # it needs torch: loaded when asked for
         from .synthetic import SyntheticDataset
         return SyntheticDataset
+    if name == "DistributedSampler":   # likewise
+        from .distributed_sampler import DistributedSampler
+        return DistributedSampler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

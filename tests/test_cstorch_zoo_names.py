@@ -1,0 +1,182 @@
+"""The rest of the names the model zoo's own code references (Release_2.1.1 and the newest release),
+each against torch eager or the real API's documented behaviour. Cheap: no process, tiny tensors.
+
+    python -m pytest tests/test_cstorch_zoo_names.py -q
+"""
+from __future__ import annotations
+
+import pytest
+
+try:   # imported here, at collection: h5py's import runs `uname -p`, which a test may not start
+    import h5py
+except ImportError:
+    h5py = None
+
+torch = pytest.importorskip("torch", reason="cs_torch's 2.x API takes torch modules (pip install -e '.[torch]')")
+
+import cerebras.pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
+from cs_torch.backends import reset_backend  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend():
+    reset_backend()
+    yield
+    reset_backend()
+
+
+# ---------------------------------------------------------------- nn, distributed, storage
+@pytest.mark.parametrize("beta", [1.0, 0.3, 0.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_smooth_l1_loss_is_torchs(beta, reduction) -> None:
+    x = torch.tensor([[0.1, -2.0, 0.5], [3.0, 0.2, -0.05]], requires_grad=True)
+    target = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.1]])
+    ours = cstorch.nn.SmoothL1Loss(reduction=reduction, beta=beta)(x, target)
+    theirs = torch.nn.SmoothL1Loss(reduction=reduction, beta=beta)(x, target)
+    torch.testing.assert_close(ours, theirs)
+    (g_ours,) = torch.autograd.grad(ours.sum(), x)
+    (g_theirs,) = torch.autograd.grad(theirs.sum(), x)
+    torch.testing.assert_close(g_ours, g_theirs)
+    with pytest.raises(ValueError, match="beta must be non-negative"):
+        cstorch.nn.SmoothL1Loss(beta=-1.0)
+
+
+def test_ranks_are_torch_distributeds_or_one_process() -> None:
+    assert torch.distributed.is_initialized() is False
+    assert (cstorch.distributed.get_rank(), cstorch.distributed.get_world_size()) == (0, 1)
+
+
+def test_checkpoint_constants_and_serializer_switches(tmp_path) -> None:
+    if h5py is None:
+        pytest.skip("the model zoo's HDF5 checkpoints need h5py (pip install 'cs-emulator[hdf5]')")
+    path = tmp_path / "c.mdl"
+    switches = cstorch.storage.serializers
+    assert not switches.use_external_link and switches.cache_deferred_tensors     # the real defaults
+    with switches.use_external_link(True), switches.cache_deferred_tensors(False):
+        assert switches.use_external_link and not switches.cache_deferred_tensors
+        cstorch.storage.save({"model": {"w": torch.arange(4.0)}}, str(path))
+    assert not switches.use_external_link and switches.cache_deferred_tensors     # restored after the block
+    with h5py.File(path, "r") as f:   # no tensor is deferred here: the values are in the file
+        assert f.attrs[cstorch.storage.constants.__CSTORCH_VERSION__] == cstorch.__version__
+        assert list(f["model.w"][()]) == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(TypeError, match="use_external_link"):
+        with switches.use_external_link("yes"):
+            pass
+    import cerebras_pytorch
+    assert cerebras_pytorch.saver.pt_h5_saver.PyTorchH5Saver is cstorch.storage.PyTorchH5Saver
+
+
+# ---------------------------------------------------------------- utils.data.DistributedSampler, benchmark
+class _Numbers(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+def test_distributed_sampler_order_is_the_documented_one() -> None:
+    data = _Numbers(10)
+    sampler = cstorch.utils.data.DistributedSampler(data, shuffle=True, seed=7, batch_size=4)
+    first, second = list(sampler), list(sampler)
+    g = torch.Generator()
+    epoch0 = torch.randperm(10, generator=g.manual_seed(7)).tolist()
+    epoch1 = torch.randperm(10, generator=g.manual_seed(8)).tolist()
+    assert first == [epoch0[0:4], epoch0[4:8]]
+    assert second == [epoch0[8:10] + epoch1[0:2], epoch1[2:6], epoch1[6:10]]   # the leftovers open epoch 1
+    restarted = cstorch.utils.data.DistributedSampler(data, shuffle=True, seed=7, start_index=13)
+    assert list(restarted) == epoch1[3:]                         # 13 samples streamed: epoch 1, index 3
+    padded = cstorch.utils.data.DistributedSampler(data, shuffle=False, batch_size=4, drop_last=False, pad_last=True)
+    assert list(padded)[-1] == [8, 9, -1, -1]
+    longer = cstorch.utils.data.DistributedSampler(data, shuffle=False, num_samples=12)
+    assert list(longer) == list(range(10)) + [0, 1]
+    loader = torch.utils.data.DataLoader(data, batch_sampler=cstorch.utils.data.DistributedSampler(
+        data, shuffle=False, batch_size=5))
+    assert [b.flatten().tolist() for b in loader] == [[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0, 9.0]]
+    cstorch.backend("CSX")
+    with pytest.raises(ValueError, match="drop_last=True or pad_last=True"):
+        cstorch.utils.data.DistributedSampler(data, batch_size=4, drop_last=False, seed=1)
+
+
+def test_benchmark_dataloader_counts_steps_and_batch_structures(capsys) -> None:
+    def input_fn():
+        return torch.utils.data.DataLoader(_Numbers(10), batch_size=4)   # batches of 4, 4 and 2
+    metrics = cstorch.utils.benchmark.benchmark_dataloader(input_fn, num_epochs=2, sampling_frequency=2)
+    assert metrics.total_steps == 6 and not metrics.is_partial
+    assert [e.total_steps for e in metrics.epoch_metrics] == [3, 3]
+    assert [b.epoch_step for b in metrics.epoch_metrics[0].batch_metrics] == [1, 2]
+    assert sorted(o.count for o in metrics.batch_specs.values()) == [2, 4]
+    assert metrics.global_sample_rate is None and metrics.global_rate > 0      # two structures: no sample rate
+    assert "Total steps: 6" in capsys.readouterr().out
+    capped = cstorch.utils.benchmark.benchmark_dataloader(input_fn, steps_per_epoch=2, print_metrics=False)
+    assert capped.total_steps == 2 and capped.global_sample_rate == pytest.approx(4 * capped.global_rate)
+    with pytest.raises(ValueError, match="not emulated"):
+        cstorch.utils.benchmark.benchmark_dataloader(input_fn, profile_activities=["memory_uss"])
+
+
+# ---------------------------------------------------------------- nn.SelectiveGrad
+def _eager_selective_steps(model, make_optimizer, masks: dict, batches) -> None:
+    """The real API's arithmetic in torch eager: gradient masked; before the step the parameter and its
+    state masked, after it the entries outside the mask added back."""
+    optimizer = make_optimizer(model.parameters())
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        held = {}
+        with torch.no_grad():
+            for p, mask in masks.items():
+                p.grad.mul_(mask)
+                held[p] = torch.where(mask, torch.zeros_like(p), p)
+                p.mul_(mask)
+                for s in optimizer.state[p].values():
+                    if isinstance(s, torch.Tensor) and s.shape == p.shape:
+                        s.mul_(mask)
+        optimizer.step()
+        with torch.no_grad():
+            for p in masks:
+                p.add_(held[p])
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adamw"])
+def test_selective_grad_trains_only_the_masked_entries_as_the_real_api(rule) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    eager = __import__("copy").deepcopy(model)
+    batches = [(torch.randn(4, 6), torch.randn(4, 2)) for _ in range(3)]
+    model.apply(cstorch.nn.SelectiveGrad("0.weight", lambda p: p.abs() > 0.2))
+    mask = model[0].weight_requires_grad
+    assert "0.weight_requires_grad" in model.state_dict() and 0 < int(mask.sum()) < mask.numel()
+    start = model[0].weight.detach().clone()
+    ours = {"sgd": lambda ps: cstorch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+            "adamw": lambda ps: cstorch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)}[rule](model.parameters())
+    for x, y in batches:
+        ours.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ours.step()
+    theirs = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+              "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, eps=1e-6)}[rule]
+    _eager_selective_steps(eager, theirs, {eager[0].weight: mask}, batches)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(model[0].weight[~mask], start[~mask])          # outside the mask: untouched
+    assert not torch.equal(model[0].weight[mask], start[mask])
+    state = ours.state[model[0].weight]
+    moments = state["momentum_buffer" if rule == "sgd" else "exp_avg"]
+    assert torch.all(moments[~mask] == 0)
+
+
+def test_selective_grad_outlier_mask_and_refusals() -> None:
+    layer = torch.nn.Linear(50, 4)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(-1, 1, 200).reshape(4, 50))
+    cstorch.nn.SelectiveGrad("weight").apply(layer)
+    magnitude = layer.weight.detach().abs()
+    assert torch.equal(layer.weight_requires_grad, magnitude >= 2.25 * magnitude.std(dim=0, keepdim=True))
+    with pytest.raises(ValueError, match="unknown init_method 'top'"):
+        cstorch.nn.SelectiveGrad("weight", "top")
+    from cs_torch.cluster_step import memoryx_optimizer
+    with pytest.raises(Exception, match="SelectiveGrad is not emulated on CSX"):
+        memoryx_optimizer(cstorch.optim.SGD(layer.parameters(), lr=0.1))
