@@ -49,6 +49,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     capture.py          a torch.nn.Module captured as a program (torch.export)
     tracing.py          compile, @trace, @step_closure, @checkpoint_closure
     recording.py        what the step in progress is doing, read by what records into it
+    profiler.py         cstorch.profiler: profile / schedule, the units of a range of steps timed (CPU backend)
     engine.py           the 2.x step engine: one captured program, on the CPU path
     cluster_step.py     a traced step as a job of the emulated CS system
     loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)
@@ -86,7 +87,7 @@ _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing"
          "current_torch_device": "backends", "pol": "core.pol", "current_pol": "core.pol"}
 # `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
 _LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage", "sparse", "lib",
-                 "experimental")
+                 "experimental", "profiler")
 
 # The real package sets this while its API docs are built; code run then skips work (never here).
 _generating_docs = False
@@ -96,7 +97,7 @@ __version__ = "2.1.1"
 
 
 # Parts of the real API the emulator does not have: one line saying so, not a bare AttributeError.
-_NOT_SUPPORTED = {"profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
+_NOT_SUPPORTED = {"mesh": "one device mesh: the CS system of the job"}
 
 
 def _as_vendor_package() -> None:

@@ -180,3 +180,60 @@ def test_selective_grad_outlier_mask_and_refusals() -> None:
     from cs_torch.cluster_step import memoryx_optimizer
     with pytest.raises(Exception, match="SelectiveGrad is not emulated on CSX"):
         memoryx_optimizer(cstorch.optim.SGD(layer.parameters(), lr=0.1))
+
+
+# ---------------------------------------------------------------- profiler
+def _profiled_loop(tmp_path, start_step: int, end_step: int, backend: str = "CPU"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    compiled = cstorch.compile(model, cstorch.backend(backend))
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def input_fn():
+        data = torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,)))
+        return torch.utils.data.DataLoader(data, batch_size=4, drop_last=True)
+
+    with cstorch.profiler.profile(schedule=cstorch.profiler.schedule(start_step=start_step, end_step=end_step),
+                                  on_trace_ready=cstorch.profiler.tensorboard_trace_handler(str(tmp_path))) as prof:
+        for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn), num_steps=3):
+            step(x, y)
+    return prof
+
+
+def test_profile_times_the_modules_of_the_steps_asked_for(tmp_path) -> None:
+    import json
+    prof = _profiled_loop(tmp_path, 2, 3)
+    names = [e["name"] for e in prof.events]
+    units = sorted(set(names))
+    assert names.count(units[0]) == 2 and len(names) == 2 * len(units)     # once a step, steps 2 and 3
+    assert any(n.endswith("(backward)") for n in units) and any(not n.endswith("(backward)") for n in units)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in prof.events)
+    written = list(tmp_path.glob("*.pt.trace.json"))                      # on_trace_ready's handler wrote it
+    assert len(written) == 1 and len(json.loads(written[0].read_text())["traceEvents"]) == len(names)
+    prof.export_chrome_trace(tmp_path / "chrome_trace.json")
+    assert json.loads((tmp_path / "chrome_trace.json").read_text())["traceEvents"][0]["ph"] == "X"
+    summary = prof.get_summary().splitlines()
+    assert summary[0].startswith("PYTORCH MODULE NAME") and len(summary) == 1 + min(10, len(units))
+    assert cstorch.profiler.ProfilerRegistry.get_profiler() is None          # unregistered on leaving
+
+
+def test_profile_checks_its_steps_and_is_one_at_a_time(tmp_path) -> None:
+    assert _profiled_loop(tmp_path, -1, -1).events == []                    # -1: not asked
+    with pytest.raises(ValueError, match="between 1 and 3, got 2:5"):
+        _profiled_loop(tmp_path, 2, 5)
+    with pytest.raises(ValueError, match="must not be after end_step"):
+        cstorch.profiler.schedule(start_step=3, end_step=2)
+    with cstorch.profiler.profile(schedule=cstorch.profiler.schedule(start_step=1, end_step=1)):
+        with pytest.raises(RuntimeError, match="already active"):
+            cstorch.profiler.profile(schedule=cstorch.profiler.schedule(start_step=1, end_step=1)).__enter__()
+    reset_backend()
+    with pytest.raises(cstorch.CsTorchError, match="profiling a CSX run is not emulated"):
+        _profiled_loop(tmp_path, 1, 2, backend="CSX")
