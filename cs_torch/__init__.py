@@ -49,6 +49,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     capture.py          a torch.nn.Module captured as a program (torch.export)
     tracing.py          compile, @trace, @step_closure, @checkpoint_closure
     recording.py        what the step in progress is doing, read by what records into it
+    cirh.py             cstorch.cirh: the CS system's sampling kernels by name (FusedTopK, FusedTopP)
     profiler.py         cstorch.profiler: profile / schedule, the units of a range of steps timed (CPU backend)
     engine.py           the 2.x step engine: one captured program, on the CPU path
     cluster_step.py     a traced step as a job of the emulated CS system
@@ -87,7 +88,7 @@ _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing"
          "current_torch_device": "backends", "pol": "core.pol", "current_pol": "core.pol"}
 # `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
 _LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage", "sparse", "lib",
-                 "experimental", "profiler")
+                 "experimental", "profiler", "cirh")
 
 # The real package sets this while its API docs are built; code run then skips work (never here).
 _generating_docs = False

@@ -237,3 +237,64 @@ def test_profile_checks_its_steps_and_is_one_at_a_time(tmp_path) -> None:
     reset_backend()
     with pytest.raises(cstorch.CsTorchError, match="profiling a CSX run is not emulated"):
         _profiled_loop(tmp_path, 1, 2, backend="CSX")
+
+
+# ---------------------------------------------------------------- nn.functional's sparse matmuls
+def test_sparse_matmul_is_each_chosen_experts_matmul() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 2, 5, requires_grad=True)                  # (B, M, C chosen experts, N)
+    indices = torch.tensor([[[0, 3], [2, 1], [3, 0]], [[1, 2], [0, 1], [2, 3]]])
+    weight = torch.randn(4, 4, 5, requires_grad=True)                # (K, E experts, N)
+    out = cstorch.nn.functional.sparse_matmul(x, indices, weight)
+    expected = torch.stack([torch.stack([torch.stack([weight[:, indices[b, m, c]] @ x[b, m, c] for c in range(2)])
+                                         for m in range(3)]) for b in range(2)])
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.square().sum(), (x, weight))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (x, weight)))
+
+
+def test_sparse_act_matmul_is_the_masked_linear() -> None:
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 4, 3), torch.randn(5, 3)
+    mask = torch.tensor([[1, 0, 1, 1], [0, 0, 1, 0]], dtype=torch.int16)
+    out = cstorch.nn.functional.sparse_act_matmul(x, mask, weight, dense_capacity=3)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight) * mask[..., None])
+    with pytest.raises(ValueError, match="must agree"):
+        cstorch.nn.functional.sparse_act_matmul(x, mask[:, :3], weight)
+
+
+# ---------------------------------------------------------------- cirh's sampling kernels
+def _nucleus_sample(probs: torch.Tensor, k: int, p: float, u: float) -> int:
+    """Top-k then top-p sampling of one row, written plainly: the documented rule."""
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))[:k]
+    kept, ahead = [], 0.0
+    for i in order:
+        if kept and ahead >= p:
+            break
+        kept.append(i)
+        ahead += float(probs[i])
+    target, running = u * sum(float(probs[i]) for i in kept), 0.0
+    for i in kept:
+        running += float(probs[i])
+        if running > target:
+            return i
+    return kept[-1]
+
+
+def test_fused_top_k_and_top_p_sample_the_nucleus() -> None:
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 20), dim=-1)
+    p = torch.tensor([[0.9], [0.5], [1.0], [0.01], [0.7], [0.95]])
+    u = torch.tensor([[0.3], [0.99], [0.0], [0.5], [0.8], [1.0]])
+    k = torch.tensor([[5], [8], [1], [8], [8], [3]], dtype=torch.int32)
+    with torch.no_grad():
+        fused = cstorch.cirh.FusedTopK(probs, k=8, dimension=1)
+        tokens = cstorch.cirh.FusedTopP(fused, p=p, u=u, k=k)
+    top = torch.topk(probs, 8, dim=1)
+    torch.testing.assert_close(fused[..., 0], top.values)
+    assert torch.equal(fused[..., 1].long(), top.indices) and tokens.shape == (6, 1)
+    expected = [_nucleus_sample(probs[b], int(k[b]), float(p[b]), float(u[b])) for b in range(6)]
+    assert tokens.flatten().tolist() == expected
+    assert tokens[2, 0] == probs[2].argmax() and tokens[3, 0] == probs[3].argmax()   # k = 1; p below the top
+    with pytest.raises(RuntimeError, match="no gradient"):
+        cstorch.cirh.FusedTopK(probs.requires_grad_(), k=2, dimension=1)
