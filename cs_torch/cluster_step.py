@@ -35,6 +35,7 @@ from cs_runtime.numerics.optim import Optimizer as Rule, OptimizerSpec
 from . import amp
 from . import session as session_mod
 from .capture import load_into
+from .experimental.compression import compressed
 from .data import DataLoader as WorkerLoader
 from .loader_replay import LABELS, RunSamples, batch_size_of, is_iterable, start_states
 from .nn import CrossEntropyLoss, CsTorchError
@@ -180,6 +181,10 @@ class ClusterRun:
 
     def __init__(self, captured, model, params: dict, backend, optimizer, scaler, training: bool, batch_of,
                  return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None):
+        marked = compressed([*model.named_parameters(), *model.named_buffers()])
+        if marked:
+            raise CsTorchError(f"CSX backend: experimental.Compression is not emulated on CSX (the emulated CS "
+                               f"system keeps float32 weights), marked: {', '.join(sorted(marked))}")
         weights = {name: p.detach().numpy().copy() for name, p in params.items()}
         spec = program_spec(type(model).__name__.lower(), captured.program, captured.units, captured.shapes,
                             captured.dtypes, weights, return_output=return_output,

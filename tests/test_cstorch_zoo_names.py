@@ -298,3 +298,50 @@ def test_fused_top_k_and_top_p_sample_the_nucleus() -> None:
     assert tokens[2, 0] == probs[2].argmax() and tokens[3, 0] == probs[3].argmax()   # k = 1; p below the top
     with pytest.raises(RuntimeError, match="no gradient"):
         cstorch.cirh.FusedTopK(probs.requires_grad_(), k=2, dimension=1)
+
+
+# ---------------------------------------------------------------- experimental
+def test_loop_iteration_slice_gathers_the_loops_position() -> None:
+    hidden = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)        # (B, S, H)
+    index = torch.tensor([[1], [4]], dtype=torch.int32)                             # (B, 1): one position a row
+    sliced = cstorch.experimental.get_loop_iteration_slice(hidden, index)
+    assert torch.equal(sliced, torch.stack([hidden[0, 1:2], hidden[1, 4:5]]))
+    tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    assert cstorch.experimental.get_loop_iteration_slice(tokens, torch.tensor([[2], [0]])).tolist() == [[7], [8]]
+
+
+def test_implicit_loops_refused_as_the_real_cpu_backend_refuses_them() -> None:
+    ids = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected -1 <= loop_dim < 2, got 2"):
+        cstorch.experimental.start_implicit_loop(ids, loop_dim=2)
+    with pytest.raises(NotImplementedError, match="^cstorch.experimental.start_implicit_loop: .* on the CPU backend"):
+        cstorch.experimental.start_implicit_loop(ids, loop_dim=1)
+    cstorch.backend("CSX")
+    with pytest.raises(NotImplementedError, match="update_implicit_loop: .* on the CSX backend .*no inner loop"):
+        cstorch.experimental.update_implicit_loop(ids, ids[:, :1], ids[:, :1], torch.tensor([[2]]), 1)
+    import cerebras_pytorch
+    with pytest.raises(NotImplementedError, match="run_implicit_autoregressive_loop"):
+        cerebras_pytorch.experimental.run_implicit_autoregressive_loop(ids, ids, loop_dim=1, start_token=1)
+
+
+def test_compression_marks_the_matching_weights_and_leaves_cpu_values_alone() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    before = model(x)
+    model.apply(cstorch.experimental.Compression("mx8-e4m3", ["0.weight", "1.*"]))
+    assert torch.equal(model(x), before)                                 # the CPU backend drops the mark
+    from cs_torch.experimental.compression import compressed
+    assert compressed(model.named_parameters()) == {"0.weight": "mx8-e4m3", "1.weight": "mx8-e4m3",
+                                                    "1.bias": "mx8-e4m3"}
+    with pytest.raises(ValueError, match="format must be one of"):
+        cstorch.experimental.Compression("fp8", "*")
+
+
+def test_create_listener_checks_a_params_entry() -> None:
+    import cerebras_pytorch
+    listener = cerebras_pytorch.experimental.listener.create_listener(
+        listener_type="norm", listener_name="grads", tensor_names=["*.fc*"])
+    assert (listener.listener_type, listener.listener_name, listener.tensor_names) == ("norm", "grads", ["*.fc*"])
+    with pytest.raises(ValueError, match="listener_type must be one of"):
+        cerebras_pytorch.experimental.listener.create_listener(listener_type="dump", listener_name="x",
+                                                               tensor_names="*")
