@@ -37,7 +37,8 @@ def _generators(loader) -> dict[str, torch.Generator]:
     """The torch generators a loader's iteration draws from, by their role (torch's own uses the global one)."""
     sampler = getattr(loader.batch_sampler, "sampler", None) if loader.batch_sampler is not None else None
     if type(loader.batch_sampler) is not torch.utils.data.BatchSampler or type(sampler) not in _TORCH_SAMPLERS:
-        raise CsTorchError(f"CSX backend: the DataLoader's sampler {type(sampler or loader.batch_sampler).__name__} "
+        odd = sampler if type(loader.batch_sampler) is torch.utils.data.BatchSampler else loader.batch_sampler
+        raise CsTorchError(f"CSX backend: the DataLoader's sampler {type(odd).__name__} "
                            "is not one of torch's; the input workers replay torch's samplers' draws only "
                            "(use backend('CPU') for it)")
     found = {"loader": loader.generator, "sampler": getattr(sampler, "generator", None)}
