@@ -12,12 +12,14 @@ Its order is the real sampler's, whatever the number of systems and workers:
   leaves over open the next epoch's first batch; pad_last fills the last batch with `pad_index`.
 Sharding by streaming rank happens on the real workers; here the user's process is not a streamer
 and the input workers take their share of each global batch themselves, so `shard` leaves the
-global batches as they are (the real sampler's behaviour on the user's node).
+global batches as they are (the real sampler's behaviour on the user's node). A CSX run replays
+its order as it replays torch's samplers: its state (epoch, place, leftovers) is the replay's.
 """
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from ..backends import use_cs
@@ -113,6 +115,7 @@ class DistributedSampler(torch.utils.data.Sampler):
         self.kwargs = {"data_source": data_source, "shuffle": shuffle, "seed": seed, "shard": shard,
                        "batch_size": batch_size, "drop_last": drop_last, "num_samples": num_samples,
                        "pad_last": pad_last}
+        self.batch_size = batch_size   # the global batch (None: the sampler yields indices)
         self.sampler = ShuffleSampler(data_source, num_samples, shuffle, seed, start_index)
         if batch_size is not None:
             self.sampler = BatchSampler(self.sampler, batch_size, drop_last, pad_last)
@@ -126,3 +129,16 @@ class DistributedSampler(torch.utils.data.Sampler):
     def set_state(self, start_index: int) -> None:
         """Continue from a prior run that streamed start_index samples in all."""
         self.__init__(**self.kwargs, start_index=start_index)
+
+    # ------------------------------------------------------------ a CSX run's replay (cs_torch/loader_replay.py)
+    def replay_state(self) -> np.ndarray:
+        """Where the order stands, as integers: [epoch, index into it, the leftover indices...]."""
+        shuffle = self.sampler.sampler if isinstance(self.sampler, BatchSampler) else self.sampler
+        leftover = self.sampler.leftover if isinstance(self.sampler, BatchSampler) else []
+        return np.array([shuffle.epoch, shuffle.start_index, *leftover], dtype=np.int64)
+
+    def restore_replay_state(self, state) -> None:
+        shuffle = self.sampler.sampler if isinstance(self.sampler, BatchSampler) else self.sampler
+        shuffle.epoch, shuffle.start_index = int(state[0]), int(state[1])
+        if isinstance(self.sampler, BatchSampler):
+            self.sampler.leftover = [int(i) for i in state[2:]]
