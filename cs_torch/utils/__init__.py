@@ -18,8 +18,8 @@ from . import benchmark, call_once, data, kernel, nest, num_kv_groups, tensorboa
 from . import param_filter as utils   # cstorch.utils.utils (the real package's module of that name)
 from .data import CSConfig, DataLoader
 
-__all__ = ["CSConfig", "DataLoader", "SyntheticDataset", "benchmark", "call_once", "data", "kernel", "nest", "num_kv_groups",
-           "tensorboard", "tracker", "utils"]
+__all__ = ["CSConfig", "DataLoader", "SyntheticDataset", "benchmark", "call_once", "data", "kernel", "nest",
+           "num_kv_groups", "tensorboard", "tracker", "utils"]
 
 
 def __getattr__(name: str):

@@ -162,8 +162,7 @@ def _run_epoch(loader, epoch, steps_per_epoch, sampling_frequency, metrics, over
             batch = next(iterator)
         except StopIteration:
             if result.total_steps == 0:
-                raise RuntimeError(f"benchmark_dataloader: the dataloader returned no batches at epoch {epoch}") \
-                    from None
+                raise RuntimeError(f"benchmark_dataloader: no batches at epoch {epoch}") from None
             break
         result.total_steps += 1
         local.add(1)
