@@ -1,6 +1,10 @@
 """cstorch.nn.SelectiveGrad: only some entries of chosen parameters are trained.
 
+    compiled = cstorch.compile(model, backend)
     model.apply(cstorch.nn.SelectiveGrad("*fc*.weight", "outlier"))     # or a function param -> bool mask
+
+(as the real API, a compiled model's `apply` hands the whole model to the object's `apply`, so the
+filter sees names from the model's root; `selective_grad.apply(model)` is the same call.)
 
 As the real API: each parameter whose name the filter accepts (a glob, a list of globs or a function
 of (name, param)) gets a mask, kept as a persistent buffer `<name>_requires_grad` of its module (so
@@ -77,5 +81,4 @@ class SelectiveGrad:
                                          f"{tuple(param.shape)}")
                     param._selective_grad = SelectedEntries(owner, param_name, mask)
 
-    __call__ = apply   # model.apply(selective_grad) calls it on every submodule
 

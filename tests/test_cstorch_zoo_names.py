@@ -146,6 +146,9 @@ def test_selective_grad_trains_only_the_masked_entries_as_the_real_api(rule) -> 
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
     eager = __import__("copy").deepcopy(model)
     batches = [(torch.randn(4, 6), torch.randn(4, 2)) for _ in range(3)]
+    with pytest.raises(TypeError):                     # torch's apply wants a callable, as before compile
+        model.apply(cstorch.nn.SelectiveGrad("0.weight", lambda p: p.abs() > 0.2))
+    cstorch.compile(model, cstorch.backend("CPU"))     # compiled: apply hands the object the whole model
     model.apply(cstorch.nn.SelectiveGrad("0.weight", lambda p: p.abs() > 0.2))
     mask = model[0].weight_requires_grad
     assert "0.weight_requires_grad" in model.state_dict() and 0 < int(mask.sum()) < mask.numel()
@@ -328,7 +331,7 @@ def test_compression_marks_the_matching_weights_and_leaves_cpu_values_alone() ->
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     x = torch.randn(2, 3)
     before = model(x)
-    model.apply(cstorch.experimental.Compression("mx8-e4m3", ["0.weight", "1.*"]))
+    cstorch.experimental.Compression("mx8-e4m3", ["0.weight", "1.*"]).apply(model)
     assert torch.equal(model(x), before)                                 # the CPU backend drops the mark
     from cs_torch.experimental.compression import compressed
     assert compressed(model.named_parameters()) == {"0.weight": "mx8-e4m3", "1.weight": "mx8-e4m3",

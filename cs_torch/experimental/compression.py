@@ -1,6 +1,6 @@
 """cstorch.experimental.Compression: chosen weights marked to be kept in an MX format on the CS system.
 
-    model.apply(cstorch.experimental.Compression("mx8-e4m3", ["fc1.weight", "fc2.*"]))
+    model.apply(cstorch.experimental.Compression("mx8-e4m3", ["fc1.weight", "fc2.*"]))   # a compiled model
 
 As the real API: the format is one of the MX formats, the filter globs match whole parameter and
 buffer names, each matching tensor is marked with the format before every forward (a compiler
@@ -41,7 +41,6 @@ class Compression:
                 self.compress_tensors[tensor] = name
         module.register_forward_pre_hook(self._forward_pre_hook)
 
-    __call__ = apply   # model.apply(compression) calls it on every submodule
 
     def _forward_pre_hook(self, module, args) -> None:
         for tensor in self.compress_tensors:
