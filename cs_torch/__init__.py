@@ -43,17 +43,21 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     backend/            cstorch.backend: the function and the module of the real API's names
     core/               cstorch.core: run modes, name scopes and debug names, host tensors
     nn_functional.py    cstorch.nn.functional (one_hot)
+    nn_losses.py        cstorch.nn's losses for torch modules (SmoothL1Loss)
+    selective_grad.py   cstorch.nn.SelectiveGrad: only the masked entries of chosen parameters are trained
     optim_configure.py  cstorch.optim.configure_param_groups / configure_optimizer / configure_lr_scheduler
     capture.py          a torch.nn.Module captured as a program (torch.export)
     tracing.py          compile, @trace, @step_closure, @checkpoint_closure
     recording.py        what the step in progress is doing, read by what records into it
+    cirh.py             cstorch.cirh: the CS system's sampling kernels by name (FusedTopK, FusedTopP)
+    profiler.py         cstorch.profiler: profile / schedule, the units of a range of steps timed (CPU backend)
     engine.py           the 2.x step engine: one captured program, on the CPU path
     cluster_step.py     a traced step as a job of the emulated CS system
     loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)
     cbtorch.py          the 1.x API (cbtorch); cbtorch_cluster.py: its loop on the CS system
     batch_files.py      a 1.x loop's IterableDataset read as the loop goes, one file a step for the workers
     saving.py           cstorch.save / cstorch.load
-    storage.py          cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
+    storage/            cstorch.storage (2.0/2.1: saver): the model zoo's HDF5 checkpoints
     summary.py          summarize_scalar, summarize_tensor
     oracle.py           torch eager given a run's dropout masks, for oracle comparisons
     hooks.py            user hooks and the handles that remove them (backend and listener hooks)
@@ -84,7 +88,7 @@ _LAZY = {"current_backend": "backends", "compile": "tracing", "trace": "tracing"
          "current_torch_device": "backends", "pol": "core.pol", "current_pol": "core.pol"}
 # `backend` is a callable module: cstorch.backend("CSX") and cstorch.backend.use_cs() (cs_torch/backend).
 _LAZY_MODULES = ("utils", "amp", "distributed", "cbtorch", "metrics", "core", "backend", "storage", "sparse", "lib",
-                 "experimental")
+                 "experimental", "profiler", "cirh")
 
 # The real package sets this while its API docs are built; code run then skips work (never here).
 _generating_docs = False
@@ -94,7 +98,7 @@ __version__ = "2.1.1"
 
 
 # Parts of the real API the emulator does not have: one line saying so, not a bare AttributeError.
-_NOT_SUPPORTED = {"profiler": "use csrun_wse --trace timelines (docs/running.md) for where a step's time goes"}
+_NOT_SUPPORTED = {"mesh": "one device mesh: the CS system of the job"}
 
 
 def _as_vendor_package() -> None:

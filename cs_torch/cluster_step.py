@@ -35,6 +35,7 @@ from cs_runtime.numerics.optim import Optimizer as Rule, OptimizerSpec
 from . import amp
 from . import session as session_mod
 from .capture import load_into
+from .experimental.compression import compressed
 from .data import DataLoader as WorkerLoader
 from .loader_replay import LABELS, RunSamples, batch_size_of, is_iterable, start_states
 from .nn import CrossEntropyLoss, CsTorchError
@@ -84,6 +85,10 @@ def _rule_of(optimizer, g: dict):
     from . import optimizers
     if getattr(optimizer, "cluster_refusal", None):
         raise CsTorchError(f"CSX backend: {optimizer.cluster_refusal}")
+    if any(getattr(p, "_selective_grad", None) is not None for group in optimizer.param_groups
+           for p in group["params"]):
+        raise CsTorchError("CSX backend: nn.SelectiveGrad is not emulated on CSX (MemoryX updates whole weights, "
+                           "without masks); use backend('CPU')")
     if g.get("maximize"):
         raise CsTorchError(f"CSX backend: {type(optimizer).__name__} with maximize=True is not a MemoryX rule; "
                            "use backend('CPU') for it")
@@ -176,6 +181,10 @@ class ClusterRun:
 
     def __init__(self, captured, model, params: dict, backend, optimizer, scaler, training: bool, batch_of,
                  return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None):
+        marked = compressed([*model.named_parameters(), *model.named_buffers()])
+        if marked:
+            raise CsTorchError(f"CSX backend: experimental.Compression is not emulated on CSX (the emulated CS "
+                               f"system keeps float32 weights), marked: {', '.join(sorted(marked))}")
         weights = {name: p.detach().numpy().copy() for name, p in params.items()}
         spec = program_spec(type(model).__name__.lower(), captured.program, captured.units, captured.shapes,
                             captured.dtypes, weights, return_output=return_output,

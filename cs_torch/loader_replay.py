@@ -31,13 +31,24 @@ WINDOW_BATCHES = 256    # batches kept for the workers' prefetch, which asks a l
 _TORCH_SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
                    torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler)
 GLOBAL = "global"     # the key of torch's default generator among the saved states
+ORDER = "order"       # the key of a sampler's own place in its order (int64), for one that keeps it
+
+
+def _own_order(loader):
+    """The loader's sampler that keeps its order's state itself (cstorch's DistributedSampler, as the
+    batch sampler or under torch's), or None."""
+    candidates = (loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+    return next((s for s in candidates if hasattr(s, "replay_state")), None)
 
 
 def _generators(loader) -> dict[str, torch.Generator]:
     """The torch generators a loader's iteration draws from, by their role (torch's own uses the global one)."""
     sampler = getattr(loader.batch_sampler, "sampler", None) if loader.batch_sampler is not None else None
+    if _own_order(loader) is not None:   # it seeds its own generator each epoch: its state is its place
+        return {"loader": loader.generator} if loader.generator is not None else {}
     if type(loader.batch_sampler) is not torch.utils.data.BatchSampler or type(sampler) not in _TORCH_SAMPLERS:
-        raise CsTorchError(f"CSX backend: the DataLoader's sampler {type(sampler or loader.batch_sampler).__name__} "
+        odd = sampler if type(loader.batch_sampler) is torch.utils.data.BatchSampler else loader.batch_sampler
+        raise CsTorchError(f"CSX backend: the DataLoader's sampler {type(odd).__name__} "
                            "is not one of torch's; the input workers replay torch's samplers' draws only "
                            "(use backend('CPU') for it)")
     found = {"loader": loader.generator, "sampler": getattr(sampler, "generator", None)}
@@ -48,7 +59,11 @@ def start_states(loader) -> dict[str, np.ndarray]:
     """The states (uint8 arrays) of the generators a map-style loader's next epochs draw from."""
     states = {GLOBAL: torch.get_rng_state()}
     states.update({role: g.get_state() for role, g in _generators(loader).items()})
-    return {role: s.numpy().copy() for role, s in states.items()}
+    states = {role: s.numpy().copy() for role, s in states.items()}
+    own = _own_order(loader)
+    if own is not None:
+        states[ORDER] = own.replay_state()
+    return states
 
 
 def is_iterable(loader) -> bool:
@@ -59,21 +74,27 @@ class _EpochDraws:
     """A map-style loader's epochs of batch indices, drawn in a private copy of the generators' states."""
 
     def __init__(self, loader, states: dict[str, np.ndarray]):
-        self.loader, self.generators = loader, _generators(loader)
-        if set(states) != {GLOBAL, *self.generators}:
+        self.loader, self.generators, self.own = loader, _generators(loader), _own_order(loader)
+        roles = {GLOBAL, *self.generators, *([ORDER] if self.own is not None else [])}
+        if set(states) != roles:
             raise CsTorchError(f"CSX backend: saved generator states {sorted(states)} do not fit the loader's "
-                               f"({sorted({GLOBAL, *self.generators})})")
-        self.states = {role: torch.from_numpy(np.array(s, dtype=np.uint8)) for role, s in states.items()}
+                               f"({sorted(roles)})")
+        self.order = np.array(states[ORDER], dtype=np.int64) if self.own is not None else None
+        self.states = {role: torch.from_numpy(np.array(s, dtype=np.uint8)) for role, s in states.items()
+                       if role != ORDER}
         self.iterator = None
 
     @contextlib.contextmanager
     def _private(self):
         """The generators in this replay's states while drawing; theirs again after."""
         theirs = {role: g.get_state() for role, g in self.generators.items()}
+        their_order = self.own.replay_state() if self.own is not None else None
         with torch.random.fork_rng(devices=[]):   # the global generator comes back on leaving
             torch.set_rng_state(self.states[GLOBAL])
             for role, g in self.generators.items():
                 g.set_state(self.states[role])
+            if self.own is not None:
+                self.own.restore_replay_state(self.order)
             try:
                 yield
             finally:
@@ -81,6 +102,9 @@ class _EpochDraws:
                                **{role: g.get_state() for role, g in self.generators.items()}}
                 for role, g in self.generators.items():
                     g.set_state(theirs[role])
+                if self.own is not None:
+                    self.order = self.own.replay_state()
+                    self.own.restore_replay_state(their_order)
 
     def next_epoch(self) -> list[list[int]]:
         from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -98,6 +122,8 @@ class _EpochDraws:
         torch.set_rng_state(self.states[GLOBAL])
         for role, g in self.generators.items():
             g.set_state(self.states[role])
+        if self.own is not None:
+            self.own.restore_replay_state(self.order)
 
 
 def _all_batches(iterator) -> list[list[int]]:
@@ -112,6 +138,9 @@ def _all_batches(iterator) -> list[list[int]]:
 def batch_size_of(loader) -> int | None:
     """The loader's batch size; for an IterableDataset that yields whole batches (batch_size=None, as the
     model zoo's BERT processor), the rows of its first batch; None when there is none to read."""
+    own = _own_order(loader)
+    if loader.batch_size is None and getattr(own, "batch_size", None):   # a batch sampler of its own order
+        return own.batch_size
     if isinstance(loader.batch_size, int) or not is_iterable(loader):
         return loader.batch_size
     # Through the loader: with worker processes the data set may be readable only in them (BERT's CSV

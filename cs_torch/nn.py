@@ -115,6 +115,10 @@ def _dense_layers(layers) -> list[LayerSpec]:
             for i, d in enumerate(out)]
 
 
+# cstorch.nn's names for torch models, by the module that holds each.
+_TORCH_MODULE_NAMES = {"SmoothL1Loss": "nn_losses", "SelectiveGrad": "selective_grad"}
+
+
 def __getattr__(name: str):
     # cstorch.nn.functional (the real API's); it needs torch, so it is loaded when asked for.
     if name == "functional":
@@ -125,4 +129,7 @@ def __getattr__(name: str):
     if name in ("Parameter", "Buffer"):
         import torch
         return getattr(torch.nn, name)
+    if name in _TORCH_MODULE_NAMES:   # torch modules of the real API's nn; they need torch
+        import importlib
+        return getattr(importlib.import_module(f"cs_torch.{_TORCH_MODULE_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -80,8 +80,27 @@ class Optimizer:
                 for p in group["params"]:
                     g = grads.get(p)
                     if g is not None:
-                        self._update(p.detach().numpy(), np.asarray(g, dtype=np.float32), group,
-                                     self.state.setdefault(p, {}))
+                        self._update_one(p, np.asarray(g, dtype=np.float32), group)
+
+    def _update_one(self, p, g: np.ndarray, group: dict) -> None:
+        state = self.state.setdefault(p, {})
+        entries = getattr(p, "_selective_grad", None)   # cstorch.nn.SelectiveGrad's mask (cs_torch/selective_grad.py)
+        if entries is None:
+            self._update(p.detach().numpy(), g, group, state)
+        else:
+            self._masked_update(p.detach().numpy(), g, group, state, entries.mask)
+
+    def _masked_update(self, p: np.ndarray, g: np.ndarray, group: dict, state: dict, mask: torch.Tensor) -> None:
+        """SelectiveGrad's update, the real API's arithmetic: the gradient masked; the parameter and its
+        state tensors masked before the update, and the parameter's entries outside the mask added back."""
+        keep = mask.numpy()
+        held = p * ~keep
+        p *= keep
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.shape == mask.shape:
+                value.mul_(mask)
+        self._update(p, g * keep, group, state)
+        p += held
 
     @staticmethod
     def _count(state: dict) -> float:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 
 import numpy as np
 import torch
@@ -85,7 +86,25 @@ def compile(model: torch.nn.Module, backend=None) -> CompiledModel:  # noqa: A00
     backend = backend or current_backend()
     if not hasattr(model, "device"):   # the real API's compiled module names its device (the host's here)
         model.device = torch.device("cpu")
+    for module in model.modules():
+        _apply_objects(module)
     return CompiledModel(model, backend)
+
+
+def _apply_objects(module: torch.nn.Module) -> None:
+    """As the real compile: the module's `apply(obj)` with an object that is not callable but has an
+    `apply` method (nn.SelectiveGrad, experimental.Compression) calls obj.apply(module) once, on the
+    module itself (names from it), instead of torch's call on every submodule."""
+    def apply(self, fn):
+        if callable(fn):
+            return type(self).apply(self, fn)   # the class's (torch's) apply: a copy of the module keeps working
+        own = getattr(fn, "apply", None)
+        if not callable(own):
+            raise TypeError(f"apply: expected a callable or an object with an apply method, got "
+                            f"{type(fn).__name__}")
+        return own(self)
+
+    module.apply = types.MethodType(apply, module)
 
 
 # ---------------------------------------------------------------- the probe

@@ -518,8 +518,8 @@ def test_backend_arguments_it_cannot_honour_say_so(capsys):
 
 
 def test_unsupported_parts_of_the_api_say_so():
-    with pytest.raises(AttributeError, match="cstorch.profiler is not supported by the emulator: "):
-        getattr(cstorch, "profiler")
+    with pytest.raises(AttributeError, match="cstorch.mesh is not supported by the emulator: "):
+        getattr(cstorch, "mesh")
 
 
 def test_cbtorch_session_checks_its_mode():

@@ -1,6 +1,7 @@
 """A CSX loop over the torch DataLoaders the model zoo gives it, against the CPU backend and torch eager:
-a shuffling loader over several epochs (the global generator), an IterableDataset, and one of whole
-batches read by the loader's worker processes (BERT's, num_workers > 0). The CSX run trains
+a shuffling loader over several epochs (the global generator), an IterableDataset, one of whole
+batches read by the loader's worker processes (BERT's, num_workers > 0), and one of cstorch's
+DistributedSampler. The CSX run trains
 on the batches the CPU run sees, in the same order, and its losses and weights equal torch eager's there.
 """
 from __future__ import annotations
@@ -60,6 +61,16 @@ def _share_files(worker_id):
     info.dataset.files = list(range(info.id, 4, info.num_workers))
 
 
+def distributed_sampler_input_fn(batch_size):
+    """cstorch's own sampler (the model zoo's map-style data sets): 30 samples, batches of 8, so each
+    epoch's leftovers open the next; its order is seeded per epoch, not drawn from torch's generators."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(30, 6, generator=gen)
+    data = torch.utils.data.TensorDataset(x, x[:, :4].argmax(dim=1))
+    return torch.utils.data.DataLoader(data, batch_sampler=cstorch.utils.data.DistributedSampler(
+        data, shuffle=True, seed=3, batch_size=batch_size))
+
+
 def worker_processes_input_fn(batch_size):
     return torch.utils.data.DataLoader(ShardedBatches(), batch_size=batch_size, num_workers=2,
                                        worker_init_fn=_share_files)
@@ -107,7 +118,8 @@ def eager(batches):
 
 
 @pytest.mark.parametrize("input_fn, batch_size", [(shuffled_input_fn, 8), (iterable_input_fn, 4),
-                                                   (worker_processes_input_fn, None)])
+                                                   (worker_processes_input_fn, None),
+                                                   (distributed_sampler_input_fn, 8)])
 def test_csx_trains_on_the_cpu_runs_batches_in_order(input_fn, batch_size, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cpu_losses, cpu_batches, _ = train("CPU", input_fn, batch_size)

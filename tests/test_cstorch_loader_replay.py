@@ -130,3 +130,20 @@ def test_an_iterable_of_whole_batches_streams_them_with_its_first_batchs_size():
     ragged = RunSamples(torch.utils.data.DataLoader(Batches([3, 2]), batch_size=None), 2, None)
     with pytest.raises(CsTorchError, match="batches have 2 and 3 samples"):
         ragged.get(np.arange(3, 6))
+
+
+def test_cstorchs_distributed_sampler_replays_its_own_order_here_and_in_another_process():
+    import cerebras.pytorch as cstorch
+    data = torch.utils.data.TensorDataset(torch.arange(10.0).reshape(10, 1), torch.arange(10) % 3)
+    make = lambda: torch.utils.data.DataLoader(   # noqa: E731  (10 samples, batches of 4: leftovers carry over)
+        data, batch_sampler=cstorch.utils.data.DistributedSampler(data, shuffle=True, seed=5, batch_size=4))
+    want = torch_order(make(), 4)
+    loader = make()
+    states = start_states(loader)
+    samples = RunSamples(loader, len(want), states)
+    assert [[int(v) for v in samples.get(np.arange(b * 4, b * 4 + 4))[0][:, 0]] for b in range(len(want))] == want
+    assert loader.batch_sampler.replay_state().tolist() == [0, 0]    # the user's sampler untouched while drawing
+    there = RunSamples(make(), len(want), states)                     # a worker's own loader, the saved place
+    assert [[int(v) for v in there.batch(b)] for b in (3, 0, 5)] == [want[3], want[0], want[5]]
+    samples.hand_back()                                              # then as iterating it would leave it
+    assert loader.batch_sampler.replay_state()[0] == 4

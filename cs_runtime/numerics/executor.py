@@ -28,6 +28,7 @@ from typing import Iterable
 
 import numpy as np
 
+from cs_runtime import spans
 from cs_runtime.numerics import mixed_ops
 from cs_runtime.numerics.ops import OPS, OpError
 from cs_runtime.numerics.precision import quantize, to_bits
@@ -331,13 +332,18 @@ def forward_backward(units, weights: dict, inputs: dict, consts: dict, loss: str
     `live_out` (a dict) receives the values live after the forward pass (the
     program's outputs among them)."""
     live = {**consts, **(rounded(inputs, fmt) if round_inputs else inputs)}
-    caches = [unit_forward(u, weights, live, fmt) for u in units]
+    caches = []
+    for index, unit in enumerate(units):   # each unit timed when spans are on (cstorch.profiler)
+        with spans.span(unit.name, layer=index):
+            caches.append(unit_forward(unit, weights, live, fmt))
     if live_out is not None:
         live_out.update(live)
     value = live[loss]
     dlive = {loss: np.asarray(seed, dtype=value.dtype)}
     grads: dict = {}
-    for unit, cache in zip(reversed(units), reversed(caches)):
-        for p, g in unit_backward(unit, weights, cache, live, dlive, fmt).items():
+    for index in reversed(range(len(units))):
+        with spans.span(f"{units[index].name} (backward)", layer=index):
+            unit_grads = unit_backward(units[index], weights, caches[index], live, dlive, fmt)
+        for p, g in unit_grads.items():
             grads[p] = grads[p] + g if p in grads else g
     return float(value), grads

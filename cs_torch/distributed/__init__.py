@@ -28,9 +28,9 @@ from . import cluster_resolver  # noqa: F401 (cstorch.distributed.cluster_resolv
 from .cluster_resolver import TaskRole, emulated_cluster_spec
 
 __all__ = ["BaseServiceResolver", "ClusterConfig", "SSD_LIMIT", "TaskRole", "WORKER_CACHE_ROOT", "WorkerState",
-           "get_ordinal", "get_streaming_batch_size", "get_streaming_rank", "get_worker_state",
-           "hit_worker_cache_limit", "is_master_ordinal", "is_receiver", "is_streamer", "num_receivers",
-           "num_streamers", "num_tasks", "service_resolver"]
+           "get_ordinal", "get_rank", "get_streaming_batch_size", "get_streaming_rank", "get_worker_state",
+           "get_world_size", "hit_worker_cache_limit", "is_master_ordinal", "is_receiver", "is_streamer",
+           "num_receivers", "num_streamers", "num_tasks", "service_resolver"]
 
 # The real API's worker cache: copies may fill this share of the workers' SSD, mounted here.
 SSD_LIMIT = 0.8
@@ -103,6 +103,26 @@ def hit_worker_cache_limit(src_dir: str, dest_dir: str):
 def get_ordinal() -> int:
     """This task's rank: the user's process is 0."""
     return 0
+
+
+def _torch_process_group():
+    """torch.distributed when a script has initialized a process group (a GPU run's DDP), else None."""
+    import sys
+    dist = sys.modules.get("torch.distributed")   # never imports torch: without it there is no group
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def get_rank() -> int:
+    """This process's rank in torch.distributed's process group (the model zoo asks it on a GPU run,
+    where a group is initialized); 0 without a group, as a job of one process."""
+    dist = _torch_process_group()
+    return dist.get_rank() if dist is not None else 0
+
+
+def get_world_size() -> int:
+    """The processes of torch.distributed's process group; 1 without a group."""
+    dist = _torch_process_group()
+    return dist.get_world_size() if dist is not None else 1
 
 
 def is_master_ordinal(local: bool = False) -> bool:

@@ -8,6 +8,11 @@ While a step is captured (its first call, cs_torch/tracing.py), each hook is cal
 tensor output of every module of the compiled model, named by the module's path in the model
 (`transformer_decoder.layers.0.self_attn`; a module of several outputs adds the index or key,
 `.0`, `.logits`). These are the tensors the capture names; a hook sees them once per capture.
+
+create_listener (2.0/2.1) makes a listener from a params file's `experimental.listeners` entry
+(`listener_type` summary or norm, the later model zoo's two listeners; `listener_name`;
+`tensor_names` globs). The emulator's steps do not hand traced tensors' values back each step, so
+a DataExecutor given listeners names them as not honoured, in one line; training is unchanged.
 """
 from __future__ import annotations
 
@@ -53,3 +58,32 @@ def _call_hooks(value, name: str) -> None:
     elif isinstance(value, dict):
         for key, item in value.items():
             _call_hooks(item, f"{name}.{key}")
+
+
+# ---------------------------------------------------------------- 2.0/2.1: listeners from the params file
+LISTENER_TYPES = ("summary", "norm")   # summarize each tensor named, or its norm (and the norms' total)
+
+
+class TensorListener:
+    """A listener of the params file's `experimental.listeners` (2.0/2.1): the tensors whose traced
+    names match one of `tensor_names` (globs), summarized under `listener_name`."""
+
+    def __init__(self, listener_type: str, listener_name: str, tensor_names):
+        self.listener_type, self.listener_name = listener_type, listener_name
+        self.tensor_names = [tensor_names] if isinstance(tensor_names, str) else list(tensor_names)
+
+
+def create_listener(listener_type: str = None, listener_name: str = None, tensor_names=None, **unknown):
+    """The listener a params file's entry describes, checked; a DataExecutor given it says in one line
+    that listeners are not fed per step here (register_traced_tensor_hook sees the traced tensors)."""
+    if unknown:
+        raise ValueError(f"create_listener: unknown settings {sorted(unknown)} (listener_type, listener_name, "
+                         "tensor_names)")
+    if listener_type not in LISTENER_TYPES:
+        raise ValueError(f"create_listener: listener_type must be one of {LISTENER_TYPES}, got {listener_type!r}")
+    if not isinstance(listener_name, str) or not listener_name:
+        raise ValueError(f"create_listener: listener_name must be a name, got {listener_name!r}")
+    if not tensor_names or not all(isinstance(n, str) for n in
+                                   ([tensor_names] if isinstance(tensor_names, str) else tensor_names)):
+        raise ValueError(f"create_listener: tensor_names must be a glob or a list of globs, got {tensor_names!r}")
+    return TensorListener(listener_type, listener_name, tensor_names)

@@ -3,6 +3,7 @@
     data.py         DataLoader(input_fn, *args), DataExecutor, CSConfig
     data_utils.py   cstorch.utils.data.utils: Schedule (an executor's checkpoint steps), infer_batch_size
     data_sampler.py cstorch.utils.data.sampler: pad_index
+    distributed_sampler.py  DistributedSampler: the real API's order for map-style data sets (torch)
     tracker.py      RateTracker: samples and their rate
     kernel.py       kernel_annotater: a kernel name for an op (a compiler hint; the op as it is)
     num_kv_groups.py  groups_annotater: attention's key/value groups (a compiler hint)
@@ -11,13 +12,14 @@
     synthetic.py    SyntheticDataset: samples made from a spec (torch)
     nest.py         walking nested batches and state dicts by scope (visit_torch_tensors, recurse_spec)
     tensorboard.py  SummaryWriter and SummaryReader
+    benchmark.py    benchmark_dataloader: an input function's loader timed, its batches' structures counted
 """
-from . import call_once, data, kernel, nest, num_kv_groups, tensorboard, tracker
+from . import benchmark, call_once, data, kernel, nest, num_kv_groups, tensorboard, tracker
 from . import param_filter as utils   # cstorch.utils.utils (the real package's module of that name)
 from .data import CSConfig, DataLoader
 
-__all__ = ["CSConfig", "DataLoader", "SyntheticDataset", "call_once", "data", "kernel", "nest", "num_kv_groups",
-           "tensorboard", "tracker", "utils"]
+__all__ = ["CSConfig", "DataLoader", "SyntheticDataset", "benchmark", "call_once", "data", "kernel", "nest",
+           "num_kv_groups", "tensorboard", "tracker", "utils"]
 
 
 def __getattr__(name: str):

@@ -29,6 +29,7 @@ from typing import Literal, Protocol, Union, runtime_checkable
 
 from ..backends import ClusterConfig, current_backend, note
 from ..nn import CsTorchError
+from ..profiler import StepWindow
 from ..recording import _current, current_executor  # noqa: F401 (current_executor: cstorch.utils.data API)
 from . import data_sampler as sampler   # cstorch.utils.data.sampler (the real package's module of that name)
 from . import data_utils as utils   # cstorch.utils.data.utils (likewise)
@@ -243,8 +244,9 @@ class DataExecutor:
         self.user_iteration = 0
         self.on_cluster = self.backend.is_csx and not (self.backend.compile_only or self.backend.validate_only)
         _current.append(self)
-        exc = None
+        exc, window = None, None
         try:
+            window = StepWindow.of_loop(self.backend.is_csx, total)   # cstorch.profiler.profile's steps
             source = self._plan_batches() if self.on_cluster else self._epochs()
             self.profiler.rate_tracker.start()
             for batch in source:
@@ -253,7 +255,11 @@ class DataExecutor:
                 self.profiler.rate_tracker.add(samples)
                 if isinstance(self.dataloader, DataLoader):
                     self.dataloader.samples_streamed += samples
+                if window is not None:
+                    window.before_step(self.user_iteration)
                 yield batch
+                if window is not None:
+                    window.after_step(self.user_iteration)
                 if self.user_iteration >= total:
                     break
         except GeneratorExit:   # the loop was left (break, or an exception between steps): steps done are kept
@@ -263,6 +269,8 @@ class DataExecutor:
             raise
         finally:
             _current.remove(self)
+            if window is not None:
+                window.close()
             if self._samples is not None:   # the generators as iterating the loader would leave them
                 self._samples, samples = None, self._samples
                 samples.hand_back()
@@ -398,4 +406,7 @@ def __getattr__(name: str):
     if name == "SyntheticDataset":   # it needs torch: loaded when asked for
         from .synthetic import SyntheticDataset
         return SyntheticDataset
+    if name == "DistributedSampler":   # likewise
+        from .distributed_sampler import DistributedSampler
+        return DistributedSampler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

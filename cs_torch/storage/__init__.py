@@ -18,6 +18,10 @@ keys, "param_groups" a list), as the model zoo's checkpoints hold them.
 Only numeric datasets and plain attributes are read.
 
     pip install 'cs-emulator[hdf5]'      # h5py
+
+    constants.py    the checkpoint's attribute names and format version
+    serializers.py  use_external_link, cache_deferred_tensors: the real API's switches for deferred tensors
+    pt_h5_saver.py  cstorch.saver.pt_h5_saver (2.0/2.1): PyTorchH5Saver by its module's name
 """
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ import torch
 
 from cs_runtime.checkpoint_mdl import is_hdf5, require_h5py
 
-from .nn import CsTorchError
+from ..nn import CsTorchError
+from . import constants, serializers  # noqa: F401 (cstorch.storage.constants, .serializers)
+from .constants import __CSTORCH_VERSION__, __VERSION__, CURRENT_CKPT_FORMAT_VERSION as CKPT_VERSION
 
 SPEC_ATTR = "cs_emulator_spec"
-CKPT_VERSION = 0.4          # the model zoo's checkpoint version of the release emulated
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,8 @@ def save(state_dict, checkpoint_file) -> None:
         with h5py.File(tmp, "w") as f:
             for name, value in leaves.items():
                 _write_leaf(f, name, value)
-            f.attrs.update({SPEC_ATTR: json.dumps(spec), "__version__": CKPT_VERSION,
-                            "__cstorch_version__": _release()})
+            f.attrs.update({SPEC_ATTR: json.dumps(spec), __VERSION__: CKPT_VERSION,
+                            __CSTORCH_VERSION__: _release()})
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -111,7 +116,7 @@ def save(state_dict, checkpoint_file) -> None:
 
 
 def _release() -> str:
-    from . import __version__
+    from .. import __version__
     return __version__
 
 
@@ -188,8 +193,8 @@ class PyTorchH5Saver:
             return None
         h5py = require_h5py(path, "reading")
         with h5py.File(path, "r") as f:
-            version = f.attrs.get("__version__", 0.1)
-            release = f.attrs.get("__cstorch_version__")
+            version = f.attrs.get(__VERSION__, 0.1)
+            release = f.attrs.get(__CSTORCH_VERSION__)
         return CkptVersion(float(version), None if release is None else str(release))
 
     def save(self, ckpt_file, state_dict) -> None:
@@ -197,3 +202,11 @@ class PyTorchH5Saver:
 
     def load(self, ckpt_file, map_location=None):
         return load(ckpt_file, map_location)
+
+
+def __getattr__(name: str):
+    # cstorch.saver.pt_h5_saver (2.0/2.1): it imports PyTorchH5Saver from here, so it is loaded when asked for.
+    if name == "pt_h5_saver":
+        import importlib
+        return importlib.import_module(".pt_h5_saver", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
