@@ -37,6 +37,9 @@ from cs_runtime.run_args import RunError
 # Scalars held before they go to the writer thread as one item: a few log steps' worth,
 # so the thread wakes rarely; every flush and close hands over the rest.
 SCALAR_BATCH = 64
+# ...or once the first of them is this old: a slow run's scalars reach the writer thread (which
+# flushes them to disk every two minutes) about as soon as they did one by one.
+HOLD_S = 5.0
 # How long a flush waits for the writer thread to reach it (a thread that died of a disk
 # error never will: the run then ends by the error hook, or the flush goes on without it).
 DRAIN_WAIT_S = 30.0
@@ -70,8 +73,9 @@ class Summaries:
         if held is None:
             self.writer(split)   # the split's folder and file from its first scalar on, as add_scalar made them
             held = self._held[split] = []
-        held.append((tag, float(value), step, time.time()))
-        if len(held) >= SCALAR_BATCH:
+        now = time.time()
+        held.append((tag, float(value), step, now))
+        if len(held) >= SCALAR_BATCH or now - held[0][3] > HOLD_S:
             self._hand_over(split)
 
     def _hand_over(self, split: str) -> None:
