@@ -16,7 +16,7 @@ from chief.cluster_executor import ClusterExecutor, ServiceError
 from chief.input_monitor import InputMonitor
 from chief.trainer import Trainer
 from cs_runtime.numerics.precision import LossScaler
-from cs_runtime.wire.protocol import ANSWERS_HELD, STEPS_AHEAD, Message, Msg, decode, encode, unburst
+from cs_runtime.wire.protocol import ANSWERS_HELD, STEPS_AHEAD, Message, Msg, burst, decode, encode, unburst
 from wse.pipelined import PipelinedExecutor
 
 
@@ -122,3 +122,25 @@ def test_a_pipelined_wse_answers_in_bursts_in_step_order():
     assert [m.step for m in wse.up.messages] == [0, ANSWERS_HELD] and not wse.held   # each burst one message
     got = [m for sent in wse.up.messages for m in unburst(decode(encode(sent)))]
     assert [m.step for m in got] == list(range(ANSWERS_HELD + 1))
+
+
+def test_swarmx_refuses_a_burst_where_parts_are_summed():
+    """Bursts come from a pipelined WSE, alone; from one of several WSEs a burst would be summed
+    as one step's parts: SwarmX tells the chief instead (an ERROR naming it), and sums nothing."""
+    from cs_runtime.swarmx.server import SwarmX
+
+    class Router:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg, identity, share=True):
+            self.sent.append((msg, identity))
+
+    swarmx = SwarmX.__new__(SwarmX)   # no sockets: what it sends is recorded
+    swarmx.num_wse, swarmx.wse, swarmx.chief, swarmx.pending = 2, {0: b"w0", 1: b"w1"}, b"chief", {}
+    swarmx.router, swarmx.penv = Router(), SimpleNamespace(rank=0)
+    (loss,) = burst([Message(Msg.LOSS, step=s, meta={"loss": 1.0, "count": 4}) for s in (3, 4)])
+    swarmx.collect(b"w1", loss, frames=[])
+    ((error, to),) = swarmx.router.sent
+    assert to == b"chief" and error.type == Msg.ERROR and "burst of loss from WSE 1 of 2" in error.meta["reason"]
+    assert swarmx.pending == {}
