@@ -24,7 +24,7 @@ from cs_runtime.process.directory_client import DirectoryClient
 from cs_runtime.data.inputs import InputStream, eval_steps
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import hands_out_outputs
-from cs_runtime.wire.protocol import STEPS_AHEAD, JobSettings, Message, Msg, float_arrays
+from cs_runtime.wire.protocol import STEPS_AHEAD, JobSettings, Message, Msg, burst, float_arrays, unburst
 from cs_runtime.process.service import ProcessEnv
 from cs_runtime.run_args import RunError
 from cs_runtime.wire.transport import Endpoint
@@ -95,6 +95,7 @@ class ClusterExecutor:
         self.input_monitor = InputMonitor(self.penv.num_csx, self.penv.num_workers)
         self.pollers: dict[str, zmq.Poller] = {}   # wait's, by the endpoint awaited
         self.sent_ahead: collections.deque = collections.deque()   # TRAIN_STEPs sent before their turn
+        self.arrived: dict[tuple, Message] = {}   # (endpoint, type, step): the later answers of a burst
 
     def dealer(self, role: str, peer: dict) -> Endpoint:
         ep = Endpoint(self.ctx, zmq.DEALER, f"chief->{role}", self.penv.job)
@@ -109,6 +110,9 @@ class ClusterExecutor:
     # ------------------------------------------------------------ waiting
     def wait(self, endpoint: Endpoint, mtype: Msg, step: int = -1) -> Message:
         """Next `mtype` message on `endpoint`, serving workers meanwhile."""
+        early = self.arrived.pop((endpoint.name, mtype, step), None)
+        if early is not None:
+            return early
         poller = self.poller(endpoint)
         while True:
             ready = dict(poller.poll(POLL_MS))
@@ -123,7 +127,9 @@ class ClusterExecutor:
                 got = endpoint.recv(0)
                 if got is None:
                     continue
-                msg = got[1]
+                msg, *later = unburst(got[1])
+                for answer in later:   # a burst's answers for the steps after: asked for next
+                    self.arrived[(endpoint.name, answer.type, answer.step)] = answer
                 if msg.type == mtype and (step < 0 or msg.step == step):
                     return msg
                 self.unexpected(got)
@@ -210,10 +216,12 @@ class ClusterExecutor:
             return
         self.send_step(args)
 
-    def send_step(self, args: tuple) -> None:
-        step, lr, loss_scale, norms = args
-        start = Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr, "loss_scale": loss_scale, "norms": norms})
-        (self.swarmx if self.pipelined else self.memoryx).send(start)
+    def send_step(self, *steps: tuple) -> None:
+        """TRAIN_STEP for each of `steps` ((step, lr, loss_scale, norms), in order): one message."""
+        starts = [Message(Msg.TRAIN_STEP, step=step, meta={"lr": lr, "loss_scale": loss_scale, "norms": norms})
+                  for step, lr, loss_scale, norms in steps]
+        for start in burst(starts):
+            (self.swarmx if self.pipelined else self.memoryx).send(start)
 
     def send_ahead(self, step: int, ahead) -> None:
         """Once no more than half of STEPS_AHEAD steps after `step` are queued, the next ones
@@ -221,13 +229,15 @@ class ClusterExecutor:
         if len(self.sent_ahead) > STEPS_AHEAD // 2:
             return
         last = self.sent_ahead[-1][0] if self.sent_ahead else step
-        while len(self.sent_ahead) < STEPS_AHEAD:
+        going = []
+        while len(self.sent_ahead) + len(going) < STEPS_AHEAD:
             args = ahead(last)
             if args is None:
-                return
-            self.send_step(args)
-            self.sent_ahead.append(tuple(args))
+                break
+            going.append(tuple(args))
             last = args[0]
+        self.send_step(*going)   # one message (protocol.burst)
+        self.sent_ahead.extend(going)
 
     def train_step(self, step: int, lr: float, loss_scale: float = 1.0,
                    norms: bool = True, ahead=None) -> tuple[float, float, bool]:

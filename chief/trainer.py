@@ -450,7 +450,7 @@ class Trainer:
         return self.summaries.writer(split)
 
     def scalar(self, split: str, tag: str, value: float) -> None:
-        self.writer(split).add_scalar(tag, value, self.global_step)
+        self.summaries.scalar(split, tag, value, self.global_step)
 
 
 def as_code(text: str) -> str:

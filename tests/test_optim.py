@@ -356,3 +356,26 @@ def test_the_momentum_loop_is_taken_only_for_plain_momentum():
     for spec in (OptimizerSpec("sgd", momentum=0.9, dampening=0.1), OptimizerSpec("sgd", momentum=0.9, nesterov=True),
                  OptimizerSpec("sgd"), OptimizerSpec("adamw")):
         assert Optimizer(spec)._fused_momentum is None
+
+
+def test_a_sum_of_squares_is_exact_up_to_its_lanes_and_the_c_loop_gives_numpys_bits(monkeypatch):
+    """optim.sum_squares (the gradient norms): within float64 rounding of the exact sum (math.fsum
+    of the exact squares) at every size around the lanes and the numpy chunk; the C loop
+    (_optim.c) and the numpy path give the same bits."""
+    import math
+    rng = np.random.default_rng(5)
+    loops = optim_module._optim_loops
+    lanes, chunk = optim_module.SQUARE_LANES, optim_module.SQUARE_CHUNK
+    for n in (0, 1, lanes - 1, lanes, lanes + 1, 1000, chunk - 1, chunk + 3, 2 * chunk + lanes + 5):
+        g = (rng.standard_normal(n) * 10.0 ** rng.integers(-15, 15)).astype(np.float32)
+        if n > 4:
+            g[:4] = [1e-42, -0.0, 3e38, -1e-30]
+        exact = math.fsum(float(v) * float(v) for v in g)
+        ours = optim_module.sum_squares(g)
+        assert abs(ours - exact) <= 1e-15 * n * exact
+        if loops is not None:
+            monkeypatch.setattr(optim_module, "_optim_loops", None)
+            assert optim_module.sum_squares(g) == ours, n   # numpy's path, the same bits
+            monkeypatch.setattr(optim_module, "_optim_loops", loops)
+    if loops is None:
+        pytest.skip("the optimizer's C loop is not built (no C compiler at install): numpy's path checked alone")

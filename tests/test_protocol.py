@@ -36,9 +36,12 @@ from cs_runtime.wire.protocol import (
     ProtocolError,
     SETTINGS_ARRAY,
     SPAN_ARRAYS,
+    STEPS_AHEAD,
     array_bytes,
+    burst,
     decode,
     encode,
+    unburst,
 )
 from cs_runtime.numerics.model import mlp_spec
 from cs_runtime.numerics.optim import OptimizerSpec
@@ -1101,3 +1104,35 @@ def test_only_weights_and_grads_come_in_groups():
     msg = Message(Msg.LOSS, step=1, meta={"loss": 1.0, "count": 2, "layers": 2})
     with pytest.raises(ProtocolError, match="a group of 2 layers"):
         decode(encode(msg))
+
+
+def test_a_burst_is_one_message_that_gives_back_each_step():
+    """protocol.burst: steps' TRAIN_STEPs (or LOSSes, STEP_DONEs) in one message; decode checks every
+    entry's meta as a message's, and unburst gives the messages back in step order."""
+    steps = [Message(Msg.TRAIN_STEP, job="j", step=s, meta={"lr": 0.1 * s, "loss_scale": 1.0, "norms": s == 6})
+             for s in (4, 5, 6)]
+    (one,) = burst(steps)
+    assert [(m.step, m.meta) for m in unburst(decode(encode(one)))] == [(m.step, m.meta) for m in steps]
+    with_rows = Message(Msg.LOSS, step=1, meta={"loss": 1.0, "count": 2}, arrays={"out": np.zeros(2, np.float32)})
+    plain = Message(Msg.LOSS, step=2, meta={"loss": 1.0, "count": 2})
+    assert burst([with_rows, plain]) == [with_rows, plain]   # arrays: each goes as it is
+    assert burst([plain]) == [plain] and unburst(plain) == [plain]
+
+
+@pytest.mark.parametrize("then, arrays, mtype, words", [
+    ([[3, {"lr": 0.1}]], [], Msg.EVAL_STEP, ("eval_step", "burst")),                  # not a burst type
+    ([[3, {"lr": 0.1}]], [["w", "float32", [1]]], Msg.TRAIN_STEP, ("burst", "arrays")),
+    ([], [], Msg.TRAIN_STEP, ("burst", "0 more")),
+    ([[s, {"lr": 0.1}] for s in range(3, 3 + STEPS_AHEAD)], [], Msg.TRAIN_STEP, ("burst",)),   # too many
+    ([[2, {"lr": 0.1}]], [], Msg.TRAIN_STEP, ("later step",)),                        # not after the first
+    ([[4, {"lr": 0.1}], [3, {"lr": 0.1}]], [], Msg.TRAIN_STEP, ("later step",)),      # not rising
+    ([[3, {"lr": 0.1, "then": []}]], [], Msg.TRAIN_STEP, ("later step",)),            # nested
+    ([[3, {"lr": "fast"}]], [], Msg.TRAIN_STEP, ("train_step", "'lr'")),              # an entry's meta checked
+    ([[3, {"loss": 1.0, "count": 2, "layer_grad_norms": ["x"]}]], [], Msg.LOSS, ("layer_grad_norms",)),
+    ([3], [], Msg.TRAIN_STEP, ("later step",)),
+])
+def test_a_bad_burst_is_refused_naming_what_is_wrong(then, arrays, mtype, words):
+    h = header(mtype, step=2, arrays=arrays)
+    h["meta"]["then"] = then
+    frames = [pack(h)] + [b"\0\0\0\0" for _ in arrays]
+    reject(frames, *words)

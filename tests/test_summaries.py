@@ -83,6 +83,40 @@ def test_scalars_reach_the_file_in_order_through_a_thread_queue(tmp_path):
     assert got == [(step, "loss", pytest.approx(1.0 / step)) for step in range(1, 26)]
 
 
+def read_scalars(folder):
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    (path,) = folder.glob("events*")
+    data, at, got = path.read_bytes(), 0, []
+    while at < len(data):
+        size = struct.unpack("<Q", data[at:at + 8])[0]
+        event = event_pb2.Event.FromString(data[at + 12:at + 12 + size])
+        at += 16 + size
+        got += [(event.step, v.tag, v.simple_value, event.wall_time) for v in event.summary.value]
+    return got
+
+
+def test_held_scalars_are_on_disk_in_order_after_a_flush(tmp_path):
+    """Summaries.scalar holds scalars and hands them to the writer thread SCALAR_BATCH at a time:
+    a flush writes what is held and waits for the thread, so the file has every one, in order,
+    with the wall time of its call, before the writer is closed."""
+    s = Summaries(tmp_path)
+    count = summaries_module.SCALAR_BATCH + 7   # one batch handed over by count, the rest by the flush
+    for step in range(1, count + 1):
+        s.scalar("train", "loss", 1.0 / step, step)
+        s.scalar("train", "rate", float(step), step)
+    held = [(step, tag, value) for step in range(1, count + 1) for tag, value in (("loss", 1.0 / step), ("rate", step))]
+    s.flush()
+    got = read_scalars(tmp_path / "train")
+    assert [g[:2] for g in got] == [h[:2] for h in held]
+    assert [g[2] for g in got] == pytest.approx([h[2] for h in held])
+    assert all(a[3] <= b[3] for a, b in zip(got, got[1:]))   # each its call's wall time, in order
+    s.scalar("train", "loss", 0.5, count + 1)
+    s.close()
+    assert read_scalars(tmp_path / "train")[-1][:3] == (count + 1, "loss", 0.5)
+
+
 @pytest.mark.cluster
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed: nothing to keep out")
 def test_the_chiefs_writer_does_not_import_torch_and_a_script_still_can(tmp_path):

@@ -50,7 +50,8 @@ from cs_runtime.numerics.model import ModelSpec, ShardContext, layer_backward, l
 from cs_runtime.numerics.program_layer import buffers_sent, step_outputs
 from cs_runtime.numerics.precision import encode_arrays, from_bits, scaled, wire_dtype
 from cs_runtime.wire.protocol import (ALL_REDUCE_ARRAY, BATCHES_DONE_EVERY, JobSettings, KeptBuffers, Message,
-                                      Msg, ProtocolError, batch_features, float_arrays, group_message, layer_arrays)
+                                      Msg, ProtocolError, batch_features, float_arrays, group_message, layer_arrays,
+                                      unburst)
 from cs_runtime.process.service import BadInput, ProcessEnv
 from cs_runtime.wire.transport import Endpoint
 from wse.pipelined import PipelinedExecutor
@@ -356,7 +357,9 @@ class WSE:
                 if holding:
                     self.executor.flush()   # about to wait: the chief hears of every step done
                 got = self.up.recv(into=self.kept_weights)
-            self.handle(got[1])
+            first, *later = unburst(got[1])
+            self.backlog.extendleft(reversed(later))   # a burst's later steps: next, before anything newer
+            self.handle(first)
 
     def all_reduce(self, values: np.ndarray) -> np.ndarray:
         """The sum over every WSE of `values` (this WSE's: a float64 vector), for the step's

@@ -12,9 +12,9 @@ computes), so input transfer overlaps compute. The maths stays that of
 sequential minibatch SGD: step s+1 sees the weights step s updated, as on the
 real wafer where each layer's update lands before the next sample reaches it.
 
-Steps come ahead of their turn and losses go up in bursts (protocol.ANSWERS_HELD): a step's LOSS
-is held while further TRAIN_STEPs wait, and every held one goes before anything else is sent and
-before the WSE waits for a message (`flush`).
+Steps come ahead of their turn and losses go up in bursts (protocol.ANSWERS_HELD), each burst one
+message (protocol.burst): a step's LOSS is held while further TRAIN_STEPs wait, and every held one
+goes before anything else is sent and before the WSE waits for a message (`flush`).
 
 Multi-replica: with k replicas the WSE's shard is split in k parts, each
 "copy" of the model computes its own gradients, and the copies' gradients are
@@ -31,7 +31,7 @@ from cs_runtime.numerics.model import ShardContext, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
 from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.data.inputs import take_rows
-from cs_runtime.wire.protocol import ANSWERS_HELD, JobSettings, Message, Msg, batch_features, float_arrays
+from cs_runtime.wire.protocol import ANSWERS_HELD, JobSettings, Message, Msg, batch_features, burst, float_arrays
 
 
 class PipelinedExecutor:
@@ -46,9 +46,9 @@ class PipelinedExecutor:
         self.held: list[Message] = []   # LOSS messages not yet sent (see above)
 
     def flush(self) -> None:
-        """Send the held LOSS messages, in step order."""
+        """Send the held LOSS messages, in step order: one message (protocol.burst)."""
         held, self.held = self.held, []
-        for msg in held:
+        for msg in burst(held):
             self.up.send(msg)
 
     def hold(self, loss: Message) -> None:

@@ -42,8 +42,8 @@ from cs_runtime.numerics.optim import Optimizer, norms_of, squared_norms
 from cs_runtime.numerics.precision import encode_arrays, from_bits, to_bits, unscale_and_check, wire_dtype
 from cs_runtime.wire import shm
 from cs_runtime import trace
-from cs_runtime.wire.protocol import (ANSWERS_HELD, STEP_LOSS, JobSettings, KeptBuffers, Message, Msg, group_message,
-                                      layer_arrays, layer_groups)
+from cs_runtime.wire.protocol import (ANSWERS_HELD, STEP_LOSS, JobSettings, KeptBuffers, Message, Msg, burst,
+                                      group_message, layer_arrays, layer_groups, unburst)
 from cs_runtime.process.service import ProcessEnv, join_cs_system
 from cs_runtime.wire.transport import Endpoint
 
@@ -80,7 +80,7 @@ class MemoryX:
     def flush(self) -> None:
         """Send the held STEP_DONEs, in step order."""
         held, self.held = self.held, []
-        for msg in held:
+        for msg in burst(held):   # one message (protocol.burst)
             self.router.send(msg, self.peers["chief"])
 
     def handle(self, identity: bytes, msg: Message) -> None:
@@ -93,6 +93,8 @@ class MemoryX:
             self.load_model(msg)
             self.router.send(Message(Msg.ACK, meta={"what": "load_model"}), identity)
         elif msg.type == Msg.TRAIN_STEP:
+            msg, *later = unburst(msg)
+            self.queued.extendleft((identity, m) for m in reversed(later))   # their turn: next
             self.train_step(msg.step, float(msg.meta["lr"]), float(msg.meta.get("loss_scale", 1.0)),
                             bool(msg.meta.get("norms", True)))
         elif msg.type == Msg.EVAL_STEP:
@@ -241,7 +243,7 @@ class MemoryX:
         while len(grads) < n:
             identity, msg = self.router.recv(into=into)
             if msg.type == Msg.TRAIN_STEP:   # sent ahead: its turn comes after this step
-                self.queued.append((identity, msg))
+                self.queued.extend((identity, m) for m in unburst(msg))
                 continue
             if msg.type != Msg.GRADS or msg.step != step:
                 self.handle(identity, msg)

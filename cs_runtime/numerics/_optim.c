@@ -8,7 +8,12 @@ rounded as numpy rounds it (no fused multiply-adds: setup.py builds with
 the loop against the numpy passes bit for bit.
 
     sgd_momentum(w, g, buf, momentum, lr)     w, buf written; every buffer float32
-        buf = buf * momentum + g;  w = w - buf * lr                                   */
+        buf = buf * momentum + g;  w = w - buf * lr
+
+A gradient's sum of squares in float64 (optim.squared_norms), in one pass:
+    sum_squares(g)     g float32; element i's square (exact in float64) goes to lane i % LANES,
+        each lane a sum in element order, then the lanes added in lane order: the bits of
+        optim.py's numpy path, which sums the same lanes the same way.                  */
 #include "_loops.h"
 
 VECTOR_CLONES
@@ -40,14 +45,56 @@ static PyObject *sgd_momentum(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define LANES 64   /* optim.SQUARE_LANES */
+
+VECTOR_CLONES
+static double sum_squares_loop(const float *restrict g, Py_ssize_t n) {
+    double lanes[LANES] = {0.0};
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            double v = g[i + j];
+            lanes[j] += v * v;
+        }
+    for (int j = 0; i + j < n; j++) {
+        double v = g[i + j];
+        lanes[j] += v * v;
+    }
+    double total = lanes[0];
+    for (int j = 1; j < LANES; j++)
+        total += lanes[j];
+    return total;
+}
+
+static PyObject *sum_squares(PyObject *self, PyObject *args) {
+    Py_buffer g;
+    double total;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &g))
+        return NULL;
+    if (g.len % sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "a float32 buffer expected");
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    total = sum_squares_loop(g.buf, g.len / (Py_ssize_t)sizeof(float));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&g);
+    return PyFloat_FromDouble(total);
+}
+
 static PyMethodDef methods[] = {
+    {"sum_squares", sum_squares, METH_VARARGS,
+     "sum_squares(float32 g): sum of g's squares in float64, in LANES lanes (optim.squared_norms)"},
     {"sgd_momentum", sgd_momentum, METH_VARARGS,
      "sgd_momentum(float32 w, float32 g, float32 buf, momentum, lr): buf = buf * momentum + g; w -= buf * lr"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_optim", "SGD with momentum's update as one loop (optim.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_optim", "SGD with momentum's update, and a gradient's sum of squares, as one loop each (optim.py).",
+    -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__optim(void) { return module_with_api(&module, 1); }
+PyMODINIT_FUNC PyInit__optim(void) { return module_with_api(&module, 2); }

@@ -267,8 +267,9 @@ class Optimizer:
         return buf
 
 
-# optional: SGD with momentum's update as one C loop (_optim.c), the numpy passes' bits
-_optim_loops = compiled.load("_optim", api=1)
+# optional: SGD with momentum's update and a gradient's sum of squares as C loops (_optim.c),
+# the numpy passes' bits
+_optim_loops = compiled.load("_optim", api=2)
 
 
 def momentum_path() -> str:
@@ -304,9 +305,40 @@ def grad_norms(grads_per_layer, copies: frozenset = frozenset()) -> tuple[float,
 
 def squared_norms(grads: dict[str, np.ndarray]) -> list[float]:
     """Each of one layer's gradients' sum of squares, in float64, in the dict's order."""
-    # einsum widens to float64 a buffer at a time: converting whole arrays
-    # first took longer than a layer's update.
-    return [float(np.einsum("i,i->", g.reshape(-1), g.reshape(-1), dtype=np.float64)) for g in grads.values()]
+    return [sum_squares(g) for g in grads.values()]
+
+
+# A sum of squares is made in this many lanes: element i's square goes to lane i % SQUARE_LANES,
+# each lane summed in element order, then the lanes in lane order. Why: one running sum is a
+# chain of dependent adds (a float64 add's latency per element); independent lanes run side by
+# side. A float32's square is exact in float64, so the lanes' order is the only rounding choice.
+SQUARE_LANES = 64
+
+
+def sum_squares(g: np.ndarray) -> float:
+    """g's sum of squares in float64 (SQUARE_LANES): one C pass (_optim.c) over a float32 array,
+    else numpy a chunk at a time, with the same bits."""
+    flat = g.reshape(-1)
+    if _optim_loops is not None and flat.dtype == np.float32 and flat.flags.c_contiguous:
+        return _optim_loops.sum_squares(flat)
+    lanes = np.zeros(SQUARE_LANES)
+    rows = np.empty((1 + SQUARE_CHUNK // SQUARE_LANES, SQUARE_LANES))   # the lanes so far, then a chunk's squares
+    for start in range(0, flat.size, SQUARE_CHUNK):
+        part = flat[start:start + SQUARE_CHUNK]
+        view = rows[:1 + -(-part.size // SQUARE_LANES)]
+        view[0] = lanes
+        squares = view[1:].reshape(-1)
+        squares[part.size:] = 0.0
+        np.square(part, out=squares[:part.size], dtype=np.float64)
+        # along axis 0 of a C-ordered array numpy adds row after row: each lane in element order
+        lanes = np.add.reduce(view, axis=0)
+    total = 0.0
+    for lane in lanes:
+        total += float(lane)
+    return total
+
+
+SQUARE_CHUNK = SQUARE_LANES << 10   # elements a numpy pass widens at a time (a multiple of the lanes)
 
 
 def norms_of(squares_per_layer, skip: set = frozenset()) -> tuple[float, list[float]]:

@@ -221,6 +221,11 @@ class SwarmX:
                     self.router.forward(frames, self.chief)
             return
         rank = next(r for r, i in self.wse.items() if i == identity)
+        if "then" in msg.meta:   # bursts come from a pipelined WSE, alone: summed, one would count as one step
+            self.router.send(Message(Msg.ERROR, meta={"role": "swarmx", "rank": self.penv.rank, "reason": (
+                f"a burst of {msg.type.value} from WSE {rank} of {self.num_wse}: only one WSE may send one")}),
+                self.chief)
+            return
         key = (msg.type, msg.step, msg.layer, msg.meta.get("what"))
         parts = self.pending.setdefault(key, {})
         parts[rank] = msg
