@@ -47,6 +47,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     capture.py          a torch.nn.Module captured as a program (torch.export)
     tracing.py          compile, @trace, @step_closure, @checkpoint_closure
     recording.py        what the step in progress is doing, read by what records into it
+    csx_grads.py        a parameter's gradient in a CSX step: its norm (MemoryX keeps the values)
     engine.py           the 2.x step engine: one captured program, on the CPU path
     cluster_step.py     a traced step as a job of the emulated CS system
     loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)

@@ -234,6 +234,10 @@ class ClusterRun:
             output = np.array(loss, dtype=np.float32)
         return loss, bool(self.session.applied), output
 
+    def param_grad_norms(self) -> dict[str, float]:
+        """The last step's gradient norm of each parameter, by program name (MemoryX's answer)."""
+        return self.session.executor.param_grad_norms
+
     def sync(self) -> None:
         """The job's current weights into the torch module, its optimizer state into the optimizer."""
         if self.session.executor is None or self.session.mode != "train":

@@ -24,7 +24,9 @@ sets on every run only picks the 16-bit format. The 2.3+ trainer does ask:
 it enables mixed precision for CSX whatever its params say ("Mixed precision
 must be enabled for CSX"), bfloat16 by default, so its CSX runs are reported
 and held to a bound (1e-2 relative in the loss, 1e-3 in the weights, and so
-2 WSEs against 1).
+2 WSEs against 1). With `--float32` the runs get the emulator-only switch
+`CS_EMULATOR_FLOAT32=1`, which keeps them in float32 though the trainer
+enables mixed precision, and are held to the float32 bounds.
 
 The model zoo is not part of this project: bring a checkout of its public
 repository at the release to check. Release_2.1.1's layout (`modelzoo/...`:
@@ -691,13 +693,19 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
         tolerance = max(WEIGHT_ATOL, SPREAD_FACTOR * spread)
         if error / tolerance >= worst[0] / worst[1]:
             worst = (error, tolerance, name)
-    mixed = trainer and target.startswith("CSX")
+    mixed = trainer and target.startswith("CSX") and not float32_switch()
     loss_tol = MIXED_LOSS_RTOL if mixed else LOSS_RTOL
     weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
     ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
     return {**row, "ok": ok, "precision": "mixed bfloat16" if mixed else "float32", "steps": len(steps),
             "loss_rel_err": loss_err, "loss_tol": loss_tol, "weight_err": worst[0], "weight_tol": weight_tol,
             "worst_tensor": worst[2], "losses": [got[s] for s in steps], "final": str(model_dir / f"checkpoint_{STEPS}.mdl")}
+
+
+def float32_switch() -> bool:
+    """Whether the runs keep CSX in float32 though the trainer enables mixed precision (--float32)."""
+    from cs_runtime import env
+    return env.EMULATOR_FLOAT32.get()
 
 
 def same_run(one: dict, two: dict) -> dict:
@@ -790,6 +798,9 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="+", default=["CPU", "CSX1", "CSX2"], choices=["CPU", "CSX1", "CSX2"])
     parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
     parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
+    parser.add_argument("--float32", action="store_true",
+                        help="the 2.3+ trainer's CSX runs in float32 (CS_EMULATOR_FLOAT32=1, an emulator-only "
+                             "switch), held to the float32 bounds")
     parser.add_argument("--count-names", action="store_true",
                         help="only count the cerebras.pytorch names the checkout references that resolve here")
     args = parser.parse_args(argv)
@@ -805,6 +816,8 @@ def main(argv=None) -> int:
     for name in args.models:
         if name not in known:
             parser.error(f"model {name!r}: not known for the {layout} layout (known: {', '.join(known) or 'none'})")
+    if args.float32:
+        os.environ["CS_EMULATOR_FLOAT32"] = "1"    # the runs inherit it
     work = args.work or Path(tempfile.mkdtemp(prefix="modelzoo_oracle_"))
     work.mkdir(parents=True, exist_ok=True)
     extra_path = standins_path(work)

@@ -31,6 +31,7 @@ of all their gradients, so every copy takes the same update and stays equal.
 """
 from __future__ import annotations
 
+import math
 import re
 import weakref
 
@@ -367,6 +368,25 @@ def tied_copies(spec) -> frozenset:
     if cached is None or cached[0]() is not spec:
         cached = _TIED[id(spec)] = (weakref.ref(spec), frozenset(tied_sources(spec)))
     return cached[1]
+
+
+def param_grad_norms(spec, grads: list[dict], squares: list | None = None) -> dict[str, float]:
+    """Each parameter's gradient norm by its program's name, a tied parameter once (its copies hold
+    the same summed gradient): from the layers' gradients, or from their squared norms (optim's
+    squared_norms, in each dict's order) where the step took them already. {} for a built-in model
+    not lowered (its layers name their parameters alike)."""
+    if spec.program is None:
+        return {}
+    from cs_runtime.numerics.optim import squared_norms
+    copies = tied_copies(spec)
+    norms = {}
+    for i, (layer, layer_grads) in enumerate(zip(spec.layers, grads)):
+        names = _program_names(layer)
+        layer_squares = squares[i] if squares is not None else squared_norms(layer_grads)
+        for name, square in zip(layer_grads, layer_squares):
+            if (i, name) not in copies:
+                norms[names.get(name, name)] = math.sqrt(square)
+    return norms
 
 
 def tie_grads(spec, grads: list[dict]) -> list[dict]:
