@@ -457,6 +457,7 @@ class TracedStep:
         run = self._cluster_run()
         if run is not None:
             loss, applied, output = run.step()   # the batch is the workers'; the arguments are this step's copy
+            self.engine.steps += self.training   # the run's step count, as the CPU path keeps it
             held = norm_grads(self.engine.params, run.param_grad_norms()) if self.wants_output and \
                 self.training else None
             return self._effects(loss, {}, cluster_applied=applied, rerun=self._rerun(leaves, output, held))
