@@ -54,6 +54,7 @@ import argparse
 import ast
 import copy
 import importlib
+import itertools
 import json
 import math
 import os
@@ -80,6 +81,10 @@ MIXED_LOSS_RTOL = 1e-2
 MIXED_WEIGHT_ATOL = 1e-3
 STEPS = 6
 SEED = 1
+# The 2.3+ trainer's other flows (--modes): fit with validation every EVAL_EVERY steps, EVAL_STEPS
+# batches each; a run stopped at RESTART_AT (its checkpoint) and run again to STEPS, resuming.
+MODES = ("train", "fit_eval", "restart")
+EVAL_EVERY, EVAL_STEPS, RESTART_AT = 3, 2, 3
 
 
 # ---------------------------------------------------------------- the models
@@ -413,11 +418,14 @@ def standins_path(work: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- the run
-def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str]):
-    """Run the model zoo's run.py; (returncode, output)."""
+def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str],
+            mode: str = "train", fresh: bool = True):
+    """Run the model zoo's run.py (or `cszoo fit`) in `mode` (train, train_and_eval); (returncode, output).
+    `fresh`: in an empty folder (else it resumes from the checkpoint the last run left there)."""
     import yaml
-    shutil.rmtree(out, ignore_errors=True)     # the model zoo resumes from a checkpoint it finds there
-    out.mkdir(parents=True)
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)     # the model zoo resumes from a checkpoint it finds there
+    out.mkdir(parents=True, exist_ok=True)
     params_file = out / "params.yaml"
     params_file.write_text(yaml.safe_dump(params))
     _, root = layout_of(checkout)
@@ -427,7 +435,7 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
         command = [sys.executable, "-m", "cerebras.modelzoo.cli.main", "fit", str(params_file),
                    "--target_device", device, "--model_dir", str(out / "model_dir")]
     else:
-        command = [sys.executable, "run.py", device, "--mode", "train", "--params", str(params_file),
+        command = [sys.executable, "run.py", device, "--mode", mode, "--params", str(params_file),
                    "--model_dir", str(out / "model_dir")]
     if count:
         command += ["--num_csx", count]
@@ -435,17 +443,25 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra_path, str(REPO), str(root), *inherited]))
     result = subprocess.run(command, cwd=root / zoo.folder, env=env, capture_output=True, text=True,
                             timeout=1800)
-    (out / "run.log").write_text(result.stdout + result.stderr)
+    with open(out / "run.log", "a") as log:
+        log.write(result.stdout + result.stderr)
     return result.returncode, result.stdout + result.stderr
 
 
-def run_losses(model_dir: Path) -> dict[int, float]:
-    """The run's `loss` scalars by step: model_dir/train (2.1) or model_dir/events (the 2.3+ trainer)."""
+def run_losses(model_dir: Path, tag: str = "loss") -> dict[int, float] | dict[int, list[float]]:
+    """The run's `loss` scalars by step: model_dir/train (2.1) or model_dir/events (the 2.3+ trainer,
+    every invocation's files). Another tag (the trainer's eval losses): each step's values, in order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     folder = model_dir / "train" if (model_dir / "train").is_dir() else model_dir / "events"
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("loss")}
+    if tag == "loss":
+        return {e.step: e.value for e in acc.Scalars("loss")}
+    found = [t for t in acc.Tags()["scalars"] if t.endswith("/" + tag)]
+    values: dict[int, list[float]] = {}
+    for e in acc.Scalars(found[0]) if found else ():
+        values.setdefault(e.step, []).append(e.value)
+    return values
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -572,8 +588,11 @@ def _load(spec: str):
 
 
 # ---------------------------------------------------------------- the 2.3+ trainer
-def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dict:
-    """The small params of params_for in the 2.3+ trainer's format (trainer: init, fit)."""
+def trainer_params(model: str, data: Path, dropout: str, model_dir: Path, mode: str = "train",
+                   max_steps: int = STEPS) -> dict:
+    """The small params of params_for in the 2.3+ trainer's format (trainer: init, fit); for the
+    fit_eval mode with a validation loader, run every EVAL_EVERY steps for EVAL_STEPS batches; for
+    the restart mode a checkpoint every RESTART_AT steps (the first invocation stops there)."""
     legacy = params_for(model, data, dropout)
     optimizer = dict(legacy["optimizer"])
     kind = {"sgd": "SGD", "adamw": "AdamW", "adam": "Adam"}[optimizer.pop("optimizer_type").lower()]
@@ -584,7 +603,8 @@ def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dic
     init = {"model_dir": str(model_dir), "seed": SEED, "model": {"name": model, **model_section},
             "precision": {"enabled": False, "loss_scaling_factor": 1.0,
                           **({"max_gradient_norm": clip} if clip else {})},
-            "loop": {"max_steps": STEPS}, "checkpoint": {"steps": STEPS, "save_initial_checkpoint": True},
+            "loop": {"max_steps": max_steps},
+            "checkpoint": {"steps": RESTART_AT if mode == "restart" else STEPS, "save_initial_checkpoint": True},
             "logging": {"log_steps": 1}}
     if isinstance(schedule, list):
         init["optimizer"] = {kind: optimizer}
@@ -596,7 +616,11 @@ def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dic
     train = dict(legacy["train_input"])
     if model == "fc_mnist":
         train.update(data_processor="MNISTDataProcessor", split="train")
-    return {"trainer": {"init": init, "fit": {"train_dataloader": train}}}
+    fit = {"train_dataloader": train}
+    if mode == "fit_eval":
+        init["loop"].update(eval_frequency=EVAL_EVERY, eval_steps=EVAL_STEPS)
+        fit["val_dataloader"] = {**train, "split": "val"} if model == "fc_mnist" else dict(train)
+    return {"trainer": {"init": init, "fit": fit}}
 
 
 def trainer_schedule(params: dict):
@@ -608,10 +632,12 @@ def trainer_schedule(params: dict):
     return next(iter(init["optimizer"].values()))["learning_rate"]
 
 
-def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
+def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str, order: list[int] | None = None,
+                  snapshots: dict | None = None):
     """(losses, final state dict) of torch eager: the model zoo's model from the run's initial weights,
-    the batches of the loader its trainer config makes, the param groups its configure_param_groups
-    makes, the optimizer, schedule and clipping of its params, in `dtype`."""
+    the batches of the loader its trainer config makes (in `order`: their indices, one a step), the
+    param groups its configure_param_groups makes, the optimizer, schedule and clipping of its params,
+    in `dtype`. `snapshots`: {step: None} is filled with the state dict after each such step."""
     from cs_torch.oracle import torch_dropout_with_run_masks
     import torch
     from cerebras.modelzoo.common.optim_utils import configure_param_groups
@@ -633,6 +659,7 @@ def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
     config = validate_trainer_params(copy.deepcopy(params))[0]
     loader = create_dataloader_from_config(config.fit.train_dataloader).dataloader
     batches = batches_of(loader, STEPS, dtype)
+    batches = [batches[i] for i in order] if order is not None else batches
     clip = init["precision"].get("max_gradient_norm")
     schedule = trainer_schedule(params)
     losses = []
@@ -648,27 +675,82 @@ def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
+        if snapshots is not None and step + 1 in snapshots:
+            snapshots[step + 1] = copy.deepcopy(model.state_dict())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def eager_eval(zoo: ZooModel, params: dict, state: dict) -> list[float]:
+    """torch eager's loss of the model zoo's model with `state` on each of the validation loader's
+    first EVAL_STEPS batches (float32)."""
+    import torch
+    from cerebras.modelzoo.trainer.utils import create_dataloader_from_config
+    from cerebras.modelzoo.trainer.validate import validate_trainer_params
+    model = _load(zoo.model)(copy.deepcopy(params["trainer"]["init"]["model"]))
+    model.load_state_dict(state)
+    model.eval()
+    config = validate_trainer_params(copy.deepcopy(params))[0]
+    val = config.fit.val_dataloader
+    loader = create_dataloader_from_config(val[0] if isinstance(val, list) else val).dataloader
+    losses = []
+    with torch.no_grad():
+        for batch in batches_of(loader, EVAL_STEPS, torch.float32):
+            output = model(batch)
+            losses.append(float(output["loss"] if isinstance(output, dict) else output))
+    return losses
+
+
+def restarts_its_data(params: dict) -> bool:
+    """Whether the trainer's train loader starts its data anew when a run resumes: a torch DataLoader
+    keeps no place; the model zoo's RestartableDataLoader saves it in the checkpoint."""
+    from cerebras.modelzoo.data.common.restartable_dataloader import RestartableDataLoader
+    from cerebras.modelzoo.trainer.utils import create_dataloader_from_config
+    from cerebras.modelzoo.trainer.validate import validate_trainer_params
+    config = validate_trainer_params(copy.deepcopy(params))[0]
+    return not isinstance(create_dataloader_from_config(config.fit.train_dataloader).dataloader,
+                          RestartableDataLoader)
+
+
 # ---------------------------------------------------------------- one check
+def run_mode(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str],
+             mode: str):
+    """The model zoo's runs of a mode: one, or for restart one stopped at RESTART_AT and one resumed
+    from its checkpoint to STEPS (the same model_dir); (returncode, output) of the last that ran."""
+    if mode != "restart":
+        return run_zoo(checkout, zoo, params, target, out, extra_path,
+                       mode="train_and_eval" if mode == "fit_eval" else "train")
+    stopped = copy.deepcopy(params)
+    stopped["trainer"]["init"]["loop"]["max_steps"] = RESTART_AT
+    code, output = run_zoo(checkout, zoo, stopped, target, out, extra_path)
+    if code != 0:
+        return code, output
+    return run_zoo(checkout, zoo, params, target, out, extra_path, fresh=False)
+
+
 def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str],
-          layout: str = "2.1") -> dict:
+          layout: str = "2.1", mode: str = "train") -> dict:
     data = make_data(zoo.name, work / "data")
-    out = work / f"{zoo.name}_{target}_{dropout}"
+    out = work / (f"{zoo.name}_{target}_{dropout}" + ("" if mode == "train" else f"_{mode}"))
     model_dir = out / "model_dir"
     trainer = layout == "2.3+"
-    params = trainer_params(zoo.name, data, dropout, model_dir) if trainer else params_for(zoo.name, data, dropout)
-    code, output = run_zoo(checkout, zoo, params, target, out, extra_path)
-    row = {"model": zoo.name, "target": target, "dropout": dropout, "entry": zoo.entry}
+    params = trainer_params(zoo.name, data, dropout, model_dir, mode) if trainer else \
+        params_for(zoo.name, data, dropout)
+    code, output = run_mode(checkout, zoo, params, target, out, extra_path, mode)
+    row = {"model": zoo.name, "target": target, "dropout": dropout, "entry": zoo.entry, "mode": mode}
     if code != 0:
         lines = [ln for ln in output.strip().splitlines() if ln.strip()]
         return {**row, "ok": False, "error": f"{zoo.entry} exited {code}: {lines[-1] if lines else ''}",
                 "log": str(out / "run.log")}
     first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
+    snapshots = {step: None for step in range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)} if mode == "fit_eval" else None
+    # Each train loop of a run (fit_eval: between validations) and a resumed run read the data from
+    # the start again where the loader keeps no place.
+    stop = {"fit_eval": EVAL_EVERY, "restart": RESTART_AT}.get(mode)
+    order = [step % stop for step in range(STEPS)] if stop and trainer and restarts_its_data(params) else None
     if trainer:
         def eager_run(dtype):
-            return eager_trainer(zoo, params, first["model"], dtype)
+            return eager_trainer(zoo, params, first["model"], dtype, order,
+                                 snapshots if dtype == "float32" else None)
     else:
         saved = first["__metadata__"][0]["params"]     # the params the run saved, as it read them
 
@@ -697,6 +779,16 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
     loss_tol = MIXED_LOSS_RTOL if mixed else LOSS_RTOL
     weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
     ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
+    if snapshots:   # the eval losses, against torch eager's of the eager weights at those steps
+        evals = run_losses(model_dir, "val_loss")
+        want = {step: eager_eval(zoo, params, state) for step, state in snapshots.items()}
+        eval_err = max((abs(a - b) / max(abs(b), 1e-30) for step, values in want.items()
+                        for a, b in zip(evals.get(step, []), values)), default=math.inf)
+        row.update(eval_steps={step: len(v) for step, v in evals.items()}, eval_rel_err=eval_err)
+        ok = ok and eval_err <= loss_tol and {s: len(v) for s, v in evals.items()} == \
+            {s: EVAL_STEPS for s in snapshots}
+    if order is not None:
+        row["data"] = f"anew every {stop} steps"
     return {**row, "ok": ok, "precision": "mixed bfloat16" if mixed else "float32", "steps": len(steps),
             "loss_rel_err": loss_err, "loss_tol": loss_tol, "weight_err": worst[0], "weight_tol": weight_tol,
             "worst_tensor": worst[2], "losses": [got[s] for s in steps], "final": str(model_dir / f"checkpoint_{STEPS}.mdl")}
@@ -712,7 +804,7 @@ def same_run(one: dict, two: dict) -> dict:
     """2 WSEs against 1: the float32 bounds (SwarmX sums the WSEs' gradients in another order than
     one WSE's batch sum, so they may differ in the last bits); the mixed-precision bound where the
     runs were mixed (each WSE's gradients leave it in 16 bits before SwarmX sums them)."""
-    row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"]}
+    row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"], "mode": one.get("mode")}
     if not (one.get("losses") and two.get("losses")):
         return {**row, "ok": False, "error": "a run did not finish"}
     loss_err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(two["losses"], one["losses"]))
@@ -798,6 +890,9 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="+", default=["CPU", "CSX1", "CSX2"], choices=["CPU", "CSX1", "CSX2"])
     parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
     parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
+    parser.add_argument("--modes", nargs="+", default=["train"], choices=MODES,
+                        help="the 2.3+ trainer's flows: train; fit_eval (fit with validation every "
+                             f"{EVAL_EVERY} steps); restart (stopped at step {RESTART_AT}, resumed to {STEPS})")
     parser.add_argument("--float32", action="store_true",
                         help="the 2.3+ trainer's CSX runs in float32 (CS_EMULATOR_FLOAT32=1, an emulator-only "
                              "switch), held to the float32 bounds")
@@ -824,16 +919,17 @@ def main(argv=None) -> int:
     sys.path[:0] = [*extra_path, str(REPO), str(root)]
     runpy.run_path(str(Path(extra_path[0]) / "sitecustomize.py"))    # the runs' stand-ins, here too
     rows = []
-    for name in args.models:
-        for dropout in args.dropout:
-            for target in args.targets:
-                row = check(args.checkout, known[name], target, dropout, work, extra_path, layout)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
-                rows.append(row)
-            runs = {r["target"]: r for r in rows if r["model"] == name and r["dropout"] == dropout}
-            if "CSX1" in runs and "CSX2" in runs:
-                rows.append(same_run(runs["CSX1"], runs["CSX2"]))
-                print(json.dumps(rows[-1]), flush=True)
+    if layout != "2.3+" and args.modes != ["train"]:
+        parser.error("--modes other than train are the 2.3+ trainer's (a src/cerebras/modelzoo checkout)")
+    for name, mode, dropout in itertools.product(args.models, args.modes, args.dropout):
+        for target in args.targets:
+            row = check(args.checkout, known[name], target, dropout, work, extra_path, layout, mode)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
+            rows.append(row)
+        runs = {r["target"]: r for r in rows if (r["model"], r["dropout"], r.get("mode")) == (name, dropout, mode)}
+        if "CSX1" in runs and "CSX2" in runs:
+            rows.append(same_run(runs["CSX1"], runs["CSX2"]))
+            print(json.dumps(rows[-1]), flush=True)
     failed = [r for r in rows if not r["ok"]]
     print(f"modelzoo_oracle: {len(rows) - len(failed)} of {len(rows)} checks pass (work folder {work})")
     return 1 if failed else 0
