@@ -82,8 +82,12 @@ MIXED_WEIGHT_ATOL = 1e-3
 STEPS = 6
 SEED = 1
 # The 2.3+ trainer's other flows (--modes): fit with validation every EVAL_EVERY steps, EVAL_STEPS
-# batches each; a run stopped at RESTART_AT (its checkpoint) and run again to STEPS, resuming.
-MODES = ("train", "fit_eval", "restart")
+# batches each; a run stopped at RESTART_AT (its checkpoint) and run again to STEPS, resuming;
+# validate: after training (a checkpoint every EVAL_EVERY steps), eval of the last checkpoint and
+# eval_all of each (run.py --mode eval / eval_all, `cszoo validate` / `validate_all`).
+MODES = ("train", "fit_eval", "restart", "validate")
+# run.py's --mode -> the model zoo CLI's command
+CSZOO_COMMANDS = {"train": "fit", "train_and_eval": "fit", "eval": "validate", "eval_all": "validate_all"}
 EVAL_EVERY, EVAL_STEPS, RESTART_AT = 3, 2, 3
 
 
@@ -432,7 +436,7 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
     _, _, count = target.partition("CSX")
     device = "CSX" if count else "CPU"
     if zoo.entry == "cszoo":    # the model zoo CLI (the `cszoo` console script is this module's main)
-        command = [sys.executable, "-m", "cerebras.modelzoo.cli.main", "fit", str(params_file),
+        command = [sys.executable, "-m", "cerebras.modelzoo.cli.main", CSZOO_COMMANDS[mode], str(params_file),
                    "--target_device", device, "--model_dir", str(out / "model_dir")]
     else:
         command = [sys.executable, "run.py", device, "--mode", mode, "--params", str(params_file),
@@ -604,7 +608,8 @@ def trainer_params(model: str, data: Path, dropout: str, model_dir: Path, mode: 
             "precision": {"enabled": False, "loss_scaling_factor": 1.0,
                           **({"max_gradient_norm": clip} if clip else {})},
             "loop": {"max_steps": max_steps},
-            "checkpoint": {"steps": RESTART_AT if mode == "restart" else STEPS, "save_initial_checkpoint": True},
+            "checkpoint": {"steps": {"restart": RESTART_AT, "validate": EVAL_EVERY}.get(mode, STEPS),
+                           "save_initial_checkpoint": True},
             "logging": {"log_steps": 1}}
     if isinstance(schedule, list):
         init["optimizer"] = {kind: optimizer}
@@ -617,10 +622,22 @@ def trainer_params(model: str, data: Path, dropout: str, model_dir: Path, mode: 
     if model == "fc_mnist":
         train.update(data_processor="MNISTDataProcessor", split="train")
     fit = {"train_dataloader": train}
+    if mode in ("fit_eval", "validate"):
+        fit["val_dataloader"] = {**train, "split": "val"} if model == "fc_mnist" else dict(train)
     if mode == "fit_eval":
         init["loop"].update(eval_frequency=EVAL_EVERY, eval_steps=EVAL_STEPS)
-        fit["val_dataloader"] = {**train, "split": "val"} if model == "fc_mnist" else dict(train)
     return {"trainer": {"init": init, "fit": fit}}
+
+
+def validate_params(params: dict, model_dir: Path, checkpoints: list[Path]) -> dict:
+    """The trainer params of an eval of the last checkpoint (one given) or an eval_all of each."""
+    init = {k: v for k, v in params["trainer"]["init"].items() if k != "checkpoint"}
+    init.update(model_dir=str(model_dir), loop={"eval_steps": EVAL_STEPS})
+    val = params["trainer"]["fit"]["val_dataloader"]
+    if len(checkpoints) == 1:
+        return {"trainer": {"init": init, "validate": {"val_dataloader": val, "ckpt_path": str(checkpoints[0])}}}
+    return {"trainer": {"init": init, "validate_all": {"val_dataloaders": [val],
+                                                       "ckpt_paths": [str(c) for c in checkpoints]}}}
 
 
 def trainer_schedule(params: dict):
@@ -742,7 +759,8 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
         return {**row, "ok": False, "error": f"{zoo.entry} exited {code}: {lines[-1] if lines else ''}",
                 "log": str(out / "run.log")}
     first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
-    snapshots = {step: None for step in range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)} if mode == "fit_eval" else None
+    snapshots = {step: None for step in range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)} \
+        if mode in ("fit_eval", "validate") else None
     # Each train loop of a run (fit_eval: between validations) and a resumed run read the data from
     # the start again where the loader keeps no place.
     stop = {"fit_eval": EVAL_EVERY, "restart": RESTART_AT}.get(mode)
@@ -780,13 +798,15 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
     weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
     ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
     if snapshots:   # the eval losses, against torch eager's of the eager weights at those steps
-        evals = run_losses(model_dir, "val_loss")
         want = {step: eager_eval(zoo, params, state) for step, state in snapshots.items()}
-        eval_err = max((abs(a - b) / max(abs(b), 1e-30) for step, values in want.items()
-                        for a, b in zip(evals.get(step, []), values)), default=math.inf)
-        row.update(eval_steps={step: len(v) for step, v in evals.items()}, eval_rel_err=eval_err)
-        ok = ok and eval_err <= loss_tol and {s: len(v) for s, v in evals.items()} == \
-            {s: EVAL_STEPS for s in snapshots}
+        runs = [("fit", run_losses(model_dir, "val_loss"), list(snapshots))] if mode == "fit_eval" else \
+            validate_runs(checkout, zoo, params, target, out, extra_path, snapshots)
+        for name, evals, steps_evaluated in runs:
+            eval_err = max((abs(a - b) / max(abs(b), 1e-30) for step, values in want.items()
+                            for a, b in zip(evals.get(step, []), values)), default=math.inf)
+            counts = {step: len(v) for step, v in evals.items()}
+            row[f"eval_{name}"] = {"steps": counts, "rel_err": eval_err}
+            ok = ok and eval_err <= loss_tol and counts == {s: EVAL_STEPS for s in steps_evaluated}
     if order is not None:
         row["data"] = f"anew every {stop} steps"
     return {**row, "ok": ok, "precision": "mixed bfloat16" if mixed else "float32", "steps": len(steps),
@@ -798,6 +818,22 @@ def float32_switch() -> bool:
     """Whether the runs keep CSX in float32 though the trainer enables mixed precision (--float32)."""
     from cs_runtime import env
     return env.EMULATOR_FLOAT32.get()
+
+
+def validate_runs(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str],
+                  snapshots: dict) -> list:
+    """The model zoo's eval of the last checkpoint and eval_all of each: [(mode, its val_loss by step,
+    the steps it evaluated)] (an empty val_loss where a run failed: its log says why)."""
+    model_dir = out / "model_dir"
+    checkpoints = [model_dir / f"checkpoint_{step}.mdl" for step in snapshots]
+    runs = []
+    for mode, chosen in (("eval", checkpoints[-1:]), ("eval_all", checkpoints)):
+        folder = out / mode
+        settings = validate_params(params, folder / "model_dir", chosen)
+        code, _ = run_zoo(checkout, zoo, settings, target, folder, extra_path, mode=mode)
+        evals = run_losses(folder / "model_dir", "val_loss") if code == 0 else {}
+        runs.append((mode, evals, [int(c.stem.split("_")[1]) for c in chosen]))
+    return runs
 
 
 def same_run(one: dict, two: dict) -> dict:

@@ -132,6 +132,12 @@ def test_infer_batch_size_and_the_glob_filters():
     assert convert_glob_to_regex("*.bias").search("layer.bias") and not convert_glob_to_regex("*.bias").search("bias2")
 
 
+def test_each_dataloader_has_an_id_of_its_own():
+    """The trainer names a validation loader's stage and name scope by its id."""
+    first, second = (cstorch.utils.data.DataLoader(lambda: [1]) for _ in range(2))
+    assert isinstance(first.id, int) and first.id != second.id
+
+
 def test_call_once_and_the_rate_tracker():
     calls = []
 

@@ -97,7 +97,7 @@ class PipelinedExecutor:
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
         meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                 "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}
-        if norms:   # the summed gradients, unscaled in place by the update
+        if norms and self.spec.program is not None:   # the summed gradients, unscaled in place by the update
             meta["param_grad_norms"] = program_layer.param_grad_norms(self.spec, total)
         self.hold(Message(Msg.LOSS, step=step, meta=meta, arrays=joined(outputs)))
 
