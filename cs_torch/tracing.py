@@ -470,8 +470,16 @@ class TracedStep:
             grads = {}
             loss, output = self.engine.evaluate(arrays, output=True) if self.wants_output else \
                 (self.engine.evaluate(arrays), None)
-        held = {p: torch.from_numpy(np.asarray(g, dtype=np.float32)).view_as(p) for p, g in grads.items()}
-        return self._effects(loss, grads, rerun=self._rerun(leaves, output, held))
+        return self._effects(loss, grads, rerun=self._rerun(leaves, output, self._held_grads(grads, scaler)))
+
+    def _held_grads(self, grads: dict, scaler) -> dict | None:
+        """The CPU backend's gradients as the rerun's parameters hold them: unscaled, as after the
+        GradScaler's unscale_ (the step reads a norm after it), as MemoryX's norms are on CSX."""
+        if not (self.wants_output and grads):
+            return None
+        scale = np.float32(scaler.scale_value()) if scaler is not None else np.float32(1.0)
+        return {p: torch.from_numpy(np.asarray(g, dtype=np.float32) if scale == 1.0 else
+                                    np.asarray(g, dtype=np.float32) / scale).view_as(p) for p, g in grads.items()}
 
     def _rerun(self, leaves, output, grads: dict | None = None):
         """(the step's return value, its closures' and summaries' arguments in order, its loss), the step
