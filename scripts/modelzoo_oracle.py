@@ -3,6 +3,7 @@
     python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout [--models fc_mnist gpt2 bert]
                                       [--targets CPU CSX1 CSX2] [--dropout zero shipped] [--work DIR]
     python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout --count-names
+    python scripts/modelzoo_oracle.py /path/to/2.3+-checkout --modes train fit_eval restart validate --float32
 
 For each model and target this makes a small data set and a small params
 file (2 layers, hidden 64, sequence 64), runs the checkout's run.py as a user
@@ -26,7 +27,14 @@ must be enabled for CSX"), bfloat16 by default, so its CSX runs are reported
 and held to a bound (1e-2 relative in the loss, 1e-3 in the weights, and so
 2 WSEs against 1). With `--float32` the runs get the emulator-only switch
 `CS_EMULATOR_FLOAT32=1`, which keeps them in float32 though the trainer
-enables mixed precision, and are held to the float32 bounds.
+enables mixed precision, and are held to the float32 bounds. The 2.3+ trainer
+also logs the gradient norm (ComputeNorm's `model_wise_grad_norm`), checked
+against torch eager's before clipping; `--modes` adds its other flows: fit
+with validation (`fit_eval`: the eval losses against torch eager of the eager
+weights), a run stopped at its checkpoint and resumed (`restart`), and eval /
+eval_all of the trained checkpoints (`validate`). A torch DataLoader keeps no
+place, so each train loop and a resumed run read its data anew: torch eager
+takes the batches in that order.
 
 The model zoo is not part of this project: bring a checkout of its public
 repository at the release to check. Release_2.1.1's layout (`modelzoo/...`:
@@ -941,7 +949,8 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
     parser.add_argument("--modes", nargs="+", default=["train"], choices=MODES,
                         help="the 2.3+ trainer's flows: train; fit_eval (fit with validation every "
-                             f"{EVAL_EVERY} steps); restart (stopped at step {RESTART_AT}, resumed to {STEPS})")
+                             f"{EVAL_EVERY} steps); restart (stopped at step {RESTART_AT}, resumed to {STEPS}); "
+                             "validate (eval and eval_all of the trained checkpoints)")
     parser.add_argument("--float32", action="store_true",
                         help="the 2.3+ trainer's CSX runs in float32 (CS_EMULATOR_FLOAT32=1, an emulator-only "
                              "switch), held to the float32 bounds")
