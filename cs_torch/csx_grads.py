@@ -19,10 +19,13 @@ from .nn import CsTorchError
 _NORMS = {torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm}
 _POWERS = {torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.square, torch.Tensor.square}
 _SUMS = {torch.sum, torch.Tensor.sum}
+_DESCRIBING_ATTRIBUTES = {"grad_fn", "is_leaf", "requires_grad", "shape", "dtype", "device", "ndim", "layout",
+                          "is_sparse", "is_cuda", "is_meta", "is_nested", "is_quantized", "names", "output_nr"}
+_CLEARING = {torch.Tensor.zero_, torch.Tensor.detach_, torch.Tensor.requires_grad_}
 # What reading a tensor's description costs nothing and tells nothing of its values.
 _DESCRIPTIONS = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
                  torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.requires_grad.__get__,
-                 torch.Tensor.is_sparse.__get__, torch.Tensor.layout.__get__, torch.Tensor.__repr__}
+                 torch.Tensor.is_sparse.__get__, torch.Tensor.layout.__get__}
 
 
 class GradientNorm(torch.Tensor):
@@ -35,13 +38,19 @@ class GradientNorm(torch.Tensor):
         tensor.grad_norm, tensor.squared = float(norm), squared
         return tensor
 
+    def __repr__(self) -> str:
+        return f"GradientNorm(shape={tuple(self.shape)}, norm={self.grad_norm}{', squared' if self.squared else ''})"
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         subject = args[0] if args else None
-        if func in _DESCRIPTIONS or not isinstance(subject, GradientNorm):
+        if func in _DESCRIPTIONS or _describes(func) or not isinstance(subject, GradientNorm):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _CLEARING:   # optimizer.zero_grad(set_to_none=False): the rerun's gradients end
+            subject.grad_norm = 0.0 if func is torch.Tensor.zero_ else subject.grad_norm
+            return subject
         dtype = kwargs.get("dtype") or subject.dtype
         if func in _NORMS and not subject.squared and _whole_two_norm(args, kwargs):
             return torch.tensor(subject.grad_norm, dtype=dtype)
@@ -49,9 +58,20 @@ class GradientNorm(torch.Tensor):
             return GradientNorm(subject, subject.grad_norm, squared=True)
         if func in _SUMS and subject.squared and len(args) == 1 and kwargs.get("dim") is None:
             return torch.tensor(subject.grad_norm ** 2, dtype=dtype)
-        raise CsTorchError(f"CSX backend: a step reads its gradients with {getattr(func, '__name__', func)}; on "
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":   # an attribute: name it
+            name = "." + getattr(getattr(func, "__self__", None), "__name__", "?")
+        raise CsTorchError(f"CSX backend: a step reads its gradients with {name}; on "
                            "CSX they stay in MemoryX and the step sees each one's norm only (torch.norm(p.grad), "
                            "p.grad.pow(2).sum()); use backend('CPU') to read their values")
+
+
+def _describes(func) -> bool:
+    """An attribute read that tells nothing of the values (grad_fn, is_leaf, ndim, ...); .data and
+    the like would, and stay refused."""
+    if getattr(func, "__name__", "") != "__get__":
+        return False
+    return getattr(getattr(func, "__self__", None), "__name__", "") in _DESCRIBING_ATTRIBUTES
 
 
 def _whole_two_norm(args, kwargs) -> bool:

@@ -519,9 +519,12 @@ def test_a_gradient_on_csx_gives_its_norm_as_torch_reads_it_and_nothing_else() -
     for read in (torch.norm(grad), grad.norm(), torch.linalg.vector_norm(grad), torch.norm(grad, p=2)):
         assert float(read) == 5.0
     assert float(torch.pow(grad, 2.0).sum()) == 25.0 and float(torch.sum(grad ** 2)) == 25.0
-    for values_needed in (lambda g: g * 2, lambda g: g.norm(p=1), lambda g: g.sum(), lambda g: g.abs()):
+    for values_needed in (lambda g: g * 2, lambda g: g.norm(p=1), lambda g: g.sum(), lambda g: g.abs(),
+                          lambda g: g.data, lambda g: g.item()):
         with pytest.raises(CsTorchError, match="stay in MemoryX"):
             values_needed(grad)
+    torch.optim.SGD([param], lr=0.1).zero_grad(set_to_none=False)     # the rerun's gradients end
+    assert float(torch.norm(param.grad)) == 0.0
     tied = torch.nn.Parameter(torch.ones(2))       # one parameter under two program names
     grads = norm_grads({"embedding.weight": tied, "head.weight": tied, "w": param}, {"head.weight": 1.0, "w": 2.0})
     assert {float(g.grad_norm) for g in grads.values()} == {1.0, 2.0} and len(grads) == 2
