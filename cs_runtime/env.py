@@ -113,6 +113,8 @@ LOG_LEVEL = Var("CS_LOG_LEVEL", "INFO", str.upper, "logging level of every proce
 SYSTEM = Var("CS_SYSTEM", "", text, "HOST:PORT of the CS system csctl talks to (its --cs_ip)")
 SYSTEM_KEY = Var("CS_SYSTEM_KEY", "", str.strip, "the CS system's front-door public key (Z85), if not fetched")
 USER_DIR = Var("CS_USER_DIR", "", text, "folder of the owner credential (default ~/.cs_emulator)")
+EMULATOR_FLOAT32 = Var("CS_EMULATOR_FLOAT32", False, switch, "emulator only, not in the real API: 1 trains in "
+                       "float32 even where the script enables mixed precision (cs_torch/amp.py)")
 
 # ---------------------------------------------------------------- one program to its children
 AWAIT_JOB = Var("CS_AWAIT_JOB", False, switch, "a pooled service: wait for the job on stdin (CS system)",

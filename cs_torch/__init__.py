@@ -51,6 +51,7 @@ docs/cstorch.md. The 1.x API is cs_torch.cbtorch.
     recording.py        what the step in progress is doing, read by what records into it
     cirh.py             cstorch.cirh: the CS system's sampling kernels by name (FusedTopK, FusedTopP)
     profiler.py         cstorch.profiler: profile / schedule, the units of a range of steps timed (CPU backend)
+    csx_grads.py        a parameter's gradient in a CSX step: its norm (MemoryX keeps the values)
     engine.py           the 2.x step engine: one captured program, on the CPU path
     cluster_step.py     a traced step as a job of the emulated CS system
     loader_replay.py    a torch DataLoader's order replayed epoch by epoch for a CSX run (user and input workers)

@@ -16,6 +16,12 @@ trains only in mixed precision, the emulator in float32 unless asked, so that
 a run's numbers are torch eager's (the model zoo's 2.1 flow sets the half
 dtype on every run and passes `mixed_precision` to its CPU backend only).
 
+`CS_EMULATOR_FLOAT32=1` (an emulator-only switch, no part of the real API)
+keeps every program in float32 even where the script enables mixed precision:
+the 2.3+ trainer enables it for every CSX run whatever its params say, and
+with the switch its CSX runs can be held to torch eager's float32 numbers.
+The first time it overrides a request it says so in one line.
+
     grad_scaler = cstorch.amp.GradScaler(loss_scale="dynamic")
     ...
     grad_scaler.scale(loss).backward()
@@ -35,12 +41,15 @@ import math
 
 import numpy as np
 
+from cs_runtime import env
+
 from .backends import note
 from .nn import CsTorchError
 from .recording import probing, replaying
 
 HALF_DTYPES = ("float16", "bfloat16", "cbfloat16")
 _half = {"dtype": "float16", "enabled": False}   # enabled: enable_mixed_precision's
+_overridden = []   # the switch's line, once it was said
 
 
 def set_half_dtype(dtype):
@@ -64,7 +73,14 @@ def mixed_precision() -> bool:
     """Whether mixed precision is on: enable_mixed_precision() turned it on, or the backend was
     made with mixed_precision=True."""
     from .backends import _current
-    return _half["enabled"] or getattr(_current, "mixed_precision", False)
+    asked = _half["enabled"] or getattr(_current, "mixed_precision", False)
+    if asked and env.EMULATOR_FLOAT32.get():
+        if not _overridden:
+            _overridden.append(True)
+            note(f"{env.EMULATOR_FLOAT32.name}=1: mixed precision was enabled, the emulator trains in float32 "
+                 "(an emulator-only switch, not part of the real API)")
+        return False
+    return asked
 
 
 def get_floating_point_dtype():

@@ -508,6 +508,7 @@ class _Lowering:
             elif spec.kind == torch.export.graph_signature.OutputKind.BUFFER_MUTATION:
                 self.fx_node = _first_op(arg)
                 if not _batch_norm_state(arg, spec.target):
+                    self._refuse_a_metric_inside(_strip(spec.target))
                     raise self.error(f"the forward updates buffer {_strip(spec.target)!r} in place; a run carries "
                                      "only BatchNorm's running statistics from step to step")
                 if not self.dropout:
@@ -538,6 +539,20 @@ class _Lowering:
         return _DTYPES[val.dtype]
 
     # ------------------------------------------------------------ ops
+
+    def _refuse_a_metric_inside(self, buffer: str) -> None:
+        """A cstorch.metrics metric the model's own forward calls (the model zoo's GPT-2 and BERT in
+        eval, compute_eval_metrics): its state is not a program's; refused in one line that says so."""
+        from .metrics import Metric
+        owner, _, _ = buffer.rpartition(".")
+        try:
+            module = self.model.get_submodule(_strip(owner))
+        except AttributeError:
+            return
+        if isinstance(module, Metric):
+            raise self.error(f"the model's forward calls the metric {owner!r} ({type(module).__name__}); a metric "
+                             "inside the compiled model is not emulated: call it in the step on the model's "
+                             "outputs (the model zoo: model compute_eval_metrics: false)")
 
     def error(self, what: str) -> CaptureError:
         return CaptureError(f"{_located(self.fx_node)}: {what}")

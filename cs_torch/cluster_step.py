@@ -132,6 +132,7 @@ class _Session(session_mod.Session):
     scale_of = None
     applied = True
     loss_scaled = False     # a GradScaler scales the loss: MemoryX unscales, and skips overflowed steps
+    opt_state_of = None     # () -> the optimizer's state in MemoryX's slots, by program name
     report_eval = True   # False: the program's loss is a stand-in (a 1.x eval loop computes its own)
 
     def optimizer_section(self) -> dict:
@@ -142,6 +143,18 @@ class _Session(session_mod.Session):
         if not self.report_eval:
             self._eval["count"] = 0
         super()._finish(exc)
+
+    def starting_state(self, start):
+        """A 2.x loop's job starts from its optimizer's state as it is now (the moments and step counts
+        an earlier loop of the run, or a checkpoint the script loaded, left), not from zeros."""
+        if self.opt_state_of is not None and self.mode == "train":
+            given = self.opt_state_of()
+            for layer in start.opt_state.values():
+                for name, slots in layer.items():
+                    for slot, value in given.get(name, {}).items():
+                        if slot in slots:
+                            slots[slot] = np.array(value, dtype=np.float32).reshape(np.shape(slots[slot]))
+        return start
 
     def save_checkpoint(self):
         """None: a 2.x loop's checkpoints are the script's (checkpoint closures, cstorch.save), taken
@@ -174,13 +187,27 @@ def _clipping(effects, params: dict) -> float | None:
     return clips[0][2]
 
 
+def memoryx_slots(optimizer, params: dict) -> dict:
+    """The optimizer's state of each parameter (program name -> parameter) in MemoryX's slot names
+    (ClusterRun.sync's converse): {name: {slot: value}}; a parameter without state is left out."""
+    torch_names = {torch_name: slot for slot, torch_name in _SLOT_NAMES.items()}
+    slots = {}
+    for name, param in params.items():
+        state = optimizer.state.get(param) or {}
+        given = {torch_names.get(key, key): value for key, value in state.items() if value is not None}
+        slots[name] = {slot: np.asarray(value.detach().numpy() if isinstance(value, torch.Tensor) else value,
+                                        dtype=np.float32) for slot, value in given.items()}
+    return {name: value for name, value in slots.items() if value}
+
+
 class ClusterRun:
     """One job: a captured program, for the steps of one loop. `params` maps the program's
     parameter names to the module's parameters; `batch_of(i)` is the i-th step's batch handle
     (the input workers'); with `return_output` each step hands back the model's output too."""
 
     def __init__(self, captured, model, params: dict, backend, optimizer, scaler, training: bool, batch_of,
-                 return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None):
+                 return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None,
+                 first_step: int = 0):
         marked = compressed([*model.named_parameters(), *model.named_buffers()])
         if marked:
             raise CsTorchError(f"CSX backend: experimental.Compression is not emulated on CSX (the emulated CS "
@@ -189,7 +216,8 @@ class ClusterRun:
         spec = program_spec(type(model).__name__.lower(), captured.program, captured.units, captured.shapes,
                             captured.dtypes, weights, return_output=return_output,
                             features=captured.feature_names)   # a dict batch's inputs travel by these names
-        spec = dataclasses.replace(spec, precision=amp.precision())   # cstorch.amp.set_half_dtype
+        # cstorch.amp's format; the steps the run took before this job (dropout masks go on from them)
+        spec = dataclasses.replace(spec, precision=amp.precision(), program={**spec.program, "first_step": first_step})
         self.optimizer, self.scaler, self.params, self.batch_of = optimizer, scaler, params, batch_of
         mode = "train" if training else "eval"
         cc = backend.cluster_config
@@ -203,6 +231,7 @@ class ClusterRun:
         self.session.lr_of = _step_rate(self.optimizer) if self.optimizer else None
         self.session.scale_of = lambda: self.scaler.scale_value() if self.scaler else 1.0
         self.session.loss_scaled = self.scaler is not None
+        self.session.opt_state_of = (lambda: memoryx_slots(self.optimizer, params)) if self.optimizer else None
         self.session.report_eval = report_eval
         self.session.__enter__()
         self.aliases = captured.aliases
@@ -220,7 +249,7 @@ class ClusterRun:
         scaler = next((e[1] for e in effects if e[0] == "scaler_step"), None)
         run = cls(traced.captured, traced.compiled.model, traced.engine.params, traced.compiled.backend, optimizer,
                   scaler, traced.training, executor.worker_batch, return_output,
-                  max_gradient_norm=_clipping(effects, traced.engine.params))
+                  max_gradient_norm=_clipping(effects, traced.engine.params), first_step=traced.engine.steps)
         run.on_failure = lambda: executor._runs.pop(traced, None)
         return run
 
@@ -242,6 +271,10 @@ class ClusterRun:
             # loss the cluster reports for the whole batch (SwarmX combines the shards' by their rows).
             output = np.array(loss, dtype=np.float32)
         return loss, bool(self.session.applied), output
+
+    def param_grad_norms(self) -> dict[str, float]:
+        """The last step's gradient norm of each parameter, by program name (MemoryX's answer)."""
+        return self.session.executor.param_grad_norms
 
     def sync(self) -> None:
         """The job's current weights into the torch module, its optimizer state into the optimizer."""

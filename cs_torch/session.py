@@ -346,13 +346,18 @@ class Session:
         self.executor = ClusterExecutor(args, UserFunctions(None, None, None), spec, compiled,
                                         penv=penv, exit_on_failure=False)
         self.trainer = Trainer(args, spec, self.executor)
-        start = self.trainer.initial_state()
+        start = self.starting_state(self.trainer.initial_state())
         self.trainer.global_step = self._saved_step = start.global_step
         self._start_workers(loader, params)
         stream = "train" if self.mode == "train" else "eval"
         first = start.global_step if self.mode == "train" else 0
         self.executor.load(start.weights, start.opt_state, [{"stream": stream, "start": first, "stop": PLAN_STOP}])
         self.eval_step_index = 0
+
+    def starting_state(self, start):
+        """The job's starting state (a checkpoint.Checkpoint): the trainer's (the model's weights, or the
+        checkpoint it resumes); a 2.x loop's job takes its optimizer's state (cs_torch/cluster_step.py)."""
+        return start
 
     def _start_workers(self, loader: DataLoader, params) -> None:
         spec = {"input": loader.worker_spec(), "params": params.to_dict(), "mode": self.mode,

@@ -48,6 +48,7 @@ import torch
 
 from .backend.ltc_backend import after_tensor_to_cpu
 from .backends import current_backend
+from .csx_grads import norm_grads
 from .experimental.listener import naming_tensors
 from . import summary
 from .nn import CsTorchError
@@ -159,14 +160,19 @@ def _backward_recorder(tensor, *args, **kwargs):
 
 def _clip_recorder(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """torch.nn.utils.clip_grad_norm_ inside a traced step: the gradients are the program's, so the
-    clipping is an effect done on them (on CSX by MemoryX); the norm returned is a stand-in zero."""
+    clipping is an effect done on them (on CSX by MemoryX). It returns what torch's does, the norm
+    before clipping, where the step's rerun holds the gradients (or on CSX their norms); a zero
+    while the step is captured."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     probe = probing()
     if probe is not None:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if float(norm_type) != 2.0:
             raise CsTorchError(f"trace: clip_grad_norm_ with norm_type={norm_type}: only the 2-norm is emulated")
         probe.record("clip_norm", params, float(max_norm))
-    return torch.zeros(())
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
 def _clip_value_refused(*args, **kwargs):
@@ -470,7 +476,10 @@ class TracedStep:
         run = self._cluster_run()
         if run is not None:
             loss, applied, output = run.step()   # the batch is the workers'; the arguments are this step's copy
-            return self._effects(loss, {}, cluster_applied=applied, rerun=self._rerun(leaves, output))
+            self.engine.steps += self.training   # the run's step count, as the CPU path keeps it
+            held = norm_grads(self.engine.params, run.param_grad_norms()) if self.wants_output and \
+                self.training else None
+            return self._effects(loss, {}, cluster_applied=applied, rerun=self._rerun(leaves, output, held))
         arrays = [_host(leaves[i]) for i in self.input_leaves]
         scaler = next((e[1] for e in self.effects if e[0] == "scaler_step"), None)
         if self.training:
@@ -480,14 +489,24 @@ class TracedStep:
             grads = {}
             loss, output = self.engine.evaluate(arrays, output=True) if self.wants_output else \
                 (self.engine.evaluate(arrays), None)
-        return self._effects(loss, grads, rerun=self._rerun(leaves, output, grads))
+        return self._effects(loss, grads, rerun=self._rerun(leaves, output, self._held_grads(grads, scaler)))
+
+    def _held_grads(self, grads: dict, scaler) -> dict | None:
+        """The CPU backend's gradients as the rerun's parameters hold them: unscaled, as after the
+        GradScaler's unscale_ (the step reads a norm after it), as MemoryX's norms are on CSX."""
+        if not (self.wants_output and grads):
+            return None
+        scale = np.float32(scaler.scale_value()) if scaler is not None else np.float32(1.0)
+        return {p: torch.from_numpy(np.asarray(g, dtype=np.float32) if scale == 1.0 else
+                                    np.asarray(g, dtype=np.float32) / scale).view_as(p) for p, g in grads.items()}
 
     def _rerun(self, leaves, output, grads: dict | None = None):
         """(the step's return value, its closures' and summaries' arguments in order, its loss), the step
         run here on this step's model output; None when the step hands out nothing but its loss. With
-        `grads` (the CPU backend's), the parameters hold this step's gradients meanwhile, so what the
-        step computes from them after backward() (a gradient norm it logs) has their values; on CSX the
-        gradients stay in MemoryX and the parameters hold none."""
+        `grads` ({parameter: tensor}), the parameters hold this step's gradients meanwhile, so what the
+        step computes from them after backward() (a gradient norm it logs) has their values: the CPU
+        backend's gradients, or on CSX, where the gradients stay in MemoryX, their norms
+        (csx_grads.GradientNorm)."""
         if not self.wants_output:
             return None
         replay = _Replay(torch.from_numpy(np.array(output)), effects=[])
@@ -495,7 +514,7 @@ class TracedStep:
         held = {p: p.grad for p in grads or {}}
         try:
             for p, g in (grads or {}).items():
-                p.grad = torch.from_numpy(np.asarray(g, dtype=np.float32)).view_as(p)
+                p.grad = g
             with _Patched(), torch.no_grad():
                 returned = self.fn(*_rebuild(self.template, leaves))
         finally:

@@ -3,6 +3,7 @@
     python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout [--models fc_mnist gpt2 bert]
                                       [--targets CPU CSX1 CSX2] [--dropout zero shipped] [--work DIR]
     python scripts/modelzoo_oracle.py /path/to/modelzoo-checkout --count-names
+    python scripts/modelzoo_oracle.py /path/to/2.3+-checkout --modes train fit_eval restart validate --float32
 
 For each model and target this makes a small data set and a small params
 file (2 layers, hidden 64, sequence 64), runs the checkout's run.py as a user
@@ -24,7 +25,16 @@ sets on every run only picks the 16-bit format. The 2.3+ trainer does ask:
 it enables mixed precision for CSX whatever its params say ("Mixed precision
 must be enabled for CSX"), bfloat16 by default, so its CSX runs are reported
 and held to a bound (1e-2 relative in the loss, 1e-3 in the weights, and so
-2 WSEs against 1).
+2 WSEs against 1). With `--float32` the runs get the emulator-only switch
+`CS_EMULATOR_FLOAT32=1`, which keeps them in float32 though the trainer
+enables mixed precision, and are held to the float32 bounds. The 2.3+ trainer
+also logs the gradient norm (ComputeNorm's `model_wise_grad_norm`), checked
+against torch eager's before clipping; `--modes` adds its other flows: fit
+with validation (`fit_eval`: the eval losses against torch eager of the eager
+weights), a run stopped at its checkpoint and resumed (`restart`), and eval /
+eval_all of the trained checkpoints (`validate`). A torch DataLoader keeps no
+place, so each train loop and a resumed run read its data anew: torch eager
+takes the batches in that order.
 
 The model zoo is not part of this project: bring a checkout of its public
 repository at the release to check. Release_2.1.1's layout (`modelzoo/...`:
@@ -52,6 +62,7 @@ import argparse
 import ast
 import copy
 import importlib
+import itertools
 import json
 import math
 import os
@@ -78,6 +89,14 @@ MIXED_LOSS_RTOL = 1e-2
 MIXED_WEIGHT_ATOL = 1e-3
 STEPS = 6
 SEED = 1
+# The 2.3+ trainer's other flows (--modes): fit with validation every EVAL_EVERY steps, EVAL_STEPS
+# batches each; a run stopped at RESTART_AT (its checkpoint) and run again to STEPS, resuming;
+# validate: after training (a checkpoint every EVAL_EVERY steps), eval of the last checkpoint and
+# eval_all of each (run.py --mode eval / eval_all, `cszoo validate` / `validate_all`).
+MODES = ("train", "fit_eval", "restart", "validate")
+# run.py's --mode -> the model zoo CLI's command
+CSZOO_COMMANDS = {"train": "fit", "train_and_eval": "fit", "eval": "validate", "eval_all": "validate_all"}
+EVAL_EVERY, EVAL_STEPS, RESTART_AT = 3, 2, 3
 
 
 # ---------------------------------------------------------------- the models
@@ -411,21 +430,24 @@ def standins_path(work: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- the run
-def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str]):
-    """Run the model zoo's run.py; (returncode, output)."""
+def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str],
+            mode: str = "train", fresh: bool = True):
+    """Run the model zoo's run.py (or `cszoo fit`) in `mode` (train, train_and_eval); (returncode, output).
+    `fresh`: in an empty folder (else it resumes from the checkpoint the last run left there)."""
     import yaml
-    shutil.rmtree(out, ignore_errors=True)     # the model zoo resumes from a checkpoint it finds there
-    out.mkdir(parents=True)
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)     # the model zoo resumes from a checkpoint it finds there
+    out.mkdir(parents=True, exist_ok=True)
     params_file = out / "params.yaml"
     params_file.write_text(yaml.safe_dump(params))
     _, root = layout_of(checkout)
     _, _, count = target.partition("CSX")
     device = "CSX" if count else "CPU"
     if zoo.entry == "cszoo":    # the model zoo CLI (the `cszoo` console script is this module's main)
-        command = [sys.executable, "-m", "cerebras.modelzoo.cli.main", "fit", str(params_file),
+        command = [sys.executable, "-m", "cerebras.modelzoo.cli.main", CSZOO_COMMANDS[mode], str(params_file),
                    "--target_device", device, "--model_dir", str(out / "model_dir")]
     else:
-        command = [sys.executable, "run.py", device, "--mode", "train", "--params", str(params_file),
+        command = [sys.executable, "run.py", device, "--mode", mode, "--params", str(params_file),
                    "--model_dir", str(out / "model_dir")]
     if count:
         command += ["--num_csx", count]
@@ -433,17 +455,25 @@ def run_zoo(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra_path, str(REPO), str(root), *inherited]))
     result = subprocess.run(command, cwd=root / zoo.folder, env=env, capture_output=True, text=True,
                             timeout=1800)
-    (out / "run.log").write_text(result.stdout + result.stderr)
+    with open(out / "run.log", "a") as log:
+        log.write(result.stdout + result.stderr)
     return result.returncode, result.stdout + result.stderr
 
 
-def run_losses(model_dir: Path) -> dict[int, float]:
-    """The run's `loss` scalars by step: model_dir/train (2.1) or model_dir/events (the 2.3+ trainer)."""
+def run_losses(model_dir: Path, tag: str = "loss") -> dict[int, float] | dict[int, list[float]]:
+    """The run's `loss` scalars by step: model_dir/train (2.1) or model_dir/events (the 2.3+ trainer,
+    every invocation's files). Another tag (the trainer's eval losses): each step's values, in order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     folder = model_dir / "train" if (model_dir / "train").is_dir() else model_dir / "events"
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("loss")}
+    if tag == "loss":
+        return {e.step: e.value for e in acc.Scalars("loss")}
+    found = [t for t in acc.Tags()["scalars"] if t == tag or t.endswith("/" + tag)]
+    values: dict[int, list[float]] = {}
+    for e in acc.Scalars(found[0]) if found else ():
+        values.setdefault(e.step, []).append(e.value)
+    return values
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -570,8 +600,11 @@ def _load(spec: str):
 
 
 # ---------------------------------------------------------------- the 2.3+ trainer
-def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dict:
-    """The small params of params_for in the 2.3+ trainer's format (trainer: init, fit)."""
+def trainer_params(model: str, data: Path, dropout: str, model_dir: Path, mode: str = "train",
+                   max_steps: int = STEPS) -> dict:
+    """The small params of params_for in the 2.3+ trainer's format (trainer: init, fit); for the
+    fit_eval mode with a validation loader, run every EVAL_EVERY steps for EVAL_STEPS batches; for
+    the restart mode a checkpoint every RESTART_AT steps (the first invocation stops there)."""
     legacy = params_for(model, data, dropout)
     optimizer = dict(legacy["optimizer"])
     kind = {"sgd": "SGD", "adamw": "AdamW", "adam": "Adam"}[optimizer.pop("optimizer_type").lower()]
@@ -582,7 +615,9 @@ def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dic
     init = {"model_dir": str(model_dir), "seed": SEED, "model": {"name": model, **model_section},
             "precision": {"enabled": False, "loss_scaling_factor": 1.0,
                           **({"max_gradient_norm": clip} if clip else {})},
-            "loop": {"max_steps": STEPS}, "checkpoint": {"steps": STEPS, "save_initial_checkpoint": True},
+            "loop": {"max_steps": max_steps},
+            "checkpoint": {"steps": {"restart": RESTART_AT, "validate": EVAL_EVERY}.get(mode, STEPS),
+                           "save_initial_checkpoint": True},
             "logging": {"log_steps": 1}}
     if isinstance(schedule, list):
         init["optimizer"] = {kind: optimizer}
@@ -594,7 +629,26 @@ def trainer_params(model: str, data: Path, dropout: str, model_dir: Path) -> dic
     train = dict(legacy["train_input"])
     if model == "fc_mnist":
         train.update(data_processor="MNISTDataProcessor", split="train")
-    return {"trainer": {"init": init, "fit": {"train_dataloader": train}}}
+    fit = {"train_dataloader": train}
+    if mode in ("fit_eval", "validate"):
+        fit["val_dataloader"] = {**train, "split": "val"} if model == "fc_mnist" else dict(train)
+    if mode == "fit_eval":
+        init["loop"].update(eval_frequency=EVAL_EVERY, eval_steps=EVAL_STEPS)
+    if mode in ("fit_eval", "validate") and model == "gpt2":
+        # its eval metrics update inside its forward, which the emulator refuses in one line (docs/cstorch.md)
+        init["model"]["compute_eval_metrics"] = False
+    return {"trainer": {"init": init, "fit": fit}}
+
+
+def validate_params(params: dict, model_dir: Path, checkpoints: list[Path]) -> dict:
+    """The trainer params of an eval of the last checkpoint (one given) or an eval_all of each."""
+    init = {k: v for k, v in params["trainer"]["init"].items() if k != "checkpoint"}
+    init.update(model_dir=str(model_dir), loop={"eval_steps": EVAL_STEPS})
+    val = params["trainer"]["fit"]["val_dataloader"]
+    if len(checkpoints) == 1:
+        return {"trainer": {"init": init, "validate": {"val_dataloader": val, "ckpt_path": str(checkpoints[0])}}}
+    return {"trainer": {"init": init, "validate_all": {"val_dataloaders": [val],
+                                                       "ckpt_paths": [str(c) for c in checkpoints]}}}
 
 
 def trainer_schedule(params: dict):
@@ -606,10 +660,13 @@ def trainer_schedule(params: dict):
     return next(iter(init["optimizer"].values()))["learning_rate"]
 
 
-def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
+def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str, order: list[int] | None = None,
+                  snapshots: dict | None = None, grad_norms: list | None = None):
     """(losses, final state dict) of torch eager: the model zoo's model from the run's initial weights,
-    the batches of the loader its trainer config makes, the param groups its configure_param_groups
-    makes, the optimizer, schedule and clipping of its params, in `dtype`."""
+    the batches of the loader its trainer config makes (in `order`: their indices, one a step), the
+    param groups its configure_param_groups makes, the optimizer, schedule and clipping of its params,
+    in `dtype`. `snapshots`: {step: None} is filled with the state dict after each such step;
+    `grad_norms` with each step's gradient norm before clipping (what the trainer logs)."""
     from cs_torch.oracle import torch_dropout_with_run_masks
     import torch
     from cerebras.modelzoo.common.optim_utils import configure_param_groups
@@ -631,6 +688,7 @@ def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
     config = validate_trainer_params(copy.deepcopy(params))[0]
     loader = create_dataloader_from_config(config.fit.train_dataloader).dataloader
     batches = batches_of(loader, STEPS, dtype)
+    batches = [batches[i] for i in order] if order is not None else batches
     clip = init["precision"].get("max_gradient_norm")
     schedule = trainer_schedule(params)
     losses = []
@@ -639,6 +697,9 @@ def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
             output = model(batch)
         loss = output["loss"] if isinstance(output, dict) else output
         loss.backward()
+        if grad_norms is not None:
+            grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                                                   if p.grad is not None])))
         if clip:
             torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], clip)
         for group in optimizer.param_groups:
@@ -646,27 +707,84 @@ def eager_trainer(zoo: ZooModel, params: dict, initial: dict, dtype_name: str):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
+        if snapshots is not None and step + 1 in snapshots:
+            snapshots[step + 1] = copy.deepcopy(model.state_dict())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def eager_eval(zoo: ZooModel, params: dict, state: dict) -> list[float]:
+    """torch eager's loss of the model zoo's model with `state` on each of the validation loader's
+    first EVAL_STEPS batches (float32)."""
+    import torch
+    from cerebras.modelzoo.trainer.utils import create_dataloader_from_config
+    from cerebras.modelzoo.trainer.validate import validate_trainer_params
+    model = _load(zoo.model)(copy.deepcopy(params["trainer"]["init"]["model"]))
+    model.load_state_dict(state)
+    model.eval()
+    config = validate_trainer_params(copy.deepcopy(params))[0]
+    val = config.fit.val_dataloader
+    loader = create_dataloader_from_config(val[0] if isinstance(val, list) else val).dataloader
+    losses = []
+    with torch.no_grad():
+        for batch in batches_of(loader, EVAL_STEPS, torch.float32):
+            output = model(batch)
+            losses.append(float(output["loss"] if isinstance(output, dict) else output))
+    return losses
+
+
+def restarts_its_data(params: dict) -> bool:
+    """Whether the trainer's train loader starts its data anew when a run resumes: a torch DataLoader
+    keeps no place; the model zoo's RestartableDataLoader saves it in the checkpoint."""
+    from cerebras.modelzoo.data.common.restartable_dataloader import RestartableDataLoader
+    from cerebras.modelzoo.trainer.utils import create_dataloader_from_config
+    from cerebras.modelzoo.trainer.validate import validate_trainer_params
+    config = validate_trainer_params(copy.deepcopy(params))[0]
+    return not isinstance(create_dataloader_from_config(config.fit.train_dataloader).dataloader,
+                          RestartableDataLoader)
+
+
 # ---------------------------------------------------------------- one check
+def run_mode(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str],
+             mode: str):
+    """The model zoo's runs of a mode: one, or for restart one stopped at RESTART_AT and one resumed
+    from its checkpoint to STEPS (the same model_dir); (returncode, output) of the last that ran."""
+    if mode != "restart":
+        return run_zoo(checkout, zoo, params, target, out, extra_path,
+                       mode="train_and_eval" if mode == "fit_eval" else "train")
+    stopped = copy.deepcopy(params)
+    stopped["trainer"]["init"]["loop"]["max_steps"] = RESTART_AT
+    code, output = run_zoo(checkout, zoo, stopped, target, out, extra_path)
+    if code != 0:
+        return code, output
+    return run_zoo(checkout, zoo, params, target, out, extra_path, fresh=False)
+
+
 def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, extra_path: list[str],
-          layout: str = "2.1") -> dict:
+          layout: str = "2.1", mode: str = "train") -> dict:
     data = make_data(zoo.name, work / "data")
-    out = work / f"{zoo.name}_{target}_{dropout}"
+    out = work / (f"{zoo.name}_{target}_{dropout}" + ("" if mode == "train" else f"_{mode}"))
     model_dir = out / "model_dir"
     trainer = layout == "2.3+"
-    params = trainer_params(zoo.name, data, dropout, model_dir) if trainer else params_for(zoo.name, data, dropout)
-    code, output = run_zoo(checkout, zoo, params, target, out, extra_path)
-    row = {"model": zoo.name, "target": target, "dropout": dropout, "entry": zoo.entry}
+    params = trainer_params(zoo.name, data, dropout, model_dir, mode) if trainer else \
+        params_for(zoo.name, data, dropout)
+    code, output = run_mode(checkout, zoo, params, target, out, extra_path, mode)
+    row = {"model": zoo.name, "target": target, "dropout": dropout, "entry": zoo.entry, "mode": mode}
     if code != 0:
         lines = [ln for ln in output.strip().splitlines() if ln.strip()]
         return {**row, "ok": False, "error": f"{zoo.entry} exited {code}: {lines[-1] if lines else ''}",
                 "log": str(out / "run.log")}
     first, last = load_checkpoint(model_dir / "checkpoint_0.mdl"), load_checkpoint(model_dir / f"checkpoint_{STEPS}.mdl")
+    snapshots = {step: None for step in range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)} \
+        if mode in ("fit_eval", "validate") else None
+    # Each train loop of a run (fit_eval: between validations) and a resumed run read the data from
+    # the start again where the loader keeps no place.
+    stop = {"fit_eval": EVAL_EVERY, "restart": RESTART_AT}.get(mode)
+    order = [step % stop for step in range(STEPS)] if stop and trainer and restarts_its_data(params) else None
+    norms32: list[float] = []
     if trainer:
         def eager_run(dtype):
-            return eager_trainer(zoo, params, first["model"], dtype)
+            return eager_trainer(zoo, params, first["model"], dtype, order,
+                                 snapshots if dtype == "float32" else None, norms32 if dtype == "float32" else None)
     else:
         saved = first["__metadata__"][0]["params"]     # the params the run saved, as it read them
 
@@ -691,20 +809,59 @@ def check(checkout: Path, zoo: ZooModel, target: str, dropout: str, work: Path, 
         tolerance = max(WEIGHT_ATOL, SPREAD_FACTOR * spread)
         if error / tolerance >= worst[0] / worst[1]:
             worst = (error, tolerance, name)
-    mixed = trainer and target.startswith("CSX")
+    mixed = trainer and target.startswith("CSX") and not float32_switch()
     loss_tol = MIXED_LOSS_RTOL if mixed else LOSS_RTOL
     weight_tol = max(worst[1], MIXED_WEIGHT_ATOL) if mixed else worst[1]
     ok = steps == list(range(1, STEPS + 1)) and loss_err <= loss_tol and worst[0] <= weight_tol
+    if norms32:   # the gradient norm the trainer logs (ComputeNorm), against torch eager's
+        logged = [values[0] for _, values in sorted(run_losses(model_dir, "model_wise_grad_norm").items())]
+        norm_err = max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(logged, norms32)), default=math.inf)
+        row["grad_norm_rel_err"] = norm_err
+        ok = ok and len(logged) == STEPS and norm_err <= loss_tol
+    if snapshots:   # the eval losses, against torch eager's of the eager weights at those steps
+        want = {step: eager_eval(zoo, params, state) for step, state in snapshots.items()}
+        runs = [("fit", run_losses(model_dir, "val_loss"), list(snapshots))] if mode == "fit_eval" else \
+            validate_runs(checkout, zoo, params, target, out, extra_path, snapshots)
+        for name, evals, steps_evaluated in runs:
+            eval_err = max((abs(a - b) / max(abs(b), 1e-30) for step, values in want.items()
+                            for a, b in zip(evals.get(step, []), values)), default=math.inf)
+            counts = {step: len(v) for step, v in evals.items()}
+            row[f"eval_{name}"] = {"steps": counts, "rel_err": eval_err}
+            ok = ok and eval_err <= loss_tol and counts == {s: EVAL_STEPS for s in steps_evaluated}
+    if order is not None:
+        row["data"] = f"anew every {stop} steps"
     return {**row, "ok": ok, "precision": "mixed bfloat16" if mixed else "float32", "steps": len(steps),
             "loss_rel_err": loss_err, "loss_tol": loss_tol, "weight_err": worst[0], "weight_tol": weight_tol,
             "worst_tensor": worst[2], "losses": [got[s] for s in steps], "final": str(model_dir / f"checkpoint_{STEPS}.mdl")}
+
+
+def float32_switch() -> bool:
+    """Whether the runs keep CSX in float32 though the trainer enables mixed precision (--float32)."""
+    from cs_runtime import env
+    return env.EMULATOR_FLOAT32.get()
+
+
+def validate_runs(checkout: Path, zoo: ZooModel, params: dict, target: str, out: Path, extra_path: list[str],
+                  snapshots: dict) -> list:
+    """The model zoo's eval of the last checkpoint and eval_all of each: [(mode, its val_loss by step,
+    the steps it evaluated)] (an empty val_loss where a run failed: its log says why)."""
+    model_dir = out / "model_dir"
+    checkpoints = [model_dir / f"checkpoint_{step}.mdl" for step in snapshots]
+    runs = []
+    for mode, chosen in (("eval", checkpoints[-1:]), ("eval_all", checkpoints)):
+        folder = out / mode
+        settings = validate_params(params, folder / "model_dir", chosen)
+        code, _ = run_zoo(checkout, zoo, settings, target, folder, extra_path, mode=mode)
+        evals = run_losses(folder / "model_dir", "val_loss") if code == 0 else {}
+        runs.append((mode, evals, [int(c.stem.split("_")[1]) for c in chosen]))
+    return runs
 
 
 def same_run(one: dict, two: dict) -> dict:
     """2 WSEs against 1: the float32 bounds (SwarmX sums the WSEs' gradients in another order than
     one WSE's batch sum, so they may differ in the last bits); the mixed-precision bound where the
     runs were mixed (each WSE's gradients leave it in 16 bits before SwarmX sums them)."""
-    row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"]}
+    row = {"model": one["model"], "target": "CSX2 vs CSX1", "dropout": one["dropout"], "mode": one.get("mode")}
     if not (one.get("losses") and two.get("losses")):
         return {**row, "ok": False, "error": "a run did not finish"}
     loss_err = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(two["losses"], one["losses"]))
@@ -790,6 +947,13 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="+", default=["CPU", "CSX1", "CSX2"], choices=["CPU", "CSX1", "CSX2"])
     parser.add_argument("--dropout", nargs="+", default=["zero"], choices=["zero", "shipped"])
     parser.add_argument("--work", type=Path, default=None, help="where runs and data go (default: a temporary folder)")
+    parser.add_argument("--modes", nargs="+", default=["train"], choices=MODES,
+                        help="the 2.3+ trainer's flows: train; fit_eval (fit with validation every "
+                             f"{EVAL_EVERY} steps); restart (stopped at step {RESTART_AT}, resumed to {STEPS}); "
+                             "validate (eval and eval_all of the trained checkpoints)")
+    parser.add_argument("--float32", action="store_true",
+                        help="the 2.3+ trainer's CSX runs in float32 (CS_EMULATOR_FLOAT32=1, an emulator-only "
+                             "switch), held to the float32 bounds")
     parser.add_argument("--count-names", action="store_true",
                         help="only count the cerebras.pytorch names the checkout references that resolve here")
     args = parser.parse_args(argv)
@@ -805,22 +969,25 @@ def main(argv=None) -> int:
     for name in args.models:
         if name not in known:
             parser.error(f"model {name!r}: not known for the {layout} layout (known: {', '.join(known) or 'none'})")
+    if args.float32:
+        os.environ["CS_EMULATOR_FLOAT32"] = "1"    # the runs inherit it
     work = args.work or Path(tempfile.mkdtemp(prefix="modelzoo_oracle_"))
     work.mkdir(parents=True, exist_ok=True)
     extra_path = standins_path(work)
     sys.path[:0] = [*extra_path, str(REPO), str(root)]
     runpy.run_path(str(Path(extra_path[0]) / "sitecustomize.py"))    # the runs' stand-ins, here too
     rows = []
-    for name in args.models:
-        for dropout in args.dropout:
-            for target in args.targets:
-                row = check(args.checkout, known[name], target, dropout, work, extra_path, layout)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
-                rows.append(row)
-            runs = {r["target"]: r for r in rows if r["model"] == name and r["dropout"] == dropout}
-            if "CSX1" in runs and "CSX2" in runs:
-                rows.append(same_run(runs["CSX1"], runs["CSX2"]))
-                print(json.dumps(rows[-1]), flush=True)
+    if layout != "2.3+" and args.modes != ["train"]:
+        parser.error("--modes other than train are the 2.3+ trainer's (a src/cerebras/modelzoo checkout)")
+    for name, mode, dropout in itertools.product(args.models, args.modes, args.dropout):
+        for target in args.targets:
+            row = check(args.checkout, known[name], target, dropout, work, extra_path, layout, mode)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "final")}), flush=True)
+            rows.append(row)
+        runs = {r["target"]: r for r in rows if (r["model"], r["dropout"], r.get("mode")) == (name, dropout, mode)}
+        if "CSX1" in runs and "CSX2" in runs:
+            rows.append(same_run(runs["CSX1"], runs["CSX2"]))
+            print(json.dumps(rows[-1]), flush=True)
     failed = [r for r in rows if not r["ok"]]
     print(f"modelzoo_oracle: {len(rows) - len(failed)} of {len(rows)} checks pass (work folder {work})")
     return 1 if failed else 0

@@ -255,6 +255,32 @@ def test_dynamic_loss_scaling_skips_overflowing_steps_and_grows_back():
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_gradient_norm_read_after_unscale_is_the_unscaled_norm():
+    """The trainer's precision callback unscales, then clips (and its ComputeNorm reads the norm): inside
+    a traced step with a loss scale of 8 the norm read is torch eager's of the unscaled gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+    opt = cstorch.optim.SGD(model.parameters(), 0.1)
+    scaler = cstorch.amp.GradScaler(loss_scale=8.0)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(list(compiled.parameters()), 1e6)
+        scaler.step(opt)
+        scaler.update()
+        return loss, norm
+
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    assert float(step(x, y)[1]) == pytest.approx(want, rel=1e-6)
+
+
 # ---------------------------------------------------------------- mixed precision
 def _scaled_mlp_loop(kind, fmt, data=None, steps=10):
     """An MLP under GradScaler (from 2**20: float16 overflows) in `fmt` (cstorch.amp.set_half_dtype and

@@ -132,6 +132,12 @@ def test_infer_batch_size_and_the_glob_filters():
     assert convert_glob_to_regex("*.bias").search("layer.bias") and not convert_glob_to_regex("*.bias").search("bias2")
 
 
+def test_each_dataloader_has_an_id_of_its_own():
+    """The trainer names a validation loader's stage and name scope by its id."""
+    first, second = (cstorch.utils.data.DataLoader(lambda: [1]) for _ in range(2))
+    assert isinstance(first.id, int) and first.id != second.id
+
+
 def test_call_once_and_the_rate_tracker():
     calls = []
 
@@ -291,3 +297,28 @@ def test_a_csx_backend_has_its_cluster():
     assert backend.cluster_config.num_csx == 1
     cluster.stop_workflow()
     assert cluster.workflow_id is None
+
+
+def test_a_metric_the_models_own_forward_calls_is_refused_in_one_line():
+    """The model zoo's GPT-2 updates its eval metrics inside its forward (compute_eval_metrics): the
+    capture names the metric and what to do instead, never evaluates without it."""
+    class WithMetric(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.perplexity_metric = cstorch.metrics.PerplexityMetric(name="eval/lm_perplexity")
+
+        def forward(self, batch):
+            loss = torch.nn.functional.cross_entropy(self.fc(batch[0]), batch[1])
+            self.perplexity_metric(labels=batch[1], loss=loss, weights=batch[1] >= 0)
+            return loss
+
+    model = WithMetric().eval()
+    compiled = cstorch.compile(model, cstorch.backend("CPU"))
+
+    @cstorch.trace
+    def eval_step(batch):
+        return compiled(batch)
+
+    with pytest.raises(Exception, match="calls the metric 'perplexity_metric' .*compute_eval_metrics: false"):
+        eval_step([torch.ones(2, 4), torch.tensor([0, 1])])

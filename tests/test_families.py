@@ -353,3 +353,23 @@ def test_a_checkpoint_stores_a_tied_table_once_and_gives_each_reader_its_copy(tm
     flat = ckpt.flatten(once, once_state)   # MemoryX's restore from the stored-once arrays
     w2, _ = ckpt.unflatten_for(spec, opt, flat)
     assert np.array_equal(w2["lm_head"]["tokens"], w2["embed"]["tokens"])
+
+
+def test_each_parameters_gradient_norm_counts_a_tied_parameter_once_with_its_summed_gradient():
+    """What MemoryX's STEP_DONE carries as param_grad_norms (a traced step's p.grad norms on CSX):
+    by the program's names, a parameter two layers read once, its gradient the sum of theirs; the
+    same from the squared norms MemoryX took as the gradients landed."""
+    from cs_runtime.numerics.model import LayerSpec
+    from cs_runtime.numerics.optim import squared_norms
+    layers = (LayerSpec("emb", "program", 0, 0, unit={"unit": {}, "param_shapes": {"head.weight": [3, 2]}}),
+              LayerSpec("head", "program", 0, 0, unit={"unit": {}, "param_shapes": {"head.weight": [3, 2],
+                                                                                     "head.bias": [3]}}))
+    spec = ModelSpec("tied", layers, loss="program", program={"inputs": ["x", "y"]})
+    grads = program_layer.tie_grads(spec, [{"head.weight": np.full((3, 2), 1.0, np.float32)},
+                                           {"head.weight": np.full((3, 2), 2.0, np.float32),
+                                            "head.bias": np.array([3.0, 4.0, 0.0], np.float32)}])
+    want = {"head.weight": 3 * np.sqrt(6), "head.bias": 5.0}
+    assert program_layer.param_grad_norms(spec, grads) == pytest.approx(want, rel=1e-12)
+    squares = [squared_norms(g) for g in grads]
+    assert program_layer.param_grad_norms(spec, grads, squares) == pytest.approx(want, rel=1e-12)
+    assert program_layer.param_grad_norms(dataclasses.replace(spec, program=None), grads) == {}

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch", reason="the model zoo's flow trains torch m
 import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
 from cs_torch import amp  # noqa: E402
 from cs_torch.backends import reset_backend  # noqa: E402
+from cs_torch.nn import CsTorchError  # noqa: E402
 from cs_torch.oracle import torch_dropout_with_run_masks  # noqa: E402
 from examples.cstorch import mlp  # noqa: E402
 
@@ -153,6 +154,24 @@ def test_the_cpu_backends_mixed_precision_argument_decides_over_the_half_dtype()
     assert max(abs(a - b) / b for a, b in zip(half, want)) > REL     # float16 operands are not float32's
 
 
+def test_the_emulators_float32_switch_keeps_enabled_mixed_precision_float32(monkeypatch, capsys) -> None:
+    """The 2.3+ trainer enables mixed precision for every CSX run; the API's meaning stays the
+    default, and CS_EMULATOR_FLOAT32=1 (emulator only) keeps programs in float32, saying so once."""
+    monkeypatch.setattr(amp, "_overridden", [])
+    cstorch.amp.set_half_dtype("bfloat16")
+    cstorch.amp.enable_mixed_precision()
+    assert amp.precision() == "bfloat16" and cstorch.amp.get_floating_point_dtype() == torch.bfloat16
+    monkeypatch.setenv("CS_EMULATOR_FLOAT32", "1")
+    for _ in range(2):
+        assert amp.precision() == "float32" and cstorch.amp.get_floating_point_dtype() == torch.float32
+    cstorch.backend("CPU", mixed_precision=True)
+    assert amp.precision() == "float32"
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "CS_EMULATOR_FLOAT32" in ln]
+    assert len(lines) == 1 and "not part of the real API" in lines[0]
+    monkeypatch.setenv("CS_EMULATOR_FLOAT32", "0")
+    assert amp.precision() == "bfloat16"
+
+
 def test_visit_torch_tensors_walks_a_batch_in_order() -> None:
     from cerebras_pytorch.utils.nest import recurse_spec, visit_torch_tensors
     a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
@@ -201,18 +220,31 @@ def test_summary_writer_base_step_offsets_the_executors_steps(tmp_path) -> None:
     assert steps == [11, 12]
 
 
-def zoo_training_step(compiled, optimizer):
+def zoo_training_step(compiled, optimizer, read_norms: bool = False):
     """The model zoo's training step, traced: `training_step(batch, step)` -> (loss, None), the
-    model computing its own loss from the batch (`compiled(batch)`), then backward and the update."""
+    model computing its own loss from the batch (`compiled(batch)`), then backward and the update.
+    With `read_norms` the second value is the gradients' norm as the 2.10 trainer's ComputeNorm
+    reads it (each parameter's torch.norm, squared and summed) and clip_grad_norm_'s return value."""
     @cstorch.trace
     def training_step(batch, step):
         loss = compiled(batch)
         loss.backward()
+        norms = None
+        if read_norms:
+            squares = torch.tensor(0.0)
+            for param in compiled.parameters():
+                if param.grad is not None:
+                    squares += torch.pow(torch.norm(param.grad), 2.0)
+            norms = (torch.sqrt(squares), torch.nn.utils.clip_grad_norm_(list(compiled.parameters()), 1e6))
         optimizer.step()
         optimizer.zero_grad()
-        return loss, None
+        return loss, norms
 
     return training_step
+
+
+def eager_grad_norm(model) -> float:
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
 
 
 def traced_sgd_step(model, lr: float):
@@ -223,17 +255,22 @@ def traced_sgd_step(model, lr: float):
 
 
 def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
+    """...and the gradient norm the step reads (ComputeNorm's way, and clip_grad_norm_'s return
+    value) is torch eager's."""
     torch.manual_seed(0)
     model = SelfLossMLP(over_rows=True)
     reference = copy.deepcopy(model)
     batches = batches_of(False)
-    step = traced_sgd_step(model, lr=0.05)
+    step = zoo_training_step(cstorch.compile(model, cstorch.backend("CPU")),
+                             cstorch.optim.SGD(model.parameters(), lr=0.05), read_norms=True)
 
     eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
     for batch in batches:
-        got = step(batch).item()
+        loss, norms = step(batch, None)
+        got = loss.item()
         want = reference(batch)
         want.backward()
+        assert [float(n) for n in norms] == pytest.approx([eager_grad_norm(reference)] * 2, rel=1e-6)
         eager_optimizer.step()
         eager_optimizer.zero_grad()
         assert abs(got - want.item()) <= REL * want.item()
@@ -271,7 +308,9 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
                                                                          dropout: float) -> None:
     """On CSX the step streams [inputs, labels] and the model computes its loss from both (the
     labels are the program's target, read by the model): 1 and 2 WSEs against torch eager; a
-    loss summed and divided by the batch size is each shard's over its own rows, weighted."""
+    loss summed and divided by the batch size is each shard's over its own rows, weighted. The
+    gradient norm the step reads (MemoryX keeps the gradients; its answer has their norms) is
+    torch eager's. A second loop's job starts from the optimizer state the first left."""
     torch.manual_seed(0)
     initial = SelfLossMLP(over_rows=over_rows, dropout=dropout).state_dict()
     results = {}
@@ -284,15 +323,20 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
         compiled = cstorch.compile(model, backend)
         optimizer = cstorch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
 
-        training_step = zoo_training_step(compiled, optimizer)
+        training_step = zoo_training_step(compiled, optimizer, read_norms=True)
 
-        executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 16), num_steps=STEPS)
-        losses, seen = [], []
-        for step, batch in enumerate(executor, start=1):
-            seen.append([t.clone() for t in batch])
-            losses.append(training_step(batch, step)[0].item())
-        results[num_csx] = (losses, seen, copy.deepcopy(model.state_dict()))
-    for losses, seen, weights in results.values():
+        losses, seen, norms = [], [], []
+        # On 2 WSEs the steps are two loops, two jobs: the second starts from the momentum the first left.
+        for steps in ((STEPS,) if num_csx == 1 else (3, STEPS - 3)):
+            executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(mlp.input_fn, 16),
+                                                       num_steps=steps)
+            for step, batch in enumerate(executor, start=len(losses) + 1):
+                seen.append([t.clone() for t in batch])
+                loss, read = training_step(batch, step)
+                losses.append(loss.item())
+                norms.append([float(n) for n in read])
+        results[num_csx] = (losses, seen, copy.deepcopy(model.state_dict()), norms)
+    for losses, seen, weights, norms in results.values():
         reference = SelfLossMLP(over_rows=over_rows, dropout=dropout)
         reference.load_state_dict(initial)
         optimizer = torch.optim.SGD(reference.parameters(), 0.05, momentum=0.9)
@@ -301,6 +345,8 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
             with torch_dropout_with_run_masks(step, len(batch[1]), seed=1):
                 loss = reference(batch)
             loss.backward()
+            want_norm = eager_grad_norm(reference)
+            assert norms[step] == pytest.approx([want_norm, want_norm], rel=1e-5)
             optimizer.step()
             optimizer.zero_grad()
             want.append(loss.item())
@@ -459,3 +505,29 @@ def test_what_sparsity_cannot_do_here_is_one_line() -> None:
     assert int((model.weight == 0).sum()) == 8
     with pytest.raises(cstorch.CsTorchError, match="^CSX backend: weight sparsity is not emulated on CSX"):
         memoryx_optimizer(wrapped)
+
+
+def test_a_gradient_on_csx_gives_its_norm_as_torch_reads_it_and_nothing_else() -> None:
+    """On CSX a step's gradients stay in MemoryX and the step's answer carries each one's norm:
+    inside the step p.grad reads as that norm the ways torch computes one, and fails in one line
+    where the values are needed."""
+    from cs_torch.csx_grads import GradientNorm, norm_grads
+    param = torch.nn.Parameter(torch.ones(3, 4))
+    param.grad = GradientNorm(param.detach(), 5.0)
+    grad = param.grad
+    assert tuple(grad.shape) == (3, 4) and grad.dtype == torch.float32
+    for read in (torch.norm(grad), grad.norm(), torch.linalg.vector_norm(grad), torch.norm(grad, p=2)):
+        assert float(read) == 5.0
+    assert float(torch.pow(grad, 2.0).sum()) == 25.0 and float(torch.sum(grad ** 2)) == 25.0
+    for values_needed in (lambda g: g * 2, lambda g: g.norm(p=1), lambda g: g.sum(), lambda g: g.abs(),
+                          lambda g: g.data, lambda g: g.item()):
+        with pytest.raises(CsTorchError, match="stay in MemoryX"):
+            values_needed(grad)
+    torch.optim.SGD([param], lr=0.1).zero_grad(set_to_none=False)     # the rerun's gradients end
+    assert float(torch.norm(param.grad)) == 0.0
+    tied = torch.nn.Parameter(torch.ones(2))       # one parameter under two program names
+    grads = norm_grads({"embedding.weight": tied, "head.weight": tied, "w": param}, {"head.weight": 1.0, "w": 2.0})
+    assert {float(g.grad_norm) for g in grads.values()} == {1.0, 2.0} and len(grads) == 2
+    with pytest.raises(CsTorchError, match="no gradient norm of w"):
+        norm_grads({"w": param}, {})
+

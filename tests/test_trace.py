@@ -103,6 +103,11 @@ def test_layer_grad_norms_must_be_numbers():
     for bad in (["1.0"], [True], "0.5"):
         with pytest.raises(ProtocolError, match="layer_grad_norms"):
             decode(encode(Message(Msg.STEP_DONE, meta={"grad_norm": 1.0, "layer_grad_norms": bad})))
+    named = Message(Msg.STEP_DONE, meta={"grad_norm": 1.0, "param_grad_norms": {"fc.weight": 0.5, "fc.bias": 2}})
+    assert decode(encode(named)).meta["param_grad_norms"] == {"fc.weight": 0.5, "fc.bias": 2}
+    for bad in ({"w": "1.0"}, {"w": True}, [0.5]):
+        with pytest.raises(ProtocolError, match="param_grad_norms"):
+            decode(encode(Message(Msg.STEP_DONE, meta={"grad_norm": 1.0, "param_grad_norms": bad})))
 
 
 def test_clock_offset_recovers_a_skewed_clock():

@@ -29,6 +29,7 @@ from cs_runtime.checkpoint import flatten, unflatten_for
 from cs_runtime.numerics.local_step import apply_update, forward_backward
 from cs_runtime.numerics.model import ShardContext, model_forward, model_loss
 from cs_runtime.numerics.optim import Optimizer
+from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.program_layer import step_outputs
 from cs_runtime.data.inputs import take_rows
 from cs_runtime.wire.protocol import ANSWERS_HELD, JobSettings, Message, Msg, batch_features, burst, float_arrays
@@ -96,6 +97,8 @@ class PipelinedExecutor:
         # bytes_in: every array byte this WSE received from above during the step (0: no weights)
         meta = {"loss": loss, "count": count, "grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                 "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}
+        if norms and self.spec.program is not None:   # the summed gradients, unscaled in place by the update
+            meta["param_grad_norms"] = program_layer.param_grad_norms(self.spec, total)
         self.hold(Message(Msg.LOSS, step=step, meta=meta, arrays=joined(outputs)))
 
     def eval_step(self, step: int) -> None:

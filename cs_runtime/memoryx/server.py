@@ -277,6 +277,9 @@ class MemoryX:
                 squares=[squares[i] for i in range(n)] if squares else None)
         traffic = {"weight_bytes": self.router.bytes_sent - sent,
                    "grad_bytes": self.router.bytes_received - received}
+        if norms and self.spec.program is not None:   # the gradients, unscaled in place, the update left
+            traffic["param_grad_norms"] = program_layer.param_grad_norms(
+                self.spec, ordered, [squares[i] for i in range(n)] if squares else None)
         self.held.append(Message(Msg.STEP_DONE, step=step,
                                  meta={"grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                                        "shared_memory": self.arena is not None, **traffic, **step_loss}))

@@ -31,6 +31,7 @@ of all their gradients, so every copy takes the same update and stays equal.
 """
 from __future__ import annotations
 
+import math
 import re
 import weakref
 
@@ -66,6 +67,7 @@ def check(spec) -> None:
             and (not shared.get("output") or shared["output"] in shared.get("values", {}))
             and all(isinstance(n, str) for n in shared["inputs"]) and isinstance(shared.get("loss"), str)
             and isinstance(shared.get("context", ""), str) and shared.get("reduction", "mean") in REDUCTIONS
+            and _count(shared.get("first_step", 0))
             and isinstance(shared.get("nsp_loss", ""), str) and isinstance(shared.get("nsp_logits", ""), str)
             and (not shared.get("nsp_loss") or shared.get("reduction") == "sum")
             and isinstance(shared.get("consts"), dict) and isinstance(shared.get("values", {}), dict)):
@@ -86,6 +88,10 @@ def check(spec) -> None:
         if not (isinstance(shapes, dict) and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
                                                 for s in shapes.values())):
             raise ProgramError(f"layer {layer.name}: malformed parameter shapes")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_buffers(spec) -> None:
@@ -209,11 +215,14 @@ def shared_values(spec) -> dict:
     return cached[1]
 
 
-def context(ctx, rows: int) -> np.ndarray:
-    """The run's context a program's dropout masks are drawn from (ops.py dropout_mask)."""
+def context(ctx, rows: int, first_step: int = 0) -> np.ndarray:
+    """The run's context a program's dropout masks are drawn from (ops.py dropout_mask). A training
+    step's number counts from `first_step`: a 2.x loop's later job goes on from the steps its run
+    took (the program's "first_step"), as the CPU path's step count does."""
     start = ctx.rows.start or 0
     stop = ctx.rows.stop if ctx.rows.stop is not None else start + rows
-    return np.array([ctx.seed, ctx.step, start, stop, ctx.global_batch, int(bool(ctx.train))], dtype=np.int64)
+    step = ctx.step + first_step if ctx.train else ctx.step
+    return np.array([ctx.seed, step, start, stop, ctx.global_batch, int(bool(ctx.train))], dtype=np.int64)
 
 
 def _program_weights(layer, weights: dict) -> dict:
@@ -230,7 +239,7 @@ def forward(spec, index: int, x, weights: dict, ctx, weights_rounded: bool = Fal
         names = spec.program["inputs"]
         live = {**shared_values(spec), **rounded({**batch_inputs(spec, x), names[-1]: ctx.labels}, spec.precision)}
         if spec.program.get("context"):
-            live[spec.program["context"]] = context(ctx, batch_rows(x))
+            live[spec.program["context"]] = context(ctx, batch_rows(x), spec.program.get("first_step", 0))
     else:
         live = dict(x)
     unit = unit_of(layer)
@@ -367,6 +376,25 @@ def tied_copies(spec) -> frozenset:
     if cached is None or cached[0]() is not spec:
         cached = _TIED[id(spec)] = (weakref.ref(spec), frozenset(tied_sources(spec)))
     return cached[1]
+
+
+def param_grad_norms(spec, grads: list[dict], squares: list | None = None) -> dict[str, float]:
+    """Each parameter's gradient norm by its program's name, a tied parameter once (its copies hold
+    the same summed gradient): from the layers' gradients, or from their squared norms (optim's
+    squared_norms, in each dict's order) where the step took them already. {} for a built-in model
+    not lowered (its layers name their parameters alike)."""
+    if spec.program is None:
+        return {}
+    from cs_runtime.numerics.optim import squared_norms
+    copies = tied_copies(spec)
+    norms = {}
+    for i, (layer, layer_grads) in enumerate(zip(spec.layers, grads)):
+        names = _program_names(layer)
+        layer_squares = squares[i] if squares is not None else squared_norms(layer_grads)
+        for name, square in zip(layer_grads, layer_squares):
+            if (i, name) not in copies:
+                norms[names.get(name, name)] = math.sqrt(square)
+    return norms
 
 
 def tie_grads(spec, grads: list[dict]) -> list[dict]:

@@ -36,13 +36,19 @@ from . import data_utils as utils   # cstorch.utils.data.utils (likewise)
 from .data_utils import Schedule, infer_batch_size  # noqa: F401 (cstorch.utils.data API)
 
 
+_LOADER_IDS = itertools.count()
+
+
 class DataLoader:
-    """The input function and its arguments; the loader is made when an executor first iterates."""
+    """The input function and its arguments; the loader is made when an executor first iterates.
+    `id`: a number no other DataLoader of this process has (the 2.3+ trainer names each validation
+    loader's stage and scope by it)."""
 
     def __init__(self, input_fn, *args, **kwargs):
         if not callable(input_fn):
             raise CsTorchError(f"DataLoader: input_fn must be callable, got {type(input_fn).__name__}")
         self.input_fn, self.args, self.kwargs = input_fn, args, kwargs
+        self.id = next(_LOADER_IDS)
         self._loader = None
         self.samples_streamed = 0    # counted by the DataExecutor, for a restartable loader's state
 
