@@ -98,8 +98,8 @@ def side_by_side(spec, step, x, y, shards, weights):
     return out
 
 
-def train_ours(spec, batches, shards=None, weights=None, state=None, synced=False):
-    """SGD with momentum on the CPU path's calls; `shards`: the rows of each shard of a step,
+def train_ours(spec, batches, shards=None, weights=None, state=None, synced=False, lr=LR):
+    """SGD with momentum (at `lr`) on the CPU path's calls; `shards`: the rows of each shard of a step,
     as WSEs take them (their gradients and loss shares summed, as SwarmX sums them), one after
     another, or with `synced` side by side, their collectives summed."""
     weights = weights or init_weights(spec, seed=0)
@@ -114,7 +114,7 @@ def train_ours(spec, batches, shards=None, weights=None, state=None, synced=Fals
         for part, shard in parts:
             grads = shard if grads is None else [{k: g[k] + s[k] for k in g} for g, s in zip(grads, shard)]
             loss += part
-        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR, step, None)
+        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, lr, step, None)
         losses.append(loss)
     return losses, weights, state
 
