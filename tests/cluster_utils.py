@@ -34,7 +34,9 @@ def cpu_path_in_process(script: str, argv: list[str]) -> int:
     environment csrun_cpu gives it (no CS_ variable but CS_TARGET=cpu), its exit code. It
     saves a process, its torch import and (where the script keeps one per process) its
     capture; the CPU path's chief stops on SIGTERM as on Ctrl-C and logs to the stderr of
-    its start, so this process's handler, logging, argv and environment are put back."""
+    its start, so this process's handler, logging, argv and environment are put back. Its log
+    lines go to this process's logging (pytest's): model_dir/run.log holds only the run's
+    header, so a test that reads the log runs csrun_cpu."""
     import logging
     import runpy
     handler, log_handlers, saved_argv = signal.getsignal(signal.SIGTERM), logging.root.handlers[:], sys.argv

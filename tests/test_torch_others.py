@@ -3,12 +3,12 @@
 sizes. Each is captured, passes --validate_only and --compile_only, and trains 20
 steps on the CPU path with SGD (momentum) and with AdamW against torch eager on the
 same module, batches and optimizer (models with dropout: torch given the run's
-masks; the batch-norm models as TRAINING says): every loss within
-1e-5 relative, every weight within max(1e-5, 3x torch's own float32-vs-float64
-spread). A few of them (CLUSTER, docs/testing.md says why
-those) also run through csrun_cpu against torch eager, and on 1 WSE, 2 WSEs and
-pipelined against the csrun_cpu run. A package that is missing skips its tests
-with a line naming it."""
+masks; the batch-norm models as TRAINING says): every loss within 1e-5 relative,
+every weight within max(1e-5, 3x torch's own float32-vs-float64 spread). All but
+nanoGPT (examples/torch_gpt's GPT, which tests/test_torch_cluster.py runs) also run
+on the CPU path through run.py's command line, and on 1 WSE, 2 WSEs and pipelined
+against that run; three of them (CLUSTER, docs/testing.md says why those) hold that
+run to torch eager. A package that is missing skips its tests with a line naming it."""
 import copy
 import subprocess
 import sys
@@ -82,18 +82,15 @@ EPS = 1e-6
 def torch_trained(kind, module, loss_fn, batches, opt, dtype=np.float32, seed=0, lr=None):
     """torch eager's losses training `module` in place; a model with dropout is given the
     masks the run draws (F.dropout, and attention's through the reference math)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # on a loaded machine torch's threads spin: at these sizes one is faster
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            before_step = None
-            if kind in other_models.WITH_DROPOUT:
-                patch.setattr(F, "scaled_dot_product_attention", _sdpa_reference)
-                rows = slice(0, len(batches[0][1]))
-                before_step = lambda step: patch.setattr(F, "dropout", _dropout_as_drawn(seed, step, rows))  # noqa: E731
-            return train_torch(module, loss_fn, batches, opt, dtype=dtype, before_step=before_step, eps=EPS, lr=lr)
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as patch:
+        before_step = None
+        if kind in other_models.WITH_DROPOUT:
+            patch.setattr(F, "scaled_dot_product_attention", _sdpa_reference)
+            rows = slice(0, len(batches[0][1]))
+
+            def before_step(step):
+                patch.setattr(F, "dropout", _dropout_as_drawn(seed, step, rows))
+        return train_torch(module, loss_fn, batches, opt, dtype=dtype, before_step=before_step, eps=EPS, lr=lr)
 
 
 OPTIMIZERS = [(kind, opt) for kind in other_models.MODELS for opt in ("sgd", "adamw")]
@@ -194,11 +191,11 @@ def test_an_unsupported_torchvision_op_fails_validate_only_in_one_line(tmp_path,
 # (two inputs, a padding mask, the token_type_ids buffer expanded over the batch), timm's ViT (a
 # class token parameter expanded over the batch, convolution). Every model runs on one WSE, two
 # WSEs and pipelined against its CPU-path run; the others 3 steps (a run's cost is its processes'
-# start, not its steps).
+# start, not its steps). nanoGPT's GPT is examples/torch_gpt's, which tests/test_torch_cluster.py
+# runs on the same three.
 CLUSTER = ["gpt2", "bert_masked_lm", "vit"]
 WSE_MODES = [(1, "weight_streaming"), (2, "weight_streaming"), (1, "pipelined")]
-ON_WSES = [(kind, *mode) for kind in [*CLUSTER, "nanogpt", "llama", "resnet18", "mobilenet_v3_small"]
-           for mode in WSE_MODES]
+ON_WSES = [(kind, *mode) for kind in [*CLUSTER, "llama", "resnet18", "mobilenet_v3_small"] for mode in WSE_MODES]
 CLUSTER_STEPS = {kind: STEPS if kind in CLUSTER else 3 for kind, _, _ in ON_WSES}
 # A batch-norm model on two WSEs normalizes each shard by its own rows' statistics (torch DDP's
 # numbers, tests/test_torch_batch_norm.py): its oracle is the CPU path's calls on those shards.

@@ -110,14 +110,19 @@ def train_cpu_path(spec, batches, opt_kind, eps=1e-8, lr=None):
 def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32, before_step=None, eps=1e-8, lr=None):
     optimizer = _torch_optimizer(opt_kind, module.parameters(), eps, lr)
     losses = []
-    for step, (x, y) in enumerate(batches):
-        if before_step is not None:
-            before_step(step)
-        optimizer.zero_grad()
-        loss = loss_fn(_call(module, x, dtype), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # torch's threads spin on a loaded machine: at these sizes one is faster
+    try:
+        for step, (x, y) in enumerate(batches):
+            if before_step is not None:
+                before_step(step)
+            optimizer.zero_grad()
+            loss = loss_fn(_call(module, x, dtype), torch.from_numpy(y))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
     return losses
 
 
