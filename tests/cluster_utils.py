@@ -29,6 +29,35 @@ SMALL_PARAMS = {
 TOL = 1e-5
 
 
+def cpu_path_in_process(script: str, argv: list[str]) -> int:
+    """`csrun_cpu python script argv...` in this process: the script run as __main__ with the
+    environment csrun_cpu gives it (no CS_ variable but CS_TARGET=cpu), its exit code. It
+    saves a process, its torch import and (where the script keeps one per process) its
+    capture; the CPU path's chief stops on SIGTERM as on Ctrl-C and logs to the stderr of
+    its start, so this process's handler, logging, argv and environment are put back. Its log
+    lines go to this process's logging (pytest's): model_dir/run.log holds only the run's
+    header, so a test that reads the log runs csrun_cpu."""
+    import logging
+    import runpy
+    handler, log_handlers, saved_argv = signal.getsignal(signal.SIGTERM), logging.root.handlers[:], sys.argv
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("CS_")}
+    for name in saved_env:
+        del os.environ[name]
+    os.environ["CS_TARGET"] = "cpu"
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        del os.environ["CS_TARGET"]
+        os.environ.update(saved_env)
+        signal.signal(signal.SIGTERM, handler)
+        logging.root.handlers[:] = log_handlers
+
+
 def write_params(tmp_path: Path, name: str = "params.yaml", **sections) -> Path:
     params = {k: dict(v) for k, v in SMALL_PARAMS.items()}
     for section, values in sections.items():

@@ -41,6 +41,19 @@ def next_token_batches(rng, steps):
     return out
 
 
+def class_images(rng, steps, batch=BATCH, size=32, noise=3.0):
+    """32x32 images whose class shows: a fixed blocky pattern per class (4x4 blocks of seeded
+    colours) under noise of `noise` times its scale, so training learns a pattern at a pace that
+    batch norm in training keeps smooth (tests/test_torch_others.py, TRAINING)."""
+    coarse = np.random.default_rng(7).standard_normal((5, 3, 4, 4))
+    patterns = np.kron(coarse, np.ones((size // 4, size // 4)))
+    out = []
+    for _ in range(steps):
+        y = rng.integers(0, 5, batch)
+        out.append(((patterns[y] + noise * rng.standard_normal((batch, 3, size, size))).astype(np.float32), y))
+    return out
+
+
 def images_32(rng, steps):
     """32x32 images: at 16 resnet18's last stages would see 2x2 and 1x1 maps."""
     return image_batches(rng, steps, size=32)
@@ -48,7 +61,7 @@ def images_32(rng, steps):
 
 # kind -> batches_of(rng, steps); tests/other_models.py builds the model of each kind.
 BATCHES = {"nanogpt": next_token_batches, "gpt2": lm_batches, "bert_masked_lm": mlm_batches, "llama": lm_batches,
-           "resnet18": images_32, "mobilenet_v3_small": images_32, "vit": image_batches}
+           "resnet18": class_images, "mobilenet_v3_small": class_images, "vit": image_batches}
 
 
 def first_batch(batches_of):

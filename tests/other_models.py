@@ -107,9 +107,11 @@ def bert():
 
 
 def resnet18():
-    """torchvision's resnet18 as shipped: batch norm in training, its running statistics
-    carried as buffers."""
-    return torchvision().models.resnet18(num_classes=5), F.cross_entropy
+    """torchvision's resnet18: batch norm in training, its running statistics carried as
+    buffers; each residual block's last batch norm starts at zero (its constructor's
+    zero_init_residual), so the blocks start as identities and 20 steps train smoothly in
+    torch itself (tests/test_torch_others.py, TRAINING)."""
+    return torchvision().models.resnet18(num_classes=5, zero_init_residual=True), F.cross_entropy
 
 
 def mobilenet():

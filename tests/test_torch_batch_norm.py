@@ -98,8 +98,8 @@ def side_by_side(spec, step, x, y, shards, weights):
     return out
 
 
-def train_ours(spec, batches, shards=None, weights=None, state=None, synced=False):
-    """SGD with momentum on the CPU path's calls; `shards`: the rows of each shard of a step,
+def train_ours(spec, batches, shards=None, weights=None, state=None, synced=False, lr=LR):
+    """SGD with momentum (at `lr`) on the CPU path's calls; `shards`: the rows of each shard of a step,
     as WSEs take them (their gradients and loss shares summed, as SwarmX sums them), one after
     another, or with `synced` side by side, their collectives summed."""
     weights = weights or init_weights(spec, seed=0)
@@ -114,7 +114,7 @@ def train_ours(spec, batches, shards=None, weights=None, state=None, synced=Fals
         for part, shard in parts:
             grads = shard if grads is None else [{k: g[k] + s[k] for k in g} for g, s in zip(grads, shard)]
             loss += part
-        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR, step, None)
+        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, lr, step, None)
         losses.append(loss)
     return losses, weights, state
 
@@ -288,20 +288,28 @@ RUN_PARAMS = {
 
 
 def _run(tmp_path, name, launcher, model_dir=None, sync=False, model=None, **runconfig):
-    """`sync`: the model's batch norms as SyncBatchNorm (torch_bn_run.py's BN_SYNC); `model`: the
-    params' model section (mixed precision)."""
+    """`launcher` None: the CPU path's run, made in this process as csrun_cpu runs it (no process,
+    no second torch import); `sync`: the model's batch norms as SyncBatchNorm (torch_bn_run.py's
+    BN_SYNC); `model`: the params' model section (mixed precision)."""
     import os
     import subprocess
     import sys
     import yaml
+    from tests.cluster_utils import cpu_path_in_process
     params = tmp_path / f"{name}.yaml"
     params.write_text(yaml.safe_dump({**RUN_PARAMS, "model": model or {},
                                       "runconfig": {**RUN_PARAMS["runconfig"], **runconfig}}))
     model_dir = tmp_path / (model_dir or name)
-    cmd = [*launcher, sys.executable, BN_RUN, "--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]
-    env = {**os.environ, "BN_SYNC": "1" if sync else "0"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    argv = ["--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]
+    if launcher is None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("BN_SYNC", "1" if sync else "0")
+            assert cpu_path_in_process(BN_RUN, argv) == 0
+    else:
+        env = {**os.environ, "BN_SYNC": "1" if sync else "0"}
+        result = subprocess.run([*launcher, sys.executable, BN_RUN, *argv], capture_output=True, text=True,
+                                timeout=300, env=env)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return train_losses(model_dir), {k[len("model/"):].split("/", 1)[1]: w for k, w in final_weights(model_dir).items()}
 
 
@@ -312,9 +320,9 @@ def _run_batches():
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
-    """csrun_cpu's losses and final state (weights and buffers), checked against torch eager."""
+    """The CPU path's losses and final state (weights and buffers), checked against torch eager."""
     tmp_path = tmp_path_factory.mktemp("bn_cpu")
-    losses, state = _run(tmp_path, "cpu", [tool("csrun_cpu")])
+    losses, state = _run(tmp_path, "cpu", None)
     eager = conv_bn()
     np.testing.assert_allclose(losses, train_torch(eager, _run_batches()), rtol=1e-5)
     assert_same_state(state, eager)

@@ -1,5 +1,6 @@
 """A captured torch GPT-2 (examples/torch_gpt) through the whole system:
-csrun_cpu against torch eager on the same module, batches and SGD; then
+the CPU path's run (made in this process, as csrun_cpu runs it) against torch
+eager on the same module, batches and SGD; then
 weight streaming on 1 and 2 WSEs and pipelined against the CPU run (loss
 every step and the final weights within 1e-5 relative). The same for a BERT-style
 encoder of three inputs (examples/torch_bert: input_ids, attention_mask,
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.cluster_utils import REPO, final_weights, relative_error, tool, train_losses
+from tests.cluster_utils import REPO, cpu_path_in_process, final_weights, relative_error, tool, train_losses
 
 pytestmark = pytest.mark.cluster  # every test here starts processes (see tests/conftest.py)
 
@@ -50,11 +51,16 @@ def _run(launcher, params, model_dir, *extra, script=GPT_RUN):
     return result
 
 
+def _run_cpu(params, model_dir, script=GPT_RUN):
+    """The CPU path's run, as csrun_cpu runs it, in this process (no process, no second torch import)."""
+    assert cpu_path_in_process(script, ["--mode", "train", "--params", str(params), "--model_dir", str(model_dir)]) == 0
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torch_gpt")
     params = _params(tmp, "params.yaml")
-    _run([tool("csrun_cpu")], params, tmp / "cpu")
+    _run_cpu(params, tmp / "cpu")
     return params, train_losses(tmp / "cpu"), final_weights(tmp / "cpu")
 
 
@@ -128,7 +134,7 @@ def test_16bit_gpt_on_one_wse_equals_the_cpu_path_bit_for_bit(tmp_path, cpu_run,
     text["model"].update(mixed_precision=True, fp16_type=fmt)
     text["optimizer"]["loss_scaling_factor"] = "dynamic"
     params.write_text(yaml.safe_dump(text))
-    _run([tool("csrun_cpu")], params, tmp_path / "cpu")
+    _run_cpu(params, tmp_path / "cpu")
     result = _run([tool("csrun_wse"), "--num_csx", "1", "--num_workers_per_csx", "1"], params, tmp_path / "wse")
     want, got = train_losses(tmp_path / "cpu"), train_losses(tmp_path / "wse")
     assert len(got) == STEPS
@@ -165,7 +171,7 @@ BERT_PARAMS = {
 def bert_cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torch_bert")
     params = _params(tmp, "params.yaml", BERT_PARAMS)
-    _run([tool("csrun_cpu")], params, tmp / "cpu", script=BERT_RUN)
+    _run_cpu(params, tmp / "cpu", script=BERT_RUN)
     return params, train_losses(tmp / "cpu"), final_weights(tmp / "cpu")
 
 
@@ -215,13 +221,16 @@ def test_three_input_bert_with_dropout_on_the_cpu_path_equals_torch_eager_given_
         assert relative_error(fresh.state_dict()[name].numpy(), theirs) < TOL, name
 
 
+# Pipelined mode runs here as two replicas (each a half of the shard's rows, their gradients summed
+# on the wafer): one pipelined run of one replica equals the CPU path bit for bit for GPT-2 with
+# dropout and BertForMaskedLM's two inputs (tests/test_torch_others.py).
 @pytest.mark.parametrize("num_csx,strategy,replicas", [(1, "weight_streaming", 1), (2, "weight_streaming", 1),
-                                                      (1, "pipelined", 1), (1, "pipelined", 2)])
+                                                      (1, "pipelined", 2)])
 def test_three_input_bert_with_dropout_on_the_cluster_equals_the_cpu_path(tmp_path, bert_cpu_run, num_csx,
                                                                            strategy, replicas):
     """One WSE computes what the CPU path does, to the bit (the same masks, the same
-    order); two WSEs, pipelined and two pipelined replicas (each a half of the shard's
-    rows of every feature) within 1e-5 (only sums over shards differ)."""
+    order); two WSEs and two pipelined replicas (each a half of the shard's rows of every
+    feature) within 1e-5 (only sums over shards differ)."""
     _, losses, weights = bert_cpu_run
     extra = ("--multireplica",) if replicas > 1 else ()
     params = _params(tmp_path, "p.yaml", BERT_PARAMS, execution_strategy=strategy)

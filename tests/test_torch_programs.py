@@ -75,12 +75,14 @@ def _model(kind):
     return GPT(GPTConfig(vocab_size=30, block_size=12, n_layer=2, n_head=2, n_embd=16)), gpt_loss
 
 
-def _torch_optimizer(kind, params, eps=1e-8):
+def _torch_optimizer(kind, params, eps=1e-8, lr=None):
+    """`lr`: LR's for the kind unless given."""
+    lr = LR[kind] if lr is None else lr
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=LR[kind], momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if kind == "adam":
-        return torch.optim.Adam(params, lr=LR[kind], eps=eps)
-    return torch.optim.AdamW(params, lr=LR[kind], weight_decay=0.01, eps=eps)
+        return torch.optim.Adam(params, lr=lr, eps=eps)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, eps=eps)
 
 
 def _ours(kind, eps=1e-8):
@@ -89,7 +91,8 @@ def _ours(kind, eps=1e-8):
                                    weight_decay=0.01 if kind == "adamw" else 0.0, eps=eps))
 
 
-def train_cpu_path(spec, batches, opt_kind, eps=1e-8):
+def train_cpu_path(spec, batches, opt_kind, eps=1e-8, lr=None):
+    lr = LR[opt_kind] if lr is None else lr
     weights = init_weights(spec, seed=0)
     optimizer = _ours(opt_kind, eps)
     state = {name: optimizer.init_state(w) for name, w in weights.items()}
@@ -99,22 +102,27 @@ def train_cpu_path(spec, batches, opt_kind, eps=1e-8):
         live, caches = model_forward(spec, x, weights, ctx)
         result = model_loss(spec, live, y, len(y))
         grads = model_backward(spec, result.delta, caches, weights, step)
-        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, LR[opt_kind], step, None)
+        optimizer.update_model([l.name for l in spec.layers], weights, grads, state, lr, step, None)
         losses.append(result.loss)
     return losses, weights
 
 
-def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32, before_step=None, eps=1e-8):
-    optimizer = _torch_optimizer(opt_kind, module.parameters(), eps)
+def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32, before_step=None, eps=1e-8, lr=None):
+    optimizer = _torch_optimizer(opt_kind, module.parameters(), eps, lr)
     losses = []
-    for step, (x, y) in enumerate(batches):
-        if before_step is not None:
-            before_step(step)
-        optimizer.zero_grad()
-        loss = loss_fn(_call(module, x, dtype), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # torch's threads spin on a loaded machine: at these sizes one is faster
+    try:
+        for step, (x, y) in enumerate(batches):
+            if before_step is not None:
+                before_step(step)
+            optimizer.zero_grad()
+            loss = loss_fn(_call(module, x, dtype), torch.from_numpy(y))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
     return losses
 
 
