@@ -22,6 +22,15 @@ def conversion_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def fresh_backend():
+    """A cstorch test starts and ends with no backend made (cs_torch keeps one per process)."""
+    from cs_torch.backends import reset_backend   # here, not at the top: conftest loads without torch too
+    reset_backend()
+    yield
+    reset_backend()
+
+
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory):
     """The CPU run every distributed run is compared with: (params, losses, final weights)."""

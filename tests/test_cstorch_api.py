@@ -24,11 +24,7 @@ LR = cstorch.optim.lr_scheduler
 TORCH_LR = torch.optim.lr_scheduler
 
 
-@pytest.fixture(autouse=True)
-def fresh_backend():
-    reset_backend()
-    yield
-    reset_backend()
+pytestmark = pytest.mark.usefixtures("fresh_backend")   # tests/conftest.py
 
 
 def values_of(make, steps: int = 30, key: str = "lr", groups=None) -> list:

@@ -13,14 +13,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="cs_torch's 2.x API takes torch modules (pip install -e '.[torch]')")
 
 import cerebras_pytorch as cstorch  # noqa: E402  (after the skip: it needs torch)
-from cs_torch.backends import reset_backend  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def fresh_backend():
-    reset_backend()
-    yield
-    reset_backend()
+pytestmark = pytest.mark.usefixtures("fresh_backend")   # tests/conftest.py
 
 
 def test_top_level_names_the_model_zoo_calls() -> None:

@@ -18,11 +18,7 @@ import cerebras.pytorch as cstorch  # noqa: E402  (after the skip: it needs torc
 from cs_torch.backends import reset_backend  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def fresh_backend():
-    reset_backend()
-    yield
-    reset_backend()
+pytestmark = pytest.mark.usefixtures("fresh_backend")   # tests/conftest.py
 
 
 # ---------------------------------------------------------------- nn, distributed, storage
