@@ -16,7 +16,7 @@ from cs_runtime.numerics.model import ShardContext, init_weights, model_forward 
 from cs_torch.capture import CaptureError, capture, model_spec  # noqa: E402
 from cs_torch.oracle import torch_random_with_run_draws  # noqa: E402
 from tests import torch_models  # noqa: E402
-from tests.test_torch_programs import train_cpu_path, train_torch  # noqa: E402
+from tests.test_torch_programs import assert_weights_match_module, train_cpu_path, train_torch  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 BATCH = 8
@@ -66,11 +66,7 @@ def test_a_vae_trains_on_the_cpu_path_with_torchs_numbers_given_the_runs_draws()
         theirs = train_torch(eager, torch_models.vae_loss, batches, "sgd", before_step=at)
         stale = train_torch(fixed, torch_models.vae_loss, batches, "sgd", before_step=lambda step: at(0))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
-    reference = eager.state_dict()
-    for layer in weights.values():
-        for name, w in layer.items():
-            np.testing.assert_allclose(w, reference[name].numpy(), rtol=1e-5,
-                                       atol=1e-5 * float(reference[name].abs().max()), err_msg=name)
+    assert_weights_match_module(weights, eager)
     assert np.abs(np.array(stale) - np.array(theirs)).max() > 1e-3   # step 0's draws every step end elsewhere
 
 

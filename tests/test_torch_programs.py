@@ -107,6 +107,16 @@ def train_cpu_path(spec, batches, opt_kind, eps=1e-8, lr=None):
     return losses, weights
 
 
+def assert_weights_match_module(weights: dict, module) -> None:
+    """The CPU path's final weights ({layer: {name: array}}) within 1e-5 of the module's, relative to
+    each tensor's scale."""
+    reference = module.state_dict()
+    for layer in weights.values():
+        for name, w in layer.items():
+            np.testing.assert_allclose(w, reference[name].numpy(), rtol=1e-5,
+                                       atol=1e-5 * float(reference[name].abs().max()), err_msg=name)
+
+
 def train_torch(module, loss_fn, batches, opt_kind, dtype=np.float32, before_step=None, eps=1e-8, lr=None):
     optimizer = _torch_optimizer(opt_kind, module.parameters(), eps, lr)
     losses = []
@@ -220,11 +230,7 @@ def test_dropout_in_training_matches_torch_given_the_same_masks_and_eval_drops_n
     theirs = train_torch(eager, loss_fn, batches, "sgd", before_step=lambda step: monkeypatch.setattr(
         F, "dropout", _dropout_as_drawn(0, step, slice(0, 6))))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
-    reference = eager.state_dict()
-    for layer in weights.values():
-        for name, w in layer.items():
-            np.testing.assert_allclose(w, reference[name].numpy(), rtol=1e-5,
-                                       atol=1e-5 * float(reference[name].abs().max()), err_msg=name)
+    assert_weights_match_module(weights, eager)
     monkeypatch.undo()
     # The masks matter: torch without dropout ends elsewhere.
     without = train_torch(plain.eval(), loss_fn, batches[:3], "sgd")
@@ -450,11 +456,7 @@ def test_gradient_clipping_counts_a_tied_weight_once_as_clip_grad_norm_does():
         assert applied and want > 0.5                  # the clipping is active
         assert norm == pytest.approx(want, rel=1e-5)
         assert twice > norm * (1 + 1e-3)               # counted twice, the norm would be larger
-    reference = eager.state_dict()
-    for layer in weights.values():
-        for name, w in layer.items():
-            np.testing.assert_allclose(w, reference[name].numpy(), rtol=1e-5,
-                                       atol=1e-5 * float(reference[name].abs().max()), err_msg=name)
+    assert_weights_match_module(weights, eager)
 
 
 @pytest.mark.parametrize("kind", ["bert_inputs", "cnn"])
