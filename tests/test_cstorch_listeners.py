@@ -116,3 +116,43 @@ def test_listeners_on_csx_stop_the_loop_in_one_line_before_any_job() -> None:
                                                listeners=[listener])
     with pytest.raises(CsTorchError, match=r"^DataExecutor: listener norms is fed on the CPU backend only; on CSX"):
         next(iter(executor))
+
+
+class Pair(torch.nn.Module):
+    def forward(self, x):
+        return x.sin(), x.cos()
+
+
+class TwoOutputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pair = torch.nn.Linear(5, 3), Pair()
+
+    def forward(self, x):
+        first, second = self.pair(self.fc(x))
+        return first + second
+
+
+def test_a_listener_of_one_output_of_a_module_of_several_is_one_line(tmp_path) -> None:
+    cstorch.backend("CPU")
+    model = TwoOutputs()
+    compiled = cstorch.compile(model)
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
+
+    @cstorch.trace
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    listener = cstorch.experimental.listener.create_listener(listener_type="norm", listener_name="pairs",
+                                                             tensor_names="pair.*")
+    writer = cstorch.utils.tensorboard.SummaryWriter(log_dir=str(tmp_path))
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(batches), num_steps=1, writer=writer,
+                                               listeners=[listener])
+    with pytest.raises(CsTorchError, match=r"^listener pairs: the traced tensor pair\.0 is not one module output"):
+        for x, y in executor:
+            step(x, y)
+    writer.close()
