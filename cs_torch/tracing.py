@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .backend.ltc_backend import after_tensor_to_cpu
-from .backends import current_backend
+from .backends import current_backend, note
 from .csx_grads import norm_grads
 from .experimental.listener import naming_tensors, register_traced_tensor_hook
 from . import summary
@@ -342,8 +342,9 @@ class TracedStep:
         from .engine import StepEngine
         probe = _Probe()
         _active["probe"] = probe
-        self.traced_shapes: dict[str, tuple] = {}   # the traced tensors' names, for the loop's listeners
-        naming = register_traced_tensor_hook(lambda t, name: self.traced_shapes.setdefault(name, tuple(t.shape)))
+        self.traced_shapes: dict[str, list] = {}   # each traced name's shape at each call, for the loop's listeners
+        naming = register_traced_tensor_hook(
+            lambda t, name: self.traced_shapes.setdefault(name, []).append(tuple(t.shape)))
         try:
             with _Patched():
                 returned = self.fn(*_rebuild(template, leaves))
@@ -511,23 +512,32 @@ class TracedStep:
                 listener.write(values, writer, writer.base_step + executor.user_iteration)
 
     def _listened_values(self, listeners) -> dict[str, str]:
-        """{traced name: its program value} of every traced tensor a listener selects; one that is no
-        single module output of the program (a module of several outputs, or one whose ops the
-        program does not hold) stops the step in one line, rather than summarize another value."""
+        """{traced name: its program value} of every traced tensor a listener selects. A tensor that is
+        no single value of the program (one output of a module of several, a module called more than
+        once or whose ops the program does not hold, such as a dropout of 0) is never summarized with
+        another value: named exactly, it stops the step in one line; matched by a glob, it is skipped,
+        named in one line."""
         from .engine import module_output_value
         model = self.compiled.model
         paths = {path or type(module).__name__: path for path, module in model.named_modules()}
         program, shapes = self.captured.program, self.captured.shapes
-        chosen = {}
-        for name, shape in self.traced_shapes.items():
-            listener = next((l for l in listeners if l.selects(name)), None)
-            if listener is None:
+        chosen, skipped = {}, []
+        for name, seen in self.traced_shapes.items():
+            selecting = [listener for listener in listeners if listener.selects(name)]
+            if not selecting:
                 continue
-            value = module_output_value(program, paths[name]) if name in paths else None
-            if value is None or tuple(shapes.get(value, ())) != shape:
-                raise CsTorchError(f"listener {listener.listener_name}: the traced tensor {name} is not one "
-                                   "module output of the compiled program; select module outputs of one tensor")
-            chosen[name] = value
+            value = module_output_value(program, paths[name]) if name in paths and len(seen) == 1 else None
+            if value is not None and tuple(shapes.get(value, ())) == seen[0]:
+                chosen[name] = value
+                continue
+            exact = next((listener for listener in selecting if name in listener.tensor_names), None)
+            if exact is not None:
+                raise CsTorchError(f"listener {exact.listener_name}: the traced tensor {name} is not one value "
+                                   "of the compiled program (select module outputs of one tensor, called once)")
+            skipped.append(name)
+        if skipped:
+            note(f"listeners: {len(skipped)} matched traced tensors are not one value of the compiled program "
+                 f"and are not summarized: {', '.join(skipped)}")
         return chosen
 
     def _held_grads(self, grads: dict, scaler) -> dict | None:

@@ -133,8 +133,11 @@ class TwoOutputs(torch.nn.Module):
         return first + second
 
 
-def test_a_listener_of_one_output_of_a_module_of_several_is_one_line(tmp_path) -> None:
+def train_two_outputs(tmp_path, tensor_names) -> list[tuple]:
+    """One step of TwoOutputs with a norm listener of `tensor_names`: the scalars it wrote."""
+    reset_backend()
     cstorch.backend("CPU")
+    torch.manual_seed(0)
     model = TwoOutputs()
     compiled = cstorch.compile(model)
     optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
@@ -147,12 +150,27 @@ def test_a_listener_of_one_output_of_a_module_of_several_is_one_line(tmp_path) -
         optimizer.step()
         return loss
 
-    listener = cstorch.experimental.listener.create_listener(listener_type="norm", listener_name="pairs",
-                                                             tensor_names="pair.*")
+    listener = cstorch.experimental.listener.create_listener(listener_type="norm", listener_name="norms",
+                                                             tensor_names=tensor_names)
     writer = cstorch.utils.tensorboard.SummaryWriter(log_dir=str(tmp_path))
-    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(batches), num_steps=1, writer=writer,
-                                               listeners=[listener])
-    with pytest.raises(CsTorchError, match=r"^listener pairs: the traced tensor pair\.0 is not one module output"):
-        for x, y in executor:
+    try:
+        for x, y in cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(batches), num_steps=1,
+                                                    writer=writer, listeners=[listener]):
             step(x, y)
-    writer.close()
+    finally:
+        writer.close()
+    return read_scalars(tmp_path)
+
+
+def test_a_tensor_of_no_single_program_value_is_one_line_by_name_and_skipped_by_glob(tmp_path, capsys) -> None:
+    with pytest.raises(CsTorchError, match=r"^listener norms: the traced tensor pair\.0 is not one value"):
+        train_two_outputs(tmp_path / "exact", ["fc", "pair.0"])
+    written = train_two_outputs(tmp_path / "glob", "*")
+    assert "listeners: 2 matched traced tensors are not one value of the compiled program and are not " \
+           "summarized: pair.0, pair.1" in capsys.readouterr().err
+    x, _ = batches()[0]
+    torch.manual_seed(0)
+    fc = TwoOutputs().fc
+    by_tag = {tag: value for _, tag, value, _ in written}
+    assert set(by_tag) == {"norms/fc", "norms/TwoOutputs", "norms/__all__"}
+    assert by_tag["norms/fc"] == pytest.approx(torch.linalg.vector_norm(fc(x)).item(), rel=1e-5)
