@@ -344,13 +344,15 @@ class TracedStep:
         _active["probe"] = probe
         self.traced_shapes: dict[str, list] = {}   # each traced name's shape at each call, for the loop's listeners
         naming = register_traced_tensor_hook(
-            lambda t, name: self.traced_shapes.setdefault(name, []).append(tuple(t.shape)))
+            lambda t, name: self.traced_shapes.setdefault(name, []).append(tuple(t.shape))) \
+            if getattr(current_executor(), "listeners", None) else None
         try:
             with _Patched():
                 returned = self.fn(*_rebuild(template, leaves))
         finally:
             _active["probe"] = None
-            naming.remove()
+            if naming is not None:
+                naming.remove()
         if probe.model_args is None:
             raise CsTorchError(f"trace: {self.fn.__name__} never calls a compiled model (cstorch.compile(model))")
         self.compiled = probe.compiled
@@ -535,6 +537,9 @@ class TracedStep:
                 raise CsTorchError(f"listener {exact.listener_name}: the traced tensor {name} is not one value "
                                    "of the compiled program (select module outputs of one tensor, called once)")
             skipped.append(name)
+        if not self.traced_shapes:
+            note(f"listeners: {self.fn.__name__} was captured outside a loop given listeners; its tensors are "
+                 "not summarized")
         if skipped:
             note(f"listeners: {len(skipped)} matched traced tensors are not one value of the compiled program "
                  f"and are not summarized: {', '.join(skipped)}")
