@@ -84,5 +84,27 @@ class StepEngine:
         loss = float(env[self.loss_name])
         return (loss, self._output(env)) if output else loss
 
+    def module_outputs(self, arrays, values: dict[str, str], train: bool) -> dict[str, np.ndarray]:
+        """{name: this step's value of the program value `values[name]`}: the program's forward on the
+        step's weights and inputs, drawing the step's dropout masks (call it before train())."""
+        fmt = amp.precision()
+        feed = self.with_context(self.feed(arrays), train=train)
+        env = {**rounded(self.weights(), fmt), **rounded(feed, fmt), **self.program.consts}
+        env = run_nodes(self.program.nodes, env, fmt=fmt)
+        return {name: np.array(env[value]) for name, value in values.items()}
+
     def _output(self, env):
         return None if env is None else np.array(env[self.program.outputs["output"]])
+
+
+def module_output_value(program, path: str) -> str | None:
+    """The program value that is module `path`'s output: the last value its ops (its own or its
+    submodules') compute; for the root module, the model's output. None when its ops are none."""
+    if not path:
+        return program.outputs.get("output")
+    inside = path + "."
+    last = None
+    for node in program.nodes:
+        if node.module == path or node.module.startswith(inside):
+            last = node.outputs[0]
+    return last

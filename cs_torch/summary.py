@@ -140,12 +140,13 @@ def summarize_tensor(name: str, tensor) -> None:
 
 
 def write_tensor(name: str, tensor) -> None:
-    writer = _writer("summarize_tensor")
+    writer = writer_of("summarize_tensor")
     if writer is not None:
         writer.add_tensor(name, tensor, writer.base_step + current_executor().user_iteration)
 
 
-def _writer(what: str):
+def writer_of(what: str):
+    """The writer of the executor in progress (None, said once, when it has none)."""
     executor = current_executor()
     writer = executor.writer if executor is not None else None
     if writer is None and "no-writer" not in _said:
@@ -155,6 +156,6 @@ def _writer(what: str):
 
 
 def write_scalar(name: str, value) -> None:
-    writer = _writer("summarize_scalar")
+    writer = writer_of("summarize_scalar")
     if writer is not None:
         writer.add_scalar(name, _value(value), writer.base_step + current_executor().user_iteration)

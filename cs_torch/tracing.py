@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 from .backend.ltc_backend import after_tensor_to_cpu
-from .backends import current_backend
+from .backends import current_backend, note
 from .csx_grads import norm_grads
-from .experimental.listener import naming_tensors
+from .experimental.listener import naming_tensors, register_traced_tensor_hook
 from . import summary
 from .nn import CsTorchError
 from .recording import _active, current_executor, probing, replaying
@@ -342,11 +342,17 @@ class TracedStep:
         from .engine import StepEngine
         probe = _Probe()
         _active["probe"] = probe
+        self.traced_shapes: dict[str, list] = {}   # each traced name's shape at each call, for the loop's listeners
+        naming = register_traced_tensor_hook(
+            lambda t, name: self.traced_shapes.setdefault(name, []).append(tuple(t.shape))) \
+            if getattr(current_executor(), "listeners", None) else None
         try:
             with _Patched():
                 returned = self.fn(*_rebuild(template, leaves))
         finally:
             _active["probe"] = None
+            if naming is not None:
+                naming.remove()
         if probe.model_args is None:
             raise CsTorchError(f"trace: {self.fn.__name__} never calls a compiled model (cstorch.compile(model))")
         self.compiled = probe.compiled
@@ -481,6 +487,7 @@ class TracedStep:
                 self.training else None
             return self._effects(loss, {}, cluster_applied=applied, rerun=self._rerun(leaves, output, held))
         arrays = [_host(leaves[i]) for i in self.input_leaves]
+        self._feed_listeners(arrays)
         scaler = next((e[1] for e in self.effects if e[0] == "scaler_step"), None)
         if self.training:
             seed = scaler.scale_value() if scaler is not None else 1.0
@@ -490,6 +497,53 @@ class TracedStep:
             loss, output = self.engine.evaluate(arrays, output=True) if self.wants_output else \
                 (self.engine.evaluate(arrays), None)
         return self._effects(loss, grads, rerun=self._rerun(leaves, output, self._held_grads(grads, scaler)))
+
+    def _feed_listeners(self, arrays) -> None:
+        """The loop's listeners (DataExecutor(listeners=)) get this step's values of the traced tensors
+        they select and write their summaries at the step (before the step runs: its weights)."""
+        executor = current_executor()
+        listeners = getattr(executor, "listeners", None)
+        if not listeners:
+            return
+        if getattr(self, "_listened", None) is None:
+            self._listened = self._listened_values(listeners)
+        values = self.engine.module_outputs(arrays, self._listened, train=self.training)
+        writer = summary.writer_of("listeners")
+        if writer is not None:
+            for listener in listeners:
+                listener.write(values, writer, writer.base_step + executor.user_iteration)
+
+    def _listened_values(self, listeners) -> dict[str, str]:
+        """{traced name: its program value} of every traced tensor a listener selects. A tensor that is
+        no single value of the program (one output of a module of several, a module called more than
+        once or whose ops the program does not hold, such as a dropout of 0) is never summarized with
+        another value: named exactly, it stops the step in one line; matched by a glob, it is skipped,
+        named in one line."""
+        from .engine import module_output_value
+        model = self.compiled.model
+        paths = {path or type(module).__name__: path for path, module in model.named_modules()}
+        program, shapes = self.captured.program, self.captured.shapes
+        chosen, skipped = {}, []
+        for name, seen in self.traced_shapes.items():
+            selecting = [listener for listener in listeners if listener.selects(name)]
+            if not selecting:
+                continue
+            value = module_output_value(program, paths[name]) if name in paths and len(seen) == 1 else None
+            if value is not None and tuple(shapes.get(value, ())) == seen[0]:
+                chosen[name] = value
+                continue
+            exact = next((listener for listener in selecting if name in listener.tensor_names), None)
+            if exact is not None:
+                raise CsTorchError(f"listener {exact.listener_name}: the traced tensor {name} is not one value "
+                                   "of the compiled program (select module outputs of one tensor, called once)")
+            skipped.append(name)
+        if not self.traced_shapes:
+            note(f"listeners: {self.fn.__name__} was captured outside a loop given listeners; its tensors are "
+                 "not summarized")
+        if skipped:
+            note(f"listeners: {len(skipped)} matched traced tensors are not one value of the compiled program "
+                 f"and are not summarized: {', '.join(skipped)}")
+        return chosen
 
     def _held_grads(self, grads: dict, scaler) -> dict | None:
         """The CPU backend's gradients as the rerun's parameters hold them: unscaled, as after the

@@ -290,9 +290,9 @@ def test_nn_functional_one_hot_by_its_real_name() -> None:
 
 def test_data_executor_names_what_it_does_not_honour(capsys: pytest.CaptureFixture) -> None:
     loader = cstorch.utils.data.DataLoader(lambda: [(torch.zeros(2, 1), torch.zeros(2))])
-    executor = cstorch.utils.data.DataExecutor(loader, num_steps=1, listeners=["a listener"])
+    executor = cstorch.utils.data.DataExecutor(loader, num_steps=1, profiler_activities=["host"])
     assert len(executor) == 1
-    assert "DataExecutor: listeners are not honoured" in capsys.readouterr().err
+    assert "DataExecutor: profiler_activities is not honoured" in capsys.readouterr().err
 
 
 def test_configure_helpers_build_what_the_params_section_says() -> None:

@@ -11,12 +11,20 @@ tensor output of every module of the compiled model, named by the module's path 
 
 create_listener (2.0/2.1) makes a listener from a params file's `experimental.listeners` entry
 (`listener_type` summary or norm, the later model zoo's two listeners; `listener_name`;
-`tensor_names` globs). The emulator's steps do not hand traced tensors' values back each step, so
-a DataExecutor given listeners names them as not honoured, in one line; training is unchanged.
+`tensor_names` globs over those names). A DataExecutor given listeners feeds them every step: on the
+CPU backend the step's program hands back the value of each module output a listener selects (the
+last value its module's ops compute, cs_torch/engine.py), and each listener writes its summaries to
+the executor's writer at the step: `summary` each tensor whole (`listener_name/tensor`, read back with
+SummaryReader), `norm` each tensor's 2-norm as a scalar and the norms' total as
+`listener_name/__all__`. On CSX the traced tensors stay on the WSEs: a loop given listeners stops in
+one line naming them.
 """
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+
+import numpy as np
 
 from ..hooks import Hooks, RemovableHandle
 
@@ -72,10 +80,27 @@ class TensorListener:
         self.listener_type, self.listener_name = listener_type, listener_name
         self.tensor_names = [tensor_names] if isinstance(tensor_names, str) else list(tensor_names)
 
+    def selects(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.tensor_names)
+
+    def write(self, values: dict, writer, step: int) -> None:
+        """This step's summaries of the tensors it selects among `values` ({traced name: ndarray})."""
+        chosen = {name: value for name, value in values.items() if self.selects(name)}
+        if self.listener_type == "summary":
+            for name, value in chosen.items():
+                writer.add_tensor(f"{self.listener_name}/{name}", np.asarray(value), step)
+            return
+        norms = {name: float(np.linalg.norm(np.asarray(value, dtype=np.float32).ravel())) for name, value in
+                 chosen.items()}
+        for name, norm in norms.items():
+            writer.add_scalar(f"{self.listener_name}/{name}", norm, step)
+        if norms:   # the total norm: the 2-norm of the tensors' norms (torch's clip_grad_norm_ total)
+            writer.add_scalar(f"{self.listener_name}/__all__", float(np.sqrt(sum(n * n for n in norms.values()))),
+                              step)
+
 
 def create_listener(listener_type: str = None, listener_name: str = None, tensor_names=None, **unknown):
-    """The listener a params file's entry describes, checked; a DataExecutor given it says in one line
-    that listeners are not fed per step here (register_traced_tensor_hook sees the traced tensors)."""
+    """The listener a params file's entry describes, checked (a DataExecutor given it feeds it each step)."""
     if unknown:
         raise ValueError(f"create_listener: unknown settings {sorted(unknown)} (listener_type, listener_name, "
                          "tensor_names)")

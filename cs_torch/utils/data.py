@@ -167,8 +167,7 @@ class DataExecutor:
                  "share of the batch whole")
         if profiler_activities:
             note("DataExecutor: profiler_activities is not honoured (see docs/running.md for traces)")
-        if listeners:
-            note("DataExecutor: listeners are not honoured (tensor listeners are not emulated)")
+        self.listeners = _checked_listeners(listeners)
         self.user_iteration = 0
         self.on_cluster = False
         self._runs: dict = {}
@@ -249,6 +248,9 @@ class DataExecutor:
         total = self.total_steps
         self.user_iteration = 0
         self.on_cluster = self.backend.is_csx and not (self.backend.compile_only or self.backend.validate_only)
+        if self.on_cluster and self.listeners:   # the traced tensors stay on the WSEs; no step hands them back
+            raise CsTorchError(f"DataExecutor: listener {self.listeners[0].listener_name} is fed on the CPU "
+                               "backend only; on CSX the traced tensors are not handed back (drop listeners)")
         _current.append(self)
         exc, window = None, None
         try:
@@ -294,6 +296,17 @@ class DataExecutor:
                 yield batch
             if not produced:
                 raise CsTorchError("DataExecutor: the data loader produced no batch")
+
+
+def _checked_listeners(listeners) -> list:
+    """DataExecutor(listeners=): tensor listeners (cstorch.experimental.listener.create_listener's)."""
+    from ..experimental.listener import TensorListener
+    listeners = list(listeners or [])
+    for listener in listeners:
+        if not isinstance(listener, TensorListener):
+            raise CsTorchError(f"DataExecutor: listeners must be made by experimental.listener.create_listener, "
+                               f"got {type(listener).__name__}")
+    return listeners
 
 
 class RateTracker:
