@@ -19,11 +19,7 @@ from tests.test_summaries import read_scalars  # noqa: E402
 STEPS, ROWS = 3, 4
 
 
-@pytest.fixture(autouse=True)
-def fresh_backend():
-    reset_backend()
-    yield
-    reset_backend()
+pytestmark = pytest.mark.usefixtures("fresh_backend")   # tests/conftest.py
 
 
 class Net(torch.nn.Module):
