@@ -90,6 +90,7 @@ class ClusterExecutor:
         self.worker_ids: list[bytes] = []       # every worker that said HELLO (asked for spans at the end)
         self.layer_grad_norms: list[float] = []   # of the last training step, for TensorBoard
         self.param_grad_norms: dict[str, float] = {}   # of the last training step, by parameter (a program's)
+        self.param_norms: dict[str, float] = {}   # the weights' as the last training step began, likewise
         self._eval_steps: int | None = None
         self.traffic: dict[str, int] = {}   # bytes of the last training step
         self.outputs: dict = {}   # what the last step handed back besides its loss (the model's output)
@@ -259,6 +260,7 @@ class ClusterExecutor:
             self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
             self.layer_grad_norms = list(loss.meta.get("layer_grad_norms", []))
             self.param_grad_norms = dict(loss.meta.get("param_grad_norms", {}))
+            self.param_norms = dict(loss.meta.get("param_norms", {}))
             return float(loss.meta["loss"]), float(loss.meta["grad_norm"]), bool(loss.meta.get("applied", True))
         if hands_out_outputs(self.spec):
             loss = self.wait(self.swarmx, Msg.LOSS, step)
@@ -274,6 +276,7 @@ class ClusterExecutor:
         self.traffic["shared_memory"] = bool(done.meta.get("shared_memory", False))
         self.layer_grad_norms = list(done.meta.get("layer_grad_norms", []))
         self.param_grad_norms = dict(done.meta.get("param_grad_norms", {}))
+        self.param_norms = dict(done.meta.get("param_norms", {}))
         return float(loss.meta["loss"]), float(done.meta["grad_norm"]), bool(done.meta.get("applied", True))
 
     def traffic_summary(self) -> str:

@@ -276,6 +276,10 @@ class ClusterRun:
         """The last step's gradient norm of each parameter, by program name (MemoryX's answer)."""
         return self.session.executor.param_grad_norms
 
+    def param_norms(self) -> dict[str, float]:
+        """Each parameter's norm as the last step began, by program name (MemoryX's answer)."""
+        return self.session.executor.param_norms
+
     def sync(self) -> None:
         """The job's current weights into the torch module, its optimizer state into the optimizer."""
         if self.session.executor is None or self.session.mode != "train":

@@ -65,6 +65,7 @@ class Optimizer:
             probe.record("opt_step", self)
             return
         if replaying() is not None:
+            replaying().updated = True   # a parameter read after this reads the updated weights
             return
         loop = legacy_loop()
         if loop is not None:   # a 1.x loop on the CS system: MemoryX applies the update
