@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from cs_runtime.compiler.units import program_spec
-from cs_runtime.numerics.optim import Optimizer as Rule, OptimizerSpec
+from cs_runtime.numerics.optim import MASK_SLOT, Optimizer as Rule, OptimizerSpec
 
 from . import amp
 from . import session as session_mod
@@ -85,10 +85,6 @@ def _rule_of(optimizer, g: dict):
     from . import optimizers
     if getattr(optimizer, "cluster_refusal", None):
         raise CsTorchError(f"CSX backend: {optimizer.cluster_refusal}")
-    if any(getattr(p, "_selective_grad", None) is not None for group in optimizer.param_groups
-           for p in group["params"]):
-        raise CsTorchError("CSX backend: nn.SelectiveGrad is not emulated on CSX (MemoryX updates whole weights, "
-                           "without masks); use backend('CPU')")
     if g.get("maximize"):
         raise CsTorchError(f"CSX backend: {type(optimizer).__name__} with maximize=True is not a MemoryX rule; "
                            "use backend('CPU') for it")
@@ -152,7 +148,9 @@ class _Session(session_mod.Session):
             for layer in start.opt_state.values():
                 for name, slots in layer.items():
                     for slot, value in given.get(name, {}).items():
-                        if slot in slots:
+                        if slot == MASK_SLOT:   # a SelectiveGrad mask goes with the state
+                            slots[slot] = np.array(value, dtype=np.float32)
+                        elif slot in slots:
                             slots[slot] = np.array(value, dtype=np.float32).reshape(np.shape(slots[slot]))
         return start
 
@@ -197,6 +195,9 @@ def memoryx_slots(optimizer, params: dict) -> dict:
         given = {torch_names.get(key, key): value for key, value in state.items() if value is not None}
         slots[name] = {slot: np.asarray(value.detach().numpy() if isinstance(value, torch.Tensor) else value,
                                         dtype=np.float32) for slot, value in given.items()}
+        entries = getattr(param, "_selective_grad", None)   # nn.SelectiveGrad: MemoryX's update masks as the CPU's
+        if entries is not None:
+            slots[name][MASK_SLOT] = entries.mask.numpy().astype(np.float32)
     return {name: value for name, value in slots.items() if value}
 
 
@@ -293,6 +294,8 @@ class ClusterRun:
         for name, state in slots.items():
             mine = self.optimizer.state.setdefault(params[name], {})
             for slot, value in state.items():
+                if slot == MASK_SLOT:   # the parameter's SelectiveGrad buffer holds it
+                    continue
                 if slot == "step" and "exp_avg" not in state:
                     continue   # SGD with dampening counts its updates; torch's SGD keeps no count
                 mine[_SLOT_NAMES.get(slot, slot)] = torch.from_numpy(np.array(value, dtype=np.float32))
