@@ -305,8 +305,9 @@ class ClusterExecutor:
         msg = self.wait(holder, Msg.STATE)
         return unflatten_for(self.spec, Optimizer(self.opt_spec), msg.arrays)
 
-    def collect_traces(self) -> list[trace.ProcessTrace]:
-        """Every process's spans, each with its clock offset from the GET_TRACE round trip.
+    def collect_traces(self, workers: bool = True) -> list[trace.ProcessTrace]:
+        """Every process's spans (without the input workers' unless `workers`), each with its clock
+        offset from the GET_TRACE round trip.
 
         MemoryX and SwarmX answer themselves; SwarmX passes the request to every
         WSE and their answers back; each input worker answers on its socket.
@@ -315,11 +316,12 @@ class ClusterExecutor:
         for ep in (self.memoryx, self.swarmx):
             sent[ep.name] = trace.now_ns()
             ep.send(Message(Msg.GET_TRACE))
-        for identity in self.worker_ids:
+        worker_ids = self.worker_ids if workers else []
+        for identity in worker_ids:
             sent[identity] = trace.now_ns()
             self.workers.send(Message(Msg.GET_TRACE), identity)
         expected = ["memoryx", "swarmx", *(f"wse{r}" for r in range(self.penv.num_csx)),
-                    *(f"worker{r}" for r in range(len(self.worker_ids)))]
+                    *(f"worker{r}" for r in range(len(worker_ids)))]
         traces = []
         for arrived, source, msg in self.trace_answers(len(expected)):
             m = msg.meta

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from cs_runtime import spans
 from cs_runtime.compiler.units import program_spec
 from cs_runtime.numerics.optim import MASK_SLOT, Optimizer as Rule, OptimizerSpec
 
@@ -208,7 +209,7 @@ class ClusterRun:
 
     def __init__(self, captured, model, params: dict, backend, optimizer, scaler, training: bool, batch_of,
                  return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None,
-                 first_step: int = 0):
+                 first_step: int = 0, profile_window=None):
         marked = compressed([*model.named_parameters(), *model.named_buffers()])
         if marked:
             raise CsTorchError(f"CSX backend: experimental.Compression is not emulated on CSX (the emulated CS "
@@ -234,6 +235,10 @@ class ClusterRun:
         self.session.loss_scaled = self.scaler is not None
         self.session.opt_state_of = (lambda: memoryx_slots(self.optimizer, params)) if self.optimizer else None
         self.session.report_eval = report_eval
+        # cstorch.profiler's steps (a profiler.StepWindow): the job records every process's timeline
+        self.profile_window, self.layer_names = profile_window, [layer.name for layer in spec.layers]
+        if profile_window is not None:
+            spans.RECORDER.reset(True)
         self.session.__enter__()
         self.aliases = captured.aliases
         self.scalar_output = captured.shapes.get(captured.program.outputs.get("output")) == ()
@@ -250,7 +255,8 @@ class ClusterRun:
         scaler = next((e[1] for e in effects if e[0] == "scaler_step"), None)
         run = cls(traced.captured, traced.compiled.model, traced.engine.params, traced.compiled.backend, optimizer,
                   scaler, traced.training, executor.worker_batch, return_output,
-                  max_gradient_norm=_clipping(effects, traced.engine.params), first_step=traced.engine.steps)
+                  max_gradient_norm=_clipping(effects, traced.engine.params), first_step=traced.engine.steps,
+                  profile_window=executor.profile_window)
         run.on_failure = lambda: executor._runs.pop(traced, None)
         return run
 
@@ -307,8 +313,21 @@ class ClusterRun:
         try:
             if exc is None:
                 self.sync()
+                self.hand_profile()
         finally:
+            if self.profile_window is not None:
+                spans.RECORDER.reset(False)
             self.session.__exit__(type(exc) if exc else None, exc, None)
+
+    def hand_profile(self) -> None:
+        """The first WSE's spans of the steps the profiler asked for, to it (a job that ran them)."""
+        if self.profile_window is None or self.session.executor is None:
+            return
+        # the input workers' spans are not asked: a worker that has streamed every batch may be gone
+        traces = {t.name: t for t in self.session.executor.collect_traces(workers=False)}
+        if "wse0" not in traces:
+            raise CsTorchError("cstorch.profiler: the CS system's first WSE sent no timeline of the steps profiled")
+        self.profile_window.record_job(traces["wse0"].spans, self.layer_names)
 
 
 # ---------------------------------------------------------------- the data, for the workers

@@ -235,9 +235,23 @@ def test_profile_checks_its_steps_and_is_one_at_a_time(tmp_path) -> None:
     with cstorch.profiler.profile(schedule=cstorch.profiler.schedule(start_step=1, end_step=1)):
         with pytest.raises(RuntimeError, match="already active"):
             cstorch.profiler.profile(schedule=cstorch.profiler.schedule(start_step=1, end_step=1)).__enter__()
+
+
+@pytest.mark.cluster
+def test_profile_times_the_modules_of_a_csx_run_on_its_wse(tmp_path, monkeypatch) -> None:
+    """On CSX the job records its timeline; the first WSE's forward and backward spans of each layer (a
+    module of the captured program) in the steps asked for are the profile: the CPU run's events."""
+    import json
+    monkeypatch.chdir(tmp_path)
+    cpu = _profiled_loop(tmp_path / "cpu", 2, 3)
     reset_backend()
-    with pytest.raises(cstorch.CsTorchError, match="profiling a CSX run is not emulated"):
-        _profiled_loop(tmp_path, 1, 2, backend="CSX")
+    csx = _profiled_loop(tmp_path / "csx", 2, 3, backend="CSX")
+    assert sorted(e["name"] for e in csx.events) == sorted(e["name"] for e in cpu.events) and csx.events
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in csx.events)
+    written = list((tmp_path / "csx").glob("*.pt.trace.json"))
+    assert len(written) == 1 and len(json.loads(written[0].read_text())["traceEvents"]) == len(csx.events)
+    assert csx.get_summary().splitlines()[0].startswith("PYTORCH MODULE NAME")
+    assert csx.events[-1]["ts"] > csx.events[0]["ts"]      # two steps, in order
 
 
 # ---------------------------------------------------------------- nn.functional's sparse matmuls
