@@ -90,6 +90,7 @@ class ClusterExecutor:
         self.worker_ids: list[bytes] = []       # every worker that said HELLO (asked for spans at the end)
         self.layer_grad_norms: list[float] = []   # of the last training step, for TensorBoard
         self.param_grad_norms: dict[str, float] = {}   # of the last training step, by parameter (a program's)
+        self.param_norms: dict[str, float] = {}   # the weights' as the last training step began, likewise
         self._eval_steps: int | None = None
         self.traffic: dict[str, int] = {}   # bytes of the last training step
         self.outputs: dict = {}   # what the last step handed back besides its loss (the model's output)
@@ -259,6 +260,7 @@ class ClusterExecutor:
             self.traffic = {"wse_bytes_in": int(loss.meta.get("bytes_in", -1))}
             self.layer_grad_norms = list(loss.meta.get("layer_grad_norms", []))
             self.param_grad_norms = dict(loss.meta.get("param_grad_norms", {}))
+            self.param_norms = dict(loss.meta.get("param_norms", {}))
             return float(loss.meta["loss"]), float(loss.meta["grad_norm"]), bool(loss.meta.get("applied", True))
         if hands_out_outputs(self.spec):
             loss = self.wait(self.swarmx, Msg.LOSS, step)
@@ -274,6 +276,7 @@ class ClusterExecutor:
         self.traffic["shared_memory"] = bool(done.meta.get("shared_memory", False))
         self.layer_grad_norms = list(done.meta.get("layer_grad_norms", []))
         self.param_grad_norms = dict(done.meta.get("param_grad_norms", {}))
+        self.param_norms = dict(done.meta.get("param_norms", {}))
         return float(loss.meta["loss"]), float(done.meta["grad_norm"]), bool(done.meta.get("applied", True))
 
     def traffic_summary(self) -> str:
@@ -302,8 +305,9 @@ class ClusterExecutor:
         msg = self.wait(holder, Msg.STATE)
         return unflatten_for(self.spec, Optimizer(self.opt_spec), msg.arrays)
 
-    def collect_traces(self) -> list[trace.ProcessTrace]:
-        """Every process's spans, each with its clock offset from the GET_TRACE round trip.
+    def collect_traces(self, workers: bool = True) -> list[trace.ProcessTrace]:
+        """Every process's spans (without the input workers' unless `workers`), each with its clock
+        offset from the GET_TRACE round trip.
 
         MemoryX and SwarmX answer themselves; SwarmX passes the request to every
         WSE and their answers back; each input worker answers on its socket.
@@ -312,11 +316,12 @@ class ClusterExecutor:
         for ep in (self.memoryx, self.swarmx):
             sent[ep.name] = trace.now_ns()
             ep.send(Message(Msg.GET_TRACE))
-        for identity in self.worker_ids:
+        worker_ids = self.worker_ids if workers else []
+        for identity in worker_ids:
             sent[identity] = trace.now_ns()
             self.workers.send(Message(Msg.GET_TRACE), identity)
         expected = ["memoryx", "swarmx", *(f"wse{r}" for r in range(self.penv.num_csx)),
-                    *(f"worker{r}" for r in range(len(self.worker_ids)))]
+                    *(f"worker{r}" for r in range(len(worker_ids)))]
         traces = []
         for arrived, source, msg in self.trace_answers(len(expected)):
             m = msg.meta

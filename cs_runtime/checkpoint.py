@@ -51,6 +51,7 @@ import numpy as np
 from cs_runtime.errors import UserInputError
 from cs_runtime.numerics import program_layer
 from cs_runtime.numerics.model import ModelSpec
+from cs_runtime.numerics.optim import MASK_SLOT
 
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)\.npz$")
 
@@ -121,6 +122,11 @@ def unflatten_for(spec: ModelSpec, optimizer, arrays: dict) -> tuple[dict, dict]
             opt_state[layer.name][pname] = {
                 slot: np.array(arrays[key], dtype=np.float32) if key in arrays else optimizer.new_slot(slot, w)
                 for key, slot in slots.items()}
+            mask = arrays.get(f"optimizer/{layer.name}/{pname}/{MASK_SLOT}")
+            if mask is not None:   # the parameter trains the masked entries only (nn.SelectiveGrad)
+                if tuple(mask.shape) != shape:
+                    raise CheckpointError(f"the SelectiveGrad mask of {layer.name}/{pname} is not of shape {shape}")
+                opt_state[layer.name][pname][MASK_SLOT] = np.array(mask, dtype=np.float32)
     return weights, opt_state
 
 

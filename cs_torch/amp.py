@@ -185,6 +185,7 @@ class GradScaler:
             probe.record("scaler_step", self, optimizer)
             return
         if replaying() is not None:
+            replaying().updated = True   # as optimizer.step() in a rerun
             return
         grads = {p: p.grad.detach().numpy() for g in optimizer.param_groups for p in g["params"]
                  if p.grad is not None}

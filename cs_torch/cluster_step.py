@@ -29,8 +29,9 @@ import time
 import numpy as np
 import torch
 
+from cs_runtime import spans
 from cs_runtime.compiler.units import program_spec
-from cs_runtime.numerics.optim import Optimizer as Rule, OptimizerSpec
+from cs_runtime.numerics.optim import MASK_SLOT, Optimizer as Rule, OptimizerSpec
 
 from . import amp
 from . import session as session_mod
@@ -85,10 +86,6 @@ def _rule_of(optimizer, g: dict):
     from . import optimizers
     if getattr(optimizer, "cluster_refusal", None):
         raise CsTorchError(f"CSX backend: {optimizer.cluster_refusal}")
-    if any(getattr(p, "_selective_grad", None) is not None for group in optimizer.param_groups
-           for p in group["params"]):
-        raise CsTorchError("CSX backend: nn.SelectiveGrad is not emulated on CSX (MemoryX updates whole weights, "
-                           "without masks); use backend('CPU')")
     if g.get("maximize"):
         raise CsTorchError(f"CSX backend: {type(optimizer).__name__} with maximize=True is not a MemoryX rule; "
                            "use backend('CPU') for it")
@@ -152,7 +149,9 @@ class _Session(session_mod.Session):
             for layer in start.opt_state.values():
                 for name, slots in layer.items():
                     for slot, value in given.get(name, {}).items():
-                        if slot in slots:
+                        if slot == MASK_SLOT:   # a SelectiveGrad mask goes with the state
+                            slots[slot] = np.array(value, dtype=np.float32)
+                        elif slot in slots:
                             slots[slot] = np.array(value, dtype=np.float32).reshape(np.shape(slots[slot]))
         return start
 
@@ -197,6 +196,9 @@ def memoryx_slots(optimizer, params: dict) -> dict:
         given = {torch_names.get(key, key): value for key, value in state.items() if value is not None}
         slots[name] = {slot: np.asarray(value.detach().numpy() if isinstance(value, torch.Tensor) else value,
                                         dtype=np.float32) for slot, value in given.items()}
+        entries = getattr(param, "_selective_grad", None)   # nn.SelectiveGrad: MemoryX's update masks as the CPU's
+        if entries is not None:
+            slots[name][MASK_SLOT] = entries.mask.numpy().astype(np.float32)
     return {name: value for name, value in slots.items() if value}
 
 
@@ -207,7 +209,7 @@ class ClusterRun:
 
     def __init__(self, captured, model, params: dict, backend, optimizer, scaler, training: bool, batch_of,
                  return_output: bool = False, report_eval: bool = True, max_gradient_norm: float | None = None,
-                 first_step: int = 0):
+                 first_step: int = 0, profile_window=None):
         marked = compressed([*model.named_parameters(), *model.named_buffers()])
         if marked:
             raise CsTorchError(f"CSX backend: experimental.Compression is not emulated on CSX (the emulated CS "
@@ -233,6 +235,10 @@ class ClusterRun:
         self.session.loss_scaled = self.scaler is not None
         self.session.opt_state_of = (lambda: memoryx_slots(self.optimizer, params)) if self.optimizer else None
         self.session.report_eval = report_eval
+        # cstorch.profiler's steps (a profiler.StepWindow): the job records every process's timeline
+        self.profile_window, self.layer_names = profile_window, [layer.name for layer in spec.layers]
+        if profile_window is not None:
+            spans.RECORDER.reset(True)
         self.session.__enter__()
         self.aliases = captured.aliases
         self.scalar_output = captured.shapes.get(captured.program.outputs.get("output")) == ()
@@ -249,7 +255,8 @@ class ClusterRun:
         scaler = next((e[1] for e in effects if e[0] == "scaler_step"), None)
         run = cls(traced.captured, traced.compiled.model, traced.engine.params, traced.compiled.backend, optimizer,
                   scaler, traced.training, executor.worker_batch, return_output,
-                  max_gradient_norm=_clipping(effects, traced.engine.params), first_step=traced.engine.steps)
+                  max_gradient_norm=_clipping(effects, traced.engine.params), first_step=traced.engine.steps,
+                  profile_window=executor.profile_window)
         run.on_failure = lambda: executor._runs.pop(traced, None)
         return run
 
@@ -276,6 +283,10 @@ class ClusterRun:
         """The last step's gradient norm of each parameter, by program name (MemoryX's answer)."""
         return self.session.executor.param_grad_norms
 
+    def param_norms(self) -> dict[str, float]:
+        """Each parameter's norm as the last step began, by program name (MemoryX's answer)."""
+        return self.session.executor.param_norms
+
     def sync(self) -> None:
         """The job's current weights into the torch module, its optimizer state into the optimizer."""
         if self.session.executor is None or self.session.mode != "train":
@@ -289,6 +300,8 @@ class ClusterRun:
         for name, state in slots.items():
             mine = self.optimizer.state.setdefault(params[name], {})
             for slot, value in state.items():
+                if slot == MASK_SLOT:   # the parameter's SelectiveGrad buffer holds it
+                    continue
                 if slot == "step" and "exp_avg" not in state:
                     continue   # SGD with dampening counts its updates; torch's SGD keeps no count
                 mine[_SLOT_NAMES.get(slot, slot)] = torch.from_numpy(np.array(value, dtype=np.float32))
@@ -300,8 +313,21 @@ class ClusterRun:
         try:
             if exc is None:
                 self.sync()
+                self.hand_profile()
         finally:
+            if self.profile_window is not None:
+                spans.RECORDER.reset(False)
             self.session.__exit__(type(exc) if exc else None, exc, None)
+
+    def hand_profile(self) -> None:
+        """The first WSE's spans of the steps the profiler asked for, to it (a job that ran them)."""
+        if self.profile_window is None or self.session.executor is None:
+            return
+        # the input workers' spans are not asked: a worker that has streamed every batch may be gone
+        traces = {t.name: t for t in self.session.executor.collect_traces(workers=False)}
+        if "wse0" not in traces:
+            raise CsTorchError("cstorch.profiler: the CS system's first WSE sent no timeline of the steps profiled")
+        self.profile_window.record_job(traces["wse0"].spans, self.layer_names)
 
 
 # ---------------------------------------------------------------- the data, for the workers

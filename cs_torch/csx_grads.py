@@ -9,12 +9,21 @@ computes it from the values (`torch.norm(p.grad)`, `p.grad.norm()`,
 `torch.linalg.vector_norm(p.grad)`, `p.grad.pow(2).sum()` and `torch.sum(p.grad ** 2)`,
 as the model zoo's ComputeNorm and clip_grad_norm_ read them), and anything
 that needs the values fails in one line, never a number made up.
+
+The weights stay in MemoryX too: the module holds those the job began on until
+the loop ends. The answer also carries each parameter's norm as the step began
+(`param_norms`, by the gradient norms' rule), and in the rerun `WeightNorms`
+makes a parameter's norm read those (the 2.10 trainer's `model_wise_params_norm`,
+read before backward); a norm read after the step's optimizer.step() fails in one
+line, as the updated weights' norms are not in the answer.
 """
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .nn import CsTorchError
+from .recording import replaying
 
 _NORMS = {torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm}
 _POWERS = {torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.square, torch.Tensor.square}
@@ -101,3 +110,30 @@ def norm_grads(params: dict, norms: dict) -> dict:
     if missing:
         raise CsTorchError(f"CSX backend: the step's answer has no gradient norm of {missing[0]}")
     return grads
+
+
+class WeightNorms(TorchFunctionMode):
+    """While a CSX step is rerun: a parameter's 2-norm (torch.norm(p), p.norm(), p.pow(2).sum(), ...)
+    is its norm as the step began, from the step's answer (program name -> norm); `params` maps
+    program names to the parameters. With no norms (an eval step) every read is the module's."""
+
+    def __init__(self, params: dict, norms: dict):
+        super().__init__()
+        self.norms = {id(param): norms[name] for name, param in params.items() if name in norms}
+        self.params = {id(param): param for name, param in params.items() if name in norms}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        subject = args[0] if args else None
+        norm = self.norms.get(id(subject)) if self.params.get(id(subject)) is subject else None
+        if norm is None or not (func in _NORMS or func in _POWERS):
+            return func(*args, **kwargs)
+        if replaying() is not None and replaying().updated:
+            raise CsTorchError("CSX backend: a step reads a parameter's norm after optimizer.step(); on CSX the "
+                               "weights stay in MemoryX and the step sees their norms as it began only")
+        if func in _NORMS and _whole_two_norm(args, kwargs):
+            return torch.tensor(norm, dtype=kwargs.get("dtype") or subject.dtype)
+        if func in _POWERS and _squares(func, args, kwargs):
+            return GradientNorm(subject, norm, squared=True)
+        raise CsTorchError(f"CSX backend: a step reads a parameter with {getattr(func, '__name__', func)} other "
+                           "than its 2-norm; on CSX the weights stay in MemoryX and the step sees their 2-norms only")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cs_runtime.numerics.optim import masked_update
+
 from .nn import CsTorchError
 from .recording import legacy_loop, probing, replaying
 
@@ -65,6 +67,7 @@ class Optimizer:
             probe.record("opt_step", self)
             return
         if replaying() is not None:
+            replaying().updated = True   # a parameter read after this reads the updated weights
             return
         loop = legacy_loop()
         if loop is not None:   # a 1.x loop on the CS system: MemoryX applies the update
@@ -93,14 +96,8 @@ class Optimizer:
     def _masked_update(self, p: np.ndarray, g: np.ndarray, group: dict, state: dict, mask: torch.Tensor) -> None:
         """SelectiveGrad's update, the real API's arithmetic: the gradient masked; the parameter and its
         state tensors masked before the update, and the parameter's entries outside the mask added back."""
-        keep = mask.numpy()
-        held = p * ~keep
-        p *= keep
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.shape == mask.shape:
-                value.mul_(mask)
-        self._update(p, g * keep, group, state)
-        p += held
+        slots = [value.numpy() for value in state.values() if isinstance(value, torch.Tensor)]
+        masked_update(p, g, slots, mask.numpy(), lambda p, g: self._update(p, g, group, state))
 
     @staticmethod
     def _count(state: dict) -> float:

@@ -12,9 +12,11 @@ the CS system (a CSX run only; a CPU run refuses). Here the CS system's maths ru
 backend, so that is where steps are profiled: each unit of the captured program (a module of the
 model, forward and backward) is timed on the executor in the steps of the range, and the times
 become the chrome trace (`export_chrome_trace`, opened by Perfetto or chrome://tracing) and the
-summary (the ten modules that took longest). A CSX run refuses a range in one line: its
-processes' timelines are `csrun_wse --trace`'s (docs/running.md). `host_activities` (the real
-API's ACT/WGT/CSX hosts) name hosts the emulator has not, and are checked and kept only.
+summary (the ten modules that took longest). On CSX the loop's job records the timeline of
+every process (as `csrun_wse --trace` does, docs/running.md), and when the job ends the first WSE's
+per-layer forward and backward spans of the steps asked for become the same events (a layer is a
+unit of the captured program: a module). `host_activities` (the real API's ACT/WGT/CSX hosts) name
+hosts the emulator has not, and are checked and kept only.
 """
 from __future__ import annotations
 
@@ -27,7 +29,6 @@ from typing import Callable
 
 from cs_runtime import spans
 
-from .nn import CsTorchError
 
 NOT_ASKED = -1   # the model zoo's default start and end step: no profiling
 _HOST = re.compile(r"(ACT|WGT|CSX)-(\d+|\*)$")
@@ -92,9 +93,6 @@ class profile:  # noqa: N801 (the real API's name)
         start, end = self.schedule()
         if start == NOT_ASKED:
             return None
-        if is_csx:
-            raise CsTorchError("cstorch.profiler: profiling a CSX run is not emulated; its processes' timelines "
-                               "are csrun_wse --trace's (docs/running.md), and backend('CPU') is profiled")
         if not 1 <= start <= end <= num_steps:
             raise ValueError(f"cstorch.profiler: the steps profiled must lie between 1 and {num_steps}, "
                              f"got {start}:{end}")
@@ -133,31 +131,46 @@ class profile:  # noqa: N801 (the real API's name)
         return "\n".join(lines)
 
 
+# The WSE's span of a layer's forward (train or eval) and backward: the profiler's event names.
+WSE_PASSES = {"fwd": "{}", "eval_fwd": "{}", "bwd": "{} (backward)"}
+
+
 class StepWindow:
     """A DataExecutor loop's side of the active profile: spans recorded from the first step profiled
-    through the last, then handed over."""
+    through the last, then handed over. On CSX (`csx`) the loop's job records them (ClusterRun) and
+    hands them over as it ends (`record_job`)."""
 
-    def __init__(self, prof: profile, steps: tuple[int, int]):
-        self.prof, (self.start, self.end) = prof, steps
+    def __init__(self, prof: profile, steps: tuple[int, int], csx: bool = False):
+        self.prof, (self.start, self.end), self.csx = prof, steps, csx
 
     @classmethod
     def of_loop(cls, is_csx: bool, num_steps: int) -> "StepWindow | None":
         prof = ProfilerRegistry.get_profiler()
         steps = prof.steps_for(is_csx, num_steps) if prof is not None else None
-        return cls(prof, steps) if steps is not None else None
+        return cls(prof, steps, is_csx) if steps is not None else None
 
     def before_step(self, step: int) -> None:
-        if step == self.start:
+        if step == self.start and not self.csx:
             spans.RECORDER.reset(True)
 
     def after_step(self, step: int) -> None:
-        if step == self.end:
+        if step == self.end and not self.csx:
             self.prof.record(spans.RECORDER.take())
             spans.RECORDER.reset(False)
 
+    def record_job(self, wse_spans: list[tuple], layer_names: list[str]) -> None:
+        """A CSX job's steps asked for, from its first WSE's spans (name, start_ns, dur_ns, step, layer):
+        the job's n-th step (in the order of the steps its spans name) is the loop's n-th."""
+        passes = [s for s in wse_spans if s[0] in WSE_PASSES and 0 <= s[4] < len(layer_names)]
+        order = {step: n for n, step in enumerate(sorted({s[3] for s in passes}), start=1)}
+        self.prof.record([(WSE_PASSES[name].format(layer_names[layer]), start, duration, step, layer)
+                          for name, start, duration, step, layer in passes
+                          if self.start <= order[step] <= self.end])
+
     def close(self) -> None:
         """The loop ended (or was left): stop recording."""
-        spans.RECORDER.reset(False)
+        if not self.csx:
+            spans.RECORDER.reset(False)
 
 
 __all__ = ["ProfilerRegistry", "profile", "schedule", "tensorboard_trace_handler"]

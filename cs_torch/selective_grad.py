@@ -13,9 +13,10 @@ magnitudes, per output column) from zero, or the mask is the given function's. I
 update the parameter's gradient is masked, the optimizer's state tensors of the parameter's shape
 are zeroed outside the mask, and the entries outside it keep their values: the update runs on the
 masked parameter (zeros outside) and the kept values are added back, the real API's arithmetic.
-Here the mask acts in cstorch.optim's update (Optimizer.masked_update), on the CPU backend; `p.grad`
-itself is left as the backward made it. A CSX run refuses it in one line (MemoryX updates whole
-weights, without masks).
+Here the mask acts in cstorch.optim's update (Optimizer._masked_update), on the CPU backend; `p.grad`
+itself is left as the backward made it. On CSX the mask goes to MemoryX as a slot of the parameter's
+optimizer state (cluster_step.memoryx_slots), and MemoryX's update applies it by the same rule
+(cs_runtime/numerics/optim.py masked_update).
 """
 from __future__ import annotations
 

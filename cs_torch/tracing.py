@@ -39,6 +39,7 @@ step's values; closures get them as host tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
@@ -48,7 +49,7 @@ import torch
 
 from .backend.ltc_backend import after_tensor_to_cpu
 from .backends import current_backend, note
-from .csx_grads import norm_grads
+from .csx_grads import WeightNorms, norm_grads
 from .experimental.listener import naming_tensors, register_traced_tensor_hook
 from . import summary
 from .nn import CsTorchError
@@ -215,6 +216,7 @@ class _Replay:
         self.model_output = model_output
         self.loss = None
         self.effects = effects
+        self.updated = False   # whether the step called its optimizer's step() yet (a rerun)
 
 
 # ---------------------------------------------------------------- values to and from the program
@@ -483,9 +485,11 @@ class TracedStep:
         if run is not None:
             loss, applied, output = run.step()   # the batch is the workers'; the arguments are this step's copy
             self.engine.steps += self.training   # the run's step count, as the CPU path keeps it
-            held = norm_grads(self.engine.params, run.param_grad_norms()) if self.wants_output and \
-                self.training else None
-            return self._effects(loss, {}, cluster_applied=applied, rerun=self._rerun(leaves, output, held))
+            held, weights = None, None
+            if self.wants_output and self.training:
+                held = norm_grads(self.engine.params, run.param_grad_norms())
+                weights = WeightNorms(self.engine.params, run.param_norms())
+            return self._effects(loss, {}, cluster_applied=applied, rerun=self._rerun(leaves, output, held, weights))
         arrays = [_host(leaves[i]) for i in self.input_leaves]
         self._feed_listeners(arrays)
         scaler = next((e[1] for e in self.effects if e[0] == "scaler_step"), None)
@@ -554,13 +558,14 @@ class TracedStep:
         return {p: torch.from_numpy(np.asarray(g, dtype=np.float32) if scale == 1.0 else
                                     np.asarray(g, dtype=np.float32) / scale).view_as(p) for p, g in grads.items()}
 
-    def _rerun(self, leaves, output, grads: dict | None = None):
+    def _rerun(self, leaves, output, grads: dict | None = None, weights=None):
         """(the step's return value, its closures' and summaries' arguments in order, its loss), the step
         run here on this step's model output; None when the step hands out nothing but its loss. With
         `grads` ({parameter: tensor}), the parameters hold this step's gradients meanwhile, so what the
         step computes from them after backward() (a gradient norm it logs) has their values: the CPU
         backend's gradients, or on CSX, where the gradients stay in MemoryX, their norms
-        (csx_grads.GradientNorm)."""
+        (csx_grads.GradientNorm); there `weights` (csx_grads.WeightNorms) gives a parameter's
+        norm as the step began, MemoryX's, where the module holds the weights the job began on."""
         if not self.wants_output:
             return None
         replay = _Replay(torch.from_numpy(np.array(output)), effects=[])
@@ -569,7 +574,7 @@ class TracedStep:
         try:
             for p, g in (grads or {}).items():
                 p.grad = g
-            with _Patched(), torch.no_grad():
+            with _Patched(), torch.no_grad(), weights or contextlib.nullcontext():
                 returned = self.fn(*_rebuild(self.template, leaves))
         finally:
             _active["replay"] = None

@@ -76,15 +76,25 @@ def worker_processes_input_fn(batch_size):
                                        worker_init_fn=_share_files)
 
 
-def train(kind: str, input_fn, batch_size: int):
-    """(each step's loss, the batches the loop got, the trained model) of a 2.x loop on `kind`."""
+def selected(param):
+    """The SelectiveGrad mask of the selective run: the larger entries of the first layer's weight."""
+    return param.abs() > 0.2
+
+
+def train(kind: str, input_fn, batch_size: int, steps: int = STEPS, selective: bool = False):
+    """(each step's loss, the batches the loop got, the trained model) of a 2.x loop on `kind`; with
+    `selective`, AdamW training only the `selected` entries of the first layer's weight (nn.SelectiveGrad)."""
     reset_backend()
     cstorch.manual_seed(1)
     torch.manual_seed(1)
     backend = cstorch.backend(kind, artifact_dir="cerebras")
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     compiled = cstorch.compile(model, backend)
-    optimizer = cstorch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
+    if selective:
+        compiled.apply(cstorch.nn.SelectiveGrad("0.weight", selected))
+        optimizer = cstorch.optim.AdamW(model.parameters(), 0.05, weight_decay=0.1)
+    else:
+        optimizer = cstorch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     @cstorch.trace
@@ -96,7 +106,7 @@ def train(kind: str, input_fn, batch_size: int):
         return loss
 
     losses, seen = [], []
-    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, batch_size), num_steps=STEPS)
+    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn, batch_size), num_steps=steps)
     for x, y in executor:
         seen.append((x.clone(), y.clone()))
         losses.append(step(x, y).item())
@@ -150,3 +160,28 @@ def test_the_order_drawn_for_the_workers_is_torchs_with_loader_processes(workers
     samples = RunSamples(loader, 12, start_states(loader))
     got = [int(v) for b in range(12) for v in samples.batch(b)]
     assert got == want and sorted(want[:20]) != want[:20]
+
+
+def test_selective_grad_on_csx_trains_as_the_cpu_backend_and_torch_eager(tmp_path, monkeypatch):
+    """nn.SelectiveGrad on CSX: the mask goes to MemoryX with the optimizer's state, and MemoryX's update
+    masks as the CPU backend's (the real API's arithmetic): the same losses and weights as the CPU run
+    and as torch eager doing that arithmetic; the entries outside the mask keep their starting values."""
+    from tests.test_cstorch_zoo_names import eager_selective_steps
+    monkeypatch.chdir(tmp_path)
+    steps = 4
+    cpu_losses, batches, cpu_model = train("CPU", shuffled_input_fn, 8, steps, selective=True)
+    csx_losses, csx_batches, csx_model = train("CSX", shuffled_input_fn, 8, steps, selective=True)
+    assert all(torch.equal(a, c) for (a, _), (c, _) in zip(batches, csx_batches))
+    torch.manual_seed(1)
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    start, mask = reference[0].weight.detach().clone(), selected(reference[0].weight.detach())
+    want = eager_selective_steps(reference, lambda ps: torch.optim.AdamW(ps, 0.05, weight_decay=0.1, eps=1e-6),
+                                 {reference[0].weight: mask}, batches, torch.nn.functional.cross_entropy)
+    np.testing.assert_allclose(csx_losses, want, rtol=REL)
+    np.testing.assert_allclose(cpu_losses, want, rtol=REL)
+    assert 0 < int(mask.sum()) < mask.numel() and torch.equal(csx_model[0].weight_requires_grad, mask)
+    assert torch.equal(csx_model[0].weight[~mask], start[~mask])
+    assert not torch.equal(csx_model[0].weight[mask], start[mask])
+    for name, value in reference.state_dict().items():
+        for model in (cpu_model, csx_model):
+            assert float((model.state_dict()[name] - value).abs().max()) <= 1e-5 * float(value.abs().max()), name

@@ -114,13 +114,17 @@ def test_benchmark_dataloader_counts_steps_and_batch_structures(capsys) -> None:
 
 
 # ---------------------------------------------------------------- nn.SelectiveGrad
-def _eager_selective_steps(model, make_optimizer, masks: dict, batches) -> None:
+def eager_selective_steps(model, make_optimizer, masks: dict, batches,
+                          loss_fn=torch.nn.functional.mse_loss) -> list[float]:
     """The real API's arithmetic in torch eager: gradient masked; before the step the parameter and its
-    state masked, after it the entries outside the mask added back."""
+    state masked, after it the entries outside the mask added back. Each step's loss."""
     optimizer = make_optimizer(model.parameters())
+    losses = []
     for x, y in batches:
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
         held = {}
         with torch.no_grad():
             for p, mask in masks.items():
@@ -134,6 +138,7 @@ def _eager_selective_steps(model, make_optimizer, masks: dict, batches) -> None:
         with torch.no_grad():
             for p in masks:
                 p.add_(held[p])
+    return losses
 
 
 @pytest.mark.parametrize("rule", ["sgd", "adamw"])
@@ -157,7 +162,7 @@ def test_selective_grad_trains_only_the_masked_entries_as_the_real_api(rule) -> 
         ours.step()
     theirs = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, eps=1e-6)}[rule]
-    _eager_selective_steps(eager, theirs, {eager[0].weight: mask}, batches)
+    eager_selective_steps(eager, theirs, {eager[0].weight: mask}, batches)
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert torch.equal(model[0].weight[~mask], start[~mask])          # outside the mask: untouched
@@ -167,7 +172,7 @@ def test_selective_grad_trains_only_the_masked_entries_as_the_real_api(rule) -> 
     assert torch.all(moments[~mask] == 0)
 
 
-def test_selective_grad_outlier_mask_and_refusals() -> None:
+def test_selective_grad_outlier_mask_and_refusal() -> None:
     layer = torch.nn.Linear(50, 4)
     with torch.no_grad():
         layer.weight.copy_(torch.linspace(-1, 1, 200).reshape(4, 50))
@@ -176,9 +181,6 @@ def test_selective_grad_outlier_mask_and_refusals() -> None:
     assert torch.equal(layer.weight_requires_grad, magnitude >= 2.25 * magnitude.std(dim=0, keepdim=True))
     with pytest.raises(ValueError, match="unknown init_method 'top'"):
         cstorch.nn.SelectiveGrad("weight", "top")
-    from cs_torch.cluster_step import memoryx_optimizer
-    with pytest.raises(Exception, match="SelectiveGrad is not emulated on CSX"):
-        memoryx_optimizer(cstorch.optim.SGD(layer.parameters(), lr=0.1))
 
 
 # ---------------------------------------------------------------- profiler
@@ -233,9 +235,23 @@ def test_profile_checks_its_steps_and_is_one_at_a_time(tmp_path) -> None:
     with cstorch.profiler.profile(schedule=cstorch.profiler.schedule(start_step=1, end_step=1)):
         with pytest.raises(RuntimeError, match="already active"):
             cstorch.profiler.profile(schedule=cstorch.profiler.schedule(start_step=1, end_step=1)).__enter__()
+
+
+@pytest.mark.cluster
+def test_profile_times_the_modules_of_a_csx_run_on_its_wse(tmp_path, monkeypatch) -> None:
+    """On CSX the job records its timeline; the first WSE's forward and backward spans of each layer (a
+    module of the captured program) in the steps asked for are the profile: the CPU run's events."""
+    import json
+    monkeypatch.chdir(tmp_path)
+    cpu = _profiled_loop(tmp_path / "cpu", 2, 3)
     reset_backend()
-    with pytest.raises(cstorch.CsTorchError, match="profiling a CSX run is not emulated"):
-        _profiled_loop(tmp_path, 1, 2, backend="CSX")
+    csx = _profiled_loop(tmp_path / "csx", 2, 3, backend="CSX")
+    assert sorted(e["name"] for e in csx.events) == sorted(e["name"] for e in cpu.events) and csx.events
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in csx.events)
+    written = list((tmp_path / "csx").glob("*.pt.trace.json"))
+    assert len(written) == 1 and len(json.loads(written[0].read_text())["traceEvents"]) == len(csx.events)
+    assert csx.get_summary().splitlines()[0].startswith("PYTORCH MODULE NAME")
+    assert csx.events[-1]["ts"] > csx.events[0]["ts"]      # two steps, in order
 
 
 # ---------------------------------------------------------------- nn.functional's sparse matmuls

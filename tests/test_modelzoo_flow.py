@@ -224,10 +224,19 @@ def zoo_training_step(compiled, optimizer, read_norms: bool = False):
     """The model zoo's training step, traced: `training_step(batch, step)` -> (loss, None), the
     model computing its own loss from the batch (`compiled(batch)`), then backward and the update.
     With `read_norms` the second value is the gradients' norm as the 2.10 trainer's ComputeNorm
-    reads it (each parameter's torch.norm, squared and summed) and clip_grad_norm_'s return value."""
+    reads it (each parameter's torch.norm, squared and summed), clip_grad_norm_'s return value,
+    and the parameters' norm as its ComputeNormGNS reads it before backward (model_wise_params_norm)."""
+    def params_norm():
+        squares = torch.tensor(0.0)
+        for param in compiled.parameters():
+            if param.requires_grad:
+                squares += torch.pow(torch.norm(param), 2.0)
+        return torch.sqrt(squares)
+
     @cstorch.trace
     def training_step(batch, step):
         loss = compiled(batch)
+        weights_norm = params_norm() if read_norms else None
         loss.backward()
         norms = None
         if read_norms:
@@ -235,7 +244,8 @@ def zoo_training_step(compiled, optimizer, read_norms: bool = False):
             for param in compiled.parameters():
                 if param.grad is not None:
                     squares += torch.pow(torch.norm(param.grad), 2.0)
-            norms = (torch.sqrt(squares), torch.nn.utils.clip_grad_norm_(list(compiled.parameters()), 1e6))
+            norms = (torch.sqrt(squares), torch.nn.utils.clip_grad_norm_(list(compiled.parameters()), 1e6),
+                     weights_norm)
         optimizer.step()
         optimizer.zero_grad()
         return loss, norms
@@ -245,6 +255,12 @@ def zoo_training_step(compiled, optimizer, read_norms: bool = False):
 
 def eager_grad_norm(model) -> float:
     return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+
+
+def eager_norms(model) -> list[float]:
+    """zoo_training_step's norms of a torch module after backward, before its update."""
+    grad_norm = eager_grad_norm(model)
+    return [grad_norm, grad_norm, float(torch.nn.utils.get_total_norm(list(model.parameters())))]
 
 
 def traced_sgd_step(model, lr: float):
@@ -270,7 +286,7 @@ def test_a_loss_divided_by_the_batch_size_trains_as_torch_eager() -> None:
         got = loss.item()
         want = reference(batch)
         want.backward()
-        assert [float(n) for n in norms] == pytest.approx([eager_grad_norm(reference)] * 2, rel=1e-6)
+        assert [float(n) for n in norms] == pytest.approx(eager_norms(reference), rel=1e-6)
         eager_optimizer.step()
         eager_optimizer.zero_grad()
         assert abs(got - want.item()) <= REL * want.item()
@@ -310,7 +326,9 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
     labels are the program's target, read by the model): 1 and 2 WSEs against torch eager; a
     loss summed and divided by the batch size is each shard's over its own rows, weighted. The
     gradient norm the step reads (MemoryX keeps the gradients; its answer has their norms) is
-    torch eager's. A second loop's job starts from the optimizer state the first left."""
+    torch eager's, and so is the parameters' norm it reads (MemoryX's, as each step began; the
+    module holds the weights the job began on). A second loop's job starts from the optimizer
+    state the first left."""
     torch.manual_seed(0)
     initial = SelfLossMLP(over_rows=over_rows, dropout=dropout).state_dict()
     results = {}
@@ -345,8 +363,7 @@ def test_a_self_loss_model_on_csx_trains_as_torch_eager_and_the_cpu_path(tmp_pat
             with torch_dropout_with_run_masks(step, len(batch[1]), seed=1):
                 loss = reference(batch)
             loss.backward()
-            want_norm = eager_grad_norm(reference)
-            assert norms[step] == pytest.approx([want_norm, want_norm], rel=1e-5)
+            assert norms[step] == pytest.approx(eager_norms(reference), rel=1e-5)
             optimizer.step()
             optimizer.zero_grad()
             want.append(loss.item())
@@ -530,4 +547,28 @@ def test_a_gradient_on_csx_gives_its_norm_as_torch_reads_it_and_nothing_else() -
     assert {float(g.grad_norm) for g in grads.values()} == {1.0, 2.0} and len(grads) == 2
     with pytest.raises(CsTorchError, match="no gradient norm of w"):
         norm_grads({"w": param}, {})
+
+
+def test_a_parameter_on_csx_gives_its_norm_as_the_step_began_and_nothing_else() -> None:
+    """On CSX the weights stay in MemoryX: inside a step's rerun a parameter's 2-norm is the one
+    the answer carries; another reading of its values, or a norm after optimizer.step(), fails in one line."""
+    from cs_torch.csx_grads import WeightNorms
+    from cs_torch.recording import _active
+    from cs_torch.tracing import _Replay
+    param, other = torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(2))
+    replay = _Replay(None, effects=[])
+    _active["replay"] = replay
+    try:
+        with WeightNorms({"w": param, "v": other}, {"w": 5.0}):
+            for read in (torch.norm(param), param.norm(), torch.linalg.vector_norm(param)):
+                assert float(read) == 5.0
+            assert float(torch.pow(param, 2.0).sum()) == 25.0 and float(torch.norm(other)) == pytest.approx(2.0 ** 0.5)
+            with pytest.raises(CsTorchError, match="other than its 2-norm"):
+                param.norm(p=1)
+            cstorch.optim.SGD([param], lr=0.1).step()
+            with pytest.raises(CsTorchError, match="after optimizer.step"):
+                torch.norm(param)
+    finally:
+        _active["replay"] = None
+    assert float(torch.norm(param)) == pytest.approx(12 ** 0.5)
 

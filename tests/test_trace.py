@@ -108,6 +108,8 @@ def test_layer_grad_norms_must_be_numbers():
     for bad in ({"w": "1.0"}, {"w": True}, [0.5]):
         with pytest.raises(ProtocolError, match="param_grad_norms"):
             decode(encode(Message(Msg.STEP_DONE, meta={"grad_norm": 1.0, "param_grad_norms": bad})))
+        with pytest.raises(ProtocolError, match="param_norms"):
+            decode(encode(Message(Msg.STEP_DONE, meta={"grad_norm": 1.0, "param_norms": bad})))
 
 
 def test_clock_offset_recovers_a_skewed_clock():

@@ -91,6 +91,7 @@ class PipelinedExecutor:
             outputs.append(step_outputs(self.spec, logits))
             loss, count = loss + part.loss, count + len(y)
             total = grads if total is None else [add_into(t, g) for t, g in zip(total, grads)]
+        started = program_layer.weight_squares(self.spec, self.weights) if norms else None   # as the step found them
         norm, applied, layer_norms = apply_update(
             self.optimizer, self.spec, self.weights, total, self.opt_state, lr, step, self.max_norm, loss_scale,
             self.skip_nonfinite, need_norms=norms)
@@ -99,6 +100,7 @@ class PipelinedExecutor:
                 "bytes_in": self.up.take_received(), "input_wait_s": self.inputs.take_wait()}
         if norms and self.spec.program is not None:   # the summed gradients, unscaled in place by the update
             meta["param_grad_norms"] = program_layer.param_grad_norms(self.spec, total)
+            meta["param_norms"] = program_layer.param_norms(self.spec, started, total)
         self.hold(Message(Msg.LOSS, step=step, meta=meta, arrays=joined(outputs)))
 
     def eval_step(self, step: int) -> None:

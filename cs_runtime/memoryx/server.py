@@ -235,6 +235,8 @@ class MemoryX:
         check_each = (self.skip_nonfinite or loss_scale != 1.0) and not tied
         finite = True
         grads, squares = {}, {}
+        # the weights' norms as the step found them (what the step's forward reads): a step's weight-norm read
+        started = program_layer.weight_squares(self.spec, self.weights) if norms else None
         step_loss = {}   # the step's loss, when it rides on a GRADS (protocol.STEP_LOSS): on to the chief
         def into(mtype, at_step, index, name, dtype, shape):   # never a buffer a gradient of this step lies in
             if at_step != step or index in grads:
@@ -280,6 +282,7 @@ class MemoryX:
         if norms and self.spec.program is not None:   # the gradients, unscaled in place, the update left
             traffic["param_grad_norms"] = program_layer.param_grad_norms(
                 self.spec, ordered, [squares[i] for i in range(n)] if squares else None)
+            traffic["param_norms"] = program_layer.param_norms(self.spec, started, ordered)
         self.held.append(Message(Msg.STEP_DONE, step=step,
                                  meta={"grad_norm": norm, "applied": applied, "layer_grad_norms": layer_norms,
                                        "shared_memory": self.arena is not None, **traffic, **step_loss}))

@@ -38,6 +38,9 @@ from cs_runtime.numerics.precision import unscale_and_check
 # layers call theirs *_gain.
 NORM_WEIGHT = re.compile(r"(^|[._])(ln|bn|norm|layer_?norm|batch_?norm)[^.]*\.weight$", re.IGNORECASE)
 STEP_SLOT = "step"       # Adam's count of applied updates, a slot like the moments
+# cstorch.nn.SelectiveGrad's mask of a parameter (1 where trained), carried as a slot: it goes
+# wherever the parameter's optimizer state goes (MemoryX, a pipelined WSE) and is never updated.
+MASK_SLOT = "selective_grad_mask"
 
 
 OPTIMIZER_KINDS = ("sgd", "adam", "adamw")
@@ -154,11 +157,17 @@ class Optimizer:
             g = np.asarray(grads[name], dtype=np.float32)  # read, never written: it may be a peer's memory
             slots = dict(state[name])
             count = slots.pop(STEP_SLOT, None)
+            mask = slots.pop(MASK_SLOT, None)
             t = 0
             if count is not None:
                 count += np.float32(1)
                 t = int(count)
-            self._update_one(w, g, slots, np.float32(lr), t, self.decay_of(name))
+            lr32, decay = np.float32(lr), self.decay_of(name)
+            if mask is None:
+                self._update_one(w, g, slots, lr32, t, decay)
+            else:
+                masked_update(w, g, list(slots.values()), mask != 0,
+                              lambda w, g: self._update_one(w, g, slots, lr32, t, decay))
 
     def update_model(self, layer_names: list[str], weights: dict, grads: list[dict], opt_state: dict,
                      lr: float, step: int, max_norm: float | None, loss_scale: float = 1.0,
@@ -285,6 +294,19 @@ def _fits_loop(*arrays: np.ndarray) -> bool:
         if not (a.dtype == np.float32 and a.flags.c_contiguous and a.size == arrays[0].size):
             return False
     return arrays[0].flags.writeable and arrays[-1].flags.writeable
+
+
+def masked_update(w: np.ndarray, g: np.ndarray, slots: list, keep: np.ndarray, update) -> None:
+    """cstorch.nn.SelectiveGrad's update of w in place, the real API's arithmetic (one rule for the
+    CPU backend's optimizers and MemoryX's): w and its state `slots` (arrays, changed in place)
+    masked by `keep` (bool), then `update(w, g masked)`, then w's entries outside the mask added back."""
+    held = w * ~keep
+    w *= keep
+    for slot in slots:
+        if slot.shape == keep.shape:   # a moment or momentum buffer (a step count is not masked)
+            slot *= keep
+    update(w, g * keep)
+    w += held
 
 
 def global_norm(grads_per_layer) -> float:

@@ -397,6 +397,24 @@ def param_grad_norms(spec, grads: list[dict], squares: list | None = None) -> di
     return norms
 
 
+def weight_squares(spec, weights: dict) -> list[dict] | None:
+    """Each layer's {array name: its sum of squares} (optim.squared_norms, the gradient norms'
+    rule) of `weights` (layer name -> {name: array}) as they are now; None for a built-in model."""
+    if spec.program is None:
+        return None
+    from cs_runtime.numerics.optim import squared_norms
+    return [dict(zip(weights[layer.name], squared_norms(weights[layer.name]))) for layer in spec.layers]
+
+
+def param_norms(spec, squares: list[dict] | None, grads: list[dict]) -> dict[str, float]:
+    """Each trained parameter's norm by its program's name, a tied parameter once, from
+    weight_squares: the parameters the step has gradients of (param_grad_norms' names)."""
+    if squares is None:
+        return {}
+    return param_grad_norms(spec, grads, [[squares[i][name] for name in layer_grads]
+                                          for i, layer_grads in enumerate(grads)])
+
+
 def tie_grads(spec, grads: list[dict]) -> list[dict]:
     """Every copy of a parameter read by several layers gets the sum of their gradients."""
     if spec.program is not None and not tied_copies(spec):   # no parameter read by two layers

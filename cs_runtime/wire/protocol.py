@@ -278,11 +278,14 @@ FRONT_DOOR = {Msg.SUBMIT, Msg.JOB_POLL, Msg.JOB_STATE, Msg.JOB_DONE, Msg.GET_JOB
 # "layer_grad_norms": each layer's gradient norm, in layer order (STEP_DONE, and LOSS in pipelined mode).
 # "param_grad_norms": {parameter's program name: its gradient norm}, a tied parameter once (with
 # layer_grad_norms, for a program's model: what a traced step reads as its gradients' norms).
+# "param_norms": {parameter's program name: its weights' norm as the step began}, as
+# param_grad_norms (what a traced step on CSX reads as a parameter's norm).
 # "norms": whether TRAIN_STEP wants the step's gradient norms back (default
 # yes; the chief asks only on the steps it logs: they cost a pass over every gradient).
 # "label_count": labelled targets in the whole global batch (BATCH; a token loss's normaliser).
 OPTIONAL_META: dict[str, Any] = {"format": str, "loss_scale": _NUM, "applied": bool, "shared_memory": bool,
-                                 "layer_grad_norms": list, "param_grad_norms": dict, "norms": bool, "label_count": int,
+                                 "layer_grad_norms": list, "param_grad_norms": dict, "param_norms": dict,
+                                 "norms": bool, "label_count": int,
                                  "layers": int,   # WEIGHTS, GRADS: a group of small layers (below)
                                  # GRADS, STEP_DONE: a weight-streaming step's loss (STEP_LOSS)
                                  "loss": _NUM, "count": int, "bytes_in": int, "input_wait_s": _NUM,
@@ -886,10 +889,11 @@ def _check_meta(mtype: Msg, meta: dict) -> None:
     norms = meta.get("layer_grad_norms")
     if norms is not None and (len(norms) > MAX_ARRAYS or not all(_is(n, _NUM) for n in norms)):
         raise ProtocolError(f"{mtype.value}: meta field 'layer_grad_norms' is not a list of numbers")
-    named = meta.get("param_grad_norms")
-    if named is not None and (len(named) > MAX_ARRAYS or
-                              not all(isinstance(k, str) and _is(n, _NUM) for k, n in named.items())):
-        raise ProtocolError(f"{mtype.value}: meta field 'param_grad_norms' is not a map of names to numbers")
+    for key in ("param_grad_norms", "param_norms"):
+        named = meta.get(key)
+        if named is not None and (len(named) > MAX_ARRAYS or
+                                  not all(isinstance(k, str) and _is(n, _NUM) for k, n in named.items())):
+            raise ProtocolError(f"{mtype.value}: meta field {key!r} is not a map of names to numbers")
 
 
 def _is(value, typ) -> bool:

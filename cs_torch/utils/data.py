@@ -171,6 +171,7 @@ class DataExecutor:
         self.user_iteration = 0
         self.on_cluster = False
         self._runs: dict = {}
+        self.profile_window = None   # the active cstorch.profiler.profile's steps of this loop (a StepWindow)
         self._samples = None    # a CSX loop's samples (cs_torch/loader_replay.py)
         self.profiler = Profiler()
         self._artifact_dir = None
@@ -254,7 +255,7 @@ class DataExecutor:
         _current.append(self)
         exc, window = None, None
         try:
-            window = StepWindow.of_loop(self.backend.is_csx, total)   # cstorch.profiler.profile's steps
+            window = self.profile_window = StepWindow.of_loop(self.backend.is_csx, total)   # profiler's steps
             source = self._plan_batches() if self.on_cluster else self._epochs()
             self.profiler.rate_tracker.start()
             for batch in source:
