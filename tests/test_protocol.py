@@ -1119,6 +1119,18 @@ def test_a_burst_is_one_message_that_gives_back_each_step():
     assert burst([plain]) == [plain] and unburst(plain) == [plain]
 
 
+def test_a_burst_too_big_for_a_header_goes_step_by_step():
+    """Four STEP_DONEs of a model of 600 parameters (their gradient and weight norms by name) would
+    pass the header cap together: they go as four messages, each of which encodes."""
+    norms = {f"layers.{i}.attention.query_key_value.weight": 0.125 * i for i in range(600)}
+    done = [Message(Msg.STEP_DONE, job="j", step=s,
+                    meta={"grad_norm": 1.0, "applied": True, "param_grad_norms": norms, "param_norms": norms})
+            for s in (1, 2, 3, 4)]
+    sent = burst(done)
+    assert sent == done
+    assert [decode(encode(m)).step for m in sent] == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("then, arrays, mtype, words", [
     ([[3, {"lr": 0.1}]], [], Msg.EVAL_STEP, ("eval_step", "burst")),                  # not a burst type
     ([[3, {"lr": 0.1}]], [["w", "float32", [1]]], Msg.TRAIN_STEP, ("burst", "arrays")),

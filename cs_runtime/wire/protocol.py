@@ -351,8 +351,12 @@ def burst(msgs: list["Message"]) -> list["Message"]:
     if len(msgs) < 2 or any(m.arrays or m.type.value not in BURST_TYPES or "then" in m.meta for m in msgs):
         return list(msgs)
     first = msgs[0]
-    return [Message(first.type, first.job, first.step, first.layer,
-                    {**first.meta, "then": [[m.step, m.meta] for m in msgs[1:]]})]
+    meta = {**first.meta, "then": [[m.step, m.meta] for m in msgs[1:]]}
+    # a big model's per-parameter norms (STEP_DONE) can make a burst's header too big to send:
+    # its steps then go one by one, each as it would alone
+    if len(msgpack.packb(meta, use_bin_type=True)) > MAX_HEADER_BYTES // 2:
+        return list(msgs)
+    return [Message(first.type, first.job, first.step, first.layer, meta)]
 
 
 def unburst(msg: "Message") -> list["Message"]:
