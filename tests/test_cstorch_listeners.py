@@ -53,13 +53,9 @@ def eager_outputs(model: Net) -> list[dict]:
     return steps
 
 
-def test_listeners_write_torch_eagers_module_outputs_at_every_step(tmp_path) -> None:
-    torch.manual_seed(0)
-    model = Net()
-    expected = eager_outputs(_copy(model))
-    cstorch.backend("CPU")
-    compiled = cstorch.compile(model)
-    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.5)
+def traced_sgd_step(compiled, model, lr: float):
+    """A classifier's traced training step: cross entropy of the compiled model's scores, SGD."""
+    optimizer = cstorch.optim.SGD(model.parameters(), lr=lr)
 
     @cstorch.trace
     def step(x, y):
@@ -68,6 +64,16 @@ def test_listeners_write_torch_eagers_module_outputs_at_every_step(tmp_path) -> 
         loss.backward()
         optimizer.step()
         return loss
+    return step
+
+
+def test_listeners_write_torch_eagers_module_outputs_at_every_step(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    expected = eager_outputs(_copy(model))
+    cstorch.backend("CPU")
+    compiled = cstorch.compile(model)
+    step = traced_sgd_step(compiled, model, lr=0.5)
 
     listeners = [cstorch.experimental.listener.create_listener(listener_type="norm", listener_name="norms",
                                                                tensor_names=["block.0", "block", "fc*"]),
@@ -136,15 +142,7 @@ def train_two_outputs(tmp_path, tensor_names) -> list[tuple]:
     torch.manual_seed(0)
     model = TwoOutputs()
     compiled = cstorch.compile(model)
-    optimizer = cstorch.optim.SGD(model.parameters(), lr=0.1)
-
-    @cstorch.trace
-    def step(x, y):
-        loss = torch.nn.functional.cross_entropy(compiled(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
+    step = traced_sgd_step(compiled, model, lr=0.1)
 
     listener = cstorch.experimental.listener.create_listener(listener_type="norm", listener_name="norms",
                                                              tensor_names=tensor_names)
