@@ -20,6 +20,7 @@ Only numeric datasets are read: no pickle, no object arrays.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -70,19 +71,27 @@ def write(path: str | Path, global_step: int, weights: dict, opt_state: dict, me
         for n, a in names.to_torch(table, {}, per_slot, missing_ok=True).items():
             datasets[f"optimizer.state.{order[n]}.{TORCH_SLOTS.get(slot, slot)}"] = a
     datasets["global_step"] = np.int64(global_step)
+    with written_atomically(path, h5py) as f:
+        for key, value in datasets.items():
+            f.create_dataset(key, data=value)
+        f.attrs[META_ATTR] = json.dumps(meta)
+    return path
+
+
+@contextlib.contextmanager
+def written_atomically(path: Path, h5py):
+    """An HDF5 file to write at `path`: a temporary file in its folder, renamed to `path` once
+    written, removed if writing fails (a crash leaves no half file under the name)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         with h5py.File(tmp, "w") as f:
-            for key, value in datasets.items():
-                f.create_dataset(key, data=value)
-            f.attrs[META_ATTR] = json.dumps(meta)
+            yield f
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 def _datasets(f) -> dict[str, np.ndarray]:

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cs_runtime.checkpoint_mdl import is_hdf5, require_h5py
+from cs_runtime.checkpoint_mdl import is_hdf5, require_h5py, written_atomically
 
 from ..nn import CsTorchError
 from . import constants, serializers  # noqa: F401 (cstorch.storage.constants, .serializers)
@@ -100,19 +99,11 @@ def save(state_dict, checkpoint_file) -> None:
     h5py = require_h5py(path, "writing")
     leaves: dict = {}
     spec = _flatten(state_dict, (), leaves)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w") as f:
-            for name, value in leaves.items():
-                _write_leaf(f, name, value)
-            f.attrs.update({SPEC_ATTR: json.dumps(spec), __VERSION__: CKPT_VERSION,
-                            __CSTORCH_VERSION__: _release()})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with written_atomically(path, h5py) as f:
+        for name, value in leaves.items():
+            _write_leaf(f, name, value)
+        f.attrs.update({SPEC_ATTR: json.dumps(spec), __VERSION__: CKPT_VERSION,
+                        __CSTORCH_VERSION__: _release()})
 
 
 def _release() -> str:
